@@ -1,0 +1,28 @@
+# batch_assets: `make demo`, `make test`, `make ui`. Each sets up .venv first when needed.
+VENV      := .venv
+STAMP     := $(VENV)/.batch_assets_installed
+export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
+
+.PHONY: setup demo test ui clean
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+$(DAGSTER_HOME)/dagster.yaml: dagster.yaml
+	mkdir -p $(DAGSTER_HOME)
+	cp dagster.yaml $(DAGSTER_HOME)/dagster.yaml
+
+demo: setup $(DAGSTER_HOME)/dagster.yaml
+	$(VENV)/bin/batch-assets demo
+
+test: setup
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+ui: setup $(DAGSTER_HOME)/dagster.yaml
+	$(VENV)/bin/dagster dev -h 127.0.0.1 -p 3000 -w workspace.yaml
+
+clean:
+	rm -rf $(VENV) .dagster_home data

@@ -1,0 +1,227 @@
+"""The four assets of a task, built from its YAML by one factory.
+
+    drop file ─► raw_prompts ─► formatted_prompts ─► inference_outputs ─► validated_labels
+
+Each asset is partitioned by drop file (one dynamic partition per file) and stored as parquet at
+`<data>/storage/<task>/<asset>/<partition_key>.parquet` by the `parquet_storage` IO manager.
+The row-level work lives in pure modules (parsing, formatting, inference, validation); this file
+is the Dagster glue: reading the drop, calling them, and reporting metadata.
+"""
+
+
+import time
+
+import dagster as dg
+import polars as pl
+
+from batch_assets.formatting.format_prompts import PromptFormat, format_prompts
+from batch_assets.inference.checkpoints import CheckpointStore, run_fingerprint
+from batch_assets.inference.run_inference import run_inference
+from batch_assets.parsing.read_prompts import ParseOptions, read_prompts
+from batch_assets.partitions.drop_files import drop_partitions, find_drop_file
+from batch_assets.resources.vllm_engine import VLLMEngine
+from batch_assets.specs.task_spec import TaskSpec
+from batch_assets.storage.locations import checkpoint_dir
+from batch_assets.validation.validate_labels import validate_labels
+
+IO_MANAGER_KEY = "parquet_storage"
+PREVIEW_ROWS = 5
+
+
+def asset_key(task: str, asset: str) -> dg.AssetKey:
+    return dg.AssetKey([task, asset])
+
+
+def error_code_counts(frame: pl.DataFrame) -> dict[str, int]:
+    codes = frame.filter(pl.col("error").is_not_null()).select(pl.col("error").str.extract(r"^([a-z_]+):", 1).alias("code"))
+    return {row["code"] or "other": row["count"] for row in codes.group_by("code").len(name="count").sort("code").to_dicts()}
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    def cell(value: object) -> str:
+        text = "" if value is None else str(value)
+        text = text.replace("|", "\\|").replace("\n", " ")
+        return text if len(text) <= 80 else text[:77] + "..."
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def label_counts(labels: pl.DataFrame) -> dict[str, int]:
+    counts = labels.filter(pl.col("label").is_not_null()).group_by("label").len(name="count").sort("count", descending=True)
+    return {str(row["label"]): int(row["count"]) for row in counts.to_dicts()}
+
+
+def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
+    name = task.name
+    partitions = drop_partitions(name)
+    common = dict(
+        key_prefix=[name],
+        group_name=name,
+        partitions_def=partitions,
+        io_manager_key=IO_MANAGER_KEY,
+        kinds={"parquet"},
+    )
+    parse_options = ParseOptions(text_fields=tuple(task.input.text_fields), txt_field=task.input.txt_field)
+    prompt_format = PromptFormat(
+        system=task.prompt.system,
+        template=task.prompt.template,
+        raw_template=task.prompt.raw_template,
+        text_fields=tuple(task.input.text_fields),
+    )
+
+    @dg.asset(
+        name="raw_prompts",
+        description=(
+            f"Records of one `{name}` drop file, one row each, in input order with a stable `row_id`. "
+            "Reads .jsonl, .csv (header row), .parquet and .txt (one prompt a line). A record that "
+            "cannot be read becomes a row with an `error` naming the file and line; none is dropped."
+        ),
+        **common,
+    )
+    def raw_prompts(context: dg.AssetExecutionContext) -> dg.Output[pl.DataFrame]:
+        drop = find_drop_file(name, context.partition_key)
+        frame = read_prompts(drop.path.read_bytes(), drop.relative_path, parse_options)
+        errors = error_code_counts(frame)
+        if errors:
+            first = frame.filter(pl.col("error").is_not_null()).head(3)["error"].to_list()
+            context.log.warning(f"{sum(errors.values())} unreadable record(s) in {drop.relative_path}, e.g. {first}")
+        return dg.Output(
+            frame,
+            metadata={
+                "rows": frame.height,
+                "error_rows": sum(errors.values()),
+                "errors_by_code": errors,
+                "source_file": drop.relative_path,
+                "source_version": drop.version,
+                "columns": [c for c in frame.columns if c not in ("row_id", "source_line", "error")],
+                "dagster/row_count": frame.height,
+            },
+        )
+
+    @dg.asset(
+        name="formatted_prompts",
+        description=(
+            f"The exact prompt the model sees for each `{name}` row: the task's system prompt and "
+            "template rendered with the model's chat template, with `num_prompt_tokens`. Rows with "
+            "empty text or too long for the model's context get an `error` and skip the engine."
+        ),
+        ins={"raw_prompts": dg.AssetIn(key=asset_key(name, "raw_prompts"))},
+        **common,
+    )
+    def formatted_prompts(context: dg.AssetExecutionContext, llm_engine: VLLMEngine, raw_prompts: pl.DataFrame) -> dg.Output[pl.DataFrame]:
+        settings = llm_engine.settings_for(task)
+        started = time.monotonic()
+        frame = format_prompts(
+            raw_prompts,
+            prompt_format,
+            llm_engine.tokenizer(task),
+            max_model_len=settings.max_model_len,
+            max_tokens=task.sampling.max_tokens,
+            source_file=context.partition_key,
+        )
+        errors = error_code_counts(frame)
+        return dg.Output(
+            frame,
+            metadata={
+                "rows": frame.height,
+                "error_rows": sum(errors.values()),
+                "errors_by_code": errors,
+                "prompt_tokens": int(frame["num_prompt_tokens"].sum() or 0),
+                "max_prompt_tokens": int(frame["num_prompt_tokens"].max() or 0),
+                "seconds": round(time.monotonic() - started, 3),
+                "dagster/row_count": frame.height,
+            },
+        )
+
+    @dg.asset(
+        name="inference_outputs",
+        description=(
+            f"Model outputs for each `{name}` prompt from the vLLM engine, constrained by the task's "
+            "structured outputs. Results are checkpointed in chunks, so a re-run after a crash infers "
+            "only the rows not done yet; identical prompts are inferred once when decoding is deterministic."
+        ),
+        ins={"formatted_prompts": dg.AssetIn(key=asset_key(name, "formatted_prompts"))},
+        pool="gpu",
+        retry_policy=dg.RetryPolicy(max_retries=1, delay=5),
+        **common,
+    )
+    def inference_outputs(context: dg.AssetExecutionContext, llm_engine: VLLMEngine, formatted_prompts: pl.DataFrame) -> dg.Output[pl.DataFrame]:
+        settings = llm_engine.settings_for(task)
+        sampling = task.sampling.model_dump()
+        fingerprint = run_fingerprint(
+            {"model": settings.model, "dtype": settings.dtype, "seed": settings.seed, "sampling": sampling, "output": task.output.model_dump()}
+        )
+        checkpoints = CheckpointStore(checkpoint_dir(name, context.partition_key), fingerprint)
+        tokenizer = llm_engine.tokenizer(task)
+        frame, stats = run_inference(
+            formatted_prompts,
+            tokenize=lambda prompts: tokenizer(prompts, add_special_tokens=False)["input_ids"],
+            generate=lambda token_ids: llm_engine.generate(task, token_ids),
+            max_model_len=settings.max_model_len,
+            max_tokens=task.sampling.max_tokens,
+            batch_size=task.engine.batch_size,
+            deduplicate=task.sampling.deterministic,
+            checkpoints=checkpoints,
+            log=context.log.info,
+        )
+        return dg.Output(
+            frame,
+            metadata={
+                "rows": stats.rows,
+                "rows_inferred": stats.rows_inferred,
+                "rows_from_checkpoint": stats.rows_from_checkpoint,
+                "rows_deduplicated": stats.rows_deduplicated,
+                "error_rows": stats.error_rows,
+                "errors_by_code": error_code_counts(frame),
+                "prompt_tokens": int(frame["num_prompt_tokens"].sum() or 0),
+                "generated_tokens": int(frame["num_generated_tokens"].sum() or 0),
+                "engine_seconds": round(stats.engine_seconds, 3),
+                "generated_tokens_per_second": round(stats.generated_tokens_per_second, 2),
+                "rows_per_second": round(stats.rows_per_second, 2),
+                "model": settings.model,
+                "engine_settings": {k: v for k, v in vars(settings).items() if k != "model"},
+                "sampling_params": sampling,
+                "output_constraint": task.output.kind,
+                "engine_starts_in_process": llm_engine.engine_starts,
+                "dagster/row_count": frame.height,
+            },
+        )
+
+    @dg.asset(
+        name="validated_labels",
+        description=(
+            f"The `{name}` result table: every input column, `label` (parsed and checked against the "
+            "task's output constraint), the generated text, token counts and `error` (null when the "
+            "row is fine). Exactly one row per input record, in input order."
+        ),
+        ins={"inference_outputs": dg.AssetIn(key=asset_key(name, "inference_outputs"))},
+        **common,
+    )
+    def validated_labels(context: dg.AssetExecutionContext, inference_outputs: pl.DataFrame) -> dg.Output[pl.DataFrame]:
+        # inference_outputs is stored by now, so its checkpoints have served their purpose.
+        CheckpointStore(checkpoint_dir(name, context.partition_key), "").clear()
+        labels = validate_labels(inference_outputs, task.output)
+        counts = label_counts(labels) if task.output.kind in ("choices", "regex") else {}
+        errors = error_code_counts(labels)
+        preview_columns = [*task.input.text_fields, "label", "error"]
+        metadata: dict = {
+            "rows": labels.height,
+            "labelled_rows": int(labels["label"].is_not_null().sum()),
+            "error_rows": sum(errors.values()),
+            "errors_by_code": errors,
+            "preview": dg.MetadataValue.md(markdown_table(labels.head(PREVIEW_ROWS).to_dicts(), preview_columns)),
+            "dagster/row_count": labels.height,
+        }
+        if counts:
+            metadata["label_counts"] = counts
+            metadata["label_distribution"] = dg.MetadataValue.md(
+                markdown_table(
+                    [{"label": k, "rows": v, "share": f"{100 * v / max(labels.height, 1):.1f}%"} for k, v in counts.items()],
+                    ["label", "rows", "share"],
+                )
+            )
+        return dg.Output(labels, metadata=metadata)
+
+    return [raw_prompts, formatted_prompts, inference_outputs, validated_labels]

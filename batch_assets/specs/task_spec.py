@@ -1,0 +1,181 @@
+"""The task YAML: one file per use of the pipeline, validated into a `TaskSpec`.
+
+A task says which input field(s) to read, how to turn them into a chat prompt, which model and
+engine settings to use, how to sample, and what shape the output must have. Everything the asset
+factory builds for a task (asset group, partitions, drop zone, sensor, checks) comes from here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import string
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+TASKS_DIR_ENV = "BATCH_ASSETS_TASKS_DIR"
+MODEL_OVERRIDE_ENV = "BATCH_ASSETS_MODEL"
+BUNDLED_TASKS_DIR = Path(__file__).resolve().parent.parent / "tasks"
+EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
+TASK_NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InputSpec(_Strict):
+    """Which fields of an input record feed the prompt."""
+
+    text_fields: list[str] = Field(min_length=1)
+    # `.txt` drops have one prompt a line; that line is read into this field.
+    txt_field: str = "text"
+
+    @model_validator(mode="after")
+    def _txt_field_is_an_input(self) -> InputSpec:
+        if self.txt_field not in self.text_fields:
+            raise ValueError(f"txt_field {self.txt_field!r} must be one of text_fields {self.text_fields}")
+        return self
+
+
+class PromptSpec(_Strict):
+    """System prompt and user template; `{field}` placeholders name input fields."""
+
+    system: str = ""
+    template: str
+    # For models without a chat template (e.g. Llama 2 / Mistral `[INST]` formats): a plain
+    # format string over `{system}` and `{user}` used instead of the tokenizer's chat template.
+    raw_template: str | None = None
+
+    def placeholders(self) -> set[str]:
+        return {name for _, name, _, _ in string.Formatter().parse(self.template) if name}
+
+
+class EngineSpec(_Strict):
+    """Model and vLLM engine settings. `model` is a local path, a model id, or the embedded model."""
+
+    model: str = EMBEDDED_MODEL
+    dtype: str = "auto"
+    max_model_len: int = Field(default=2048, gt=0)
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    # KV cache size in GiB; on a CPU this is what to set (a share of RAM is fragile there).
+    kv_cache_memory_gib: float | None = Field(default=None, gt=0)
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = True
+    seed: int = 0
+    # Rows handed to the engine per `generate` call; each call's results are checkpointed.
+    batch_size: int = Field(default=1024, ge=1)
+
+
+class SamplingSpec(_Strict):
+    temperature: float = Field(default=0.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_tokens: int = Field(default=16, ge=1)
+    seed: int | None = None
+
+    @property
+    def deterministic(self) -> bool:
+        return self.temperature == 0 or self.seed is not None
+
+
+class OutputSpec(_Strict):
+    """The output constraint, enforced by vLLM's structured outputs and checked afterwards."""
+
+    kind: Literal["choices", "json_schema", "regex", "text"]
+    choices: list[str] | None = None
+    json_schema: dict[str, Any] | None = None
+    regex: str | None = None
+
+    @model_validator(mode="after")
+    def _matches_kind(self) -> OutputSpec:
+        needed = {"choices": self.choices, "json_schema": self.json_schema, "regex": self.regex}
+        if self.kind in needed and not needed[self.kind]:
+            raise ValueError(f"output kind {self.kind!r} needs a non-empty `{self.kind}` entry")
+        if self.choices is not None and len(set(self.choices)) != len(self.choices):
+            raise ValueError("choices must be distinct")
+        if self.regex is not None:
+            re.compile(self.regex)
+        return self
+
+
+class ChecksSpec(_Strict):
+    # Share of rows allowed to carry an `error` before the WARN check fails.
+    max_error_share: float = Field(default=0.05, ge=0, le=1)
+
+
+class SensorSpec(_Strict):
+    running_by_default: bool = False
+    minimum_interval_seconds: int = Field(default=30, ge=5)
+
+
+class TaskSpec(_Strict):
+    name: str
+    description: str = ""
+    input: InputSpec
+    prompt: PromptSpec
+    engine: EngineSpec = EngineSpec()
+    sampling: SamplingSpec = SamplingSpec()
+    output: OutputSpec
+    checks: ChecksSpec = ChecksSpec()
+    sensor: SensorSpec = SensorSpec()
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_key_safe(cls, name: str) -> str:
+        if not TASK_NAME_PATTERN.match(name):
+            raise ValueError(f"task name {name!r} must match {TASK_NAME_PATTERN.pattern}")
+        return name
+
+    @model_validator(mode="after")
+    def _template_uses_known_fields(self) -> TaskSpec:
+        unknown = self.prompt.placeholders() - set(self.input.text_fields)
+        if unknown:
+            raise ValueError(
+                f"prompt template uses {sorted(unknown)}, not in input.text_fields {self.input.text_fields}"
+            )
+        return self
+
+    @property
+    def model(self) -> str:
+        """The model to use: `BATCH_ASSETS_MODEL` overrides every task's own."""
+        return os.environ.get(MODEL_OVERRIDE_ENV) or self.engine.model
+
+
+class TaskSpecError(ValueError):
+    pass
+
+
+def load_task_spec(path: Path) -> TaskSpec:
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise TaskSpecError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise TaskSpecError(f"{path}: expected a mapping at the top level")
+    raw.setdefault("name", path.stem)
+    try:
+        spec = TaskSpec.model_validate(raw)
+    except ValueError as exc:
+        raise TaskSpecError(f"{path}: {exc}") from exc
+    if spec.name != path.stem:
+        raise TaskSpecError(f"{path}: task name {spec.name!r} must equal the file name {path.stem!r}")
+    return spec
+
+
+def tasks_dir() -> Path:
+    return Path(os.environ.get(TASKS_DIR_ENV) or BUNDLED_TASKS_DIR)
+
+
+def load_task_specs(directory: Path | None = None) -> list[TaskSpec]:
+    """Every `*.yaml` / `*.yml` task in the tasks folder, sorted by name."""
+    directory = directory or tasks_dir()
+    paths = sorted([*directory.glob("*.yaml"), *directory.glob("*.yml")])
+    if not paths:
+        raise TaskSpecError(f"no task YAML files in {directory}")
+    return [load_task_spec(path) for path in paths]

@@ -1,0 +1,96 @@
+"""Turn generated text into labels and say, row by row, what is wrong.
+
+Pure functions: `parse_label` for one text, `validate_labels` for a partition's inference outputs,
+and `constraint_violations` for the blocking asset check (outputs that finished normally but do not
+satisfy the task's constraint, which structured outputs should make impossible).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+import polars as pl
+
+from batch_assets.specs.task_spec import OutputSpec
+
+
+@dataclass(frozen=True)
+class ParsedLabel:
+    value: Any
+    error: str | None
+
+
+def parse_label(text: str | None, finish_reason: str | None, output: OutputSpec) -> ParsedLabel:
+    if text is None:
+        return ParsedLabel(None, "no_output: the engine returned no text")
+    if output.kind == "text":
+        if finish_reason == "length":
+            return ParsedLabel(text, None)  # free text may be cut at max_tokens; that is still an answer
+        return ParsedLabel(text.strip(), None)
+    if output.kind == "choices":
+        candidate = text.strip()
+        if candidate in (output.choices or []):
+            return ParsedLabel(candidate, None)
+        reason = "truncated at max_tokens" if finish_reason == "length" else "not one of the choices"
+        return ParsedLabel(None, f"invalid_label: {candidate[:80]!r} is {reason}")
+    if output.kind == "regex":
+        if re.fullmatch(output.regex or "", text):
+            return ParsedLabel(text, None)
+        return ParsedLabel(None, f"invalid_label: {text[:80]!r} does not match the task's regex")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        hint = " (truncated at max_tokens: raise sampling.max_tokens)" if finish_reason == "length" else ""
+        return ParsedLabel(None, f"invalid_json: {exc.msg} at column {exc.colno}{hint}")
+    error = schema_error(value, output.json_schema or {})
+    return ParsedLabel(None, error) if error else ParsedLabel(value, None)
+
+
+def schema_error(value: Any, schema: dict) -> str | None:
+    validator = jsonschema.Draft202012Validator(schema)
+    best = jsonschema.exceptions.best_match(validator.iter_errors(value))
+    if best is None:
+        return None
+    where = "/".join(str(p) for p in best.absolute_path) or "(root)"
+    return f"schema_mismatch: at {where}: {best.message[:160]}"
+
+
+def validate_labels(outputs: pl.DataFrame, output: OutputSpec) -> pl.DataFrame:
+    """inference_outputs → validated_labels: `label` parsed and checked, problems in `error`."""
+    labels: list[Any] = []
+    errors: list[str | None] = []
+    for text, finish_reason, error in zip(outputs["generated_text"], outputs["finish_reason"], outputs["error"], strict=True):
+        if error is not None:
+            labels.append(None)
+            errors.append(error)
+            continue
+        parsed = parse_label(text, finish_reason, output)
+        labels.append(parsed.value)
+        errors.append(parsed.error)
+    if output.kind == "json_schema":
+        # One JSON string column keeps any schema storable; the objects are parsed and validated.
+        label_series = pl.Series("label", [json.dumps(v, ensure_ascii=False) if v is not None else None for v in labels], dtype=pl.String)
+    else:
+        label_series = pl.Series("label", labels, dtype=pl.String)
+    result = outputs.with_columns(label_series, pl.Series("error", errors, dtype=pl.String))
+    leading = ["row_id"]
+    trailing = ["label", "generated_text", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "error"]
+    dropped = {"prompt", "source_line"}
+    middle = [c for c in result.columns if c not in leading + trailing and c not in dropped]
+    return result.select(*leading, "source_line", *middle, *trailing)
+
+
+def constraint_violations(outputs: pl.DataFrame, output: OutputSpec) -> pl.DataFrame:
+    """Rows that finished normally (not cut at max_tokens) yet break the output constraint."""
+    if output.kind == "text":
+        return outputs.head(0)
+    finished = outputs.filter(pl.col("error").is_null() & (pl.col("finish_reason") != "length"))
+    bad = [
+        parse_label(text, reason, output).error is not None
+        for text, reason in zip(finished["generated_text"], finished["finish_reason"], strict=True)
+    ]
+    return finished.filter(pl.Series(bad, dtype=pl.Boolean))
