@@ -11,7 +11,6 @@ import dagster as dg
 
 from batch_assets.assets.task_assets import IO_MANAGER_KEY, build_task_assets
 from batch_assets.checks.task_checks import build_task_checks
-from batch_assets.partitions.drop_files import drop_partitions
 from batch_assets.resources.vllm_engine import VLLMEngine
 from batch_assets.sensors.drops_sensor import build_drops_sensor
 from batch_assets.specs.task_spec import TaskSpec, load_task_specs
@@ -31,12 +30,11 @@ def build_task_job(task: TaskSpec):
     return dg.define_asset_job(
         name=pipeline_job_name(task.name),
         selection=dg.AssetSelection.groups(task.name),
-        partitions_def=drop_partitions(task.name),
         description=f"Materializes the four `{task.name}` assets and their checks for one drop file.",
     )
 
 
-def build_definitions(tasks: list[TaskSpec] | None = None) -> dg.Definitions:
+def build_definitions(tasks: list[TaskSpec] | None = None, engine: VLLMEngine | None = None) -> dg.Definitions:
     tasks = tasks if tasks is not None else load_task_specs()
     assets, checks, jobs, sensors = [], [], [], []
     for task in tasks:
@@ -50,7 +48,7 @@ def build_definitions(tasks: list[TaskSpec] | None = None) -> dg.Definitions:
         asset_checks=checks,
         jobs=jobs,
         sensors=sensors,
-        resources={IO_MANAGER_KEY: ParquetStorage(), "llm_engine": VLLMEngine()},
+        resources={IO_MANAGER_KEY: ParquetStorage(), "llm_engine": engine or VLLMEngine()},
         # The four steps of a partition run one after another anyway; running them in one process
         # skips a process start per step and lets the engine stay warm across partitions.
         executor=dg.in_process_executor,

