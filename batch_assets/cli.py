@@ -143,7 +143,10 @@ def run_partitions(task_name: str, files: list[Path], *, skip_succeeded: bool = 
 def _failure_text(result) -> str:
     for event in result.all_events:
         if event.is_step_failure and event.step_failure_data and event.step_failure_data.error:
-            message = event.step_failure_data.error.message.strip().splitlines()
+            error = event.step_failure_data.error
+            while error.cause is not None:  # Dagster wraps the user's exception; show the user's
+                error = error.cause
+            message = error.message.strip().splitlines()
             return f"failed in {event.step_key}: {message[-1] if message else 'unknown error'}"
     return "run failed"
 

@@ -54,8 +54,31 @@ class PromptSpec(_Strict):
         return {name for _, name, _, _ in string.Formatter().parse(self.template) if name}
 
 
+ENV_VAR_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
 class EngineSpec(_Strict):
-    """Model and vLLM engine settings. `model` is a local path, a model id, or the embedded model."""
+    """Model and engine settings. `model` is a local path, a model id, or the embedded model.
+
+    `kind: vllm` (default) runs vLLM inside the job's process. `kind: openai` sends the prompts to
+    an OpenAI-compatible chat-completions server (a shared `vllm serve`, a managed endpoint); then
+    `model` is the name the server knows (left at the default: the server's only model) and the
+    `base_url` … `tokenizer` fields below apply. The vLLM-only fields are ignored for endpoints,
+    except `max_model_len` (the server's context, for the too-long check) and `batch_size`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
+    kind: Literal["vllm", "openai"] = "vllm"
+    # Endpoint settings (kind: openai); the `llm_endpoint` resource may set or override them.
+    base_url: str | None = None  # e.g. http://vllm.internal:8000/v1
+    api_key_env: str | None = None  # the NAME of the environment variable holding the key
+    concurrency: int = Field(default=64, ge=1)  # requests in flight
+    request_timeout_s: float = Field(default=120.0, gt=0)
+    max_retries: int = Field(default=4, ge=0)  # on 429, 5xx, timeouts and connection errors
+    # Local tokenizer (path or cached model id) for prompt rendering and token counts; default:
+    # the model itself when it is a local folder, else the embedded model's tokenizer.
+    tokenizer: str | None = None
 
     model: str = EMBEDDED_MODEL
     dtype: str = "auto"
@@ -71,6 +94,32 @@ class EngineSpec(_Strict):
     seed: int = 0
     # Rows handed to the engine per `generate` call; each call's results are checkpointed.
     batch_size: int = Field(default=1024, ge=1)
+
+    @field_validator("base_url")
+    @classmethod
+    def _base_url_is_http_without_credentials(cls, url: str | None) -> str | None:
+        if url is not None:
+            check_base_url(url)
+        return url
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _api_key_env_is_a_name(cls, name: str | None) -> str | None:
+        if name is not None and not ENV_VAR_NAME_PATTERN.match(name):
+            # Refuse to echo it: it may be the key itself, pasted in by mistake.
+            raise ValueError("api_key_env must be the name of an environment variable (e.g. OPENAI_API_KEY), not the key")
+        return name
+
+
+def check_base_url(url: str) -> None:
+    """An endpoint URL must be http(s) and carry no credentials (they would end up in metadata)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.username or parts.password:
+        raise ValueError("base_url must not contain credentials; name the API key's environment variable in api_key_env")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"base_url {url!r} must be an http:// or https:// URL, e.g. http://host:8000/v1")
 
 
 class SamplingSpec(_Strict):
@@ -115,6 +164,10 @@ class SensorSpec(_Strict):
 
 
 class TaskSpec(_Strict):
+    # Validation errors name the field and the rule but do not echo values: an API key pasted
+    # into the YAML by mistake must not reach logs.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
     name: str
     description: str = ""
     input: InputSpec
@@ -164,9 +217,23 @@ class TaskSpecError(ValueError):
     pass
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """YAML 1.2 booleans: only true/false. PyYAML follows YAML 1.1, where `choices: [yes, no]` or a
+    label `off` would silently become booleans."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
 def load_task_spec(path: Path) -> TaskSpec:
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_Yaml12Loader)
     except yaml.YAMLError as exc:
         raise TaskSpecError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):

@@ -1,0 +1,101 @@
+"""`batch-assets` as a user runs it: a separate process, a real Dagster home, files on disk."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import polars as pl
+import pytest
+
+from batch_assets_tests.conftest import REPO_ROOT
+from batch_assets_tests.test_pipeline_materialize import BAD_POSTS
+
+CLI = str(Path(sys.executable).parent / "batch-assets")
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, tiny_model_path: str) -> tuple[Path, dict[str, str]]:
+    env = {
+        **os.environ,
+        "BATCH_ASSETS_MODEL": tiny_model_path,
+        "BATCH_ASSETS_DATA": str(tmp_path / "data"),
+        "DAGSTER_HOME": str(tmp_path / "home"),
+    }
+    return tmp_path, env
+
+
+def open_instance(home: Path) -> dg.DagsterInstance:
+    from dagster._core.instance.ref import InstanceRef  # Dagster exposes no public "open this home" API
+
+    return dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home)))
+
+
+def run_cli(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([CLI, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def summary_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.split(":", 1)[0].count("/") == 1 and ": " in line]
+
+
+def test_run_mixed_sentiment_file_gives_one_row_per_record(workdir) -> None:
+    tmp_path, env = workdir
+    posts = tmp_path / "mixed posts.jsonl"
+    posts.write_text(BAD_POSTS + "\n", encoding="utf-8")
+    result = run_cli(["run", "sentiment", str(posts)], env, tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    lines = summary_lines(result.stdout)
+    assert len(lines) == 1 and "9 rows, 6 error rows" in lines[0], result.stdout
+    assert (tmp_path / "home" / "dagster.yaml").exists()
+    # The file went into the drop zone and the outputs are where the contract says.
+    assert (tmp_path / "data" / "drops" / "sentiment" / "mixed posts.jsonl").exists()
+    [output] = (tmp_path / "data" / "storage" / "sentiment" / "validated_labels").glob("mixed_posts.jsonl-*.parquet")
+    labels = pl.read_parquet(output)
+    assert labels.height == 9 and labels["error"].null_count() == 3
+    # Recorded in the instance at DAGSTER_HOME, like a UI-launched run.
+    with open_instance(tmp_path / "home") as instance:
+        runs = instance.get_runs()
+        assert len(runs) == 1 and runs[0].job_name == "sentiment_pipeline" and runs[0].is_success
+
+
+def test_run_exits_non_zero_when_a_partition_fails(workdir) -> None:
+    tmp_path, env = workdir
+    bad = tmp_path / "wrong-column.csv"
+    bad.write_text("Name,City\nAcme,Paris\n")
+    result = run_cli(["run", "industry", str(bad)], env, tmp_path)
+    assert result.returncode == 1
+    [line] = summary_lines(result.stdout)
+    assert "FAILED" in line and "Company" in line
+
+
+def test_tasks_lists_every_task_with_its_drop_zone(workdir) -> None:
+    tmp_path, env = workdir
+    result = run_cli(["tasks"], env, tmp_path)
+    assert result.returncode == 0
+    for task in ("industry", "sentiment", "answers"):
+        assert f"drop zone: {tmp_path / 'data' / 'drops' / task}" in result.stdout
+
+
+def test_demo_runs_every_sample_and_a_second_demo_reruns_nothing(workdir) -> None:
+    tmp_path, env = workdir
+    first = run_cli(["demo"], env, tmp_path)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    lines = summary_lines(first.stdout)
+    assert {line.split("/")[0] for line in lines} == {"industry", "sentiment", "answers"}
+    assert all(": OK run " in line for line in lines), lines
+    second = run_cli(["demo"], env, tmp_path)
+    assert second.returncode == 0
+    again = summary_lines(second.stdout)
+    assert len(again) == len(lines) and all("UP TO DATE" in line for line in again), again
+    assert "starting vLLM engine" not in second.stdout + second.stderr
+    with open_instance(tmp_path / "home") as instance:
+        assert len(instance.get_runs()) == len(lines)
+
+
+def test_repo_root_has_the_contract_files() -> None:
+    for name in ("workspace.yaml", "dagster.yaml", "Makefile", ".ci/run", "pyproject.toml", "README.md"):
+        assert (REPO_ROOT / name).exists(), name
