@@ -59,8 +59,29 @@ def schema_error(value: Any, schema: dict) -> str | None:
     return f"schema_mismatch: at {where}: {best.message[:160]}"
 
 
+def _choice_labels(outputs: pl.DataFrame, output: OutputSpec) -> tuple[pl.Series, pl.Series]:
+    """Vectorized `parse_label` for choices: the common case on million-row partitions."""
+    candidate = pl.col("generated_text").str.strip_chars()
+    valid = candidate.is_in(output.choices or [])
+    reason = pl.when(pl.col("finish_reason") == "length").then(pl.lit("truncated at max_tokens")).otherwise(pl.lit("not one of the choices"))
+    shown = pl.lit("'") + candidate.str.slice(0, 80).str.replace_all("'", "\\'", literal=True) + pl.lit("'")
+    result = outputs.select(
+        label=pl.when(pl.col("error").is_null() & valid).then(candidate),
+        error=pl.when(pl.col("error").is_not_null())
+        .then(pl.col("error"))
+        .when(pl.col("generated_text").is_null())
+        .then(pl.lit("no_output: the engine returned no text"))
+        .when(~valid)
+        .then(pl.lit("invalid_label: ") + shown + pl.lit(" is ") + reason),
+    )
+    return result["label"], result["error"]
+
+
 def validate_labels(outputs: pl.DataFrame, output: OutputSpec) -> pl.DataFrame:
     """inference_outputs → validated_labels: `label` parsed and checked, problems in `error`."""
+    if output.kind == "choices":
+        label_series, error_series = _choice_labels(outputs, output)
+        return _arrange(outputs.with_columns(label_series.alias("label"), error_series.alias("error")))
     labels: list[Any] = []
     errors: list[str | None] = []
     for text, finish_reason, error in zip(outputs["generated_text"], outputs["finish_reason"], outputs["error"], strict=True):
@@ -76,7 +97,10 @@ def validate_labels(outputs: pl.DataFrame, output: OutputSpec) -> pl.DataFrame:
         label_series = pl.Series("label", [json.dumps(v, ensure_ascii=False) if v is not None else None for v in labels], dtype=pl.String)
     else:
         label_series = pl.Series("label", labels, dtype=pl.String)
-    result = outputs.with_columns(label_series, pl.Series("error", errors, dtype=pl.String))
+    return _arrange(outputs.with_columns(label_series, pl.Series("error", errors, dtype=pl.String)))
+
+
+def _arrange(result: pl.DataFrame) -> pl.DataFrame:
     leading = ["row_id"]
     trailing = ["label", "generated_text", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "error"]
     dropped = {"prompt", "source_line"}
