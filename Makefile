@@ -19,6 +19,7 @@ demo: setup $(DAGSTER_HOME)/dagster.yaml
 	$(VENV)/bin/batch-assets demo
 
 test: setup
+	bash scripts/install_system_deps.sh
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 ui: setup $(DAGSTER_HOME)/dagster.yaml

@@ -95,6 +95,7 @@ def run_partitions(task_name: str, files: list[Path], *, skip_succeeded: bool = 
     from batch_assets.resources.vllm_engine import keep_engine_warm
     from batch_assets.sensors.drops_sensor import SOURCE_FILE_TAG, SOURCE_VERSION_TAG, version_digest
     from batch_assets.specs.task_spec import load_task_specs
+    from batch_assets.inference.recovery import fail_runs_of_dead_processes, process_tags
     from batch_assets.storage.locations import drop_zone, write_bytes_atomically
 
     tasks = {task.name: task for task in load_task_specs()}
@@ -115,6 +116,9 @@ def run_partitions(task_name: str, files: list[Path], *, skip_succeeded: bool = 
         key = partition_key_for(file.name)
         keys.append((key, version_digest(find_drop_file(task_name, key).version)))
     instance.add_dynamic_partitions(partitions_def_name(task_name), [key for key, _ in keys])
+    # A batch-assets process killed earlier left its run STARTED, holding the `gpu` pool slot.
+    for run_id in fail_runs_of_dead_processes(instance):
+        print(f"run {run_id[:8]}: its process died before it finished; marked failed, pool slots freed", flush=True)
 
     outcomes: list[PartitionOutcome] = []
     with keep_engine_warm():
@@ -128,7 +132,7 @@ def run_partitions(task_name: str, files: list[Path], *, skip_succeeded: bool = 
                 instance=instance,
                 partition_key=key,
                 raise_on_error=False,
-                tags={SOURCE_FILE_TAG: key, SOURCE_VERSION_TAG: digest, "batch_assets/launched_by": "cli"},
+                tags={SOURCE_FILE_TAG: key, SOURCE_VERSION_TAG: digest, "batch_assets/launched_by": "cli", **process_tags()},
             )
             failed_checks = [
                 f"{evaluation.asset_key.to_user_string()}:{evaluation.check_name}"

@@ -11,6 +11,8 @@ import dagster as dg
 
 from batch_assets.assets.task_assets import IO_MANAGER_KEY, build_task_assets
 from batch_assets.checks.task_checks import build_task_checks
+from batch_assets.resources.engines import ENDPOINT_RESOURCE_KEY, IN_PROCESS_RESOURCE_KEY
+from batch_assets.resources.openai_engine import OpenAIEngine
 from batch_assets.resources.vllm_engine import VLLMEngine
 from batch_assets.sensors.drops_sensor import build_drops_sensor
 from batch_assets.specs.task_spec import TaskSpec, load_task_specs
@@ -26,15 +28,35 @@ def pipeline_job_name(task: str) -> str:
     return f"{task}_pipeline"
 
 
+K8S_CONFIG_TAG = "dagster-k8s/config"
+
+
+def run_tags_for(task: TaskSpec) -> dict[str, object]:
+    """Tags of a task's job runs. A model split over N GPUs (`engine.tensor_parallel_size`) asks
+    Dagster's Kubernetes run launcher for N GPUs in its run pod (deploy/README.md); other run
+    launchers ignore the tag."""
+    gpus = task.engine.tensor_parallel_size
+    if task.engine.kind != "vllm" or gpus <= 1:
+        return {}
+    return {K8S_CONFIG_TAG: {"container_config": {"resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}}}
+
+
 def build_task_job(task: TaskSpec):
     return dg.define_asset_job(
         name=pipeline_job_name(task.name),
         selection=dg.AssetSelection.groups(task.name),
         description=f"Materializes the four `{task.name}` assets and their checks for one drop file.",
+        tags=run_tags_for(task) or None,
     )
 
 
-def build_definitions(tasks: list[TaskSpec] | None = None, engine: VLLMEngine | None = None) -> dg.Definitions:
+def build_definitions(
+    tasks: list[TaskSpec] | None = None,
+    engine: VLLMEngine | OpenAIEngine | None = None,
+    endpoint: OpenAIEngine | None = None,
+) -> dg.Definitions:
+    """`engine` serves tasks with `engine.kind: vllm` (default: in-process vLLM; an `OpenAIEngine`
+    here sends those tasks to an endpoint instead); `endpoint` serves tasks with `kind: openai`."""
     tasks = tasks if tasks is not None else load_task_specs()
     assets, checks, jobs, sensors = [], [], [], []
     for task in tasks:
@@ -48,7 +70,11 @@ def build_definitions(tasks: list[TaskSpec] | None = None, engine: VLLMEngine | 
         asset_checks=checks,
         jobs=jobs,
         sensors=sensors,
-        resources={IO_MANAGER_KEY: ParquetStorage(), "llm_engine": engine or VLLMEngine()},
+        resources={
+            IO_MANAGER_KEY: ParquetStorage(),
+            IN_PROCESS_RESOURCE_KEY: engine or VLLMEngine(),
+            ENDPOINT_RESOURCE_KEY: endpoint or OpenAIEngine(),
+        },
         # The four steps of a partition run one after another anyway; running them in one process
         # skips a process start per step and lets the engine stay warm across partitions.
         executor=dg.in_process_executor,

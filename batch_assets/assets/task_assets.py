@@ -15,16 +15,19 @@ import dagster as dg
 import polars as pl
 
 from batch_assets.formatting.format_prompts import PromptFormat, format_prompts
-from batch_assets.inference.checkpoints import CheckpointStore, run_fingerprint
-from batch_assets.inference.run_inference import run_inference
+from batch_assets.inference.checkpoints import CheckpointStore, model_identity, run_fingerprint
+from batch_assets.inference.engine_watchdog import fail_if_engine_dies
+from batch_assets.inference.run_inference import InferenceError, run_inference
 from batch_assets.parsing.read_prompts import ParseOptions, read_prompts
 from batch_assets.partitions.drop_files import drop_partitions, find_drop_file
-from batch_assets.resources.vllm_engine import VLLMEngine
+from batch_assets.resources.engines import checkpoint_identity, engine_for, engine_pool, engine_resource_key, prompt_encoder
+from batch_assets.resources.vllm_engine import PROCESS_ENGINE, EngineStartError, VLLMEngine
 from batch_assets.specs.task_spec import TaskSpec
 from batch_assets.storage.locations import checkpoint_dir
 from batch_assets.validation.validate_labels import validate_labels
 
 IO_MANAGER_KEY = "parquet_storage"
+ENGINE_NAMES = {"vllm": "the vLLM engine", "openai": "an OpenAI-compatible endpoint"}
 PREVIEW_ROWS = 5
 
 
@@ -64,6 +67,8 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         kinds={"parquet"},
     )
     parse_options = ParseOptions(text_fields=tuple(task.input.text_fields), txt_field=task.input.txt_field)
+    # The task's engine: in-process vLLM (`llm_engine`) or an OpenAI-compatible endpoint (`llm_endpoint`).
+    engine_key = engine_resource_key(task)
     prompt_format = PromptFormat(
         system=task.prompt.system,
         template=task.prompt.template,
@@ -82,11 +87,13 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     )
     def raw_prompts(context: dg.AssetExecutionContext) -> dg.Output[pl.DataFrame]:
         drop = find_drop_file(name, context.partition_key)
-        frame = read_prompts(drop.path.read_bytes(), drop.relative_path, parse_options)
+        frame = read_prompts(drop.read_bytes(), drop.relative_path, parse_options)
         errors = error_code_counts(frame)
         if errors:
             first = frame.filter(pl.col("error").is_not_null()).head(3)["error"].to_list()
             context.log.warning(f"{sum(errors.values())} unreadable record(s) in {drop.relative_path}, e.g. {first}")
+        if frame.height == 0:
+            context.log.warning(f"{drop.relative_path} has no records (an empty file, or a CSV with only its header): zero rows")
         return dg.Output(
             frame,
             metadata={
@@ -108,9 +115,11 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
             "empty text or too long for the model's context get an `error` and skip the engine."
         ),
         ins={"raw_prompts": dg.AssetIn(key=asset_key(name, "raw_prompts"))},
+        required_resource_keys={engine_key},
         **common,
     )
-    def formatted_prompts(context: dg.AssetExecutionContext, llm_engine: VLLMEngine, raw_prompts: pl.DataFrame) -> dg.Output[pl.DataFrame]:
+    def formatted_prompts(context: dg.AssetExecutionContext, raw_prompts: pl.DataFrame) -> dg.Output[pl.DataFrame]:
+        llm_engine = engine_for(context, task)
         settings = llm_engine.settings_for(task)
         started = time.monotonic()
         frame = format_prompts(
@@ -138,34 +147,69 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     @dg.asset(
         name="inference_outputs",
         description=(
-            f"Model outputs for each `{name}` prompt from the vLLM engine, constrained by the task's "
+            f"Model outputs for each `{name}` prompt from {ENGINE_NAMES[task.engine.kind]}, constrained by the task's "
             "structured outputs. Results are checkpointed in chunks, so a re-run after a crash infers "
             "only the rows not done yet; identical prompts are inferred once when decoding is deterministic."
         ),
         ins={"formatted_prompts": dg.AssetIn(key=asset_key(name, "formatted_prompts"))},
-        pool="gpu",
+        pool=engine_pool(task),
+        required_resource_keys={engine_key},
         retry_policy=dg.RetryPolicy(max_retries=1, delay=5),
         **common,
     )
-    def inference_outputs(context: dg.AssetExecutionContext, llm_engine: VLLMEngine, formatted_prompts: pl.DataFrame) -> dg.Output[pl.DataFrame]:
+    def inference_outputs(context: dg.AssetExecutionContext, formatted_prompts: pl.DataFrame) -> dg.Output[pl.DataFrame]:
+        llm_engine = engine_for(context, task)
         settings = llm_engine.settings_for(task)
         sampling = task.sampling.model_dump()
+        # Checkpoints are reused only by a run that would produce the same outputs; the prompt
+        # text itself is part of each request's key.
         fingerprint = run_fingerprint(
-            {"model": settings.model, "dtype": settings.dtype, "seed": settings.seed, "sampling": sampling, "output": task.output.model_dump()}
+            {
+                **checkpoint_identity(settings),
+                "model_files": model_identity(settings.model),
+                "max_model_len": settings.max_model_len,
+                "structured_outputs": getattr(llm_engine, "structured_outputs", True),
+                "sampling": sampling,
+                "output": task.output.model_dump(),
+            }
         )
         checkpoints = CheckpointStore(checkpoint_dir(name, context.partition_key), fingerprint)
+        stale = checkpoints.discard_other_fingerprints()
+        if stale:
+            context.log.info(f"removed checkpoints made with other model/sampling settings: {stale}")
         tokenizer = llm_engine.tokenizer(task)
-        frame, stats = run_inference(
-            formatted_prompts,
-            tokenize=lambda prompts: tokenizer(prompts, add_special_tokens=False)["input_ids"],
-            generate=lambda token_ids: llm_engine.generate(task, token_ids),
-            max_model_len=settings.max_model_len,
-            max_tokens=task.sampling.max_tokens,
-            batch_size=task.engine.batch_size,
-            deduplicate=task.sampling.deterministic,
-            checkpoints=checkpoints,
-            log=context.log.info,
-        )
+
+        def generate(token_ids):
+            if not isinstance(llm_engine, VLLMEngine):
+                return llm_engine.generate(task, token_ids)
+            # A killed engine process would leave this call waiting forever; make it an error.
+            with fail_if_engine_dies(PROCESS_ENGINE.get(settings)):
+                return llm_engine.generate(task, token_ids)
+
+        try:
+            frame, stats = run_inference(
+                formatted_prompts,
+                tokenize=prompt_encoder(llm_engine, task, tokenizer, formatted_prompts),
+                generate=generate,
+                max_model_len=settings.max_model_len,
+                max_tokens=task.sampling.max_tokens,
+                batch_size=task.engine.batch_size,
+                deduplicate=task.sampling.deterministic,
+                checkpoints=checkpoints,
+                log=context.log.info,
+                # Started apart from the first batch, so `engine_seconds` measures inference only.
+                start_engine=(lambda: PROCESS_ENGINE.get(settings)) if isinstance(llm_engine, VLLMEngine) else None,
+            )
+        except EngineStartError as exc:
+            # Settings that do not fit will not fit five seconds later either: fail now, with the
+            # hint of what to change, instead of retrying a start-up that can take minutes.
+            raise dg.Failure(description=str(exc), allow_retries=False) from exc
+        except InferenceError:
+            # The engine may be dead (its process killed, out of memory): drop it, so the retry
+            # (this asset's retry policy) starts a fresh one and resumes from the checkpoints.
+            if isinstance(llm_engine, VLLMEngine):
+                PROCESS_ENGINE.shutdown()
+            raise
         return dg.Output(
             frame,
             metadata={
@@ -178,6 +222,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                 "prompt_tokens": int(frame["num_prompt_tokens"].sum() or 0),
                 "generated_tokens": int(frame["num_generated_tokens"].sum() or 0),
                 "engine_seconds": round(stats.engine_seconds, 3),
+                "engine_start_seconds": round(stats.engine_start_seconds, 3),
                 "generated_tokens_per_second": round(stats.generated_tokens_per_second, 2),
                 "rows_per_second": round(stats.rows_per_second, 2),
                 "model": settings.model,
@@ -185,6 +230,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                 "sampling_params": sampling,
                 "output_constraint": task.output.kind,
                 "engine_starts_in_process": llm_engine.engine_starts,
+                "checkpoint_fingerprint": fingerprint,
                 "dagster/row_count": frame.height,
             },
         )

@@ -17,18 +17,21 @@ import polars as pl
 from batch_assets.assets.task_assets import asset_key, error_code_counts, markdown_table
 from batch_assets.partitions.drop_files import drop_partitions
 from batch_assets.specs.task_spec import TaskSpec
+from batch_assets.storage.locations import output_path
 from batch_assets.validation.validate_labels import constraint_violations, parse_label
 
 FAILED_ROWS_SHOWN = 10
 
 
-def _failed_rows_metadata(rows: pl.DataFrame, columns: list[str], path_hint: str) -> dict:
+def _failed_rows_metadata(rows: pl.DataFrame, columns: list[str], task: str, asset: str, partition_key: str) -> dict:
+    """What a user needs to find the failing rows: their ids, a preview, and the file they are in."""
     shown = [c for c in columns if c in rows.columns]
     return {
         "failed_rows": rows.height,
         "failed_row_ids": rows["row_id"].head(50).to_list(),
         "failed_rows_preview": dg.MetadataValue.md(markdown_table(rows.head(FAILED_ROWS_SHOWN).to_dicts(), shown)),
-        "where_to_look": path_hint,
+        # The partition's parquet file; `row_id` selects the rows listed above.
+        "rows_file": dg.MetadataValue.path(str(output_path(task, asset, partition_key))),
     }
 
 
@@ -50,7 +53,7 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         metadata = {"checked_rows": inference_outputs.height}
         if bad.height:
             metadata |= _failed_rows_metadata(
-                bad, ["row_id", "source_line", "generated_text", "finish_reason"], f"{name}/inference_outputs, partition {context.partition_key}"
+                bad, ["row_id", "source_line", "generated_text", "finish_reason"], name, "inference_outputs", context.partition_key
             )
         return dg.AssetCheckResult(passed=bad.height == 0, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata)
 
@@ -74,7 +77,7 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         bad = pl.concat([invalid, unexplained]).sort("row_id")
         metadata = {"labelled_rows": labelled.height, "invalid_labels": invalid.height, "null_labels_without_error": unexplained.height}
         if bad.height:
-            metadata |= _failed_rows_metadata(bad, ["row_id", "source_line", "label", "error"], f"{name}/validated_labels, partition {context.partition_key}")
+            metadata |= _failed_rows_metadata(bad, ["row_id", "source_line", "label", "error"], name, "validated_labels", context.partition_key)
         return dg.AssetCheckResult(passed=bad.height == 0, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata)
 
     @dg.asset_check(
@@ -120,7 +123,7 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
             "errors_by_code": error_code_counts(validated_labels),
         }
         if errors.height:
-            metadata |= _failed_rows_metadata(errors, ["row_id", "source_line", "error"], f"{name}/validated_labels, partition {context.partition_key}")
+            metadata |= _failed_rows_metadata(errors, ["row_id", "source_line", "error"], name, "validated_labels", context.partition_key)
         return dg.AssetCheckResult(
             passed=share <= task.checks.max_error_share, severity=dg.AssetCheckSeverity.WARN, metadata=metadata
         )

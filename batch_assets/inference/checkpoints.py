@@ -1,9 +1,18 @@
 """Inference checkpoints: results persisted chunk by chunk while a partition is being inferred.
 
-A chunk is a parquet file of finished requests keyed by `request_key` (a hash of the prompt, plus
-the row for non-deterministic decoding). Chunks live under a fingerprint of everything that decides
-the output (model, sampling params, output constraint), so a checkpoint made with other settings is
-never reused. Each chunk is written atomically; a crash loses at most the chunk in flight.
+    <data>/storage/<task>/_checkpoints/<partition_key>/<fingerprint>/chunk-<time>-<uuid>.parquet
+
+A chunk is a parquet file of finished requests keyed by `request_key` (a hash of the full prompt
+text, plus the row for non-deterministic decoding, see `run_inference.request_keys`). Chunks live
+under a fingerprint of everything else that decides an output (model and its weights, dtype,
+engine seed, context length, sampling params, output constraint), so a checkpoint made with other
+settings is never reused, and a changed prompt has other keys. Each chunk is written atomically
+(rename locally, one PUT on S3): a crash loses at most the chunk in flight, never a finished one.
+
+Life cycle: `inference_outputs` loads the chunks of its fingerprint, infers only what is missing,
+and saves a chunk per engine batch; a partition's checkpoints are removed once its
+`inference_outputs` is stored (by `validated_labels`), and checkpoints of other fingerprints are
+removed when a run with new settings starts.
 """
 
 from __future__ import annotations
@@ -11,7 +20,11 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+import shutil
+import time
 import uuid
+from pathlib import Path
 
 import polars as pl
 from upath import UPath
@@ -26,6 +39,8 @@ CHECKPOINT_SCHEMA = {
     "num_generated_tokens": pl.Int64,
     "error": pl.String,
 }
+# Files whose change means "other weights" in a local model folder.
+_MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".json", ".model", ".jinja")
 
 
 def run_fingerprint(parts: dict) -> str:
@@ -33,19 +48,39 @@ def run_fingerprint(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode("utf-8")).hexdigest()[:16]
 
 
+def model_identity(model: str) -> list | str:
+    """What identifies a model's weights: for a local folder its files' names, sizes and times
+    (weights replaced in place count as another model); for a hub id, the id."""
+    folder = Path(model)
+    if not folder.is_dir():
+        return model
+    files = [path for path in folder.iterdir() if path.suffix in _MODEL_FILE_SUFFIXES]
+    return sorted([path.name, path.stat().st_size, path.stat().st_mtime_ns] for path in files)
+
+
 class CheckpointStore:
+    """The checkpoint chunks of one partition and one fingerprint."""
+
     def __init__(self, partition_dir: UPath, fingerprint: str) -> None:
         self.partition_dir = partition_dir
+        self.fingerprint = fingerprint
         self.folder = partition_dir / fingerprint
+        self.chunks_saved = 0
+
+    def chunk_paths(self) -> list[UPath]:
+        if not self.folder.exists():
+            return []
+        return sorted(
+            (p for p in self.folder.iterdir() if p.name.startswith("chunk-") and p.name.endswith(".parquet")),
+            key=lambda p: p.name,
+        )
 
     def load(self) -> pl.DataFrame:
-        if not self.folder.exists():
-            return pl.DataFrame(schema=CHECKPOINT_SCHEMA)
+        """Every finished request of this fingerprint, each once."""
         frames = []
-        for chunk in sorted(self.folder.iterdir(), key=lambda p: p.name):
-            if chunk.name.endswith(".parquet") and not chunk.name.startswith("."):
-                with chunk.open("rb") as handle:
-                    frames.append(pl.read_parquet(handle).select(list(CHECKPOINT_SCHEMA)).cast(CHECKPOINT_SCHEMA))
+        for chunk in self.chunk_paths():
+            with chunk.open("rb") as handle:
+                frames.append(pl.read_parquet(handle).select(list(CHECKPOINT_SCHEMA)).cast(CHECKPOINT_SCHEMA))
         if not frames:
             return pl.DataFrame(schema=CHECKPOINT_SCHEMA)
         return pl.concat(frames).unique("request_key", keep="first", maintain_order=True)
@@ -53,9 +88,30 @@ class CheckpointStore:
     def save(self, chunk: pl.DataFrame) -> None:
         buffer = io.BytesIO()
         chunk.select(list(CHECKPOINT_SCHEMA)).cast(CHECKPOINT_SCHEMA).write_parquet(buffer)
-        write_bytes_atomically(self.folder / f"chunk-{uuid.uuid4().hex}.parquet", buffer.getvalue())
+        name = f"chunk-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet"
+        write_bytes_atomically(self.folder / name, buffer.getvalue())
+        self.chunks_saved += 1
+
+    def discard_other_fingerprints(self) -> list[str]:
+        """Remove checkpoints made with other settings: this partition's output will not use them."""
+        if not self.partition_dir.exists():
+            return []
+        stale = [p for p in self.partition_dir.iterdir() if p.name != self.fingerprint]
+        for path in stale:
+            _remove(path)
+        return [p.name for p in stale]
 
     def clear(self) -> None:
         """Remove every checkpoint of the partition (all fingerprints): the output is final now."""
         if self.partition_dir.exists():
-            self.partition_dir.fs.rm(self.partition_dir.path, recursive=True)
+            _remove(self.partition_dir)
+
+
+def _remove(path: UPath) -> None:
+    if path.protocol in ("", "file", "local"):
+        if os.path.isdir(path.path):
+            shutil.rmtree(path.path, ignore_errors=True)
+        elif os.path.exists(path.path):
+            os.unlink(path.path)
+    else:
+        path.fs.rm(path.path, recursive=True)

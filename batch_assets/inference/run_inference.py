@@ -17,6 +17,11 @@ from batch_assets.inference.checkpoints import CHECKPOINT_SCHEMA, CheckpointStor
 from batch_assets.resources.vllm_engine import Generation
 
 GENERATION_COLUMNS = ("generated_text", "finish_reason", "num_generated_tokens")
+_KEY, _ENGINE_ERROR, _ENGINE_PROMPT_TOKENS = "\x00request_key", "\x00engine_error", "\x00engine_prompt_tokens"
+
+
+class InferenceError(RuntimeError):
+    """The engine failed mid-partition: the message has the engine's own error and what was kept."""
 
 
 @dataclass
@@ -29,6 +34,7 @@ class InferenceStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     engine_seconds: float = 0.0
+    engine_start_seconds: float = 0.0
 
     @property
     def generated_tokens_per_second(self) -> float:
@@ -57,7 +63,13 @@ def run_inference(
     deduplicate: bool,
     checkpoints: CheckpointStore | None,
     log: Callable[[str], None] = lambda message: None,
+    start_engine: Callable[[], object] | None = None,
 ) -> tuple[pl.DataFrame, InferenceStats]:
+    """formatted_prompts → inference_outputs, resuming from `checkpoints` and saving one chunk per batch.
+
+    `start_engine`, when given, is called once before the first batch (and not at all when the
+    checkpoints hold every result), so engine start-up is timed apart from inference.
+    """
     stats = InferenceStats(rows=formatted.height)
     valid = formatted.filter(pl.col("error").is_null()).select("row_id", "prompt")
     keyed = valid.with_columns(
@@ -75,13 +87,33 @@ def run_inference(
 
     results = [done]
     total = pending.height
+    if total and start_engine is not None:
+        started = time.monotonic()
+        start_engine()
+        stats.engine_start_seconds = time.monotonic() - started
     started = time.monotonic()
     last_log, last_logged = started, 0
+    saved = 0
     for offset in range(0, total, batch_size):
         batch = pending.slice(offset, batch_size)
-        chunk = _infer_batch(batch, tokenize, generate, max_model_len, max_tokens, stats)
+        try:
+            chunk = _infer_batch(batch, tokenize, generate, max_model_len, max_tokens, stats)
+        except Exception as exc:
+            kept = (
+                f"the {done.height + saved} requests finished before are checkpointed; a re-run of the partition reuses them"
+                if checkpoints is not None
+                else "nothing is checkpointed"
+            )
+            raise InferenceError(
+                f"the engine failed on requests {offset + 1}-{offset + batch.height} of the {total} left to infer "
+                f"({kept}): {type(exc).__name__}: {exc}"
+            ) from exc
         if checkpoints is not None:
-            checkpoints.save(chunk)
+            # Only finished requests: a re-run asks again for those the engine gave up on (and
+            # re-counts too-long prompts, which costs no engine time).
+            finished_requests = chunk.filter(pl.col("error").is_null())
+            checkpoints.save(finished_requests)
+            saved += finished_requests.height
         results.append(chunk)
         finished = min(offset + batch_size, total)
         now = time.monotonic()
@@ -91,14 +123,15 @@ def run_inference(
             log(f"inferred {finished}/{total} requests ({100 * finished // max(total, 1)}%), {rate:.1f} rows/s in the engine")
             last_log, last_logged = now, finished
 
-    by_key = pl.concat(results).rename({"error": "inference_error", "num_prompt_tokens": "engine_prompt_tokens"})
-    joined = formatted.join(keyed.select("row_id", "request_key"), on="row_id", how="left", maintain_order="left").join(
-        by_key, on="request_key", how="left", maintain_order="left"
-    )
+    # Internal column names that no input column can have.
+    by_key = pl.concat(results).rename({"request_key": _KEY, "error": _ENGINE_ERROR, "num_prompt_tokens": _ENGINE_PROMPT_TOKENS})
+    joined = formatted.join(
+        keyed.select("row_id", pl.col("request_key").alias(_KEY)), on="row_id", how="left", maintain_order="left"
+    ).join(by_key, on=_KEY, how="left", maintain_order="left")
     joined = joined.with_columns(
-        error=pl.coalesce("error", "inference_error"),
-        num_prompt_tokens=pl.coalesce("engine_prompt_tokens", "num_prompt_tokens"),
-    ).drop("inference_error", "engine_prompt_tokens", "request_key")
+        error=pl.coalesce("error", _ENGINE_ERROR),
+        num_prompt_tokens=pl.coalesce(_ENGINE_PROMPT_TOKENS, "num_prompt_tokens"),
+    ).drop(_ENGINE_ERROR, _ENGINE_PROMPT_TOKENS, _KEY)
     stats.error_rows = joined["error"].is_not_null().sum()
     return joined, stats
 
@@ -116,8 +149,11 @@ def _infer_batch(
     fits = [len(ids) <= budget for ids in token_ids]
     to_send = [ids for ids, ok in zip(token_ids, fits, strict=True) if ok]
     started = time.monotonic()
-    generations = iter(generate(to_send) if to_send else [])
+    generated = generate(to_send) if to_send else []
     stats.engine_seconds += time.monotonic() - started
+    if len(generated) != len(to_send):
+        raise RuntimeError(f"the engine returned {len(generated)} outputs for {len(to_send)} prompts")
+    generations = iter(generated)
     rows = {name: [] for name in CHECKPOINT_SCHEMA}
     for key, ids, ok in zip(batch["request_key"], token_ids, fits, strict=True):
         rows["request_key"].append(key)
@@ -127,7 +163,7 @@ def _infer_batch(
             rows["finish_reason"].append(generation.finish_reason)
             rows["num_prompt_tokens"].append(generation.num_prompt_tokens)
             rows["num_generated_tokens"].append(generation.num_generated_tokens)
-            rows["error"].append(None)
+            rows["error"].append(generation.error)
             stats.rows_inferred += 1
             stats.prompt_tokens += generation.num_prompt_tokens
             stats.generated_tokens += generation.num_generated_tokens

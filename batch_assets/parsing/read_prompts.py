@@ -1,10 +1,26 @@
 """Parse a drop file into one row per input record, never losing a record.
 
 Pure functions over bytes: no Dagster, no storage. The result always has `row_id` (0-based, input
-order), `source_line` (1-based line of the file where the record starts), every input column as read,
-and `error` (null, or `code: message` naming the file and line). A record that cannot be read
-becomes a row with an error; only a file-level problem (unknown format, the text field absent from
-every record) raises `DropFileError`.
+order), `source_line` (1-based line of the file where the record starts; the row number for
+parquet), every input column as read, and `error` (null, or `code: message` naming the file and line).
+
+A record that cannot be read becomes a row with an error, so the partition still succeeds and the
+row is visible in the output:
+
+    invalid_utf8      the line holds bytes that are not UTF-8 (kept with U+FFFD in their place)
+    invalid_unicode   a JSON `\\uXXXX` escape is half a surrogate pair (replaced by U+FFFD)
+    malformed_json    the line is not JSON
+    not_an_object     the line is JSON but not an object
+    empty_record      a blank line in a .jsonl or .csv file
+    malformed_csv     a CSV record with more or fewer fields than the header
+    missing_field     the record lacks a text field (other records have it)
+    null_text         the text field is null
+    non_string_text   the text field is a number, list, object... (kept as JSON text)
+
+Only a problem with the file as a whole raises `DropFileError` and fails the partition: an unknown
+suffix, an unreadable parquet file, or a text field that no record has (the message lists the
+columns or fields that were found, which is what a wrong field name in the task YAML looks like).
+An empty file (nothing but whitespace), or a CSV with only its header row, gives zero rows.
 """
 
 from __future__ import annotations
@@ -12,27 +28,38 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Iterable
+import re
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 import polars as pl
 
 SUPPORTED_SUFFIXES = (".jsonl", ".csv", ".parquet", ".txt")
-# Columns the pipeline adds; an input column with one of these names is kept as `input.<name>`.
+# Columns the pipeline adds or uses on the way; an input column with one of these names is kept
+# as `input.<name>` so it can never be overwritten or confused with the pipeline's own.
 RESERVED_COLUMNS = frozenset(
     {
         "row_id",
         "source_line",
         "error",
         "prompt",
+        "user_message",
         "num_prompt_tokens",
+        "request_key",
         "label",
         "generated_text",
         "finish_reason",
         "num_generated_tokens",
     }
 )
+# Records are collected into polars frames this many at a time, so a file of millions of rows
+# never holds more than one chunk as Python objects.
+CHUNK_ROWS = 100_000
+_BOM = b"\xef\xbb\xbf"
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_FIELDS_SHOWN = 50
 
 
 class DropFileError(ValueError):
@@ -48,38 +75,52 @@ class ParseOptions:
 def read_prompts(data: bytes, file_name: str, options: ParseOptions) -> pl.DataFrame:
     """Parse the bytes of one drop file, by its suffix, into the raw_prompts table."""
     suffix = PurePosixPath(file_name).suffix.lower()
-    if suffix == ".jsonl":
-        frame = _read_jsonl(data, file_name, options)
-    elif suffix == ".csv":
-        frame = _read_csv(data, file_name, options)
-    elif suffix == ".parquet":
-        frame = _read_parquet(data, file_name, options)
-    elif suffix == ".txt":
-        frame = _read_txt(data, file_name, options)
-    else:
+    if suffix not in SUPPORTED_SUFFIXES:
         raise DropFileError(f"{file_name}: unsupported file type {suffix!r}; use one of {', '.join(SUPPORTED_SUFFIXES)}")
-    return _finish(frame, file_name, options)
+    if suffix == ".parquet":
+        return _finish(*_read_parquet(data, file_name, options), options)
+    if data.startswith(_BOM):
+        data = data[len(_BOM) :]
+    if not data.strip():
+        return _finish(pl.DataFrame(), [], [], options)
+    if suffix == ".jsonl":
+        return _finish(*_read_jsonl(data, file_name, options), options)
+    if suffix == ".csv":
+        return _finish(*_read_csv(data, file_name, options), options)
+    return _finish(*_read_txt(data, file_name, options), options)
 
 
 def _error(code: str, file_name: str, line: int, message: str) -> str:
     return f"{code}: {file_name} line {line}: {message}"
 
 
-def _split_lines(data: bytes) -> list[bytes]:
-    # A final newline ends the last line; it does not start an empty record.
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    return [line[:-1] if line.endswith(b"\r") else line for line in lines]
+def _lines(data: bytes, file_name: str) -> Iterator[tuple[int, str, str | None]]:
+    """(line number, text, decoding error) per line; only `\\n` ends a line, a trailing `\\r` is dropped.
 
-
-def _decode_line(raw: bytes, file_name: str, line_number: int) -> tuple[str, str | None]:
+    A final newline ends the last line; it does not start an empty record.
+    """
     try:
-        return raw.decode("utf-8"), None
-    except UnicodeDecodeError as exc:
-        return raw.decode("utf-8", errors="replace"), _error(
-            "invalid_utf8", file_name, line_number, f"byte {exc.start} is not UTF-8 ({exc.reason})"
-        )
+        lines: list = data.decode("utf-8").split("\n")
+        strict = True
+    except UnicodeDecodeError:
+        lines, strict = data.split(b"\n"), False
+    if lines and not lines[-1]:
+        lines.pop()
+    for index, line in enumerate(lines):
+        number = index + 1
+        if strict:
+            yield number, line[:-1] if line.endswith("\r") else line, None
+            continue
+        raw = line[:-1] if line.endswith(b"\r") else line
+        try:
+            yield number, raw.decode("utf-8"), None
+        except UnicodeDecodeError as exc:
+            reason = f"byte {exc.start + 1} of the line is not UTF-8 ({exc.reason}); replaced by U+FFFD"
+            yield number, raw.decode("utf-8", errors="replace"), _error("invalid_utf8", file_name, number, reason)
+
+
+def _without_surrogates(text: str) -> str:
+    return _SURROGATE.sub("\ufffd", text)
 
 
 def _json_cell(value: object) -> str | None:
@@ -89,7 +130,7 @@ def _json_cell(value: object) -> str | None:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _text_field_error(record: dict, fields: Iterable[str], file_name: str, line: int) -> str | None:
+def _text_field_error(record: dict, fields: tuple[str, ...], file_name: str, line: int) -> str | None:
     for field in fields:
         if field not in record:
             return _error("missing_field", file_name, line, f"field {field!r} is missing")
@@ -97,101 +138,147 @@ def _text_field_error(record: dict, fields: Iterable[str], file_name: str, line:
         if value is None:
             return _error("null_text", file_name, line, f"field {field!r} is null")
         if not isinstance(value, str):
-            return _error("non_string_text", file_name, line, f"field {field!r} is a {type(value).__name__}, not a string")
+            kind = {dict: "an object", list: "a list", bool: "a boolean", int: "a number", float: "a number"}.get(type(value), type(value).__name__)
+            return _error("non_string_text", file_name, line, f"field {field!r} is {kind}, not a string")
     return None
 
 
-def _read_jsonl(data: bytes, file_name: str, options: ParseOptions) -> pl.DataFrame:
-    columns: dict[str, list[str | None]] = {}
-    lines_out: list[int] = []
-    errors: list[str | None] = []
-    for index, raw in enumerate(_split_lines(data)):
-        line_number = index + 1
-        text, error = _decode_line(raw, file_name, line_number)
-        record: dict = {}
-        if error is None:
-            if not text.strip():
-                error = _error("empty_record", file_name, line_number, "blank line")
-            else:
-                try:
-                    parsed = json.loads(text)
-                except json.JSONDecodeError as exc:
-                    error = _error("malformed_json", file_name, line_number, exc.msg + f" at column {exc.colno}")
-                else:
-                    if isinstance(parsed, dict):
-                        record = parsed
-                        error = _text_field_error(record, options.text_fields, file_name, line_number)
-                    else:
-                        error = _error("not_an_object", file_name, line_number, f"a JSON {type(parsed).__name__}, not an object")
-        row = len(lines_out)
+class _ColumnChunks:
+    """Collects records as string columns and turns every CHUNK_ROWS of them into a polars frame."""
+
+    def __init__(self, columns: list[str] | None = None) -> None:
+        self.fixed = columns
+        self.frames: list[pl.DataFrame] = []
+        self.rows = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.columns: dict[str, list[str | None]] = {name: [] for name in self.fixed or []}
+        self.rows = 0
+
+    def add(self, record: dict[str, str | None]) -> None:
         for key in record:
-            columns.setdefault(key, [None] * row)
-        for key, values in columns.items():
-            values.append(_json_cell(record.get(key)))
-        lines_out.append(line_number)
-        errors.append(error)
-    if lines_out and not any(field in columns for field in options.text_fields):
-        raise DropFileError(
-            f"{file_name}: no record has the field(s) {list(options.text_fields)}; fields found: {sorted(columns)}"
-        )
-    return pl.DataFrame(
-        {"source_line": lines_out, **columns, "error": errors},
-        schema={"source_line": pl.Int64, **{key: pl.String for key in columns}, "error": pl.String},
-    )
+            if key not in self.columns:
+                self.columns[key] = [None] * self.rows
+        for key, values in self.columns.items():
+            values.append(record.get(key))
+        self.rows += 1
+        if self.rows >= CHUNK_ROWS:
+            self.flush()
+
+    def add_row(self, cells: list[str | None]) -> None:
+        """A record of a fixed-column (CSV) file, one cell per column."""
+        for values, cell in zip(self.columns.values(), cells, strict=True):
+            values.append(cell)
+        self.rows += 1
+        if self.rows >= CHUNK_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.rows or not self.frames:
+            self.frames.append(pl.DataFrame(self.columns, schema={name: pl.String for name in self.columns}))
+        self._reset()
+
+    def frame(self) -> pl.DataFrame:
+        self.flush()
+        frames = [frame for frame in self.frames if frame.height] or self.frames[:1]
+        return pl.concat(frames, how="diagonal") if len(frames) > 1 else frames[0]
 
 
-def _read_txt(data: bytes, file_name: str, options: ParseOptions) -> pl.DataFrame:
-    texts: list[str] = []
-    errors: list[str | None] = []
-    for index, raw in enumerate(_split_lines(data)):
-        text, error = _decode_line(raw, file_name, index + 1)
-        texts.append(text)
-        errors.append(error)
-    return pl.DataFrame(
-        {"source_line": list(range(1, len(texts) + 1)), options.txt_field: texts, "error": errors},
-        schema={"source_line": pl.Int64, options.txt_field: pl.String, "error": pl.String},
-    )
-
-
-def _read_csv(data: bytes, file_name: str, options: ParseOptions) -> pl.DataFrame:
-    if not data.strip():
-        raise DropFileError(f"{file_name}: empty CSV file (a header row is required)")
-    try:
-        frame = pl.read_csv(data, infer_schema=False, raise_if_empty=False)
-    except (pl.exceptions.ComputeError, pl.exceptions.NoDataError):
-        # Ragged rows or bad bytes: the slow path reports each bad record with its line number.
-        return _read_csv_by_record(data, file_name, options)
-    _require_columns(frame.columns, file_name, options)
-    # Quoted fields may hold newlines; count them so `source_line` points at the record's first line.
-    newlines_per_row = pl.sum_horizontal(
-        [pl.col(name).str.count_matches("\n").fill_null(0) for name in frame.columns]
-    ) if frame.columns else pl.lit(0)
-    frame = frame.with_columns(
-        source_line=(pl.int_range(pl.len(), dtype=pl.Int64) + 2 + newlines_per_row.cum_sum().shift(1, fill_value=0)).cast(
-            pl.Int64
-        ),
-        error=pl.lit(None, dtype=pl.String),
-    )
-    return frame.select("source_line", *[c for c in frame.columns if c not in ("source_line", "error")], "error")
-
-
-def _require_columns(found: list[str], file_name: str, options: ParseOptions) -> None:
-    missing = [field for field in options.text_fields if field not in found]
-    if missing:
-        raise DropFileError(f"{file_name}: column(s) {missing} not found; columns found: {found}")
-
-
-def _read_csv_by_record(data: bytes, file_name: str, options: ParseOptions) -> pl.DataFrame:
-    text = data.decode("utf-8", errors="surrogateescape")
-    reader = csv.reader(io.StringIO(text, newline=""))
-    try:
-        header = next(reader)
-    except StopIteration:
-        raise DropFileError(f"{file_name}: empty CSV file (a header row is required)") from None
-    _require_columns(header, file_name, options)
-    columns: dict[str, list[str | None]] = {name: [] for name in header}
+def _read_jsonl(data: bytes, file_name: str, options: ParseOptions) -> tuple[pl.DataFrame, list[int], list[str | None]]:
+    chunks = _ColumnChunks()
     lines: list[int] = []
     errors: list[str | None] = []
+    objects = 0
+    keys_seen: dict[str, None] = {}
+    for line_number, text, error in _lines(data, file_name):
+        record: dict[str, str | None] = {}
+        if not text.strip():
+            error = error or _error("empty_record", file_name, line_number, "blank line")
+        else:
+            try:
+                parsed = json.loads(text)
+            except json.JSONDecodeError as exc:
+                error = error or _error("malformed_json", file_name, line_number, f"{exc.msg} at column {exc.colno}")
+            except (ValueError, RecursionError) as exc:  # e.g. nesting too deep for the parser
+                error = error or _error("malformed_json", file_name, line_number, str(exc) or type(exc).__name__)
+            else:
+                if isinstance(parsed, dict):
+                    objects += 1
+                    error = error or _text_field_error(parsed, options.text_fields, file_name, line_number)
+                    record = {key: _json_cell(value) for key, value in parsed.items()}
+                    # JSON can spell half a surrogate pair (`"\ud800"`), which no UTF-8 text can hold.
+                    if "\\u" in text and any(_SURROGATE.search(k + (v or "")) for k, v in record.items()):
+                        record = {_without_surrogates(k): None if v is None else _without_surrogates(v) for k, v in record.items()}
+                        error = error or _error(
+                            "invalid_unicode", file_name, line_number, "a \\u escape is half a surrogate pair; replaced by U+FFFD"
+                        )
+                    keys_seen.update(dict.fromkeys(record))
+                else:
+                    kind = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(parsed), "null")
+                    error = error or _error("not_an_object", file_name, line_number, f"a JSON {kind}, not an object")
+        chunks.add(record)
+        lines.append(line_number)
+        errors.append(error)
+    absent = [field for field in options.text_fields if field not in keys_seen]
+    if objects and absent:
+        found = list(keys_seen)
+        shown = found[:_FIELDS_SHOWN] + ([f"... {len(found) - _FIELDS_SHOWN} more"] if len(found) > _FIELDS_SHOWN else [])
+        raise DropFileError(f"{file_name}: no record has the field(s) {absent}; fields found: {shown}")
+    return chunks.frame(), lines, errors
+
+
+def _read_txt(data: bytes, file_name: str, options: ParseOptions) -> tuple[pl.DataFrame, list[int], list[str | None]]:
+    texts: list[str] = []
+    lines: list[int] = []
+    errors: list[str | None] = []
+    for line_number, text, error in _lines(data, file_name):
+        texts.append(text)
+        lines.append(line_number)
+        errors.append(error)
+    return pl.DataFrame({options.txt_field: texts}, schema={options.txt_field: pl.String}), lines, errors
+
+
+def _unique_names(names: list[str]) -> list[str]:
+    """CSV headers may repeat a name or leave it empty; every column needs its own."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for position, name in enumerate(names, start=1):
+        name = name or f"column_{position}"
+        candidate, n = name, 0
+        while candidate in seen:
+            candidate = f"{name}_duplicated_{n}"
+            n += 1
+        seen.add(candidate)
+        out.append(candidate)
+    return out
+
+
+def _read_csv(data: bytes, file_name: str, options: ParseOptions) -> tuple[pl.DataFrame, list[int], list[str | None]]:
+    # Python's csv module, not polars: it tells records with too few fields from empty cells,
+    # and where each record starts, so every bad record gets its own error row and line number.
+    try:
+        text, strict = data.decode("utf-8"), True
+    except UnicodeDecodeError:
+        # Bad bytes survive as lone surrogates, found again per cell below to flag their record.
+        text, strict = data.decode("utf-8", errors="surrogateescape"), False
+    if csv.field_size_limit() < sys.maxsize:
+        csv.field_size_limit(sys.maxsize)  # very long texts are rows like any other (prompt_too_long later)
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = [_without_surrogates(name) for name in next(reader)]
+    except StopIteration:
+        header = []
+    except csv.Error as exc:
+        raise DropFileError(f"{file_name}: the header row is not valid CSV: {exc}") from exc
+    header = _unique_names(header)
+    missing = [field for field in options.text_fields if field not in header]
+    if missing:
+        raise DropFileError(f"{file_name}: column(s) {missing} not found; columns found: {header}")
+    chunks = _ColumnChunks(header)
+    lines: list[int] = []
+    errors: list[str | None] = []
+    width = len(header)
     line_number = reader.line_num + 1
     while True:
         try:
@@ -199,61 +286,77 @@ def _read_csv_by_record(data: bytes, file_name: str, options: ParseOptions) -> p
         except StopIteration:
             break
         except csv.Error as exc:
-            lines.append(line_number)
-            errors.append(_error("malformed_csv", file_name, line_number, str(exc)))
-            for values in columns.values():
-                values.append(None)
-            line_number = reader.line_num + 1
-            continue
-        error = None
-        if len(record) != len(header):
-            error = _error("malformed_csv", file_name, line_number, f"{len(record)} fields, header has {len(header)}")
-        cells = []
-        for value in record:
-            try:
-                value.encode("utf-8")
-                cells.append(value)
-            except UnicodeEncodeError:
-                cells.append(value.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="replace"))
-                error = error or _error("invalid_utf8", file_name, line_number, "bytes that are not UTF-8")
-        for index, values in enumerate(columns.values()):
-            values.append(cells[index] if index < len(cells) else None)
+            record, error = [], _error("malformed_csv", file_name, line_number, str(exc))
+        else:
+            error = None
+            if not record:
+                error = _error("empty_record", file_name, line_number, "blank line")
+            elif len(record) != width:
+                error = _error("malformed_csv", file_name, line_number, f"{len(record)} fields, the header has {width}")
+            if not strict and any(_SURROGATE.search(cell) for cell in record):
+                record = [cell.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="replace") for cell in record]
+                error = error or _error("invalid_utf8", file_name, line_number, "bytes that are not UTF-8; replaced by U+FFFD")
+        cells = record[:width] + [None] * (width - len(record))
+        chunks.add_row(cells)
         lines.append(line_number)
         errors.append(error)
         line_number = reader.line_num + 1
-    return pl.DataFrame(
-        {"source_line": lines, **columns, "error": errors},
-        schema={"source_line": pl.Int64, **{name: pl.String for name in header}, "error": pl.String},
-    )
+    return chunks.frame(), lines, errors
 
 
-def _read_parquet(data: bytes, file_name: str, options: ParseOptions) -> pl.DataFrame:
+def _read_parquet(data: bytes, file_name: str, options: ParseOptions) -> tuple[pl.DataFrame, list[int], list[str | None]]:
     try:
         frame = pl.read_parquet(io.BytesIO(data))
     except Exception as exc:  # polars raises several types for a corrupt file
         raise DropFileError(f"{file_name}: not a readable parquet file: {exc}") from exc
-    _require_columns(frame.columns, file_name, options)
-    errors = pl.lit(None, dtype=pl.String)
+    missing = [field for field in options.text_fields if field not in frame.columns]
+    if missing:
+        raise DropFileError(f"{file_name}: column(s) {missing} not found; columns found: {frame.columns}")
+    errors = [None] * frame.height
     for field in reversed(options.text_fields):
-        dtype = frame.schema[field]
-        if dtype != pl.String:
-            frame = frame.with_columns(pl.col(field).cast(pl.String, strict=False).alias(field))
-            errors = pl.when(pl.col(field).is_not_null()).then(
-                pl.format("non_string_text: {} row {}: field '{}' is {}", pl.lit(file_name), pl.col("source_line"), pl.lit(field), pl.lit(str(dtype)))
-            ).otherwise(errors)
-        errors = pl.when(pl.col(field).is_null()).then(
-            pl.format("null_text: {} row {}: field '{}' is null", pl.lit(file_name), pl.col("source_line"), pl.lit(field))
-        ).otherwise(errors)
-    frame = frame.with_columns(source_line=pl.int_range(1, pl.len() + 1, dtype=pl.Int64))
-    frame = frame.with_columns(error=errors)
-    return frame.select("source_line", *[c for c in frame.columns if c not in ("source_line", "error")], "error")
+        column = frame[field]
+        if not (column.dtype == pl.String or isinstance(column.dtype, (pl.Categorical, pl.Enum))):
+            try:
+                as_text = column.cast(pl.String, strict=False)
+            except Exception:  # nested types: keep them as JSON text
+                as_text = pl.Series(field, [None if v is None else json.dumps(v, default=str) for v in column.to_list()], dtype=pl.String)
+            message = f"field {field!r} is {column.dtype}, not a string"
+            errors = [
+                error if value is None else f"non_string_text: {file_name} row {index + 1}: {message}"
+                for index, (value, error) in enumerate(zip(column.to_list(), errors, strict=True))
+            ]
+            frame = frame.with_columns(as_text.alias(field))
+        else:
+            frame = frame.with_columns(frame[field].cast(pl.String))
+        errors = [
+            f"null_text: {file_name} row {index + 1}: field {field!r} is null" if value is None else error
+            for index, (value, error) in enumerate(zip(frame[field].to_list(), errors, strict=True))
+        ]
+    return frame, list(range(1, frame.height + 1)), errors
 
 
-def _finish(frame: pl.DataFrame, file_name: str, options: ParseOptions) -> pl.DataFrame:
-    renames = {name: f"input.{name}" for name in frame.columns if name in RESERVED_COLUMNS - {"source_line", "error"}}
-    if renames:
-        frame = frame.rename(renames)
+def _finish(inputs: pl.DataFrame, lines: list[int], errors: list[str | None], options: ParseOptions) -> pl.DataFrame:
+    """Add `row_id`, `source_line` and `error` around the input columns, renaming reserved names."""
+    taken = set(inputs.columns)
+    renames = {}
+    for name in inputs.columns:
+        if name in RESERVED_COLUMNS:
+            candidate, n = f"input.{name}", 2
+            while candidate in taken or candidate in RESERVED_COLUMNS:
+                candidate, n = f"input.{name}_{n}", n + 1
+            taken.add(candidate)
+            renames[name] = candidate
+    inputs = inputs.rename(renames)
+    height = len(lines)
+    columns = inputs.get_columns() if inputs.width else []
     for field in options.text_fields:
-        if field not in frame.columns:
-            frame = frame.with_columns(pl.lit(None, dtype=pl.String).alias(field))
-    return frame.with_row_index("row_id").with_columns(pl.col("row_id").cast(pl.Int64))
+        if field not in inputs.columns:
+            columns.append(pl.Series(field, [None] * height, dtype=pl.String))
+    return pl.DataFrame(
+        [
+            pl.Series("row_id", range(height), dtype=pl.Int64),
+            pl.Series("source_line", lines, dtype=pl.Int64),
+            *columns,
+            pl.Series("error", errors, dtype=pl.String),
+        ]
+    )

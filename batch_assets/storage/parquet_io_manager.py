@@ -2,7 +2,9 @@
 
 Written here instead of using dagster-polars because dagster-polars 0.27 does not work with
 polars 2; UPathIOManager already gives partition-aware paths on any fsspec filesystem, so only the
-(de)serialization is ours. Files land at `<storage>/<task>/<asset>/<partition_key>.parquet`.
+(de)serialization is ours. Files land at `<storage>/<task>/<asset>/<partition_key>.parquet`, on a
+local disk or in S3, written atomically. A storage failure fails the step with a `StorageError`
+naming the URL and the cause; the output is then not recorded as materialized.
 """
 
 
@@ -12,11 +14,29 @@ import dagster as dg
 import polars as pl
 from upath import UPath
 
-from batch_assets.storage.locations import storage_root, write_bytes_atomically
+from batch_assets.storage.errors import storage_errors
+from batch_assets.storage.locations import is_local, storage_path, storage_root, write_bytes_atomically
 
 
 class PolarsParquetIOManager(dg.UPathIOManager):
     extension = ".parquet"
+
+    def _asset_url(self, context: dg.OutputContext | dg.InputContext) -> UPath:
+        key = context.asset_key.path if context.has_asset_key else [context.name]
+        return self._base_path.joinpath(*key)
+
+    def make_directory(self, path: UPath) -> None:
+        # Object stores have no folders; s3fs's mkdir would even create a missing bucket.
+        if is_local(path):
+            path.mkdir(parents=True, exist_ok=True)
+
+    def handle_output(self, context: dg.OutputContext, obj: pl.DataFrame) -> None:
+        with storage_errors("writing", self._asset_url(context)):
+            super().handle_output(context, obj)
+
+    def load_input(self, context: dg.InputContext) -> pl.DataFrame:
+        with storage_errors("reading", self._asset_url(context)):
+            return super().load_input(context)
 
     def dump_to_path(self, context: dg.OutputContext, obj: pl.DataFrame, path: UPath) -> None:
         buffer = io.BytesIO()
@@ -24,8 +44,9 @@ class PolarsParquetIOManager(dg.UPathIOManager):
         write_bytes_atomically(path, buffer.getvalue())
 
     def load_from_path(self, context: dg.InputContext, path: UPath) -> pl.DataFrame:
-        with path.open("rb") as handle:
-            return pl.read_parquet(handle)
+        with storage_errors("reading", path):
+            data = path.read_bytes()
+        return pl.read_parquet(io.BytesIO(data))
 
 
 class ParquetStorage(dg.ConfigurableIOManagerFactory):
@@ -34,4 +55,4 @@ class ParquetStorage(dg.ConfigurableIOManagerFactory):
     base_path: str | None = None
 
     def create_io_manager(self, context: dg.InitResourceContext) -> PolarsParquetIOManager:
-        return PolarsParquetIOManager(base_path=UPath(self.base_path) if self.base_path else storage_root())
+        return PolarsParquetIOManager(base_path=storage_path(self.base_path) if self.base_path else storage_root())

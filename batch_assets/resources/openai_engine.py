@@ -1,0 +1,379 @@
+"""The endpoint engine: prompts sent to an OpenAI-compatible chat-completions server.
+
+For teams that score against a shared `vllm serve` deployment or a managed (provisioned-throughput)
+endpoint instead of running vLLM inside the job. A task opts in with `engine.kind: openai` in its
+YAML; the `llm_endpoint` resource can set or override every endpoint setting for all such tasks
+(e.g. `api_key=dg.EnvVar("MY_KEY")`). Outputs, columns, checks, checkpoints and resumption are the
+same as with the in-process engine: only `generate` differs.
+
+- Up to `concurrency` requests in flight (asyncio), so the server can batch them continuously.
+- Retries with exponential backoff and jitter on 429, 408/409, 5xx, timeouts and dropped
+  connections, honouring the server's `Retry-After`; after `max_retries` a request that still
+  fails becomes an error row (`endpoint_error` / `endpoint_timeout` / `endpoint_connection`).
+- A server that cannot be reached, refuses the key, or fails every request of a batch fails the
+  run with a message that says so; finished batches are checkpointed, so a re-run resumes.
+- Structured outputs the way vLLM's server takes them: choices and regex as vLLM's
+  `structured_outputs` request field, JSON schemas as the standard `response_format`.
+- Token counts come from the server's `usage`.
+- The API key is read from `api_key` (use `dg.EnvVar`) or the environment variable named by
+  `engine.api_key_env`. It is never logged and never put in metadata or error messages.
+"""
+
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import dagster as dg
+from pydantic import Field
+
+from batch_assets.models.embedded_model import resolve_model
+from batch_assets.resources.engines import EncodedPrompt
+from batch_assets.resources.vllm_engine import Generation
+from batch_assets.specs.task_spec import EMBEDDED_MODEL, TaskSpec, check_base_url
+
+log = logging.getLogger(__name__)
+
+# vLLM servers started without --api-key accept any bearer token; the client insists on one.
+NO_KEY = "EMPTY"
+# Statuses the client retries (see `openai._base_client._should_retry`); others fail at once.
+RETRIED_STATUSES = frozenset({408, 409, 429})
+
+
+class EndpointError(RuntimeError):
+    """The endpoint cannot serve this run at all (unreachable, misconfigured, refusing every request)."""
+
+
+@dataclass(frozen=True)
+class EndpointSettings:
+    """Fully resolved endpoint settings. No secrets: this goes into materialization metadata."""
+
+    kind: str
+    base_url: str
+    model: str
+    max_model_len: int
+    concurrency: int
+    request_timeout_s: float
+    max_retries: int
+    tokenizer: str
+    structured_outputs: bool
+    api_key_source: str  # where the key comes from ("resource", "env:NAME", "none"), never its value
+
+
+@dataclass(frozen=True)
+class _Failure:
+    error: str  # the error row's text: "<code>: <message>"
+    fatal: str | None = None  # set when the whole endpoint is at fault: fail the run with this
+
+
+def chat_request_params(task: TaskSpec, model: str, structured_outputs: bool = True) -> dict:
+    """The chat-completions request fields (besides `messages`) for a task."""
+    sampling = task.sampling
+    # `max_tokens` rather than `max_completion_tokens`: vLLM takes both, but many other
+    # OpenAI-compatible servers (TGI, llama.cpp, managed endpoints) only know `max_tokens`.
+    params: dict = {"model": model, "temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens}
+    if sampling.seed is not None:
+        params["seed"] = sampling.seed
+    output = task.output
+    if not structured_outputs or output.kind == "text":
+        return params
+    if output.kind == "json_schema":
+        # The standard OpenAI field; vLLM's server turns it into its JSON structured output.
+        params["response_format"] = {"type": "json_schema", "json_schema": {"name": task.name, "schema": output.json_schema}}
+    elif output.kind == "choices":
+        # vLLM's own request field (`guided_choice` in vLLM < 0.11): no OpenAI equivalent exists.
+        params["extra_body"] = {"structured_outputs": {"choice": list(output.choices or [])}}
+    elif output.kind == "regex":
+        params["extra_body"] = {"structured_outputs": {"regex": output.regex}}
+    return params
+
+
+def _redact(text: str, secret: str | None) -> str:
+    if secret and secret != NO_KEY and len(secret) >= 4:
+        text = text.replace(secret, "***")
+    return text
+
+
+def _cause_names(exc: BaseException) -> set[str]:
+    names, seen = set(), exc.__cause__ or exc.__context__
+    while seen is not None and len(names) < 10:
+        names.add(type(seen).__name__)
+        seen = seen.__cause__ or seen.__context__
+    return names
+
+
+def classify_failure(exc: Exception, *, base_url: str, model: str, timeout_s: float, max_retries: int, api_key: str | None) -> _Failure:
+    """Turn the client's final exception (after its retries) into an error row or a run failure."""
+    import openai
+
+    where = f"{base_url} (model {model!r})"
+    retried = f"gave up after {max_retries + 1} attempts"
+    if isinstance(exc, openai.APIConnectionError):
+        causes = _cause_names(exc)
+        if causes & {"ConnectError", "ConnectTimeout"}:
+            return _Failure(
+                "endpoint_unreachable: cannot connect",
+                fatal=f"cannot connect to the endpoint {where}: {retried}. Is the server running and "
+                "is `engine.base_url` (or the `llm_endpoint` resource's base_url) right?",
+            )
+        if isinstance(exc, openai.APITimeoutError):
+            return _Failure(f"endpoint_timeout: no response within {timeout_s:g} s; {retried}")
+        detail = ", ".join(sorted(causes)) or type(exc).__name__
+        return _Failure(f"endpoint_connection: the connection failed or was dropped ({detail}); {retried}")
+    if isinstance(exc, openai.APIStatusError):
+        status = exc.status_code
+        message = _redact(_status_message(exc), api_key)
+        if status in (401, 403):
+            return _Failure(
+                f"endpoint_auth: HTTP {status}",
+                fatal=f"the endpoint {where} refused the request with HTTP {status} ({message}): check the API key "
+                "(`engine.api_key_env` names its environment variable, or the `llm_endpoint` resource's api_key)",
+            )
+        if status == 404:
+            return _Failure(
+                "endpoint_not_found: HTTP 404",
+                fatal=f"the endpoint {where} answered HTTP 404 ({message}): check that base_url ends with the API "
+                "prefix (usually /v1) and that `engine.model` is a model the server serves",
+            )
+        attempts = retried if status in RETRIED_STATUSES or status >= 500 else "not retried"
+        return _Failure(f"endpoint_error: HTTP {status}: {message}; {attempts}")
+    return _Failure(f"endpoint_error: {type(exc).__name__}: {_redact(str(exc), api_key)[:200]}")
+
+
+def _status_message(exc) -> str:
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        text = inner.get("message") if isinstance(inner, dict) else inner
+        if text:
+            return " ".join(str(text).split())[:200]
+    return " ".join(str(getattr(exc, "message", exc)).split())[:200]
+
+
+def _run_coroutine(coroutine):
+    """Run a coroutine to completion from synchronous code, even inside a running event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tokenizer(source: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)
+
+
+_served_models: dict[str, str] = {}
+_served_models_lock = threading.Lock()
+_tokenizer_notes: set[tuple[str, str]] = set()
+
+
+class OpenAIEngine(dg.ConfigurableResource):
+    """Runs prompts on an OpenAI-compatible chat-completions server (`vllm serve`, managed endpoints).
+
+    Unset fields fall back to each task's `engine:` settings in its YAML. Set `api_key` with
+    `dg.EnvVar("NAME")`, never as a literal.
+    """
+
+    base_url: str | None = Field(default=None, description="Server URL including the API prefix, e.g. http://host:8000/v1.")
+    model: str | None = Field(default=None, description="Model name the server knows (else the task's, else the server's only model).")
+    api_key: str | None = Field(default=None, description="API key; set it with dg.EnvVar('NAME'). Else the task's engine.api_key_env.")
+    concurrency: int | None = Field(default=None, description="Requests in flight at once.")
+    request_timeout_s: float | None = Field(default=None, description="Seconds to wait for one response before retrying.")
+    max_retries: int | None = Field(default=None, description="Retries on 429/5xx/timeouts/connection errors before a row fails.")
+    max_model_len: int | None = Field(default=None, description="The served model's context length (for the too-long check).")
+    local_tokenizer: str | None = Field(default=None, description="Local tokenizer for prompt rendering and token counts.")
+    structured_outputs: bool = Field(default=True, description="Send the task's choices/schema/regex constraint with each request.")
+
+    # The assets hand this engine `EncodedPrompt`s (token ids + chat messages).
+    sends_chat_messages: ClassVar[bool] = True
+
+    def settings_for(self, task: TaskSpec) -> EndpointSettings:
+        spec = task.engine
+        base_url = self.base_url or spec.base_url
+        if not base_url:
+            raise EndpointError(
+                f"task {task.name!r} uses an OpenAI-compatible endpoint but names no server: set `engine.base_url` "
+                "in its YAML or `base_url` on the `llm_endpoint` resource"
+            )
+        check_base_url(base_url)
+        base_url = base_url.rstrip("/")
+        settings = dict(
+            kind="openai",
+            base_url=base_url,
+            max_model_len=self.max_model_len or spec.max_model_len,
+            concurrency=self.concurrency or spec.concurrency,
+            request_timeout_s=self.request_timeout_s or spec.request_timeout_s,
+            max_retries=self.max_retries if self.max_retries is not None else spec.max_retries,
+            structured_outputs=self.structured_outputs,
+            api_key_source="resource" if self.api_key else f"env:{spec.api_key_env}" if spec.api_key_env else "none",
+        )
+        # BATCH_ASSETS_MODEL is for the in-process engine: an endpoint's model is the server's name.
+        model = self.model or (spec.model if spec.model != EMBEDDED_MODEL else None)
+        if model is None:
+            model = self._served_model(task, base_url, settings["request_timeout_s"], settings["max_retries"])
+        return EndpointSettings(model=model, tokenizer=self._tokenizer_source(task, model), **settings)
+
+    def describe(self, task: TaskSpec) -> dict:
+        return vars(self.settings_for(task))
+
+    def tokenizer(self, task: TaskSpec):
+        """A local tokenizer (no server call) for the prompt text and token counts."""
+        return _load_tokenizer(self.settings_for(task).tokenizer)
+
+    @property
+    def engine_starts(self) -> int:
+        return 0  # nothing is started in this process
+
+    def generate(self, task: TaskSpec, prompt_token_ids: Sequence[list[int]]) -> list[Generation]:
+        """One chat completion per prompt, `concurrency` at a time; failed requests become error rows."""
+        prompts = list(prompt_token_ids)
+        if not prompts:
+            return []
+        if not all(isinstance(p, EncodedPrompt) for p in prompts):
+            raise TypeError(
+                "the endpoint engine sends chat messages: build its prompts with "
+                "batch_assets.resources.engines.prompt_encoder (EncodedPrompt), not bare token ids"
+            )
+        settings = self.settings_for(task)
+        api_key = self._api_key(task)
+        params = chat_request_params(task, settings.model, settings.structured_outputs)
+        outcomes = _run_coroutine(self._send_all(settings, api_key, params, prompts))
+        fatal = next((o.fatal for o in outcomes if isinstance(o, _Failure) and o.fatal), None)
+        if fatal:
+            raise EndpointError(fatal)
+        failures = [o for o in outcomes if isinstance(o, _Failure)]
+        if len(failures) == len(outcomes):
+            raise EndpointError(
+                f"all {len(outcomes)} requests of this batch to {settings.base_url} failed; the server is not "
+                f"serving (first error: {failures[0].error}). Finished batches are checkpointed: re-run to resume."
+            )
+        if failures:
+            log.warning("%d of %d requests to %s failed after retries, e.g. %s", len(failures), len(outcomes), settings.base_url, failures[0].error)
+        tokenizer = None
+        results = []
+        for prompt, outcome in zip(prompts, outcomes, strict=True):
+            if isinstance(outcome, _Failure):
+                results.append(Generation(text=None, finish_reason=None, num_prompt_tokens=len(prompt), num_generated_tokens=0, error=outcome.error))
+                continue
+            text, finish_reason, usage = outcome
+            prompt_tokens = getattr(usage, "prompt_tokens", None)
+            generated_tokens = getattr(usage, "completion_tokens", None)
+            if generated_tokens is None:  # a server without `usage`: count locally
+                tokenizer = tokenizer or self.tokenizer(task)
+                generated_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            results.append(
+                Generation(
+                    text=text,
+                    finish_reason=finish_reason,
+                    num_prompt_tokens=prompt_tokens if prompt_tokens is not None else len(prompt),
+                    num_generated_tokens=generated_tokens,
+                )
+            )
+        return results
+
+    async def _send_all(self, settings: EndpointSettings, api_key: str, params: dict, prompts: list[EncodedPrompt]) -> list:
+        # The official `openai` client (installed with vLLM, kept in step with the API): typed
+        # responses, auth, and a tested retry policy (exponential backoff with jitter, Retry-After,
+        # one idempotency key across attempts) that we would otherwise re-implement.
+        import openai
+
+        gate = asyncio.Semaphore(settings.concurrency)
+        stop = asyncio.Event()  # set once the endpoint as a whole has failed: skip what is left
+
+        async with openai.AsyncOpenAI(
+            base_url=settings.base_url, api_key=api_key, timeout=settings.request_timeout_s, max_retries=settings.max_retries
+        ) as client:
+
+            async def one(prompt: EncodedPrompt):
+                async with gate:
+                    if stop.is_set():
+                        return _Failure("endpoint_error: not sent, the endpoint failed", fatal=None)
+                    try:
+                        response = await client.chat.completions.create(messages=prompt.messages, **params)
+                    except openai.APIError as exc:
+                        failure = classify_failure(
+                            exc,
+                            base_url=settings.base_url,
+                            model=settings.model,
+                            timeout_s=settings.request_timeout_s,
+                            max_retries=settings.max_retries,
+                            api_key=api_key,
+                        )
+                        if failure.fatal:
+                            stop.set()
+                        return failure
+                    except Exception as exc:  # e.g. a reply that is not a chat completion: this row only
+                        return _Failure(f"endpoint_error: unreadable response ({type(exc).__name__}): {_redact(str(exc), api_key)[:200]}")
+                    if not response.choices or response.choices[0].message.content is None:
+                        return _Failure("endpoint_error: the response has no message content")
+                    choice = response.choices[0]
+                    return (choice.message.content, choice.finish_reason, response.usage)
+
+            return await asyncio.gather(*(one(prompt) for prompt in prompts))
+
+    def _api_key(self, task: TaskSpec) -> str:
+        if self.api_key:
+            return self.api_key
+        name = task.engine.api_key_env
+        if name:
+            value = os.environ.get(name)
+            if not value:
+                raise EndpointError(f"task {task.name!r}: engine.api_key_env names {name}, which is not set in this process's environment")
+            return value
+        return NO_KEY
+
+    def _served_model(self, task: TaskSpec, base_url: str, timeout: float, retries: int) -> str:
+        """The server's only model, asked once per process (vLLM serves one model per server)."""
+        import openai
+
+        with _served_models_lock:
+            if base_url in _served_models:
+                return _served_models[base_url]
+            api_key = self._api_key(task)
+            try:
+                with openai.OpenAI(base_url=base_url, api_key=api_key, timeout=min(timeout, 30.0), max_retries=retries) as client:
+                    served = [model.id for model in client.models.list().data]
+            except openai.APIError as exc:
+                failure = classify_failure(
+                    exc, base_url=base_url, model="(any)", timeout_s=min(timeout, 30.0), max_retries=retries, api_key=api_key
+                )
+                raise EndpointError(
+                    f"task {task.name!r} names no `engine.model`, and asking {base_url}/models for the served model failed: "
+                    f"{failure.fatal or failure.error}"
+                ) from None
+            if len(served) != 1:
+                raise EndpointError(
+                    f"task {task.name!r} names no `engine.model` and {base_url} serves {len(served)} models "
+                    f"({', '.join(served[:10])}): set `engine.model` in the task YAML"
+                )
+            _served_models[base_url] = served[0]
+            return served[0]
+
+    def _tokenizer_source(self, task: TaskSpec, model: str) -> str:
+        explicit = self.local_tokenizer or task.engine.tokenizer
+        if explicit:
+            return resolve_model(explicit)
+        local = os.path.expanduser(model)
+        if os.path.isdir(local):
+            return os.path.abspath(local)
+        if (task.name, model) not in _tokenizer_notes:
+            _tokenizer_notes.add((task.name, model))
+            log.warning(
+                "task %s: no local tokenizer for the endpoint's model %r; rendering prompts and counting tokens with "
+                "the embedded SmolLM2 tokenizer, so `prompt` and the too-long check are approximate (the server "
+                "applies its own chat template; its token counts are reported). Set `engine.tokenizer` to fix.",
+                task.name,
+                model,
+            )
+        return resolve_model(EMBEDDED_MODEL)

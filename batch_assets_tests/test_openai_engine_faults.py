@@ -1,0 +1,365 @@
+"""The endpoint engine against a local server that misbehaves on purpose.
+
+A small stdlib HTTP server on 127.0.0.1 speaks just enough of the chat-completions API and, per
+prompt, answers with 429s, 500s, slow responses (past the client's timeout) or a dropped
+connection before it answers properly. The tests check what users rely on: transient faults are
+retried away, a request that keeps failing becomes an error row in an otherwise good partition,
+a server that is down, refuses the key or fails everything fails the run with a clear message,
+finished batches resume from checkpoints, and the API key never shows up in what the run records.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import dagster as dg
+import polars as pl
+import pytest
+
+from batch_assets.definitions import build_definitions
+from batch_assets.resources.engines import EncodedPrompt
+from batch_assets.resources.openai_engine import EndpointError, OpenAIEngine, chat_request_params
+from batch_assets.specs.task_spec import load_task_spec
+from batch_assets_tests.conftest import REPO_ROOT, drop
+from batch_assets_tests.test_pipeline_materialize import failure_messages, read_output, run_partition
+
+API_KEY = "test-key-5f3a9c1e-never-logged"
+MODEL = "fault-model"
+
+
+class FaultServer:
+    """Chat completions with scripted faults: `plan[word]` lists what successive requests whose
+    user message contains `word` get: "429", "500", "slow", "drop", "401", "garbage" (a 200 that
+    is not JSON) or "ok". The last step
+    repeats. Prompts matching no word get "ok"."""
+
+    def __init__(self, slow_seconds: float = 1.5, ok_delay: float = 0.0) -> None:
+        self.plan: dict[str, list[str]] = {}
+        self.slow_seconds = slow_seconds
+        self.ok_delay = ok_delay
+        self.attempts: Counter[str] = Counter()
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.bodies: list[dict] = []
+        self.headers_seen: list[dict] = []
+        self._lock = threading.Lock()
+        self._steps: dict[str, int] = defaultdict(int)
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # keep test output quiet
+                pass
+
+            def do_GET(self) -> None:
+                if self.path.rstrip("/").endswith("/models"):
+                    self._json(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+                else:
+                    self._json(404, {"error": {"message": "no such route"}})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                user = body["messages"][-1]["content"]
+                action = server._next_action(user, body, {k.lower(): v for k, v in self.headers.items()})
+                with server._lock:
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                try:
+                    self._act(action, body)
+                finally:
+                    with server._lock:
+                        server.in_flight -= 1
+
+            def _act(self, action: str, body: dict) -> None:
+                if action == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                elif action == "429":
+                    self._json(429, {"error": {"message": "rate limited"}}, {"Retry-After": "0.05"})
+                elif action == "500":
+                    self._json(500, {"error": {"message": "internal server error"}})
+                elif action == "401":
+                    # A careless server echoing the credentials: they must not reach our errors.
+                    self._json(401, {"error": {"message": f"bad key {self.headers.get('Authorization')}"}})
+                elif action == "garbage":
+                    data = b"<html>502 Bad Gateway</html>"
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                elif action == "slow":
+                    time.sleep(server.slow_seconds)
+                    try:
+                        self._completion(body)
+                    except OSError:  # the client gave up already
+                        pass
+                else:
+                    time.sleep(server.ok_delay)
+                    self._completion(body)
+
+            def _completion(self, body: dict) -> None:
+                choice = (body.get("structured_outputs") or {}).get("choice")
+                text = choice[len(body["messages"][-1]["content"]) % len(choice)] if choice else "free text answer"
+                self._json(
+                    200,
+                    {
+                        "id": "chatcmpl-test",
+                        "object": "chat.completion",
+                        "created": 0,
+                        "model": body["model"],
+                        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                        "usage": {"prompt_tokens": 11, "completion_tokens": 2, "total_tokens": 13},
+                    },
+                )
+
+            def _json(self, status: int, payload: dict, headers: dict | None = None) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def _next_action(self, user: str, body: dict, headers: dict) -> str:
+        with self._lock:
+            self.bodies.append(body)
+            self.headers_seen.append(headers)
+            word = next((w for w in self.plan if w in user), None)
+            if word is None:
+                self.attempts["*"] += 1
+                return "ok"
+            self.attempts[word] += 1
+            steps = self.plan[word]
+            action = steps[min(self._steps[word], len(steps) - 1)]
+            self._steps[word] += 1
+            return action
+
+    def __enter__(self) -> FaultServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def fault_server() -> Iterator[FaultServer]:
+    with FaultServer() as server:
+        yield server
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def endpoint_task(tmp_path: Path, base_url: str, tiny_model_path: str, **engine: object):
+    """The shipped `sentiment` task pointed at an endpoint through its YAML, as a user would."""
+    settings = {
+        "kind": "openai",
+        "base_url": base_url,
+        "model": MODEL,
+        "api_key_env": "BATCH_ASSETS_TEST_ENDPOINT_KEY",
+        "tokenizer": tiny_model_path,
+        "max_model_len": 1024,
+        "concurrency": 4,
+        "request_timeout_s": 0.5,
+        "max_retries": 2,
+        **engine,
+    }
+    lines = "".join(f"  {key}: {json.dumps(value)}\n" for key, value in settings.items())
+    text = (REPO_ROOT / "batch_assets" / "tasks" / "sentiment.yaml").read_text(encoding="utf-8")
+    text = text.replace("engine:\n  max_model_len: 1024\n", "engine:\n" + lines)
+    text = text.replace("max_error_share: 0.05", "max_error_share: 0.5")
+    folder = tmp_path / "tasks"
+    folder.mkdir(exist_ok=True)
+    (folder / "sentiment.yaml").write_text(text, encoding="utf-8")
+    return load_task_spec(folder / "sentiment.yaml")
+
+
+POSTS = ["alpha is great", "bravo was awful", "charlie meeting at noon", "delta is fine", "echo loved it", "foxtrot tonight"]
+
+
+def posts_jsonl(texts: list[str]) -> str:
+    return "".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts))
+
+
+@pytest.fixture
+def endpoint_key(monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("BATCH_ASSETS_TEST_ENDPOINT_KEY", API_KEY)
+    return API_KEY
+
+
+def all_run_text(instance: dg.DagsterInstance, run_id: str) -> str:
+    """Everything the run recorded: events, metadata, errors."""
+    return "\n".join(repr(entry) for entry in instance.all_logs(run_id))
+
+
+def test_request_fields_follow_vllms_protocol(tmp_path: Path, tiny_model_path: str) -> None:
+    task = endpoint_task(tmp_path, "http://127.0.0.1:9/v1", tiny_model_path)
+    params = chat_request_params(task, "m")
+    assert params["extra_body"] == {"structured_outputs": {"choice": ["positive", "negative", "neutral"]}}
+    assert params["max_tokens"] == 10 and params["temperature"] == 0
+    # vLLM's own request model accepts exactly these fields, constraint included.
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    body = {k: v for k, v in params.items() if k != "extra_body"} | params["extra_body"]
+    request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **body})
+    assert request.structured_outputs.choice == ["positive", "negative", "neutral"]
+
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    json_task = task.model_copy(update={"output": task.output.model_copy(update={"kind": "json_schema", "json_schema": schema, "choices": None})})
+    params = chat_request_params(json_task, "m")
+    request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **params})
+    assert request.extract_structured_outputs().json == schema
+
+
+def test_transient_faults_are_retried_and_every_row_succeeds(
+    tmp_path: Path, tiny_model_path: str, fault_server: FaultServer, endpoint_key: str
+) -> None:
+    fault_server.plan = {"alpha": ["429", "429", "ok"], "bravo": ["500", "ok"], "charlie": ["drop", "ok"], "delta": ["slow", "ok"]}
+    task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path)
+    engine = OpenAIEngine()
+    tokenizer = engine.tokenizer(task)
+    prompts = [EncodedPrompt(tokenizer(p)["input_ids"], [{"role": "user", "content": p}]) for p in POSTS]
+    generations = engine.generate(task, prompts)
+    assert [g.error for g in generations] == [None] * len(POSTS)
+    assert all(g.text in ("positive", "negative", "neutral") for g in generations)
+    assert (generations[0].num_prompt_tokens, generations[0].num_generated_tokens) == (11, 2)  # the server's usage
+    assert fault_server.attempts == Counter({"alpha": 3, "bravo": 2, "charlie": 2, "delta": 2, "*": 2})
+    assert {h.get("authorization") for h in fault_server.headers_seen} == {f"Bearer {API_KEY}"}
+
+
+def test_requests_in_flight_are_limited_by_concurrency(tmp_path: Path, tiny_model_path: str, endpoint_key: str) -> None:
+    with FaultServer(ok_delay=0.3) as server:
+        task = endpoint_task(tmp_path, server.base_url, tiny_model_path, concurrency=3, request_timeout_s=30)
+        prompts = [EncodedPrompt([1, 2, 3], [{"role": "user", "content": f"post {i}"}]) for i in range(12)]
+        generations = OpenAIEngine().generate(task, prompts)
+    assert all(g.error is None for g in generations)
+    assert 1 < server.max_in_flight <= 3
+
+
+def test_a_request_that_keeps_failing_becomes_an_error_row(
+    tmp_path: Path, data_dir: Path, tiny_model_path: str, fault_server: FaultServer, endpoint_key: str
+) -> None:
+    fault_server.plan = {"bravo": ["500"], "delta": ["slow"], "echo": ["drop"], "foxtrot": ["garbage"], "alpha": ["429", "ok"]}
+    task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path)
+    drop(data_dir, "sentiment", "posts.jsonl", posts_jsonl(POSTS))
+    with dg.instance_for_test() as instance:
+        key, result = run_partition("sentiment", "posts.jsonl", instance, build_definitions(tasks=[task]))
+        assert result.success, failure_messages(result)
+        recorded = all_run_text(instance, result.run_id)
+    labels = read_output(data_dir, "sentiment", "validated_labels", key)
+    errors = dict(zip(labels["text"], labels["error"], strict=True))
+    assert errors["bravo was awful"].startswith("endpoint_error: HTTP 500")
+    assert errors["delta is fine"].startswith("endpoint_timeout:")
+    assert errors["echo loved it"].startswith("endpoint_connection:")
+    assert errors["foxtrot tonight"].startswith("endpoint_error:")
+    assert errors["alpha is great"] is None and errors["charlie meeting at noon"] is None
+    assert labels.filter(pl.col("error").is_null())["label"].is_in(["positive", "negative", "neutral"]).all()
+    assert fault_server.attempts["bravo"] == 3  # max_retries 2: three attempts before giving up
+    assert API_KEY not in recorded
+
+
+def test_server_down_fails_the_run_with_a_clear_message(
+    tmp_path: Path, data_dir: Path, tiny_model_path: str, endpoint_key: str
+) -> None:
+    base_url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens here
+    task = endpoint_task(tmp_path, base_url, tiny_model_path, max_retries=1)
+    drop(data_dir, "sentiment", "posts.jsonl", posts_jsonl(POSTS))
+    with dg.instance_for_test() as instance:
+        key, result = run_partition("sentiment", "posts.jsonl", instance, build_definitions(tasks=[task]))
+        assert not result.success
+        message = "\n".join(failure_messages(result))
+        assert "cannot connect to the endpoint" in message and base_url in message
+        assert API_KEY not in all_run_text(instance, result.run_id)
+    # The failure is in the inference step; parsing and formatting did not need the server.
+    assert (data_dir / "storage" / "sentiment" / "formatted_prompts" / f"{key}.parquet").exists()
+    assert not (data_dir / "storage" / "sentiment" / "inference_outputs" / f"{key}.parquet").exists()
+
+
+def test_model_discovery_against_a_down_server_names_the_server(tmp_path: Path, tiny_model_path: str, endpoint_key: str) -> None:
+    base_url = f"http://127.0.0.1:{free_port()}/v1"
+    task = endpoint_task(tmp_path, base_url, tiny_model_path, model="embedded:SmolLM2-135M-Instruct", max_retries=0)
+    with pytest.raises(EndpointError, match="cannot connect to the endpoint"):
+        OpenAIEngine().settings_for(task)
+
+
+def test_a_refused_key_fails_the_run_without_revealing_it(
+    tmp_path: Path, data_dir: Path, tiny_model_path: str, fault_server: FaultServer, endpoint_key: str
+) -> None:
+    fault_server.plan = {"": ["401"]}  # every prompt
+    task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path)
+    drop(data_dir, "sentiment", "posts.jsonl", posts_jsonl(POSTS))
+    with dg.instance_for_test() as instance:
+        _, result = run_partition("sentiment", "posts.jsonl", instance, build_definitions(tasks=[task]))
+        assert not result.success
+        message = "\n".join(failure_messages(result))
+        assert "HTTP 401" in message and "API key" in message
+        assert API_KEY not in all_run_text(instance, result.run_id)
+
+
+def test_a_failed_batch_fails_the_run_and_a_rerun_resumes_from_checkpoints(
+    tmp_path: Path, data_dir: Path, tiny_model_path: str, fault_server: FaultServer, endpoint_key: str
+) -> None:
+    # Batches of 2: [alpha, bravo] succeeds, then the server fails everything in [charlie, delta].
+    fault_server.plan = {"charlie": ["500"], "delta": ["500"]}
+    task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path, batch_size=2, max_retries=0)
+    drop(data_dir, "sentiment", "posts.jsonl", posts_jsonl(POSTS))
+    defs = build_definitions(tasks=[task])
+    with dg.instance_for_test() as instance:
+        key, first = run_partition("sentiment", "posts.jsonl", instance, defs)
+        assert not first.success
+        assert "all 2 requests of this batch" in "\n".join(failure_messages(first))
+        sent_before = Counter(fault_server.attempts)
+
+        fault_server.plan = {}  # the server recovers
+        fault_server.attempts.clear()
+        job = defs.resolve_job_def("sentiment_pipeline")
+        second = job.execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
+        assert second.success, failure_messages(second)
+        metadata = second.asset_materializations_for_node("sentiment__inference_outputs")[0].metadata
+    assert sent_before["*"] == 2  # alpha and bravo were answered in the first run ...
+    assert metadata["rows_from_checkpoint"].value == 2  # ... and reused, not asked again
+    assert metadata["rows_inferred"].value == 4 and fault_server.attempts["*"] == 4
+    labels = read_output(data_dir, "sentiment", "validated_labels", key)
+    assert labels["error"].null_count() == labels.height == len(POSTS)
+
+
+def test_endpoint_settings_are_checked_without_echoing_secrets(tmp_path: Path, tiny_model_path: str) -> None:
+    from batch_assets.specs.task_spec import TaskSpecError
+
+    task = endpoint_task(tmp_path, "http://127.0.0.1:9/v1", tiny_model_path)
+    path = tmp_path / "tasks" / "sentiment.yaml"
+    text = path.read_text()
+    path.write_text(text.replace('api_key_env: "BATCH_ASSETS_TEST_ENDPOINT_KEY"', f'api_key_env: "{API_KEY}"'))
+    with pytest.raises(TaskSpecError, match="api_key_env must be the name of an environment variable") as error:
+        load_task_spec(path)
+    assert API_KEY not in str(error.value)
+
+    path.write_text(text.replace("http://127.0.0.1:9/v1", f"http://user:{API_KEY}@127.0.0.1:9/v1"))
+    with pytest.raises(TaskSpecError, match="must not contain credentials") as error:
+        load_task_spec(path)
+    assert API_KEY not in str(error.value)
+
+    no_server = task.model_copy(update={"engine": task.engine.model_copy(update={"base_url": None})})
+    with pytest.raises(EndpointError, match="set `engine.base_url`"):
+        OpenAIEngine().settings_for(no_server)

@@ -1,0 +1,253 @@
+"""The scale-out storage for real: deploy/postgres/dagster.yaml on a PostgreSQL server.
+
+A throwaway PostgreSQL cluster (Debian's server binaries, `initdb` + `pg_ctl`, run as the `postgres`
+user when the tests run as root) listens on a free loopback port. The real daemon ticks the
+`sentiment_drops_sensor` over three dropped files; the tick, the three partitions, their runs
+(queued, launched and executed by the daemon, one inference step at a time through the `gpu` pool),
+materializations and check results must all land in Postgres.
+
+Each run is its own process with its own engine start (the slow part on a CPU), and this test is
+about storage: one drop holds real posts, the other two only posts with an empty text, which become
+error rows without starting an engine.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from batch_assets.partitions.drop_files import partition_key_for, partitions_def_name
+from batch_assets_tests.conftest import REPO_ROOT, SAMPLES
+
+psycopg2 = pytest.importorskip("psycopg2", reason="dagster-postgres is not installed (pip install -e '.[test]')")
+
+DEPLOY_INSTANCE = REPO_ROOT / "deploy" / "postgres" / "dagster.yaml"
+SENSOR = "sentiment_drops_sensor"
+RUNS_TIMEOUT_S = 900
+
+
+def postgres_bin_dir() -> Path | None:
+    """Debian keeps the server binaries in /usr/lib/postgresql/<version>/bin, off the PATH."""
+    versions = sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0)
+    for candidate in reversed(versions):
+        if (candidate / "initdb").exists() and (candidate / "pg_ctl").exists():
+            return candidate
+    initdb = shutil.which("initdb")
+    return Path(initdb).resolve().parent if initdb else None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class PostgresServer:
+    host: str
+    port: int
+    username: str
+    password: str
+    db_name: str
+
+    def env(self) -> dict[str, str]:
+        """The variables deploy/postgres/dagster.yaml reads."""
+        return {
+            "DAGSTER_PG_HOST": self.host,
+            "DAGSTER_PG_PORT": str(self.port),
+            "DAGSTER_PG_USERNAME": self.username,
+            "DAGSTER_PG_PASSWORD": self.password,
+            "DAGSTER_PG_DB": self.db_name,
+        }
+
+    def query(self, sql: str) -> list[tuple]:
+        with psycopg2.connect(
+            host=self.host, port=self.port, user=self.username, password=self.password, dbname=self.db_name
+        ) as connection, connection.cursor() as cursor:
+            cursor.execute(sql)
+            return cursor.fetchall()
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[PostgresServer]:
+    bin_dir = postgres_bin_dir()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL server binaries not found: install Debian's postgresql (scripts/install_system_deps.sh does it as root)")
+    # initdb refuses to run as root: run the server as the `postgres` user the Debian package creates.
+    run_as: list[str] = []
+    owner = None
+    if os.geteuid() == 0:
+        try:
+            owner = pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root and there is no `postgres` user to run the PostgreSQL server as")
+        run_as = ["runuser", "-u", "postgres", "--"]
+    # Under /tmp (not pytest's root-only tmp_path) so the `postgres` user can reach it.
+    root = Path(tempfile.mkdtemp(prefix="batch_assets_pg_"))
+    password = "batch-assets-test"
+    (root / "pwfile").write_text(password + "\n")
+    if owner is not None:
+        for path in (root, root / "pwfile"):
+            os.chown(path, owner.pw_uid, owner.pw_gid)
+    data = root / "data"
+    port = free_port()
+
+    def pg(*args: str, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run([*run_as, *args], capture_output=True, text=True, timeout=120, **kwargs)
+
+    initdb = pg(
+        str(bin_dir / "initdb"), "-D", str(data), "-U", "dagster", f"--pwfile={root / 'pwfile'}",
+        "--auth-host=scram-sha-256", "--auth-local=trust", "-E", "UTF8", "--locale=C",
+    )
+    assert initdb.returncode == 0, initdb.stderr
+    options = f"-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories={root} -c fsync=off"
+    started = pg(str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log"), "-w", "-t", "60", "-o", options, "start")
+    assert started.returncode == 0, started.stderr + started.stdout
+    try:
+        connection = psycopg2.connect(host="127.0.0.1", port=port, user="dagster", password=password, dbname="postgres")
+        connection.autocommit = True
+        with connection.cursor() as cursor:
+            cursor.execute("CREATE DATABASE batch_assets")
+        connection.close()
+        yield PostgresServer("127.0.0.1", port, "dagster", password, "batch_assets")
+    finally:
+        pg(str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def stop(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGINT)
+        process.wait(timeout=30)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def sensor_ticks(instance: dg.DagsterInstance, name: str) -> list:
+    for state in instance.all_instigator_state():
+        if state.name == name:
+            return list(instance.get_ticks(state.instigator_origin_id, state.selector_id))
+    return []
+
+
+def test_sensor_tick_and_runs_of_several_partitions_recorded_in_postgres(
+    postgres: PostgresServer, tmp_path: Path, tiny_model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home, data = tmp_path / "dagster_home", tmp_path / "data"
+    home.mkdir()
+    shutil.copyfile(DEPLOY_INSTANCE, home / "dagster.yaml")
+    # Three drops: four real posts, and twice two posts with an empty text.
+    lines = (SAMPLES / "sentiment" / "posts-sample.jsonl").read_text(encoding="utf-8").splitlines()
+    empty = '{"post_id": "e1", "text": ""}\n{"post_id": "e2", "text": "   "}\n'
+    drops = {"posts-a.jsonl": "\n".join(lines[:4]) + "\n", "posts-b.jsonl": empty, "posts-c.jsonl": empty}
+    rows = {"posts-a.jsonl": 4, "posts-b.jsonl": 2, "posts-c.jsonl": 2}
+    zone = data / "drops" / "sentiment"
+    zone.mkdir(parents=True)
+    for name, content in drops.items():
+        (zone / name).write_text(content, encoding="utf-8")
+    keys = sorted(partition_key_for(name) for name in drops)
+
+    env = {
+        **os.environ,
+        **postgres.env(),
+        "DAGSTER_HOME": str(home),
+        "BATCH_ASSETS_DATA": str(data),
+        "BATCH_ASSETS_MODEL": tiny_model_path,
+    }
+    env.pop("BATCH_ASSETS_TASKS_DIR", None)
+    for name, value in postgres.env().items():
+        monkeypatch.setenv(name, value)
+    bin_dir = Path(sys.executable).parent
+
+    started = subprocess.run(
+        [str(bin_dir / "dagster"), "sensor", "start", "-w", "workspace.yaml", SENSOR],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert started.returncode == 0, started.stdout + started.stderr
+
+    instance = dg.DagsterInstance.from_config(str(home))
+    log = tmp_path / "daemon.log"
+    daemon = subprocess.Popen(
+        [str(bin_dir / "dagster-daemon"), "run", "-w", "workspace.yaml"],
+        cwd=REPO_ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + RUNS_TIMEOUT_S
+        while True:
+            assert daemon.poll() is None, f"dagster-daemon exited:\n{log.read_text()[-3000:]}"
+            ticks = [t for t in sensor_ticks(instance, SENSOR) if t.run_ids]
+            runs = instance.get_runs(filters=dg.RunsFilter(run_ids=list(ticks[0].run_ids))) if ticks else []
+            if runs and all(run.is_finished for run in runs):
+                break
+            assert time.monotonic() < deadline, f"runs not finished in {RUNS_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
+            time.sleep(3)
+    finally:
+        stop(daemon)
+
+    # One tick turned the three files into three partitions and three runs.
+    tick = ticks[0]
+    assert tick.status.value == "SUCCESS"
+    assert len(tick.run_ids) == 3
+    assert sorted(instance.get_dynamic_partitions(partitions_def_name("sentiment"))) == keys
+    assert sorted(run.tags["dagster/partition"] for run in runs) == keys
+    failed = {run.run_id: run.status for run in runs if run.status != dg.DagsterRunStatus.SUCCESS}
+    assert not failed, f"{failed}\n{log.read_text()[-3000:]}"
+    assert all(run.tags.get("dagster/sensor_name") == SENSOR for run in runs)
+
+    # Each partition's labels and check results are in the event log.
+    labels_key = dg.AssetKey(["sentiment", "validated_labels"])
+    for name, expected_rows in rows.items():
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=labels_key, asset_partitions=[partition_key_for(name)]), limit=1
+        ).records
+        assert records and records[0].asset_materialization.metadata["rows"].value == expected_rows
+    evaluations = [
+        record.event_log_entry.dagster_event.event_specific_data
+        for record in instance.get_event_records(dg.EventRecordsFilter(event_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION))
+    ]
+    passed = {(e.partition, e.check_name) for e in evaluations if e.passed}
+    for key in keys:
+        assert {(key, "labels_are_valid"), (key, "one_row_per_record"), (key, "outputs_satisfy_constraint")} <= passed
+    # Only the real posts reached the engine; the empty ones are error rows, flagged by the WARN
+    # check, whose result points at the failing rows and the file that holds them.
+    assert (partition_key_for("posts-a.jsonl"), "error_share_below_threshold") in passed
+    empty_key = partition_key_for("posts-b.jsonl")
+    flagged = next(e for e in evaluations if e.partition == empty_key and e.check_name == "error_share_below_threshold")
+    assert not flagged.passed
+    assert flagged.metadata["failed_row_ids"].value == [0, 1]
+    assert flagged.metadata["rows_file"].value == str(data / "storage" / "sentiment" / "validated_labels" / f"{empty_key}.parquet")
+
+    # The `gpu` pool got its default limit of 1 and is free again.
+    pool = instance.event_log_storage.get_concurrency_info("gpu")
+    assert pool.slot_count == 1 and pool.active_slot_count == 0
+
+    # And all of it is in Postgres itself, not in files under DAGSTER_HOME.
+    assert type(instance.run_storage).__name__ == "PostgresRunStorage"
+    assert type(instance.event_log_storage).__name__ == "PostgresEventLogStorage"
+    assert type(instance.schedule_storage).__name__ == "PostgresScheduleStorage"
+    assert postgres.query("SELECT status, count(*) FROM runs GROUP BY status") == [("SUCCESS", 3)]
+    assert postgres.query("SELECT count(*) FROM job_ticks WHERE status = 'SUCCESS'")[0][0] >= 1
+    assert postgres.query("SELECT count(*) FROM event_logs WHERE dagster_event_type = 'ASSET_CHECK_EVALUATION'")[0][0] == 3 * 4
+    assert not list(home.rglob("*.db"))
+    instance.dispose()

@@ -1,0 +1,138 @@
+"""kill -9 in the middle of inference, then re-run: every record once, finished work reused.
+
+A real `batch-assets run` child process (its own process group, with vLLM's engine processes)
+is killed with SIGKILL once a checkpoint chunk of the 5,000-row partition exists. The re-run then
+materializes only the partitions Dagster does not have yet ("backfill failed and missing"), and
+the 5,000-row partition resumes from its checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import dagster as dg
+import polars as pl
+import pytest
+
+from batch_assets_tests.conftest import REPO_ROOT
+
+CLI = REPO_ROOT / ".venv" / "bin" / "batch-assets"
+SENTIMENT_YAML = REPO_ROOT / "batch_assets" / "tasks" / "sentiment.yaml"
+
+
+def small_batch_tasks(folder: Path, batch_size: int) -> Path:
+    """The shipped sentiment task with a small engine batch, so checkpoint chunks appear quickly."""
+    folder.mkdir(parents=True, exist_ok=True)
+    text = SENTIMENT_YAML.read_text()
+    assert "\nengine:\n" in text
+    (folder / "sentiment.yaml").write_text(text.replace("\nengine:\n", f"\nengine:\n  batch_size: {batch_size}\n"))
+    return folder
+
+
+def write_posts(path: Path, n: int, tag: str) -> Path:
+    with path.open("w") as handle:
+        for i in range(n):
+            handle.write(json.dumps({"id": f"{tag}-{i}", "text": f"{tag} post {i}: the delivery took {i % 9} days"}) + "\n")
+    return path
+
+
+def chunks_of(data: Path, partition: str) -> list[Path]:
+    return sorted((data / "storage" / "sentiment" / "_checkpoints" / partition).glob("*/chunk-*.parquet"))
+
+
+def group_alive(pgid: int) -> list[int]:
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid and (entry / "stat").read_text().split()[2] != "Z":
+                    alive.append(int(entry.name))
+            except (ProcessLookupError, FileNotFoundError, PermissionError):
+                pass
+    return alive
+
+
+@pytest.fixture
+def child_env(data_dir: Path, tiny_model: str, tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["BATCH_ASSETS_TASKS_DIR"] = str(small_batch_tasks(tmp_path / "tasks", batch_size=100))
+    return env
+
+
+def run_cli(env: dict[str, str], cwd: Path, *files: str, log: Path) -> subprocess.Popen:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [str(CLI), "run", "sentiment", *files], cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def test_kill_9_mid_inference_then_rerun_gives_each_row_once_and_reuses_checkpoints(
+    data_dir: Path, child_env: dict[str, str], tmp_path: Path
+) -> None:
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    write_posts(inputs / "a.jsonl", 200, "a")
+    write_posts(inputs / "b.jsonl", 5000, "b")
+    write_posts(inputs / "c.jsonl", 200, "c")
+    log = tmp_path / "cli.log"
+
+    # 1. A multi-partition run, killed with SIGKILL (whole process group) mid-way through b.
+    child = run_cli(child_env, inputs, "a.jsonl", "b.jsonl", "c.jsonl", log=log)
+    deadline = time.monotonic() + 600
+    while not chunks_of(data_dir, "b.jsonl"):
+        assert child.poll() is None, f"the run ended before it could be killed:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+    for _ in range(100):  # vLLM's engine processes are in the group too
+        if not group_alive(child.pid):
+            break
+        time.sleep(0.1)
+    assert group_alive(child.pid) == []
+
+    outputs = data_dir / "storage" / "sentiment" / "validated_labels"
+    assert (outputs / "a.jsonl.parquet").exists()
+    assert not (outputs / "b.jsonl.parquet").exists() and not (outputs / "c.jsonl.parquet").exists()
+    checkpointed = sum(pl.read_parquet(chunk).height for chunk in chunks_of(data_dir, "b.jsonl"))
+    assert 0 < checkpointed < 5000
+    a_written = (outputs / "a.jsonl.parquet").stat().st_mtime_ns
+
+    # 2. Re-run what Dagster does not have (the "failed and missing" partitions of a backfill).
+    instance = dg.DagsterInstance.get()
+    labels_key = dg.AssetKey(["sentiment", "validated_labels"])
+    assert instance.get_materialized_partitions(labels_key) == {"a.jsonl"}
+    missing = sorted({"a.jsonl", "b.jsonl", "c.jsonl"} - instance.get_materialized_partitions(labels_key))
+    assert missing == ["b.jsonl", "c.jsonl"]
+    rerun = run_cli(child_env, inputs, *missing, log=log)
+    assert rerun.wait(timeout=900) == 0, log.read_text()[-5000:]
+
+    # 3. Every record exactly once, in input order; b resumed from its checkpoints; a not redone.
+    b = pl.read_parquet(outputs / "b.jsonl.parquet")
+    assert b.height == 5000
+    assert b["row_id"].to_list() == list(range(5000))
+    assert b["id"].to_list() == [f"b-{i}" for i in range(5000)]
+    assert b["label"].null_count() == 0 and b["error"].null_count() == 5000
+    assert pl.read_parquet(outputs / "c.jsonl.parquet").height == 200
+    assert (outputs / "a.jsonl.parquet").stat().st_mtime_ns == a_written
+    assert len(instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=labels_key, asset_partitions=["a.jsonl"]), limit=10).records) == 1
+
+    record = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(["sentiment", "inference_outputs"]), asset_partitions=["b.jsonl"]), limit=1
+    ).records[0]
+    metadata = record.asset_materialization.metadata
+    reused, inferred = metadata["rows_from_checkpoint"].value, metadata["rows_inferred"].value
+    assert reused >= checkpointed > 0
+    assert reused + inferred == 5000
+    # The run the kill left STARTED (holding the `gpu` pool slot) was closed by the re-run.
+    assert not instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))
+    assert "died" in log.read_text()
+    # The checkpoints of finished partitions are gone.
+    assert not (data_dir / "storage" / "sentiment" / "_checkpoints" / "b.jsonl").exists()
+    assert not (data_dir / "storage" / "sentiment" / "_checkpoints" / "c.jsonl").exists()

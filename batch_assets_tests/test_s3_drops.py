@@ -1,0 +1,449 @@
+"""Drops in S3 become partitions and runs; outputs land in S3; S3 failures end runs with clear errors.
+
+Everything talks HTTP to moto's standalone S3 server on 127.0.0.1 (no in-process patching): s3fs
+and boto3 find it through `AWS_ENDPOINT_URL`, as they would find a real S3-compatible endpoint.
+Throttling is injected by a small loopback proxy in front of the server that answers chosen
+requests with S3's `503 SlowDown`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import json
+import logging
+import socket
+import threading
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+import boto3
+import dagster as dg
+import polars as pl
+import pytest
+import s3fs
+from moto.server import ThreadedMotoServer
+
+from batch_assets.definitions import build_definitions, pipeline_job_name
+from batch_assets.partitions.drop_files import list_drop_files, partitions_def_name
+from batch_assets.sensors.drops_sensor import REPLACED_TAG, SOURCE_FILE_TAG, build_drops_sensor
+from batch_assets.specs.task_spec import load_task_specs
+from batch_assets.storage.errors import StorageError
+
+BUCKET = "batch-bucket"
+PREFIX = "team/batch"
+DATA_URL = f"s3://{BUCKET}/{PREFIX}"
+SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY"
+TASK = "sentiment"
+SENSOR = f"{TASK}_drops_sensor"
+
+POSTS_A = '{"text": "Loving the new update!"}\n{"text": "Worst support ever."}\n{"text": "Meeting at 3pm."}\n'
+POSTS_B = '{"text": "Great coffee this morning"}\n{"text": "Train delayed again"}\n'
+POSTS_C = '{"text": "New phone, who dis"}\n'
+POSTS_D = '{"text": "Rainy day"}\n{"text": "Sunny day"}\n'
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint() -> Iterator[str]:
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+def _post(url: str, data: bytes = b"") -> None:
+    request = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "text/plain"})
+    urllib.request.urlopen(request, timeout=30).read()
+
+
+def use_endpoint(monkeypatch: pytest.MonkeyPatch, endpoint: str, key: str = "AKIAIOSFODNN7EXAMPLE", secret: str = SECRET) -> None:
+    """Point s3fs and boto3 at `endpoint` through the standard AWS variables only."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    # fsspec caches one filesystem per set of options; the credentials changed under it.
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@dataclass
+class S3:
+    endpoint: str
+    client: object
+
+    def put(self, relative: str, body: str | bytes, task: str = TASK) -> None:
+        data = body.encode("utf-8") if isinstance(body, str) else body
+        self.client.put_object(Bucket=BUCKET, Key=f"{PREFIX}/drops/{task}/{relative}", Body=data)
+
+    def keys(self, under: str) -> list[str]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=f"{PREFIX}/{under}")
+        return [item["Key"] for page in pages for item in page.get("Contents", [])]
+
+    def read_output(self, asset: str, partition_key: str, task: str = TASK) -> pl.DataFrame:
+        body = self.client.get_object(Bucket=BUCKET, Key=f"{PREFIX}/storage/{task}/{asset}/{partition_key}.parquet")["Body"]
+        return pl.read_parquet(io.BytesIO(body.read()))
+
+
+@pytest.fixture
+def s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
+    """An empty moto server with one bucket; BATCH_ASSETS_DATA points into it."""
+    _post(f"{moto_endpoint}/moto-api/reset")
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_RETRY_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    # Two attempts per request keep the failure tests short; retries are still exercised.
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    monkeypatch.setenv("BATCH_ASSETS_DATA", DATA_URL)
+    use_endpoint(monkeypatch, moto_endpoint)
+    client = boto3.client("s3")
+    client.create_bucket(Bucket=BUCKET)
+    yield S3(moto_endpoint, client)
+    _post(f"{moto_endpoint}/moto-api/reset-auth", b"inf")
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def sentiment_sensor(defs: dg.Definitions) -> dg.SensorDefinition:
+    return next(sensor for sensor in defs.sensors if sensor.name == SENSOR)
+
+
+def tick(sensor: dg.SensorDefinition, instance: dg.DagsterInstance, cursor: str | None) -> tuple[dg.SensorResult, str | None]:
+    """Evaluate one tick and apply its partition requests, as the daemon does."""
+    result = sensor(dg.build_sensor_context(instance=instance, cursor=cursor))
+    for request in result.dynamic_partitions_requests or []:
+        instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+    return result, result.cursor if result.cursor is not None else cursor
+
+
+def execute(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunRequest):
+    """Run what the sensor requested, with its partition and tags, as the daemon's run would."""
+    job = defs.resolve_job_def(pipeline_job_name(TASK))
+    return job.execute_in_process(instance=instance, partition_key=request.partition_key, tags=request.tags, raise_on_error=False)
+
+
+def failure_text(result) -> str:
+    return "\n".join(event.step_failure_data.error.to_string() for event in result.all_events if event.is_step_failure)
+
+
+def materialized(instance: dg.DagsterInstance, asset: str) -> set[str]:
+    return instance.get_materialized_partitions(dg.AssetKey([TASK, asset]))
+
+
+def test_s3_drops_become_one_run_each_with_outputs_in_s3(s3: S3, tiny_model: str) -> None:
+    s3.put("posts-a.jsonl", POSTS_A)
+    s3.put("2026/11/posts b é.jsonl", POSTS_B)  # nested, with a space and unicode
+    s3.put("posts-c.jsonl", POSTS_C)
+    s3.put("upload.jsonl.part", POSTS_C)  # an upload tool's temporary name
+    s3.put("README.md", "not an input")
+    defs = build_definitions()
+    sensor = sentiment_sensor(defs)
+    with dg.instance_for_test() as instance:
+        result, cursor = tick(sensor, instance, None)
+        requests = result.run_requests
+        assert len(requests) == 3
+        keys = [request.partition_key for request in requests]
+        assert len(set(keys)) == 3
+        assert sorted(instance.get_dynamic_partitions(partitions_def_name(TASK))) == sorted(keys)
+        assert {request.tags[SOURCE_FILE_TAG] for request in requests} == {"posts-a.jsonl", "2026/11/posts b é.jsonl", "posts-c.jsonl"}
+        assert all(REPLACED_TAG not in request.tags for request in requests)
+        for request in requests:
+            run = execute(defs, instance, request)
+            assert run.success, failure_text(run)
+        rows = {request.tags[SOURCE_FILE_TAG]: s3.read_output("validated_labels", request.partition_key).height for request in requests}
+        assert rows == {"posts-a.jsonl": 3, "2026/11/posts b é.jsonl": 2, "posts-c.jsonl": 1}
+        assert materialized(instance, "validated_labels") == set(keys)
+
+        # Nothing changed: no run, and the tick says which files it skipped and why.
+        again, cursor = tick(sensor, instance, cursor)
+        assert not again.run_requests
+        message = again.skip_reason.skip_message
+        assert "upload.jsonl.part" in message and "README.md" in message and "unknown extension" in message
+
+        # A restarted daemon loads the code anew and gets the stored cursor: still nothing to do.
+        restarted, _ = tick(sentiment_sensor(build_definitions()), instance, cursor)
+        assert not restarted.run_requests
+
+        # A fourth file: exactly one more run.
+        s3.put("posts-d.jsonl", POSTS_D)
+        fourth, cursor = tick(sensor, instance, cursor)
+        assert [request.tags[SOURCE_FILE_TAG] for request in fourth.run_requests] == ["posts-d.jsonl"]
+        assert execute(defs, instance, fourth.run_requests[0]).success
+        assert s3.read_output("validated_labels", fourth.run_requests[0].partition_key).height == 2
+
+        # Replacing a file with new content re-runs that partition only, tagged as a replacement.
+        key_a = next(request.partition_key for request in requests if request.tags[SOURCE_FILE_TAG] == "posts-a.jsonl")
+        s3.put("posts-a.jsonl", POSTS_A + '{"text": "One more post"}\n')
+        replaced, cursor = tick(sensor, instance, cursor)
+        assert [request.partition_key for request in replaced.run_requests] == [key_a]
+        request = replaced.run_requests[0]
+        assert request.tags[REPLACED_TAG] == "true"
+        assert request.run_key != next(r.run_key for r in requests if r.partition_key == key_a)
+        run = execute(defs, instance, request)
+        assert run.success
+        assert instance.get_run_by_id(run.run_id).tags[REPLACED_TAG] == "true"
+        assert s3.read_output("validated_labels", key_a).height == 4
+
+        # Uploading the same bytes again is no change at all (same ETag).
+        s3.put("posts-a.jsonl", POSTS_A + '{"text": "One more post"}\n')
+        assert not tick(sensor, instance, cursor)[0].run_requests
+
+
+def put_many(count: int, relative: str) -> None:
+    """Create many small objects fast, straight in the server's backend (the listing still goes over HTTP)."""
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.s3.models import s3_backends
+
+    backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
+    for index in range(count):
+        backend.put_object(BUCKET, f"{PREFIX}/drops/{TASK}/{relative.format(index=index)}", b'{"text": "x"}\n')
+
+
+def test_tick_over_ten_thousand_keys_pages_and_requests_each_file_once(s3: S3) -> None:
+    put_many(9_990, "batch-{index:05d}/posts-{index:05d}.jsonl")
+    put_many(10, ".staging/part-{index}.tmp")
+    task = next(task for task in load_task_specs() if task.name == TASK)
+    job = build_definitions().resolve_job_def(pipeline_job_name(TASK))
+    files, skipped = list_drop_files(TASK)
+    assert len(files) == 9_990 and len(skipped) == 10  # ten pages of ListObjectsV2
+
+    with dg.instance_for_test() as instance:
+        # The shipped sensor requests at most 500 runs a tick; the rest wait for the next ticks.
+        first, _ = tick(build_drops_sensor(task, job), instance, None)
+        assert len(first.run_requests) == 500
+
+    with dg.instance_for_test() as instance:
+        sensor = build_drops_sensor(task, job, max_runs_per_tick=None)
+        result, cursor = tick(sensor, instance, None)
+        keys = [request.partition_key for request in result.run_requests]
+        assert len(keys) == len(set(keys)) == 9_990
+        assert len({request.run_key for request in result.run_requests}) == 9_990
+        assert len(instance.get_dynamic_partitions(partitions_def_name(TASK))) == 9_990
+        # The cursor stays small: about 11 bytes per file.
+        assert len(cursor) < 12 * 9_990
+
+        quiet, cursor = tick(sensor, instance, cursor)
+        assert not quiet.run_requests
+        assert "9990 known" in quiet.skip_reason.skip_message
+
+        s3.put("batch-late/posts.jsonl", POSTS_C)
+        late, _ = tick(sensor, instance, cursor)
+        assert [request.tags[SOURCE_FILE_TAG] for request in late.run_requests] == ["batch-late/posts.jsonl"]
+
+
+# --- failures -------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_partition_expecting_failure(instance: dg.DagsterInstance, file_name: str = "posts.jsonl"):
+    defs = build_definitions()
+    instance.add_dynamic_partitions(partitions_def_name(TASK), [file_name])
+    job = defs.resolve_job_def(pipeline_job_name(TASK))
+    result = job.execute_in_process(instance=instance, partition_key=file_name, raise_on_error=False)
+    assert not result.success
+    return result
+
+
+def all_log_text(instance: dg.DagsterInstance, run_id: str) -> str:
+    """Every event of the run as stored (messages, errors, metadata)."""
+    return "\n".join(dg.serialize_value(record) for record in instance.all_logs(run_id))
+
+
+def test_endpoint_down_fails_the_tick_and_the_run_naming_url_and_cause(s3: S3, monkeypatch: pytest.MonkeyPatch, tiny_model: str) -> None:
+    s3.put("posts.jsonl", POSTS_A)
+    down = f"http://127.0.0.1:{free_port()}"
+    use_endpoint(monkeypatch, down)
+    with dg.instance_for_test() as instance:
+        with pytest.raises(StorageError) as tick_error:
+            tick(sentiment_sensor(build_definitions()), instance, None)
+        assert f"{DATA_URL}/drops/{TASK}" in str(tick_error.value)
+        assert f"could not connect to the S3 endpoint {down}" in str(tick_error.value)
+
+        result = run_partition_expecting_failure(instance)
+        text = failure_text(result)
+        assert f"{DATA_URL}/drops/{TASK}" in text and f"could not connect to the S3 endpoint {down}" in text
+        assert not materialized(instance, "raw_prompts")
+        assert SECRET not in all_log_text(instance, result.run_id)
+
+
+def test_missing_bucket_fails_the_tick_and_the_run_naming_url_and_cause(s3: S3, monkeypatch: pytest.MonkeyPatch, tiny_model: str) -> None:
+    monkeypatch.setenv("BATCH_ASSETS_DATA", "s3://no-such-bucket/batch")
+    with dg.instance_for_test() as instance:
+        with pytest.raises(StorageError, match=r"s3://no-such-bucket/batch/drops/sentiment failed: the bucket does not exist"):
+            tick(sentiment_sensor(build_definitions()), instance, None)
+        result = run_partition_expecting_failure(instance)
+        text = failure_text(result)
+        assert "s3://no-such-bucket/batch/drops/sentiment" in text and "NoSuchBucket" in text
+        assert not materialized(instance, "raw_prompts")
+    # Writing outputs never creates the bucket behind the user's back.
+    assert "no-such-bucket" not in [bucket["Name"] for bucket in s3.client.list_buckets()["Buckets"]]
+
+
+def test_access_denied_fails_the_run_naming_url_with_nothing_materialized(s3: S3, monkeypatch: pytest.MonkeyPatch, tiny_model: str) -> None:
+    s3.put("posts.jsonl", POSTS_A)
+    iam = boto3.client("iam")
+    iam.create_user(UserName="reader")
+    read_only = {
+        "Version": "2012-10-17",
+        "Statement": [
+            {
+                "Effect": "Allow",
+                "Action": ["s3:ListBucket", "s3:GetObject"],
+                "Resource": [f"arn:aws:s3:::{BUCKET}", f"arn:aws:s3:::{BUCKET}/*"],
+            }
+        ],
+    }
+    iam.put_user_policy(UserName="reader", PolicyName="read-only", PolicyDocument=json.dumps(read_only))
+    access_key = iam.create_access_key(UserName="reader")["AccessKey"]
+    _post(f"{s3.endpoint}/moto-api/reset-auth", b"0")  # from now on the server checks IAM
+    use_endpoint(monkeypatch, s3.endpoint, access_key["AccessKeyId"], access_key["SecretAccessKey"])
+
+    with dg.instance_for_test() as instance:
+        # Reading is allowed: the sensor works.
+        result, _ = tick(sentiment_sensor(build_definitions()), instance, None)
+        assert len(result.run_requests) == 1
+        # Writing is not: the run fails on its first output, which is not recorded.
+        run = run_partition_expecting_failure(instance)
+        text = failure_text(run)
+        assert f"writing {DATA_URL}/storage/{TASK}/raw_prompts" in text
+        assert "access denied (AccessDenied" in text
+        assert not materialized(instance, "raw_prompts")
+        assert access_key["SecretAccessKey"] not in all_log_text(instance, run.run_id)
+
+    # Unknown credentials: the tick fails saying so, without echoing the secret.
+    use_endpoint(monkeypatch, s3.endpoint, "AKIAUNKNOWNKEY000000", SECRET)
+    with dg.instance_for_test() as instance:
+        with pytest.raises(StorageError) as denied:
+            tick(sentiment_sensor(build_definitions()), instance, None)
+        assert "access denied (InvalidAccessKeyId" in str(denied.value)
+        assert SECRET not in str(denied.value)
+
+
+class ThrottlingProxy:
+    """Loopback HTTP proxy in front of the S3 server: answers chosen requests with `503 SlowDown`."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = urlsplit(upstream)
+        self.method = ""
+        self.path_part = ""
+        self.remaining: int | None = 0  # None: throttle every matching request
+        self.throttled = 0
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _body(self) -> bytes:
+                if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                    chunks = []
+                    while (size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)) > 0:
+                        chunks.append(self.rfile.read(size))
+                        self.rfile.readline()
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    return b"".join(chunks)
+                length = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(length) if length else b""
+
+            def _handle(self) -> None:
+                body = self._body()
+                if proxy.should_throttle(self.command, self.path):
+                    payload = (
+                        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+                        b"<Message>Please reduce your request rate.</Message><RequestId>proxy</RequestId></Error>"
+                    )
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(payload)
+                    return
+                upstream = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
+                skip = {"transfer-encoding", "connection", "content-length"}
+                headers = {name: value for name, value in self.headers.items() if name.lower() not in skip}
+                upstream.request(self.command, self.path, body=body, headers=headers)
+                response = upstream.getresponse()
+                data = response.read()
+                self.send_response_only(response.status)
+                for name, value in response.getheaders():
+                    if name.lower() not in skip or (name.lower() == "content-length" and self.command == "HEAD"):
+                        self.send_header(name, value)
+                if self.command != "HEAD":
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                upstream.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def throttle(self, method: str, path_part: str, times: int | None) -> None:
+        with self.lock:
+            self.method, self.path_part, self.remaining, self.throttled = method, path_part, times, 0
+
+    def should_throttle(self, method: str, path: str) -> bool:
+        with self.lock:
+            if method != self.method or self.path_part not in path or self.remaining == 0:
+                return False
+            if self.remaining is not None:
+                self.remaining -= 1
+            self.throttled += 1
+            return True
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def throttling(s3: S3, monkeypatch: pytest.MonkeyPatch) -> Iterator[ThrottlingProxy]:
+    proxy = ThrottlingProxy(s3.endpoint)
+    use_endpoint(monkeypatch, proxy.endpoint)
+    yield proxy
+    proxy.close()
+
+
+def test_throttled_writes_are_retried_and_the_run_succeeds(s3: S3, throttling: ThrottlingProxy, tiny_model: str) -> None:
+    s3.put("posts.jsonl", POSTS_A)
+    throttling.throttle("PUT", f"/{PREFIX}/storage/", times=3)
+    with dg.instance_for_test() as instance:
+        defs = build_definitions()
+        instance.add_dynamic_partitions(partitions_def_name(TASK), ["posts.jsonl"])
+        job = defs.resolve_job_def(pipeline_job_name(TASK))
+        result = job.execute_in_process(instance=instance, partition_key="posts.jsonl", raise_on_error=False)
+        assert result.success, failure_text(result)
+    assert throttling.throttled == 3
+    assert s3.read_output("validated_labels", "posts.jsonl").height == 3
+
+
+def test_persistent_throttling_fails_the_run_naming_url_with_nothing_materialized(
+    s3: S3, throttling: ThrottlingProxy, tiny_model: str
+) -> None:
+    s3.put("posts.jsonl", POSTS_A)
+    throttling.throttle("PUT", f"/{PREFIX}/storage/", times=None)
+    with dg.instance_for_test() as instance:
+        result = run_partition_expecting_failure(instance)
+        text = failure_text(result)
+        assert f"writing {DATA_URL}/storage/{TASK}/raw_prompts/posts.jsonl.parquet" in text
+        assert "throttling" in text and "SlowDown" in text
+        assert not materialized(instance, "raw_prompts")
+    assert throttling.throttled > 2  # retried before giving up
+    assert s3.keys("storage/") == []
