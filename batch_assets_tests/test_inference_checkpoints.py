@@ -174,3 +174,22 @@ def test_model_identity_changes_when_weights_are_replaced_in_place(tmp_path: Pat
     (tmp_path / "model.safetensors").write_bytes(b"v2-bigger")
     assert model_identity(str(tmp_path)) != before
     assert model_identity("org/some-model") == "org/some-model"
+
+
+def test_progress_is_logged_at_least_every_tenth_of_the_partition(partition_dir: UPath) -> None:
+    frame = formatted_frame([f"post {i}" for i in range(1000)])
+    lines: list[str] = []
+    run_inference(
+        frame, tokenize=tokenize, generate=Engine(), max_model_len=64, max_tokens=8,
+        batch_size=1024, deduplicate=True, checkpoints=CheckpointStore(partition_dir, "fp"), log=lines.append,
+    )
+    assert lines[0].startswith("1000 requests to infer") and "in 10 engine call(s) of up to 100" in lines[0]
+    progress = [line for line in lines if line.startswith("inferred ")]
+    assert len(progress) == 10 and progress[-1].startswith("inferred 1000/1000 requests (100%)")
+    # Small partitions are not cut into tiny engine calls.
+    lines.clear()
+    run_inference(
+        formatted_frame([f"p {i}" for i in range(30)]), tokenize=tokenize, generate=Engine(), max_model_len=64,
+        max_tokens=8, batch_size=1024, deduplicate=True, checkpoints=None, log=lines.append,
+    )
+    assert "in 1 engine call(s)" in lines[0]

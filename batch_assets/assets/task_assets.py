@@ -223,6 +223,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                 "generated_tokens": int(frame["num_generated_tokens"].sum() or 0),
                 "engine_seconds": round(stats.engine_seconds, 3),
                 "engine_start_seconds": round(stats.engine_start_seconds, 3),
+                "inference_seconds": round(stats.inference_seconds, 3),
                 "generated_tokens_per_second": round(stats.generated_tokens_per_second, 2),
                 "rows_per_second": round(stats.rows_per_second, 2),
                 "model": settings.model,

@@ -17,6 +17,7 @@ from batch_assets.inference.checkpoints import CHECKPOINT_SCHEMA, CheckpointStor
 from batch_assets.resources.vllm_engine import Generation
 
 GENERATION_COLUMNS = ("generated_text", "finish_reason", "num_generated_tokens")
+MIN_PROGRESS_BATCH = 64
 _KEY, _ENGINE_ERROR, _ENGINE_PROMPT_TOKENS = "\x00request_key", "\x00engine_error", "\x00engine_prompt_tokens"
 
 
@@ -35,6 +36,8 @@ class InferenceStats:
     generated_tokens: int = 0
     engine_seconds: float = 0.0
     engine_start_seconds: float = 0.0
+    # Whole inference loop: tokenization, engine calls and checkpoint writes (not engine start-up).
+    inference_seconds: float = 0.0
 
     @property
     def generated_tokens_per_second(self) -> float:
@@ -87,6 +90,14 @@ def run_inference(
 
     results = [done]
     total = pending.height
+    # At least ~10 engine calls when there is enough work, so the run log shows progress every
+    # ~10 % (each call is also a checkpoint); never above the task's `batch_size`.
+    step = min(batch_size, max(MIN_PROGRESS_BATCH, -(-total // 10)))
+    if total:
+        log(
+            f"{total} requests to infer ({stats.rows_deduplicated} duplicate prompts share a request, "
+            f"{done.height} reused from checkpoints) in {-(-total // step)} engine call(s) of up to {step}"
+        )
     if total and start_engine is not None:
         started = time.monotonic()
         start_engine()
@@ -94,8 +105,8 @@ def run_inference(
     started = time.monotonic()
     last_log, last_logged = started, 0
     saved = 0
-    for offset in range(0, total, batch_size):
-        batch = pending.slice(offset, batch_size)
+    for offset in range(0, total, step):
+        batch = pending.slice(offset, step)
         try:
             chunk = _infer_batch(batch, tokenize, generate, max_model_len, max_tokens, stats)
         except Exception as exc:
@@ -115,7 +126,7 @@ def run_inference(
             checkpoints.save(finished_requests)
             saved += finished_requests.height
         results.append(chunk)
-        finished = min(offset + batch_size, total)
+        finished = min(offset + step, total)
         now = time.monotonic()
         # Progress in the run's logs at least every 10 % or 30 s.
         if finished == total or now - last_log >= 30 or (finished - last_logged) * 10 >= total:
@@ -123,6 +134,7 @@ def run_inference(
             log(f"inferred {finished}/{total} requests ({100 * finished // max(total, 1)}%), {rate:.1f} rows/s in the engine")
             last_log, last_logged = now, finished
 
+    stats.inference_seconds = time.monotonic() - started
     # Internal column names that no input column can have.
     by_key = pl.concat(results).rename({"request_key": _KEY, "error": _ENGINE_ERROR, "num_prompt_tokens": _ENGINE_PROMPT_TOKENS})
     joined = formatted.join(
