@@ -157,6 +157,6 @@ def test_outputs_outside_the_choices_fail_the_blocking_check_and_skip_labels(dat
         assert not failed.passed and failed.severity == dg.AssetCheckSeverity.ERROR
         assert failed.metadata["failed_rows"].value > 0
         materialized = {m.asset_key for m in result.get_asset_materialization_events()}
-        assert dg.AssetKey(["sentiment", "inference_outputs"]) in {e.asset_key for e in result.get_asset_materialization_events()}
+        assert dg.AssetKey(["sentiment", "inference_outputs"]) in materialized
         assert dg.AssetKey(["sentiment", "validated_labels"]) not in materialized
     assert not (data_dir / "storage" / "sentiment" / "validated_labels" / f"{key}.parquet").exists()

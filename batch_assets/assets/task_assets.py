@@ -15,7 +15,7 @@ import dagster as dg
 import polars as pl
 
 from batch_assets.formatting.format_prompts import PromptFormat, format_prompts
-from batch_assets.inference.checkpoints import CheckpointStore, model_identity, run_fingerprint
+from batch_assets.inference.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
 from batch_assets.inference.engine_watchdog import fail_if_engine_dies
 from batch_assets.inference.run_inference import InferenceError, run_inference
 from batch_assets.parsing.read_prompts import ParseOptions, read_prompts
@@ -248,7 +248,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     )
     def validated_labels(context: dg.AssetExecutionContext, inference_outputs: pl.DataFrame) -> dg.Output[pl.DataFrame]:
         # inference_outputs is stored by now, so its checkpoints have served their purpose.
-        CheckpointStore(checkpoint_dir(name, context.partition_key), "").clear()
+        clear_checkpoints(checkpoint_dir(name, context.partition_key))
         labels = validate_labels(inference_outputs, task.output)
         counts = label_counts(labels) if task.output.kind in ("choices", "regex") else {}
         errors = error_code_counts(labels)

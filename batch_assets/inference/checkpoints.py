@@ -102,9 +102,13 @@ class CheckpointStore:
         return [p.name for p in stale]
 
     def clear(self) -> None:
-        """Remove every checkpoint of the partition (all fingerprints): the output is final now."""
-        if self.partition_dir.exists():
-            _remove(self.partition_dir)
+        clear_checkpoints(self.partition_dir)
+
+
+def clear_checkpoints(partition_dir: UPath) -> None:
+    """Remove every checkpoint of a partition (all fingerprints): its output is final now."""
+    if partition_dir.exists():
+        _remove(partition_dir)
 
 
 def _remove(path: UPath) -> None:

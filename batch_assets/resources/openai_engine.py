@@ -22,7 +22,6 @@ same as with the in-process engine: only `generate` differs.
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
 import os
 import threading
@@ -34,6 +33,7 @@ import dagster as dg
 from pydantic import Field
 
 from batch_assets.models.embedded_model import resolve_model
+from batch_assets.models.tokenizers import load_tokenizer
 from batch_assets.resources.engines import EncodedPrompt
 from batch_assets.resources.vllm_engine import Generation
 from batch_assets.specs.task_spec import EMBEDDED_MODEL, TaskSpec, check_base_url
@@ -166,13 +166,6 @@ def _run_coroutine(coroutine):
         return pool.submit(asyncio.run, coroutine).result()
 
 
-@functools.lru_cache(maxsize=8)
-def _load_tokenizer(source: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(source)
-
-
 _served_models: dict[str, str] = {}
 _served_models_lock = threading.Lock()
 _tokenizer_notes: set[tuple[str, str]] = set()
@@ -229,7 +222,7 @@ class OpenAIEngine(dg.ConfigurableResource):
 
     def tokenizer(self, task: TaskSpec):
         """A local tokenizer (no server call) for the prompt text and token counts."""
-        return _load_tokenizer(self.settings_for(task).tokenizer)
+        return load_tokenizer(self.settings_for(task).tokenizer)
 
     @property
     def engine_starts(self) -> int:

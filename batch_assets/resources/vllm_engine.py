@@ -23,6 +23,7 @@ import dagster as dg
 from pydantic import Field
 
 from batch_assets.models.embedded_model import resolve_model
+from batch_assets.models.tokenizers import load_tokenizer
 from batch_assets.specs.task_spec import EngineSpec, OutputSpec, SamplingSpec, TaskSpec
 
 log = logging.getLogger(__name__)
@@ -259,10 +260,8 @@ class VLLMEngine(dg.ConfigurableResource):
         return asdict(self.settings_for(task))
 
     def tokenizer(self, task: TaskSpec):
-        """The model's tokenizer, loaded without starting the engine (cheap)."""
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.settings_for(task).model)
+        """The model's tokenizer, loaded once per process without starting the engine."""
+        return load_tokenizer(self.settings_for(task).model)
 
     def generate(self, task: TaskSpec, prompt_token_ids: Sequence[list[int]]) -> list[Generation]:
         from vllm.inputs import TokensPrompt
