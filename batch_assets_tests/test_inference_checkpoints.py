@@ -43,10 +43,12 @@ class Engine:
     def __init__(self, fail_after: int | None = None) -> None:
         self.seen: list[list[int]] = []
         self.fail_after = fail_after
+        self.calls = 0
 
     def __call__(self, token_ids: list[list[int]]) -> list[Generation]:
         if self.fail_after is not None and len(self.seen) + len(token_ids) > self.fail_after:
             raise RuntimeError("EngineCore died: Killed (exit code -9)")
+        self.calls += 1
         self.seen += token_ids
         return [Generation("".join(chr(c) for c in ids if c)[::-1], "stop", len(ids), 3) for ids in token_ids]
 
@@ -183,13 +185,14 @@ def test_progress_is_logged_at_least_every_tenth_of_the_partition(partition_dir:
         frame, tokenize=tokenize, generate=Engine(), max_model_len=64, max_tokens=8,
         batch_size=1024, deduplicate=True, checkpoints=CheckpointStore(partition_dir, "fp"), log=lines.append,
     )
-    assert lines[0].startswith("1000 requests to infer") and "in 10 engine call(s) of up to 100" in lines[0]
+    assert lines[0].startswith("1000 requests to infer") and "checkpoint every 100" in lines[0]
     progress = [line for line in lines if line.startswith("inferred ")]
     assert len(progress) == 10 and progress[-1].startswith("inferred 1000/1000 requests (100%)")
     # Small partitions are not cut into tiny engine calls.
     lines.clear()
+    engine = Engine()
     run_inference(
-        formatted_frame([f"p {i}" for i in range(30)]), tokenize=tokenize, generate=Engine(), max_model_len=64,
+        formatted_frame([f"p {i}" for i in range(30)]), tokenize=tokenize, generate=engine, max_model_len=64,
         max_tokens=8, batch_size=1024, deduplicate=True, checkpoints=None, log=lines.append,
     )
-    assert "in 1 engine call(s)" in lines[0]
+    assert engine.calls == 1 and "checkpoint every 64" in lines[0]

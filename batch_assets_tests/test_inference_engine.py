@@ -33,11 +33,12 @@ def posts(n: int, tag: str = "p") -> str:
     return "".join(f'{{"id": {i}, "text": "{tag} {i}: the parcel arrived {i % 5} days late"}}\n' for i in range(n))
 
 
-def run(task: TaskSpec, file_name: str, instance: dg.DagsterInstance):
+def run(task: TaskSpec, file_name: str, instance: dg.DagsterInstance, use_result_cache: bool = True):
     key = partition_key_for(file_name)
     instance.add_dynamic_partitions(partitions_def_name(task.name), [key])
     job = build_definitions(tasks=[task]).resolve_job_def(pipeline_job_name(task.name))
-    return job.execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
+    run_config = {"ops": {f"{task.name}__inference_outputs": {"config": {"use_result_cache": use_result_cache}}}}
+    return job.execute_in_process(instance=instance, partition_key=key, raise_on_error=False, run_config=run_config)
 
 
 def labels_of(data: Path, file_name: str) -> pl.DataFrame:
@@ -63,9 +64,10 @@ def test_temperature_zero_gives_the_same_labels_on_every_run(data_dir: Path, tin
     with dg.instance_for_test() as instance:
         assert run(task, "posts.jsonl", instance).success
         first = labels_of(data_dir, "posts.jsonl")
-        # Other batches (other batch composition in the engine), nothing reused from checkpoints.
-        result = run(sentiment(engine={"batch_size": 7}), "posts.jsonl", instance)
-        assert result.success and inference_metadata(result)["rows_from_checkpoint"] == 0
+        # Inferred again (nothing from checkpoints or the result cache), with other checkpoint chunks.
+        result = run(sentiment(engine={"batch_size": 7}), "posts.jsonl", instance, use_result_cache=False)
+        metadata = inference_metadata(result)
+        assert result.success and metadata["rows_inferred"] == 120 and metadata["rows_from_cache"] == 0
     assert labels_of(data_dir, "posts.jsonl")["generated_text"].to_list() == first["generated_text"].to_list()
 
 
@@ -75,7 +77,7 @@ def test_sampling_with_a_seed_gives_the_same_labels_on_every_run(data_dir: Path,
     with dg.instance_for_test() as instance:
         for batch_size in (50, 7):
             task = sentiment(engine={"batch_size": batch_size}, sampling={"temperature": 1.0, "seed": 1234})
-            assert run(task, "posts.jsonl", instance).success
+            assert run(task, "posts.jsonl", instance, use_result_cache=False).success
             runs.append(labels_of(data_dir, "posts.jsonl")["label"].to_list())
         # The random tiny model really samples: another seed gives other labels.
         assert run(sentiment(sampling={"temperature": 1.0, "seed": 99}), "posts.jsonl", instance).success
@@ -151,3 +153,35 @@ def test_an_engine_that_cannot_start_for_memory_says_which_setting_to_change(dat
     assert len(failures) == 1 and not step_errors(result, "STEP_UP_FOR_RETRY")
     assert "at start-up" in failures[0]
     assert "`kv_cache_memory_gib`" in failures[0] and "`max_model_len` (now 1024)" in failures[0]
+
+
+def test_the_stream_returns_every_result_once_and_a_closed_stream_leaves_the_engine_clean(tiny_model: str) -> None:
+    from batch_assets.resources.vllm_engine import PROCESS_ENGINE, VLLMEngine
+
+    engine = VLLMEngine()
+    task = sentiment(engine={"max_num_seqs": 8})  # window of 16 requests: prompts are pulled in many top-ups
+    tokenizer = engine.tokenizer(task)
+    prompts = [tokenizer(f"post {i}: the parcel arrived late", add_special_tokens=False)["input_ids"] for i in range(60)]
+    pulled: list[int] = []
+
+    def lazily():
+        for i, ids in enumerate(prompts):
+            pulled.append(i)
+            yield ids
+
+    streamed, pulled_at_first_result = {}, None
+    for position, generation in engine.generate_stream(task, lazily()):
+        pulled_at_first_result = len(pulled) if pulled_at_first_result is None else pulled_at_first_result
+        streamed[position] = generation
+    # Results came back while prompts were still being pulled, and each prompt got exactly one.
+    assert pulled_at_first_result <= 16 and sorted(streamed) == list(range(60)) and pulled == list(range(60))
+    # Same outputs as one plain `LLM.generate` call over the same prompts (temperature 0).
+    assert [streamed[i].text for i in range(60)] == [g.text for g in engine.generate(task, prompts)]
+
+    # A caller that stops early (its step failed) withdraws what it left in the engine, so the
+    # next partition on this warm engine gets only its own results.
+    stream = engine.generate_stream(task, iter(prompts))
+    next(stream)
+    stream.close()
+    assert PROCESS_ENGINE.get(engine.settings_for(task)).llm_engine.get_num_unfinished_requests() == 0
+    assert [g.text for _, g in sorted(engine.generate_stream(task, iter(prompts[:5])))] == [streamed[i].text for i in range(5)]

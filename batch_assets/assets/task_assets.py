@@ -13,22 +13,35 @@ import time
 
 import dagster as dg
 import polars as pl
+from pydantic import Field
 
 from batch_assets.formatting.format_prompts import PromptFormat, format_prompts
 from batch_assets.inference.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
-from batch_assets.inference.engine_watchdog import fail_if_engine_dies
+from batch_assets.inference.result_cache import ResultCache
 from batch_assets.inference.run_inference import InferenceError, run_inference
 from batch_assets.parsing.read_prompts import ParseOptions, read_prompts
 from batch_assets.partitions.drop_files import drop_partitions, find_drop_file
 from batch_assets.resources.engines import checkpoint_identity, engine_for, engine_pool, engine_resource_key, prompt_encoder
 from batch_assets.resources.vllm_engine import PROCESS_ENGINE, EngineStartError, VLLMEngine
 from batch_assets.specs.task_spec import TaskSpec
-from batch_assets.storage.locations import checkpoint_dir
+from batch_assets.storage.locations import checkpoint_dir, storage_root
 from batch_assets.validation.validate_labels import validate_labels
 
 IO_MANAGER_KEY = "parquet_storage"
 ENGINE_NAMES = {"vllm": "the vLLM engine", "openai": "an OpenAI-compatible endpoint"}
 PREVIEW_ROWS = 5
+
+
+class InferenceConfig(dg.Config):
+    """Launch-time options of `inference_outputs` (launchpad, or a backfill's run config)."""
+
+    use_result_cache: bool = Field(
+        default=True,
+        description=(
+            "Reuse results cached by earlier runs (same model, prompt and sampling; deterministic decoding only) "
+            "and add new ones. Set false to infer every row again, e.g. when an endpoint now serves other weights under the same name."
+        ),
+    )
 
 
 def asset_key(task: str, asset: str) -> dg.AssetKey:
@@ -149,7 +162,8 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         description=(
             f"Model outputs for each `{name}` prompt from {ENGINE_NAMES[task.engine.kind]}, constrained by the task's "
             "structured outputs. Results are checkpointed in chunks, so a re-run after a crash infers "
-            "only the rows not done yet; identical prompts are inferred once when decoding is deterministic."
+            "only the rows not done yet. With deterministic decoding, identical prompts are inferred once "
+            "and results are reused from the task's result cache across partitions and re-runs."
         ),
         ins={"formatted_prompts": dg.AssetIn(key=asset_key(name, "formatted_prompts"))},
         pool=engine_pool(task),
@@ -157,7 +171,9 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         retry_policy=dg.RetryPolicy(max_retries=1, delay=5),
         **common,
     )
-    def inference_outputs(context: dg.AssetExecutionContext, formatted_prompts: pl.DataFrame) -> dg.Output[pl.DataFrame]:
+    def inference_outputs(
+        context: dg.AssetExecutionContext, config: InferenceConfig, formatted_prompts: pl.DataFrame
+    ) -> dg.Output[pl.DataFrame]:
         llm_engine = engine_for(context, task)
         settings = llm_engine.settings_for(task)
         sampling = task.sampling.model_dump()
@@ -177,28 +193,26 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         stale = checkpoints.discard_other_fingerprints()
         if stale:
             context.log.info(f"removed checkpoints made with other model/sampling settings: {stale}")
+        cache = ResultCache(storage_root() / name, fingerprint) if config.use_result_cache else None
         tokenizer = llm_engine.tokenizer(task)
-
-        def generate(token_ids):
-            if not isinstance(llm_engine, VLLMEngine):
-                return llm_engine.generate(task, token_ids)
-            # A killed engine process would leave this call waiting forever; make it an error.
-            with fail_if_engine_dies(PROCESS_ENGINE.get(settings)):
-                return llm_engine.generate(task, token_ids)
+        in_process = isinstance(llm_engine, VLLMEngine)
 
         try:
             frame, stats = run_inference(
                 formatted_prompts,
                 tokenize=prompt_encoder(llm_engine, task, tokenizer, formatted_prompts),
-                generate=generate,
+                # In process: one continuous stream; an endpoint: calls of up to batch_size requests.
+                generate_stream=(lambda prompts: llm_engine.generate_stream(task, prompts)) if in_process else None,
+                generate=None if in_process else (lambda prompts: llm_engine.generate(task, prompts)),
                 max_model_len=settings.max_model_len,
                 max_tokens=task.sampling.max_tokens,
                 batch_size=task.engine.batch_size,
                 deduplicate=task.sampling.deterministic,
                 checkpoints=checkpoints,
+                cache=cache,
                 log=context.log.info,
-                # Started apart from the first batch, so `engine_seconds` measures inference only.
-                start_engine=(lambda: PROCESS_ENGINE.get(settings)) if isinstance(llm_engine, VLLMEngine) else None,
+                # Started apart from the first request, so `engine_seconds` measures inference only.
+                start_engine=(lambda: PROCESS_ENGINE.get(settings)) if in_process else None,
             )
         except EngineStartError as exc:
             # Settings that do not fit will not fit five seconds later either: fail now, with the
@@ -207,7 +221,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         except InferenceError:
             # The engine may be dead (its process killed, out of memory): drop it, so the retry
             # (this asset's retry policy) starts a fresh one and resumes from the checkpoints.
-            if isinstance(llm_engine, VLLMEngine):
+            if in_process:
                 PROCESS_ENGINE.shutdown()
             raise
         return dg.Output(
@@ -216,6 +230,8 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                 "rows": stats.rows,
                 "rows_inferred": stats.rows_inferred,
                 "rows_from_checkpoint": stats.rows_from_checkpoint,
+                "rows_from_cache": stats.rows_from_cache,
+                "rows_added_to_cache": stats.rows_cached,
                 "rows_deduplicated": stats.rows_deduplicated,
                 "error_rows": stats.error_rows,
                 "errors_by_code": error_code_counts(frame),

@@ -98,7 +98,7 @@ class CheckpointStore:
             return []
         stale = [p for p in self.partition_dir.iterdir() if p.name != self.fingerprint]
         for path in stale:
-            _remove(path)
+            remove_path(path)
         return [p.name for p in stale]
 
     def clear(self) -> None:
@@ -108,10 +108,10 @@ class CheckpointStore:
 def clear_checkpoints(partition_dir: UPath) -> None:
     """Remove every checkpoint of a partition (all fingerprints): its output is final now."""
     if partition_dir.exists():
-        _remove(partition_dir)
+        remove_path(partition_dir)
 
 
-def _remove(path: UPath) -> None:
+def remove_path(path: UPath) -> None:
     if path.protocol in ("", "file", "local"):
         if os.path.isdir(path.path):
             shutil.rmtree(path.path, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""Send a partition's valid prompts to the engine in large batches; checkpoint; join results back.
+"""Send a partition's valid prompts to the engine as one stream; checkpoint; cache; join results back.
 
 Engine-agnostic: takes a `tokenize` and a `generate` function, so the pure logic (deduplication,
 checkpoint reuse, batching, joining, errors for prompts that do not fit) is tested without Dagster.
@@ -7,15 +7,19 @@ checkpoint reuse, batching, joining, errors for prompts that do not fit) is test
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import polars as pl
 
 from batch_assets.inference.checkpoints import CHECKPOINT_SCHEMA, CheckpointStore
+from batch_assets.inference.result_cache import ResultCache
 from batch_assets.resources.vllm_engine import Generation
 
+# Prompts in (pulled lazily), (position, result) out in the order results finish.
+GenerateStream = Callable[[Iterator[list[int]]], Iterator[tuple[int, Generation]]]
 GENERATION_COLUMNS = ("generated_text", "finish_reason", "num_generated_tokens")
 MIN_PROGRESS_BATCH = 64
 _KEY, _ENGINE_ERROR, _ENGINE_PROMPT_TOKENS = "\x00request_key", "\x00engine_error", "\x00engine_prompt_tokens"
@@ -30,13 +34,16 @@ class InferenceStats:
     rows: int = 0
     rows_inferred: int = 0
     rows_from_checkpoint: int = 0
+    rows_from_cache: int = 0
+    rows_cached: int = 0
     rows_deduplicated: int = 0
     error_rows: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    # From the first request to the last result: tokenization, the engine and checkpoint writes
+    # (not engine start-up). `inference_seconds` is the same figure under its older name.
     engine_seconds: float = 0.0
     engine_start_seconds: float = 0.0
-    # Whole inference loop: tokenization, engine calls and checkpoint writes (not engine start-up).
     inference_seconds: float = 0.0
 
     @property
@@ -55,24 +62,51 @@ def request_keys(prompts: Sequence[str], row_ids: Sequence[int], deduplicate: bo
     return [hashlib.sha1(f"{r}\x00{p}".encode("utf-8")).hexdigest() for p, r in zip(prompts, row_ids, strict=True)]
 
 
+def batched_stream(generate: Callable[[list[list[int]]], list[Generation]], batch_size: int) -> GenerateStream:
+    """A stream over a batch `generate` function: `batch_size` prompts per call, results in order."""
+
+    def stream(prompts: Iterator[list[int]]) -> Iterator[tuple[int, Generation]]:
+        position = 0
+        while batch := list(itertools.islice(prompts, batch_size)):
+            generated = generate(batch)
+            if len(generated) != len(batch):
+                raise RuntimeError(f"the engine returned {len(generated)} outputs for {len(batch)} prompts")
+            for generation in generated:
+                yield position, generation
+                position += 1
+
+    return stream
+
+
 def run_inference(
     formatted: pl.DataFrame,
     *,
     tokenize: Callable[[list[str]], list[list[int]]],
-    generate: Callable[[list[list[int]]], list[Generation]],
+    generate: Callable[[list[list[int]]], list[Generation]] | None = None,
+    generate_stream: GenerateStream | None = None,
     max_model_len: int,
     max_tokens: int,
     batch_size: int,
     deduplicate: bool,
     checkpoints: CheckpointStore | None,
+    cache: ResultCache | None = None,
     log: Callable[[str], None] = lambda message: None,
     start_engine: Callable[[], object] | None = None,
 ) -> tuple[pl.DataFrame, InferenceStats]:
-    """formatted_prompts → inference_outputs, resuming from `checkpoints` and saving one chunk per batch.
+    """formatted_prompts → inference_outputs, reusing cached and checkpointed results.
 
-    `start_engine`, when given, is called once before the first batch (and not at all when the
-    checkpoints hold every result), so engine start-up is timed apart from inference.
+    Requests already in the result `cache` (deterministic decoding only) or in this partition's
+    `checkpoints` are not inferred again. The rest go to the engine as one stream
+    (`generate_stream`: prompts are pulled lazily and results come back as they finish, so the
+    engine never idles between chunks), or in calls of up to `batch_size` to `generate`. Every
+    ~10 % of the work the finished results are checkpointed and progress is logged; at the end the
+    new results are added to the cache.
+
+    `start_engine`, when given, is called once before the first request (and not at all when
+    every result is reused), so engine start-up is timed apart from inference.
     """
+    if (generate is None) == (generate_stream is None):
+        raise ValueError("pass exactly one of `generate` and `generate_stream`")
     stats = InferenceStats(rows=formatted.height)
     valid = formatted.filter(pl.col("error").is_null()).select("row_id", "prompt")
     keyed = valid.with_columns(
@@ -81,44 +115,57 @@ def run_inference(
     unique_requests = keyed.unique("request_key", keep="first", maintain_order=True)
     stats.rows_deduplicated = keyed.height - unique_requests.height
 
+    cached = cache.lookup(unique_requests["request_key"]) if cache is not None and deduplicate else pl.DataFrame(schema=CHECKPOINT_SCHEMA)
+    stats.rows_from_cache = cached.height
+    remaining = unique_requests.join(cached.select("request_key"), on="request_key", how="anti", maintain_order="left")
     done = checkpoints.load() if checkpoints is not None else pl.DataFrame(schema=CHECKPOINT_SCHEMA)
-    done = done.join(unique_requests.select("request_key"), on="request_key", how="semi")
-    pending = unique_requests.join(done.select("request_key"), on="request_key", how="anti", maintain_order="left")
+    done = done.join(remaining.select("request_key"), on="request_key", how="semi")
+    pending = remaining.join(done.select("request_key"), on="request_key", how="anti", maintain_order="left")
     stats.rows_from_checkpoint = done.height
-    if done.height:
-        log(f"reusing {done.height} results from checkpoints; {pending.height} requests left to infer")
+    if cached.height or done.height:
+        log(f"reusing {cached.height} results from the result cache and {done.height} from checkpoints; {pending.height} requests left to infer")
 
-    results = [done]
+    results = [cached, done]
+    new_results: list[pl.DataFrame] = [done]  # what this partition adds to the cache
     total = pending.height
-    # At least ~10 engine calls when there is enough work, so the run log shows progress every
-    # ~10 % (each call is also a checkpoint); never above the task's `batch_size`.
+    # A checkpoint and a progress line every ~10 % of the work, at least every 64 requests
+    # (so tiny partitions do not write a file per row), never more than `batch_size`.
     step = min(batch_size, max(MIN_PROGRESS_BATCH, -(-total // 10)))
     if total:
-        log(
-            f"{total} requests to infer ({stats.rows_deduplicated} duplicate prompts share a request, "
-            f"{done.height} reused from checkpoints) in {-(-total // step)} engine call(s) of up to {step}"
-        )
+        log(f"{total} requests to infer ({stats.rows_deduplicated} duplicate prompts share a request); checkpoint every {step}")
     if total and start_engine is not None:
         started = time.monotonic()
         start_engine()
         stats.engine_start_seconds = time.monotonic() - started
+
+    budget = max_model_len - max_tokens
+    sent_keys: list[str] = []  # request key of each prompt handed to the engine, by position
+    too_long: list[dict] = []  # rows for prompts that do not fit, until the next flush
+    skipped = 0
+
+    def prompts_to_send() -> Iterator[list[int]]:
+        # Tokenized `step` at a time, as the engine asks for more; too-long prompts never reach it.
+        nonlocal skipped
+        for offset in range(0, total, step):
+            batch = pending.slice(offset, step)
+            for key, ids in zip(batch["request_key"], tokenize(batch["prompt"].to_list()), strict=True):
+                if len(ids) <= budget:
+                    sent_keys.append(key)
+                    yield ids
+                else:
+                    skipped += 1
+                    too_long.append(_too_long_row(key, len(ids), max_tokens, max_model_len))
+
+    stream = generate_stream if generate_stream is not None else batched_stream(generate, step)
+    buffer: list[tuple[str, Generation]] = []
+    saved = 0
     started = time.monotonic()
     last_log, last_logged = started, 0
-    saved = 0
-    for offset in range(0, total, step):
-        batch = pending.slice(offset, step)
-        try:
-            chunk = _infer_batch(batch, tokenize, generate, max_model_len, max_tokens, stats)
-        except Exception as exc:
-            kept = (
-                f"the {done.height + saved} requests finished before are checkpointed; a re-run of the partition reuses them"
-                if checkpoints is not None
-                else "nothing is checkpointed"
-            )
-            raise InferenceError(
-                f"the engine failed on requests {offset + 1}-{offset + batch.height} of the {total} left to infer "
-                f"({kept}): {type(exc).__name__}: {exc}"
-            ) from exc
+
+    def flush() -> None:
+        nonlocal buffer, saved
+        chunk = _results_frame(buffer, too_long)
+        buffer, too_long[:] = [], []
         if checkpoints is not None:
             # Only finished requests: a re-run asks again for those the engine gave up on (and
             # re-counts too-long prompts, which costs no engine time).
@@ -126,15 +173,52 @@ def run_inference(
             checkpoints.save(finished_requests)
             saved += finished_requests.height
         results.append(chunk)
-        finished = min(offset + step, total)
-        now = time.monotonic()
-        # Progress in the run's logs at least every 10 % or 30 s.
-        if finished == total or now - last_log >= 30 or (finished - last_logged) * 10 >= total:
-            rate = stats.rows_inferred / stats.engine_seconds if stats.engine_seconds else 0.0
-            log(f"inferred {finished}/{total} requests ({100 * finished // max(total, 1)}%), {rate:.1f} rows/s in the engine")
-            last_log, last_logged = now, finished
+        new_results.append(chunk)
 
-    stats.inference_seconds = time.monotonic() - started
+    results_stream = stream(prompts_to_send())
+    try:
+        while True:
+            try:
+                item = next(results_stream, None)
+            except Exception as exc:
+                kept = (
+                    f"the {done.height + saved} requests finished before are checkpointed; a re-run of the partition reuses them"
+                    if checkpoints is not None
+                    else "nothing is checkpointed"
+                )
+                raise InferenceError(
+                    f"the engine failed after {stats.rows_inferred} of the {total} requests left to infer "
+                    f"({kept}): {type(exc).__name__}: {exc}"
+                ) from exc
+            if item is None:
+                break
+            position, generation = item
+            buffer.append((sent_keys[position], generation))
+            stats.rows_inferred += 1
+            stats.prompt_tokens += generation.num_prompt_tokens
+            stats.generated_tokens += generation.num_generated_tokens
+            if len(buffer) >= step:
+                flush()
+            finished = stats.rows_inferred + skipped
+            now = time.monotonic()
+            # Progress in the run's logs at least every 10 % or 30 s (100 % is logged below).
+            if finished < total and (now - last_log >= 30 or (finished - last_logged) * 10 >= total):
+                rate = stats.rows_inferred / (now - started) if now > started else 0.0
+                log(f"inferred {finished}/{total} requests ({100 * finished // max(total, 1)}%), {rate:.1f} rows/s in the engine")
+                last_log, last_logged = now, finished
+    finally:
+        # Stops an engine stream that did not run to its end (it withdraws its unfinished requests).
+        results_stream.close()
+    if len(sent_keys) != stats.rows_inferred:
+        raise InferenceError(f"the engine returned {stats.rows_inferred} outputs for {len(sent_keys)} prompts")
+    if buffer or too_long:
+        flush()
+    stats.engine_seconds = stats.inference_seconds = time.monotonic() - started
+    if total:
+        log(f"inferred {total}/{total} requests (100%), {stats.rows_per_second:.1f} rows/s in the engine")
+    if cache is not None and deduplicate:
+        stats.rows_cached = cache.add(pl.concat(new_results))
+
     # Internal column names that no input column can have.
     by_key = pl.concat(results).rename({"request_key": _KEY, "error": _ENGINE_ERROR, "num_prompt_tokens": _ENGINE_PROMPT_TOKENS})
     joined = formatted.join(
@@ -148,43 +232,27 @@ def run_inference(
     return joined, stats
 
 
-def _infer_batch(
-    batch: pl.DataFrame,
-    tokenize: Callable[[list[str]], list[list[int]]],
-    generate: Callable[[list[list[int]]], list[Generation]],
-    max_model_len: int,
-    max_tokens: int,
-    stats: InferenceStats,
-) -> pl.DataFrame:
-    token_ids = tokenize(batch["prompt"].to_list())
-    budget = max_model_len - max_tokens
-    fits = [len(ids) <= budget for ids in token_ids]
-    to_send = [ids for ids, ok in zip(token_ids, fits, strict=True) if ok]
-    started = time.monotonic()
-    generated = generate(to_send) if to_send else []
-    stats.engine_seconds += time.monotonic() - started
-    if len(generated) != len(to_send):
-        raise RuntimeError(f"the engine returned {len(generated)} outputs for {len(to_send)} prompts")
-    generations = iter(generated)
-    rows = {name: [] for name in CHECKPOINT_SCHEMA}
-    for key, ids, ok in zip(batch["request_key"], token_ids, fits, strict=True):
-        rows["request_key"].append(key)
-        if ok:
-            generation = next(generations)
-            rows["generated_text"].append(generation.text)
-            rows["finish_reason"].append(generation.finish_reason)
-            rows["num_prompt_tokens"].append(generation.num_prompt_tokens)
-            rows["num_generated_tokens"].append(generation.num_generated_tokens)
-            rows["error"].append(generation.error)
-            stats.rows_inferred += 1
-            stats.prompt_tokens += generation.num_prompt_tokens
-            stats.generated_tokens += generation.num_generated_tokens
-        else:
-            rows["generated_text"].append(None)
-            rows["finish_reason"].append(None)
-            rows["num_prompt_tokens"].append(len(ids))
-            rows["num_generated_tokens"].append(None)
-            rows["error"].append(
-                f"prompt_too_long: {len(ids)} prompt tokens + {max_tokens} max_tokens exceed max_model_len {max_model_len}"
-            )
-    return pl.DataFrame(rows, schema=CHECKPOINT_SCHEMA)
+def _too_long_row(key: str, prompt_tokens: int, max_tokens: int, max_model_len: int) -> dict:
+    return {
+        "request_key": key,
+        "generated_text": None,
+        "finish_reason": None,
+        "num_prompt_tokens": prompt_tokens,
+        "num_generated_tokens": None,
+        "error": f"prompt_too_long: {prompt_tokens} prompt tokens + {max_tokens} max_tokens exceed max_model_len {max_model_len}",
+    }
+
+
+def _results_frame(generated: list[tuple[str, Generation]], too_long: list[dict]) -> pl.DataFrame:
+    rows = [
+        {
+            "request_key": key,
+            "generated_text": g.text,
+            "finish_reason": g.finish_reason,
+            "num_prompt_tokens": g.num_prompt_tokens,
+            "num_generated_tokens": g.num_generated_tokens,
+            "error": g.error,
+        }
+        for key, g in generated
+    ]
+    return pl.DataFrame(rows + too_long, schema=CHECKPOINT_SCHEMA)

@@ -16,12 +16,14 @@ import contextlib
 import gc
 import logging
 import threading
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import dagster as dg
 from pydantic import Field
 
+from batch_assets.inference.engine_watchdog import fail_if_engine_dies
 from batch_assets.models.embedded_model import resolve_model
 from batch_assets.models.tokenizers import load_tokenizer
 from batch_assets.specs.task_spec import EngineSpec, OutputSpec, SamplingSpec, TaskSpec
@@ -61,6 +63,16 @@ class Generation:
 
 class EngineStartError(RuntimeError):
     pass
+
+
+def _generation(output) -> Generation:
+    completion = output.outputs[0]
+    return Generation(
+        text=completion.text,
+        finish_reason=completion.finish_reason,
+        num_prompt_tokens=len(output.prompt_token_ids or []),
+        num_generated_tokens=len(completion.token_ids),
+    )
 
 
 def _cuda_available() -> bool:
@@ -264,23 +276,64 @@ class VLLMEngine(dg.ConfigurableResource):
         return load_tokenizer(self.settings_for(task).model)
 
     def generate(self, task: TaskSpec, prompt_token_ids: Sequence[list[int]]) -> list[Generation]:
+        """One `Generation` per prompt, in order (one `LLM.generate` call)."""
         from vllm.inputs import TokensPrompt
 
         llm = PROCESS_ENGINE.get(self.settings_for(task))
         params = sampling_params_for(task.sampling, task.output if self.structured_outputs else None)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids], params, use_tqdm=False)
-        results = []
-        for output in outputs:
-            completion = output.outputs[0]
-            results.append(
-                Generation(
-                    text=completion.text,
-                    finish_reason=completion.finish_reason,
-                    num_prompt_tokens=len(output.prompt_token_ids or []),
-                    num_generated_tokens=len(completion.token_ids),
-                )
-            )
-        return results
+        return [_generation(output) for output in outputs]
+
+    def generate_stream(self, task: TaskSpec, prompt_token_ids: Iterator[list[int]]) -> Iterator[tuple[int, Generation]]:
+        """Results as they finish, as `(position of the prompt, Generation)`, keeping the engine full.
+
+        Like one `LLM.generate` call over the whole partition (continuous batching, no idle tail
+        between chunks), but prompts are pulled from the iterator only as the engine's queue needs
+        them, and each result is handed back as soon as it finishes, so the caller can checkpoint
+        while the engine keeps running. Closing the iterator early withdraws the unfinished requests.
+        """
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        settings = self.settings_for(task)
+        llm = PROCESS_ENGINE.get(settings)
+        engine = llm.llm_engine
+        params = sampling_params_for(task.sampling, task.output if self.structured_outputs else None)
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # only finished results, as LLM.generate asks for
+        # Requests kept in the engine: the running batch (up to max_num_seqs) plus as many waiting,
+        # topped up when fewer than 1.5 batches are left, so the scheduler never waits on us.
+        window, low_water = 2 * settings.max_num_seqs, settings.max_num_seqs + settings.max_num_seqs // 2
+        prefix = f"batch-assets-{uuid.uuid4().hex[:12]}-"
+        in_flight: dict[str, int] = {}
+        prompts = iter(prompt_token_ids)
+        next_position, exhausted = 0, False
+
+        def top_up() -> None:
+            nonlocal next_position, exhausted
+            while not exhausted and len(in_flight) < window:
+                ids = next(prompts, None)
+                if ids is None:
+                    exhausted = True
+                    break
+                request_id = f"{prefix}{next_position}"
+                engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+                in_flight[request_id] = next_position
+                next_position += 1
+
+        try:
+            # A killed engine process would leave `step` waiting forever; make it an error.
+            with fail_if_engine_dies(llm):
+                top_up()
+                while in_flight:
+                    for output in engine.step():
+                        if output.finished and output.request_id in in_flight:
+                            yield in_flight.pop(output.request_id), _generation(output)
+                    if len(in_flight) < low_water:
+                        top_up()
+        finally:
+            if in_flight:
+                with contextlib.suppress(Exception):
+                    engine.abort_request(list(in_flight))
 
     @property
     def engine_starts(self) -> int:
