@@ -5,6 +5,7 @@ Load with `dagster dev` / `dg dev` from the repo root (workspace.yaml points her
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import dagster as dg
@@ -81,4 +82,20 @@ def build_definitions(
     )
 
 
-defs = build_definitions()
+SHARE_ENGINE_ENV = "BATCH_ASSETS_SHARE_ENGINE"
+
+
+def share_engine_setting(default: bool) -> bool:
+    """`BATCH_ASSETS_SHARE_ENGINE=1|0` decides whether runs share one engine host (see
+    resources/engine_host.py); unset, `default` applies."""
+    value = os.environ.get(SHARE_ENGINE_ENV, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    return default
+
+
+# The code location (`dagster dev`, the daemon): every run is a process of its own, so runs share
+# one engine host by default and a backfill pays engine start-up once.
+defs = build_definitions(engine=VLLMEngine(share_engine=share_engine_setting(default=True)))

@@ -25,6 +25,7 @@ import dagster as dg
 import pytest
 
 from batch_assets.partitions.drop_files import partition_key_for, partitions_def_name
+from batch_assets.resources import engine_host
 from batch_assets.specs.task_spec import load_task_specs
 from batch_assets_tests.conftest import REPO_ROOT, SAMPLES
 
@@ -105,9 +106,12 @@ def stop(server: subprocess.Popen) -> None:
 
 
 @pytest.fixture
-def ui(tmp_path: Path, tiny_model_path: str) -> Iterator[tuple[str, dg.DagsterInstance, str]]:
-    """`dagster dev` with one sentiment drop registered as a partition: (base URL, instance, partition key)."""
+def ui(tmp_path: Path, tiny_model_path: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, dg.DagsterInstance, str]]:
+    """`dagster dev` with one sentiment drop registered as a partition: (base URL, instance, partition key).
+
+    Its runs use the code location's default, the shared engine host, kept in this test's folder."""
     home, data = tmp_path / "dagster_home", tmp_path / "data"
+    monkeypatch.setenv(engine_host.STATE_DIR_ENV, str(tmp_path / "engine_host"))
     home.mkdir()
     shutil.copyfile(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
     drop = data / "drops" / "sentiment" / SAMPLE.name
@@ -145,6 +149,7 @@ def ui(tmp_path: Path, tiny_model_path: str) -> Iterator[tuple[str, dg.DagsterIn
         yield base_url, instance, key
     finally:
         stop(server)
+        engine_host.stop_host()
         instance.dispose()
 
 

