@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 from upath import UPath
 
-from batch_assets.inference.checkpoints import CheckpointStore, model_identity, run_fingerprint
+from batch_assets.inference.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
 from batch_assets.inference.run_inference import InferenceError, run_inference
 from batch_assets.resources.vllm_engine import Generation
 
@@ -161,7 +161,7 @@ def test_input_columns_named_like_internal_ones_survive() -> None:
 def test_clear_removes_every_fingerprint_of_the_partition(partition_dir: UPath) -> None:
     infer(formatted_frame(["a"]), Engine(), CheckpointStore(partition_dir, "one"))
     infer(formatted_frame(["a"]), Engine(), CheckpointStore(partition_dir, "two"))
-    CheckpointStore(partition_dir, "").clear()
+    clear_checkpoints(partition_dir)
     assert not partition_dir.exists()
 
 

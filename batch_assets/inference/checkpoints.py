@@ -101,9 +101,6 @@ class CheckpointStore:
             remove_path(path)
         return [p.name for p in stale]
 
-    def clear(self) -> None:
-        clear_checkpoints(self.partition_dir)
-
 
 def clear_checkpoints(partition_dir: UPath) -> None:
     """Remove every checkpoint of a partition (all fingerprints): its output is final now."""

@@ -20,7 +20,6 @@ from batch_assets.resources.vllm_engine import Generation
 
 # Prompts in (pulled lazily), (position, result) out in the order results finish.
 GenerateStream = Callable[[Iterator[list[int]]], Iterator[tuple[int, Generation]]]
-GENERATION_COLUMNS = ("generated_text", "finish_reason", "num_generated_tokens")
 MIN_PROGRESS_BATCH = 64
 _KEY, _ENGINE_ERROR, _ENGINE_PROMPT_TOKENS = "\x00request_key", "\x00engine_error", "\x00engine_prompt_tokens"
 
@@ -41,10 +40,14 @@ class InferenceStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     # From the first request to the last result: tokenization, the engine and checkpoint writes
-    # (not engine start-up). `inference_seconds` is the same figure under its older name.
+    # (not engine start-up).
     engine_seconds: float = 0.0
     engine_start_seconds: float = 0.0
-    inference_seconds: float = 0.0
+
+    @property
+    def inference_seconds(self) -> float:
+        """`engine_seconds` under the name the metadata and benchmarks have used since before the stream."""
+        return self.engine_seconds
 
     @property
     def generated_tokens_per_second(self) -> float:
@@ -213,7 +216,7 @@ def run_inference(
         raise InferenceError(f"the engine returned {stats.rows_inferred} outputs for {len(sent_keys)} prompts")
     if buffer or too_long:
         flush()
-    stats.engine_seconds = stats.inference_seconds = time.monotonic() - started
+    stats.engine_seconds = time.monotonic() - started
     if total:
         log(f"inferred {total}/{total} requests (100%), {stats.rows_per_second:.1f} rows/s in the engine")
     if cache is not None and deduplicate:
