@@ -91,11 +91,11 @@ def run_partitions(task_name: str, files: list[Path], *, skip_succeeded: bool = 
     ensure_dagster_home()
     import dagster as dg
     from batch_assets.definitions import build_definitions, pipeline_job_name, share_engine_setting
-    from batch_assets.partitions.drop_files import find_drop_file, partition_key_for, partitions_def_name
-    from batch_assets.resources.vllm_engine import VLLMEngine, keep_engine_warm
-    from batch_assets.sensors.drops_sensor import SOURCE_FILE_TAG, SOURCE_VERSION_TAG, version_digest
-    from batch_assets.specs.task_spec import load_task_specs
-    from batch_assets.inference.recovery import fail_runs_of_dead_processes, process_tags
+    from batch_assets.storage.drop_files import find_drop_file, partition_key_for, partitions_def_name
+    from batch_assets.engines.vllm_engine import VLLMEngine, keep_engine_warm
+    from batch_assets.dagster_defs.sensors import SOURCE_FILE_TAG, SOURCE_VERSION_TAG, version_digest
+    from batch_assets.pipeline.task_spec import load_task_specs
+    from batch_assets.dagster_defs.run_recovery import fail_runs_of_dead_processes, process_tags
     from batch_assets.storage.locations import drop_zone, write_bytes_atomically
 
     tasks = {task.name: task for task in load_task_specs()}
@@ -161,7 +161,7 @@ def _failure_text(result) -> str:
 def _already_succeeded(instance, task_name: str, partition_key: str, digest: str) -> bool:
     """The last materialization of validated_labels came from this exact file version."""
     import dagster as dg
-    from batch_assets.sensors.drops_sensor import SOURCE_VERSION_TAG
+    from batch_assets.dagster_defs.sensors import SOURCE_VERSION_TAG
 
     record = latest_materialization(instance, dg.AssetKey([task_name, "validated_labels"]), partition_key)
     if record is None:
@@ -185,7 +185,7 @@ def _print_outcomes(outcomes: list[PartitionOutcome]) -> None:
 
 
 def command_tasks() -> int:
-    from batch_assets.specs.task_spec import load_task_specs
+    from batch_assets.pipeline.task_spec import load_task_specs
     from batch_assets.storage.locations import drop_zone
 
     for task in load_task_specs():
@@ -200,8 +200,8 @@ def command_run(task_name: str, files: list[str]) -> int:
 
 
 def command_demo() -> int:
-    from batch_assets.resources.vllm_engine import keep_engine_warm
-    from batch_assets.specs.task_spec import load_task_specs
+    from batch_assets.engines.vllm_engine import keep_engine_warm
+    from batch_assets.pipeline.task_spec import load_task_specs
 
     # One engine for every task that shares its settings (the shipped ones all do).
     with keep_engine_warm():

@@ -10,13 +10,13 @@ import warnings
 
 import dagster as dg
 
-from batch_assets.assets.task_assets import IO_MANAGER_KEY, build_task_assets
-from batch_assets.checks.task_checks import build_task_checks
-from batch_assets.resources.engines import ENDPOINT_RESOURCE_KEY, IN_PROCESS_RESOURCE_KEY
-from batch_assets.resources.openai_engine import OpenAIEngine
-from batch_assets.resources.vllm_engine import VLLMEngine
-from batch_assets.sensors.drops_sensor import build_drops_sensor
-from batch_assets.specs.task_spec import TaskSpec, load_task_specs
+from batch_assets.dagster_defs.assets import IO_MANAGER_KEY, build_task_assets
+from batch_assets.dagster_defs.checks import build_task_checks
+from batch_assets.engines.protocol import ENDPOINT_RESOURCE_KEY, IN_PROCESS_RESOURCE_KEY
+from batch_assets.engines.openai_engine import OpenAIEngine
+from batch_assets.engines.vllm_engine import VLLMEngine
+from batch_assets.dagster_defs.sensors import build_drops_sensor
+from batch_assets.pipeline.task_spec import TaskSpec, load_task_specs
 from batch_assets.storage.parquet_io_manager import ParquetStorage
 
 
@@ -87,7 +87,7 @@ SHARE_ENGINE_ENV = "BATCH_ASSETS_SHARE_ENGINE"
 
 def share_engine_setting(default: bool) -> bool:
     """`BATCH_ASSETS_SHARE_ENGINE=1|0` decides whether runs share one engine host (see
-    resources/engine_host.py); unset, `default` applies."""
+    engines/engine_host.py); unset, `default` applies."""
     value = os.environ.get(SHARE_ENGINE_ENV, "").strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True

@@ -24,7 +24,7 @@ def build_tiny_model(destination: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from batch_assets.models.embedded_model import ensure_embedded_model
+    from batch_assets.engines.embedded_model import ensure_embedded_model
 
     tokenizer_source = ensure_embedded_model()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
@@ -66,7 +66,7 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session", autouse=True)
 def warm_engine_for_session() -> Iterator[None]:
     """Engine start-up costs ~15 s; keep one engine across the tests that share its settings."""
-    from batch_assets.resources.vllm_engine import keep_engine_warm
+    from batch_assets.engines.vllm_engine import keep_engine_warm
 
     with keep_engine_warm():
         yield

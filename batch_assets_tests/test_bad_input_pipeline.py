@@ -9,7 +9,7 @@ import polars as pl
 
 from batch_assets.cli import run_partitions
 from batch_assets.definitions import build_definitions, pipeline_job_name
-from batch_assets.partitions.drop_files import partition_key_for, partitions_def_name
+from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import drop
 
 

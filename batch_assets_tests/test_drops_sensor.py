@@ -16,15 +16,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batch_assets.definitions import build_definitions, pipeline_job_name
-from batch_assets.partitions.drop_files import find_drop_file, list_drop_files, partition_key_for, partitions_def_name, skip_reason
-from batch_assets.sensors.drops_sensor import (
+from batch_assets.storage.drop_files import find_drop_file, list_drop_files, partition_key_for, partitions_def_name, skip_reason
+from batch_assets.dagster_defs.sensors import (
     REPLACED_TAG,
     SOURCE_FILE_TAG,
     build_drops_sensor,
     decode_cursor,
     encode_cursor,
 )
-from batch_assets.specs.task_spec import load_task_specs
+from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.errors import StorageError, scrub
 from batch_assets.storage.locations import data_root, storage_path, write_bytes_atomically
 from batch_assets_tests.conftest import drop

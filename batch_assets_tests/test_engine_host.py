@@ -14,9 +14,9 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from batch_assets.resources import engine_host
-from batch_assets.resources.vllm_engine import VLLMEngine
-from batch_assets.specs.task_spec import load_task_specs
+from batch_assets.engines import engine_host
+from batch_assets.engines.vllm_engine import VLLMEngine
+from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets_tests.conftest import drop
 
 SENTIMENT = next(task for task in load_task_specs() if task.name == "sentiment")

@@ -6,8 +6,8 @@ import polars as pl
 import pytest
 from transformers import AutoTokenizer
 
-from batch_assets.formatting.format_prompts import PromptFormat, format_prompts, prompt_affixes, render_prompt
-from batch_assets.models.embedded_model import ensure_embedded_model
+from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts, prompt_affixes, render_prompt
+from batch_assets.engines.embedded_model import ensure_embedded_model
 
 
 @pytest.fixture(scope="module")

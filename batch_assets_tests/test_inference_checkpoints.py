@@ -12,9 +12,9 @@ import polars as pl
 import pytest
 from upath import UPath
 
-from batch_assets.inference.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
-from batch_assets.inference.run_inference import InferenceError, run_inference
-from batch_assets.resources.vllm_engine import Generation
+from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
+from batch_assets.pipeline.run_inference import InferenceError, run_inference
+from batch_assets.engines.vllm_engine import Generation
 
 
 def formatted_frame(texts: list[str | None], extra: dict | None = None) -> pl.DataFrame:

@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from batch_assets.definitions import build_definitions, pipeline_job_name
-from batch_assets.partitions.drop_files import partition_key_for, partitions_def_name
-from batch_assets.specs.task_spec import TaskSpec, load_task_specs
+from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
+from batch_assets.pipeline.task_spec import TaskSpec, load_task_specs
 from batch_assets_tests.conftest import drop
 
 SENTIMENT = next(task for task in load_task_specs() if task.name == "sentiment")
@@ -156,7 +156,7 @@ def test_an_engine_that_cannot_start_for_memory_says_which_setting_to_change(dat
 
 
 def test_the_stream_returns_every_result_once_and_a_closed_stream_leaves_the_engine_clean(tiny_model: str) -> None:
-    from batch_assets.resources.vllm_engine import PROCESS_ENGINE, VLLMEngine
+    from batch_assets.engines.vllm_engine import PROCESS_ENGINE, VLLMEngine
 
     engine = VLLMEngine()
     task = sentiment(engine={"max_num_seqs": 8})  # window of 16 requests: prompts are pulled in many top-ups

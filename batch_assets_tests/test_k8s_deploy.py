@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from batch_assets.definitions import K8S_CONFIG_TAG, build_definitions, pipeline_job_name, run_tags_for
-from batch_assets.specs.task_spec import load_task_spec, load_task_specs
+from batch_assets.pipeline.task_spec import load_task_spec, load_task_specs
 from batch_assets_tests.conftest import REPO_ROOT
 
 dagster_k8s = pytest.importorskip("dagster_k8s", reason="dagster-k8s is not installed (pip install -e '.[test]')")

@@ -24,9 +24,9 @@ import polars as pl
 import pytest
 
 from batch_assets.definitions import build_definitions
-from batch_assets.resources.engines import EncodedPrompt
-from batch_assets.resources.openai_engine import EndpointError, OpenAIEngine, chat_request_params
-from batch_assets.specs.task_spec import load_task_spec
+from batch_assets.engines.protocol import EncodedPrompt
+from batch_assets.engines.openai_engine import EndpointError, OpenAIEngine, chat_request_params
+from batch_assets.pipeline.task_spec import load_task_spec
 from batch_assets_tests.conftest import REPO_ROOT, drop
 from batch_assets_tests.test_pipeline_materialize import failure_messages, read_output, run_partition
 
@@ -345,7 +345,7 @@ def test_a_failed_batch_fails_the_run_and_a_rerun_resumes_from_checkpoints(
 
 
 def test_endpoint_settings_are_checked_without_echoing_secrets(tmp_path: Path, tiny_model_path: str) -> None:
-    from batch_assets.specs.task_spec import TaskSpecError
+    from batch_assets.pipeline.task_spec import TaskSpecError
 
     task = endpoint_task(tmp_path, "http://127.0.0.1:9/v1", tiny_model_path)
     path = tmp_path / "tasks" / "sentiment.yaml"

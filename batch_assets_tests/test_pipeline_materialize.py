@@ -9,9 +9,9 @@ import polars as pl
 import pytest
 
 from batch_assets.definitions import build_definitions, pipeline_job_name
-from batch_assets.partitions.drop_files import partition_key_for, partitions_def_name
-from batch_assets.resources.vllm_engine import VLLMEngine
-from batch_assets.specs.task_spec import load_task_specs
+from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
+from batch_assets.engines.vllm_engine import VLLMEngine
+from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets_tests.conftest import SAMPLES, drop
 
 TASKS = {task.name: task for task in load_task_specs()}

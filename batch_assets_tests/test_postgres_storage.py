@@ -29,8 +29,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from batch_assets.partitions.drop_files import partition_key_for, partitions_def_name
-from batch_assets.resources import engine_host
+from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
+from batch_assets.engines import engine_host
 from batch_assets_tests.conftest import REPO_ROOT, SAMPLES
 
 psycopg2 = pytest.importorskip("psycopg2", reason="dagster-postgres is not installed (pip install -e '.[test]')")

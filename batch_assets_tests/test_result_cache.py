@@ -9,10 +9,10 @@ import polars as pl
 import pytest
 from upath import UPath
 
-from batch_assets.inference import result_cache
-from batch_assets.inference.checkpoints import CheckpointStore
-from batch_assets.inference.result_cache import ResultCache
-from batch_assets.inference.run_inference import request_keys, run_inference
+from batch_assets.storage import result_cache
+from batch_assets.storage.checkpoints import CheckpointStore
+from batch_assets.storage.result_cache import ResultCache
+from batch_assets.pipeline.run_inference import request_keys, run_inference
 from batch_assets_tests.test_inference_checkpoints import Engine, formatted_frame, tokenize
 
 

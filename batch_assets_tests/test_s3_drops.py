@@ -28,9 +28,9 @@ import s3fs
 from moto.server import ThreadedMotoServer
 
 from batch_assets.definitions import build_definitions, pipeline_job_name
-from batch_assets.partitions.drop_files import list_drop_files, partitions_def_name
-from batch_assets.sensors.drops_sensor import REPLACED_TAG, SOURCE_FILE_TAG, build_drops_sensor
-from batch_assets.specs.task_spec import load_task_specs
+from batch_assets.storage.drop_files import list_drop_files, partitions_def_name
+from batch_assets.dagster_defs.sensors import REPLACED_TAG, SOURCE_FILE_TAG, build_drops_sensor
+from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.errors import StorageError
 
 BUCKET = "batch-bucket"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from batch_assets.definitions import build_definitions
-from batch_assets.specs.task_spec import TaskSpecError, load_task_spec, load_task_specs
+from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec, load_task_specs
 
 GOOD = """
 input: {text_fields: [text]}

@@ -24,9 +24,9 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from batch_assets.partitions.drop_files import partition_key_for, partitions_def_name
-from batch_assets.resources import engine_host
-from batch_assets.specs.task_spec import load_task_specs
+from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
+from batch_assets.engines import engine_host
+from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets_tests.conftest import REPO_ROOT, SAMPLES
 
 CHROMIUM = Path("/usr/bin/chromium")

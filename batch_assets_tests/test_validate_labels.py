@@ -6,8 +6,8 @@ import json
 
 import polars as pl
 
-from batch_assets.specs.task_spec import OutputSpec
-from batch_assets.validation.validate_labels import constraint_violations, parse_label, validate_labels
+from batch_assets.pipeline.task_spec import OutputSpec
+from batch_assets.pipeline.validate_labels import constraint_violations, parse_label, validate_labels
 
 CHOICES = OutputSpec(kind="choices", choices=["positive", "negative", "neutral"])
 SCHEMA = OutputSpec(

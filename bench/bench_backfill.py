@@ -50,7 +50,7 @@ def run_side(files: list[Path], work: Path, share: bool, passes: int = 1) -> dic
                             "engine_starts": starts, "engine_start_seconds": start_seconds, "rows_from_cache": from_cache})
     finally:
         if share:  # the host would otherwise wait out its idle time
-            subprocess.run([sys.executable, "-c", "from batch_assets.resources.engine_host import stop_host; stop_host()"], env=env, check=True)
+            subprocess.run([sys.executable, "-c", "from batch_assets.engines.engine_host import stop_host; stop_host()"], env=env, check=True)
     return results
 
 

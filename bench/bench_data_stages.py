@@ -25,13 +25,13 @@ import json, resource, sys, time
 from pathlib import Path
 import polars as pl
 stage, csv_path, work = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-from batch_assets.specs.task_spec import load_task_specs
+from batch_assets.pipeline.task_spec import load_task_specs
 task = {t.name: t for t in load_task_specs()}["industry"]
 if stage == "raw_to_formatted":
     from transformers import AutoTokenizer
-    from batch_assets.formatting.format_prompts import PromptFormat, format_prompts
-    from batch_assets.models.embedded_model import ensure_embedded_model
-    from batch_assets.parsing.read_prompts import ParseOptions, read_prompts
+    from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts
+    from batch_assets.engines.embedded_model import ensure_embedded_model
+    from batch_assets.pipeline.read_prompts import ParseOptions, read_prompts
     tokenizer = AutoTokenizer.from_pretrained(ensure_embedded_model())
     fmt = PromptFormat(task.prompt.system, task.prompt.template, None, tuple(task.input.text_fields))
     started = time.perf_counter()
@@ -48,7 +48,7 @@ if stage == "raw_to_formatted":
     )
     outputs.write_parquet(work / "outputs.parquet")
 else:
-    from batch_assets.validation.validate_labels import validate_labels
+    from batch_assets.pipeline.validate_labels import validate_labels
     outputs = pl.read_parquet(work / "outputs.parquet")
     started = time.perf_counter()
     labels = validate_labels(outputs, task.output)

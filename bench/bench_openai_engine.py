@@ -34,11 +34,11 @@ MAX_NUM_SEQS = 256
 
 
 def prompts_and_task(rows: int, model: str):
-    from batch_assets.formatting.format_prompts import PromptFormat, format_prompts
-    from batch_assets.parsing.read_prompts import ParseOptions, read_prompts
-    from batch_assets.resources.engines import prompt_encoder
-    from batch_assets.resources.openai_engine import OpenAIEngine
-    from batch_assets.specs.task_spec import load_task_specs
+    from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts
+    from batch_assets.pipeline.read_prompts import ParseOptions, read_prompts
+    from batch_assets.engines.protocol import prompt_encoder
+    from batch_assets.engines.openai_engine import OpenAIEngine
+    from batch_assets.pipeline.task_spec import load_task_specs
 
     task = {t.name: t for t in load_task_specs()}["sentiment"]
     sample = REPO_ROOT / "batch_assets" / "samples" / "sentiment" / "posts-sample.jsonl"
@@ -107,14 +107,14 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
-    from batch_assets.models.embedded_model import resolve_model
+    from batch_assets.engines.embedded_model import resolve_model
 
     model = resolve_model(args.model)
     task, prompts = prompts_and_task(args.rows, model)
     load = os.getloadavg()[0]
 
-    from batch_assets.resources.openai_engine import OpenAIEngine
-    from batch_assets.resources.vllm_engine import PROCESS_ENGINE, VLLMEngine
+    from batch_assets.engines.openai_engine import OpenAIEngine
+    from batch_assets.engines.vllm_engine import PROCESS_ENGINE, VLLMEngine
 
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / "bench_openai_engine_server.log"
     process, base_url = start_server(model, log_path)

@@ -85,9 +85,9 @@ def run_scenarios(where: str, keys: int, repeats: int, data_url: str) -> list[di
     import dagster as dg
 
     from batch_assets.definitions import build_definitions, pipeline_job_name
-    from batch_assets.partitions.drop_files import list_drop_files
-    from batch_assets.sensors.drops_sensor import build_drops_sensor
-    from batch_assets.specs.task_spec import load_task_specs
+    from batch_assets.storage.drop_files import list_drop_files
+    from batch_assets.dagster_defs.sensors import build_drops_sensor
+    from batch_assets.pipeline.task_spec import load_task_specs
 
     task = next(task for task in load_task_specs() if task.name == "sentiment")
     job = build_definitions().resolve_job_def(pipeline_job_name("sentiment"))

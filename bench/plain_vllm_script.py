@@ -18,8 +18,8 @@ def main() -> None:
     import polars as pl
     from vllm import LLM
 
-    from batch_assets.resources.vllm_engine import VLLMEngine, sampling_params_for
-    from batch_assets.specs.task_spec import load_task_specs
+    from batch_assets.engines.vllm_engine import VLLMEngine, sampling_params_for
+    from batch_assets.pipeline.task_spec import load_task_specs
 
     source, target = sys.argv[1], sys.argv[2]
     task = {t.name: t for t in load_task_specs()}["industry"]

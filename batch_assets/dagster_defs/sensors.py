@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import dagster as dg
 
-from batch_assets.partitions.drop_files import DropFile, list_drop_files, partitions_def_name
-from batch_assets.specs.task_spec import TaskSpec
+from batch_assets.storage.drop_files import DropFile, list_drop_files, partitions_def_name
+from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.locations import drop_zone
 
 SOURCE_FILE_TAG = "batch_assets/source_file"

@@ -15,7 +15,7 @@ from typing import Any
 import jsonschema
 import polars as pl
 
-from batch_assets.specs.task_spec import OutputSpec
+from batch_assets.pipeline.task_spec import OutputSpec
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,11 @@
 import dagster as dg
 import polars as pl
 
-from batch_assets.assets.task_assets import asset_key, error_code_counts, markdown_table
-from batch_assets.partitions.drop_files import drop_partitions
-from batch_assets.specs.task_spec import TaskSpec
+from batch_assets.dagster_defs.assets import asset_key, error_code_counts, markdown_table
+from batch_assets.storage.drop_files import drop_partitions
+from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.locations import output_path
-from batch_assets.validation.validate_labels import constraint_violations, parse_label
+from batch_assets.pipeline.validate_labels import constraint_violations, parse_label
 
 FAILED_ROWS_SHOWN = 10
 

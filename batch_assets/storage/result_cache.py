@@ -28,7 +28,7 @@ import uuid
 import polars as pl
 from upath import UPath
 
-from batch_assets.inference.checkpoints import CHECKPOINT_SCHEMA, remove_path
+from batch_assets.storage.checkpoints import CHECKPOINT_SCHEMA, remove_path
 from batch_assets.storage.locations import write_bytes_atomically
 
 # Files a fingerprint folder may hold before a writer merges them into one.

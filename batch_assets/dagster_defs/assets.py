@@ -15,20 +15,20 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
-from batch_assets.formatting.format_prompts import PromptFormat, format_prompts
-from batch_assets.inference.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
-from batch_assets.inference.result_cache import ResultCache
-from batch_assets.inference.run_inference import InferenceError, run_inference
-from batch_assets.parsing.read_prompts import ParseOptions, read_prompts
-from batch_assets.partitions.drop_files import drop_partitions, find_drop_file
-from batch_assets.resources.engine_host import EngineHostLease
-from batch_assets.resources.engine_host import acquire as acquire_engine_host
-from batch_assets.resources.engine_host import complete as complete_on_host
-from batch_assets.resources.engines import checkpoint_identity, engine_for, engine_pool, engine_resource_key, prompt_encoder
-from batch_assets.resources.vllm_engine import PROCESS_ENGINE, EngineStartError, VLLMEngine
-from batch_assets.specs.task_spec import TaskSpec
+from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts
+from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
+from batch_assets.storage.result_cache import ResultCache
+from batch_assets.pipeline.run_inference import InferenceError, run_inference
+from batch_assets.pipeline.read_prompts import ParseOptions, read_prompts
+from batch_assets.storage.drop_files import drop_partitions, find_drop_file
+from batch_assets.engines.engine_host import EngineHostLease
+from batch_assets.engines.engine_host import acquire as acquire_engine_host
+from batch_assets.engines.engine_host import complete as complete_on_host
+from batch_assets.engines.protocol import checkpoint_identity, engine_for, engine_pool, engine_resource_key, prompt_encoder
+from batch_assets.engines.vllm_engine import PROCESS_ENGINE, EngineStartError, VLLMEngine
+from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.locations import checkpoint_dir, task_storage_dir
-from batch_assets.validation.validate_labels import validate_labels
+from batch_assets.pipeline.validate_labels import validate_labels
 
 IO_MANAGER_KEY = "parquet_storage"
 ENGINE_NAMES = {"vllm": "the vLLM engine", "openai": "an OpenAI-compatible endpoint"}

@@ -28,7 +28,7 @@ from pathlib import PurePosixPath
 import dagster as dg
 from upath import UPath
 
-from batch_assets.parsing.read_prompts import SUPPORTED_SUFFIXES
+from batch_assets.pipeline.read_prompts import SUPPORTED_SUFFIXES
 from batch_assets.storage.errors import storage_errors
 from batch_assets.storage.locations import drop_zone, is_local
 

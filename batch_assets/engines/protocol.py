@@ -23,8 +23,8 @@ from collections.abc import Callable
 import dagster as dg
 import polars as pl
 
-from batch_assets.formatting.format_prompts import messages_for, user_message_expr
-from batch_assets.specs.task_spec import TaskSpec
+from batch_assets.pipeline.format_prompts import messages_for, user_message_expr
+from batch_assets.pipeline.task_spec import TaskSpec
 
 IN_PROCESS_RESOURCE_KEY = "llm_engine"
 ENDPOINT_RESOURCE_KEY = "llm_endpoint"

@@ -32,11 +32,11 @@ from typing import ClassVar
 import dagster as dg
 from pydantic import Field
 
-from batch_assets.models.embedded_model import resolve_model
-from batch_assets.models.tokenizers import load_tokenizer
-from batch_assets.resources.engines import EncodedPrompt
-from batch_assets.resources.vllm_engine import Generation
-from batch_assets.specs.task_spec import EMBEDDED_MODEL, TaskSpec, check_base_url
+from batch_assets.engines.embedded_model import resolve_model
+from batch_assets.engines.tokenizers import load_tokenizer
+from batch_assets.engines.protocol import EncodedPrompt
+from batch_assets.engines.vllm_engine import Generation
+from batch_assets.pipeline.task_spec import EMBEDDED_MODEL, TaskSpec, check_base_url
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ class OpenAIEngine(dg.ConfigurableResource):
         if not all(isinstance(p, EncodedPrompt) for p in prompts):
             raise TypeError(
                 "the endpoint engine sends chat messages: build its prompts with "
-                "batch_assets.resources.engines.prompt_encoder (EncodedPrompt), not bare token ids"
+                "batch_assets.engines.protocol.prompt_encoder (EncodedPrompt), not bare token ids"
             )
         settings = self.settings_for(task)
         api_key = self._api_key(task)

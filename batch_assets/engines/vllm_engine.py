@@ -23,10 +23,10 @@ from dataclasses import asdict, dataclass
 import dagster as dg
 from pydantic import Field
 
-from batch_assets.inference.engine_watchdog import fail_if_engine_dies
-from batch_assets.models.embedded_model import resolve_model
-from batch_assets.models.tokenizers import load_tokenizer
-from batch_assets.specs.task_spec import EngineSpec, OutputSpec, SamplingSpec, TaskSpec
+from batch_assets.engines.engine_watchdog import fail_if_engine_dies
+from batch_assets.engines.embedded_model import resolve_model
+from batch_assets.engines.tokenizers import load_tokenizer
+from batch_assets.pipeline.task_spec import EngineSpec, OutputSpec, SamplingSpec, TaskSpec
 
 log = logging.getLogger(__name__)
 

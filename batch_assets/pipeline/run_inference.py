@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from batch_assets.inference.checkpoints import CHECKPOINT_SCHEMA, CheckpointStore
-from batch_assets.inference.result_cache import ResultCache
-from batch_assets.resources.vllm_engine import Generation
+from batch_assets.storage.checkpoints import CHECKPOINT_SCHEMA, CheckpointStore
+from batch_assets.storage.result_cache import ResultCache
+from batch_assets.engines.vllm_engine import Generation
 
 # Prompts in (pulled lazily), (position, result) out in the order results finish.
 GenerateStream = Callable[[Iterator[list[int]]], Iterator[tuple[int, Generation]]]

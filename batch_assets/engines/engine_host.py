@@ -6,7 +6,7 @@ on this CPU, minutes for a large GPU model). With `share_engine` on the `llm_eng
 use an engine host instead:
 
 - The first run that needs an engine starts a supervisor process (`python -m
-  batch_assets.resources.engine_host`) in a session of its own, so it outlives the run. The
+  batch_assets.engines.engine_host`) in a session of its own, so it outlives the run. The
   supervisor starts vLLM's own OpenAI-compatible server on 127.0.0.1 (random port, random API key)
   with exactly the engine settings the in-process engine would use.
 - Later runs with the same settings find it through `<state dir>/host.json` and send their
@@ -41,8 +41,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from batch_assets.resources.vllm_engine import EngineSettings, EngineStartError, Generation, engine_kwargs
-from batch_assets.specs.task_spec import TaskSpec
+from batch_assets.engines.vllm_engine import EngineSettings, EngineStartError, Generation, engine_kwargs
+from batch_assets.pipeline.task_spec import TaskSpec
 
 STATE_DIR_ENV = "BATCH_ASSETS_ENGINE_HOST_DIR"
 SERVED_MODEL_NAME = "batch-assets-engine"
@@ -216,7 +216,7 @@ def _start(folder: Path, settings: EngineSettings, wanted: dict, idle_shutdown_s
     log(f"starting the engine host on 127.0.0.1:{port} for {settings.model} (log: {log_path})")
     with log_path.open("ab") as server_log:
         supervisor = subprocess.Popen(
-            [sys.executable, "-m", "batch_assets.resources.engine_host", "--state-dir", str(folder)],
+            [sys.executable, "-m", "batch_assets.engines.engine_host", "--state-dir", str(folder)],
             stdout=server_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
     deadline = time.monotonic() + start_timeout_s
@@ -336,7 +336,7 @@ def completion_params(task: TaskSpec, structured_outputs: bool) -> dict:
 def complete(info: HostInfo, task: TaskSpec, prompts: Sequence[list[int]], *, concurrency: int, structured_outputs: bool) -> list[Generation]:
     """One completion per token-id prompt, `concurrency` in flight; a request that fails after the
     client's retries becomes an error row, a host that cannot be reached fails the call."""
-    from batch_assets.resources.openai_engine import EndpointError, _run_coroutine, classify_failure
+    from batch_assets.engines.openai_engine import EndpointError, _run_coroutine, classify_failure
 
     params = completion_params(task, structured_outputs)
 
