@@ -91,7 +91,12 @@ def run_partitions(task_name: str, files: list[Path], *, skip_succeeded: bool = 
     ensure_dagster_home()
     import dagster as dg
     from batch_assets.definitions import build_definitions, pipeline_job_name, share_engine_setting
-    from batch_assets.storage.drop_files import find_drop_file, partition_key_for, partitions_def_name
+    from batch_assets.storage.drop_files import (
+        find_drop_file,
+        input_file_problem,
+        partition_key_for,
+        partitions_def_name,
+    )
     from batch_assets.engines.vllm_engine import VLLMEngine, keep_engine_warm
     from batch_assets.dagster_defs.sensors import SOURCE_FILE_TAG, SOURCE_VERSION_TAG, version_digest
     from batch_assets.pipeline.task_spec import load_tasks
@@ -112,6 +117,11 @@ def run_partitions(task_name: str, files: list[Path], *, skip_succeeded: bool = 
     job = defs.resolve_job_def(pipeline_job_name(task_name))
     zone = drop_zone(task_name)
 
+    # Refuse what the drop zone would skip or cannot read before copying anything.
+    problems = [f"{file}: no such file" for file in files if not file.is_file()]
+    problems += [f"{file}: {problem}" for file in files if (problem := input_file_problem(file.name))]
+    if problems:
+        raise SystemExit("\n".join(problems))
     keys: list[tuple[str, str]] = []
     for file in files:
         if not file.is_file():
