@@ -15,6 +15,7 @@ from batch_assets.dagster_defs.checks import build_task_checks
 from batch_assets.engines.protocol import ENDPOINT_RESOURCE_KEY, IN_PROCESS_RESOURCE_KEY
 from batch_assets.engines.openai_engine import OpenAIEngine
 from batch_assets.engines.vllm_engine import VLLMEngine
+from batch_assets.dagster_defs.run_recovery import build_recovery_sensor
 from batch_assets.dagster_defs.sensors import build_drops_sensor
 from batch_assets.pipeline.task_spec import TaskSpec, load_task_specs
 from batch_assets.storage.parquet_io_manager import ParquetStorage
@@ -70,7 +71,7 @@ def build_definitions(
         assets=assets,
         asset_checks=checks,
         jobs=jobs,
-        sensors=sensors,
+        sensors=[*sensors, build_recovery_sensor()],
         resources={
             IO_MANAGER_KEY: ParquetStorage(),
             IN_PROCESS_RESOURCE_KEY: engine or VLLMEngine(),
