@@ -284,6 +284,8 @@ class _ProgressHandler(logging.Handler):
 
 
 def _duration(seconds: float) -> str:
+    if seconds < 1:
+        return "under 1 s"
     seconds = int(round(seconds))
     return f"{seconds // 60} min {seconds % 60} s" if seconds >= 60 else f"{seconds} s"
 
@@ -346,8 +348,7 @@ def run_partitions(
             TERMINAL.say(f"run {run_id[:8]}: its batch-assets process died before it finished; marked failed, pool slots freed")
 
         outcomes: list[PartitionOutcome] = []
-        log_path = dagster_home() / "logs" / f"batch-assets-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-        with keep_engine_warm(), TERMINAL.library_output_to(log_path):
+        with keep_engine_warm():
             for file, digest in keys:
                 key = file.key
                 if skip_succeeded and _already_succeeded(instance, task_name, key, digest):
@@ -545,7 +546,7 @@ def _demo_tasks(tasks) -> bool:
         folder = SAMPLES_DIR / task.name
         files = sorted(p for p in folder.glob("*") if p.is_file()) if folder.exists() else []
         if not files:
-            print(f"{task.name}: no bundled samples in {folder}")
+            TERMINAL.say(f"{task.name}: no bundled samples in {folder}")
             continue
         outcomes = run_partitions(task.name, files, skip_succeeded=True)
         _print_outcomes(outcomes)
@@ -630,11 +631,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "tasks":
             return command_tasks()
-        if args.command == "run":
-            return command_run(args.task, args.files, replace=args.replace)
         if args.command == "ui":
             return command_ui(args.host, args.port, args.workspace)
-        return command_demo()
+        # Until the command ends (the engine stops last), library output goes to the log file.
+        log_path = dagster_home() / "logs" / f"batch-assets-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+        with TERMINAL.library_output_to(log_path):
+            if args.command == "run":
+                return command_run(args.task, args.files, replace=args.replace)
+            return command_demo()
     except KeyboardInterrupt:
         TERMINAL.say("stopped (interrupted)")
         return 130

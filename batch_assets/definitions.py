@@ -1,6 +1,6 @@
 """The code location: one asset group, partitions definition, job, sensor and set of checks per task.
 
-Load with `dagster dev` / `dg dev` from the repo root (workspace.yaml points here).
+Load with `dg dev` (`make ui`) from the repo root (workspace.yaml points here).
 """
 
 from __future__ import annotations
@@ -97,6 +97,6 @@ def share_engine_setting(default: bool) -> bool:
     return default
 
 
-# The code location (`dagster dev`, the daemon): every run is a process of its own, so runs share
+# The code location (`dg dev`, the daemon): every run is a process of its own, so runs share
 # one engine host by default and a backfill pays engine start-up once.
 defs = build_definitions(engine=VLLMEngine(share_engine=share_engine_setting(default=True)))
