@@ -46,7 +46,9 @@ def test_same_task_same_versions_edits_change_the_assets_they_affect(monkeypatch
     prompt_edit = code_versions(spec(prompt__template="Text: {text}"))
     assert prompt_edit["formatted_prompts"] != base["formatted_prompts"]
     assert prompt_edit["inference_outputs"] != base["inference_outputs"]
-    assert prompt_edit["validated_labels"] == base["validated_labels"]  # stale through its upstream
+    assert prompt_edit["validated_labels"] != base["validated_labels"]
+    # Checks read the labels, they do not change them.
+    assert code_versions(spec(checks__max_label_drift=0.5, checks__max_error_share=0.2)) == base
 
     sampling_edit = code_versions(spec(sampling__temperature=0.7))
     assert sampling_edit["formatted_prompts"] == base["formatted_prompts"]

@@ -73,5 +73,7 @@ def code_versions(task: TaskSpec) -> dict[str, str]:
     return {
         "formatted_prompts": _digest(formatting),
         "inference_outputs": _digest(inference),
-        "validated_labels": _digest({"output": task.output.model_dump()}),
+        # Labels are parsed from the outputs: whatever changes the outputs changes them. (Dagster does
+        # not mark a partition stale for an upstream partition's new code version alone.)
+        "validated_labels": _digest({"inference": inference, "validation": task.output.model_dump()}),
     }
