@@ -79,6 +79,12 @@ def _summary_line(task_name: str, partition_key: str, instance) -> str:
     else:
         label_text = f"{int(labels['label'].is_not_null().sum())} labelled"
     rate = ""
+    labels_record = latest_materialization(instance, dg.AssetKey([task_name, "validated_labels"]), partition_key)
+    if labels_record is not None and labels_record.asset_materialization is not None:
+        accuracy = labels_record.asset_materialization.metadata.get("accuracy")
+        rows_with_gold = labels_record.asset_materialization.metadata.get("rows_with_gold")
+        if accuracy is not None and rows_with_gold is not None:
+            label_text += f" (accuracy {accuracy.value:.0%} on {rows_with_gold.value} hand-labelled rows)"
     record = latest_materialization(instance, dg.AssetKey([task_name, "inference_outputs"]), partition_key)
     if record is not None and record.asset_materialization is not None:
         metadata = record.asset_materialization.metadata
@@ -204,9 +210,29 @@ def command_demo() -> int:
     from batch_assets.pipeline.task_spec import load_task_specs
 
     # One engine for every task that shares its settings (the shipped ones all do).
+    tasks = load_task_specs()
     with keep_engine_warm():
-        all_ok = _demo_tasks(load_task_specs())
+        all_ok = _demo_tasks(tasks)
+    note = demo_note(tasks)
+    if note:
+        print(note, flush=True)
     return 0 if all_ok else 1
+
+
+def demo_note(tasks) -> str | None:
+    """The caution printed once after the demo's summaries, when a task ran on the embedded model."""
+    from batch_assets.pipeline.task_spec import EMBEDDED_MODEL
+
+    return EMBEDDED_MODEL_NOTE if any(task.model == EMBEDDED_MODEL for task in tasks) else None
+
+
+EMBEDDED_MODEL_NOTE = """
+Note: these labels come from the embedded SmolLM2-135M-Instruct, a 135-million-parameter model that
+demonstrates the plumbing (assets, checks, storage, resumable runs); it is not a labeler, and the
+accuracy figures above show it. For real labels, point a task at a real model: `engine.model` in its
+YAML (a local folder or a Hugging Face model id, run by vLLM on a GPU), `engine.kind: openai` with
+`engine.base_url` for an OpenAI-compatible endpoint, or BATCH_ASSETS_MODEL=<model> for every task.
+Measure it first on a hand-labelled sample (`checks.gold_field`, README "Accuracy on a labelled sample")."""
 
 
 def _demo_tasks(tasks) -> bool:

@@ -87,6 +87,12 @@ def test_demo_runs_every_sample_and_a_second_demo_reruns_nothing(workdir) -> Non
     lines = summary_lines(first.stdout)
     assert {line.split("/")[0] for line in lines} == {"industry", "sentiment", "answers"}
     assert all(": OK run " in line for line in lines), lines
+    # The choice samples carry hand-made labels, so their lines show accuracy next to the label counts.
+    accuracy = {line.split("/")[0]: "hand-labelled rows)" in line for line in lines}
+    assert accuracy == {"industry": True, "sentiment": True, "answers": False}, lines
+    assert "(accuracy " in next(line for line in lines if line.startswith("sentiment/")) and "on 36 hand-labelled rows" in first.stdout
+    # The caution about the embedded model is for runs on it; this one ran on the tiny test model.
+    assert "not a labeler" not in first.stdout
     second = run_cli(["demo"], env, tmp_path)
     assert second.returncode == 0
     again = summary_lines(second.stdout)
@@ -94,6 +100,18 @@ def test_demo_runs_every_sample_and_a_second_demo_reruns_nothing(workdir) -> Non
     assert "starting vLLM engine" not in second.stdout + second.stderr
     with open_instance(tmp_path / "home") as instance:
         assert len(instance.get_runs()) == len(lines)
+
+
+def test_demo_says_once_that_the_embedded_model_is_not_a_labeler(monkeypatch: pytest.MonkeyPatch) -> None:
+    from batch_assets.cli import demo_note
+    from batch_assets.pipeline.task_spec import load_task_specs
+
+    monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
+    note = demo_note(load_task_specs())
+    assert "not a labeler" in note and "engine.model" in note and "BATCH_ASSETS_MODEL" in note
+    assert "engine.base_url" in note and "checks.gold_field" in note
+    monkeypatch.setenv("BATCH_ASSETS_MODEL", "/models/llama-3.1-8b-instruct")
+    assert demo_note(load_task_specs()) is None
 
 
 def test_repo_root_has_the_contract_files() -> None:
