@@ -242,3 +242,44 @@ def test_price_without_budget_is_fine(tmp_path: Path) -> None:
     task = load_task_spec(write_task(tmp_path, "engine: {price: {input_per_million_tokens: 0.2, output_per_million_tokens: 0.8}}\n"))
     assert task.budget is None
     assert task.engine.price.output_per_million_tokens == 0.8
+
+
+# --- code versions and automation in the definitions ---------------------------------------------
+
+
+def test_definitions_carry_the_versions_and_opted_in_tasks_rematerialize_stale_partitions(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dagster as dg
+
+    from batch_assets.definitions import build_definitions
+    from batch_assets.storage.drop_files import partitions_def_name
+
+    monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
+    plain = spec()
+    assert not build_definitions(tasks=[plain]).resolve_asset_graph().get(dg.AssetKey(["t", "inference_outputs"])).automation_condition
+    opted = spec(automation__rematerialize_stale=True)
+    edited = spec(automation__rematerialize_stale=True, prompt__template="Text: {text}")
+    defs = build_definitions(tasks=[opted])
+    graph = defs.resolve_asset_graph()
+    for asset, version in code_versions(opted).items():
+        assert graph.get(dg.AssetKey(["t", asset])).code_version == version
+    assert graph.get(dg.AssetKey(["t", "raw_prompts"])).automation_condition is None
+    sensor = defs.resolve_sensor_def("t_automation_sensor")
+    assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(partitions_def_name("t"), ["a.jsonl", "b.jsonl"])
+        # a.jsonl was labelled with the first version of the task; b.jsonl never ran.
+        for asset in ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels"):
+            instance.report_runless_asset_event(dg.AssetMaterialization(dg.AssetKey(["t", asset]), partition="a.jsonl"))
+        first = dg.evaluate_automation_conditions(defs=defs, instance=instance)
+        assert first.total_requested == 0
+        unchanged = dg.evaluate_automation_conditions(defs=build_definitions(tasks=[opted]), instance=instance, cursor=first.cursor)
+        assert unchanged.total_requested == 0  # a restart with the same task requests nothing
+        after_edit = dg.evaluate_automation_conditions(defs=build_definitions(tasks=[edited]), instance=instance, cursor=unchanged.cursor)
+        for asset in ("formatted_prompts", "inference_outputs", "validated_labels"):
+            assert after_edit.get_requested_partitions(dg.AssetKey(["t", asset])) == {"a.jsonl"}
+        assert after_edit.total_requested == 3
+        handled = dg.evaluate_automation_conditions(defs=build_definitions(tasks=[edited]), instance=instance, cursor=after_edit.cursor)
+        assert handled.total_requested == 0
