@@ -90,7 +90,8 @@ def test_demo_runs_every_sample_and_a_second_demo_reruns_nothing(workdir) -> Non
     # The choice samples carry hand-made labels, so their lines show accuracy next to the label counts.
     accuracy = {line.split("/")[0]: "hand-labelled rows)" in line for line in lines}
     assert accuracy == {"industry": True, "sentiment": True, "answers": False}, lines
-    assert "(accuracy " in next(line for line in lines if line.startswith("sentiment/")) and "on 36 hand-labelled rows" in first.stdout
+    sentiment = next(line for line in lines if line.startswith("sentiment/"))
+    assert "(accuracy " in sentiment and "on 36 hand-labelled rows)" in sentiment
     # The caution about the embedded model is for runs on it; this one ran on the tiny test model.
     assert "not a labeler" not in first.stdout
     second = run_cli(["demo"], env, tmp_path)

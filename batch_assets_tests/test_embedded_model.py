@@ -40,7 +40,9 @@ def test_conversion_writes_architectures_and_keeps_the_bos_behaviour() -> None:
     assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
 
 
-def test_a_folder_converted_before_architectures_is_upgraded_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_folder_converted_before_architectures_is_upgraded_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(embedded_model.CACHE_ENV, str(tmp_path))
     folder = embedded_model_dir()
     folder.mkdir(parents=True)
@@ -49,7 +51,8 @@ def test_a_folder_converted_before_architectures_is_upgraded_in_place(tmp_path: 
     assert ensure_embedded_model() == folder  # no conversion: the folder is complete
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForCausalLM"] and config["hidden_size"] == 8
-    assert json.loads((folder / "batch_assets_model.json").read_text())["conversion"] == embedded_model.CONVERSION_VERSION
+    marker = json.loads((folder / "batch_assets_model.json").read_text())
+    assert marker["conversion"] == embedded_model.CONVERSION_VERSION
 
 
 def test_a_tokenizer_that_cannot_keep_the_bos_behaviour_is_refused() -> None:

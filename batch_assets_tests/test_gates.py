@@ -87,7 +87,11 @@ def test_versions_are_stable_across_processes(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "BATCH_ASSETS_MODEL"}
     env["PYTHONHASHSEED"] = "random"
     runs = [
-        json.loads(subprocess.run([sys.executable, "-c", script, str(task)], env=env, capture_output=True, text=True, check=True).stdout)
+        json.loads(
+            subprocess.run(
+                [sys.executable, "-c", script, str(task)], env=env, capture_output=True, text=True, check=True
+            ).stdout
+        )
         for _ in range(2)
     ]
     assert runs[0] == runs[1]
@@ -98,7 +102,10 @@ def test_versions_are_stable_across_processes(tmp_path: Path) -> None:
 
 
 def formatted(tokens: list[int | None], errors: list[str | None]) -> pl.DataFrame:
-    return pl.DataFrame({"row_id": range(len(tokens)), "num_prompt_tokens": tokens, "error": errors}, schema_overrides={"error": pl.String})
+    return pl.DataFrame(
+        {"row_id": range(len(tokens)), "num_prompt_tokens": tokens, "error": errors},
+        schema_overrides={"error": pl.String},
+    )
 
 
 def test_estimate_counts_rows_sent_to_the_engine_at_worst_case() -> None:
@@ -119,7 +126,9 @@ def test_overruns_name_estimate_and_limit() -> None:
     task = spec(engine__price={"input_per_million_tokens": 1000.0, "output_per_million_tokens": 0.0})
     estimate = estimate_cost(formatted([600, 600], [None, None]), task)  # 1,200 prompt tokens, $1.20
     assert budget_overruns(estimate, None) == []
-    assert budget_overruns(estimate, BudgetSpec(max_prompt_tokens=1200, max_generated_tokens=20, max_cost_usd=1.2)) == []
+    assert (
+        budget_overruns(estimate, BudgetSpec(max_prompt_tokens=1200, max_generated_tokens=20, max_cost_usd=1.2)) == []
+    )
     overruns = budget_overruns(estimate, BudgetSpec(max_prompt_tokens=1000, max_generated_tokens=19, max_cost_usd=1.0))
     assert overruns == [
         "prompt tokens 1,200 exceed budget.max_prompt_tokens 1,000",
@@ -207,8 +216,7 @@ def test_no_history_means_no_drift_report() -> None:
 def write_task(tmp_path: Path, extra: str) -> Path:
     path = tmp_path / "t.yaml"
     path.write_text(
-        "input: {text_fields: [text]}\nprompt: {template: '{text}'}\n"
-        "output: {kind: choices, choices: [a, b]}\n" + extra
+        "input: {text_fields: [text]}\nprompt: {template: '{text}'}\noutput: {kind: choices, choices: [a, b]}\n" + extra
     )
     return path
 
@@ -219,9 +227,17 @@ def write_task(tmp_path: Path, extra: str) -> Path:
         ("budget: {max_prompt_tokens: -5}\n", "budget.max_prompt_tokens", "greater than or equal to 0"),
         ("budget: {max_generated_tokens: lots}\n", "budget.max_generated_tokens", "valid integer"),
         ("budget: {max_prompt_tokens: true}\n", "budget.max_prompt_tokens", "valid integer"),
-        ("budget: {max_cost_usd: '5'}\nengine: {price: {input_per_million_tokens: 1}}\n", "budget.max_cost_usd", "valid number"),
+        (
+            "budget: {max_cost_usd: '5'}\nengine: {price: {input_per_million_tokens: 1}}\n",
+            "budget.max_cost_usd",
+            "valid number",
+        ),
         ("budget: {max_cost_usd: 5}\n", "budget.max_cost_usd needs engine.price", ""),
-        ("engine: {price: {input_per_million_tokens: -1}}\n", "engine.price.input_per_million_tokens", "greater than or equal to 0"),
+        (
+            "engine: {price: {input_per_million_tokens: -1}}\n",
+            "engine.price.input_per_million_tokens",
+            "greater than or equal to 0",
+        ),
         ("checks: {max_label_drift: 1.5}\n", "checks.max_label_drift", "less than or equal to 1"),
         ("checks: {max_label_drift: -0.1}\n", "checks.max_label_drift", "greater than or equal to 0"),
         ("checks: {min_accuracy: 2}\n", "checks.min_accuracy", "less than or equal to 1"),
@@ -239,7 +255,9 @@ def test_bad_gate_settings_are_refused_naming_file_and_key(tmp_path: Path, extra
 
 
 def test_price_without_budget_is_fine(tmp_path: Path) -> None:
-    task = load_task_spec(write_task(tmp_path, "engine: {price: {input_per_million_tokens: 0.2, output_per_million_tokens: 0.8}}\n"))
+    task = load_task_spec(
+        write_task(tmp_path, "engine: {price: {input_per_million_tokens: 0.2, output_per_million_tokens: 0.8}}\n")
+    )
     assert task.budget is None
     assert task.engine.price.output_per_million_tokens == 0.8
 
@@ -257,7 +275,12 @@ def test_definitions_carry_the_versions_and_opted_in_tasks_rematerialize_stale_p
 
     monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
     plain = spec()
-    assert not build_definitions(tasks=[plain]).resolve_asset_graph().get(dg.AssetKey(["t", "inference_outputs"])).automation_condition
+    assert (
+        not build_definitions(tasks=[plain])
+        .resolve_asset_graph()
+        .get(dg.AssetKey(["t", "inference_outputs"]))
+        .automation_condition
+    )
     opted = spec(automation__rematerialize_stale=True)
     edited = spec(automation__rematerialize_stale=True, prompt__template="Text: {text}")
     defs = build_definitions(tasks=[opted])
@@ -275,11 +298,17 @@ def test_definitions_carry_the_versions_and_opted_in_tasks_rematerialize_stale_p
             instance.report_runless_asset_event(dg.AssetMaterialization(dg.AssetKey(["t", asset]), partition="a.jsonl"))
         first = dg.evaluate_automation_conditions(defs=defs, instance=instance)
         assert first.total_requested == 0
-        unchanged = dg.evaluate_automation_conditions(defs=build_definitions(tasks=[opted]), instance=instance, cursor=first.cursor)
+        unchanged = dg.evaluate_automation_conditions(
+            defs=build_definitions(tasks=[opted]), instance=instance, cursor=first.cursor
+        )
         assert unchanged.total_requested == 0  # a restart with the same task requests nothing
-        after_edit = dg.evaluate_automation_conditions(defs=build_definitions(tasks=[edited]), instance=instance, cursor=unchanged.cursor)
+        after_edit = dg.evaluate_automation_conditions(
+            defs=build_definitions(tasks=[edited]), instance=instance, cursor=unchanged.cursor
+        )
         for asset in ("formatted_prompts", "inference_outputs", "validated_labels"):
             assert after_edit.get_requested_partitions(dg.AssetKey(["t", asset])) == {"a.jsonl"}
         assert after_edit.total_requested == 3
-        handled = dg.evaluate_automation_conditions(defs=build_definitions(tasks=[edited]), instance=instance, cursor=after_edit.cursor)
+        handled = dg.evaluate_automation_conditions(
+            defs=build_definitions(tasks=[edited]), instance=instance, cursor=after_edit.cursor
+        )
         assert handled.total_requested == 0

@@ -61,8 +61,9 @@ def test_over_budget_partition_never_reaches_the_engine(data_dir: Path, tiny_mod
         assert not check.passed and check.severity == dg.AssetCheckSeverity.ERROR
         # 10 rows x max_tokens 4 = 40 worst-case generated tokens, over the limit of 30.
         assert check.metadata["estimated_max_generated_tokens"].value == 40
-        assert "worst-case generated tokens 40 (10 rows x sampling.max_tokens) exceed budget.max_generated_tokens 30" in (
-            check.description
+        assert (
+            "worst-case generated tokens 40 (10 rows x sampling.max_tokens) exceed budget.max_generated_tokens 30"
+            in (check.description)
         )
         formatted = latest_metadata(instance, "budgeted", "formatted_prompts", key)
         prompt_tokens = formatted["estimated_prompt_tokens"]
@@ -77,8 +78,12 @@ def test_over_budget_partition_never_reaches_the_engine(data_dir: Path, tiny_mod
 
 def test_drift_accuracy_and_stale_partitions(data_dir: Path, tiny_model: str) -> None:
     """A regex task whose constraint admits a single label makes the random model's labels certain."""
-    only_y = task_spec("letters", output={"kind": "regex", "regex": "y"}, checks={"gold_field": "truth", "min_accuracy": 0.9})
-    only_x = task_spec("letters", output={"kind": "regex", "regex": "x"}, checks={"gold_field": "truth", "min_accuracy": 0.9})
+    only_y = task_spec(
+        "letters", output={"kind": "regex", "regex": "y"}, checks={"gold_field": "truth", "min_accuracy": 0.9}
+    )
+    only_x = task_spec(
+        "letters", output={"kind": "regex", "regex": "x"}, checks={"gold_field": "truth", "min_accuracy": 0.9}
+    )
     drop(data_dir, "letters", "early.jsonl", "".join(f'{{"text": "e{i}", "truth": "y"}}\n' for i in range(6)))
     drop(
         data_dir,
@@ -87,11 +92,13 @@ def test_drift_accuracy_and_stale_partitions(data_dir: Path, tiny_model: str) ->
         '{"text": "l0", "truth": "x"}\n{"text": "l1", "truth": "x"}\n{"text": "l2", "truth": "y"}\n{"text": "l3", "truth": ""}\n',
     )
     with dg.instance_for_test() as instance:
-        early, result = run(only_y, "early.jsonl", instance)
+        _, result = run(only_y, "early.jsonl", instance)
         assert result.success
         checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
         assert checks["label_drift"].passed
-        assert checks["label_drift"].metadata["note"].value == "skipped: no earlier partition with labels to compare with"
+        assert (
+            checks["label_drift"].metadata["note"].value == "skipped: no earlier partition with labels to compare with"
+        )
         assert checks["accuracy_at_least"].passed and checks["accuracy_at_least"].metadata["accuracy"].value == 1.0
 
         late, result = run(only_x, "late.jsonl", instance)
@@ -138,5 +145,7 @@ def test_drift_accuracy_and_stale_partitions(data_dir: Path, tiny_model: str) ->
         for asset in ("inference_outputs", "validated_labels"):
             assert status(edited, asset)[0] == StaleStatus.STALE
         # A change of a check's threshold leaves the labels fresh.
-        relaxed = task_spec("letters", output={"kind": "regex", "regex": "x"}, checks={"gold_field": "truth", "min_accuracy": 0.5})
+        relaxed = task_spec(
+            "letters", output={"kind": "regex", "regex": "x"}, checks={"gold_field": "truth", "min_accuracy": 0.5}
+        )
         assert status(relaxed, "validated_labels")[0] == StaleStatus.FRESH

@@ -116,7 +116,8 @@ def accuracy_metadata(labels: pl.DataFrame, task: TaskSpec) -> dict:
         return {}
     report = accuracy_report(labels, task.checks.gold_field, task.checks.gold_json_field)
     if report is None:
-        return {"accuracy_note": f"no row has a value in the gold column {task.checks.gold_field!r}: accuracy not measured"}
+        note = f"no row has a value in the gold column {task.checks.gold_field!r}: accuracy not measured"
+        return {"accuracy_note": note}
     return {
         "accuracy": round(report.accuracy, 4),
         "rows_with_gold": report.rows_with_gold,
@@ -350,7 +351,9 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                 **engine_metadata,
                 "checkpoint_fingerprint": fingerprint,
                 **actual_cost_metadata(
-                    int(frame["num_prompt_tokens"].sum() or 0), int(frame["num_generated_tokens"].sum() or 0), task.engine.price
+                    int(frame["num_prompt_tokens"].sum() or 0),
+                    int(frame["num_generated_tokens"].sum() or 0),
+                    task.engine.price,
                 ),
                 "dagster/row_count": frame.height,
                 "dagster/column_schema": column_schema(frame),

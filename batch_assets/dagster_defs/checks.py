@@ -43,9 +43,12 @@ def _failed_rows_metadata(rows: pl.DataFrame, columns: list[str], task: str, ass
     }
 
 
-def recent_label_counts(instance: dg.DagsterInstance, key: dg.AssetKey, partition_key: str, partitions: int) -> list[dict]:
+def recent_label_counts(
+    instance: dg.DagsterInstance, key: dg.AssetKey, partition_key: str, partitions: int
+) -> list[dict]:
     """`label_counts` of the latest materialization of up to `partitions` other partitions, newest first."""
-    records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key), limit=max(50, 10 * partitions)).records
+    limit = max(50, 10 * partitions)  # newest first; a partition re-run many times takes several records
+    records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key), limit=limit).records
     found: dict[str, dict] = {}
     for record in records:
         event = record.asset_materialization
@@ -201,7 +204,9 @@ def _drift_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
             f"`checks.max_label_drift`) of the task's {partitions} most recent other partitions."
         ),
     )
-    def label_drift_check(context: dg.AssetCheckExecutionContext, validated_labels: pl.DataFrame) -> dg.AssetCheckResult:
+    def label_drift_check(
+        context: dg.AssetCheckExecutionContext, validated_labels: pl.DataFrame
+    ) -> dg.AssetCheckResult:
         counts = {
             str(row["label"]): int(row["n"])
             for row in validated_labels.filter(pl.col("label").is_not_null()).group_by("label").len(name="n").to_dicts()
@@ -220,8 +225,12 @@ def _drift_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
             "shares": {k: round(v, 4) for k, v in sorted(report.shares.items())},
             "reference_shares": {k: round(v, 4) for k, v in sorted(report.reference_shares.items())},
         }
-        description = None if passed else f"label shares moved by {report.distance:.2f} (> {threshold}): {report.moved_text()}"
-        return dg.AssetCheckResult(passed=passed, severity=dg.AssetCheckSeverity.WARN, description=description, metadata=metadata)
+        description = (
+            None if passed else f"label shares moved by {report.distance:.2f} (> {threshold}): {report.moved_text()}"
+        )
+        return dg.AssetCheckResult(
+            passed=passed, severity=dg.AssetCheckSeverity.WARN, description=description, metadata=metadata
+        )
 
     return [label_drift_check]
 
@@ -250,7 +259,9 @@ def _accuracy_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         return dg.AssetCheckResult(
             passed=passed,
             severity=dg.AssetCheckSeverity.WARN,
-            description=None if passed else f"accuracy {report.accuracy:.1%} is below checks.min_accuracy {minimum:.1%}",
+            description=(
+                None if passed else f"accuracy {report.accuracy:.1%} is below checks.min_accuracy {minimum:.1%}"
+            ),
             metadata={
                 "accuracy": round(report.accuracy, 4),
                 "min_accuracy": minimum,

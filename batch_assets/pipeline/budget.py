@@ -22,7 +22,8 @@ def cost_usd(prompt_tokens: int, generated_tokens: int, price: PriceSpec | None)
     if price is None:
         return None
     return round(
-        prompt_tokens * price.input_per_million_tokens / MILLION + generated_tokens * price.output_per_million_tokens / MILLION,
+        prompt_tokens * price.input_per_million_tokens / MILLION
+        + generated_tokens * price.output_per_million_tokens / MILLION,
         6,
     )
 
@@ -49,7 +50,9 @@ def estimate_cost(formatted: pl.DataFrame, task: TaskSpec) -> CostEstimate:
     to_infer = formatted.filter(pl.col("error").is_null())
     prompt_tokens = int(to_infer["num_prompt_tokens"].sum() or 0)
     generated = to_infer.height * task.sampling.max_tokens
-    return CostEstimate(to_infer.height, prompt_tokens, generated, cost_usd(prompt_tokens, generated, task.engine.price))
+    return CostEstimate(
+        to_infer.height, prompt_tokens, generated, cost_usd(prompt_tokens, generated, task.engine.price)
+    )
 
 
 def budget_overruns(estimate: CostEstimate, budget: BudgetSpec | None) -> list[str]:
@@ -67,7 +70,9 @@ def budget_overruns(estimate: CostEstimate, budget: BudgetSpec | None) -> list[s
             f"sampling.max_tokens) exceed budget.max_generated_tokens {budget.max_generated_tokens:,}"
         )
     if budget.max_cost_usd is not None and estimate.cost_usd is not None and estimate.cost_usd > budget.max_cost_usd:
-        overruns.append(f"worst-case cost ${estimate.cost_usd:,.4f} exceeds budget.max_cost_usd ${budget.max_cost_usd:,.4f}")
+        overruns.append(
+            f"worst-case cost ${estimate.cost_usd:,.4f} exceeds budget.max_cost_usd ${budget.max_cost_usd:,.4f}"
+        )
     return overruns
 
 

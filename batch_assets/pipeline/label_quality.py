@@ -41,9 +41,14 @@ class AccuracyReport:
 
     def confusion_markdown(self) -> str:
         predicted = sorted({p for row in self.confusion.values() for p in row}, key=lambda p: (p == NO_LABEL, p))
-        lines = ["| gold \\ predicted | " + " | ".join(_cell(p) for p in predicted) + " |", "|" + "---|" * (len(predicted) + 1)]
+        lines = [
+            "| gold \\ predicted | " + " | ".join(_cell(p) for p in predicted) + " |",
+            "|" + "---|" * (len(predicted) + 1),
+        ]
         for gold in sorted(self.confusion):
-            lines.append(f"| {_cell(gold)} | " + " | ".join(str(self.confusion[gold].get(p, 0)) for p in predicted) + " |")
+            lines.append(
+                f"| {_cell(gold)} | " + " | ".join(str(self.confusion[gold].get(p, 0)) for p in predicted) + " |"
+            )
         return "\n".join(lines)
 
     def per_label_metadata(self) -> dict[str, dict]:
@@ -119,7 +124,8 @@ class DriftReport:
 
     def moved_text(self) -> str:
         return ", ".join(
-            f"{label} {self.reference_shares.get(label, 0):.0%} -> {self.shares.get(label, 0):.0%}" for label in self.moved
+            f"{label} {self.reference_shares.get(label, 0):.0%} -> {self.shares.get(label, 0):.0%}"
+            for label in self.moved
         )
 
 
@@ -140,5 +146,7 @@ def label_drift(counts: dict[str, int], history: list[dict[str, int]]) -> DriftR
         return None
     changes = {label: shares.get(label, 0.0) - reference.get(label, 0.0) for label in set(shares) | set(reference)}
     distance = 0.5 * sum(abs(change) for change in changes.values())
-    moved = sorted((label for label, change in changes.items() if abs(change) >= MOVED_SHARE), key=lambda l: (-abs(changes[l]), l))
+    moved = sorted(
+        (label for label, change in changes.items() if abs(change) >= MOVED_SHARE), key=lambda l: (-abs(changes[l]), l)
+    )
     return DriftReport(round(distance, 4), len(history), shares, reference, moved)

@@ -251,7 +251,9 @@ class TaskSpec(_Strict):
         if self.checks.gold_json_field and self.output.kind != "json_schema":
             raise ValueError("checks.gold_json_field applies to `output.kind: json_schema` only")
         if self.checks.gold_field and self.output.kind == "json_schema" and not self.checks.gold_json_field:
-            raise ValueError("checks.gold_field on a json_schema task needs checks.gold_json_field: the label field to compare")
+            raise ValueError(
+                "checks.gold_field on a json_schema task needs checks.gold_json_field: the label field to compare"
+            )
         if self.checks.gold_field and self.output.kind == "text":
             raise ValueError("checks.gold_field needs a closed output (choices, regex or json_schema), not free text")
         return self
