@@ -143,12 +143,19 @@ def run_partitions(task_name: str, files: list[Path], *, skip_succeeded: bool = 
                 raise_on_error=False,
                 tags={SOURCE_FILE_TAG: key, SOURCE_VERSION_TAG: digest, "batch_assets/launched_by": "cli", **process_tags()},
             )
-            failed_checks = [
-                f"{evaluation.asset_key.to_user_string()}:{evaluation.check_name}"
+            failed = [
+                evaluation
                 for evaluation in result.get_asset_check_evaluations()
                 if not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.ERROR
             ]
-            summary = _summary_line(task_name, key, instance) if result.success else _failure_text(result)
+            failed_checks = [f"{e.asset_key.to_user_string()}:{e.check_name}" for e in failed]
+            # A blocking check that stopped the run says why in its description (e.g. over budget).
+            stopped_by = [f"stopped by {e.check_name}: {e.description}" for e in failed if e.description]
+            summary = (
+                _summary_line(task_name, key, instance)
+                if result.success
+                else (stopped_by[0] if stopped_by else _failure_text(result))
+            )
             outcomes.append(PartitionOutcome(task_name, key, result.success, result.run_id, summary, failed_checks))
     return outcomes
 

@@ -118,3 +118,26 @@ def test_demo_says_once_that_the_embedded_model_is_not_a_labeler(monkeypatch: py
 def test_repo_root_has_the_contract_files() -> None:
     for name in ("workspace.yaml", "dagster.yaml", "Makefile", ".ci/run", "pyproject.toml", "README.md"):
         assert (REPO_ROOT / name).exists(), name
+
+
+def test_run_over_budget_fails_naming_estimate_and_limit(workdir) -> None:
+    tmp_path, env = workdir
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "budgeted.yaml").write_text(
+        "input: {text_fields: [text]}\nprompt: {template: 'Item: {text}'}\n"
+        "engine: {max_model_len: 512, price: {input_per_million_tokens: 3.0, output_per_million_tokens: 15.0}}\n"
+        "sampling: {temperature: 0, max_tokens: 4}\noutput: {kind: choices, choices: [a, b]}\n"
+        "budget: {max_generated_tokens: 30}\n"
+    )
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(f'{{"text": "item {i}"}}\n' for i in range(10)))
+    result = run_cli(["run", "budgeted", str(items)], {**env, "BATCH_ASSETS_TASKS_DIR": str(tasks)}, tmp_path)
+    assert result.returncode == 1
+    [line] = summary_lines(result.stdout)
+    assert "FAILED" in line and (
+        "stopped by within_budget: worst-case generated tokens 40 (10 rows x sampling.max_tokens) "
+        "exceed budget.max_generated_tokens 30"
+    ) in line
+    assert "starting vLLM engine" not in result.stdout + result.stderr
+    assert not (tmp_path / "data" / "storage" / "budgeted" / "inference_outputs").exists()

@@ -173,12 +173,13 @@ def _budget_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
             "inference_outputs is not run and nothing is sent to the engine."
         ),
     )
-    def within_budget(formatted_prompts: pl.DataFrame) -> dg.AssetCheckResult:
+    def within_budget(context: dg.AssetCheckExecutionContext, formatted_prompts: pl.DataFrame) -> dg.AssetCheckResult:
         estimate = estimate_cost(formatted_prompts, task)
         overruns = budget_overruns(estimate, task.budget)
         metadata: dict = {**estimate.metadata(), "rows_to_infer": estimate.rows_to_infer, "budget": limits}
         if overruns:
             metadata["over_budget"] = "; ".join(overruns) + ": raise the budget in the task YAML or split the file"
+            context.log.error(f"{context.partition_key}: not sent to the engine: {metadata['over_budget']}")
         return dg.AssetCheckResult(
             passed=not overruns,
             severity=dg.AssetCheckSeverity.ERROR,
