@@ -150,6 +150,12 @@ def _summary_line(task_name: str, partition_key: str, instance) -> str:
         return "no validated_labels written"
     rows, errors, label_text = counts
     rate = ""
+    labels_record = latest_materialization(instance, dg.AssetKey([task_name, "validated_labels"]), partition_key)
+    if labels_record is not None and labels_record.asset_materialization is not None:
+        accuracy = labels_record.asset_materialization.metadata.get("accuracy")
+        rows_with_gold = labels_record.asset_materialization.metadata.get("rows_with_gold")
+        if accuracy is not None and rows_with_gold is not None:
+            label_text += f" (accuracy {accuracy.value:.0%} on {rows_with_gold.value} hand-labelled rows)"
     record = latest_materialization(instance, dg.AssetKey([task_name, "inference_outputs"]), partition_key)
     if record is not None and record.asset_materialization is not None:
         metadata = record.asset_materialization.metadata
@@ -374,11 +380,14 @@ def run_partitions(
                         **lease.tags(),
                     },
                 )
-                failed_checks = [
-                    f"{evaluation.asset_key.to_user_string()}:{evaluation.check_name}"
+                failed = [
+                    evaluation
                     for evaluation in result.get_asset_check_evaluations()
                     if not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.ERROR
                 ]
+                failed_checks = [f"{e.asset_key.to_user_string()}:{e.check_name}" for e in failed]
+                # A blocking check that stopped the run says why in its description (e.g. over budget).
+                stopped_by = [f"stopped by {e.check_name}: {e.description}" for e in failed if e.description]
                 outcomes.append(
                     _outcome(
                         task_name,
@@ -386,7 +395,7 @@ def run_partitions(
                         instance,
                         success=result.success,
                         run_id=result.run_id,
-                        summary=None if result.success else _failure_text(result, task),
+                        summary=None if result.success else (stopped_by[0] if stopped_by else _failure_text(result, task)),
                         failed_error_checks=failed_checks,
                     )
                 )
@@ -549,7 +558,26 @@ def command_demo() -> int:
     # One engine for every task that shares its settings (the shipped ones all do).
     with keep_engine_warm():
         all_ok = _demo_tasks(loaded.tasks)
+    note = demo_note(loaded.tasks)
+    if note:
+        TERMINAL.say(note)
     return 0 if all_ok and not loaded.errors else 1
+
+
+def demo_note(tasks) -> str | None:
+    """The caution printed once after the demo's summaries, when a task ran on the embedded model."""
+    from batch_assets.pipeline.task_spec import EMBEDDED_MODEL
+
+    return EMBEDDED_MODEL_NOTE if any(task.model == EMBEDDED_MODEL for task in tasks) else None
+
+
+EMBEDDED_MODEL_NOTE = """
+Note: these labels come from the embedded SmolLM2-135M-Instruct, a 135-million-parameter model that
+demonstrates the plumbing (assets, checks, storage, resumable runs); it is not a labeler, and the
+accuracy figures above show it. For real labels, point a task at a real model: `engine.model` in its
+YAML (a local folder or a Hugging Face model id, run by vLLM on a GPU), `engine.kind: openai` with
+`engine.base_url` for an OpenAI-compatible endpoint, or BATCH_ASSETS_MODEL=<model> for every task.
+Measure it first on a hand-labelled sample (`checks.gold_field`, README "Accuracy on a labelled sample")."""
 
 
 def _demo_tasks(tasks) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from batch_assets.dagster_defs.assets import IO_MANAGER_KEY, build_task_assets
+from batch_assets.dagster_defs.assets import IO_MANAGER_KEY, build_automation_sensor, build_task_assets
 from batch_assets.dagster_defs.checks import build_task_checks
 from batch_assets.engines.protocol import ENDPOINT_RESOURCE_KEY, IN_PROCESS_RESOURCE_KEY
 from batch_assets.engines.openai_engine import OpenAIEngine
@@ -81,6 +81,7 @@ def build_definitions(
         job = build_task_job(task)
         jobs.append(job)
         sensors.append(build_drops_sensor(task, job))
+        sensors += build_automation_sensor(task)
     return dg.Definitions(
         assets=assets,
         asset_checks=checks,
