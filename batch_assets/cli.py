@@ -90,9 +90,9 @@ def _summary_line(task_name: str, partition_key: str, instance) -> str:
 def run_partitions(task_name: str, files: list[Path], *, skip_succeeded: bool = False) -> list[PartitionOutcome]:
     ensure_dagster_home()
     import dagster as dg
-    from batch_assets.definitions import build_definitions, pipeline_job_name, share_engine_setting
+    from batch_assets.definitions import build_definitions, pipeline_job_name
     from batch_assets.storage.drop_files import find_drop_file, partition_key_for, partitions_def_name
-    from batch_assets.engines.vllm_engine import VLLMEngine, keep_engine_warm
+    from batch_assets.engines.vllm_engine import keep_engine_warm
     from batch_assets.dagster_defs.sensors import SOURCE_FILE_TAG, SOURCE_VERSION_TAG, version_digest
     from batch_assets.pipeline.task_spec import load_task_specs
     from batch_assets.dagster_defs.run_recovery import fail_runs_of_dead_processes, process_tags
@@ -102,9 +102,8 @@ def run_partitions(task_name: str, files: list[Path], *, skip_succeeded: bool = 
     if task_name not in tasks:
         raise SystemExit(f"unknown task {task_name!r}; tasks: {', '.join(sorted(tasks))}")
     instance = dg.DagsterInstance.get()
-    # One process runs every named file, so an in-process engine is started once anyway; runs
-    # share the engine host only when BATCH_ASSETS_SHARE_ENGINE=1.
-    defs = build_definitions(engine=VLLMEngine(share_engine=share_engine_setting(default=False)))
+    # One process runs every named file, so the in-process engine is started once.
+    defs = build_definitions()
     job = defs.resolve_job_def(pipeline_job_name(task_name))
     zone = drop_zone(task_name)
 

@@ -5,20 +5,18 @@ Load with `dagster dev` / `dg dev` from the repo root (workspace.yaml points her
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import dagster as dg
 
 from batch_assets.dagster_defs.assets import IO_MANAGER_KEY, build_task_assets
 from batch_assets.dagster_defs.checks import build_task_checks
-from batch_assets.engines.protocol import ENDPOINT_RESOURCE_KEY, IN_PROCESS_RESOURCE_KEY
-from batch_assets.engines.openai_engine import OpenAIEngine
-from batch_assets.engines.vllm_engine import VLLMEngine
 from batch_assets.dagster_defs.sensors import build_drops_sensor
+from batch_assets.engines.openai_engine import OpenAIEngine
+from batch_assets.engines.protocol import ENGINE_KINDS
+from batch_assets.engines.vllm_engine import VLLMEngine
 from batch_assets.pipeline.task_spec import TaskSpec, load_task_specs
 from batch_assets.storage.parquet_io_manager import ParquetStorage
-
 
 # Partitioned asset checks are marked "preview" in Dagster 1.13; they are what lets each check read
 # only its own partition, so we use them and silence the notice.
@@ -33,11 +31,15 @@ K8S_CONFIG_TAG = "dagster-k8s/config"
 
 
 def run_tags_for(task: TaskSpec) -> dict[str, object]:
-    """Tags of a task's job runs. A model split over N GPUs (`engine.tensor_parallel_size`) asks
-    Dagster's Kubernetes run launcher for N GPUs in its run pod (deploy/README.md); other run
-    launchers ignore the tag."""
-    gpus = task.engine.tensor_parallel_size
-    if task.engine.kind != "vllm" or gpus <= 1:
+    """Tags of a task's job runs. An engine on N GPUs (`engine.tensor_parallel_size` ×
+    `engine.data_parallel_size`) asks Dagster's Kubernetes run launcher for N GPUs in its run pod
+    (deploy/README.md); other run launchers ignore the tag. With `data_parallel_size: auto` the pod
+    keeps the launcher's GPU count and the engine uses every GPU it is given."""
+    spec = task.engine
+    if spec.kind != "vllm" or spec.data_parallel_size == "auto":
+        return {}
+    gpus = spec.tensor_parallel_size * spec.data_parallel_size
+    if gpus <= 1:
         return {}
     return {K8S_CONFIG_TAG: {"container_config": {"resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}}}
 
@@ -57,7 +59,8 @@ def build_definitions(
     endpoint: OpenAIEngine | None = None,
 ) -> dg.Definitions:
     """`engine` serves tasks with `engine.kind: vllm` (default: in-process vLLM; an `OpenAIEngine`
-    here sends those tasks to an endpoint instead); `endpoint` serves tasks with `kind: openai`."""
+    here sends those tasks to an endpoint instead); `endpoint` serves tasks with `kind: openai`.
+    Each engine kind's resource key comes from `ENGINE_KINDS`."""
     tasks = tasks if tasks is not None else load_task_specs()
     assets, checks, jobs, sensors = [], [], [], []
     for task in tasks:
@@ -73,8 +76,8 @@ def build_definitions(
         sensors=sensors,
         resources={
             IO_MANAGER_KEY: ParquetStorage(),
-            IN_PROCESS_RESOURCE_KEY: engine or VLLMEngine(),
-            ENDPOINT_RESOURCE_KEY: endpoint or OpenAIEngine(),
+            ENGINE_KINDS["vllm"].resource_key: engine or VLLMEngine(),
+            ENGINE_KINDS["openai"].resource_key: endpoint or OpenAIEngine(),
         },
         # The four steps of a partition run one after another anyway; running them in one process
         # skips a process start per step and lets the engine stay warm across partitions.
@@ -82,20 +85,4 @@ def build_definitions(
     )
 
 
-SHARE_ENGINE_ENV = "BATCH_ASSETS_SHARE_ENGINE"
-
-
-def share_engine_setting(default: bool) -> bool:
-    """`BATCH_ASSETS_SHARE_ENGINE=1|0` decides whether runs share one engine host (see
-    engines/engine_host.py); unset, `default` applies."""
-    value = os.environ.get(SHARE_ENGINE_ENV, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    return default
-
-
-# The code location (`dagster dev`, the daemon): every run is a process of its own, so runs share
-# one engine host by default and a backfill pays engine start-up once.
-defs = build_definitions(engine=VLLMEngine(share_engine=share_engine_setting(default=True)))
+defs = build_definitions()
