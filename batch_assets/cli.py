@@ -321,8 +321,8 @@ def run_partitions(
     import dagster as dg
     from batch_assets.dagster_defs.run_recovery import ProcessLease, fail_runs_of_dead_processes, wait_for_pool_slot
     from batch_assets.dagster_defs.sensors import SOURCE_FILE_TAG, SOURCE_VERSION_TAG, version_digest
-    from batch_assets.definitions import build_definitions, pipeline_job_name, share_engine_setting
-    from batch_assets.engines.protocol import engine_pool
+    from batch_assets.definitions import build_definitions, pipeline_job_name
+    from batch_assets.engines.protocol import engine_kind
     from batch_assets.engines.vllm_engine import VLLMEngine, keep_engine_warm
     from batch_assets.pipeline.task_spec import load_tasks
     from batch_assets.storage.drop_files import find_drop_file, partitions_def_name
@@ -338,9 +338,8 @@ def run_partitions(
     named = _read_named_files(files)
     check_model(task)
     instance = open_instance()
-    # One process runs every named file, so an in-process engine is started once anyway; runs
-    # share the engine host only when BATCH_ASSETS_SHARE_ENGINE=1.
-    defs = build_definitions(engine=VLLMEngine(share_engine=share_engine_setting(default=False)))
+    # One process runs every named file, so the in-process engine is started once.
+    defs = build_definitions()
     job_name = pipeline_job_name(task_name)
     job = defs.resolve_job_def(job_name)
 
@@ -365,7 +364,7 @@ def run_partitions(
                 if skip_succeeded and _already_succeeded(instance, task_name, key, digest):
                     outcomes.append(_outcome(task_name, key, instance, success=True, run_id=None, failed_error_checks=[], skipped=True))
                     continue
-                wait_for_pool_slot(instance, engine_pool(task), say=TERMINAL.say)
+                wait_for_pool_slot(instance, engine_kind(task).pool, say=TERMINAL.say)
                 run_job, run_config = _cli_job(job, f"{task_name}/{key}")
                 result = run_job.execute_in_process(
                     run_config=run_config,
