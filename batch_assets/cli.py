@@ -19,7 +19,6 @@ in this process, so the engine starts once for all the files of one command.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import re
@@ -345,14 +344,17 @@ def run_partitions(
             add_partitions(instance, partitions_def_name(task_name), [file.key for file, _ in keys])
             lease.claim(task_name, [(file.key, digest) for file, digest in keys])
         for run_id in fail_runs_of_dead_processes(instance):
-            TERMINAL.say(f"run {run_id[:8]}: its batch-assets process died before it finished; marked failed, pool slots freed")
+            TERMINAL.say(
+                f"run {run_id[:8]}: its batch-assets process died before it finished; marked failed, pool slots freed"
+            )
 
         outcomes: list[PartitionOutcome] = []
         with keep_engine_warm():
             for file, digest in keys:
                 key = file.key
                 if skip_succeeded and _already_succeeded(instance, task_name, key, digest):
-                    outcomes.append(_outcome(task_name, key, instance, success=True, run_id=None, failed_error_checks=[], skipped=True))
+                    done = _outcome(task_name, key, instance, success=True, run_id=None, failed_error_checks=[], skipped=True)
+                    outcomes.append(done)
                     continue
                 wait_for_pool_slot(instance, engine_pool(task), say=TERMINAL.say)
                 run_job, run_config = _cli_job(job, f"{task_name}/{key}")
