@@ -353,7 +353,8 @@ def run_partitions(
             for file, digest in keys:
                 key = file.key
                 if skip_succeeded and _already_succeeded(instance, task_name, key, digest):
-                    done = _outcome(task_name, key, instance, success=True, run_id=None, failed_error_checks=[], skipped=True)
+                    done = _outcome(task_name, key, instance, success=True, run_id=None, failed_error_checks=[])
+                    done.skipped = True
                     outcomes.append(done)
                     continue
                 wait_for_pool_slot(instance, engine_pool(task), say=TERMINAL.say)
