@@ -50,9 +50,22 @@ class Terminal:
         self.stream = sys.stdout
         self.verbose = False
         self.log_path: Path | None = None
+        self.line_open = False  # a progress line is being updated in place (terminals only)
 
     def say(self, text: str) -> None:
+        if self.line_open:
+            text = "\n" + text
+            self.line_open = False
         print(text, file=self.stream, flush=True)
+
+    def update(self, text: str) -> None:
+        """A progress line: rewritten in place on a terminal, one line each otherwise."""
+        if not self.stream.isatty():
+            self.say(text)
+            return
+        self.stream.write(f"\r\033[K{text}")
+        self.stream.flush()
+        self.line_open = True
 
     @contextmanager
     def library_output_to(self, log_path: Path):
@@ -277,7 +290,8 @@ class _ProgressHandler(logging.Handler):
         if match:
             done, total, percent, rate = int(match[1]), int(match[2]), match[3], float(match[4])
             left = f", about {_duration((total - done) / rate)} left" if rate > 0 and done < total else ""
-            TERMINAL.say(f"  {self.label}: {done}/{total} requests ({percent}%), {rate:.1f} rows/s{left}")
+            text = f"  {self.label}: {done}/{total} requests ({percent}%), {rate:.1f} rows/s{left}"
+            TERMINAL.update(text)
         elif _STARTING.search(message):
             TERMINAL.say(f"  {self.label}: {message}")
 
