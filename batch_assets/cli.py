@@ -258,6 +258,8 @@ def _copy_into_drop_zone(instance, task_name: str, job_name: str, files: list[Na
 
 def add_partitions(instance, partitions_name: str, keys: list[str]) -> None:
     """Register the partitions; one that another process (CLI, sensor) added meanwhile is fine too."""
+    import sqlite3
+
     from sqlalchemy.exc import IntegrityError
 
     missing = [key for key in dict.fromkeys(keys) if not instance.has_dynamic_partition(partitions_name, key)]
@@ -265,7 +267,7 @@ def add_partitions(instance, partitions_name: str, keys: list[str]) -> None:
         return
     try:
         instance.add_dynamic_partitions(partitions_name, missing)
-    except IntegrityError:
+    except (IntegrityError, sqlite3.IntegrityError):
         # Dagster's check-then-insert races with a concurrent add of the same key; one insert wins.
         still = [key for key in missing if not instance.has_dynamic_partition(partitions_name, key)]
         if still:

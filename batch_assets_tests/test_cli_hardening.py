@@ -67,6 +67,45 @@ def test_concurrent_first_commands_leave_one_usable_instance_and_one_partition(c
             assert instance.get_runs() == []
 
 
+def test_adding_a_partition_that_another_process_just_added_is_success(cli_env, monkeypatch) -> None:
+    """Issue 17.4, the interleaving made certain: B inserts the key between A's lookup and A's insert
+    inside Dagster's `add_dynamic_partitions` (which raised IntegrityError then)."""
+    from contextlib import contextmanager
+
+    from batch_assets.cli import add_partitions
+
+    tmp_path, env = cli_env
+    monkeypatch.setenv("DAGSTER_HOME", env["DAGSTER_HOME"])
+    prepare_instance()
+    with open_instance(tmp_path / "home") as first, open_instance(tmp_path / "home") as second:
+        storage = first.event_log_storage
+        connect = storage.index_connection
+
+        class LosesTheRace:
+            def __init__(self, conn):
+                self.conn = conn
+
+            def __getattr__(self, name):
+                return getattr(self.conn, name)
+
+            def execute(self, statement, *args, **kwargs):
+                result = self.conn.execute(statement, *args, **kwargs)
+                text = " ".join(str(statement).split())
+                # Dagster's lookup of the keys to insert (`partition IN (...)`), not a plain existence check.
+                if text.startswith("SELECT dynamic_partitions.partition ") and " IN (" in text:
+                    second.add_dynamic_partitions("sentiment_drops", ["posts.jsonl"])
+                return result
+
+        @contextmanager
+        def racing_connection():
+            with connect() as conn:
+                yield LosesTheRace(conn)
+
+        monkeypatch.setattr(storage, "index_connection", racing_connection)
+        add_partitions(first, "sentiment_drops", ["posts.jsonl", "posts.jsonl"])
+        assert second.get_dynamic_partitions("sentiment_drops") == ["posts.jsonl"]
+
+
 LEASE_HOLDER = textwrap.dedent(
     """
     import sys, time, uuid

@@ -102,6 +102,8 @@ def lease_alive(home: str | Path, lease_id: str) -> bool:
         fd = os.open(leases_dir(home) / f"{lease_id}.lock", os.O_RDWR)
     except FileNotFoundError:
         return False
+    except OSError:
+        return True  # not ours to open (another user's process): cannot tell, so leave its runs alone
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
