@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from batch_assets.dagster_defs.instance import dagster_home, open_instance, prepare_instance
+from batch_assets.dagster_defs.instance import dagster_home, home_lock, open_instance, prepare_instance
 
 SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
 # The absolute path of the file a CLI run was given, so a later file of the same name from another
@@ -350,8 +350,6 @@ def run_partitions(
 
     lease = ProcessLease(dagster_home())
     with lease:
-        from batch_assets.dagster_defs.instance import home_lock
-
         # Checking, copying and registering under the home's lock: two commands naming files of the
         # same name see each other's copy, and never add the same partition twice.
         with home_lock(dagster_home()):
