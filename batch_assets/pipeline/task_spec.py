@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 TASKS_DIR_ENV = "BATCH_ASSETS_TASKS_DIR"
 MODEL_OVERRIDE_ENV = "BATCH_ASSETS_MODEL"
@@ -60,7 +60,7 @@ def template_placeholders(template: str, setting: str) -> set[str]:
         placeholder = "{" + name + (f"!{conversion}" if conversion else "") + (f":{format_spec}" if format_spec else "")
         placeholder += "}"
         if not name or name.isdigit():
-            problem = "a positional placeholder; name an input field, e.g. {text}"
+            problem = "positional placeholders are not supported; name an input field, e.g. {text}"
         elif conversion:
             problem = "conversions (!r, !s, !a) are not supported; write {" + name + "}"
         elif format_spec:
@@ -70,7 +70,7 @@ def template_placeholders(template: str, setting: str) -> set[str]:
         else:
             names.add(name)
             continue
-        raise ValueError(f"{setting}: placeholder {placeholder} is {problem} (a literal brace is written {{{{ or }}}})")
+        raise ValueError(f"{setting}: placeholder {placeholder}: {problem} (a literal brace is written {{{{ or }}}})")
     return names
 
 
@@ -291,11 +291,24 @@ def load_task_spec(path: Path) -> TaskSpec:
     raw.setdefault("name", path.stem)
     try:
         spec = TaskSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise TaskSpecError(f"{path}: {_problems(exc)}") from None
     except ValueError as exc:
         raise TaskSpecError(f"{path}: {exc}") from exc
     if spec.name != path.stem:
         raise TaskSpecError(f"{path}: task name {spec.name!r} must equal the file name {path.stem!r}")
     return spec
+
+
+def _problems(exc: ValidationError) -> str:
+    """Pydantic's errors as `field: rule` (no input values, no documentation links)."""
+    lines = []
+    for error in exc.errors(include_url=False, include_input=False):
+        where = ".".join(str(part) for part in error["loc"])
+        message = str(error["msg"]).removeprefix("Value error, ")
+        # A rule's own message that already names its setting needs no prefix.
+        lines.append(message if not where or message.startswith(where) else f"{where}: {message}")
+    return "; ".join(lines)
 
 
 def tasks_dir() -> Path:
