@@ -24,9 +24,12 @@ def write(tmp_path: Path, name: str, body: str) -> Path:
     return path
 
 
-def test_shipped_tasks_load() -> None:
-    names = [task.name for task in load_task_specs()]
-    assert names == ["answers", "industry", "sentiment"]
+def test_every_shipped_task_file_loads_under_its_own_name() -> None:
+    from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR
+
+    files = sorted(p.stem for p in [*BUNDLED_TASKS_DIR.glob("*.yaml"), *BUNDLED_TASKS_DIR.glob("*.yml")])
+    assert files, "no bundled task files"
+    assert [task.name for task in load_task_specs(BUNDLED_TASKS_DIR)] == files
 
 
 def test_a_new_task_is_just_a_yaml_file(tmp_path: Path) -> None:
@@ -152,7 +155,9 @@ def test_tasks_command_lists_good_tasks_and_names_the_bad_file_with_a_non_zero_e
     assert f"ERROR: task 'bad' not loaded: {bad}" in err and "needs a non-empty `choices`" in err
 
 
-def test_run_of_a_bad_task_names_its_file_and_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_run_of_a_bad_task_names_its_file_and_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     write(tmp_path, "good", GOOD)
     bad = write(tmp_path, "bad", GOOD.replace("Text: {text}", "Text: {}"))
     monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(tmp_path))
@@ -160,7 +165,7 @@ def test_run_of_a_bad_task_names_its_file_and_error(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("BATCH_ASSETS_DATA", str(tmp_path / "data"))
     posts = tmp_path / "posts.jsonl"
     posts.write_text('{"text": "hi"}\n')
-    with pytest.raises(SystemExit) as info:
-        cli.main(["run", "bad", str(posts)])
-    assert str(info.value).startswith(f"task 'bad' cannot be loaded: {bad}") and "placeholder {}" in str(info.value)
+    assert cli.main(["run", "bad", str(posts)]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith(f"error: task 'bad' cannot be loaded: {bad}") and "placeholder {}" in out
     assert not (tmp_path / "data" / "drops" / "bad").exists()
