@@ -52,7 +52,7 @@ def template_placeholders(template: str, setting: str) -> set[str]:
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
-        raise ValueError(f"{setting} is not a valid template ({exc}); write a literal brace as {{{{ or }}}}") from None
+        raise ValueError(f"{setting}: not a valid template ({exc}); write a literal brace as {{{{ or }}}}") from None
     names: set[str] = set()
     for _, name, format_spec, conversion in parsed:
         if name is None:
@@ -95,7 +95,7 @@ class PromptSpec(_Strict):
         if raw_template is not None:
             unknown = template_placeholders(raw_template, "prompt.raw_template") - {"system", "user"}
             if unknown:
-                raise ValueError(f"prompt.raw_template may only use {{system}} and {{user}}, not {sorted(unknown)}")
+                raise ValueError(f"prompt.raw_template: use only {{system}} and {{user}}, not {sorted(unknown)}")
         return raw_template
 
     def placeholders(self) -> set[str]:
@@ -341,7 +341,8 @@ _Yaml12Loader.add_implicit_resolver(
 
 def load_task_spec(path: Path) -> TaskSpec:
     try:
-        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_Yaml12Loader)
+        text = path.read_text(encoding="utf-8")
+        raw = yaml.load(text, Loader=_Yaml12Loader)
     except yaml.YAMLError as exc:
         raise TaskSpecError(f"{path}: not valid YAML: {exc}") from exc
     except (OSError, UnicodeDecodeError) as exc:
@@ -352,7 +353,7 @@ def load_task_spec(path: Path) -> TaskSpec:
     try:
         spec = TaskSpec.model_validate(raw)
     except ValidationError as exc:
-        raise TaskSpecError(f"{path}: {_problems(exc)}") from None
+        raise TaskSpecError(f"{path}: {_problems(exc, yaml.compose(text, Loader=_Yaml12Loader))}") from None
     except ValueError as exc:
         raise TaskSpecError(f"{path}: {exc}") from exc
     if spec.name != path.stem:
@@ -360,15 +361,36 @@ def load_task_spec(path: Path) -> TaskSpec:
     return spec
 
 
-def _problems(exc: ValidationError) -> str:
-    """Pydantic's errors as `field: rule` (no input values, no documentation links)."""
+def _problems(exc: ValidationError, document: yaml.Node | None) -> str:
+    """Pydantic's errors as `field (line N): rule` (no input values, no documentation links)."""
     lines = []
     for error in exc.errors(include_url=False, include_input=False):
         where = ".".join(str(part) for part in error["loc"])
         message = str(error["msg"]).removeprefix("Value error, ")
-        # A rule's own message that already names its setting needs no prefix.
-        lines.append(message if not where or message.startswith(where) else f"{where}: {message}")
+        line = _line_of(document, error["loc"])
+        at = f"{where} (line {line})" if where and line else where
+        # A rule's own message that already names its setting needs the setting only once.
+        if where and message.startswith(where + ": "):
+            message = message[len(where) + 2 :]
+        lines.append(f"{at}: {message}" if at else message)
     return "; ".join(lines)
+
+
+def _line_of(document: yaml.Node | None, loc: tuple) -> int | None:
+    """The 1-based line of the YAML key (or list item) a validation error's location points at."""
+    node, line = document, None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = next(((key, value) for key, value in node.value if key.value == str(part)), None)
+            if match is None:
+                break
+            line, node = match[0].start_mark.line + 1, match[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
 
 
 def tasks_dir() -> Path:
