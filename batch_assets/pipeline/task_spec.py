@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 TASKS_DIR_ENV = "BATCH_ASSETS_TASKS_DIR"
 MODEL_OVERRIDE_ENV = "BATCH_ASSETS_MODEL"
@@ -53,7 +53,7 @@ def template_placeholders(template: str, setting: str) -> set[str]:
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
-        raise ValueError(f"{setting} is not a valid template ({exc}); write a literal brace as {{{{ or }}}}") from None
+        raise ValueError(f"{setting}: not a valid template ({exc}); write a literal brace as {{{{ or }}}}") from None
     names: set[str] = set()
     for _, name, format_spec, conversion in parsed:
         if name is None:
@@ -61,7 +61,7 @@ def template_placeholders(template: str, setting: str) -> set[str]:
         placeholder = "{" + name + (f"!{conversion}" if conversion else "") + (f":{format_spec}" if format_spec else "")
         placeholder += "}"
         if not name or name.isdigit():
-            problem = "a positional placeholder; name an input field, e.g. {text}"
+            problem = "positional placeholders are not supported; name an input field, e.g. {text}"
         elif conversion:
             problem = "conversions (!r, !s, !a) are not supported; write {" + name + "}"
         elif format_spec:
@@ -71,7 +71,7 @@ def template_placeholders(template: str, setting: str) -> set[str]:
         else:
             names.add(name)
             continue
-        raise ValueError(f"{setting}: placeholder {placeholder} is {problem} (a literal brace is written {{{{ or }}}})")
+        raise ValueError(f"{setting}: placeholder {placeholder}: {problem} (a literal brace is written {{{{ or }}}})")
     return names
 
 
@@ -96,7 +96,7 @@ class PromptSpec(_Strict):
         if raw_template is not None:
             unknown = template_placeholders(raw_template, "prompt.raw_template") - {"system", "user"}
             if unknown:
-                raise ValueError(f"prompt.raw_template may only use {{system}} and {{user}}, not {sorted(unknown)}")
+                raise ValueError(f"prompt.raw_template: use only {{system}} and {{user}}, not {sorted(unknown)}")
         return raw_template
 
     def placeholders(self) -> set[str]:
@@ -455,7 +455,8 @@ _Yaml12Loader.add_implicit_resolver(
 
 def load_task_spec(path: Path) -> TaskSpec:
     try:
-        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_Yaml12Loader)
+        text = path.read_text(encoding="utf-8")
+        raw = yaml.load(text, Loader=_Yaml12Loader)
     except yaml.YAMLError as exc:
         raise TaskSpecError(f"{path}: not valid YAML: {exc}") from exc
     except (OSError, UnicodeDecodeError) as exc:
@@ -465,11 +466,45 @@ def load_task_spec(path: Path) -> TaskSpec:
     raw.setdefault("name", path.stem)
     try:
         spec = TaskSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise TaskSpecError(f"{path}: {_problems(exc, yaml.compose(text, Loader=_Yaml12Loader))}") from None
     except ValueError as exc:
         raise TaskSpecError(f"{path}: {exc}") from exc
     if spec.name != path.stem:
         raise TaskSpecError(f"{path}: task name {spec.name!r} must equal the file name {path.stem!r}")
     return spec
+
+
+def _problems(exc: ValidationError, document: yaml.Node | None) -> str:
+    """Pydantic's errors as `field (line N): rule` (no input values, no documentation links)."""
+    lines = []
+    for error in exc.errors(include_url=False, include_input=False):
+        where = ".".join(str(part) for part in error["loc"])
+        message = str(error["msg"]).removeprefix("Value error, ")
+        line = _line_of(document, error["loc"])
+        at = f"{where} (line {line})" if where and line else where
+        # A rule's own message that already names its setting needs the setting only once.
+        if where and message.startswith(where + ": "):
+            message = message[len(where) + 2 :]
+        lines.append(f"{at}: {message}" if at else message)
+    return "; ".join(lines)
+
+
+def _line_of(document: yaml.Node | None, loc: tuple) -> int | None:
+    """The 1-based line of the YAML key (or list item) a validation error's location points at."""
+    node, line = document, None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = next(((key, value) for key, value in node.value if key.value == str(part)), None)
+            if match is None:
+                break
+            line, node = match[0].start_mark.line + 1, match[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
 
 
 def tasks_dir() -> Path:
