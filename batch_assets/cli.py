@@ -26,6 +26,7 @@ import signal
 import sys
 import time
 import traceback
+from typing import TextIO
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,7 @@ class Terminal:
     logs, warnings of libraries) go to a log file instead, so the terminal shows only these lines."""
 
     def __init__(self) -> None:
-        self.stream = sys.stdout
+        self.stream: TextIO | None = None  # None: whatever sys.stdout is now
         self.verbose = False
         self.log_path: Path | None = None
         self.line_open = False  # a progress line is being updated in place (terminals only)
@@ -56,15 +57,16 @@ class Terminal:
         if self.line_open:
             text = "\n" + text
             self.line_open = False
-        print(text, file=self.stream, flush=True)
+        print(text, file=self.stream or sys.stdout, flush=True)
 
     def update(self, text: str) -> None:
         """A progress line: rewritten in place on a terminal, one line each otherwise."""
-        if not self.stream.isatty():
+        stream = self.stream or sys.stdout
+        if not stream.isatty():
             self.say(text)
             return
-        self.stream.write(f"\r\033[K{text}")
-        self.stream.flush()
+        stream.write(f"\r\033[K{text}")
+        stream.flush()
         self.line_open = True
 
     @contextmanager
@@ -91,7 +93,7 @@ class Terminal:
             os.close(saved_out)
             os.close(saved_err)
             self.stream.close()
-            self.stream = sys.stdout
+            self.stream = None
 
 
 TERMINAL = Terminal()
@@ -161,6 +163,12 @@ def _summary_line(task_name: str, partition_key: str, instance) -> str:
         return "no validated_labels written"
     rows, errors, label_text = counts
     rate = ""
+    labels_record = latest_materialization(instance, dg.AssetKey([task_name, "validated_labels"]), partition_key)
+    if labels_record is not None and labels_record.asset_materialization is not None:
+        accuracy = labels_record.asset_materialization.metadata.get("accuracy")
+        rows_with_gold = labels_record.asset_materialization.metadata.get("rows_with_gold")
+        if accuracy is not None and rows_with_gold is not None:
+            label_text += f" (accuracy {accuracy.value:.0%} on {rows_with_gold.value} hand-labelled rows)"
     record = latest_materialization(instance, dg.AssetKey([task_name, "inference_outputs"]), partition_key)
     if record is not None and record.asset_materialization is not None:
         metadata = record.asset_materialization.metadata
@@ -193,15 +201,15 @@ class NamedFile:
 
 def _read_named_files(files: list[Path]) -> list[NamedFile]:
     """Every named file, checked before anything is copied: exists, is an input, no two share a name."""
-    from batch_assets.storage.drop_files import partition_key_for, skip_reason
+    from batch_assets.storage.drop_files import input_file_problem, partition_key_for
 
     named: dict[str, NamedFile] = {}
     for file in files:
         if not file.is_file():
             raise CliError(f"{file}: no such file")
-        reason = skip_reason(file.name)
-        if reason is not None:
-            raise CliError(f"{file}: not an input file ({reason}); rename or convert it")
+        problem = input_file_problem(file.name)
+        if problem is not None:
+            raise CliError(f"{file}: not an input file: {problem}")
         entry = NamedFile(file, file.read_bytes(), partition_key_for(file.name))
         earlier = named.get(file.name)
         if earlier is not None and earlier.content != entry.content:
@@ -332,10 +340,14 @@ def run_partitions(
     from batch_assets.definitions import build_definitions, pipeline_job_name, share_engine_setting
     from batch_assets.engines.protocol import engine_pool
     from batch_assets.engines.vllm_engine import VLLMEngine, keep_engine_warm
-    from batch_assets.pipeline.task_spec import load_task_specs
+    from batch_assets.pipeline.task_spec import load_tasks
     from batch_assets.storage.drop_files import find_drop_file, partitions_def_name
 
-    tasks = {task.name: task for task in load_task_specs()}
+    loaded = load_tasks()
+    tasks = {task.name: task for task in loaded.tasks}
+    for error in loaded.errors:
+        if error.name == task_name:
+            raise CliError(f"task {task_name!r} cannot be loaded: {error.message}")
     if task_name not in tasks:
         raise CliError(f"unknown task {task_name!r}; tasks: {', '.join(sorted(tasks))}")
     task = tasks[task_name]
@@ -386,11 +398,14 @@ def run_partitions(
                         **lease.tags(),
                     },
                 )
-                failed_checks = [
-                    f"{evaluation.asset_key.to_user_string()}:{evaluation.check_name}"
+                failed = [
+                    evaluation
                     for evaluation in result.get_asset_check_evaluations()
                     if not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.ERROR
                 ]
+                failed_checks = [f"{e.asset_key.to_user_string()}:{e.check_name}" for e in failed]
+                # A blocking check that stopped the run says why in its description (e.g. over budget).
+                stopped_by = [f"stopped by {e.check_name}: {e.description}" for e in failed if e.description]
                 outcomes.append(
                     _outcome(
                         task_name,
@@ -398,7 +413,7 @@ def run_partitions(
                         instance,
                         success=result.success,
                         run_id=result.run_id,
-                        summary=None if result.success else _failure_text(result, task),
+                        summary=None if result.success else (stopped_by[0] if stopped_by else _failure_text(result, task)),
                         failed_error_checks=failed_checks,
                     )
                 )
@@ -533,12 +548,16 @@ def _print_outcomes(outcomes: list[PartitionOutcome]) -> None:
 
 
 def command_tasks() -> int:
-    from batch_assets.pipeline.task_spec import load_task_specs
+    """The loaded tasks; each task file that failed to load is named on stderr, and the exit is 1."""
+    from batch_assets.pipeline.task_spec import load_tasks
     from batch_assets.storage.locations import drop_zone
 
-    for task in load_task_specs():
+    loaded = load_tasks()
+    for task in loaded.tasks:
         print(f"{task.name}\t{task.output.kind}\t{task.model}\tdrop zone: {drop_zone(task.name)}")
-    return 0
+    for error in loaded.errors:
+        print(f"ERROR: task {error.name!r} not loaded: {error.message}", file=sys.stderr)
+    return 1 if loaded.errors else 0
 
 
 def command_run(task_name: str, files: list[str], *, replace: bool = False) -> int:
@@ -549,12 +568,34 @@ def command_run(task_name: str, files: list[str], *, replace: bool = False) -> i
 
 def command_demo() -> int:
     from batch_assets.engines.vllm_engine import keep_engine_warm
-    from batch_assets.pipeline.task_spec import load_task_specs
+    from batch_assets.pipeline.task_spec import load_tasks
 
+    loaded = load_tasks()
+    for error in loaded.errors:
+        print(f"ERROR: task {error.name!r} not loaded: {error.message}", file=sys.stderr)
     # One engine for every task that shares its settings (the shipped ones all do).
     with keep_engine_warm():
-        all_ok = _demo_tasks(load_task_specs())
-    return 0 if all_ok else 1
+        all_ok = _demo_tasks(loaded.tasks)
+    note = demo_note(loaded.tasks)
+    if note:
+        TERMINAL.say(note)
+    return 0 if all_ok and not loaded.errors else 1
+
+
+def demo_note(tasks) -> str | None:
+    """The caution printed once after the demo's summaries, when a task ran on the embedded model."""
+    from batch_assets.pipeline.task_spec import EMBEDDED_MODEL
+
+    return EMBEDDED_MODEL_NOTE if any(task.model == EMBEDDED_MODEL for task in tasks) else None
+
+
+EMBEDDED_MODEL_NOTE = """
+Note: these labels come from the embedded SmolLM2-135M-Instruct, a 135-million-parameter model that
+demonstrates the plumbing (assets, checks, storage, resumable runs); it is not a labeler, and the
+accuracy figures above show it. For real labels, point a task at a real model: `engine.model` in its
+YAML (a local folder or a Hugging Face model id, run by vLLM on a GPU), `engine.kind: openai` with
+`engine.base_url` for an OpenAI-compatible endpoint, or BATCH_ASSETS_MODEL=<model> for every task.
+Measure it first on a hand-labelled sample (`checks.gold_field`, README "Accuracy on a labelled sample")."""
 
 
 def _demo_tasks(tasks) -> bool:
