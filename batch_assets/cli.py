@@ -26,10 +26,10 @@ import signal
 import sys
 import time
 import traceback
-from typing import TextIO
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from batch_assets.dagster_defs.instance import dagster_home, home_lock, open_instance, prepare_instance
 
@@ -338,6 +338,7 @@ def run_partitions(
     task_name: str, files: list[Path], *, skip_succeeded: bool = False, replace: bool = False
 ) -> list[PartitionOutcome]:
     import dagster as dg
+
     from batch_assets.dagster_defs.run_recovery import ProcessLease, fail_runs_of_dead_processes, wait_for_pool_slot
     from batch_assets.dagster_defs.sensors import SOURCE_FILE_TAG, SOURCE_VERSION_TAG, version_digest
     from batch_assets.definitions import build_definitions, pipeline_job_name
@@ -408,6 +409,7 @@ def run_partitions(
                 failed_checks = [f"{e.asset_key.to_user_string()}:{e.check_name}" for e in failed]
                 # A blocking check that stopped the run says why in its description (e.g. over budget).
                 stopped_by = [f"stopped by {e.check_name}: {e.description}" for e in failed if e.description]
+                failure = None if result.success else (stopped_by[0] if stopped_by else _failure_text(result, task))
                 outcomes.append(
                     _outcome(
                         task_name,
@@ -415,7 +417,7 @@ def run_partitions(
                         instance,
                         success=result.success,
                         run_id=result.run_id,
-                        summary=None if result.success else (stopped_by[0] if stopped_by else _failure_text(result, task)),
+                        summary=failure,
                         failed_error_checks=failed_checks,
                     )
                 )
@@ -524,6 +526,7 @@ def _meaningful_line(message: str) -> str:
 def _already_succeeded(instance, task_name: str, partition_key: str, digest: str) -> bool:
     """The last materialization of validated_labels came from this exact file version."""
     import dagster as dg
+
     from batch_assets.dagster_defs.sensors import SOURCE_VERSION_TAG
 
     record = latest_materialization(instance, dg.AssetKey([task_name, "validated_labels"]), partition_key)
