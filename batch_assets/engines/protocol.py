@@ -68,6 +68,7 @@ class EngineSettings(Protocol):
     kind: str
     model: str
     max_model_len: int
+    structured_outputs: bool  # the task's output constraint is sent with each request
 
     def identity(self) -> dict[str, Any]: ...
 

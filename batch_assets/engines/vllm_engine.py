@@ -210,21 +210,43 @@ class _Reaper:
             text=True,
         )
 
+    def _engine_children(self) -> list:
+        """Processes vLLM started since the watcher was (engine cores, a DP coordinator), not
+        others this process started meanwhile (e.g. Dagster's log tailers)."""
+        import psutil
+
+        found = []
+        for child in psutil.Process().children(recursive=False):
+            if child.pid in self._before or child.pid == self._process.pid:
+                continue
+            with contextlib.suppress(psutil.Error):
+                command = " ".join(child.cmdline())
+                if "VLLM" in command or "multiprocessing" in command:
+                    found.append(child)
+        return found
+
     def watch_new_children(self) -> None:
-        """Hand the watcher every process started since it was (the engine core, its workers)."""
+        """Hand the watcher the engine's processes; their children are found when it kills them."""
         import psutil
 
         lines = []
-        for child in psutil.Process().children(recursive=False):
-            if child.pid not in self._before and child.pid != self._process.pid:
-                with contextlib.suppress(psutil.Error):
-                    lines.append(f"{child.pid} {child.create_time()!r}\n")
-        with contextlib.suppress(OSError):
+        for child in self._engine_children():
+            with contextlib.suppress(psutil.Error):
+                lines.append(f"{child.pid} {child.create_time()!r}\n")
+        with contextlib.suppress(OSError, ValueError):
             self._process.stdin.write("".join(lines))
             self._process.stdin.flush()
 
+    def kill_new_children(self) -> None:
+        """After a failed start: what vLLM left behind (seen with data_parallel_size > 1)."""
+        from batch_assets.engines.reaper import kill_tree
+
+        for child in self._engine_children():
+            with contextlib.suppress(Exception):
+                kill_tree(child.pid, child.create_time())
+
     def stop(self) -> None:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError):
             self._process.stdin.write("done\n")
             self._process.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -244,6 +266,7 @@ class _AsyncEngine:
         try:
             self.llm = self._call(self._create())
         except BaseException:
+            self._reaper.kill_new_children()
             self._stop_loop()
             raise
         self._reaper.watch_new_children()
