@@ -30,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import polars as pl
 
-from batch_assets.pipeline.format_prompts import messages_for, user_message_expr
+from batch_assets.pipeline.format_prompts import PromptEncoder, PromptFormat, messages_for, user_message_expr
 from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec, TaskSpec
 
 
@@ -120,6 +120,10 @@ def engine_kind(task: TaskSpec) -> EngineKind:
     return ENGINE_KINDS[task.engine.kind]
 
 
+def engine_pool(task: TaskSpec) -> str:
+    return engine_kind(task).pool
+
+
 def engine_for(resources: Any, task: TaskSpec) -> Engine:
     """The engine a task's assets run with: the resource registered for its `engine.kind`."""
     return getattr(resources, engine_kind(task).resource_key)
@@ -135,8 +139,8 @@ def prompt_encoder(
     from). The in-process engine gets token ids only: nothing extra is built.
     """
 
-    def token_ids(prompts: list[str]) -> list[list[int]]:
-        return tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    # Special-token text in a record stays text (format_prompts.PromptEncoder): no forged chat turns.
+    token_ids = PromptEncoder(PromptFormat.of(task), tokenizer).encode
 
     if not engine.sends_chat_messages:
         return lambda prompts: [Prompt(tuple(ids)) for ids in token_ids(prompts)]

@@ -41,44 +41,26 @@ from pydantic import Field
 from batch_assets.engines.embedded_model import resolve_model
 from batch_assets.engines.protocol import EngineStartError, Generation, Prompt
 from batch_assets.engines.tokenizers import load_tokenizer
-from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec, TaskSpec
+from batch_assets.pipeline.task_spec import (
+    OUTPUT_VLLM_ARG_DEFAULTS,
+    THROUGHPUT_ONLY_VLLM_ARGS,
+    OutputSpec,
+    SamplingSpec,
+    TaskSpec,
+)
 
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_GIB = 2.0
 # vLLM engine arguments the pipeline sets unless the task's `engine.vllm_args` does.
 VLLM_ARG_DEFAULTS: dict[str, Any] = {
-    "dtype": "auto",
-    "seed": 0,
+    **OUTPUT_VLLM_ARG_DEFAULTS,
     "max_num_seqs": 256,
     "gpu_memory_utilization": 0.9,
     "enable_prefix_caching": True,  # every prompt of a task starts with the same system prompt
     "enforce_eager": True,  # faster start; set false on a GPU for CUDA graphs
     "disable_log_stats": True,  # the periodic stats line costs time and floods the run log
 }
-# vLLM arguments that change speed or memory but not what is generated: left out of the
-# checkpoint fingerprint, so tuning them keeps checkpoints and cached results valid.
-THROUGHPUT_ONLY_ARGS = frozenset(
-    {
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "gpu_memory_utilization",
-        "enable_prefix_caching",
-        "enforce_eager",
-        "enable_chunked_prefill",
-        "disable_log_stats",
-        "enable_log_requests",
-        "swap_space",
-        "cpu_offload_gb",
-        "block_size",
-        "max_seq_len_to_capture",
-        "compilation_config",
-        "distributed_executor_backend",
-        "async_scheduling",
-    }
-)
-
-
 def _cuda_device_count() -> int:
     try:
         import torch
@@ -142,7 +124,7 @@ class VLLMSettings:
         others = {
             k: v
             for k, v in self.vllm_args.items()
-            if k not in THROUGHPUT_ONLY_ARGS and k not in identity and k not in VLLM_ARG_DEFAULTS
+            if k not in THROUGHPUT_ONLY_VLLM_ARGS and k not in identity and k not in VLLM_ARG_DEFAULTS
         }
         if others:  # absent otherwise, so checkpoints of tasks that set none stay valid
             identity["vllm_args"] = dict(sorted(others.items()))
