@@ -41,15 +41,20 @@ from pydantic import Field
 from batch_assets.engines.embedded_model import resolve_model
 from batch_assets.engines.protocol import EngineStartError, Generation, Prompt
 from batch_assets.engines.tokenizers import load_tokenizer
-from batch_assets.pipeline.task_spec import THROUGHPUT_ONLY_VLLM_ARGS, OutputSpec, SamplingSpec, TaskSpec
+from batch_assets.pipeline.task_spec import (
+    OUTPUT_VLLM_ARG_DEFAULTS,
+    THROUGHPUT_ONLY_VLLM_ARGS,
+    OutputSpec,
+    SamplingSpec,
+    TaskSpec,
+)
 
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_GIB = 2.0
 # vLLM engine arguments the pipeline sets unless the task's `engine.vllm_args` does.
 VLLM_ARG_DEFAULTS: dict[str, Any] = {
-    "dtype": "auto",
-    "seed": 0,
+    **OUTPUT_VLLM_ARG_DEFAULTS,
     "max_num_seqs": 256,
     "gpu_memory_utilization": 0.9,
     "enable_prefix_caching": True,  # every prompt of a task starts with the same system prompt

@@ -236,6 +236,8 @@ THROUGHPUT_ONLY_VLLM_ARGS = frozenset(
         "async_scheduling",
     }
 )
+# vLLM arguments that decide outputs, with the values the pipeline uses when a task sets none.
+OUTPUT_VLLM_ARG_DEFAULTS = {"dtype": "auto", "seed": 0}
 # Set by the pipeline from first-class fields (or not meaningful for a batch engine).
 RESERVED_VLLM_ARGS = frozenset(
     {"model", "max_model_len", "tensor_parallel_size", "data_parallel_size", "kv_cache_memory_bytes"}
