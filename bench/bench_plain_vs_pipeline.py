@@ -37,8 +37,10 @@ def plain(csv_path: Path, work: Path) -> dict:
 def pipeline(csv_path: Path, work: Path) -> dict:
     env = {**os.environ, "DAGSTER_HOME": str(work / "home"), "BATCH_ASSETS_DATA": str(work / "data")}
     started = time.perf_counter()
-    subprocess.run([str(VENV_BIN / "batch-assets"), "run", "industry", str(csv_path)], env=env, cwd=work,
-                   capture_output=True, text=True, check=True)
+    done = subprocess.run([str(VENV_BIN / "batch-assets"), "run", "industry", str(csv_path)], env=env, cwd=work,
+                          capture_output=True, text=True)
+    if done.returncode != 0:  # say why, instead of a bare CalledProcessError
+        raise SystemExit(f"batch-assets run failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
     wall = time.perf_counter() - started
     metadata = inference_metadata(work / "home")
     seconds = metadata.get("inference_seconds", metadata["engine_seconds"])
