@@ -96,7 +96,7 @@ def structured_outputs_for(output: OutputSpec):
     return None
 
 
-def sampling_params_for(sampling: SamplingSpec, output: OutputSpec | None):
+def sampling_params_for(sampling: SamplingSpec, output: OutputSpec | None, stop: tuple[str, ...] | None = None):
     from vllm import SamplingParams
 
     return SamplingParams(
@@ -104,8 +104,19 @@ def sampling_params_for(sampling: SamplingSpec, output: OutputSpec | None):
         top_p=sampling.top_p,
         max_tokens=sampling.max_tokens,
         seed=sampling.seed,
+        stop=list(stop) if stop else None,
         structured_outputs=structured_outputs_for(output) if output is not None else None,
     )
+
+
+def request_params_for(prompt, task_params, structured_outputs: bool):
+    """A prompt's own sampling params when it carries them (an OpenAI batch line), else the task's."""
+    sampling = getattr(prompt, "sampling", None)
+    if sampling is None:
+        return task_params
+    params = sampling_params_for(sampling, prompt.output if structured_outputs else None, prompt.stop)
+    params.output_kind = task_params.output_kind
+    return params
 
 
 class _ProcessEngine:
@@ -302,7 +313,8 @@ class VLLMEngine(dg.ConfigurableResource):
 
         llm = PROCESS_ENGINE.get(self.settings_for(task))
         params = sampling_params_for(task.sampling, task.output if self.structured_outputs else None)
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids], params, use_tqdm=False)
+        per_request = [request_params_for(ids, params, self.structured_outputs) for ids in prompt_token_ids]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids], per_request, use_tqdm=False)
         return [_generation(output) for output in outputs]
 
     def generate_stream(self, task: TaskSpec, prompt_token_ids: Iterator[list[int]]) -> Iterator[tuple[int, Generation]]:
@@ -337,7 +349,7 @@ class VLLMEngine(dg.ConfigurableResource):
                     exhausted = True
                     break
                 request_id = f"{prefix}{next_position}"
-                engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+                engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(ids)), request_params_for(ids, params, self.structured_outputs))
                 in_flight[request_id] = next_position
                 next_position += 1
 

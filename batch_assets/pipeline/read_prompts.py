@@ -70,10 +70,15 @@ class DropFileError(ValueError):
 class ParseOptions:
     text_fields: tuple[str, ...]
     txt_field: str = "text"
+    format: str = "records"  # or "openai_batch": OpenAI Batch API request lines
 
 
 def read_prompts(data: bytes, file_name: str, options: ParseOptions) -> pl.DataFrame:
     """Parse the bytes of one drop file, by its suffix, into the raw_prompts table."""
+    if options.format == "openai_batch":
+        from batch_assets.pipeline.openai_batch import read_batch_requests
+
+        return read_batch_requests(data, file_name)
     suffix = PurePosixPath(file_name).suffix.lower()
     if suffix not in SUPPORTED_SUFFIXES:
         raise DropFileError(f"{file_name}: unsupported file type {suffix!r}; use one of {', '.join(SUPPORTED_SUFFIXES)}")

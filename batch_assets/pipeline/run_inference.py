@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -58,8 +59,16 @@ class InferenceStats:
         return self.rows_inferred / self.engine_seconds if self.engine_seconds else 0.0
 
 
-def request_keys(prompts: Sequence[str], row_ids: Sequence[int], deduplicate: bool) -> list[str]:
-    """Identical prompts share a key when decoding is deterministic, so they are inferred once."""
+def request_keys(
+    prompts: Sequence[str], row_ids: Sequence[int], deduplicate: bool, params: Sequence[str | None] | None = None
+) -> list[str]:
+    """Identical prompts share a key when decoding is deterministic, so they are inferred once.
+
+    `params`: per-request sampling and output constraint (canonical JSON, e.g. each line of an
+    OpenAI batch file), part of the key so requests that differ in them never share a result.
+    """
+    if params is not None:
+        prompts = [p if q is None else f"{q}\x00{p}" for p, q in zip(prompts, params, strict=True)]
     if deduplicate:
         return [hashlib.sha1(p.encode("utf-8")).hexdigest() for p in prompts]
     return [hashlib.sha1(f"{r}\x00{p}".encode("utf-8")).hexdigest() for p, r in zip(prompts, row_ids, strict=True)]
@@ -111,9 +120,12 @@ def run_inference(
     if (generate is None) == (generate_stream is None):
         raise ValueError("pass exactly one of `generate` and `generate_stream`")
     stats = InferenceStats(rows=formatted.height)
-    valid = formatted.filter(pl.col("error").is_null()).select("row_id", "prompt")
+    # `request_params`: per-request sampling and output (OpenAI batch lines); absent for task-wide sampling.
+    per_request = "request_params" in formatted.columns
+    valid = formatted.filter(pl.col("error").is_null()).select("row_id", "prompt", *(["request_params"] if per_request else []))
+    params = valid["request_params"].to_list() if per_request else None
     keyed = valid.with_columns(
-        request_key=pl.Series(request_keys(valid["prompt"].to_list(), valid["row_id"].to_list(), deduplicate), dtype=pl.String)
+        request_key=pl.Series(request_keys(valid["prompt"].to_list(), valid["row_id"].to_list(), deduplicate, params), dtype=pl.String)
     )
     unique_requests = keyed.unique("request_key", keep="first", maintain_order=True)
     stats.rows_deduplicated = keyed.height - unique_requests.height
@@ -141,7 +153,6 @@ def run_inference(
         start_engine()
         stats.engine_start_seconds = time.monotonic() - started
 
-    budget = max_model_len - max_tokens
     sent_keys: list[str] = []  # request key of each prompt handed to the engine, by position
     too_long: list[dict] = []  # rows for prompts that do not fit, until the next flush
     skipped = 0
@@ -151,13 +162,20 @@ def run_inference(
         nonlocal skipped
         for offset in range(0, total, step):
             batch = pending.slice(offset, step)
-            for key, ids in zip(batch["request_key"], tokenize(batch["prompt"].to_list()), strict=True):
-                if len(ids) <= budget:
+            texts = batch["prompt"].to_list()
+            if per_request:
+                request_params = batch["request_params"].to_list()
+                encoded = tokenize(texts, request_params)
+                limits = [json.loads(p)["sampling"]["max_tokens"] for p in request_params]
+            else:
+                encoded, limits = tokenize(texts), itertools.repeat(max_tokens)
+            for key, ids, limit in zip(batch["request_key"], encoded, limits):
+                if len(ids) <= max_model_len - limit:
                     sent_keys.append(key)
                     yield ids
                 else:
                     skipped += 1
-                    too_long.append(_too_long_row(key, len(ids), max_tokens, max_model_len))
+                    too_long.append(_too_long_row(key, len(ids), limit, max_model_len))
 
     stream = generate_stream if generate_stream is not None else batched_stream(generate, step)
     buffer: list[tuple[str, Generation]] = []
