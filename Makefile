@@ -3,7 +3,7 @@ VENV      := .venv
 STAMP     := $(VENV)/.batch_assets_installed
 export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 
-.PHONY: setup demo test ui clean
+.PHONY: setup demo test test-fast lint ui clean
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -11,19 +11,27 @@ $(STAMP): pyproject.toml scripts/setup.sh
 
 setup: $(STAMP)
 
-$(DAGSTER_HOME)/dagster.yaml: dagster.yaml
-	mkdir -p $(DAGSTER_HOME)
-	cp dagster.yaml $(DAGSTER_HOME)/dagster.yaml
-
-demo: setup $(DAGSTER_HOME)/dagster.yaml
+# batch-assets creates $(DAGSTER_HOME) (dagster.yaml, storages) itself, under a lock, so that
+# commands started at once on a new home leave one usable instance.
+demo: setup
 	$(VENV)/bin/batch-assets demo
 
 test: setup
 	bash scripts/install_system_deps.sh
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-ui: setup $(DAGSTER_HOME)/dagster.yaml
-	$(VENV)/bin/dagster dev -h 127.0.0.1 -p 3000 -w workspace.yaml
+# Pure functions and the definitions snapshot: no engine, daemon, browser or server (about a minute).
+test-fast: setup
+	$(VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+# `dg dev` (webserver + daemon); a second `make ui` on the same home is refused with a message.
+ui: setup
+	$(VENV)/bin/batch-assets ui --host 127.0.0.1 --port 3000
 
 clean:
 	rm -rf $(VENV) .dagster_home data

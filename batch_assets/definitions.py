@@ -1,34 +1,43 @@
 """The code location: one asset group, partitions definition, job, sensor and set of checks per task.
 
-Load with `dagster dev` / `dg dev` from the repo root (workspace.yaml points here).
+Load with `dg dev` (`make ui`) from the repo root (workspace.yaml points here).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
+from pathlib import Path
 
 import dagster as dg
 
-from batch_assets.dagster_defs.assets import IO_MANAGER_KEY, build_task_assets
+from batch_assets.dagster_defs.assets import IO_MANAGER_KEY, build_automation_sensor, build_task_assets
 from batch_assets.dagster_defs.checks import build_task_checks
 from batch_assets.engines.protocol import ENDPOINT_RESOURCE_KEY, IN_PROCESS_RESOURCE_KEY
 from batch_assets.engines.openai_engine import OpenAIEngine
 from batch_assets.engines.vllm_engine import VLLMEngine
+from batch_assets.dagster_defs.run_recovery import build_recovery_sensor
 from batch_assets.dagster_defs.sensors import build_drops_sensor
-from batch_assets.pipeline.task_spec import TaskSpec, load_task_specs
+from batch_assets.dagster_defs.task_file_errors import build_task_file_error_sensor
+from batch_assets.pipeline.task_spec import TaskFileError, TaskSpec, load_tasks
 from batch_assets.storage.parquet_io_manager import ParquetStorage
 
 
 # Partitioned asset checks are marked "preview" in Dagster 1.13; they are what lets each check read
 # only its own partition, so we use them and silence the notice.
 warnings.filterwarnings("ignore", message=".*partitions_def on an AssetCheckSpec.*")
+# Dagster's own component loader builds code references and loads modules with beta/preview APIs
+# and warns about each; nothing in this project can act on those notices.
+warnings.filterwarnings("ignore", category=dg.BetaWarning)
+warnings.filterwarnings("ignore", category=dg.PreviewWarning)
 
 
 def pipeline_job_name(task: str) -> str:
     return f"{task}_pipeline"
 
 
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
 K8S_CONFIG_TAG = "dagster-k8s/config"
 
 
@@ -55,22 +64,29 @@ def build_definitions(
     tasks: list[TaskSpec] | None = None,
     engine: VLLMEngine | OpenAIEngine | None = None,
     endpoint: OpenAIEngine | None = None,
+    task_errors: list[TaskFileError] | None = None,
 ) -> dg.Definitions:
     """`engine` serves tasks with `engine.kind: vllm` (default: in-process vLLM; an `OpenAIEngine`
-    here sends those tasks to an endpoint instead); `endpoint` serves tasks with `kind: openai`."""
-    tasks = tasks if tasks is not None else load_task_specs()
+    here sends those tasks to an endpoint instead); `endpoint` serves tasks with `kind: openai`.
+    With no `tasks`, the tasks folder is loaded; a bad task file becomes a failing sensor naming it
+    (dagster_defs/task_file_errors.py) and the other tasks load as usual."""
+    if tasks is None:
+        loaded = load_tasks()
+        tasks, task_errors = loaded.tasks, loaded.errors
     assets, checks, jobs, sensors = [], [], [], []
+    sensors += [build_task_file_error_sensor(error) for error in task_errors or []]
     for task in tasks:
         assets += build_task_assets(task)
         checks += build_task_checks(task)
         job = build_task_job(task)
         jobs.append(job)
         sensors.append(build_drops_sensor(task, job))
+        sensors += build_automation_sensor(task)
     return dg.Definitions(
         assets=assets,
         asset_checks=checks,
         jobs=jobs,
-        sensors=sensors,
+        sensors=[*sensors, build_recovery_sensor()],
         resources={
             IO_MANAGER_KEY: ParquetStorage(),
             IN_PROCESS_RESOURCE_KEY: engine or VLLMEngine(),
@@ -96,6 +112,12 @@ def share_engine_setting(default: bool) -> bool:
     return default
 
 
-# The code location (`dagster dev`, the daemon): every run is a process of its own, so runs share
-# one engine host by default and a backfill pays engine start-up once.
-defs = build_definitions(engine=VLLMEngine(share_engine=share_engine_setting(default=True)))
+def load_project_defs() -> dg.Definitions:
+    """The code location: the component tree under `batch_assets/defs/` (`dg` project layout).
+
+    Loaded from the installed package, so it works without the repo's pyproject.toml (a Docker image)."""
+    defs_module = importlib.import_module("batch_assets.defs")
+    return dg.ComponentTree.from_module(defs_module=defs_module, project_root=PROJECT_ROOT).build_defs()
+
+
+defs = load_project_defs()

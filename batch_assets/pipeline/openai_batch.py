@@ -31,7 +31,7 @@ Every line yields exactly one row; a line that cannot be answered is a row with 
     chat_template_error the model's chat template refused the messages (e.g. roles not alternating)
     prompt_too_long     prompt tokens + max_tokens exceed the model's context
 
-Only a file that is not `.jsonl` raises `DropFileError`.
+Only a file that is not `.jsonl` (or `.jsonl.gz`), or a broken gzip file, raises `DropFileError`.
 """
 
 from __future__ import annotations
@@ -39,13 +39,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from pathlib import PurePosixPath
 from typing import Any
 
 import polars as pl
 
 from batch_assets.pipeline.format_prompts import Tokenizer, count_tokens
-from batch_assets.pipeline.read_prompts import DropFileError
+from batch_assets.pipeline.read_prompts import DropFileError, _gunzip, input_suffix
 from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec
 
 CHAT_URL = "/v1/chat/completions"
@@ -98,9 +97,11 @@ def _kind(value: object) -> str:
 
 def read_batch_requests(data: bytes, file_name: str) -> pl.DataFrame:
     """Parse an OpenAI batch request file into raw_prompts rows (see the module docstring)."""
-    suffix = PurePosixPath(file_name).suffix.lower()
-    if suffix != ".jsonl":
-        raise DropFileError(f"{file_name}: an openai_batch task reads .jsonl files (the OpenAI Batch API format), not {suffix!r}")
+    suffix = input_suffix(file_name)
+    if suffix not in (".jsonl", ".jsonl.gz"):
+        raise DropFileError(f"{file_name}: an openai_batch task reads .jsonl (or .jsonl.gz) files in the OpenAI Batch API format")
+    if suffix == ".jsonl.gz":
+        data = _gunzip(data, file_name)
     if data.startswith(b"\xef\xbb\xbf"):
         data = data[3:]
     rows: list[dict] = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import string
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,6 +60,38 @@ class InputSpec(_Strict):
         return self
 
 
+def template_placeholders(template: str, setting: str) -> set[str]:
+    """The field names of a prompt template; anything but plain `{name}` placeholders is refused.
+
+    Templates are filled column-wise, so `{}` / `{0}` (positional), `{text!r}` (conversion),
+    `{text:>10}` (format spec) and `{text.attr}` / `{text[0]}` (attribute or index access) could
+    only fail later, on every row of every run; the message names the placeholder and the setting.
+    """
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(f"{setting} is not a valid template ({exc}); write a literal brace as {{{{ or }}}}") from None
+    names: set[str] = set()
+    for _, name, format_spec, conversion in parsed:
+        if name is None:
+            continue
+        placeholder = "{" + name + (f"!{conversion}" if conversion else "") + (f":{format_spec}" if format_spec else "")
+        placeholder += "}"
+        if not name or name.isdigit():
+            problem = "a positional placeholder; name an input field, e.g. {text}"
+        elif conversion:
+            problem = "conversions (!r, !s, !a) are not supported; write {" + name + "}"
+        elif format_spec:
+            problem = "format specs are not supported; write {" + name.split(".")[0].split("[")[0] + "}"
+        elif not name.isidentifier():
+            problem = "attribute and index access are not supported; name an input field, e.g. {text}"
+        else:
+            names.add(name)
+            continue
+        raise ValueError(f"{setting}: placeholder {placeholder} is {problem} (a literal brace is written {{{{ or }}}})")
+    return names
+
+
 class PromptSpec(_Strict):
     """System prompt and user template; `{field}` placeholders name input fields."""
 
@@ -68,8 +101,32 @@ class PromptSpec(_Strict):
     # format string over `{system}` and `{user}` used instead of the tokenizer's chat template.
     raw_template: str | None = None
 
+    @field_validator("template")
+    @classmethod
+    def _template_has_plain_placeholders(cls, template: str) -> str:
+        template_placeholders(template, "prompt.template")
+        return template
+
+    @field_validator("raw_template")
+    @classmethod
+    def _raw_template_uses_system_and_user(cls, raw_template: str | None) -> str | None:
+        if raw_template is not None:
+            unknown = template_placeholders(raw_template, "prompt.raw_template") - {"system", "user"}
+            if unknown:
+                raise ValueError(f"prompt.raw_template may only use {{system}} and {{user}}, not {sorted(unknown)}")
+        return raw_template
+
     def placeholders(self) -> set[str]:
-        return {name for _, name, _, _ in string.Formatter().parse(self.template) if name}
+        return template_placeholders(self.template, "prompt.template")
+
+
+class PriceSpec(_Strict):
+    """What the engine costs, in US dollars per million tokens (an endpoint's list price, or a GPU's
+    hourly cost divided by its measured throughput)."""
+
+    # strict: a YAML `true` or "12" is a mistake, not a number.
+    input_per_million_tokens: float = Field(default=0.0, ge=0, allow_inf_nan=False, strict=True)
+    output_per_million_tokens: float = Field(default=0.0, ge=0, allow_inf_nan=False, strict=True)
 
 
 ENV_VAR_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -112,6 +169,8 @@ class EngineSpec(_Strict):
     seed: int = 0
     # Rows handed to the engine per `generate` call; each call's results are checkpointed.
     batch_size: int = Field(default=1024, ge=1)
+    # Cost per token: `formatted_prompts` estimates a partition's cost, `inference_outputs` records it.
+    price: PriceSpec | None = None
 
     @field_validator("base_url")
     @classmethod
@@ -171,9 +230,35 @@ class OutputSpec(_Strict):
         return self
 
 
+class BudgetSpec(_Strict):
+    """Limits per partition, checked on `formatted_prompts` before anything reaches the engine.
+    Generated tokens are counted at their worst case: every row runs to `sampling.max_tokens`."""
+
+    max_prompt_tokens: int | None = Field(default=None, ge=0, strict=True)
+    max_generated_tokens: int | None = Field(default=None, ge=0, strict=True)
+    max_cost_usd: float | None = Field(default=None, ge=0, allow_inf_nan=False, strict=True)
+
+
+class AutomationSpec(_Strict):
+    # Re-materialize partitions made with an earlier version of the task (a Declarative Automation
+    # condition, evaluated by the task's automation sensor while the Dagster daemon runs).
+    rematerialize_stale: bool = False
+
+
 class ChecksSpec(_Strict):
     # Share of rows allowed to carry an `error` before the WARN check fails.
     max_error_share: float = Field(default=0.05, ge=0, le=1)
+    # Total variation distance (0..1) between a partition's label shares and those of the task's
+    # recent partitions above which the WARN check `label_drift` fails (choices and regex tasks).
+    max_label_drift: float = Field(default=0.25, ge=0, le=1)
+    # Recent partitions the drift check compares with.
+    drift_history: int = Field(default=5, ge=1)
+    # An input column holding the known label: `validated_labels` reports accuracy against it.
+    gold_field: str | None = None
+    # JSON-schema tasks: the field of the parsed label compared with the gold column.
+    gold_json_field: str | None = None
+    # The WARN check `accuracy_at_least` fails below this share of correct rows.
+    min_accuracy: float = Field(default=0.0, ge=0, le=1)
 
 
 class SensorSpec(_Strict):
@@ -196,6 +281,8 @@ class TaskSpec(_Strict):
     output: OutputSpec
     checks: ChecksSpec = ChecksSpec()
     sensor: SensorSpec = SensorSpec()
+    budget: BudgetSpec | None = None
+    automation: AutomationSpec = AutomationSpec()
 
     @field_validator("name")
     @classmethod
@@ -236,6 +323,27 @@ class TaskSpec(_Strict):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _gold_settings_fit_the_output(self) -> TaskSpec:
+        if self.checks.gold_json_field and self.output.kind != "json_schema":
+            raise ValueError("checks.gold_json_field applies to `output.kind: json_schema` only")
+        if self.checks.gold_field and self.output.kind == "json_schema" and not self.checks.gold_json_field:
+            raise ValueError(
+                "checks.gold_field on a json_schema task needs checks.gold_json_field: the label field to compare"
+            )
+        if self.checks.gold_field and self.output.kind == "text":
+            raise ValueError("checks.gold_field needs a closed output (choices, regex or json_schema), not free text")
+        return self
+
+    @model_validator(mode="after")
+    def _cost_limit_has_a_price(self) -> TaskSpec:
+        if self.budget and self.budget.max_cost_usd is not None and self.engine.price is None:
+            raise ValueError(
+                "budget.max_cost_usd needs engine.price: {input_per_million_tokens, output_per_million_tokens} "
+                "to estimate a cost"
+            )
+        return self
+
     @property
     def model(self) -> str:
         """The model to use: `BATCH_ASSETS_MODEL` overrides every task's own."""
@@ -265,6 +373,8 @@ def load_task_spec(path: Path) -> TaskSpec:
         raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_Yaml12Loader)
     except yaml.YAMLError as exc:
         raise TaskSpecError(f"{path}: not valid YAML: {exc}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TaskSpecError(f"{path}: cannot be read: {exc}") from exc
     if not isinstance(raw, dict):
         raise TaskSpecError(f"{path}: expected a mapping at the top level")
     raw.setdefault("name", path.stem)
@@ -281,10 +391,53 @@ def tasks_dir() -> Path:
     return Path(os.environ.get(TASKS_DIR_ENV) or BUNDLED_TASKS_DIR)
 
 
-def load_task_specs(directory: Path | None = None) -> list[TaskSpec]:
-    """Every `*.yaml` / `*.yml` task in the tasks folder, sorted by name."""
+@dataclass(frozen=True)
+class TaskFileError:
+    """A task file (or two files claiming one task name) that could not be loaded."""
+
+    name: str  # the task the file(s) would define: the file name without its suffix
+    paths: tuple[Path, ...]
+    message: str  # names the file(s), the field and the rule
+
+
+@dataclass(frozen=True)
+class TaskLoad:
+    tasks: list[TaskSpec]
+    errors: list[TaskFileError]
+
+
+def load_tasks(directory: Path | None = None) -> TaskLoad:
+    """Every `*.yaml` / `*.yml` task in the tasks folder, sorted by name, and the files that failed.
+
+    One broken file does not hide the others: the good tasks load and each bad file becomes a
+    `TaskFileError` (the code location shows it as a failing sensor, `batch-assets tasks` prints it).
+    Two files for one task name (`x.yaml` next to `x.yml`) are refused together, naming both.
+    """
     directory = directory or tasks_dir()
     paths = sorted([*directory.glob("*.yaml"), *directory.glob("*.yml")])
     if not paths:
         raise TaskSpecError(f"no task YAML files in {directory}")
-    return [load_task_spec(path) for path in paths]
+    by_name: dict[str, list[Path]] = {}
+    for path in paths:
+        by_name.setdefault(path.stem, []).append(path)
+    tasks: list[TaskSpec] = []
+    errors: list[TaskFileError] = []
+    for name, group in sorted(by_name.items()):
+        if len(group) > 1:
+            files = " and ".join(str(path) for path in group)
+            message = f"{files} both define the task {name!r}: keep one of them (rename or remove the other)"
+            errors.append(TaskFileError(name, tuple(group), message))
+            continue
+        try:
+            tasks.append(load_task_spec(group[0]))
+        except TaskSpecError as exc:
+            errors.append(TaskFileError(name, (group[0],), str(exc)))
+    return TaskLoad(tasks, errors)
+
+
+def load_task_specs(directory: Path | None = None) -> list[TaskSpec]:
+    """Every task in the tasks folder, sorted by name; any bad file raises `TaskSpecError` naming it."""
+    loaded = load_tasks(directory)
+    if loaded.errors:
+        raise TaskSpecError("\n".join(error.message for error in loaded.errors))
+    return loaded.tasks
