@@ -15,10 +15,11 @@ from pathlib import Path
 import dagster as dg
 import jsonschema
 import polars as pl
+import yaml
 
 from batch_assets.definitions import build_definitions, pipeline_job_name
 from batch_assets.engines.vllm_engine import VLLMEngine, engine_kwargs
-from batch_assets.pipeline.task_spec import load_task_specs
+from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR, load_task_specs
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import SAMPLES, drop
 
@@ -98,6 +99,15 @@ def run_vllm_batch(lines: list[dict], work: Path) -> dict[str, dict]:
 def test_batch_file_through_dagster_matches_vllm_run_batch(data_dir: Path, tmp_path: Path, monkeypatch) -> None:
     # The embedded SmolLM2 model: real text to compare (the tiny random model mostly repeats one token).
     monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
+    # In float32 on both sides: with `dtype: auto` vLLM runs this model in bfloat16 on a CPU, where
+    # a different batch composition flips near-ties in a few of 17 answers (3 seen). The setting is
+    # the task's, so both engines get it.
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    spec = yaml.safe_load((BUNDLED_TASKS_DIR / f"{TASK}.yaml").read_text(encoding="utf-8"))
+    spec["engine"]["dtype"] = "float32"
+    (tasks / f"{TASK}.yaml").write_text(yaml.safe_dump(spec), encoding="utf-8")
+    monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(tasks))
     lines = requests_file()
     with dg.instance_for_test() as instance:
         key, result = materialize(data_dir, "requests.jsonl", as_jsonl(lines), instance)
