@@ -126,8 +126,8 @@ def test_sampling_defaults_fill_what_a_line_leaves_out_and_response_format_becom
     )
     out = format_batch_prompts(read_batch_requests(data, "in.jsonl"), tokenizer, sampling_defaults=DEFAULTS, max_model_len=512, source_file="in.jsonl")
     a, b, c = (RequestSpec.from_params_json(p) for p in out["request_params"])
-    assert a.sampling == DEFAULTS and a.stop is None and a.output is None
-    assert (b.sampling.temperature, b.sampling.seed, b.sampling.max_tokens, b.stop) == (0.7, 5, 64, ("\n",))
+    assert a.sampling.model_dump() == {**DEFAULTS.model_dump(), "stop": None} and a.output is None
+    assert (b.sampling.temperature, b.sampling.seed, b.sampling.max_tokens, b.sampling.stop) == (0.7, 5, 64, ("\n",))
     assert b.output.kind == "json_schema" and b.output.json_schema == schema
     assert c.output.json_schema == {"type": "object"}
 

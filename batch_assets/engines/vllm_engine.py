@@ -114,7 +114,7 @@ def request_params_for(prompt, task_params, structured_outputs: bool):
     sampling = getattr(prompt, "sampling", None)
     if sampling is None:
         return task_params
-    params = sampling_params_for(sampling, prompt.output if structured_outputs else None, prompt.stop)
+    params = sampling_params_for(sampling, prompt.output if structured_outputs else None, getattr(sampling, "stop", None))
     params.output_kind = task_params.output_kind
     return params
 

@@ -295,12 +295,17 @@ def _completion_prompt(value: object) -> str:
 # --- formatting -------------------------------------------------------------------------------
 
 
+class RequestSampling(SamplingSpec):
+    """A line's sampling: the task's sampling fields plus the line's stop strings."""
+
+    stop: tuple[str, ...] | None = None
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     """What one line asks of the engine, resolved against the task's defaults."""
 
-    sampling: SamplingSpec
-    stop: tuple[str, ...] | None
+    sampling: RequestSampling
     output: OutputSpec | None  # None: free text
 
     def params_json(self, sample_id: str | None) -> str:
@@ -309,7 +314,6 @@ class RequestSpec:
         `sample_id` makes a non-deterministic request (temperature > 0, no seed) its own."""
         value = {
             "sampling": self.sampling.model_dump(),
-            "stop": list(self.stop) if self.stop else None,
             "output": self.output.model_dump(exclude_none=True) if self.output is not None else None,
         }
         if sample_id is not None:
@@ -321,8 +325,7 @@ class RequestSpec:
         value = json.loads(text)
         output = value.get("output")
         return cls(
-            sampling=SamplingSpec(**value["sampling"]),
-            stop=tuple(value["stop"]) if value.get("stop") else None,
+            sampling=RequestSampling(**value["sampling"]),
             output=OutputSpec(**output) if output else None,
         )
 
@@ -344,9 +347,14 @@ def request_spec(row: dict, defaults: SamplingSpec) -> RequestSpec:
     def pick(field: str):
         return row[field] if row.get(field) is not None else getattr(defaults, field)
 
-    sampling = SamplingSpec(temperature=pick("temperature"), top_p=pick("top_p"), max_tokens=pick("max_tokens"), seed=pick("seed"))
-    stop = tuple(json.loads(row["stop"])) if row.get("stop") else None
-    return RequestSpec(sampling=sampling, stop=stop, output=output_for(row.get("response_format")))
+    sampling = RequestSampling(
+        temperature=pick("temperature"),
+        top_p=pick("top_p"),
+        max_tokens=pick("max_tokens"),
+        seed=pick("seed"),
+        stop=tuple(json.loads(row["stop"])) if row.get("stop") else None,
+    )
+    return RequestSpec(sampling=sampling, output=output_for(row.get("response_format")))
 
 
 def model_matches(requested: str | None, accepted: set[str]) -> bool:
@@ -450,15 +458,14 @@ def format_batch_prompts(
 
 class BatchPrompt(list):
     """A request's token ids (a plain `list[int]` to whatever counts or runs tokens) with its chat
-    messages (None for a completion), sampling, stop strings and output constraint."""
+    messages (None for a completion), sampling (stop strings included) and output constraint."""
 
-    __slots__ = ("messages", "sampling", "stop", "output")
+    __slots__ = ("messages", "sampling", "output")
 
     def __init__(self, token_ids: list[int], messages: list[dict] | None, spec: RequestSpec) -> None:
         super().__init__(token_ids)
         self.messages = messages
         self.sampling = spec.sampling
-        self.stop = spec.stop
         self.output = spec.output
 
 
