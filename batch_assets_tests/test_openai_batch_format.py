@@ -115,6 +115,11 @@ def test_completions_prompt_is_the_text_itself(tokenizer) -> None:
     line = {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Once upon a time"}}
     out = format_batch_prompts(read_batch_requests(jsonl(line), "in.jsonl"), tokenizer, sampling_defaults=DEFAULTS, max_model_len=512, source_file="in.jsonl")
     assert out["prompt"][0] == "Once upon a time"  # SmolLM2's tokenizer adds no BOS of its own
+    # An endpoint engine sends chat messages only: a completion line is an error row there.
+    chat_only = format_batch_prompts(
+        read_batch_requests(jsonl(line), "in.jsonl"), tokenizer, sampling_defaults=DEFAULTS, max_model_len=512, source_file="in.jsonl", chat_only=True
+    )
+    assert chat_only["error"][0].startswith("unsupported_url: in.jsonl line 1: /v1/completions lines need the in-process engine")
 
 
 def test_sampling_defaults_fill_what_a_line_leaves_out_and_response_format_becomes_a_constraint(tokenizer) -> None:

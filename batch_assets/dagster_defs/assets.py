@@ -211,6 +211,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                 max_model_len=settings.max_model_len,
                 source_file=context.partition_key,
                 accepted_models=accepted_model_names(task.model) if task.input.require_model_match else None,
+                chat_only=getattr(llm_engine, "sends_chat_messages", False),
             )
         else:
             frame = format_prompts(

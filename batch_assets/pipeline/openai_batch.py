@@ -389,11 +389,13 @@ def format_batch_prompts(
     max_model_len: int,
     source_file: str,
     accepted_models: set[str] | None = None,
+    chat_only: bool = False,
 ) -> pl.DataFrame:
     """raw_prompts → formatted_prompts for batch requests: adds `prompt`, `num_prompt_tokens` and
     `request_params` (the resolved sampling and output constraint as canonical JSON).
 
     `accepted_models`: when given, a line naming another `body.model` becomes a `model_mismatch` row.
+    `chat_only`: the engine sends chat messages (an endpoint), so `/v1/completions` lines are error rows.
     """
     chat_template = getattr(tokenizer, "chat_template", None)
     prefix = _completion_prefix(tokenizer)
@@ -424,6 +426,10 @@ def format_batch_prompts(
                         prompt = tokenizer.apply_chat_template(json.loads(row["messages"]), tokenize=False, add_generation_prompt=True)
                     except Exception as exc:  # a template may raise on roles it does not accept
                         error = _error("chat_template_error", source_file, line, f"{type(exc).__name__}: {exc}")
+            elif chat_only:
+                error = _error(
+                    "unsupported_url", source_file, line, "/v1/completions lines need the in-process engine (engine.kind: vllm)"
+                )
             else:
                 prompt = prefix + row["completion_prompt"]
         sample_id = None
