@@ -175,6 +175,9 @@ def test_request_keys_share_identical_deterministic_requests_and_separate_other_
     out = format_batch_prompts(read_batch_requests(data, "in.jsonl"), tokenizer, sampling_defaults=DEFAULTS, max_model_len=512, source_file="in.jsonl")
     keys = request_keys(out["prompt"].to_list(), out["row_id"].to_list(), True, out["request_params"].to_list())
     a, b, c, d, e, f, g, h = keys
+    # Stable across runs (a resumed partition finds its checkpoints under the same keys).
+    again = format_batch_prompts(read_batch_requests(data, "in.jsonl"), tokenizer, sampling_defaults=DEFAULTS, max_model_len=512, source_file="in.jsonl")
+    assert request_keys(again["prompt"].to_list(), again["row_id"].to_list(), True, again["request_params"].to_list()) == keys
     assert a == b and f == g
     assert len({a, c, d, e, f, h}) == 6
     # Task-wide sampling (no per-request params) keeps the keys it always had.
