@@ -18,7 +18,7 @@ import polars as pl
 import yaml
 
 from batch_assets.definitions import build_definitions, pipeline_job_name
-from batch_assets.engines.vllm_engine import VLLMEngine, engine_kwargs
+from batch_assets.engines.vllm_engine import VLLMEngine
 from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR, load_task_specs
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import SAMPLES, drop
@@ -77,14 +77,13 @@ def inference_metadata(instance: dg.DagsterInstance, key: str) -> dict:
 def run_vllm_batch(lines: list[dict], work: Path) -> dict[str, dict]:
     """vLLM's own run-batch over `lines`, with the engine settings the task's engine uses."""
     task = {t.name: t for t in load_task_specs()}[TASK]
-    kwargs = engine_kwargs(VLLMEngine().settings_for(task))
     args = []
-    for name, value in kwargs.items():
+    for name, value in VLLMEngine().settings(task).engine_args().items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             args.append(flag if value else "--no-" + name.replace("_", "-"))
         elif value is not None:
-            args += [flag, str(value)]
+            args += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
     source, target = work / "peer-in.jsonl", work / "peer-out.jsonl"
     source.write_text(as_jsonl(lines), encoding="utf-8")
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}

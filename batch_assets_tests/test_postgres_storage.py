@@ -30,7 +30,6 @@ import dagster as dg
 import pytest
 
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
-from batch_assets.engines import engine_host
 from batch_assets_tests.conftest import REPO_ROOT, SAMPLES
 
 psycopg2 = pytest.importorskip("psycopg2", reason="dagster-postgres is not installed (pip install -e '.[test]')")
@@ -163,8 +162,6 @@ def test_sensor_tick_and_runs_of_several_partitions_recorded_in_postgres(
     empty = '{"post_id": "e1", "text": ""}\n{"post_id": "e2", "text": "   "}\n'
     drops = {"posts-a.jsonl": "\n".join(lines[:4]) + "\n", "posts-b.jsonl": empty, "posts-c.jsonl": "\n".join(lines[4:6]) + "\n"}
     rows = {"posts-a.jsonl": 4, "posts-b.jsonl": 2, "posts-c.jsonl": 2}
-    # The daemon's runs share one engine host (the code location's default); its state lives here.
-    monkeypatch.setenv(engine_host.STATE_DIR_ENV, str(tmp_path / "engine_host"))
     zone = data / "drops" / "sentiment"
     zone.mkdir(parents=True)
     for name, content in drops.items():
@@ -207,7 +204,6 @@ def test_sensor_tick_and_runs_of_several_partitions_recorded_in_postgres(
             time.sleep(3)
     finally:
         stop(daemon)
-        engine_host.stop_host()
 
     # One tick turned the three files into three partitions and three runs.
     tick = ticks[0]
@@ -233,15 +229,16 @@ def test_sensor_tick_and_runs_of_several_partitions_recorded_in_postgres(
     passed = {(e.partition, e.check_name) for e in evaluations if e.passed}
     for key in keys:
         assert {(key, "labels_are_valid"), (key, "one_row_per_record"), (key, "outputs_satisfy_constraint")} <= passed
-    # The two runs with real posts (two processes) used one engine host, started by one of them.
+    # Each run is a process of its own: the two runs with real posts each started an engine, the run
+    # whose every row is an error started none.
     inference = [
         instance.fetch_materializations(
             dg.AssetRecordsFilter(asset_key=dg.AssetKey(["sentiment", "inference_outputs"]), asset_partitions=[partition_key_for(name)]), limit=1
         ).records[0].asset_materialization.metadata
-        for name in ("posts-a.jsonl", "posts-c.jsonl")
+        for name in ("posts-a.jsonl", "posts-b.jsonl", "posts-c.jsonl")
     ]
-    assert len({m["engine_host"].value["pid"] for m in inference}) == 1
-    assert sorted(m["engine_started_by_this_run"].value for m in inference) == [False, True]
+    assert [m["engine_started_by_this_run"].value for m in inference] == [True, False, True]
+    assert inference[1]["engine_start_seconds"].value == 0.0
     # Only the real posts reached the engine; the empty ones are error rows, flagged by the WARN
     # check, whose result points at the failing rows and the file that holds them.
     assert (partition_key_for("posts-a.jsonl"), "error_share_below_threshold") in passed

@@ -38,17 +38,17 @@ def batch_file(path: Path, requests: int, max_tokens: int, repeat_share: float) 
 
 def vllm_flags() -> list[str]:
     """vLLM CLI flags for the engine settings the openai_batch task runs with."""
-    from batch_assets.engines.vllm_engine import VLLMEngine, engine_kwargs
+    from batch_assets.engines.vllm_engine import VLLMEngine
     from batch_assets.pipeline.task_spec import load_task_specs
 
     task = {t.name: t for t in load_task_specs()}["openai_batch"]
     flags = []
-    for name, value in engine_kwargs(VLLMEngine().settings_for(task)).items():
+    for name, value in VLLMEngine().settings(task).engine_args().items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + name.replace("_", "-"))
         elif value is not None:
-            flags += [flag, str(value)]
+            flags += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
     return flags + ["--served-model-name", "bench"]
 
 

@@ -462,31 +462,25 @@ def format_batch_prompts(
 # --- what the engine is sent -------------------------------------------------------------------
 
 
-class BatchPrompt(list):
-    """A request's token ids (a plain `list[int]` to whatever counts or runs tokens) with its chat
-    messages (None for a completion), sampling (stop strings included) and output constraint."""
+def batch_prompt_encoder(engine, task, tokenizer: Tokenizer, formatted: pl.DataFrame):
+    """`encode(texts, request_params)` for `run_inference`: each request as an engine `Prompt` with
+    its own sampling (stop strings included) and output constraint, and, for an engine that sends
+    chat messages, the line's messages."""
+    from batch_assets.engines.protocol import Prompt
 
-    __slots__ = ("messages", "sampling", "output")
+    messages_by_prompt: dict[str, str] = {}
+    if engine.sends_chat_messages:
+        valid = formatted.filter(pl.col("error").is_null())
+        # Identical prompt texts come from identical messages, so the prompt is a safe key for them.
+        messages_by_prompt = dict(zip(valid["prompt"].to_list(), valid["messages"].to_list(), strict=True))
 
-    def __init__(self, token_ids: list[int], messages: list[dict] | None, spec: RequestSpec) -> None:
-        super().__init__(token_ids)
-        self.messages = messages
-        self.sampling = spec.sampling
-        self.output = spec.output
-
-
-def batch_prompt_encoder(tokenizer: Tokenizer, formatted: pl.DataFrame):
-    """The `tokenize` function `run_inference` calls with (prompt texts, request_params) for batch requests."""
-    valid = formatted.filter(pl.col("error").is_null())
-    # Identical prompt texts come from identical messages, so the prompt is a safe key for them.
-    messages_by_prompt = dict(zip(valid["prompt"].to_list(), valid["messages"].to_list(), strict=True))
-
-    def encode(prompts: list[str], params: list[str]) -> list[BatchPrompt]:
+    def encode(prompts: list[str], params: list[str]) -> list[Prompt]:
         token_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
         out = []
         for prompt, ids, param in zip(prompts, token_ids, params, strict=True):
+            spec = RequestSpec.from_params_json(param)
             messages = messages_by_prompt.get(prompt)
-            out.append(BatchPrompt(ids, json.loads(messages) if messages else None, RequestSpec.from_params_json(param)))
+            out.append(Prompt(tuple(ids), tuple(json.loads(messages)) if messages else None, spec.sampling, spec.output))
         return out
 
     return encode
