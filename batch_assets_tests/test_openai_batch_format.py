@@ -244,3 +244,55 @@ def test_shipped_openai_batch_task_and_format_rules(tmp_path) -> None:
     bad.write_text("input: {text_fields: [text]}\noutput: {kind: text}\n")
     with pytest.raises(TaskSpecError, match="needs a `prompt` section"):
         load_task_spec(bad)
+
+
+def test_run_inference_sends_each_request_once_with_its_own_sampling(tokenizer, tmp_path) -> None:
+    from batch_assets.engines.protocol import Generation, batched_stream
+    from batch_assets.pipeline.openai_batch import batch_prompt_encoder
+    from batch_assets.pipeline.run_inference import PartitionInput, run_inference
+    from upath import UPath
+
+    from batch_assets.storage.checkpoints import CheckpointStore
+
+    same = [{"role": "user", "content": "same question"}]
+    data = jsonl(
+        chat_line("a", same, max_tokens=5),
+        chat_line("b", same, max_tokens=5),  # identical to a: inferred once
+        chat_line("c", same, max_tokens=7, stop=["x"]),
+        chat_line("d", [{"role": "user", "content": "other"}], max_tokens=6, response_format={"type": "json_object"}),
+    )
+    formatted = format_batch_prompts(read_batch_requests(data, "in.jsonl"), tokenizer, sampling_defaults=DEFAULTS, max_model_len=512, source_file="in.jsonl")
+    seen = []
+
+    def generate(prompts):
+        seen.extend(prompts)
+        return [Generation(f"max {p.sampling.max_tokens}", "stop", len(p.token_ids), 1) for p in prompts]
+
+    class Session:
+        started_here, start_seconds, metadata = True, 0.0, {}
+
+        def start(self) -> None:
+            pass
+
+        def stream(self, prompts):
+            return batched_stream(generate, 64)(prompts)
+
+    class Engine:
+        sends_chat_messages = True
+
+    def run():
+        part = PartitionInput(formatted, batch_prompt_encoder(Engine(), None, tokenizer, formatted), CheckpointStore(UPath(tmp_path / "ck"), "fp"))
+        [(frame, stats)] = run_inference([part], session=Session(), max_model_len=512, max_tokens=64, batch_size=64, deduplicate=True)
+        return frame, stats
+
+    frame, stats = run()
+    assert frame["generated_text"].to_list() == ["max 5", "max 5", "max 7", "max 6"]
+    assert (stats.rows_inferred, stats.rows_deduplicated) == (3, 1)
+    assert [p.sampling.stop for p in seen] == [None, ("x",), None]
+    assert seen[2].output.json_schema == {"type": "object"} and seen[0].output is None
+    assert seen[0].messages == tuple(same)
+    # Killed and re-run: every finished request comes back from the checkpoints, none is sent again.
+    seen.clear()
+    frame2, stats2 = run()
+    assert (stats2.rows_from_checkpoint, stats2.rows_inferred, seen) == (3, 0, [])
+    assert frame2["generated_text"].to_list() == frame["generated_text"].to_list()
