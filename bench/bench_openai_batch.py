@@ -101,6 +101,7 @@ def main() -> None:
         batch_file(source, args.requests, args.max_tokens, args.repeat_share)
         for run in range(args.runs):
             peer_wall, theirs = run_batch(source, Path(tmp), flags)
+            print(json.dumps({"run": run, "run_batch_wall_s": round(peer_wall, 1)}), flush=True)
             work = Path(tmp) / f"pipeline-{run}"
             work.mkdir()
             our_wall, ours, metadata = pipeline(source, work)
