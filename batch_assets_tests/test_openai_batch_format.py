@@ -26,7 +26,12 @@ def tokenizer():
 
 def chat_line(custom_id: str, messages: list[dict] | None = None, **body) -> dict:
     messages = messages if messages is not None else [{"role": "user", "content": f"question {custom_id}"}]
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": {"messages": messages, **body}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"messages": messages, **body},
+    }
 
 
 def jsonl(*lines: dict | str) -> bytes:
@@ -41,13 +46,25 @@ def test_valid_lines_keep_custom_id_model_messages_and_sampling() -> None:
         {"role": "user", "content": [{"type": "text", "text": "Two"}, {"type": "text", "text": "parts"}]},
     ]
     data = jsonl(
-        chat_line("a", messages, model="gpt-4o-mini", max_completion_tokens=12, temperature=0.5, top_p=0.9, seed=3, stop="END"),
-        {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Once upon", "max_tokens": 5}},
+        chat_line(
+            "a", messages, model="gpt-4o-mini", max_completion_tokens=12, temperature=0.5, top_p=0.9, seed=3, stop="END"
+        ),
+        {
+            "custom_id": "b",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "Once upon", "max_tokens": 5},
+        },
     )
     rows = read_batch_requests(data, "in.jsonl").to_dicts()
     assert [r["error"] for r in rows] == [None, None]
     first, second = rows
-    assert (first["custom_id"], first["model"], first["url"], first["source_line"]) == ("a", "gpt-4o-mini", "/v1/chat/completions", 1)
+    assert (first["custom_id"], first["model"], first["url"], first["source_line"]) == (
+        "a",
+        "gpt-4o-mini",
+        "/v1/chat/completions",
+        1,
+    )
     assert json.loads(first["messages"])[-1] == {"role": "user", "content": "Two\nparts"}
     assert json.loads(first["messages"])[:3] == messages[:3]
     assert (first["max_tokens"], first["temperature"], first["top_p"], first["seed"]) == (12, 0.5, 0.9, 3)
@@ -61,8 +78,16 @@ def test_valid_lines_keep_custom_id_model_messages_and_sampling() -> None:
         ("{not json", "malformed_json", "line 2"),
         ("[1, 2]", "not_an_object", "not a JSON object"),
         ("   ", "empty_record", "blank line"),
-        ({"method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}]}}, "missing_custom_id", "no custom_id"),
-        ({"custom_id": 7, "method": "POST", "url": "/v1/chat/completions", "body": {}}, "missing_custom_id", "a number"),
+        (
+            {"method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}]}},
+            "missing_custom_id",
+            "no custom_id",
+        ),
+        (
+            {"custom_id": 7, "method": "POST", "url": "/v1/chat/completions", "body": {}},
+            "missing_custom_id",
+            "a number",
+        ),
         (chat_line("ok"), "duplicate_custom_id", "used first on line 1"),
         ({**chat_line("g"), "method": "GET"}, "unsupported_method", "'GET'"),
         ({**chat_line("e"), "url": "/v1/embeddings"}, "unsupported_url", "/v1/embeddings"),
@@ -72,13 +97,25 @@ def test_valid_lines_keep_custom_id_model_messages_and_sampling() -> None:
         (chat_line("lp", logprobs=True), "unsupported_field", "body.logprobs"),
         (chat_line("em", []), "empty_messages", "body.messages"),
         (chat_line("role", [{"role": "tool", "content": "x"}]), "invalid_message", "tool calls are not supported"),
-        (chat_line("img", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "invalid_message", "image_url"),
+        (
+            chat_line("img", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+            "invalid_message",
+            "image_url",
+        ),
         (chat_line("temp", temperature="hot"), "invalid_field", "body.temperature is a string"),
         (chat_line("topp", top_p=0), "invalid_field", "body.top_p is 0"),
         (chat_line("mt", max_tokens=0), "invalid_field", "at least 1"),
         (chat_line("rf", response_format={"type": "xml"}), "invalid_field", "response_format.type"),
-        (chat_line("rs", response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "invalid_field", "schema"),
-        ({"custom_id": "cp", "method": "POST", "url": "/v1/completions", "body": {"prompt": ["a", "b"]}}, "unsupported_field", "several prompts"),
+        (
+            chat_line("rs", response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+            "invalid_field",
+            "schema",
+        ),
+        (
+            {"custom_id": "cp", "method": "POST", "url": "/v1/completions", "body": {"prompt": ["a", "b"]}},
+            "unsupported_field",
+            "several prompts",
+        ),
     ],
 )
 def test_every_bad_line_is_an_error_row_naming_file_and_line(line, code: str, names: str) -> None:
@@ -101,35 +138,70 @@ def test_invalid_utf8_and_non_jsonl_files() -> None:
 
 
 def test_chat_prompt_is_the_template_over_the_requests_own_messages(tokenizer) -> None:
-    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"}, {"role": "assistant", "content": "A"}, {"role": "user", "content": "U2"}]
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U1"},
+        {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "U2"},
+    ]
     raw = read_batch_requests(jsonl(chat_line("a", messages, max_tokens=9)), "in.jsonl")
     out = format_batch_prompts(raw, tokenizer, sampling_defaults=DEFAULTS, max_model_len=512, source_file="in.jsonl")
     expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert out["prompt"][0] == expected
     assert out["num_prompt_tokens"][0] == len(tokenizer(expected, add_special_tokens=False)["input_ids"])
     spec = RequestSpec.from_params_json(out["request_params"][0])
-    assert (spec.sampling.max_tokens, spec.sampling.temperature, spec.sampling.top_p, spec.output) == (9, 0.0, 1.0, None)
+    assert (spec.sampling.max_tokens, spec.sampling.temperature, spec.sampling.top_p, spec.output) == (
+        9,
+        0.0,
+        1.0,
+        None,
+    )
 
 
 def test_completions_prompt_is_the_text_itself(tokenizer) -> None:
     line = {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Once upon a time"}}
-    out = format_batch_prompts(read_batch_requests(jsonl(line), "in.jsonl"), tokenizer, sampling_defaults=DEFAULTS, max_model_len=512, source_file="in.jsonl")
+    out = format_batch_prompts(
+        read_batch_requests(jsonl(line), "in.jsonl"),
+        tokenizer,
+        sampling_defaults=DEFAULTS,
+        max_model_len=512,
+        source_file="in.jsonl",
+    )
     assert out["prompt"][0] == "Once upon a time"  # SmolLM2's tokenizer adds no BOS of its own
     # An endpoint engine sends chat messages only: a completion line is an error row there.
     chat_only = format_batch_prompts(
-        read_batch_requests(jsonl(line), "in.jsonl"), tokenizer, sampling_defaults=DEFAULTS, max_model_len=512, source_file="in.jsonl", chat_only=True
+        read_batch_requests(jsonl(line), "in.jsonl"),
+        tokenizer,
+        sampling_defaults=DEFAULTS,
+        max_model_len=512,
+        source_file="in.jsonl",
+        chat_only=True,
     )
-    assert chat_only["error"][0].startswith("unsupported_url: in.jsonl line 1: /v1/completions lines need the in-process engine")
+    assert chat_only["error"][0].startswith(
+        "unsupported_url: in.jsonl line 1: /v1/completions lines need the in-process engine"
+    )
 
 
 def test_sampling_defaults_fill_what_a_line_leaves_out_and_response_format_becomes_a_constraint(tokenizer) -> None:
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
     data = jsonl(
         chat_line("a"),
-        chat_line("b", temperature=0.7, seed=5, stop=["\n"], response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}),
+        chat_line(
+            "b",
+            temperature=0.7,
+            seed=5,
+            stop=["\n"],
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        ),
         chat_line("c", response_format={"type": "json_object"}),
     )
-    out = format_batch_prompts(read_batch_requests(data, "in.jsonl"), tokenizer, sampling_defaults=DEFAULTS, max_model_len=512, source_file="in.jsonl")
+    out = format_batch_prompts(
+        read_batch_requests(data, "in.jsonl"),
+        tokenizer,
+        sampling_defaults=DEFAULTS,
+        max_model_len=512,
+        source_file="in.jsonl",
+    )
     a, b, c = (RequestSpec.from_params_json(p) for p in out["request_params"])
     assert a.sampling.model_dump() == {**DEFAULTS.model_dump(), "stop": None} and a.output is None
     assert (b.sampling.temperature, b.sampling.seed, b.sampling.max_tokens, b.sampling.stop) == (0.7, 5, 64, ("\n",))
@@ -146,17 +218,29 @@ def test_too_long_prompts_and_model_mismatch_are_error_rows(tokenizer) -> None:
     )
     raw = read_batch_requests(data, "in.jsonl")
     out = format_batch_prompts(
-        raw, tokenizer, sampling_defaults=DEFAULTS, max_model_len=512, source_file="in.jsonl",
+        raw,
+        tokenizer,
+        sampling_defaults=DEFAULTS,
+        max_model_len=512,
+        source_file="in.jsonl",
         accepted_models={"embedded:SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"},
     )
     errors = out["error"].to_list()
     assert errors[0] is None
-    assert errors[1].startswith("prompt_too_long: in.jsonl line 2: ") and "+ 4 max_tokens exceed max_model_len 512" in errors[1]
+    assert (
+        errors[1].startswith("prompt_too_long: in.jsonl line 2: ")
+        and "+ 4 max_tokens exceed max_model_len 512" in errors[1]
+    )
     assert errors[2].startswith("prompt_too_long: in.jsonl line 3: ") and "+ 500 max_tokens" in errors[2]
-    assert errors[3].startswith("model_mismatch: in.jsonl line 4: body.model 'gpt-4o'") and "require_model_match" in errors[3]
+    assert (
+        errors[3].startswith("model_mismatch: in.jsonl line 4: body.model 'gpt-4o'")
+        and "require_model_match" in errors[3]
+    )
     assert out["prompt"].to_list()[1:] == [None, None, None]
     # Without the option every line is answered by the task's model.
-    relaxed = format_batch_prompts(raw, tokenizer, sampling_defaults=DEFAULTS, max_model_len=512, source_file="in.jsonl")
+    relaxed = format_batch_prompts(
+        raw, tokenizer, sampling_defaults=DEFAULTS, max_model_len=512, source_file="in.jsonl"
+    )
     assert relaxed["error"][3] is None
 
 
@@ -172,12 +256,27 @@ def test_request_keys_share_identical_deterministic_requests_and_separate_other_
         chat_line("g", same, temperature=0.9, seed=1),
         chat_line("h", same, temperature=0, response_format={"type": "json_object"}),
     )
-    out = format_batch_prompts(read_batch_requests(data, "in.jsonl"), tokenizer, sampling_defaults=DEFAULTS, max_model_len=512, source_file="in.jsonl")
+    out = format_batch_prompts(
+        read_batch_requests(data, "in.jsonl"),
+        tokenizer,
+        sampling_defaults=DEFAULTS,
+        max_model_len=512,
+        source_file="in.jsonl",
+    )
     keys = request_keys(out["prompt"].to_list(), out["row_id"].to_list(), True, out["request_params"].to_list())
     a, b, c, d, e, f, g, h = keys
     # Stable across runs (a resumed partition finds its checkpoints under the same keys).
-    again = format_batch_prompts(read_batch_requests(data, "in.jsonl"), tokenizer, sampling_defaults=DEFAULTS, max_model_len=512, source_file="in.jsonl")
-    assert request_keys(again["prompt"].to_list(), again["row_id"].to_list(), True, again["request_params"].to_list()) == keys
+    again = format_batch_prompts(
+        read_batch_requests(data, "in.jsonl"),
+        tokenizer,
+        sampling_defaults=DEFAULTS,
+        max_model_len=512,
+        source_file="in.jsonl",
+    )
+    assert (
+        request_keys(again["prompt"].to_list(), again["row_id"].to_list(), True, again["request_params"].to_list())
+        == keys
+    )
     assert a == b and f == g
     assert len({a, c, d, e, f, h}) == 6
     # Task-wide sampling (no per-request params) keeps the keys it always had.
@@ -197,13 +296,23 @@ def test_output_and_error_files_follow_openais_batch_schema_one_line_per_input(t
         {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hi"}},
         chat_line("engine-failed"),
     )
-    formatted = format_batch_prompts(read_batch_requests(data, "in.jsonl"), tokenizer, sampling_defaults=DEFAULTS, max_model_len=512, source_file="in.jsonl")
+    formatted = format_batch_prompts(
+        read_batch_requests(data, "in.jsonl"),
+        tokenizer,
+        sampling_defaults=DEFAULTS,
+        max_model_len=512,
+        source_file="in.jsonl",
+    )
     answers = {"a": ("Paris.", "stop", 3), "json": ('{"x": "no"}', "stop", 5), "c": (" there", "length", 2)}
     outputs = formatted.with_columns(
         generated_text=pl.Series([answers.get(cid, (None,))[0] for cid in formatted["custom_id"]], dtype=pl.String),
         finish_reason=pl.Series([answers.get(cid, (None, None))[1] for cid in formatted["custom_id"]], dtype=pl.String),
-        num_generated_tokens=pl.Series([answers.get(cid, (None, None, None))[2] for cid in formatted["custom_id"]], dtype=pl.Int64),
-        error=pl.when(pl.col("custom_id") == "engine-failed").then(pl.lit("engine_error: the endpoint failed")).otherwise(pl.col("error")),
+        num_generated_tokens=pl.Series(
+            [answers.get(cid, (None, None, None))[2] for cid in formatted["custom_id"]], dtype=pl.Int64
+        ),
+        error=pl.when(pl.col("custom_id") == "engine-failed")
+        .then(pl.lit("engine_error: the endpoint failed"))
+        .otherwise(pl.col("error")),
     )
     labels = validate_batch_outputs(outputs)
     assert labels["label"].to_list() == ["Paris.", None, None, " there", None]
@@ -217,14 +326,23 @@ def test_output_and_error_files_follow_openais_batch_schema_one_line_per_input(t
     assert first["response"]["status_code"] == 200 and first["response"]["request_id"].startswith("req_")
     body = first["response"]["body"]
     assert body["object"] == "chat.completion" and body["model"] == "the-model" and body["created"] == 1700000000
-    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Paris.", "refusal": None}, "logprobs": None, "finish_reason": "stop"}]
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Paris.", "refusal": None},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+    ]
     prompt_tokens = formatted["num_prompt_tokens"][0]
     assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 3, "total_tokens": prompt_tokens + 3}
     assert ok[1]["response"]["body"]["choices"][0]["message"]["content"] == '{"x": "no"}'  # as OpenAI returns it
     completion = ok[2]["response"]["body"]
     assert completion["object"] == "text_completion" and completion["choices"][0]["text"] == " there"
     assert failed[0]["response"] is None
-    assert failed[0]["error"]["code"] == "malformed_json" and failed[0]["error"]["message"].startswith("in.jsonl line 2: ")
+    assert failed[0]["error"]["code"] == "malformed_json" and failed[0]["error"]["message"].startswith(
+        "in.jsonl line 2: "
+    )
     assert failed[1]["error"] == {"code": "engine_error", "message": "line 5: the endpoint failed"}
     assert batch_files(labels, model="the-model", partition_key="in", created=1)[0][0]["id"] == first["id"]
 
@@ -238,7 +356,9 @@ def test_shipped_openai_batch_task_and_format_rules(tmp_path) -> None:
     bad.write_text("input: {format: openai_batch}\nprompt: {template: '{text}'}\noutput: {kind: text}\n")
     with pytest.raises(TaskSpecError, match="takes no `prompt` section"):
         load_task_spec(bad)
-    bad.write_text("input: {text_fields: [text], require_model_match: true}\nprompt: {template: '{text}'}\noutput: {kind: text}\n")
+    bad.write_text(
+        "input: {text_fields: [text], require_model_match: true}\nprompt: {template: '{text}'}\noutput: {kind: text}\n"
+    )
     with pytest.raises(TaskSpecError, match="openai_batch only"):
         load_task_spec(bad)
     bad.write_text("input: {text_fields: [text]}\noutput: {kind: text}\n")
@@ -247,11 +367,11 @@ def test_shipped_openai_batch_task_and_format_rules(tmp_path) -> None:
 
 
 def test_run_inference_sends_each_request_once_with_its_own_sampling(tokenizer, tmp_path) -> None:
+    from upath import UPath
+
     from batch_assets.engines.protocol import Generation, batched_stream
     from batch_assets.pipeline.openai_batch import batch_prompt_encoder
     from batch_assets.pipeline.run_inference import PartitionInput, run_inference
-    from upath import UPath
-
     from batch_assets.storage.checkpoints import CheckpointStore
 
     same = [{"role": "user", "content": "same question"}]
@@ -261,7 +381,13 @@ def test_run_inference_sends_each_request_once_with_its_own_sampling(tokenizer, 
         chat_line("c", same, max_tokens=7, stop=["x"]),
         chat_line("d", [{"role": "user", "content": "other"}], max_tokens=6, response_format={"type": "json_object"}),
     )
-    formatted = format_batch_prompts(read_batch_requests(data, "in.jsonl"), tokenizer, sampling_defaults=DEFAULTS, max_model_len=512, source_file="in.jsonl")
+    formatted = format_batch_prompts(
+        read_batch_requests(data, "in.jsonl"),
+        tokenizer,
+        sampling_defaults=DEFAULTS,
+        max_model_len=512,
+        source_file="in.jsonl",
+    )
     seen = []
 
     def generate(prompts):
@@ -281,8 +407,14 @@ def test_run_inference_sends_each_request_once_with_its_own_sampling(tokenizer, 
         sends_chat_messages = True
 
     def run():
-        part = PartitionInput(formatted, batch_prompt_encoder(Engine(), None, tokenizer, formatted), CheckpointStore(UPath(tmp_path / "ck"), "fp"))
-        [(frame, stats)] = run_inference([part], session=Session(), max_model_len=512, max_tokens=64, batch_size=64, deduplicate=True)
+        part = PartitionInput(
+            formatted,
+            batch_prompt_encoder(Engine(), None, tokenizer, formatted),
+            CheckpointStore(UPath(tmp_path / "ck"), "fp"),
+        )
+        [(frame, stats)] = run_inference(
+            [part], session=Session(), max_model_len=512, max_tokens=64, batch_size=64, deduplicate=True
+        )
         return frame, stats
 
     frame, stats = run()

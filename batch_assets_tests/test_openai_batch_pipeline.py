@@ -24,29 +24,69 @@ from batch_assets.storage.drop_files import partition_key_for, partitions_def_na
 from batch_assets_tests.conftest import SAMPLES, drop
 
 TASK = "openai_batch"
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "rank": {"type": "integer"}}, "required": ["city", "rank"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "rank": {"type": "integer"}},
+    "required": ["city", "rank"],
+}
 
 
 def chat(custom_id: str, text: str, **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny", "messages": [{"role": "user", "content": text}], **body}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "tiny", "messages": [{"role": "user", "content": text}], **body},
+    }
 
 
 def requests_file() -> list[dict | str]:
     lines: list[dict | str] = []
     for i in range(12):
         lines.append(chat(f"q{i}", f"Question number {i}: what is {i} plus {i}?", max_tokens=4 + i % 5, temperature=0))
-    lines.append(chat("q0-again", "Question number 0: what is 0 plus 0?", max_tokens=4, temperature=0))  # same request as q0
-    lines.append(chat("q0-longer", "Question number 0: what is 0 plus 0?", max_tokens=9, temperature=0))  # other sampling
-    multi = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
-    lines.append({"custom_id": "multi", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": multi, "max_tokens": 6, "temperature": 0}})
-    lines.append(chat("json", "Give a city as JSON.", max_tokens=40, temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}))
+    lines.append(
+        chat("q0-again", "Question number 0: what is 0 plus 0?", max_tokens=4, temperature=0)
+    )  # same request as q0
+    lines.append(
+        chat("q0-longer", "Question number 0: what is 0 plus 0?", max_tokens=9, temperature=0)
+    )  # other sampling
+    multi = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Bye"},
+    ]
+    lines.append(
+        {
+            "custom_id": "multi",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": multi, "max_tokens": 6, "temperature": 0},
+        }
+    )
+    lines.append(
+        chat(
+            "json",
+            "Give a city as JSON.",
+            max_tokens=40,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}},
+        )
+    )
     lines.append(chat("stop", "Count: one two three", max_tokens=12, temperature=0, stop=["e"]))
     lines.append(chat("seeded", "Pick a word.", max_tokens=5, temperature=0.8, seed=11))
     lines.append("{this is not json")
     lines.append(chat("q3", "duplicate custom_id"))
     lines.append(chat("tools", "x", tools=[{"type": "function", "function": {"name": "f"}}]))
     lines.append(chat("too-long", "word " * 3000, max_tokens=4))
-    lines.append({"custom_id": "completion", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0}})
+    lines.append(
+        {
+            "custom_id": "completion",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0},
+        }
+    )
     return lines
 
 
@@ -58,7 +98,11 @@ def materialize(data: Path, name: str, content: str, instance: dg.DagsterInstanc
     drop(data, TASK, name, content)
     key = partition_key_for(name)
     instance.add_dynamic_partitions(partitions_def_name(TASK), [key])
-    result = build_definitions().resolve_job_def(pipeline_job_name(TASK)).execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
+    result = (
+        build_definitions()
+        .resolve_job_def(pipeline_job_name(TASK))
+        .execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
+    )
     assert result.success, [e.step_failure_data.error.to_string() for e in result.all_events if e.is_step_failure]
     return key, result
 
@@ -88,8 +132,22 @@ def run_vllm_batch(lines: list[dict], work: Path) -> dict[str, dict]:
     source.write_text(as_jsonl(lines), encoding="utf-8")
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
     completed = subprocess.run(
-        [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(source), "-o", str(target), *args, "--served-model-name", "tiny"],
-        capture_output=True, text=True, env=env, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.run_batch",
+            "-i",
+            str(source),
+            "-o",
+            str(target),
+            *args,
+            "--served-model-name",
+            "tiny",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
     return {record["custom_id"]: record for record in read_jsonl(target)}
@@ -125,14 +183,20 @@ def test_batch_file_through_dagster_matches_vllm_run_batch(data_dir: Path, tmp_p
         answered = [line["custom_id"] for line in lines[:18]] + ["completion"]
         assert list(by_id) == answered  # input order
         assert {e["error"]["code"]: e["custom_id"] for e in errors} == {
-            "malformed_json": None, "duplicate_custom_id": "q3", "unsupported_field": "tools", "prompt_too_long": "too-long"
+            "malformed_json": None,
+            "duplicate_custom_id": "q3",
+            "unsupported_field": "tools",
+            "prompt_too_long": "too-long",
         }
         assert [e["error"]["message"].split(": ")[0] for e in errors] == [f"{key} line {n}" for n in (19, 20, 21, 22)]
 
         for line in lines[:12]:
             body = by_id[line["custom_id"]]["response"]["body"]
             assert body["usage"]["completion_tokens"] <= line["body"]["max_tokens"]  # the line's own max_tokens
-        assert by_id["q0-again"]["response"]["body"]["choices"][0]["message"]["content"] == by_id["q0"]["response"]["body"]["choices"][0]["message"]["content"]
+        assert (
+            by_id["q0-again"]["response"]["body"]["choices"][0]["message"]["content"]
+            == by_id["q0"]["response"]["body"]["choices"][0]["message"]["content"]
+        )
         json_answer = by_id["json"]["response"]["body"]["choices"][0]
         if json_answer["finish_reason"] == "stop":  # structured outputs: the schema holds unless cut at max_tokens
             jsonschema.validate(json.loads(json_answer["message"]["content"]), SCHEMA)
@@ -147,10 +211,20 @@ def test_batch_file_through_dagster_matches_vllm_run_batch(data_dir: Path, tmp_p
             ours, theirs = by_id[line["custom_id"]]["response"]["body"], peer[line["custom_id"]]["response"]["body"]
             assert peer[line["custom_id"]]["error"] is None
             usage = ("prompt_tokens", "completion_tokens")
-            mine = (ours["choices"][0]["message"]["content"], ours["choices"][0]["finish_reason"], *(ours["usage"][k] for k in usage))
-            other = (theirs["choices"][0]["message"]["content"], theirs["choices"][0]["finish_reason"], *(theirs["usage"][k] for k in usage))
+            mine = (
+                ours["choices"][0]["message"]["content"],
+                ours["choices"][0]["finish_reason"],
+                *(ours["usage"][k] for k in usage),
+            )
+            other = (
+                theirs["choices"][0]["message"]["content"],
+                theirs["choices"][0]["finish_reason"],
+                *(theirs["usage"][k] for k in usage),
+            )
             if mine != other:
-                differences.append(f"{line['custom_id']}: ours {mine[0][:80]!r} {mine[1:]}, run-batch {other[0][:80]!r} {other[1:]}")
+                differences.append(
+                    f"{line['custom_id']}: ours {mine[0][:80]!r} {mine[1:]}, run-batch {other[0][:80]!r} {other[1:]}"
+                )
         # Greedy decoding on the same model and engine: identical up to at most one near-tie.
         assert len(differences) <= 1, "\n".join(differences)
 
@@ -159,7 +233,9 @@ def test_batch_file_through_dagster_matches_vllm_run_batch(data_dir: Path, tmp_p
         again = inference_metadata(instance, key2)
         assert (again["rows_from_cache"], again["rows_inferred"]) == (12, 0)
         outputs2 = read_jsonl(data_dir / "storage" / TASK / "batch_output" / f"{key2}.jsonl")
-        assert [o["response"]["body"]["choices"] for o in outputs2] == [by_id[f"q{i}"]["response"]["body"]["choices"] for i in range(12)]
+        assert [o["response"]["body"]["choices"] for o in outputs2] == [
+            by_id[f"q{i}"]["response"]["body"]["choices"] for i in range(12)
+        ]
 
 
 def test_shipped_sample_has_one_line_out_per_line_in(data_dir: Path, tiny_model: str) -> None:

@@ -23,7 +23,20 @@ import time
 from pathlib import Path
 
 VENV_BIN = Path(sys.executable).parent
-TOPICS = ["the moon", "rivers", "bread", "volcanoes", "bicycles", "owls", "glass", "tea", "maps", "clocks", "snow", "bees"]
+TOPICS = [
+    "the moon",
+    "rivers",
+    "bread",
+    "volcanoes",
+    "bicycles",
+    "owls",
+    "glass",
+    "tea",
+    "maps",
+    "clocks",
+    "snow",
+    "bees",
+]
 
 
 def batch_file(path: Path, requests: int, max_tokens: int, repeat_share: float) -> None:
@@ -32,8 +45,15 @@ def batch_file(path: Path, requests: int, max_tokens: int, repeat_share: float) 
         for i in range(requests):
             n = i % distinct
             question = f"Request {n}: tell me one short fact about {TOPICS[n % len(TOPICS)]}."
-            body = {"model": "bench", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0}
-            handle.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n")
+            body = {
+                "model": "bench",
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            }
+            handle.write(
+                json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n"
+            )
 
 
 def vllm_flags() -> list[str]:
@@ -63,16 +83,26 @@ def answers(path: Path) -> dict[str, str]:
 def run_batch(source: Path, work: Path, flags: list[str]) -> tuple[float, dict[str, str]]:
     target = work / "run-batch-out.jsonl"
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(source), "-o", str(target), *flags],
-                   capture_output=True, text=True, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(source), "-o", str(target), *flags],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return time.perf_counter() - started, answers(target)
 
 
 def pipeline(source: Path, work: Path) -> tuple[float, dict[str, str], dict]:
     env = {**os.environ, "DAGSTER_HOME": str(work / "home"), "BATCH_ASSETS_DATA": str(work / "data")}
     started = time.perf_counter()
-    subprocess.run([str(VENV_BIN / "batch-assets"), "run", "openai_batch", str(source)], env=env, cwd=work,
-                   capture_output=True, text=True, check=True)
+    subprocess.run(
+        [str(VENV_BIN / "batch-assets"), "run", "openai_batch", str(source)],
+        env=env,
+        cwd=work,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     wall = time.perf_counter() - started
     outputs = next((work / "data" / "storage" / "openai_batch" / "batch_output").glob("*.jsonl"))
     return wall, answers(outputs), inference_metadata(work / "home")
@@ -109,13 +139,33 @@ def main() -> None:
             our_walls.append(our_wall)
             engine_seconds.append(metadata["engine_seconds"])
             mismatches.append(sum(ours.get(k) != v for k, v in theirs.items()))
-            print(json.dumps({"run": run, "run_batch_wall_s": round(peer_wall, 1), "batch_assets_wall_s": round(our_wall, 1),
-                              "batch_assets_engine_s": metadata["engine_seconds"], "rows_deduplicated": metadata["rows_deduplicated"],
-                              "answers_differing": mismatches[-1]}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "run": run,
+                        "run_batch_wall_s": round(peer_wall, 1),
+                        "batch_assets_wall_s": round(our_wall, 1),
+                        "batch_assets_engine_s": metadata["engine_seconds"],
+                        "rows_deduplicated": metadata["rows_deduplicated"],
+                        "answers_differing": mismatches[-1],
+                    }
+                ),
+                flush=True,
+            )
     peer, ours = statistics.median(peer_walls), statistics.median(our_walls)
-    print(json.dumps({"requests": args.requests, "max_tokens": args.max_tokens, "runs": args.runs,
-                      "run_batch_wall_s": round(peer, 1), "batch_assets_wall_s": round(ours, 1),
-                      "ratio": round(ours / peer, 3), "answers_differing": mismatches}))
+    print(
+        json.dumps(
+            {
+                "requests": args.requests,
+                "max_tokens": args.max_tokens,
+                "runs": args.runs,
+                "run_batch_wall_s": round(peer, 1),
+                "batch_assets_wall_s": round(ours, 1),
+                "ratio": round(ours / peer, 3),
+                "answers_differing": mismatches,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

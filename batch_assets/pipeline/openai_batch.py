@@ -53,12 +53,31 @@ SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL)
 MESSAGE_ROLES = ("system", "developer", "user", "assistant")
 # Body fields honoured (or harmless: `user`, `metadata`, `store` are recorded by OpenAI, not used
 # for generation). `n`, `stream`, `logprobs` and `echo` are accepted at their default values only.
-_COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "logprobs", "user", "metadata", "store"}
+_COMMON_FIELDS = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "logprobs",
+    "user",
+    "metadata",
+    "store",
+}
 BODY_FIELDS = {
     CHAT_URL: frozenset(_COMMON_FIELDS | {"messages", "max_completion_tokens", "response_format"}),
     COMPLETIONS_URL: frozenset(_COMMON_FIELDS | {"prompt", "echo"}),
 }
-_DEFAULT_ONLY = {"n": (1, None), "stream": (False, None), "logprobs": (False, None), "echo": (False, None), "store": (False, True, None)}
+_DEFAULT_ONLY = {
+    "n": (1, None),
+    "stream": (False, None),
+    "logprobs": (False, None),
+    "echo": (False, None),
+    "store": (False, True, None),
+}
 MAX_STOP_SEQUENCES = 4
 
 RAW_SCHEMA = {
@@ -99,7 +118,9 @@ def read_batch_requests(data: bytes, file_name: str) -> pl.DataFrame:
     """Parse an OpenAI batch request file into raw_prompts rows (see the module docstring)."""
     suffix = input_suffix(file_name)
     if suffix not in (".jsonl", ".jsonl.gz"):
-        raise DropFileError(f"{file_name}: an openai_batch task reads .jsonl (or .jsonl.gz) files in the OpenAI Batch API format")
+        raise DropFileError(
+            f"{file_name}: an openai_batch task reads .jsonl (or .jsonl.gz) files in the OpenAI Batch API format"
+        )
     if suffix == ".jsonl.gz":
         data = _gunzip(data, file_name)
     if data.startswith(b"\xef\xbb\xbf"):
@@ -139,7 +160,9 @@ def _parse_line(raw_line: bytes, row: dict, first_line_of: dict[str, int]) -> No
     if isinstance(custom_id, str) and custom_id:
         row["custom_id"] = custom_id
         if custom_id in first_line_of:
-            raise _LineError("duplicate_custom_id", f"custom_id {custom_id!r} was used first on line {first_line_of[custom_id]}")
+            raise _LineError(
+                "duplicate_custom_id", f"custom_id {custom_id!r} was used first on line {first_line_of[custom_id]}"
+            )
         first_line_of[custom_id] = row["source_line"]
     elif "custom_id" not in request:
         raise _LineError("missing_custom_id", "the line has no custom_id")
@@ -149,11 +172,13 @@ def _parse_line(raw_line: bytes, row: dict, first_line_of: dict[str, int]) -> No
     row["method"] = method if isinstance(method, str) else None
     row["url"] = url if isinstance(url, str) else None
     if method != "POST":
-        raise _LineError("unsupported_method", f"method {method!r} is not supported; use \"POST\"")
+        raise _LineError("unsupported_method", f'method {method!r} is not supported; use "POST"')
     if url not in SUPPORTED_URLS:
         raise _LineError("unsupported_url", f"url {url!r} is not supported; use one of {', '.join(SUPPORTED_URLS)}")
     if not isinstance(body, dict):
-        raise _LineError("invalid_body", f"body is {_kind(body)}, not a JSON object" if "body" in request else "the line has no body")
+        raise _LineError(
+            "invalid_body", f"body is {_kind(body)}, not a JSON object" if "body" in request else "the line has no body"
+        )
     _parse_body(body, url, row)
 
 
@@ -165,8 +190,14 @@ def _parse_body(body: dict, url: str, row: dict) -> None:
         supported = ", ".join(sorted(BODY_FIELDS[url]))
         raise _LineError("unsupported_field", f"body.{unknown[0]} is not supported (supported fields: {supported})")
     for field, allowed in _DEFAULT_ONLY.items():
-        if field in body and body[field] not in allowed and not (field == "logprobs" and body[field] == 0 and url == COMPLETIONS_URL):
-            raise _LineError("unsupported_field", f"body.{field} = {json.dumps(body[field])} is not supported (only {allowed[0]})")
+        if (
+            field in body
+            and body[field] not in allowed
+            and not (field == "logprobs" and body[field] == 0 and url == COMPLETIONS_URL)
+        ):
+            raise _LineError(
+                "unsupported_field", f"body.{field} = {json.dumps(body[field])} is not supported (only {allowed[0]})"
+            )
     if model is not None and not isinstance(model, str):
         raise _LineError("invalid_field", f"body.model is {_kind(model)}, not a string")
     # OpenAI: `max_completion_tokens` replaces the deprecated `max_tokens`; either may be given.
@@ -230,15 +261,20 @@ def _response_format(value: object) -> dict:
         spec = value.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict) or not schema:
-            raise _LineError("invalid_field", "body.response_format.json_schema.schema must be a non-empty JSON schema object")
+            raise _LineError(
+                "invalid_field", "body.response_format.json_schema.schema must be a non-empty JSON schema object"
+            )
         try:
             import jsonschema
 
             jsonschema.Draft202012Validator.check_schema(schema)
         except jsonschema.SchemaError as exc:
-            raise _LineError("invalid_field", f"body.response_format.json_schema.schema is not a valid JSON schema: {exc.message[:160]}") from None
+            raise _LineError(
+                "invalid_field",
+                f"body.response_format.json_schema.schema is not a valid JSON schema: {exc.message[:160]}",
+            ) from None
         return {"type": "json_schema", "json_schema": {"name": spec.get("name"), "schema": schema}}
-    raise _LineError("invalid_field", "body.response_format.type must be \"text\", \"json_object\" or \"json_schema\"")
+    raise _LineError("invalid_field", 'body.response_format.type must be "text", "json_object" or "json_schema"')
 
 
 def _messages(value: object) -> list[dict]:
@@ -274,7 +310,9 @@ def _content(content: object, where: str) -> str:
         for part in content:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 kind = part.get("type") if isinstance(part, dict) else _kind(part)
-                raise _LineError("invalid_message", f"{where}.content has a part of type {kind!r}; only text parts are supported")
+                raise _LineError(
+                    "invalid_message", f"{where}.content has a part of type {kind!r}; only text parts are supported"
+                )
             texts.append(part["text"])
         return "\n".join(texts)
     raise _LineError("invalid_message", f"{where}.content is {_kind(content)}, not text")
@@ -419,16 +457,24 @@ def format_batch_prompts(
             if row["messages"] is not None:
                 if not chat_template:
                     error = _error(
-                        "chat_template_error", source_file, line, "the model's tokenizer has no chat template; use /v1/completions lines"
+                        "chat_template_error",
+                        source_file,
+                        line,
+                        "the model's tokenizer has no chat template; use /v1/completions lines",
                     )
                 else:
                     try:
-                        prompt = tokenizer.apply_chat_template(json.loads(row["messages"]), tokenize=False, add_generation_prompt=True)
+                        prompt = tokenizer.apply_chat_template(
+                            json.loads(row["messages"]), tokenize=False, add_generation_prompt=True
+                        )
                     except Exception as exc:  # a template may raise on roles it does not accept
                         error = _error("chat_template_error", source_file, line, f"{type(exc).__name__}: {exc}")
             elif chat_only:
                 error = _error(
-                    "unsupported_url", source_file, line, "/v1/completions lines need the in-process engine (engine.kind: vllm)"
+                    "unsupported_url",
+                    source_file,
+                    line,
+                    "/v1/completions lines need the in-process engine (engine.kind: vllm)",
                 )
             else:
                 prompt = prefix + row["completion_prompt"]
@@ -480,7 +526,9 @@ def batch_prompt_encoder(engine, task, tokenizer: Tokenizer, formatted: pl.DataF
         for prompt, ids, param in zip(prompts, token_ids, params, strict=True):
             spec = RequestSpec.from_params_json(param)
             messages = messages_by_prompt.get(prompt)
-            out.append(Prompt(tuple(ids), tuple(json.loads(messages)) if messages else None, spec.sampling, spec.output))
+            out.append(
+                Prompt(tuple(ids), tuple(json.loads(messages)) if messages else None, spec.sampling, spec.output)
+            )
         return out
 
     return encode

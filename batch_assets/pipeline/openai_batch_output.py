@@ -60,7 +60,9 @@ def validate_batch_outputs(outputs: pl.DataFrame) -> pl.DataFrame:
         mismatch = schema_error(value, schema)
         labels.append(None if mismatch else text)
         errors.append(f"{mismatch.split(': ', 1)[0]}: line {line}: {mismatch.split(': ', 1)[1]}" if mismatch else None)
-    frame = outputs.with_columns(pl.Series("label", labels, dtype=pl.String), pl.Series("error", errors, dtype=pl.String))
+    frame = outputs.with_columns(
+        pl.Series("label", labels, dtype=pl.String), pl.Series("error", errors, dtype=pl.String)
+    )
     trailing = ["label", "generated_text", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "error"]
     dropped = {"prompt", "request_params"}
     middle = [c for c in frame.columns if c not in trailing and c not in dropped and c not in ("row_id", "source_line")]
@@ -75,7 +77,11 @@ def _short_id(prefix: str, *parts: object) -> str:
 def _response_body(row: dict, *, model: str, created: int, partition_key: str) -> dict:
     prompt_tokens = row["num_prompt_tokens"] or 0
     completion_tokens = row["num_generated_tokens"] or 0
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
     if row["url"] == COMPLETIONS_URL:
         choice = {"index": 0, "text": row["generated_text"], "logprobs": None, "finish_reason": row["finish_reason"]}
         kind, prefix = "text_completion", "cmpl-"
