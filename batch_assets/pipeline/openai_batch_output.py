@@ -54,7 +54,7 @@ def validate_batch_outputs(outputs: pl.DataFrame) -> pl.DataFrame:
         except json.JSONDecodeError as exc:
             hint = " (truncated at max_tokens: raise the line's max_tokens)" if finish_reason == "length" else ""
             labels.append(None)
-            errors.append(f"invalid_json: line {line}: {exc.msg} at column {exc.colno}{hint}")
+            errors.append(f"invalid_json: line {line}: {exc.msg} (column {exc.colno}){hint}")
             continue
         schema = json.loads(response_format).get("json_schema", {}).get("schema") or {"type": "object"}
         mismatch = schema_error(value, schema)
