@@ -16,6 +16,8 @@ import polars as pl
 from pydantic import Field
 
 from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts
+from batch_assets.pipeline.openai_batch import accepted_model_names, batch_prompt_encoder, format_batch_prompts
+from batch_assets.pipeline.openai_batch_output import batch_files, jsonl_bytes, validate_batch_outputs
 from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
 from batch_assets.storage.result_cache import ResultCache
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
@@ -26,7 +28,7 @@ from batch_assets.pipeline.budget import actual_cost_metadata, estimate_cost
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.label_quality import accuracy_report
 from batch_assets.pipeline.task_spec import TaskSpec
-from batch_assets.storage.locations import checkpoint_dir, task_storage_dir
+from batch_assets.storage.locations import checkpoint_dir, task_storage_dir, write_bytes_atomically
 from batch_assets.pipeline.validate_labels import validate_labels
 
 IO_MANAGER_KEY = "parquet_storage"
@@ -180,12 +182,14 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         io_manager_key=IO_MANAGER_KEY,
         kinds={"parquet"},
     )
-    parse_options = ParseOptions(text_fields=tuple(task.input.text_fields), txt_field=task.input.txt_field)
+    parse_options = ParseOptions(text_fields=tuple(task.input.text_fields), txt_field=task.input.txt_field, format=task.input.format)
+    # OpenAI Batch API files: each line brings its own messages and sampling (pipeline/openai_batch.py).
+    batch_format = task.input.format == "openai_batch"
     # The task's engine kind names its resource (in-process vLLM or an endpoint), pool and display name.
     kind = engine_kind(task)
     versions = code_versions(task)
     automation = stale_partitions_condition() if task.automation.rematerialize_stale else None
-    prompt_format = PromptFormat(
+    prompt_format = None if task.prompt is None else PromptFormat(
         system=task.prompt.system,
         template=task.prompt.template,
         raw_template=task.prompt.raw_template,
@@ -242,14 +246,25 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         llm_engine = engine_for(context.resources, task)
         settings = llm_engine.settings(task)
         started = time.monotonic()
-        frame = format_prompts(
-            raw_prompts,
-            prompt_format,
-            llm_engine.tokenizer(task),
-            max_model_len=settings.max_model_len,
-            max_tokens=task.sampling.max_tokens,
-            source_file=context.partition_key,
-        )
+        if batch_format:
+            frame = format_batch_prompts(
+                raw_prompts,
+                llm_engine.tokenizer(task),
+                sampling_defaults=task.sampling,
+                max_model_len=settings.max_model_len,
+                source_file=context.partition_key,
+                accepted_models=accepted_model_names(task.model) if task.input.require_model_match else None,
+                chat_only=llm_engine.sends_chat_messages,
+            )
+        else:
+            frame = format_prompts(
+                raw_prompts,
+                prompt_format,
+                llm_engine.tokenizer(task),
+                max_model_len=settings.max_model_len,
+                max_tokens=task.sampling.max_tokens,
+                source_file=context.partition_key,
+            )
         errors = error_code_counts(frame)
         return dg.Output(
             frame,
@@ -291,7 +306,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         checkpoints = CheckpointStore(checkpoint_dir(name, context.partition_key), fingerprint)
         if stale := checkpoints.discard_other_fingerprints():
             context.log.info(f"removed checkpoints made with other model/sampling settings: {stale}")
-        encode = prompt_encoder(engine, task, engine.tokenizer(task), formatted_prompts)
+        encode = (batch_prompt_encoder if batch_format else prompt_encoder)(engine, task, engine.tokenizer(task), formatted_prompts)
         try:
             # The engine starts with the first request that needs it: not for a cached, empty or all-error file.
             with engine.session(task, context.log.info) as session:
@@ -301,7 +316,8 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                     max_model_len=settings.max_model_len,
                     max_tokens=task.sampling.max_tokens,
                     batch_size=task.engine.batch_size,
-                    deduplicate=task.sampling.deterministic,
+                    # Batch lines carry their own sampling; their request keys tell deterministic ones apart.
+                    deduplicate=task.sampling.deterministic or batch_format,
                     cache=ResultCache(task_storage_dir(name), fingerprint) if config.use_result_cache else None,
                     log=context.log.info,
                 )
@@ -326,11 +342,12 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     def validated_labels(context: dg.AssetExecutionContext, inference_outputs: pl.DataFrame) -> dg.Output[pl.DataFrame]:
         # inference_outputs is stored by now, so its checkpoints have served their purpose.
         clear_checkpoints(checkpoint_dir(name, context.partition_key))
-        labels = validate_labels(inference_outputs, task.output)
+        labels = validate_batch_outputs(inference_outputs) if batch_format else validate_labels(inference_outputs, task.output)
         counts = label_counts(labels) if task.output.kind in ("choices", "regex") else {}
         errors = error_code_counts(labels)
-        preview_columns = [*task.input.text_fields, "label", "error"]
-        metadata: dict = {
+        preview_columns = ["custom_id", "label", "error"] if batch_format else [*task.input.text_fields, "label", "error"]
+        metadata: dict = write_batch_files(labels, context.partition_key) if batch_format else {}
+        metadata |= {
             "rows": labels.height,
             "labelled_rows": int(labels["label"].is_not_null().sum()),
             "error_rows": sum(errors.values()),
@@ -349,5 +366,15 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                 )
             )
         return dg.Output(labels, metadata=metadata)
+
+    def write_batch_files(labels: pl.DataFrame, partition_key: str) -> dict:
+        """The partition's OpenAI batch output and error files, each written atomically."""
+        outputs, failed = batch_files(labels, model=task.model, partition_key=partition_key, created=int(time.time()))
+        metadata: dict = {"batch_output_lines": len(outputs), "batch_error_lines": len(failed)}
+        for folder, records in (("batch_output", outputs), ("batch_errors", failed)):
+            path = task_storage_dir(name) / folder / f"{partition_key}.jsonl"
+            write_bytes_atomically(path, jsonl_bytes(records))
+            metadata[f"{folder}_file"] = dg.MetadataValue.path(str(path))
+        return metadata
 
     return [raw_prompts, formatted_prompts, inference_outputs, validated_labels]

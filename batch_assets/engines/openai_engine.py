@@ -102,6 +102,8 @@ def chat_request_params(
     }
     if sampling.seed is not None:
         params["seed"] = sampling.seed
+    if getattr(sampling, "stop", None):  # a request's own stop strings (an OpenAI batch line's `stop`)
+        params["stop"] = list(sampling.stop)
     output = output or task.output
     if not structured_outputs or output.kind == "text":
         return params

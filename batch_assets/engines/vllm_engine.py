@@ -175,6 +175,8 @@ def sampling_params_for(sampling: SamplingSpec, output: OutputSpec | None):
         top_p=sampling.top_p,
         max_tokens=sampling.max_tokens,
         seed=sampling.seed,
+        # Stop strings come with a request's own sampling (an OpenAI batch line's `stop`).
+        stop=list(getattr(sampling, "stop", None) or []) or None,
         structured_outputs=structured_outputs_for(output) if output is not None else None,
         output_kind=RequestOutputKind.FINAL_ONLY,  # only finished results: nothing to stream token by token
     )

@@ -75,6 +75,7 @@ class DropFileError(ValueError):
 class ParseOptions:
     text_fields: tuple[str, ...]
     txt_field: str = "text"
+    format: str = "records"  # or "openai_batch": OpenAI Batch API request lines
 
 
 def input_suffix(file_name: str) -> str | None:
@@ -88,6 +89,10 @@ def input_suffix(file_name: str) -> str | None:
 
 def read_prompts(data: bytes, file_name: str, options: ParseOptions) -> pl.DataFrame:
     """Parse the bytes of one drop file, by its suffix, into the raw_prompts table."""
+    if options.format == "openai_batch":
+        from batch_assets.pipeline.openai_batch import read_batch_requests
+
+        return read_batch_requests(data, file_name)
     suffix = input_suffix(file_name)
     if suffix is None:
         raise DropFileError(f"{file_name}: unsupported file type; inputs are {', '.join(SUPPORTED_SUFFIXES)}")

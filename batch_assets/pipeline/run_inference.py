@@ -72,13 +72,23 @@ class PartitionInput:
     """One partition's share of a stream."""
 
     formatted: pl.DataFrame  # formatted_prompts: row_id, prompt, error, num_prompt_tokens, inputs
-    encode: Callable[[list[str]], list[Prompt]]  # prompt texts → engine prompts (engines/protocol.py)
+    # prompt texts → engine prompts (engines/protocol.py); called as encode(texts, request_params)
+    # when `formatted` has per-request params (OpenAI batch lines)
+    encode: Callable[..., list[Prompt]]
     checkpoints: CheckpointStore | None = None
     label: str = ""  # names the partition in log lines when a stream has several
 
 
-def request_keys(prompts: Sequence[str], row_ids: Sequence[int], deduplicate: bool) -> list[str]:
-    """Identical prompts share a key when decoding is deterministic, so they are inferred once."""
+def request_keys(
+    prompts: Sequence[str], row_ids: Sequence[int], deduplicate: bool, params: Sequence[str | None] | None = None
+) -> list[str]:
+    """Identical prompts share a key when decoding is deterministic, so they are inferred once.
+
+    `params`: per-request sampling and output constraint (canonical JSON, e.g. each line of an
+    OpenAI batch file), part of the key so requests that differ in them never share a result.
+    """
+    if params is not None:
+        prompts = [p if q is None else f"{q}\x00{p}" for p, q in zip(prompts, params, strict=True)]
     if deduplicate:
         return [hashlib.sha1(p.encode("utf-8")).hexdigest() for p in prompts]
     return [hashlib.sha1(f"{r}\x00{p}".encode("utf-8")).hexdigest() for p, r in zip(prompts, row_ids, strict=True)]
@@ -93,16 +103,21 @@ class _Plan:
     stats: InferenceStats
     keyed: pl.DataFrame  # row_id, request_key of every valid row
     reused: list[pl.DataFrame]  # results from the cache and the checkpoints
-    pending: pl.DataFrame  # request_key, prompt: what this partition still needs
+    pending: pl.DataFrame  # request_key, prompt (, request_params): what this partition still needs
     step: int = MIN_PROGRESS_BATCH  # results per checkpoint chunk
 
 
 def _plan(part: PartitionInput, *, deduplicate: bool, cache: ResultCache | None, batch_size: int) -> _Plan:
     stats = InferenceStats(rows=part.formatted.height)
-    valid = part.formatted.filter(pl.col("error").is_null()).select("row_id", "prompt")
+    # `request_params`: per-request sampling and output (OpenAI batch lines); absent for task-wide sampling.
+    params = ["request_params"] if "request_params" in part.formatted.columns else []
+    valid = part.formatted.filter(pl.col("error").is_null()).select("row_id", "prompt", *params)
     keyed = valid.with_columns(
         request_key=pl.Series(
-            request_keys(valid["prompt"].to_list(), valid["row_id"].to_list(), deduplicate), dtype=pl.String
+            request_keys(
+                valid["prompt"].to_list(), valid["row_id"].to_list(), deduplicate, valid[params[0]].to_list() if params else None
+            ),
+            dtype=pl.String,
         )
     )
     unique_requests = keyed.unique("request_key", keep="first", maintain_order=True)
@@ -125,7 +140,7 @@ def _plan(part: PartitionInput, *, deduplicate: bool, cache: ResultCache | None,
         stats,
         keyed.select("row_id", "request_key"),
         [cached, done],
-        pending.select("request_key", "prompt"),
+        pending.select("request_key", "prompt", *params),
         step,
     )
 
@@ -135,6 +150,7 @@ class _Request:
     key: str
     prompt_text: str
     owners: list[int]  # indices of the partitions waiting for this result
+    params: str | None = None  # per-request sampling and output (canonical JSON), when the rows have them
 
 
 def _requests(plans: list[_Plan], deduplicate: bool) -> list[_Request]:
@@ -143,12 +159,13 @@ def _requests(plans: list[_Plan], deduplicate: bool) -> list[_Request]:
     requests: list[_Request] = []
     by_key: dict[str, _Request] = {}
     for index, plan in enumerate(plans):
-        for key, prompt in zip(plan.pending["request_key"], plan.pending["prompt"], strict=True):
+        params = plan.pending["request_params"] if "request_params" in plan.pending.columns else [None] * plan.pending.height
+        for key, prompt, param in zip(plan.pending["request_key"], plan.pending["prompt"], params, strict=True):
             shared = by_key.get(key) if deduplicate else None
             if shared is not None:
                 shared.owners.append(index)
                 continue
-            request = _Request(key, prompt, [index])
+            request = _Request(key, prompt, [index], param)
             requests.append(request)
             if deduplicate:
                 by_key[key] = request
@@ -369,7 +386,11 @@ def _encode(batch: list[_Request], plans: list[_Plan]) -> list[Prompt]:
     for i, request in enumerate(batch):
         by_owner.setdefault(request.owners[0], []).append(i)
     for owner, indices in by_owner.items():
-        encoded = plans[owner].part.encode([batch[i].prompt_text for i in indices])
+        texts = [batch[i].prompt_text for i in indices]
+        if "request_params" in plans[owner].pending.columns:
+            encoded = plans[owner].part.encode(texts, [batch[i].params for i in indices])
+        else:
+            encoded = plans[owner].part.encode(texts)
         for i, prompt in zip(indices, encoded, strict=True):
             prompts[i] = prompt
     return prompts  # type: ignore[return-value]

@@ -30,14 +30,32 @@ class _Strict(BaseModel):
 
 
 class InputSpec(_Strict):
-    """Which fields of an input record feed the prompt."""
+    """Which fields of an input record feed the prompt.
 
-    text_fields: list[str] = Field(min_length=1)
+    `format: records` (default): records of .jsonl/.csv/.parquet/.txt files whose `text_fields` fill
+    the task's prompt template. `format: openai_batch`: .jsonl files in the OpenAI Batch API request
+    format, each line carrying its own messages and sampling (see `pipeline/openai_batch.py`); no
+    `text_fields` and no `prompt` section then.
+    """
+
+    format: Literal["records", "openai_batch"] = "records"
+    text_fields: list[str] = Field(default_factory=list)
     # `.txt` drops have one prompt a line; that line is read into this field.
     txt_field: str = "text"
+    # openai_batch only: a line whose `body.model` is not the task's model becomes an error line
+    # (`model_mismatch`). Off: the task's engine answers every line, whatever model it names.
+    require_model_match: bool = False
 
     @model_validator(mode="after")
-    def _txt_field_is_an_input(self) -> InputSpec:
+    def _fields_fit_the_format(self) -> InputSpec:
+        if self.format == "openai_batch":
+            if self.text_fields:
+                raise ValueError("input.text_fields is not used with format openai_batch (each line carries its messages); remove it")
+            return self
+        if self.require_model_match:
+            raise ValueError("input.require_model_match applies to format openai_batch only")
+        if not self.text_fields:
+            raise ValueError("input.text_fields must name at least one input field")
         if self.txt_field not in self.text_fields:
             raise ValueError(f"txt_field {self.txt_field!r} must be one of text_fields {self.text_fields}")
         return self
@@ -372,7 +390,8 @@ class TaskSpec(_Strict):
     name: str
     description: str = ""
     input: InputSpec
-    prompt: PromptSpec
+    # Required for `input.format: records`; an openai_batch task has none (each line has its messages).
+    prompt: PromptSpec | None = None
     engine: EngineSpec = EngineSpec()
     sampling: SamplingSpec = SamplingSpec()
     output: OutputSpec
@@ -389,7 +408,17 @@ class TaskSpec(_Strict):
         return name
 
     @model_validator(mode="after")
+    def _prompt_fits_the_input_format(self) -> TaskSpec:
+        if self.input.format == "openai_batch" and self.prompt is not None:
+            raise ValueError("a task with input.format openai_batch takes no `prompt` section: each line carries its own messages")
+        if self.input.format == "records" and self.prompt is None:
+            raise ValueError("the task needs a `prompt` section (system and template)")
+        return self
+
+    @model_validator(mode="after")
     def _template_uses_known_fields(self) -> TaskSpec:
+        if self.prompt is None:
+            return self
         unknown = self.prompt.placeholders() - set(self.input.text_fields)
         if unknown:
             raise ValueError(

@@ -1,0 +1,534 @@
+"""OpenAI Batch API request files in: one row per line, each line its own messages and sampling.
+
+Pure functions, no Dagster, no storage. A drop of a task with `input.format: openai_batch` is a
+`.jsonl` file whose lines are
+
+    {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "...", "messages": [...], "max_tokens": 64, "temperature": 0, ...}}
+
+(`/v1/completions` lines carry `body.prompt` instead of `messages`). `read_batch_requests` turns
+the file into raw_prompts rows; `format_batch_prompts` renders each request's own messages with
+the model's chat template, resolves its sampling (the task's `sampling:` fills what a line leaves
+out) and its output constraint (`response_format`), and counts its tokens.
+
+Every line yields exactly one row; a line that cannot be answered is a row with an `error`
+(`code: file line N: message`), which ends up in the partition's batch_errors file:
+
+    invalid_utf8        the line holds bytes that are not UTF-8
+    empty_record        a blank line
+    malformed_json      the line is not JSON
+    not_an_object       the line is JSON but not an object
+    missing_custom_id   no `custom_id`, or one that is not a non-empty string
+    duplicate_custom_id the `custom_id` of an earlier line (that line is answered; this one is not)
+    unsupported_method  `method` other than POST
+    unsupported_url     `url` other than /v1/chat/completions and /v1/completions
+    invalid_body        `body` missing or not an object
+    unsupported_field   a body field this pipeline does not honour (tools, logprobs, n > 1, ...)
+    invalid_field       a supported field with a value of the wrong type or range
+    empty_messages      `messages` missing or empty (chat), `prompt` missing or empty (completions)
+    invalid_message     a message without a known role or with content that is not text
+    model_mismatch      with `input.require_model_match`: `body.model` is not the task's model
+    chat_template_error the model's chat template refused the messages (e.g. roles not alternating)
+    prompt_too_long     prompt tokens + max_tokens exceed the model's context
+
+Only a file that is not `.jsonl` (or `.jsonl.gz`), or a broken gzip file, raises `DropFileError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import polars as pl
+
+from batch_assets.pipeline.format_prompts import Tokenizer, count_tokens
+from batch_assets.pipeline.read_prompts import DropFileError, _gunzip, input_suffix
+from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL)
+MESSAGE_ROLES = ("system", "developer", "user", "assistant")
+# Body fields honoured (or harmless: `user`, `metadata`, `store` are recorded by OpenAI, not used
+# for generation). `n`, `stream`, `logprobs` and `echo` are accepted at their default values only.
+_COMMON_FIELDS = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "logprobs",
+    "user",
+    "metadata",
+    "store",
+}
+BODY_FIELDS = {
+    CHAT_URL: frozenset(_COMMON_FIELDS | {"messages", "max_completion_tokens", "response_format"}),
+    COMPLETIONS_URL: frozenset(_COMMON_FIELDS | {"prompt", "echo"}),
+}
+_DEFAULT_ONLY = {
+    "n": (1, None),
+    "stream": (False, None),
+    "logprobs": (False, None),
+    "echo": (False, None),
+    "store": (False, True, None),
+}
+MAX_STOP_SEQUENCES = 4
+
+RAW_SCHEMA = {
+    "row_id": pl.Int64,
+    "source_line": pl.Int64,
+    "custom_id": pl.String,
+    "method": pl.String,
+    "url": pl.String,
+    "model": pl.String,  # body.model as written in the line (recorded; see `require_model_match`)
+    "messages": pl.String,  # chat: the messages as JSON, content parts joined into text
+    "completion_prompt": pl.String,  # completions: the prompt text
+    "max_tokens": pl.Int64,
+    "temperature": pl.Float64,
+    "top_p": pl.Float64,
+    "seed": pl.Int64,
+    "stop": pl.String,  # JSON list of stop strings
+    "response_format": pl.String,  # JSON object as written
+    "error": pl.String,
+}
+
+
+class _LineError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _error(code: str, file_name: str, line: int, message: str) -> str:
+    return f"{code}: {file_name} line {line}: {message}"
+
+
+def _kind(value: object) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def read_batch_requests(data: bytes, file_name: str) -> pl.DataFrame:
+    """Parse an OpenAI batch request file into raw_prompts rows (see the module docstring)."""
+    suffix = input_suffix(file_name)
+    if suffix not in (".jsonl", ".jsonl.gz"):
+        raise DropFileError(
+            f"{file_name}: an openai_batch task reads .jsonl (or .jsonl.gz) files in the OpenAI Batch API format"
+        )
+    if suffix == ".jsonl.gz":
+        data = _gunzip(data, file_name)
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    rows: list[dict] = []
+    first_line_of: dict[str, int] = {}
+    lines = data.split(b"\n") if data.strip() else []
+    if lines and not lines[-1]:
+        lines.pop()
+    for index, raw_line in enumerate(lines):
+        number = index + 1
+        row: dict[str, Any] = {"row_id": len(rows), "source_line": number}
+        try:
+            _parse_line(raw_line.removesuffix(b"\r"), row, first_line_of)
+        except _LineError as exc:
+            row["error"] = _error(exc.code, file_name, number, str(exc))
+        rows.append(row)
+    return pl.DataFrame(rows, schema=RAW_SCHEMA)
+
+
+def _parse_line(raw_line: bytes, row: dict, first_line_of: dict[str, int]) -> None:
+    try:
+        text = raw_line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _LineError("invalid_utf8", f"byte {exc.start + 1} of the line is not UTF-8 ({exc.reason})") from None
+    if not text.strip():
+        raise _LineError("empty_record", "blank line")
+    try:
+        request = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _LineError("malformed_json", f"{exc.msg} at column {exc.colno}") from None
+    except (ValueError, RecursionError) as exc:
+        raise _LineError("malformed_json", str(exc) or type(exc).__name__) from None
+    if not isinstance(request, dict):
+        raise _LineError("not_an_object", f"{_kind(request)}, not a JSON object")
+    custom_id = request.get("custom_id")
+    if isinstance(custom_id, str) and custom_id:
+        row["custom_id"] = custom_id
+        if custom_id in first_line_of:
+            raise _LineError(
+                "duplicate_custom_id", f"custom_id {custom_id!r} was used first on line {first_line_of[custom_id]}"
+            )
+        first_line_of[custom_id] = row["source_line"]
+    elif "custom_id" not in request:
+        raise _LineError("missing_custom_id", "the line has no custom_id")
+    else:
+        raise _LineError("missing_custom_id", f"custom_id is {_kind(custom_id)}, not a non-empty string")
+    method, url, body = request.get("method"), request.get("url"), request.get("body")
+    row["method"] = method if isinstance(method, str) else None
+    row["url"] = url if isinstance(url, str) else None
+    if method != "POST":
+        raise _LineError("unsupported_method", f'method {method!r} is not supported; use "POST"')
+    if url not in SUPPORTED_URLS:
+        raise _LineError("unsupported_url", f"url {url!r} is not supported; use one of {', '.join(SUPPORTED_URLS)}")
+    if not isinstance(body, dict):
+        raise _LineError(
+            "invalid_body", f"body is {_kind(body)}, not a JSON object" if "body" in request else "the line has no body"
+        )
+    _parse_body(body, url, row)
+
+
+def _parse_body(body: dict, url: str, row: dict) -> None:
+    model = body.get("model")
+    row["model"] = model if isinstance(model, str) else None
+    unknown = sorted(set(body) - BODY_FIELDS[url])
+    if unknown:
+        supported = ", ".join(sorted(BODY_FIELDS[url]))
+        raise _LineError("unsupported_field", f"body.{unknown[0]} is not supported (supported fields: {supported})")
+    for field, allowed in _DEFAULT_ONLY.items():
+        if (
+            field in body
+            and body[field] not in allowed
+            and not (field == "logprobs" and body[field] == 0 and url == COMPLETIONS_URL)
+        ):
+            raise _LineError(
+                "unsupported_field", f"body.{field} = {json.dumps(body[field])} is not supported (only {allowed[0]})"
+            )
+    if model is not None and not isinstance(model, str):
+        raise _LineError("invalid_field", f"body.model is {_kind(model)}, not a string")
+    # OpenAI: `max_completion_tokens` replaces the deprecated `max_tokens`; either may be given.
+    for field in ("max_completion_tokens", "max_tokens"):
+        if body.get(field) is not None:
+            row["max_tokens"] = _integer(body, field, minimum=1)
+            break
+    if body.get("temperature") is not None:
+        row["temperature"] = _number(body, "temperature", 0.0, 2.0, low_open=False)
+    if body.get("top_p") is not None:
+        row["top_p"] = _number(body, "top_p", 0.0, 1.0, low_open=True)
+    if body.get("seed") is not None:
+        row["seed"] = _integer(body, "seed", minimum=None)
+    if body.get("stop") is not None:
+        row["stop"] = json.dumps(_stop(body["stop"]), ensure_ascii=False)
+    if url == CHAT_URL:
+        if body.get("response_format") is not None:
+            row["response_format"] = json.dumps(_response_format(body["response_format"]), ensure_ascii=False)
+        row["messages"] = json.dumps(_messages(body.get("messages")), ensure_ascii=False)
+    else:
+        row["completion_prompt"] = _completion_prompt(body.get("prompt"))
+
+
+def _integer(body: dict, field: str, minimum: int | None) -> int:
+    value = body[field]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _LineError("invalid_field", f"body.{field} is {_kind(value)}, not an integer")
+    if minimum is not None and value < minimum:
+        raise _LineError("invalid_field", f"body.{field} is {value}; it must be at least {minimum}")
+    if not -(2**63) <= value < 2**63:
+        raise _LineError("invalid_field", f"body.{field} is out of range")
+    return value
+
+
+def _number(body: dict, field: str, low: float, high: float, *, low_open: bool) -> float:
+    value = body[field]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _LineError("invalid_field", f"body.{field} is {_kind(value)}, not a number")
+    if value > high or value < low or (low_open and value == low):
+        bound = f"more than {low}" if low_open else f"at least {low}"
+        raise _LineError("invalid_field", f"body.{field} is {value}; it must be {bound} and at most {high}")
+    return float(value)
+
+
+def _stop(value: object) -> list[str]:
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise _LineError("invalid_field", "body.stop must be a non-empty string or a list of them")
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise _LineError("invalid_field", f"body.stop has {len(stops)} sequences; at most {MAX_STOP_SEQUENCES}")
+    return stops
+
+
+def _response_format(value: object) -> dict:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict) or not schema:
+            raise _LineError(
+                "invalid_field", "body.response_format.json_schema.schema must be a non-empty JSON schema object"
+            )
+        try:
+            import jsonschema
+
+            jsonschema.Draft202012Validator.check_schema(schema)
+        except jsonschema.SchemaError as exc:
+            raise _LineError(
+                "invalid_field",
+                f"body.response_format.json_schema.schema is not a valid JSON schema: {exc.message[:160]}",
+            ) from None
+        return {"type": "json_schema", "json_schema": {"name": spec.get("name"), "schema": schema}}
+    raise _LineError("invalid_field", 'body.response_format.type must be "text", "json_object" or "json_schema"')
+
+
+def _messages(value: object) -> list[dict]:
+    if value is None or value == []:
+        raise _LineError("empty_messages", "body.messages is missing or empty")
+    if not isinstance(value, list):
+        raise _LineError("invalid_field", f"body.messages is {_kind(value)}, not a list")
+    messages = []
+    for position, message in enumerate(value):
+        where = f"body.messages[{position}]"
+        if not isinstance(message, dict):
+            raise _LineError("invalid_message", f"{where} is {_kind(message)}, not an object")
+        role = message.get("role")
+        if role not in MESSAGE_ROLES:
+            hint = " (tool calls are not supported)" if role in ("tool", "function") else ""
+            raise _LineError("invalid_message", f"{where}.role {role!r} is not one of {', '.join(MESSAGE_ROLES)}{hint}")
+        for field in message:
+            if field not in ("role", "content", "name"):
+                raise _LineError("unsupported_field", f"{where}.{field} is not supported (role, content and name are)")
+        normalized = {"role": role, "content": _content(message.get("content"), where)}
+        if isinstance(message.get("name"), str):
+            normalized["name"] = message["name"]
+        messages.append(normalized)
+    return messages
+
+
+def _content(content: object, where: str) -> str:
+    """Text content; a list of text parts is joined with newlines, as vLLM does for string templates."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else _kind(part)
+                raise _LineError(
+                    "invalid_message", f"{where}.content has a part of type {kind!r}; only text parts are supported"
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise _LineError("invalid_message", f"{where}.content is {_kind(content)}, not text")
+
+
+def _completion_prompt(value: object) -> str:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]  # one prompt in a list is one request
+    if isinstance(value, list) and len(value) > 1:
+        raise _LineError("unsupported_field", "body.prompt holds several prompts; put each on its own line")
+    if value is None or value == "":
+        raise _LineError("empty_messages", "body.prompt is missing or empty")
+    if not isinstance(value, str):
+        raise _LineError("unsupported_field", f"body.prompt is {_kind(value)}; only a text prompt is supported")
+    return value
+
+
+# --- formatting -------------------------------------------------------------------------------
+
+
+class RequestSampling(SamplingSpec):
+    """A line's sampling: the task's sampling fields plus the line's stop strings."""
+
+    stop: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """What one line asks of the engine, resolved against the task's defaults."""
+
+    sampling: RequestSampling
+    output: OutputSpec | None  # None: free text
+
+    def params_json(self, sample_id: str | None) -> str:
+        """Canonical JSON of everything besides the prompt that decides the output: part of the
+        request key, so identical requests share a result and different sampling never does.
+        `sample_id` makes a non-deterministic request (temperature > 0, no seed) its own."""
+        value = {
+            "sampling": self.sampling.model_dump(),
+            "output": self.output.model_dump(exclude_none=True) if self.output is not None else None,
+        }
+        if sample_id is not None:
+            value["sample"] = sample_id
+        return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+    @classmethod
+    def from_params_json(cls, text: str) -> RequestSpec:
+        value = json.loads(text)
+        output = value.get("output")
+        return cls(
+            sampling=RequestSampling(**value["sampling"]),
+            output=OutputSpec(**output) if output else None,
+        )
+
+
+def output_for(response_format: str | None) -> OutputSpec | None:
+    """`response_format` as the structured-output constraint the engine enforces."""
+    if response_format is None:
+        return None
+    value = json.loads(response_format)
+    if value["type"] == "json_schema":
+        return OutputSpec(kind="json_schema", json_schema=value["json_schema"]["schema"])
+    if value["type"] == "json_object":
+        # Any JSON object: the schema form of OpenAI's JSON mode.
+        return OutputSpec(kind="json_schema", json_schema={"type": "object"})
+    return None
+
+
+def request_spec(row: dict, defaults: SamplingSpec) -> RequestSpec:
+    def pick(field: str):
+        return row[field] if row.get(field) is not None else getattr(defaults, field)
+
+    sampling = RequestSampling(
+        temperature=pick("temperature"),
+        top_p=pick("top_p"),
+        max_tokens=pick("max_tokens"),
+        seed=pick("seed"),
+        stop=tuple(json.loads(row["stop"])) if row.get("stop") else None,
+    )
+    return RequestSpec(sampling=sampling, output=output_for(row.get("response_format")))
+
+
+def model_matches(requested: str | None, accepted: set[str]) -> bool:
+    """A line without `body.model` matches any task; a named model must be one of `accepted`."""
+    return requested is None or requested in accepted
+
+
+def accepted_model_names(task_model: str) -> set[str]:
+    """The task's model as a line may name it: as configured, or a local folder by its last part."""
+    names = {task_model, task_model.rstrip("/").rsplit("/", 1)[-1]}
+    if ":" in task_model:  # embedded:SmolLM2-135M-Instruct
+        names.add(task_model.split(":", 1)[1])
+    return names
+
+
+def _completion_prefix(tokenizer: Tokenizer) -> str:
+    """The special tokens the tokenizer puts before a plain prompt (e.g. Llama's BOS), as text:
+    a completion prompt is tokenized as `/v1/completions` would, not as a chat prompt."""
+    bos = getattr(tokenizer, "bos_token", None)
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    if not bos or bos_id is None:
+        return ""
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bos if with_special and with_special[0] == bos_id else ""
+
+
+def format_batch_prompts(
+    raw: pl.DataFrame,
+    tokenizer: Tokenizer,
+    *,
+    sampling_defaults: SamplingSpec,
+    max_model_len: int,
+    source_file: str,
+    accepted_models: set[str] | None = None,
+    chat_only: bool = False,
+) -> pl.DataFrame:
+    """raw_prompts → formatted_prompts for batch requests: adds `prompt`, `num_prompt_tokens` and
+    `request_params` (the resolved sampling and output constraint as canonical JSON).
+
+    `accepted_models`: when given, a line naming another `body.model` becomes a `model_mismatch` row.
+    `chat_only`: the engine sends chat messages (an endpoint), so `/v1/completions` lines are error rows.
+    """
+    chat_template = getattr(tokenizer, "chat_template", None)
+    prefix = _completion_prefix(tokenizer)
+    errors: list[str | None] = []
+    prompts: list[str | None] = []
+    params: list[str | None] = []
+    max_tokens: list[int | None] = []
+    for row in raw.iter_rows(named=True):
+        error, prompt, spec = row["error"], None, None
+        line = row["source_line"]
+        if error is None and accepted_models is not None and not model_matches(row["model"], accepted_models):
+            error = _error(
+                "model_mismatch",
+                source_file,
+                line,
+                f"body.model {row['model']!r} is not the task's model ({', '.join(sorted(accepted_models))}); "
+                "set input.require_model_match: false to answer every line with the task's model",
+            )
+        if error is None:
+            spec = request_spec(row, sampling_defaults)
+            if row["messages"] is not None:
+                if not chat_template:
+                    error = _error(
+                        "chat_template_error",
+                        source_file,
+                        line,
+                        "the model's tokenizer has no chat template; use /v1/completions lines",
+                    )
+                else:
+                    try:
+                        prompt = tokenizer.apply_chat_template(
+                            json.loads(row["messages"]), tokenize=False, add_generation_prompt=True
+                        )
+                    except Exception as exc:  # a template may raise on roles it does not accept
+                        error = _error("chat_template_error", source_file, line, f"{type(exc).__name__}: {exc}")
+            elif chat_only:
+                error = _error(
+                    "unsupported_url",
+                    source_file,
+                    line,
+                    "/v1/completions lines need the in-process engine (engine.kind: vllm)",
+                )
+            else:
+                prompt = prefix + row["completion_prompt"]
+        sample_id = None
+        if spec is not None and not spec.sampling.deterministic:
+            sample_id = f"{source_file}#{row['row_id']}"
+        errors.append(error)
+        prompts.append(prompt if error is None else None)
+        params.append(spec.params_json(sample_id) if error is None and spec is not None else None)
+        max_tokens.append(spec.sampling.max_tokens if spec is not None else None)
+    valid = [p for p in prompts if p is not None]
+    counts = iter(count_tokens(tokenizer, valid) if valid else [])
+    num_tokens = [next(counts) if p is not None else None for p in prompts]
+    for index, (tokens, limit) in enumerate(zip(num_tokens, max_tokens, strict=True)):
+        if tokens is not None and tokens + limit > max_model_len:
+            errors[index] = _error(
+                "prompt_too_long",
+                source_file,
+                raw["source_line"][index],
+                f"{tokens} prompt tokens + {limit} max_tokens exceed max_model_len {max_model_len}",
+            )
+            prompts[index] = params[index] = None
+    return raw.with_columns(
+        pl.Series("error", errors, dtype=pl.String),
+        pl.Series("prompt", prompts, dtype=pl.String),
+        pl.Series("num_prompt_tokens", num_tokens, dtype=pl.Int64),
+        pl.Series("request_params", params, dtype=pl.String),
+    )
+
+
+# --- what the engine is sent -------------------------------------------------------------------
+
+
+def batch_prompt_encoder(engine, task, tokenizer: Tokenizer, formatted: pl.DataFrame):
+    """`encode(texts, request_params)` for `run_inference`: each request as an engine `Prompt` with
+    its own sampling (stop strings included) and output constraint, and, for an engine that sends
+    chat messages, the line's messages."""
+    from batch_assets.engines.protocol import Prompt
+
+    messages_by_prompt: dict[str, str] = {}
+    if engine.sends_chat_messages:
+        valid = formatted.filter(pl.col("error").is_null())
+        # Identical prompt texts come from identical messages, so the prompt is a safe key for them.
+        messages_by_prompt = dict(zip(valid["prompt"].to_list(), valid["messages"].to_list(), strict=True))
+
+    def encode(prompts: list[str], params: list[str]) -> list[Prompt]:
+        token_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        out = []
+        for prompt, ids, param in zip(prompts, token_ids, params, strict=True):
+            spec = RequestSpec.from_params_json(param)
+            messages = messages_by_prompt.get(prompt)
+            out.append(
+                Prompt(tuple(ids), tuple(json.loads(messages)) if messages else None, spec.sampling, spec.output)
+            )
+        return out
+
+    return encode

@@ -1,0 +1,132 @@
+"""OpenAI Batch API files out: validated rows, then one output or error line per input line.
+
+Pure functions, no storage. `validate_batch_outputs` is validated_labels for batch requests:
+`label` is the answer's text, checked against the line's own `response_format` (a JSON answer
+must parse and match its schema; a miss is an `invalid_json` / `schema_mismatch` error on the row,
+and the answer still goes to the output file, as OpenAI returns it with status 200).
+
+`batch_files` splits the rows into the two files of OpenAI's batch API:
+
+    batch_output   one line per answered request, in input order:
+                   {"id", "custom_id", "response": {"status_code": 200, "request_id",
+                    "body": <chat.completion or text_completion>}, "error": null}
+    batch_errors   one line per input line that got no answer (bad line, prompt too long,
+                   engine error): {"id", "custom_id" (null when the line has none),
+                   "response": null, "error": {"code", "message" (naming the file and line)}}
+
+Every input line is in exactly one of the two. Ids are derived from the partition and the line,
+so writing the files again gives the same ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+
+import polars as pl
+
+from batch_assets.pipeline.openai_batch import COMPLETIONS_URL
+from batch_assets.pipeline.validate_labels import schema_error
+
+_CODE = re.compile(r"^([a-z_]+): (.*)$", re.DOTALL)
+
+
+def validate_batch_outputs(outputs: pl.DataFrame) -> pl.DataFrame:
+    """inference_outputs → validated_labels for batch requests (every column kept, `label` added)."""
+    labels: list[str | None] = []
+    errors: list[str | None] = []
+    columns = ("generated_text", "finish_reason", "response_format", "error", "source_line")
+    for text, finish_reason, response_format, error, line in zip(*(outputs[c] for c in columns), strict=True):
+        if error is None and text is None:
+            error = f"no_output: line {line}: the engine returned no text"
+        if error is not None:
+            labels.append(None)
+            errors.append(error)
+            continue
+        kind = json.loads(response_format)["type"] if response_format else "text"
+        if kind == "text":
+            labels.append(text)
+            errors.append(None)
+            continue
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            hint = " (truncated at max_tokens: raise the line's max_tokens)" if finish_reason == "length" else ""
+            labels.append(None)
+            errors.append(f"invalid_json: line {line}: {exc.msg} (column {exc.colno}){hint}")
+            continue
+        schema = json.loads(response_format).get("json_schema", {}).get("schema") or {"type": "object"}
+        mismatch = schema_error(value, schema)
+        labels.append(None if mismatch else text)
+        errors.append(f"{mismatch.split(': ', 1)[0]}: line {line}: {mismatch.split(': ', 1)[1]}" if mismatch else None)
+    frame = outputs.with_columns(
+        pl.Series("label", labels, dtype=pl.String), pl.Series("error", errors, dtype=pl.String)
+    )
+    trailing = ["label", "generated_text", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "error"]
+    dropped = {"prompt", "request_params"}
+    middle = [c for c in frame.columns if c not in trailing and c not in dropped and c not in ("row_id", "source_line")]
+    return frame.select("row_id", "source_line", *middle, *trailing)
+
+
+def _short_id(prefix: str, *parts: object) -> str:
+    digest = hashlib.sha256("\x00".join(str(p) for p in parts).encode("utf-8")).hexdigest()[:24]
+    return f"{prefix}{digest}"
+
+
+def _response_body(row: dict, *, model: str, created: int, partition_key: str) -> dict:
+    prompt_tokens = row["num_prompt_tokens"] or 0
+    completion_tokens = row["num_generated_tokens"] or 0
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if row["url"] == COMPLETIONS_URL:
+        choice = {"index": 0, "text": row["generated_text"], "logprobs": None, "finish_reason": row["finish_reason"]}
+        kind, prefix = "text_completion", "cmpl-"
+    else:
+        message = {"role": "assistant", "content": row["generated_text"], "refusal": None}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": row["finish_reason"]}
+        kind, prefix = "chat.completion", "chatcmpl-"
+    return {
+        "id": _short_id(prefix, partition_key, row["row_id"]),
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }
+
+
+def error_object(error: str, line: int) -> dict:
+    """`code: message` as OpenAI's `{"code", "message"}`; the message always names the line."""
+    match = _CODE.match(error)
+    code, message = (match.group(1), match.group(2)) if match else ("error", error)
+    if f"line {line}" not in message:
+        message = f"line {line}: {message}"
+    return {"code": code, "message": message}
+
+
+def batch_files(labels: pl.DataFrame, *, model: str, partition_key: str, created: int) -> tuple[list[dict], list[dict]]:
+    """(batch_output records, batch_errors records) of a partition's validated rows, in input order.
+
+    A row with an answer goes to the output file (its `error`, if any, is about the answer's
+    format and stays in the parquet); a row without one goes to the error file.
+    """
+    outputs: list[dict] = []
+    errors: list[dict] = []
+    for row in labels.iter_rows(named=True):
+        line_id = _short_id("batch_req_", partition_key, row["row_id"])
+        if row["generated_text"] is not None:
+            body = _response_body(row, model=model, created=created, partition_key=partition_key)
+            response = {"status_code": 200, "request_id": _short_id("req_", partition_key, row["row_id"]), "body": body}
+            outputs.append({"id": line_id, "custom_id": row["custom_id"], "response": response, "error": None})
+        else:
+            error = error_object(row["error"] or "no_output: the engine returned no text", row["source_line"])
+            errors.append({"id": line_id, "custom_id": row["custom_id"], "response": None, "error": error})
+    return outputs, errors
+
+
+def jsonl_bytes(records: list[dict]) -> bytes:
+    return "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records).encode("utf-8")

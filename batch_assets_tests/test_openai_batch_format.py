@@ -1,0 +1,430 @@
+"""OpenAI batch files as pure functions: lines → rows (every bad line an error row naming it),
+per-request chat prompts and sampling, request keys, and the output / error files."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+from transformers import AutoTokenizer
+
+from batch_assets.engines.embedded_model import ensure_embedded_model
+from batch_assets.pipeline.openai_batch import RequestSpec, format_batch_prompts, read_batch_requests
+from batch_assets.pipeline.openai_batch_output import batch_files, validate_batch_outputs
+from batch_assets.pipeline.read_prompts import DropFileError
+from batch_assets.pipeline.run_inference import request_keys
+from batch_assets.pipeline.task_spec import SamplingSpec, TaskSpecError, load_task_spec
+
+DEFAULTS = SamplingSpec(temperature=0, top_p=1.0, max_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(ensure_embedded_model())
+
+
+def chat_line(custom_id: str, messages: list[dict] | None = None, **body) -> dict:
+    messages = messages if messages is not None else [{"role": "user", "content": f"question {custom_id}"}]
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"messages": messages, **body},
+    }
+
+
+def jsonl(*lines: dict | str) -> bytes:
+    return "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines).encode("utf-8")
+
+
+def test_valid_lines_keep_custom_id_model_messages_and_sampling() -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": [{"type": "text", "text": "Two"}, {"type": "text", "text": "parts"}]},
+    ]
+    data = jsonl(
+        chat_line(
+            "a", messages, model="gpt-4o-mini", max_completion_tokens=12, temperature=0.5, top_p=0.9, seed=3, stop="END"
+        ),
+        {
+            "custom_id": "b",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "Once upon", "max_tokens": 5},
+        },
+    )
+    rows = read_batch_requests(data, "in.jsonl").to_dicts()
+    assert [r["error"] for r in rows] == [None, None]
+    first, second = rows
+    assert (first["custom_id"], first["model"], first["url"], first["source_line"]) == (
+        "a",
+        "gpt-4o-mini",
+        "/v1/chat/completions",
+        1,
+    )
+    assert json.loads(first["messages"])[-1] == {"role": "user", "content": "Two\nparts"}
+    assert json.loads(first["messages"])[:3] == messages[:3]
+    assert (first["max_tokens"], first["temperature"], first["top_p"], first["seed"]) == (12, 0.5, 0.9, 3)
+    assert json.loads(first["stop"]) == ["END"]
+    assert (second["completion_prompt"], second["max_tokens"], second["messages"]) == ("Once upon", 5, None)
+
+
+@pytest.mark.parametrize(
+    ("line", "code", "names"),
+    [
+        ("{not json", "malformed_json", "line 2"),
+        ("[1, 2]", "not_an_object", "not a JSON object"),
+        ("   ", "empty_record", "blank line"),
+        (
+            {"method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}]}},
+            "missing_custom_id",
+            "no custom_id",
+        ),
+        (
+            {"custom_id": 7, "method": "POST", "url": "/v1/chat/completions", "body": {}},
+            "missing_custom_id",
+            "a number",
+        ),
+        (chat_line("ok"), "duplicate_custom_id", "used first on line 1"),
+        ({**chat_line("g"), "method": "GET"}, "unsupported_method", "'GET'"),
+        ({**chat_line("e"), "url": "/v1/embeddings"}, "unsupported_url", "/v1/embeddings"),
+        ({"custom_id": "nb", "method": "POST", "url": "/v1/chat/completions"}, "invalid_body", "no body"),
+        (chat_line("n", n=2), "unsupported_field", "body.n = 2"),
+        (chat_line("t", tools=[{"type": "function"}]), "unsupported_field", "body.tools"),
+        (chat_line("lp", logprobs=True), "unsupported_field", "body.logprobs"),
+        (chat_line("em", []), "empty_messages", "body.messages"),
+        (chat_line("role", [{"role": "tool", "content": "x"}]), "invalid_message", "tool calls are not supported"),
+        (
+            chat_line("img", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+            "invalid_message",
+            "image_url",
+        ),
+        (chat_line("temp", temperature="hot"), "invalid_field", "body.temperature is a string"),
+        (chat_line("topp", top_p=0), "invalid_field", "body.top_p is 0"),
+        (chat_line("mt", max_tokens=0), "invalid_field", "at least 1"),
+        (chat_line("rf", response_format={"type": "xml"}), "invalid_field", "response_format.type"),
+        (
+            chat_line("rs", response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+            "invalid_field",
+            "schema",
+        ),
+        (
+            {"custom_id": "cp", "method": "POST", "url": "/v1/completions", "body": {"prompt": ["a", "b"]}},
+            "unsupported_field",
+            "several prompts",
+        ),
+    ],
+)
+def test_every_bad_line_is_an_error_row_naming_file_and_line(line, code: str, names: str) -> None:
+    data = jsonl(chat_line("ok"), line, chat_line("after"))
+    frame = read_batch_requests(data, "drop/in.jsonl")
+    assert frame.height == 3
+    assert frame["error"][0] is None and frame["error"][2] is None
+    error = frame["error"][1]
+    assert error.startswith(f"{code}: drop/in.jsonl line 2: ")
+    assert names in error
+
+
+def test_invalid_utf8_and_non_jsonl_files() -> None:
+    frame = read_batch_requests(jsonl(chat_line("a")) + b'{"custom_id": "\xff"}\n', "in.jsonl")
+    assert frame["error"].to_list()[0] is None
+    assert frame["error"][1].startswith("invalid_utf8: in.jsonl line 2")
+    with pytest.raises(DropFileError, match=r"\.jsonl"):
+        read_batch_requests(b"a,b\n", "in.csv")
+    assert read_batch_requests(b"\n", "empty.jsonl").height == 0
+
+
+def test_chat_prompt_is_the_template_over_the_requests_own_messages(tokenizer) -> None:
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U1"},
+        {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "U2"},
+    ]
+    raw = read_batch_requests(jsonl(chat_line("a", messages, max_tokens=9)), "in.jsonl")
+    out = format_batch_prompts(raw, tokenizer, sampling_defaults=DEFAULTS, max_model_len=512, source_file="in.jsonl")
+    expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert out["prompt"][0] == expected
+    assert out["num_prompt_tokens"][0] == len(tokenizer(expected, add_special_tokens=False)["input_ids"])
+    spec = RequestSpec.from_params_json(out["request_params"][0])
+    assert (spec.sampling.max_tokens, spec.sampling.temperature, spec.sampling.top_p, spec.output) == (
+        9,
+        0.0,
+        1.0,
+        None,
+    )
+
+
+def test_completions_prompt_is_the_text_itself(tokenizer) -> None:
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Once upon a time"}}
+    out = format_batch_prompts(
+        read_batch_requests(jsonl(line), "in.jsonl"),
+        tokenizer,
+        sampling_defaults=DEFAULTS,
+        max_model_len=512,
+        source_file="in.jsonl",
+    )
+    assert out["prompt"][0] == "Once upon a time"  # SmolLM2's tokenizer adds no BOS of its own
+    # An endpoint engine sends chat messages only: a completion line is an error row there.
+    chat_only = format_batch_prompts(
+        read_batch_requests(jsonl(line), "in.jsonl"),
+        tokenizer,
+        sampling_defaults=DEFAULTS,
+        max_model_len=512,
+        source_file="in.jsonl",
+        chat_only=True,
+    )
+    assert chat_only["error"][0].startswith(
+        "unsupported_url: in.jsonl line 1: /v1/completions lines need the in-process engine"
+    )
+
+
+def test_sampling_defaults_fill_what_a_line_leaves_out_and_response_format_becomes_a_constraint(tokenizer) -> None:
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    data = jsonl(
+        chat_line("a"),
+        chat_line(
+            "b",
+            temperature=0.7,
+            seed=5,
+            stop=["\n"],
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        ),
+        chat_line("c", response_format={"type": "json_object"}),
+    )
+    out = format_batch_prompts(
+        read_batch_requests(data, "in.jsonl"),
+        tokenizer,
+        sampling_defaults=DEFAULTS,
+        max_model_len=512,
+        source_file="in.jsonl",
+    )
+    a, b, c = (RequestSpec.from_params_json(p) for p in out["request_params"])
+    assert a.sampling.model_dump() == {**DEFAULTS.model_dump(), "stop": None} and a.output is None
+    assert (b.sampling.temperature, b.sampling.seed, b.sampling.max_tokens, b.sampling.stop) == (0.7, 5, 64, ("\n",))
+    assert b.output.kind == "json_schema" and b.output.json_schema == schema
+    assert c.output.json_schema == {"type": "object"}
+
+
+def test_too_long_prompts_and_model_mismatch_are_error_rows(tokenizer) -> None:
+    data = jsonl(
+        chat_line("short", max_tokens=4, model="SmolLM2-135M-Instruct"),
+        chat_line("long", [{"role": "user", "content": "word " * 600}], max_tokens=4),
+        chat_line("needs-room", max_tokens=500),
+        chat_line("other-model", model="gpt-4o"),
+    )
+    raw = read_batch_requests(data, "in.jsonl")
+    out = format_batch_prompts(
+        raw,
+        tokenizer,
+        sampling_defaults=DEFAULTS,
+        max_model_len=512,
+        source_file="in.jsonl",
+        accepted_models={"embedded:SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"},
+    )
+    errors = out["error"].to_list()
+    assert errors[0] is None
+    assert (
+        errors[1].startswith("prompt_too_long: in.jsonl line 2: ")
+        and "+ 4 max_tokens exceed max_model_len 512" in errors[1]
+    )
+    assert errors[2].startswith("prompt_too_long: in.jsonl line 3: ") and "+ 500 max_tokens" in errors[2]
+    assert (
+        errors[3].startswith("model_mismatch: in.jsonl line 4: body.model 'gpt-4o'")
+        and "require_model_match" in errors[3]
+    )
+    assert out["prompt"].to_list()[1:] == [None, None, None]
+    # Without the option every line is answered by the task's model.
+    relaxed = format_batch_prompts(
+        raw, tokenizer, sampling_defaults=DEFAULTS, max_model_len=512, source_file="in.jsonl"
+    )
+    assert relaxed["error"][3] is None
+
+
+def test_request_keys_share_identical_deterministic_requests_and_separate_other_sampling(tokenizer) -> None:
+    same = [{"role": "user", "content": "same question"}]
+    data = jsonl(
+        chat_line("a", same, temperature=0),
+        chat_line("b", same, temperature=0),  # identical request: one inference
+        chat_line("c", same, temperature=0, max_tokens=5),  # other max_tokens
+        chat_line("d", same, temperature=0.9),  # sampled without seed: its own request
+        chat_line("e", same, temperature=0.9),
+        chat_line("f", same, temperature=0.9, seed=1),  # seeded: deterministic, shared with g
+        chat_line("g", same, temperature=0.9, seed=1),
+        chat_line("h", same, temperature=0, response_format={"type": "json_object"}),
+    )
+    out = format_batch_prompts(
+        read_batch_requests(data, "in.jsonl"),
+        tokenizer,
+        sampling_defaults=DEFAULTS,
+        max_model_len=512,
+        source_file="in.jsonl",
+    )
+    keys = request_keys(out["prompt"].to_list(), out["row_id"].to_list(), True, out["request_params"].to_list())
+    a, b, c, d, e, f, g, h = keys
+    # Stable across runs (a resumed partition finds its checkpoints under the same keys).
+    again = format_batch_prompts(
+        read_batch_requests(data, "in.jsonl"),
+        tokenizer,
+        sampling_defaults=DEFAULTS,
+        max_model_len=512,
+        source_file="in.jsonl",
+    )
+    assert (
+        request_keys(again["prompt"].to_list(), again["row_id"].to_list(), True, again["request_params"].to_list())
+        == keys
+    )
+    assert a == b and f == g
+    assert len({a, c, d, e, f, h}) == 6
+    # Task-wide sampling (no per-request params) keeps the keys it always had.
+    assert request_keys(["p"], [0], True) == request_keys(["p"], [0], True, [None])
+
+
+def outputs_frame(rows: list[dict]) -> pl.DataFrame:
+    return pl.DataFrame(rows)
+
+
+def test_output_and_error_files_follow_openais_batch_schema_one_line_per_input(tokenizer) -> None:
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    data = jsonl(
+        chat_line("a"),
+        "{broken",
+        chat_line("json", response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}),
+        {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hi"}},
+        chat_line("engine-failed"),
+    )
+    formatted = format_batch_prompts(
+        read_batch_requests(data, "in.jsonl"),
+        tokenizer,
+        sampling_defaults=DEFAULTS,
+        max_model_len=512,
+        source_file="in.jsonl",
+    )
+    answers = {"a": ("Paris.", "stop", 3), "json": ('{"x": "no"}', "stop", 5), "c": (" there", "length", 2)}
+    outputs = formatted.with_columns(
+        generated_text=pl.Series([answers.get(cid, (None,))[0] for cid in formatted["custom_id"]], dtype=pl.String),
+        finish_reason=pl.Series([answers.get(cid, (None, None))[1] for cid in formatted["custom_id"]], dtype=pl.String),
+        num_generated_tokens=pl.Series(
+            [answers.get(cid, (None, None, None))[2] for cid in formatted["custom_id"]], dtype=pl.Int64
+        ),
+        error=pl.when(pl.col("custom_id") == "engine-failed")
+        .then(pl.lit("engine_error: the endpoint failed"))
+        .otherwise(pl.col("error")),
+    )
+    labels = validate_batch_outputs(outputs)
+    assert labels["label"].to_list() == ["Paris.", None, None, " there", None]
+    assert labels["error"][2].startswith("schema_mismatch: line 3: at x:")
+    assert "request_params" not in labels.columns and "prompt" not in labels.columns
+    ok, failed = batch_files(labels, model="the-model", partition_key="in", created=1700000000)
+    assert [r["custom_id"] for r in ok] == ["a", "json", "c"]
+    assert [r["custom_id"] for r in failed] == [None, "engine-failed"]
+    first = ok[0]
+    assert first["error"] is None and first["id"].startswith("batch_req_")
+    assert first["response"]["status_code"] == 200 and first["response"]["request_id"].startswith("req_")
+    body = first["response"]["body"]
+    assert body["object"] == "chat.completion" and body["model"] == "the-model" and body["created"] == 1700000000
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Paris.", "refusal": None},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+    ]
+    prompt_tokens = formatted["num_prompt_tokens"][0]
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 3, "total_tokens": prompt_tokens + 3}
+    assert ok[1]["response"]["body"]["choices"][0]["message"]["content"] == '{"x": "no"}'  # as OpenAI returns it
+    completion = ok[2]["response"]["body"]
+    assert completion["object"] == "text_completion" and completion["choices"][0]["text"] == " there"
+    assert failed[0]["response"] is None
+    assert failed[0]["error"]["code"] == "malformed_json" and failed[0]["error"]["message"].startswith(
+        "in.jsonl line 2: "
+    )
+    assert failed[1]["error"] == {"code": "engine_error", "message": "line 5: the endpoint failed"}
+    assert batch_files(labels, model="the-model", partition_key="in", created=1)[0][0]["id"] == first["id"]
+
+
+def test_shipped_openai_batch_task_and_format_rules(tmp_path) -> None:
+    from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR
+
+    task = load_task_spec(BUNDLED_TASKS_DIR / "openai_batch.yaml")
+    assert task.input.format == "openai_batch" and task.prompt is None and task.output.kind == "text"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("input: {format: openai_batch}\nprompt: {template: '{text}'}\noutput: {kind: text}\n")
+    with pytest.raises(TaskSpecError, match="takes no `prompt` section"):
+        load_task_spec(bad)
+    bad.write_text(
+        "input: {text_fields: [text], require_model_match: true}\nprompt: {template: '{text}'}\noutput: {kind: text}\n"
+    )
+    with pytest.raises(TaskSpecError, match="openai_batch only"):
+        load_task_spec(bad)
+    bad.write_text("input: {text_fields: [text]}\noutput: {kind: text}\n")
+    with pytest.raises(TaskSpecError, match="needs a `prompt` section"):
+        load_task_spec(bad)
+
+
+def test_run_inference_sends_each_request_once_with_its_own_sampling(tokenizer, tmp_path) -> None:
+    from upath import UPath
+
+    from batch_assets.engines.protocol import Generation, batched_stream
+    from batch_assets.pipeline.openai_batch import batch_prompt_encoder
+    from batch_assets.pipeline.run_inference import PartitionInput, run_inference
+    from batch_assets.storage.checkpoints import CheckpointStore
+
+    same = [{"role": "user", "content": "same question"}]
+    data = jsonl(
+        chat_line("a", same, max_tokens=5),
+        chat_line("b", same, max_tokens=5),  # identical to a: inferred once
+        chat_line("c", same, max_tokens=7, stop=["x"]),
+        chat_line("d", [{"role": "user", "content": "other"}], max_tokens=6, response_format={"type": "json_object"}),
+    )
+    formatted = format_batch_prompts(
+        read_batch_requests(data, "in.jsonl"),
+        tokenizer,
+        sampling_defaults=DEFAULTS,
+        max_model_len=512,
+        source_file="in.jsonl",
+    )
+    seen = []
+
+    def generate(prompts):
+        seen.extend(prompts)
+        return [Generation(f"max {p.sampling.max_tokens}", "stop", len(p.token_ids), 1) for p in prompts]
+
+    class Session:
+        started_here, start_seconds, metadata = True, 0.0, {}
+
+        def start(self) -> None:
+            pass
+
+        def stream(self, prompts):
+            return batched_stream(generate, 64)(prompts)
+
+    class Engine:
+        sends_chat_messages = True
+
+    def run():
+        part = PartitionInput(
+            formatted,
+            batch_prompt_encoder(Engine(), None, tokenizer, formatted),
+            CheckpointStore(UPath(tmp_path / "ck"), "fp"),
+        )
+        [(frame, stats)] = run_inference(
+            [part], session=Session(), max_model_len=512, max_tokens=64, batch_size=64, deduplicate=True
+        )
+        return frame, stats
+
+    frame, stats = run()
+    assert frame["generated_text"].to_list() == ["max 5", "max 5", "max 7", "max 6"]
+    assert (stats.rows_inferred, stats.rows_deduplicated) == (3, 1)
+    assert [p.sampling.stop for p in seen] == [None, ("x",), None]
+    assert seen[2].output.json_schema == {"type": "object"} and seen[0].output is None
+    assert seen[0].messages == tuple(same)
+    # Killed and re-run: every finished request comes back from the checkpoints, none is sent again.
+    seen.clear()
+    frame2, stats2 = run()
+    assert (stats2.rows_from_checkpoint, stats2.rows_inferred, seen) == (3, 0, [])
+    assert frame2["generated_text"].to_list() == frame["generated_text"].to_list()
