@@ -16,8 +16,10 @@ from batch_assets_tests.conftest import drop
 def run(task: str, file_name: str, instance: dg.DagsterInstance):
     key = partition_key_for(file_name)
     instance.add_dynamic_partitions(partitions_def_name(task), [key])
-    return build_definitions().resolve_job_def(pipeline_job_name(task)).execute_in_process(
-        instance=instance, partition_key=key, raise_on_error=False
+    return (
+        build_definitions()
+        .resolve_job_def(pipeline_job_name(task))
+        .execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
     )
 
 
@@ -63,7 +65,11 @@ def test_a_messy_csv_keeps_every_record_with_errors_naming_file_and_line(data_di
     assert labels.height == 8 and labels["row_id"].to_list() == list(range(8))
     by_line = {row["source_line"]: row for row in labels.to_dicts()}
     assert sorted(by_line) == [2, 3, 5, 6, 7, 8, 9, 10]
-    assert by_line[2]["Company"] == "Hartley & Boone, LLP" and by_line[2]["City"] == "Columbus, OH" and by_line[2]["error"] is None
+    assert (
+        by_line[2]["Company"] == "Hartley & Boone, LLP"
+        and by_line[2]["City"] == "Columbus, OH"
+        and by_line[2]["error"] is None
+    )
     assert by_line[3]["Company"] == "St. Brigid\nCommunity Hospital" and by_line[3]["error"] is None
     expected = {5: "invalid_utf8", 6: "malformed_csv", 7: "empty_record", 8: "prompt_too_long"}
     for line, code in expected.items():

@@ -10,7 +10,12 @@ import polars as pl
 import pytest
 
 from batch_assets.engines import embedded_model
-from batch_assets.engines.embedded_model import EMBEDDED_PREFIX, embedded_model_dir, ensure_embedded_model, resolve_model
+from batch_assets.engines.embedded_model import (
+    EMBEDDED_PREFIX,
+    embedded_model_dir,
+    ensure_embedded_model,
+    resolve_model,
+)
 from batch_assets_tests.conftest import SAMPLES, drop
 from batch_assets_tests.test_pipeline_materialize import failure_messages, read_output, run_partition
 

@@ -69,7 +69,9 @@ def test_template_that_alters_the_message_falls_back_to_per_row_rendering(tokeni
 
     fmt = PromptFormat(system="", template="{text}", raw_template=None, text_fields=("text",))
     assert prompt_affixes(fmt, TrimmingTokenizer()) is None
-    out = format_prompts(raw(["  spaced  "]), fmt, TrimmingTokenizer(), max_model_len=512, max_tokens=8, source_file="a")
+    out = format_prompts(
+        raw(["  spaced  "]), fmt, TrimmingTokenizer(), max_model_len=512, max_tokens=8, source_file="a"
+    )
     assert out["prompt"][0] == "<s>spaced</s>"
 
 
@@ -95,7 +97,9 @@ def test_model_without_chat_template_and_no_raw_template_is_a_clear_error(tokeni
 def test_empty_and_too_long_rows_get_errors_and_no_prompt(tokenizer) -> None:
     texts = ["fine", "", "   ", "word " * 400, None]
     errors = [None, None, None, None, "null_text: a line 5: field 'text' is null"]
-    out = format_prompts(raw(texts, errors), FMT, tokenizer, max_model_len=256, max_tokens=16, source_file="posts.jsonl")
+    out = format_prompts(
+        raw(texts, errors), FMT, tokenizer, max_model_len=256, max_tokens=16, source_file="posts.jsonl"
+    )
     assert out.height == 5
     assert out["error"][0] is None and out["prompt"][0] is not None
     assert out["error"][1].startswith("empty_text: posts.jsonl line 2")
@@ -109,7 +113,13 @@ def test_empty_and_too_long_rows_get_errors_and_no_prompt(tokenizer) -> None:
 def test_multiple_fields_in_the_template(tokenizer) -> None:
     fmt = PromptFormat(system="", template="{title}: {body}", raw_template=None, text_fields=("title", "body"))
     frame = pl.DataFrame(
-        {"row_id": [0, 1], "source_line": [2, 3], "title": ["Hi", "Empty body"], "body": ["there", ""], "error": [None, None]},
+        {
+            "row_id": [0, 1],
+            "source_line": [2, 3],
+            "title": ["Hi", "Empty body"],
+            "body": ["there", ""],
+            "error": [None, None],
+        },
         schema_overrides={"error": pl.String},
     )
     out = format_prompts(frame, fmt, tokenizer, max_model_len=512, max_tokens=8, source_file="t.csv")
@@ -125,7 +135,9 @@ def special_ids(tokenizer) -> set[int]:
 
 
 def test_special_tokens_in_user_text_are_tokenized_as_plain_text(tokenizer) -> None:
-    out = format_prompts(raw([INJECTION, "fine"]), FMT, tokenizer, max_model_len=512, max_tokens=8, source_file="a.jsonl")
+    out = format_prompts(
+        raw([INJECTION, "fine"]), FMT, tokenizer, max_model_len=512, max_tokens=8, source_file="a.jsonl"
+    )
     encoder = PromptEncoder(FMT, tokenizer)
     injected, plain = encoder.encode(out["prompt"].to_list())
     # Exactly the template's own special tokens, as for an ordinary record: no forged chat turns.
@@ -153,6 +165,8 @@ def test_engine_prompt_encoder_keeps_special_tokens_in_user_text_as_text(tokeniz
 
 def test_special_tokens_where_the_template_has_no_single_place_for_the_message_are_error_rows(tokenizer) -> None:
     twice = PromptFormat(system="", template="{text}", raw_template="{user}\n---\n{user}", text_fields=("text",))
-    out = format_prompts(raw([INJECTION, "fine"]), twice, tokenizer, max_model_len=512, max_tokens=8, source_file="a.jsonl")
+    out = format_prompts(
+        raw([INJECTION, "fine"]), twice, tokenizer, max_model_len=512, max_tokens=8, source_file="a.jsonl"
+    )
     assert out["error"][0].startswith("special_tokens: a.jsonl line 1: the text contains the model's special token")
     assert out["prompt"][0] is None and out["error"][1] is None

@@ -13,9 +13,9 @@ import polars as pl
 import pytest
 from upath import UPath
 
-from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
 from batch_assets.engines.protocol import Generation, Prompt, batched_stream
 from batch_assets.pipeline.run_inference import InferenceError, PartitionInput, run_inference
+from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
 
 
 def formatted_frame(texts: list[str | None], extra: dict | None = None) -> pl.DataFrame:
@@ -142,7 +142,10 @@ def test_checkpoints_of_other_settings_are_never_reused_and_get_removed(partitio
     frame = formatted_frame(["a", "b"])
     infer(frame, Engine(), CheckpointStore(partition_dir, run_fingerprint({"model": "m1", "temperature": 0})))
     other = CheckpointStore(partition_dir, run_fingerprint({"model": "m2", "temperature": 0}))
-    assert other.fingerprint != CheckpointStore(partition_dir, run_fingerprint({"temperature": 0, "model": "m1"})).fingerprint
+    assert (
+        other.fingerprint
+        != CheckpointStore(partition_dir, run_fingerprint({"temperature": 0, "model": "m1"})).fingerprint
+    )
     assert other.discard_other_fingerprints()
     assert [p.name for p in partition_dir.iterdir()] == []
     _, stats = infer(frame, Engine(), other)
@@ -235,27 +238,42 @@ def test_several_partitions_share_one_stream_and_keep_their_own_checkpoints_and_
     session = Session(engine, batch_size=100)
     results = run_inference(
         [PartitionInput(a, encode, stores[0], "a.jsonl"), PartitionInput(b, encode, stores[1], "b.jsonl")],
-        session=session, max_model_len=64, max_tokens=8, batch_size=100, deduplicate=True,
+        session=session,
+        max_model_len=64,
+        max_tokens=8,
+        batch_size=100,
+        deduplicate=True,
     )
     # One engine start and one call for both; "same" (in both partitions) is inferred once.
     assert session.starts == 1 and engine.calls == 1
     assert sorted(bytes(c for c in ids if c).decode() for ids in engine.seen) == ["only a", "only b", "same"]
     (out_a, stats_a), (out_b, stats_b) = results
-    assert out_a["generated_text"].to_list() == ["emas", "a ylno", None, "emas"] and out_a["error"][2].startswith("null_text")
+    assert out_a["generated_text"].to_list() == ["emas", "a ylno", None, "emas"] and out_a["error"][2].startswith(
+        "null_text"
+    )
     assert out_b["generated_text"].to_list() == ["b ylno", "emas"]
     assert (stats_a.rows_inferred, stats_b.rows_inferred) == (2, 2)
     # Each partition's checkpoints hold what it needs: a re-run of b alone starts no engine.
     assert sorted(stores[1].load()["generated_text"].to_list()) == ["b ylno", "emas"]
     rerun = Session(Engine(fail_after=0), batch_size=100)
     out, stats = infer(b, Engine(fail_after=0), stores[1], session=rerun)
-    assert rerun.starts == 0 and stats.rows_from_checkpoint == 2 and out["generated_text"].to_list() == ["b ylno", "emas"]
+    assert (
+        rerun.starts == 0 and stats.rows_from_checkpoint == 2 and out["generated_text"].to_list() == ["b ylno", "emas"]
+    )
 
 
 def test_without_deduplication_partitions_never_share_a_result(tmp_path: Path) -> None:
     engine = Engine()
     results = run_inference(
-        [PartitionInput(formatted_frame(["x"]), encode, None, "a"), PartitionInput(formatted_frame(["x"]), encode, None, "b")],
-        session=Session(engine, batch_size=10), max_model_len=64, max_tokens=8, batch_size=10, deduplicate=False,
+        [
+            PartitionInput(formatted_frame(["x"]), encode, None, "a"),
+            PartitionInput(formatted_frame(["x"]), encode, None, "b"),
+        ],
+        session=Session(engine, batch_size=10),
+        max_model_len=64,
+        max_tokens=8,
+        batch_size=10,
+        deduplicate=False,
     )
     assert len(engine.seen) == 2 and [out["generated_text"].to_list() for out, _ in results] == [["x"], ["x"]]
 
@@ -270,6 +288,10 @@ def test_a_per_request_max_tokens_decides_whether_a_prompt_fits() -> None:
     engine = Engine()
     [(out, stats)] = run_inference(
         [PartitionInput(formatted_frame(["short"]), encode_long_answers, None)],
-        session=Session(engine, batch_size=4), max_model_len=64, max_tokens=8, batch_size=4, deduplicate=True,
+        session=Session(engine, batch_size=4),
+        max_model_len=64,
+        max_tokens=8,
+        batch_size=4,
+        deduplicate=True,
     )
     assert engine.seen == [] and out["error"][0].startswith("prompt_too_long: 7 prompt tokens + 60 max_tokens")

@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from batch_assets.definitions import build_definitions, pipeline_job_name
-from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets.pipeline.task_spec import TaskSpec, load_task_specs
+from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import drop
 
 SENTIMENT = next(task for task in load_task_specs() if task.name == "sentiment")
@@ -42,11 +42,16 @@ def run(task: TaskSpec, file_name: str, instance: dg.DagsterInstance, use_result
 
 
 def labels_of(data: Path, file_name: str) -> pl.DataFrame:
-    return pl.read_parquet(data / "storage" / "sentiment" / "validated_labels" / f"{partition_key_for(file_name)}.parquet")
+    return pl.read_parquet(
+        data / "storage" / "sentiment" / "validated_labels" / f"{partition_key_for(file_name)}.parquet"
+    )
 
 
 def inference_metadata(result) -> dict:
-    return {k: v.value for k, v in result.asset_materializations_for_node("sentiment__inference_outputs")[0].metadata.items()}
+    return {
+        k: v.value
+        for k, v in result.asset_materializations_for_node("sentiment__inference_outputs")[0].metadata.items()
+    }
 
 
 def step_errors(result, event_type: str) -> list[str]:
@@ -97,7 +102,9 @@ def engine_core_processes() -> list[psutil.Process]:
     return found
 
 
-def test_an_engine_killed_mid_partition_fails_with_its_message_and_the_retry_resumes(data_dir: Path, tiny_model: str) -> None:
+def test_an_engine_killed_mid_partition_fails_with_its_message_and_the_retry_resumes(
+    data_dir: Path, tiny_model: str
+) -> None:
     drop(data_dir, "sentiment", "big.jsonl", posts(3000, "big"))
     task = sentiment(engine={"batch_size": 50})
     checkpoints = data_dir / "storage" / "sentiment" / "_checkpoints" / "big.jsonl"
@@ -129,7 +136,11 @@ def test_an_engine_killed_mid_partition_fails_with_its_message_and_the_retry_res
     assert metadata["rows_from_checkpoint"] >= 50
     assert metadata["rows_from_checkpoint"] + metadata["rows_inferred"] == 3000
     labels = labels_of(data_dir, "big.jsonl")
-    assert labels.height == 3000 and labels["row_id"].to_list() == list(range(3000)) and labels["error"].null_count() == 3000
+    assert (
+        labels.height == 3000
+        and labels["row_id"].to_list() == list(range(3000))
+        and labels["error"].null_count() == 3000
+    )
 
 
 def test_a_kv_cache_larger_than_memory_fails_at_once_naming_the_setting(data_dir: Path, tiny_model: str) -> None:
@@ -161,9 +172,14 @@ def test_the_stream_returns_every_result_once_honours_per_request_overrides_and_
     from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec
 
     engine = VLLMEngine()
-    task = sentiment(engine={"vllm_args": {"max_num_seqs": 8}})  # window of 16 requests: prompts are pulled in many top-ups
+    task = sentiment(
+        engine={"vllm_args": {"max_num_seqs": 8}}
+    )  # window of 16 requests: prompts are pulled in many top-ups
     tokenizer = engine.tokenizer(task)
-    prompts = [Prompt(tuple(tokenizer(f"post {i}: the parcel arrived late", add_special_tokens=False)["input_ids"])) for i in range(60)]
+    prompts = [
+        Prompt(tuple(tokenizer(f"post {i}: the parcel arrived late", add_special_tokens=False)["input_ids"]))
+        for i in range(60)
+    ]
     pulled: list[int] = []
 
     def lazily(items):
@@ -233,7 +249,9 @@ def test_two_data_parallel_engine_replicas_give_the_labels_of_one(tiny_model: st
         engine = VLLMEngine(data_parallel_size=size)
         assert engine.settings(task).data_parallel_size == int(size)
         tokenizer = engine.tokenizer(task)
-        prompts = [Prompt(tuple(tokenizer(f"post {i}: late again", add_special_tokens=False)["input_ids"])) for i in range(40)]
+        prompts = [
+            Prompt(tuple(tokenizer(f"post {i}: late again", add_special_tokens=False)["input_ids"])) for i in range(40)
+        ]
         with engine.session(task) as session:
             labels[size] = [g.text for _, g in sorted(session.stream(prompts), key=lambda item: item[0])]
         PROCESS_ENGINE.shutdown()

@@ -25,8 +25,8 @@ import polars as pl
 import pytest
 
 from batch_assets.definitions import build_definitions
-from batch_assets.engines.protocol import Prompt
 from batch_assets.engines.openai_engine import OpenAIEngine
+from batch_assets.engines.protocol import Prompt
 from batch_assets.pipeline.task_spec import load_task_spec, load_task_specs
 from batch_assets_tests.conftest import REPO_ROOT, SAMPLES, drop
 from batch_assets_tests.test_pipeline_materialize import failure_messages, read_output, run_partition
@@ -122,7 +122,9 @@ def test_sentiment_sample_through_vllm_serve_matches_the_in_process_engine(
     drop(data_dir, "sentiment", "in-process.jsonl", sample.read_bytes())
     task = sentiment_on_endpoint(tmp_path, vllm_server)
     with dg.instance_for_test() as instance:
-        endpoint_key, endpoint_run = run_partition("sentiment", "via-endpoint.jsonl", instance, build_definitions(tasks=[task]))
+        endpoint_key, endpoint_run = run_partition(
+            "sentiment", "via-endpoint.jsonl", instance, build_definitions(tasks=[task])
+        )
         assert endpoint_run.success, failure_messages(endpoint_run)
         checks = {e.check_name: e.passed for e in endpoint_run.get_asset_check_evaluations()}
         assert all(checks.values()), checks
@@ -168,7 +170,9 @@ def test_resource_config_sends_a_shipped_task_to_the_endpoint(
     assert (labels["num_generated_tokens"] > 0).all() and labels["generated_text"].str.len_chars().min() > 0
 
 
-def test_regex_and_json_schema_constraints_reach_the_server(tmp_path: Path, vllm_server: Server, server_key: str) -> None:
+def test_regex_and_json_schema_constraints_reach_the_server(
+    tmp_path: Path, vllm_server: Server, server_key: str
+) -> None:
     base = sentiment_on_endpoint(tmp_path, vllm_server)
     engine = OpenAIEngine()
     tokenizer = engine.tokenizer(base)
@@ -176,7 +180,9 @@ def test_regex_and_json_schema_constraints_reach_the_server(tmp_path: Path, vllm
     prompts = [Prompt(tuple(tokenizer(p)["input_ids"]), ({"role": "user", "content": p},)) for p in posts]
 
     regex_task = base.model_copy(
-        update={"output": base.output.model_copy(update={"kind": "regex", "regex": "[a-z]{2}-[0-9]{3}", "choices": None})}
+        update={
+            "output": base.output.model_copy(update={"kind": "regex", "regex": "[a-z]{2}-[0-9]{3}", "choices": None})
+        }
     )
     for generation in engine.generate(regex_task, prompts):
         assert generation.error is None

@@ -24,8 +24,8 @@ import polars as pl
 import pytest
 
 from batch_assets.definitions import build_definitions
-from batch_assets.engines.protocol import Prompt
 from batch_assets.engines.openai_engine import EndpointError, OpenAIEngine, chat_request_params
+from batch_assets.engines.protocol import Prompt
 from batch_assets.pipeline.task_spec import load_task_spec
 from batch_assets_tests.conftest import REPO_ROOT, drop
 from batch_assets_tests.test_pipeline_materialize import failure_messages, read_output, run_partition
@@ -116,7 +116,9 @@ class FaultServer:
                         "object": "chat.completion",
                         "created": 0,
                         "model": body["model"],
-                        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                        "choices": [
+                            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+                        ],
                         "usage": {"prompt_tokens": 11, "completion_tokens": 2, "total_tokens": 13},
                     },
                 )
@@ -195,7 +197,14 @@ def endpoint_task(tmp_path: Path, base_url: str, tiny_model_path: str, **engine:
     return load_task_spec(folder / "sentiment.yaml")
 
 
-POSTS = ["alpha is great", "bravo was awful", "charlie meeting at noon", "delta is fine", "echo loved it", "foxtrot tonight"]
+POSTS = [
+    "alpha is great",
+    "bravo was awful",
+    "charlie meeting at noon",
+    "delta is fine",
+    "echo loved it",
+    "foxtrot tonight",
+]
 
 
 def posts_jsonl(texts: list[str]) -> str:
@@ -226,7 +235,11 @@ def test_request_fields_follow_vllms_protocol(tmp_path: Path, tiny_model_path: s
     assert request.structured_outputs.choice == ["positive", "negative", "neutral"]
 
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
-    json_task = task.model_copy(update={"output": task.output.model_copy(update={"kind": "json_schema", "json_schema": schema, "choices": None})})
+    json_task = task.model_copy(
+        update={
+            "output": task.output.model_copy(update={"kind": "json_schema", "json_schema": schema, "choices": None})
+        }
+    )
     params = chat_request_params(json_task, "m")
     request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **params})
     assert request.extract_structured_outputs().json == schema
@@ -235,7 +248,12 @@ def test_request_fields_follow_vllms_protocol(tmp_path: Path, tiny_model_path: s
 def test_transient_faults_are_retried_and_every_row_succeeds(
     tmp_path: Path, tiny_model_path: str, fault_server: FaultServer, endpoint_key: str
 ) -> None:
-    fault_server.plan = {"alpha": ["429", "429", "ok"], "bravo": ["500", "ok"], "charlie": ["drop", "ok"], "delta": ["slow", "ok"]}
+    fault_server.plan = {
+        "alpha": ["429", "429", "ok"],
+        "bravo": ["500", "ok"],
+        "charlie": ["drop", "ok"],
+        "delta": ["slow", "ok"],
+    }
     task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path)
     engine = OpenAIEngine()
     tokenizer = engine.tokenizer(task)
@@ -267,7 +285,10 @@ def test_per_request_sampling_and_output_overrides_reach_the_server(
     defaults, overridden = OpenAIEngine().generate(task, prompts)
     assert defaults.text in ("positive", "negative", "neutral") and overridden.text in ("yes", "no")
     sent = {body["messages"][-1]["content"]: body for body in fault_server.bodies}
-    assert (sent["task defaults"]["max_tokens"], sent["task defaults"]["temperature"]) == (task.sampling.max_tokens, 0.0)
+    assert (sent["task defaults"]["max_tokens"], sent["task defaults"]["temperature"]) == (
+        task.sampling.max_tokens,
+        0.0,
+    )
     assert (sent["overridden"]["max_tokens"], sent["overridden"]["temperature"]) == (5, 0.7)
     assert sent["overridden"]["structured_outputs"] == {"choice": ["yes", "no"]}
 
@@ -284,7 +305,13 @@ def test_requests_in_flight_are_limited_by_concurrency(tmp_path: Path, tiny_mode
 def test_a_request_that_keeps_failing_becomes_an_error_row(
     tmp_path: Path, data_dir: Path, tiny_model_path: str, fault_server: FaultServer, endpoint_key: str
 ) -> None:
-    fault_server.plan = {"bravo": ["500"], "delta": ["slow"], "echo": ["drop"], "foxtrot": ["garbage"], "alpha": ["429", "ok"]}
+    fault_server.plan = {
+        "bravo": ["500"],
+        "delta": ["slow"],
+        "echo": ["drop"],
+        "foxtrot": ["garbage"],
+        "alpha": ["429", "ok"],
+    }
     task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path)
     drop(data_dir, "sentiment", "posts.jsonl", posts_jsonl(POSTS))
     with dg.instance_for_test() as instance:
@@ -320,7 +347,9 @@ def test_server_down_fails_the_run_with_a_clear_message(
     assert not (data_dir / "storage" / "sentiment" / "inference_outputs" / f"{key}.parquet").exists()
 
 
-def test_model_discovery_against_a_down_server_names_the_server(tmp_path: Path, tiny_model_path: str, endpoint_key: str) -> None:
+def test_model_discovery_against_a_down_server_names_the_server(
+    tmp_path: Path, tiny_model_path: str, endpoint_key: str
+) -> None:
     base_url = f"http://127.0.0.1:{free_port()}/v1"
     task = endpoint_task(tmp_path, base_url, tiny_model_path, model="embedded:SmolLM2-135M-Instruct", max_retries=0)
     with pytest.raises(EndpointError, match="cannot connect to the endpoint"):

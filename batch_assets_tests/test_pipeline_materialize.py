@@ -9,9 +9,9 @@ import polars as pl
 import pytest
 
 from batch_assets.definitions import build_definitions, pipeline_job_name
-from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets.engines.vllm_engine import VLLMEngine
 from batch_assets.pipeline.task_spec import load_task_specs
+from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import SAMPLES, drop
 
 TASKS = {task.name: task for task in load_task_specs()}
@@ -71,9 +71,14 @@ def test_sample_partition_materializes_with_valid_labels(task: str, data_dir: Pa
         else:
             assert good["label"].to_list() == good["generated_text"].to_list()
 
-        metadata = instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=dg.AssetKey([task, "inference_outputs"]), asset_partitions=[key]), limit=1
-        ).records[0].asset_materialization.metadata
+        metadata = (
+            instance.fetch_materializations(
+                dg.AssetRecordsFilter(asset_key=dg.AssetKey([task, "inference_outputs"]), asset_partitions=[key]),
+                limit=1,
+            )
+            .records[0]
+            .asset_materialization.metadata
+        )
         value = {name: entry.value for name, entry in metadata.items()}
         assert value["rows"] == raw.height
         assert value["error_rows"] == 0

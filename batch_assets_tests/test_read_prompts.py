@@ -80,7 +80,10 @@ def test_jsonl_bad_lines_become_error_rows_naming_file_and_line() -> None:
 
 def test_jsonl_wrong_field_name_fails_the_file_listing_the_fields_found() -> None:
     data = b'{"Text": "a", "id": 1}\n{"Text": "b", "lang": "en"}\n'
-    with pytest.raises(DropFileError, match=r"posts\.jsonl: no record has the field\(s\) \['text'\]; fields found: \['Text', 'id', 'lang'\]"):
+    with pytest.raises(
+        DropFileError,
+        match=r"posts\.jsonl: no record has the field\(s\) \['text'\]; fields found: \['Text', 'id', 'lang'\]",
+    ):
         read_prompts(data, "posts.jsonl", TEXT)
 
 
@@ -114,7 +117,7 @@ def test_jsonl_very_deep_nesting_is_an_error_row() -> None:
 
 def test_csv_quoted_commas_quotes_and_newlines_stay_in_their_field() -> None:
     data = (
-        b'Index,Company,City\n'
+        b"Index,Company,City\n"
         b'1,"Hartley & Boone, LLP","Columbus"\n'
         b'2,"The ""Quoted"" Co","Cork\nIreland"\n'
         b'3,"Multi\r\nline\r\nname",Paris\n'
@@ -150,7 +153,9 @@ def test_csv_unterminated_quote_does_not_lose_the_records_before_it() -> None:
 
 
 def test_csv_wrong_column_fails_the_file_listing_the_columns_found() -> None:
-    with pytest.raises(DropFileError, match=r"c\.csv: column\(s\) \['Company'\] not found; columns found: \['Name', 'City'\]"):
+    with pytest.raises(
+        DropFileError, match=r"c\.csv: column\(s\) \['Company'\] not found; columns found: \['Name', 'City'\]"
+    ):
         read_prompts(b"Name,City\nAcme,Paris\n", "c.csv", COMPANY)
 
 
@@ -170,7 +175,14 @@ def test_csv_byte_order_mark_is_not_part_of_the_first_column_name() -> None:
 
 @pytest.mark.parametrize(
     ("name", "data"),
-    [("e.jsonl", b""), ("e.csv", b""), ("e.txt", b""), ("w.jsonl", b"\n \n\t\n"), ("w.txt", b"\r\n"), ("bom.csv", b"\xef\xbb\xbf")],
+    [
+        ("e.jsonl", b""),
+        ("e.csv", b""),
+        ("e.txt", b""),
+        ("w.jsonl", b"\n \n\t\n"),
+        ("w.txt", b"\r\n"),
+        ("bom.csv", b"\xef\xbb\xbf"),
+    ],
 )
 def test_an_empty_file_gives_zero_rows_with_the_text_column(name: str, data: bytes) -> None:
     options = COMPANY if name.endswith(".csv") else TEXT
@@ -220,7 +232,7 @@ def test_unreadable_parquet_and_unknown_suffix_fail_the_file() -> None:
     ("name", "data", "options"),
     [
         ("posts.jsonl.gz", b'{"text": "a"}\nnot json\n{"text": "c"}\n', TEXT),
-        ("Customers.CSV.GZ", b"Company,City\nAcme,Paris\n\"Law, LLP\",Rome\n", COMPANY),
+        ("Customers.CSV.GZ", b'Company,City\nAcme,Paris\n"Law, LLP",Rome\n', COMPANY),
         ("prompts.txt.gz", "one\ntwo \u00e9\n".encode(), TEXT),
     ],
 )
@@ -298,7 +310,9 @@ def check_shape(frame: pl.DataFrame) -> None:
 LINE_BYTES = st.lists(
     st.one_of(
         st.binary(max_size=40),
-        st.sampled_from([b'{"text": "ok"}', b'{"text": 1}', b"{}", b"[]", b'{"text": "\\ud800"}', b"\xff\xfe", b"\r", b" "]),
+        st.sampled_from(
+            [b'{"text": "ok"}', b'{"text": 1}', b"{}", b"[]", b'{"text": "\\ud800"}', b"\xff\xfe", b"\r", b" "]
+        ),
     ),
     max_size=12,
 ).map(b"\n".join)
@@ -345,7 +359,9 @@ JSON_VALUES = st.recursive(
     max_leaves=6,
 )
 RECORDS = st.lists(
-    st.fixed_dictionaries({"text": st.text()}, optional={"id": st.integers(), "meta": JSON_VALUES, "lang": st.text(max_size=3)}),
+    st.fixed_dictionaries(
+        {"text": st.text()}, optional={"id": st.integers(), "meta": JSON_VALUES, "lang": st.text(max_size=3)}
+    ),
     min_size=1,
     max_size=20,
 )
@@ -369,11 +385,15 @@ CSV_CELLS = st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size
 
 
 @settings(max_examples=200, deadline=None)
-@given(rows=st.lists(st.tuples(CSV_CELLS, CSV_CELLS), min_size=1, max_size=20), terminator=st.sampled_from(["\n", "\r\n"]))
+@given(
+    rows=st.lists(st.tuples(CSV_CELLS, CSV_CELLS), min_size=1, max_size=20), terminator=st.sampled_from(["\n", "\r\n"])
+)
 def test_csv_records_round_trip_with_the_line_each_starts_on(rows: list[tuple[str, str]], terminator: str) -> None:
     buffer = io.StringIO(newline="")
     # With "\n" line ends a bare "\r" is only safe inside quotes (the csv module ends lines at "\r" too).
-    writer = csv.writer(buffer, lineterminator=terminator, quoting=csv.QUOTE_MINIMAL if terminator == "\r\n" else csv.QUOTE_ALL)
+    writer = csv.writer(
+        buffer, lineterminator=terminator, quoting=csv.QUOTE_MINIMAL if terminator == "\r\n" else csv.QUOTE_ALL
+    )
     writer.writerow(["Company", "note"])
     starts = []
     for row in rows:

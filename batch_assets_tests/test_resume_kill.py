@@ -37,7 +37,9 @@ def small_batch_tasks(folder: Path, batch_size: int) -> Path:
 def write_posts(path: Path, n: int, tag: str) -> Path:
     with path.open("w") as handle:
         for i in range(n):
-            handle.write(json.dumps({"id": f"{tag}-{i}", "text": f"{tag} post {i}: the delivery took {i % 9} days"}) + "\n")
+            handle.write(
+                json.dumps({"id": f"{tag}-{i}", "text": f"{tag} post {i}: the delivery took {i % 9} days"}) + "\n"
+            )
     return path
 
 
@@ -67,7 +69,12 @@ def child_env(data_dir: Path, tiny_model: str, tmp_path: Path) -> dict[str, str]
 def run_cli(env: dict[str, str], cwd: Path, *files: str, log: Path) -> subprocess.Popen:
     with log.open("ab") as out:
         return subprocess.Popen(
-            [str(CLI), "run", "sentiment", *files], cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            [str(CLI), "run", "sentiment", *files],
+            cwd=cwd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
 
@@ -121,10 +128,18 @@ def test_kill_9_mid_inference_then_rerun_gives_each_row_once_and_reuses_checkpoi
     assert b["label"].null_count() == 0 and b["error"].null_count() == 5000
     assert pl.read_parquet(outputs / "c.jsonl.parquet").height == 200
     assert (outputs / "a.jsonl.parquet").stat().st_mtime_ns == a_written
-    assert len(instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=labels_key, asset_partitions=["a.jsonl"]), limit=10).records) == 1
+    assert (
+        len(
+            instance.fetch_materializations(
+                dg.AssetRecordsFilter(asset_key=labels_key, asset_partitions=["a.jsonl"]), limit=10
+            ).records
+        )
+        == 1
+    )
 
     record = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=dg.AssetKey(["sentiment", "inference_outputs"]), asset_partitions=["b.jsonl"]), limit=1
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(["sentiment", "inference_outputs"]), asset_partitions=["b.jsonl"]),
+        limit=1,
     ).records[0]
     metadata = record.asset_materialization.metadata
     reused, inferred = metadata["rows_from_checkpoint"].value, metadata["rows_inferred"].value
@@ -156,7 +171,9 @@ def test_engine_processes_die_with_a_run_whose_main_process_alone_is_killed(
         assert time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.05)
     main = psutil.Process(child.pid)
-    engine = [p for p in main.children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()]
+    engine = [
+        p for p in main.children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()
+    ]
     assert engine, [p.cmdline() for p in main.children(recursive=True)]
     os.kill(child.pid, signal.SIGKILL)
     child.wait(timeout=30)

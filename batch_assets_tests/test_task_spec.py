@@ -36,7 +36,9 @@ def test_a_new_task_is_just_a_yaml_file(tmp_path: Path) -> None:
     write(tmp_path, "tickets", GOOD)
     defs = build_definitions(load_task_specs(tmp_path))
     keys = {key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()}
-    assert keys == {f"tickets/{a}" for a in ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels")}
+    assert keys == {
+        f"tickets/{a}" for a in ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels")
+    }
     assert defs.resolve_sensor_def("tickets_drops_sensor") is not None
     assert defs.resolve_job_def("tickets_pipeline") is not None
 
@@ -48,7 +50,10 @@ def test_a_new_task_is_just_a_yaml_file(tmp_path: Path) -> None:
         (GOOD.replace("kind: choices, choices: [yes, no]", "kind: choices"), "needs a non-empty `choices`"),
         (GOOD.replace("kind: choices", "kind: sql"), "kind"),
         (GOOD + "\nunknown_key: 1\n", "unknown_key"),
-        (GOOD.replace("[yes, no]", "[yes, no, a_very_long_choice_name]") + "\nsampling: {max_tokens: 4}\n", "max_tokens"),
+        (
+            GOOD.replace("[yes, no]", "[yes, no, a_very_long_choice_name]") + "\nsampling: {max_tokens: 4}\n",
+            "max_tokens",
+        ),
         ("just a string", "mapping"),
         ("input: [unclosed", "not valid YAML"),
     ],

@@ -24,8 +24,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets.pipeline.task_spec import load_task_specs
+from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import REPO_ROOT, SAMPLES
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -105,7 +105,9 @@ def stop(server: subprocess.Popen) -> None:
 
 
 @pytest.fixture
-def ui(tmp_path: Path, tiny_model_path: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, dg.DagsterInstance, str]]:
+def ui(
+    tmp_path: Path, tiny_model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[str, dg.DagsterInstance, str]]:
     """`batch-assets ui` with one sentiment drop registered as a partition: (base URL, instance, partition key)."""
     home, data = tmp_path / "dagster_home", tmp_path / "data"
     home.mkdir()
@@ -227,7 +229,9 @@ def test_materialize_a_partition_from_the_ui(ui, page: sync_api.Page) -> None:
     page.screenshot(path=SCREENSHOTS / "partition-metadata-inference.png", full_page=True)
 
     # What the UI showed is what the instance recorded.
-    check_keys = [dg.AssetCheckKey(dg.AssetKey(["sentiment", asset]), name) for asset, names in CHECKS.items() for name in names]
+    check_keys = [
+        dg.AssetCheckKey(dg.AssetKey(["sentiment", asset]), name) for asset, names in CHECKS.items() for name in names
+    ]
     latest = instance.event_log_storage.get_latest_asset_check_execution_by_key(check_keys)
     assert {check_key.name: (record.run_id, record.status.value) for check_key, record in latest.items()} == {
         check_key.name: (run_id, "SUCCEEDED") for check_key in check_keys

@@ -20,7 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-STAGE = r'''
+STAGE = r"""
 import json, resource, sys, time
 from pathlib import Path
 import polars as pl
@@ -56,11 +56,13 @@ else:
     rows = labels.height
 print(json.dumps({"stage": stage, "rows": rows, "seconds": seconds,
                   "max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)}))
-'''
+"""
 
 
 def run_stage(stage: str, csv_path: Path, work: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", STAGE, stage, str(csv_path), str(work)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", STAGE, stage, str(csv_path), str(work)], capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -73,8 +75,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         csv_path = work / f"customers-{args.rows}.csv"
-        subprocess.run([sys.executable, str(HERE / "generate_customers.py"), str(args.rows), str(csv_path),
-                        "--repeat-share", str(args.repeat_share)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(HERE / "generate_customers.py"),
+                str(args.rows),
+                str(csv_path),
+                "--repeat-share",
+                str(args.repeat_share),
+            ],
+            check=True,
+        )
         results: dict[str, list[dict]] = {"raw_to_formatted": [], "outputs_to_validated": []}
         for _ in range(args.runs):
             for stage in results:

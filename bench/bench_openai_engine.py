@@ -34,22 +34,28 @@ MAX_NUM_SEQS = 256
 
 
 def prompts_and_task(rows: int, model: str):
+    from batch_assets.engines.openai_engine import OpenAIEngine
+    from batch_assets.engines.protocol import prompt_encoder
     from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts
     from batch_assets.pipeline.read_prompts import ParseOptions, read_prompts
-    from batch_assets.engines.protocol import prompt_encoder
-    from batch_assets.engines.openai_engine import OpenAIEngine
     from batch_assets.pipeline.task_spec import load_task_specs
 
     task = {t.name: t for t in load_task_specs()}["sentiment"]
     sample = REPO_ROOT / "batch_assets" / "samples" / "sentiment" / "posts-sample.jsonl"
     posts = [json.loads(line)["text"] for line in sample.read_text().splitlines() if line.strip()]
     texts = [f"{posts[i % len(posts)]} (#{i})" for i in range(rows)]
-    raw = read_prompts("".join(json.dumps({"text": t}) + "\n" for t in texts).encode(), "bench.jsonl", ParseOptions(("text",), "text"))
+    raw = read_prompts(
+        "".join(json.dumps({"text": t}) + "\n" for t in texts).encode(), "bench.jsonl", ParseOptions(("text",), "text")
+    )
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    fmt = PromptFormat(task.prompt.system, task.prompt.template, task.prompt.raw_template, tuple(task.input.text_fields))
-    formatted = format_prompts(raw, fmt, tokenizer, max_model_len=1024, max_tokens=task.sampling.max_tokens, source_file="bench")
+    fmt = PromptFormat(
+        task.prompt.system, task.prompt.template, task.prompt.raw_template, tuple(task.input.text_fields)
+    )
+    formatted = format_prompts(
+        raw, fmt, tokenizer, max_model_len=1024, max_tokens=task.sampling.max_tokens, source_file="bench"
+    )
     assert formatted["error"].null_count() == formatted.height
     # Token ids carrying chat messages: the in-process engine reads the ids, the endpoint the messages.
     encode = prompt_encoder(OpenAIEngine(), task, tokenizer, formatted)
@@ -103,7 +109,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=512)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--model", default="embedded:SmolLM2-135M-Instruct", help="model path, id or embedded:…")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[64], help="endpoint requests in flight (several: a sweep)")
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=[64], help="endpoint requests in flight (several: a sweep)"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
@@ -119,7 +127,9 @@ def main() -> None:
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / "bench_openai_engine_server.log"
     process, base_url = start_server(model, log_path)
     local_engine = VLLMEngine(
-        model=model, max_model_len=1024, kv_cache_memory_gib=KV_CACHE_BYTES / (1 << 30),
+        model=model,
+        max_model_len=1024,
+        kv_cache_memory_gib=KV_CACHE_BYTES / (1 << 30),
         vllm_args={"max_num_seqs": MAX_NUM_SEQS, "enforce_eager": True},
     )
 
@@ -154,11 +164,14 @@ def main() -> None:
         "in_process_rows_per_s": [round(r, 1) for r in local],
         "in_process_median": round(statistics.median(local), 1),
         "endpoint": {
-            str(c): {"rows_per_s": [round(r, 1) for r in rates], "median": round(statistics.median(rates), 1)} for c, rates in remote.items()
+            str(c): {"rows_per_s": [round(r, 1) for r in rates], "median": round(statistics.median(rates), 1)}
+            for c, rates in remote.items()
         },
     }
     print(f"{args.rows} sentiment prompts, {args.model}, median of {args.runs} runs (load average {load:.1f} at start)")
-    print(f"  in-process vLLM               {report['in_process_median']:8.1f} rows/s   {report['in_process_rows_per_s']}")
+    print(
+        f"  in-process vLLM               {report['in_process_median']:8.1f} rows/s   {report['in_process_rows_per_s']}"
+    )
     for concurrency, values in report["endpoint"].items():
         print(f"  endpoint, {concurrency:>3} in flight      {values['median']:8.1f} rows/s   {values['rows_per_s']}")
     if args.json:

@@ -26,27 +26,42 @@ VENV_BIN = Path(sys.executable).parent
 
 def plain(csv_path: Path, work: Path) -> dict:
     started = time.perf_counter()
-    out = subprocess.run([sys.executable, str(HERE / "plain_vllm_script.py"), str(csv_path), str(work / "plain.parquet")],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, str(HERE / "plain_vllm_script.py"), str(csv_path), str(work / "plain.parquet")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     wall = time.perf_counter() - started
     result = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
-    return {"wall": wall, "engine_rows_per_s": result["rows"] / result["chat_seconds"],
-            "tokens_per_s": result["generated_tokens"] / result["chat_seconds"]}
+    return {
+        "wall": wall,
+        "engine_rows_per_s": result["rows"] / result["chat_seconds"],
+        "tokens_per_s": result["generated_tokens"] / result["chat_seconds"],
+    }
 
 
 def pipeline(csv_path: Path, work: Path) -> dict:
     env = {**os.environ, "DAGSTER_HOME": str(work / "home"), "BATCH_ASSETS_DATA": str(work / "data")}
     started = time.perf_counter()
-    done = subprocess.run([str(VENV_BIN / "batch-assets"), "run", "industry", str(csv_path)], env=env, cwd=work,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [str(VENV_BIN / "batch-assets"), "run", "industry", str(csv_path)],
+        env=env,
+        cwd=work,
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:  # say why, instead of a bare CalledProcessError
         raise SystemExit(f"batch-assets run failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
     wall = time.perf_counter() - started
     metadata = inference_metadata(work / "home")
     seconds = metadata.get("inference_seconds", metadata["engine_seconds"])
-    return {"wall": wall, "engine_rows_per_s": metadata["rows"] / seconds,
-            "tokens_per_s": metadata["generated_tokens"] / seconds,
-            "rows_deduplicated": metadata["rows_deduplicated"]}
+    return {
+        "wall": wall,
+        "engine_rows_per_s": metadata["rows"] / seconds,
+        "tokens_per_s": metadata["generated_tokens"] / seconds,
+        "rows_deduplicated": metadata["rows_deduplicated"],
+    }
 
 
 def inference_metadata(home: Path) -> dict:
@@ -66,26 +81,43 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         csv_path = Path(tmp) / f"customers-{args.rows}.csv"
-        subprocess.run([sys.executable, str(HERE / "generate_customers.py"), str(args.rows), str(csv_path),
-                        "--repeat-share", str(args.repeat_share)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(HERE / "generate_customers.py"),
+                str(args.rows),
+                str(csv_path),
+                "--repeat-share",
+                str(args.repeat_share),
+            ],
+            check=True,
+        )
         plains, pipes = [], []
         for index in range(args.runs):
             for kind, fn, bucket in (("plain", plain, plains), ("pipeline", pipeline, pipes)):
                 work = Path(tmp) / f"{kind}-{index}"
                 work.mkdir()
                 bucket.append(fn(csv_path, work))
-                print(f"run {index + 1} {kind}: {json.dumps({k: round(v, 2) for k, v in bucket[-1].items()})}", flush=True)
+                print(
+                    f"run {index + 1} {kind}: {json.dumps({k: round(v, 2) for k, v in bucket[-1].items()})}", flush=True
+                )
 
         def med(rows: list[dict], key: str) -> float:
             return statistics.median(r[key] for r in rows)
 
         print(f"\nrows {args.rows}, repeat share {args.repeat_share}, {args.runs} runs each, medians:")
-        print(f"  plain script : wall {med(plains, 'wall'):7.1f} s  engine {med(plains, 'engine_rows_per_s'):6.1f} rows/s  "
-              f"{med(plains, 'tokens_per_s'):7.1f} gen tok/s")
-        print(f"  batch-assets : wall {med(pipes, 'wall'):7.1f} s  engine {med(pipes, 'engine_rows_per_s'):6.1f} rows/s  "
-              f"{med(pipes, 'tokens_per_s'):7.1f} gen tok/s  (deduplicated rows {med(pipes, 'rows_deduplicated'):.0f})")
-        print(f"  ratios       : wall pipeline/plain {med(pipes, 'wall') / med(plains, 'wall'):.3f}   "
-              f"engine rows/s pipeline/plain {med(pipes, 'engine_rows_per_s') / med(plains, 'engine_rows_per_s'):.3f}")
+        print(
+            f"  plain script : wall {med(plains, 'wall'):7.1f} s  engine {med(plains, 'engine_rows_per_s'):6.1f} rows/s  "
+            f"{med(plains, 'tokens_per_s'):7.1f} gen tok/s"
+        )
+        print(
+            f"  batch-assets : wall {med(pipes, 'wall'):7.1f} s  engine {med(pipes, 'engine_rows_per_s'):6.1f} rows/s  "
+            f"{med(pipes, 'tokens_per_s'):7.1f} gen tok/s  (deduplicated rows {med(pipes, 'rows_deduplicated'):.0f})"
+        )
+        print(
+            f"  ratios       : wall pipeline/plain {med(pipes, 'wall') / med(plains, 'wall'):.3f}   "
+            f"engine rows/s pipeline/plain {med(pipes, 'engine_rows_per_s') / med(plains, 'engine_rows_per_s'):.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -38,7 +38,9 @@ def fill_s3(bucket: str, prefix: str, count: int) -> None:
     boto3.client("s3").create_bucket(Bucket=bucket)
     backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
     for index in range(count):
-        backend.put_object(bucket, f"{prefix}/drops/sentiment/batch-{index // 100:03d}/posts-{index:05d}.jsonl", b'{"text": "x"}\n')
+        backend.put_object(
+            bucket, f"{prefix}/drops/sentiment/batch-{index // 100:03d}/posts-{index:05d}.jsonl", b'{"text": "x"}\n'
+        )
 
 
 def fill_local(root: Path, count: int) -> None:
@@ -77,17 +79,20 @@ def measure(label: str, repeats: int, setup, action) -> dict:
         "max_s": max(seconds),
         "detail": detail,
     }
-    print(f"  {label}: median {row['median_s']:.2f} s (min {row['min_s']:.2f}, max {row['max_s']:.2f}) {detail}", flush=True)
+    print(
+        f"  {label}: median {row['median_s']:.2f} s (min {row['min_s']:.2f}, max {row['max_s']:.2f}) {detail}",
+        flush=True,
+    )
     return row
 
 
 def run_scenarios(where: str, keys: int, repeats: int, data_url: str) -> list[dict]:
     import dagster as dg
 
-    from batch_assets.definitions import build_definitions, pipeline_job_name
-    from batch_assets.storage.drop_files import list_drop_files
     from batch_assets.dagster_defs.sensors import build_drops_sensor
+    from batch_assets.definitions import build_definitions, pipeline_job_name
     from batch_assets.pipeline.task_spec import load_task_specs
+    from batch_assets.storage.drop_files import list_drop_files
 
     task = next(task for task in load_task_specs() if task.name == "sentiment")
     job = build_definitions().resolve_job_def(pipeline_job_name("sentiment"))

@@ -12,16 +12,76 @@ import argparse
 import csv
 import random
 
-FIRST = ["Hartley", "Boone", "Acme", "Global", "Nguyen", "Patel", "Ortiz", "Reyes", "Moreno", "Keystone", "Harbor",
-         "Bright", "Kitsune", "Summit", "Pine", "River", "Oak", "Stone", "North", "Vega", "Lumen", "Cedar", "Atlas",
-         "Nimbus", "Quartz", "Sierra", "Falcon", "Granite", "Willow", "Beacon"]
+FIRST = [
+    "Hartley",
+    "Boone",
+    "Acme",
+    "Global",
+    "Nguyen",
+    "Patel",
+    "Ortiz",
+    "Reyes",
+    "Moreno",
+    "Keystone",
+    "Harbor",
+    "Bright",
+    "Kitsune",
+    "Summit",
+    "Pine",
+    "River",
+    "Oak",
+    "Stone",
+    "North",
+    "Vega",
+    "Lumen",
+    "Cedar",
+    "Atlas",
+    "Nimbus",
+    "Quartz",
+    "Sierra",
+    "Falcon",
+    "Granite",
+    "Willow",
+    "Beacon",
+]
 SECOND = ["Hill", "Bay", "Point", "Ridge", "Field", "Gate", "Works", "Labs", "Street", "Valley", "Park", "Crest"]
-KIND = ["LLP", "Inc.", "Group", "and Sons", "Health", "Medical Center", "Software", "Systems", "Retail", "Outfitters",
-        "Consulting", "Advisory Partners", "Manufacturing", "Industries", "Bank", "Capital", "Realty", "Properties",
-        "Legal", "Clinic"]
+KIND = [
+    "LLP",
+    "Inc.",
+    "Group",
+    "and Sons",
+    "Health",
+    "Medical Center",
+    "Software",
+    "Systems",
+    "Retail",
+    "Outfitters",
+    "Consulting",
+    "Advisory Partners",
+    "Manufacturing",
+    "Industries",
+    "Bank",
+    "Capital",
+    "Realty",
+    "Properties",
+    "Legal",
+    "Clinic",
+]
 CITIES = ["Paris", "Austin", "Osaka", "Lagos", "Lima", "Oslo", "Pune", "Quito", "Perth", "Turin"]
-HEADER = ["Index", "Customer Id", "First Name", "Last Name", "Company", "City", "Country", "Phone 1", "Phone 2",
-          "Email", "Subscription Date", "Website"]
+HEADER = [
+    "Index",
+    "Customer Id",
+    "First Name",
+    "Last Name",
+    "Company",
+    "City",
+    "Country",
+    "Phone 1",
+    "Phone 2",
+    "Email",
+    "Subscription Date",
+    "Website",
+]
 
 
 def main() -> None:
@@ -43,9 +103,22 @@ def main() -> None:
                 # The index makes every fresh name distinct, so repeats are exactly the share asked for.
                 company = f"{rng.choice(FIRST)} {rng.choice(SECOND)} {rng.choice(KIND)} {index}"
                 seen.append(company)
-            writer.writerow([index + 1, f"{rng.getrandbits(60):015x}", "Ann", "Lee", company, rng.choice(CITIES),
-                             "France", "+1-555-0100", "555.0101", "ann.lee@example.com", "2021-05-14",
-                             "https://www.example.com"])
+            writer.writerow(
+                [
+                    index + 1,
+                    f"{rng.getrandbits(60):015x}",
+                    "Ann",
+                    "Lee",
+                    company,
+                    rng.choice(CITIES),
+                    "France",
+                    "+1-555-0100",
+                    "555.0101",
+                    "ann.lee@example.com",
+                    "2021-05-14",
+                    "https://www.example.com",
+                ]
+            )
 
 
 if __name__ == "__main__":

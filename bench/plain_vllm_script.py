@@ -26,7 +26,10 @@ def main() -> None:
     settings = VLLMEngine().settings(task)
     frame = pl.read_csv(source, infer_schema=False)
     messages = [
-        [{"role": "system", "content": task.prompt.system}, {"role": "user", "content": task.prompt.template.format(Company=c)}]
+        [
+            {"role": "system", "content": task.prompt.system},
+            {"role": "user", "content": task.prompt.template.format(Company=c)},
+        ]
         for c in frame["Company"].to_list()
     ]
     # The same engine arguments batch_assets passes (on a CPU: no chunked prefill, a fixed KV cache).
@@ -40,8 +43,18 @@ def main() -> None:
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     frame.with_columns(pl.Series("label", texts)).write_parquet(target)
     total = time.perf_counter() - started
-    print(json.dumps({"rows": frame.height, "chat_seconds": chat_seconds, "generated_tokens": generated,
-                      "engine_start_seconds": engine_ready - started, "wall_seconds": total}), flush=True)
+    print(
+        json.dumps(
+            {
+                "rows": frame.height,
+                "chat_seconds": chat_seconds,
+                "generated_tokens": generated,
+                "engine_start_seconds": engine_ready - started,
+                "wall_seconds": total,
+            }
+        ),
+        flush=True,
+    )
     del llm
 
 

@@ -86,7 +86,7 @@ def prompt_affixes(fmt: PromptFormat, tokenizer: Tokenizer) -> tuple[str, str] |
     if rendered.count(_SENTINEL) != 1:
         return None
     prefix, suffix = rendered.split(_SENTINEL)
-    for probe in (" padded text ", "line one\nline two", "{braces} and \"quotes\""):
+    for probe in (" padded text ", "line one\nline two", '{braces} and "quotes"'):
         if render_prompt(fmt, tokenizer, probe) != prefix + probe + suffix:
             return None
     return prefix, suffix
@@ -229,7 +229,9 @@ def format_prompts(
     else:
         frame = frame.with_columns(
             prompt=pl.when(ok).then(
-                pl.col("user_message").map_elements(lambda user: render_prompt(fmt, tokenizer, user), return_dtype=pl.String)
+                pl.col("user_message").map_elements(
+                    lambda user: render_prompt(fmt, tokenizer, user), return_dtype=pl.String
+                )
             )
         )
         frame = frame.with_columns(num_prompt_tokens=count_unique(tokenizer, frame["prompt"]))
@@ -260,12 +262,16 @@ def _split_special_tokens_in_user_text(frame: pl.DataFrame, encoder: PromptEncod
     if not encoder.specials:
         return frame
     ok = pl.col("error").is_null()
-    candidates = frame.with_row_index("_position").filter(ok & pl.col("user_message").str.contains_any(encoder.specials))
+    candidates = frame.with_row_index("_position").filter(
+        ok & pl.col("user_message").str.contains_any(encoder.specials)
+    )
     if candidates.height == 0:
         return frame
     counts = frame["num_prompt_tokens"].to_list()
     errors = frame["error"].to_list()
-    for position, prompt, user, line in candidates.select("_position", "prompt", "user_message", "source_line").iter_rows():
+    for position, prompt, user, line in candidates.select(
+        "_position", "prompt", "user_message", "source_line"
+    ).iter_rows():
         if encoder.user_text(prompt) is None:
             token = encoder.pattern.search(user).group()
             errors[position] = (

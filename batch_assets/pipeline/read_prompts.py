@@ -168,7 +168,9 @@ def _text_field_error(record: dict, fields: tuple[str, ...], file_name: str, lin
         if value is None:
             return _error("null_text", file_name, line, f"field {field!r} is null")
         if not isinstance(value, str):
-            kind = {dict: "an object", list: "a list", bool: "a boolean", int: "a number", float: "a number"}.get(type(value), type(value).__name__)
+            kind = {dict: "an object", list: "a list", bool: "a boolean", int: "a number", float: "a number"}.get(
+                type(value), type(value).__name__
+            )
             return _error("non_string_text", file_name, line, f"field {field!r} is {kind}, not a string")
     return None
 
@@ -206,7 +208,7 @@ class _ColumnChunks:
 
     def flush(self) -> None:
         if self.rows or not self.frames:
-            self.frames.append(pl.DataFrame(self.columns, schema={name: pl.String for name in self.columns}))
+            self.frames.append(pl.DataFrame(self.columns, schema=dict.fromkeys(self.columns, pl.String)))
         self._reset()
 
     def frame(self) -> pl.DataFrame:
@@ -239,13 +241,21 @@ def _read_jsonl(data: bytes, file_name: str, options: ParseOptions) -> tuple[pl.
                     record = {key: _json_cell(value) for key, value in parsed.items()}
                     # JSON can spell half a surrogate pair (`"\ud800"`), which no UTF-8 text can hold.
                     if "\\u" in text and any(_SURROGATE.search(k + (v or "")) for k, v in record.items()):
-                        record = {_without_surrogates(k): None if v is None else _without_surrogates(v) for k, v in record.items()}
+                        record = {
+                            _without_surrogates(k): None if v is None else _without_surrogates(v)
+                            for k, v in record.items()
+                        }
                         error = error or _error(
-                            "invalid_unicode", file_name, line_number, "a \\u escape is half a surrogate pair; replaced by U+FFFD"
+                            "invalid_unicode",
+                            file_name,
+                            line_number,
+                            "a \\u escape is half a surrogate pair; replaced by U+FFFD",
                         )
                     keys_seen.update(dict.fromkeys(record))
                 else:
-                    kind = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(parsed), "null")
+                    kind = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(
+                        type(parsed), "null"
+                    )
                     error = error or _error("not_an_object", file_name, line_number, f"a JSON {kind}, not an object")
         chunks.add(record)
         lines.append(line_number)
@@ -253,7 +263,9 @@ def _read_jsonl(data: bytes, file_name: str, options: ParseOptions) -> tuple[pl.
     absent = [field for field in options.text_fields if field not in keys_seen]
     if objects and absent:
         found = list(keys_seen)
-        shown = found[:_FIELDS_SHOWN] + ([f"... {len(found) - _FIELDS_SHOWN} more"] if len(found) > _FIELDS_SHOWN else [])
+        shown = found[:_FIELDS_SHOWN] + (
+            [f"... {len(found) - _FIELDS_SHOWN} more"] if len(found) > _FIELDS_SHOWN else []
+        )
         raise DropFileError(f"{file_name}: no record has the field(s) {absent}; fields found: {shown}")
     return chunks.frame(), lines, errors
 
@@ -324,8 +336,12 @@ def _read_csv(data: bytes, file_name: str, options: ParseOptions) -> tuple[pl.Da
             elif len(record) != width:
                 error = _error("malformed_csv", file_name, line_number, f"{len(record)} fields, the header has {width}")
             if not strict and any(_SURROGATE.search(cell) for cell in record):
-                record = [cell.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="replace") for cell in record]
-                error = error or _error("invalid_utf8", file_name, line_number, "bytes that are not UTF-8; replaced by U+FFFD")
+                record = [
+                    cell.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="replace") for cell in record
+                ]
+                error = error or _error(
+                    "invalid_utf8", file_name, line_number, "bytes that are not UTF-8; replaced by U+FFFD"
+                )
         cells = record[:width] + [None] * (width - len(record))
         chunks.add_row(cells)
         lines.append(line_number)
@@ -334,7 +350,9 @@ def _read_csv(data: bytes, file_name: str, options: ParseOptions) -> tuple[pl.Da
     return chunks.frame(), lines, errors
 
 
-def _read_parquet(data: bytes, file_name: str, options: ParseOptions) -> tuple[pl.DataFrame, list[int], list[str | None]]:
+def _read_parquet(
+    data: bytes, file_name: str, options: ParseOptions
+) -> tuple[pl.DataFrame, list[int], list[str | None]]:
     try:
         frame = pl.read_parquet(io.BytesIO(data))
     except Exception as exc:  # polars raises several types for a corrupt file
@@ -349,7 +367,11 @@ def _read_parquet(data: bytes, file_name: str, options: ParseOptions) -> tuple[p
             try:
                 as_text = column.cast(pl.String, strict=False)
             except Exception:  # nested types: keep them as JSON text
-                as_text = pl.Series(field, [None if v is None else json.dumps(v, default=str) for v in column.to_list()], dtype=pl.String)
+                as_text = pl.Series(
+                    field,
+                    [None if v is None else json.dumps(v, default=str) for v in column.to_list()],
+                    dtype=pl.String,
+                )
             message = f"field {field!r} is {column.dtype}, not a string"
             errors = [
                 error if value is None else f"non_string_text: {file_name} row {index + 1}: {message}"

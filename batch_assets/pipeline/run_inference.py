@@ -91,7 +91,7 @@ def request_keys(
         prompts = [p if q is None else f"{q}\x00{p}" for p, q in zip(prompts, params, strict=True)]
     if deduplicate:
         return [hashlib.sha1(p.encode("utf-8")).hexdigest() for p in prompts]
-    return [hashlib.sha1(f"{r}\x00{p}".encode("utf-8")).hexdigest() for p, r in zip(prompts, row_ids, strict=True)]
+    return [hashlib.sha1(f"{r}\x00{p}".encode()).hexdigest() for p, r in zip(prompts, row_ids, strict=True)]
 
 
 # --- planning ---------------------------------------------------------------------------------
@@ -115,7 +115,10 @@ def _plan(part: PartitionInput, *, deduplicate: bool, cache: ResultCache | None,
     keyed = valid.with_columns(
         request_key=pl.Series(
             request_keys(
-                valid["prompt"].to_list(), valid["row_id"].to_list(), deduplicate, valid[params[0]].to_list() if params else None
+                valid["prompt"].to_list(),
+                valid["row_id"].to_list(),
+                deduplicate,
+                valid[params[0]].to_list() if params else None,
             ),
             dtype=pl.String,
         )
@@ -159,7 +162,9 @@ def _requests(plans: list[_Plan], deduplicate: bool) -> list[_Request]:
     requests: list[_Request] = []
     by_key: dict[str, _Request] = {}
     for index, plan in enumerate(plans):
-        params = plan.pending["request_params"] if "request_params" in plan.pending.columns else [None] * plan.pending.height
+        params = (
+            plan.pending["request_params"] if "request_params" in plan.pending.columns else [None] * plan.pending.height
+        )
         for key, prompt, param in zip(plan.pending["request_key"], plan.pending["prompt"], params, strict=True):
             shared = by_key.get(key) if deduplicate else None
             if shared is not None:

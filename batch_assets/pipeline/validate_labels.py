@@ -63,7 +63,11 @@ def _choice_labels(outputs: pl.DataFrame, output: OutputSpec) -> tuple[pl.Series
     """Vectorized `parse_label` for choices: the common case on million-row partitions."""
     candidate = pl.col("generated_text").str.strip_chars()
     valid = candidate.is_in(output.choices or [])
-    reason = pl.when(pl.col("finish_reason") == "length").then(pl.lit("truncated at max_tokens")).otherwise(pl.lit("not one of the choices"))
+    reason = (
+        pl.when(pl.col("finish_reason") == "length")
+        .then(pl.lit("truncated at max_tokens"))
+        .otherwise(pl.lit("not one of the choices"))
+    )
     shown = pl.lit("'") + candidate.str.slice(0, 80).str.replace_all("'", "\\'", literal=True) + pl.lit("'")
     result = outputs.select(
         label=pl.when(pl.col("error").is_null() & valid).then(candidate),
@@ -84,7 +88,9 @@ def validate_labels(outputs: pl.DataFrame, output: OutputSpec) -> pl.DataFrame:
         return _arrange(outputs.with_columns(label_series.alias("label"), error_series.alias("error")))
     labels: list[Any] = []
     errors: list[str | None] = []
-    for text, finish_reason, error in zip(outputs["generated_text"], outputs["finish_reason"], outputs["error"], strict=True):
+    for text, finish_reason, error in zip(
+        outputs["generated_text"], outputs["finish_reason"], outputs["error"], strict=True
+    ):
         if error is not None:
             labels.append(None)
             errors.append(error)
@@ -94,7 +100,9 @@ def validate_labels(outputs: pl.DataFrame, output: OutputSpec) -> pl.DataFrame:
         errors.append(parsed.error)
     if output.kind == "json_schema":
         # One JSON string column keeps any schema storable; the objects are parsed and validated.
-        label_series = pl.Series("label", [json.dumps(v, ensure_ascii=False) if v is not None else None for v in labels], dtype=pl.String)
+        label_series = pl.Series(
+            "label", [json.dumps(v, ensure_ascii=False) if v is not None else None for v in labels], dtype=pl.String
+        )
     else:
         label_series = pl.Series("label", labels, dtype=pl.String)
     return _arrange(outputs.with_columns(label_series, pl.Series("error", errors, dtype=pl.String)))

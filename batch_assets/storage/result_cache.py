@@ -46,7 +46,10 @@ class ResultCache:
     def _files(self) -> list[UPath]:
         if not self.folder.exists():
             return []
-        return sorted((p for p in self.folder.iterdir() if p.name.startswith("part-") and p.name.endswith(".parquet")), key=lambda p: p.name)
+        return sorted(
+            (p for p in self.folder.iterdir() if p.name.startswith("part-") and p.name.endswith(".parquet")),
+            key=lambda p: p.name,
+        )
 
     def _read(self, files: list[UPath], keys: pl.Series | None) -> pl.DataFrame:
         frames = []
