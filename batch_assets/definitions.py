@@ -23,6 +23,8 @@ from batch_assets.storage.parquet_io_manager import ParquetStorage
 # Partitioned asset checks are marked "preview" in Dagster 1.13; they are what lets each check read
 # only its own partition, so we use them and silence the notice.
 warnings.filterwarnings("ignore", message=".*partitions_def on an AssetCheckSpec.*")
+# `BackfillPolicy` is marked beta; it is how a run takes a range of partitions (one engine start).
+warnings.filterwarnings("ignore", message=".*backfill_policy.*")
 
 
 def pipeline_job_name(task: str) -> str:

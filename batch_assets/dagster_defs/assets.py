@@ -4,6 +4,10 @@
 
 Each asset is partitioned by drop file (one dynamic partition per file) and stored as parquet at
 `<data>/storage/<task>/<asset>/<partition_key>.parquet` by the `parquet_storage` IO manager.
+A run covers one partition or a range of up to `runs.max_partitions_per_run` of them
+(`BackfillPolicy.multi_run`): every asset loops over `context.partition_keys`, returns one frame per
+partition (a dict keyed by partition key) and records its metadata per partition, so outputs,
+metadata and checks stay per partition while the engine starts once per run.
 The row-level work lives in pure modules (parsing, formatting, inference, validation); this file
 is the Dagster glue: reading the drop, calling them, and reporting metadata.
 """
@@ -19,7 +23,7 @@ from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts
 from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
 from batch_assets.storage.result_cache import ResultCache
 from batch_assets.pipeline.run_inference import InferenceError, run_inference
-from batch_assets.pipeline.read_prompts import ParseOptions, read_prompts
+from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions, read_prompts
 from batch_assets.storage.drop_files import drop_partitions, find_drop_file
 from batch_assets.engines.engine_host import EngineHostLease
 from batch_assets.engines.engine_host import acquire as acquire_engine_host
@@ -81,6 +85,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         partitions_def=partitions,
         io_manager_key=IO_MANAGER_KEY,
         kinds={"parquet"},
+        backfill_policy=dg.BackfillPolicy.multi_run(task.runs.max_partitions_per_run),
     )
     parse_options = ParseOptions(text_fields=tuple(task.input.text_fields), txt_field=task.input.txt_field)
     # The task's engine: in-process vLLM (`llm_engine`) or an OpenAI-compatible endpoint (`llm_endpoint`).
@@ -101,8 +106,27 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         ),
         **common,
     )
-    def raw_prompts(context: dg.AssetExecutionContext) -> dg.Output[pl.DataFrame]:
-        drop = find_drop_file(name, context.partition_key)
+    def raw_prompts(context: dg.AssetExecutionContext) -> dict[str, pl.DataFrame]:
+        frames: dict[str, pl.DataFrame] = {}
+        unreadable: dict[str, str] = {}
+        for partition_key in context.partition_keys:
+            try:
+                frames[partition_key] = read_partition(context, partition_key)
+            except DropFileError as exc:
+                # Read every file of the range first, so one failure names every bad file in it.
+                unreadable[partition_key] = str(exc)
+                context.log.error(str(exc))
+        if unreadable:
+            raise dg.Failure(
+                description=f"{len(unreadable)} of {len(context.partition_keys)} drop file(s) cannot be read: "
+                + "; ".join(unreadable.values()),
+                metadata={"failed_partitions": sorted(unreadable)},
+                allow_retries=False,
+            )
+        return frames
+
+    def read_partition(context: dg.AssetExecutionContext, partition_key: str) -> pl.DataFrame:
+        drop = find_drop_file(name, partition_key)
         frame = read_prompts(drop.read_bytes(), drop.relative_path, parse_options)
         errors = error_code_counts(frame)
         if errors:
@@ -110,8 +134,8 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
             context.log.warning(f"{sum(errors.values())} unreadable record(s) in {drop.relative_path}, e.g. {first}")
         if frame.height == 0:
             context.log.warning(f"{drop.relative_path} has no records (an empty file, or a CSV with only its header): zero rows")
-        return dg.Output(
-            frame,
+        context.add_asset_metadata(
+            partition_key=partition_key,
             metadata={
                 "rows": frame.height,
                 "error_rows": sum(errors.values()),
@@ -122,6 +146,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                 "dagster/row_count": frame.height,
             },
         )
+        return frame
 
     @dg.asset(
         name="formatted_prompts",
@@ -134,31 +159,36 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         required_resource_keys={engine_key},
         **common,
     )
-    def formatted_prompts(context: dg.AssetExecutionContext, raw_prompts: pl.DataFrame) -> dg.Output[pl.DataFrame]:
+    def formatted_prompts(
+        context: dg.AssetExecutionContext, raw_prompts: dict[str, pl.DataFrame]
+    ) -> dict[str, pl.DataFrame]:
         llm_engine = engine_for(context, task)
         settings = llm_engine.settings_for(task)
-        started = time.monotonic()
-        frame = format_prompts(
-            raw_prompts,
-            prompt_format,
-            llm_engine.tokenizer(task),
-            max_model_len=settings.max_model_len,
-            max_tokens=task.sampling.max_tokens,
-            source_file=context.partition_key,
-        )
-        errors = error_code_counts(frame)
-        return dg.Output(
-            frame,
-            metadata={
-                "rows": frame.height,
-                "error_rows": sum(errors.values()),
-                "errors_by_code": errors,
-                "prompt_tokens": int(frame["num_prompt_tokens"].sum() or 0),
-                "max_prompt_tokens": int(frame["num_prompt_tokens"].max() or 0),
-                "seconds": round(time.monotonic() - started, 3),
-                "dagster/row_count": frame.height,
-            },
-        )
+        frames: dict[str, pl.DataFrame] = {}
+        for partition_key, raw in raw_prompts.items():
+            started = time.monotonic()
+            frame = frames[partition_key] = format_prompts(
+                raw,
+                prompt_format,
+                llm_engine.tokenizer(task),
+                max_model_len=settings.max_model_len,
+                max_tokens=task.sampling.max_tokens,
+                source_file=partition_key,
+            )
+            errors = error_code_counts(frame)
+            context.add_asset_metadata(
+                partition_key=partition_key,
+                metadata={
+                    "rows": frame.height,
+                    "error_rows": sum(errors.values()),
+                    "errors_by_code": errors,
+                    "prompt_tokens": int(frame["num_prompt_tokens"].sum() or 0),
+                    "max_prompt_tokens": int(frame["num_prompt_tokens"].max() or 0),
+                    "seconds": round(time.monotonic() - started, 3),
+                    "dagster/row_count": frame.height,
+                },
+            )
+        return frames
 
     @dg.asset(
         name="inference_outputs",
@@ -175,8 +205,13 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         **common,
     )
     def inference_outputs(
-        context: dg.AssetExecutionContext, config: InferenceConfig, formatted_prompts: pl.DataFrame
-    ) -> dg.Output[pl.DataFrame]:
+        context: dg.AssetExecutionContext, config: InferenceConfig, formatted_prompts: dict[str, pl.DataFrame]
+    ) -> dict[str, pl.DataFrame]:
+        return {key: infer_partition(context, config, key, frame) for key, frame in formatted_prompts.items()}
+
+    def infer_partition(
+        context: dg.AssetExecutionContext, config: InferenceConfig, partition_key: str, formatted_prompts: pl.DataFrame
+    ) -> pl.DataFrame:
         llm_engine = engine_for(context, task)
         settings = llm_engine.settings_for(task)
         sampling = task.sampling.model_dump()
@@ -192,7 +227,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                 "output": task.output.model_dump(),
             }
         )
-        checkpoints = CheckpointStore(checkpoint_dir(name, context.partition_key), fingerprint)
+        checkpoints = CheckpointStore(checkpoint_dir(name, partition_key), fingerprint)
         stale = checkpoints.discard_other_fingerprints()
         if stale:
             context.log.info(f"removed checkpoints made with other model/sampling settings: {stale}")
@@ -261,8 +296,8 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                 "engine_started_by_this_run": host[0].started_here,
                 "engine_host": {"pid": info.supervisor_pid, "port": info.port, "started_at": info.started_at, "start_seconds": round(info.ready_at - info.started_at, 1)},
             }
-        return dg.Output(
-            frame,
+        context.add_asset_metadata(
+            partition_key=partition_key,
             metadata={
                 "rows": stats.rows,
                 "rows_inferred": stats.rows_inferred,
@@ -289,6 +324,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                 "dagster/row_count": frame.height,
             },
         )
+        return frame
 
     @dg.asset(
         name="validated_labels",
@@ -300,9 +336,14 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         ins={"inference_outputs": dg.AssetIn(key=asset_key(name, "inference_outputs"))},
         **common,
     )
-    def validated_labels(context: dg.AssetExecutionContext, inference_outputs: pl.DataFrame) -> dg.Output[pl.DataFrame]:
+    def validated_labels(
+        context: dg.AssetExecutionContext, inference_outputs: dict[str, pl.DataFrame]
+    ) -> dict[str, pl.DataFrame]:
+        return {key: validate_partition(context, key, frame) for key, frame in inference_outputs.items()}
+
+    def validate_partition(context: dg.AssetExecutionContext, partition_key: str, inference_outputs: pl.DataFrame) -> pl.DataFrame:
         # inference_outputs is stored by now, so its checkpoints have served their purpose.
-        clear_checkpoints(checkpoint_dir(name, context.partition_key))
+        clear_checkpoints(checkpoint_dir(name, partition_key))
         labels = validate_labels(inference_outputs, task.output)
         counts = label_counts(labels) if task.output.kind in ("choices", "regex") else {}
         errors = error_code_counts(labels)
@@ -323,6 +364,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                     ["label", "rows", "share"],
                 )
             )
-        return dg.Output(labels, metadata=metadata)
+        context.add_asset_metadata(metadata, partition_key=partition_key)
+        return labels
 
     return [raw_prompts, formatted_prompts, inference_outputs, validated_labels]

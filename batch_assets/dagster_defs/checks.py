@@ -8,11 +8,22 @@
 - `one_row_per_record` on validated_labels (ERROR): as many rows as raw records, unique row_ids in
   input order.
 - `error_share_below_threshold` on validated_labels (WARN): share of error rows under the task's limit.
+
+In a run over a range of partitions (a backfill), each check reads every partition of the range and
+records one evaluation per partition (`evaluate_per_partition`): Dagster 1.13 gives an
+`AssetCheckResult` the run's single partition only, and none in a range run. A failed blocking check
+of any partition fails the check step, so validated_labels of the whole range is skipped; the
+evaluations of the other partitions are still recorded.
 """
 
 
+from collections.abc import Callable, Iterator
+
 import dagster as dg
 import polars as pl
+from dagster._core.definitions.asset_checks.asset_check_evaluation import (
+    AssetCheckEvaluationTargetMaterializationData,
+)
 
 from batch_assets.dagster_defs.assets import asset_key, error_code_counts, markdown_table
 from batch_assets.storage.drop_files import drop_partitions
@@ -35,6 +46,44 @@ def _failed_rows_metadata(rows: pl.DataFrame, columns: list[str], task: str, ass
     }
 
 
+def _target_materialization(
+    context: dg.AssetCheckExecutionContext, asset: dg.AssetKey, partition_key: str
+) -> AssetCheckEvaluationTargetMaterializationData | None:
+    """The partition's latest materialization, which the evaluation is about (what Dagster itself
+    attaches to an `AssetCheckResult`), so the UI shows the check against that materialization."""
+    records = context.instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=asset, asset_partitions=[partition_key]), limit=1
+    ).records
+    if not records:
+        return None
+    record = records[0]
+    return AssetCheckEvaluationTargetMaterializationData(
+        run_id=record.run_id, storage_id=record.storage_id, timestamp=record.timestamp
+    )
+
+
+def evaluate_per_partition(
+    context: dg.AssetCheckExecutionContext, evaluate: Callable[[str], dg.AssetCheckResult]
+) -> Iterator[dg.AssetCheckEvaluation | dg.Output]:
+    """Evaluate a check for each partition of the run (one, or a range) and record each result as an
+    evaluation of that partition; then the check's output, which blocking checks gate on."""
+    spec = context.check_specs[0]
+    for partition_key in context.partition_keys:
+        result = evaluate(partition_key)
+        yield dg.AssetCheckEvaluation(
+            asset_key=spec.asset_key,
+            check_name=spec.name,
+            passed=result.passed,
+            metadata=result.metadata,
+            severity=result.severity,
+            description=result.description,
+            blocking=spec.blocking,
+            partition=partition_key,
+            target_materialization_data=_target_materialization(context, spec.asset_key, partition_key),
+        )
+    yield dg.Output(None, output_name=context.op_def.output_defs[0].name)
+
+
 def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
     name = task.name
     partitions = drop_partitions(name)
@@ -48,14 +97,18 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         partitions_def=partitions,
         description=f"Every output that finished normally satisfies the task's `{task.output.kind}` constraint.",
     )
-    def outputs_satisfy_constraint(context: dg.AssetCheckExecutionContext, inference_outputs: pl.DataFrame) -> dg.AssetCheckResult:
-        bad = constraint_violations(inference_outputs, task.output)
-        metadata = {"checked_rows": inference_outputs.height}
-        if bad.height:
-            metadata |= _failed_rows_metadata(
-                bad, ["row_id", "source_line", "generated_text", "finish_reason"], name, "inference_outputs", context.partition_key
-            )
-        return dg.AssetCheckResult(passed=bad.height == 0, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata)
+    def outputs_satisfy_constraint(context: dg.AssetCheckExecutionContext, inference_outputs: dict[str, pl.DataFrame]):
+        def evaluate(partition_key: str) -> dg.AssetCheckResult:
+            outputs = inference_outputs[partition_key]
+            bad = constraint_violations(outputs, task.output)
+            metadata = {"checked_rows": outputs.height}
+            if bad.height:
+                metadata |= _failed_rows_metadata(
+                    bad, ["row_id", "source_line", "generated_text", "finish_reason"], name, "inference_outputs", partition_key
+                )
+            return dg.AssetCheckResult(passed=bad.height == 0, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata)
+
+        yield from evaluate_per_partition(context, evaluate)
 
     @dg.asset_check(
         asset=labels_key,
@@ -64,7 +117,10 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         partitions_def=partitions,
         description="Every label is valid for the task (one of the choices / validates against the schema); rows without a label carry an error.",
     )
-    def labels_are_valid(context: dg.AssetCheckExecutionContext, validated_labels: pl.DataFrame) -> dg.AssetCheckResult:
+    def labels_are_valid(context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame]):
+        yield from evaluate_per_partition(context, lambda key: labels_valid_result(validated_labels[key], key))
+
+    def labels_valid_result(validated_labels: pl.DataFrame, partition_key: str) -> dg.AssetCheckResult:
         unexplained = validated_labels.filter(pl.col("label").is_null() & pl.col("error").is_null())
         labelled = validated_labels.filter(pl.col("label").is_not_null())
         if task.output.kind == "choices":
@@ -77,7 +133,7 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         bad = pl.concat([invalid, unexplained]).sort("row_id")
         metadata = {"labelled_rows": labelled.height, "invalid_labels": invalid.height, "null_labels_without_error": unexplained.height}
         if bad.height:
-            metadata |= _failed_rows_metadata(bad, ["row_id", "source_line", "label", "error"], name, "validated_labels", context.partition_key)
+            metadata |= _failed_rows_metadata(bad, ["row_id", "source_line", "label", "error"], name, "validated_labels", partition_key)
         return dg.AssetCheckResult(passed=bad.height == 0, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata)
 
     @dg.asset_check(
@@ -87,7 +143,12 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         additional_ins={"raw_prompts": dg.AssetIn(key=asset_key(name, "raw_prompts"))},
         description="Every input record has exactly one output row, with a unique row_id, in input order.",
     )
-    def one_row_per_record(validated_labels: pl.DataFrame, raw_prompts: pl.DataFrame) -> dg.AssetCheckResult:
+    def one_row_per_record(
+        context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame], raw_prompts: dict[str, pl.DataFrame]
+    ):
+        yield from evaluate_per_partition(context, lambda key: one_row_result(validated_labels[key], raw_prompts[key]))
+
+    def one_row_result(validated_labels: pl.DataFrame, raw_prompts: pl.DataFrame) -> dg.AssetCheckResult:
         row_ids = validated_labels["row_id"]
         expected = raw_prompts["row_id"]
         duplicates = int(row_ids.is_duplicated().sum())
@@ -112,7 +173,10 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         partitions_def=partitions,
         description=f"Fewer than {task.checks.max_error_share:.0%} of rows carry an error (task setting `checks.max_error_share`).",
     )
-    def error_share_below_threshold(context: dg.AssetCheckExecutionContext, validated_labels: pl.DataFrame) -> dg.AssetCheckResult:
+    def error_share_below_threshold(context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame]):
+        yield from evaluate_per_partition(context, lambda key: error_share_result(validated_labels[key], key))
+
+    def error_share_result(validated_labels: pl.DataFrame, partition_key: str) -> dg.AssetCheckResult:
         errors = validated_labels.filter(pl.col("error").is_not_null())
         share = errors.height / validated_labels.height if validated_labels.height else 0.0
         metadata = {
@@ -123,7 +187,7 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
             "errors_by_code": error_code_counts(validated_labels),
         }
         if errors.height:
-            metadata |= _failed_rows_metadata(errors, ["row_id", "source_line", "error"], name, "validated_labels", context.partition_key)
+            metadata |= _failed_rows_metadata(errors, ["row_id", "source_line", "error"], name, "validated_labels", partition_key)
         return dg.AssetCheckResult(
             passed=share <= task.checks.max_error_share, severity=dg.AssetCheckSeverity.WARN, metadata=metadata
         )
