@@ -3,7 +3,7 @@ VENV      := .venv
 STAMP     := $(VENV)/.batch_assets_installed
 export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 
-.PHONY: setup demo test ui clean
+.PHONY: setup demo test test-fast lint ui clean
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -21,6 +21,15 @@ demo: setup $(DAGSTER_HOME)/dagster.yaml
 test: setup
 	bash scripts/install_system_deps.sh
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+# Pure functions and the definitions snapshot: no engine, daemon, browser or server (about a minute).
+test-fast: setup
+	$(VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 ui: setup $(DAGSTER_HOME)/dagster.yaml
 	$(VENV)/bin/dagster dev -h 127.0.0.1 -p 3000 -w workspace.yaml

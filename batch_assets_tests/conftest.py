@@ -97,3 +97,26 @@ def drop(data: Path, task: str, name: str, content: bytes | str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
     return path
+
+
+# The fast tier (`make test-fast`): pure functions and the definitions snapshot, no engine, no
+# daemon, no browser, no servers. A test is slow when it needs the model or one of these modules'
+# real services.
+_SLOW_FIXTURES = {"tiny_model", "tiny_model_path", "embedded_model_path"}
+_SLOW_MODULES = {
+    "test_cli",
+    "test_resume_kill",
+    "test_postgres_storage",
+    "test_ui_browser",
+    "test_s3_drops",
+    "test_embedded_model",
+    "test_openai_engine",
+    "test_openai_engine_faults",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if module in _SLOW_MODULES or _SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -52,35 +52,40 @@ def test_sample_partition_materializes_with_valid_labels(task: str, data_dir: Pa
         labels = read_output(data_dir, task, "validated_labels", key)
         assert labels.height == raw.height > 0
         assert labels["row_id"].to_list() == list(range(labels.height))
-        for column in ("label", "generated_text", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "error"):
-            assert column in labels.columns
+        # Every input column passes through with its values, row for row.
         for column in raw.columns:
-            if column not in ("error",):
-                assert column in labels.columns
+            if column != "error":
+                assert labels[column].to_list() == raw[column].to_list(), column
+        good = labels.filter(pl.col("error").is_null())
+        assert good.height == labels.height  # the bundled samples have no bad records
+        assert set(good["finish_reason"].to_list()) <= {"stop", "length"}
+        assert good["num_prompt_tokens"].min() > 0
+        assert good["num_generated_tokens"].max() <= TASKS[task].sampling.max_tokens
+        assert good["generated_text"].null_count() == 0
         spec = TASKS[task]
         if spec.output.kind == "choices":
             assert set(labels["label"].drop_nulls().to_list()) <= set(spec.output.choices)
             assert labels["label"].null_count() == labels["error"].is_not_null().sum()
+            # The label is the generated text itself (structured outputs constrain it to a choice).
+            assert good["label"].to_list() == good["generated_text"].str.strip_chars().to_list()
+        else:
+            assert good["label"].to_list() == good["generated_text"].to_list()
 
         metadata = instance.fetch_materializations(
             dg.AssetRecordsFilter(asset_key=dg.AssetKey([task, "inference_outputs"]), asset_partitions=[key]), limit=1
         ).records[0].asset_materialization.metadata
-        for field in (
-            "rows",
-            "rows_inferred",
-            "rows_from_checkpoint",
-            "rows_deduplicated",
-            "error_rows",
-            "prompt_tokens",
-            "generated_tokens",
-            "engine_seconds",
-            "generated_tokens_per_second",
-            "model",
-            "sampling_params",
-        ):
-            assert field in metadata, field
-        assert metadata["rows"].value == raw.height
-        assert metadata["model"].value == tiny_model
+        value = {name: entry.value for name, entry in metadata.items()}
+        assert value["rows"] == raw.height
+        assert value["error_rows"] == 0
+        # Fresh instance and cache: every distinct prompt is inferred in this run, nothing reused.
+        assert value["rows_from_checkpoint"] == 0
+        assert value["rows_inferred"] + value["rows_deduplicated"] == raw.height
+        assert value["prompt_tokens"] == labels["num_prompt_tokens"].sum()
+        assert value["generated_tokens"] <= labels["num_generated_tokens"].sum()
+        assert value["engine_seconds"] > 0 and value["generated_tokens_per_second"] > 0
+        assert value["model"] == tiny_model
+        assert value["sampling_params"]["max_tokens"] == spec.sampling.max_tokens
+        assert value["sampling_params"]["temperature"] == spec.sampling.temperature
 
 
 def test_industry_repeated_companies_are_inferred_once(data_dir: Path, tiny_model: str) -> None:

@@ -22,9 +22,12 @@ def write(tmp_path: Path, name: str, body: str) -> Path:
     return path
 
 
-def test_shipped_tasks_load() -> None:
-    names = [task.name for task in load_task_specs()]
-    assert names == ["answers", "industry", "sentiment"]
+def test_every_shipped_task_file_loads_under_its_own_name() -> None:
+    from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR
+
+    files = sorted(p.stem for p in [*BUNDLED_TASKS_DIR.glob("*.yaml"), *BUNDLED_TASKS_DIR.glob("*.yml")])
+    assert files, "no bundled task files"
+    assert [task.name for task in load_task_specs(BUNDLED_TASKS_DIR)] == files
 
 
 def test_a_new_task_is_just_a_yaml_file(tmp_path: Path) -> None:
