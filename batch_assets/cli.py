@@ -7,7 +7,8 @@
                                     that already succeeded with the same file
 
 Runs go through the task's Dagster job (the same job, assets and checks the UI and the sensors use)
-in this process, so the engine starts once for all the files of one command.
+in this process, grouped as a backfill groups them: ranges of up to the task's
+`runs.max_partitions_per_run` partitions per run. The engine starts once for all the files of one command.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
 DEFAULT_DAGSTER_HOME = ".dagster_home"
+RANGE_START_TAG = "dagster/asset_partition_range_start"
+RANGE_END_TAG = "dagster/asset_partition_range_end"
 
 
 def ensure_dagster_home() -> Path:
@@ -93,7 +96,13 @@ def run_partitions(task_name: str, files: list[Path], *, skip_succeeded: bool = 
     from batch_assets.definitions import build_definitions, pipeline_job_name, share_engine_setting
     from batch_assets.storage.drop_files import find_drop_file, partition_key_for, partitions_def_name
     from batch_assets.engines.vllm_engine import VLLMEngine, keep_engine_warm
-    from batch_assets.dagster_defs.sensors import SOURCE_FILE_TAG, SOURCE_VERSION_TAG, version_digest
+    from batch_assets.dagster_defs.sensors import (
+        SOURCE_FILE_TAG,
+        SOURCE_VERSION_TAG,
+        partition_ranges,
+        validated_from_version,
+        version_digest,
+    )
     from batch_assets.pipeline.task_spec import load_task_specs
     from batch_assets.dagster_defs.run_recovery import fail_runs_of_dead_processes, process_tags
     from batch_assets.storage.locations import drop_zone, write_bytes_atomically
@@ -123,28 +132,43 @@ def run_partitions(task_name: str, files: list[Path], *, skip_succeeded: bool = 
     for run_id in fail_runs_of_dead_processes(instance):
         print(f"run {run_id[:8]}: its process died before it finished; marked failed, pool slots freed", flush=True)
 
-    outcomes: list[PartitionOutcome] = []
+    outcomes: dict[str, PartitionOutcome] = {}
+    to_run: list[str] = []
+    for key, _ in keys:
+        if skip_succeeded and validated_from_version(instance, task_name, find_drop_file(task_name, key)):
+            outcomes[key] = PartitionOutcome(task_name, key, True, None, _summary_line(task_name, key, instance), [], skipped=True)
+        elif key not in to_run:
+            to_run.append(key)
+    digests = dict(keys)
+    ordered = instance.get_dynamic_partitions(partitions_def_name(task_name))
     with keep_engine_warm():
-        for key, digest in keys:
-            if skip_succeeded and _already_succeeded(instance, task_name, key, digest):
-                outcomes.append(
-                    PartitionOutcome(task_name, key, True, None, _summary_line(task_name, key, instance), [], skipped=True)
-                )
-                continue
+        # The grouping a backfill of these partitions gets: one run per range of adjacent partitions.
+        for keys_of_run in partition_ranges(ordered, to_run, tasks[task_name].runs.max_partitions_per_run):
+            if len(keys_of_run) == 1:
+                [key] = keys_of_run
+                selection = {"partition_key": key}
+                tags = {SOURCE_FILE_TAG: key, SOURCE_VERSION_TAG: digests[key]}
+            else:
+                selection = {}
+                tags = {RANGE_START_TAG: keys_of_run[0], RANGE_END_TAG: keys_of_run[-1]}
             result = job.execute_in_process(
                 instance=instance,
-                partition_key=key,
                 raise_on_error=False,
-                tags={SOURCE_FILE_TAG: key, SOURCE_VERSION_TAG: digest, "batch_assets/launched_by": "cli", **process_tags()},
+                tags={**tags, "batch_assets/launched_by": "cli", **process_tags()},
+                **selection,
             )
-            failed_checks = [
-                f"{evaluation.asset_key.to_user_string()}:{evaluation.check_name}"
-                for evaluation in result.get_asset_check_evaluations()
-                if not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.ERROR
-            ]
-            summary = _summary_line(task_name, key, instance) if result.success else _failure_text(result)
-            outcomes.append(PartitionOutcome(task_name, key, result.success, result.run_id, summary, failed_checks))
-    return outcomes
+            evaluations = result.get_asset_check_evaluations()
+            for key in keys_of_run:
+                failed_checks = [
+                    f"{evaluation.asset_key.to_user_string()}:{evaluation.check_name}"
+                    for evaluation in evaluations
+                    if evaluation.partition == key
+                    and not evaluation.passed
+                    and evaluation.severity == dg.AssetCheckSeverity.ERROR
+                ]
+                summary = _summary_line(task_name, key, instance) if result.success else _failure_text(result)
+                outcomes[key] = PartitionOutcome(task_name, key, result.success, result.run_id, summary, failed_checks)
+    return [outcomes[key] for key in dict.fromkeys(key for key, _ in keys)]
 
 
 def _failure_text(result) -> str:
@@ -156,18 +180,6 @@ def _failure_text(result) -> str:
             message = error.message.strip().splitlines()
             return f"failed in {event.step_key}: {message[-1] if message else 'unknown error'}"
     return "run failed"
-
-
-def _already_succeeded(instance, task_name: str, partition_key: str, digest: str) -> bool:
-    """The last materialization of validated_labels came from this exact file version."""
-    import dagster as dg
-    from batch_assets.dagster_defs.sensors import SOURCE_VERSION_TAG
-
-    record = latest_materialization(instance, dg.AssetKey([task_name, "validated_labels"]), partition_key)
-    if record is None:
-        return False
-    run = instance.get_run_by_id(record.run_id)
-    return run is not None and run.tags.get(SOURCE_VERSION_TAG) == digest
 
 
 def _print_outcomes(outcomes: list[PartitionOutcome]) -> None:
