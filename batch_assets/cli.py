@@ -94,7 +94,12 @@ def run_partitions(task_name: str, files: list[Path], *, skip_succeeded: bool = 
     ensure_dagster_home()
     import dagster as dg
     from batch_assets.definitions import build_definitions, pipeline_job_name, share_engine_setting
-    from batch_assets.storage.drop_files import find_drop_file, partition_key_for, partitions_def_name
+    from batch_assets.storage.drop_files import (
+        find_drop_file,
+        input_file_problem,
+        partition_key_for,
+        partitions_def_name,
+    )
     from batch_assets.engines.vllm_engine import VLLMEngine, keep_engine_warm
     from batch_assets.dagster_defs.sensors import (
         SOURCE_FILE_TAG,
@@ -103,11 +108,15 @@ def run_partitions(task_name: str, files: list[Path], *, skip_succeeded: bool = 
         validated_from_version,
         version_digest,
     )
-    from batch_assets.pipeline.task_spec import load_task_specs
+    from batch_assets.pipeline.task_spec import load_tasks
     from batch_assets.dagster_defs.run_recovery import fail_runs_of_dead_processes, process_tags
     from batch_assets.storage.locations import drop_zone, write_bytes_atomically
 
-    tasks = {task.name: task for task in load_task_specs()}
+    loaded = load_tasks()
+    tasks = {task.name: task for task in loaded.tasks}
+    for error in loaded.errors:
+        if error.name == task_name:
+            raise SystemExit(f"task {task_name!r} cannot be loaded: {error.message}")
     if task_name not in tasks:
         raise SystemExit(f"unknown task {task_name!r}; tasks: {', '.join(sorted(tasks))}")
     instance = dg.DagsterInstance.get()
@@ -117,6 +126,11 @@ def run_partitions(task_name: str, files: list[Path], *, skip_succeeded: bool = 
     job = defs.resolve_job_def(pipeline_job_name(task_name))
     zone = drop_zone(task_name)
 
+    # Refuse what the drop zone would skip or cannot read before copying anything.
+    problems = [f"{file}: no such file" for file in files if not file.is_file()]
+    problems += [f"{file}: {problem}" for file in files if (problem := input_file_problem(file.name))]
+    if problems:
+        raise SystemExit("\n".join(problems))
     keys: list[tuple[str, str]] = []
     for file in files:
         if not file.is_file():
@@ -197,12 +211,16 @@ def _print_outcomes(outcomes: list[PartitionOutcome]) -> None:
 
 
 def command_tasks() -> int:
-    from batch_assets.pipeline.task_spec import load_task_specs
+    """The loaded tasks; each task file that failed to load is named on stderr, and the exit is 1."""
+    from batch_assets.pipeline.task_spec import load_tasks
     from batch_assets.storage.locations import drop_zone
 
-    for task in load_task_specs():
+    loaded = load_tasks()
+    for task in loaded.tasks:
         print(f"{task.name}\t{task.output.kind}\t{task.model}\tdrop zone: {drop_zone(task.name)}")
-    return 0
+    for error in loaded.errors:
+        print(f"ERROR: task {error.name!r} not loaded: {error.message}", file=sys.stderr)
+    return 1 if loaded.errors else 0
 
 
 def command_run(task_name: str, files: list[str]) -> int:
@@ -213,12 +231,15 @@ def command_run(task_name: str, files: list[str]) -> int:
 
 def command_demo() -> int:
     from batch_assets.engines.vllm_engine import keep_engine_warm
-    from batch_assets.pipeline.task_spec import load_task_specs
+    from batch_assets.pipeline.task_spec import load_tasks
 
+    loaded = load_tasks()
+    for error in loaded.errors:
+        print(f"ERROR: task {error.name!r} not loaded: {error.message}", file=sys.stderr)
     # One engine for every task that shares its settings (the shipped ones all do).
     with keep_engine_warm():
-        all_ok = _demo_tasks(load_task_specs())
-    return 0 if all_ok else 1
+        all_ok = _demo_tasks(loaded.tasks)
+    return 0 if all_ok and not loaded.errors else 1
 
 
 def _demo_tasks(tasks) -> bool:

@@ -18,7 +18,8 @@ from batch_assets.engines.protocol import ENDPOINT_RESOURCE_KEY, IN_PROCESS_RESO
 from batch_assets.engines.openai_engine import OpenAIEngine
 from batch_assets.engines.vllm_engine import VLLMEngine
 from batch_assets.dagster_defs.sensors import build_drops_sensor
-from batch_assets.pipeline.task_spec import TaskSpec, load_task_specs
+from batch_assets.dagster_defs.task_file_errors import build_task_file_error_sensor
+from batch_assets.pipeline.task_spec import TaskFileError, TaskSpec, load_tasks
 from batch_assets.storage.parquet_io_manager import ParquetStorage
 
 
@@ -62,11 +63,17 @@ def build_definitions(
     tasks: list[TaskSpec] | None = None,
     engine: VLLMEngine | OpenAIEngine | None = None,
     endpoint: OpenAIEngine | None = None,
+    task_errors: list[TaskFileError] | None = None,
 ) -> dg.Definitions:
     """`engine` serves tasks with `engine.kind: vllm` (default: in-process vLLM; an `OpenAIEngine`
-    here sends those tasks to an endpoint instead); `endpoint` serves tasks with `kind: openai`."""
-    tasks = tasks if tasks is not None else load_task_specs()
+    here sends those tasks to an endpoint instead); `endpoint` serves tasks with `kind: openai`.
+    With no `tasks`, the tasks folder is loaded; a bad task file becomes a failing sensor naming it
+    (dagster_defs/task_file_errors.py) and the other tasks load as usual."""
+    if tasks is None:
+        loaded = load_tasks()
+        tasks, task_errors = loaded.tasks, loaded.errors
     assets, checks, jobs, sensors = [], [], [], []
+    sensors += [build_task_file_error_sensor(error) for error in task_errors or []]
     for task in tasks:
         assets += build_task_assets(task)
         checks += build_task_checks(task)

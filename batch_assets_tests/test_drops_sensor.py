@@ -5,6 +5,7 @@ The S3 side of the same sensor is in test_s3_drops.py.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import time
@@ -93,7 +94,13 @@ def test_partition_keys_are_safe_and_distinct_for_any_names(names: list[str]) ->
         ("posts.jsonl.tmp", "still being written"),
         ("posts.crdownload", "still being written"),
         ("notes.md", "unknown extension"),
-        ("archive.jsonl.gz", "unknown extension"),
+        ("archive.jsonl.gz", None),
+        ("sub/customers.CSV.GZ", None),
+        ("prompts.txt.gz", None),
+        ("archive.json.gz", "unknown extension"),
+        ("archive.gz", "unknown extension"),
+        (".gz", "hidden"),
+        ("posts.json", "unknown extension"),
     ],
 )
 def test_skip_reasons(name: str, reason: str | None) -> None:
@@ -252,7 +259,7 @@ def test_local_writes_are_atomic_and_failures_keep_the_old_file(data_dir: Path, 
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", disk_full)
-    with pytest.raises(StorageError, match=r"writing .*posts\.jsonl\.parquet failed: OSError: \[Errno 28\] No space left"):
+    with pytest.raises(StorageError, match=r"writing .*posts\.jsonl\.parquet failed: no space left on device in "):
         write_bytes_atomically(target, b"new content")
     assert Path(target.path).read_bytes() == b"old"
     assert os.listdir(Path(target.path).parent) == ["posts.jsonl.parquet"]  # no temporary left behind
@@ -276,3 +283,112 @@ def test_partitions_are_grouped_into_ranges_of_adjacent_keys() -> None:
     assert partition_ranges(order, ["a", "b", "d", "g"], 16) == [["a", "b"], ["d"], ["g"]]
     assert partition_ranges(order, ["g"], 16) == [["g"]]
     assert partition_ranges(order, [], 16) == []
+
+
+@pytest.mark.parametrize("length", [218, 240, 255])
+def test_names_up_to_the_file_system_limit_are_written_listed_and_found(data_dir: Path, length: int) -> None:
+    name = "n" * (length - len(".jsonl")) + ".jsonl"
+    write_bytes_atomically(data_root() / "drops" / TASK / name, POST.encode())
+    [listed], skipped = list_drop_files(TASK)
+    assert listed.relative_path == name and not skipped
+    assert len(listed.partition_key) <= 150
+    assert find_drop_file(TASK, listed.partition_key).read_bytes() == POST.encode()
+    # A multi-byte name at the limit too: the temporary name is cut by bytes, not characters.
+    wide = "é" * 124 + ".jsonl"  # 254 bytes
+    write_bytes_atomically(data_root() / "drops" / TASK / wide, POST.encode())
+    assert (data_dir / "drops" / TASK / wide).read_bytes() == POST.encode()
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("posts.json", "a .json file is not read: write one JSON object per line and name the file .jsonl"),
+        ("posts.json.gz", "a .json file is not read"),
+        ("archive.gz", "unsupported compressed file; inputs are .jsonl, .csv, .parquet, .txt, .jsonl.gz"),
+        ("notes.md", "unsupported file type; inputs are .jsonl, .csv, .parquet, .txt, .jsonl.gz, .csv.gz, .txt.gz"),
+        ("_posts.jsonl", "names starting with '.', '_' or '~' are hidden or temporary files the drop zone skips"),
+        (".posts.jsonl", "names starting with '.', '_' or '~'"),
+        ("posts.jsonl.part", "names ending in .tmp, .part"),
+    ],
+)
+def test_run_refuses_files_the_drop_zone_would_skip_before_copying_anything(
+    data_dir: Path, tmp_path: Path, name: str, message: str
+) -> None:
+    from batch_assets import cli
+
+    good, bad = tmp_path / "good.jsonl", tmp_path / name
+    good.write_text(POST)
+    bad.write_text(POST)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["run", TASK, str(good), str(bad)])
+    assert str(info.value).startswith(f"{bad}: {message}")
+    assert not (data_dir / "drops").exists()  # nothing copied, not even the good file
+
+
+def test_a_full_disk_is_named_with_its_folder_even_when_the_writer_gives_no_reason(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = data_root() / "storage" / TASK / "inference_outputs" / "posts.jsonl.parquet"
+
+    def disk_full_without_reason(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "")  # what some writers raise: the number, no text
+
+    monkeypatch.setattr(os, "fsync", disk_full_without_reason)
+    with pytest.raises(StorageError) as info:
+        write_bytes_atomically(target, b"outputs")
+    assert str(info.value) == (
+        f"writing {target} failed: no space left on device in {target.parent}: free space there "
+        "(or make it writable), or point BATCH_ASSETS_DATA at other storage"
+    )
+
+
+def test_storage_errors_without_any_reason_still_say_what_failed() -> None:
+    from batch_assets.storage.errors import storage_error
+
+    no_reason = storage_error("writing", "/data/x.parquet", OSError())
+    assert str(no_reason) == "writing /data/x.parquet failed: OSError (no reason given)"
+    assert str(storage_error("writing", "/data/x.parquet", OSError(errno.EIO, ""))) == (
+        "writing /data/x.parquet failed: OSError: [Errno 5] Input/output error"
+    )
+
+
+_TINY_DISK_SCRIPT = """
+import os, sys
+from batch_assets.storage.locations import storage_path, write_bytes_atomically
+target = storage_path(sys.argv[1] + "/storage/sentiment/inference_outputs/posts.jsonl.parquet")
+try:
+    write_bytes_atomically(target, os.urandom(256 * 1024))
+except Exception as exc:
+    print(type(exc).__name__, exc)
+print("left:", sorted(os.listdir(target.parent.path)))
+"""
+
+
+def test_a_real_full_file_system_is_reported_as_such(tmp_path: Path) -> None:
+    """A 64 KiB tmpfs, mounted in a user and mount namespace of its own (no root needed)."""
+    import shutil
+    import subprocess
+    import sys
+
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    script = tmp_path / "fill.py"
+    script.write_text(_TINY_DISK_SCRIPT)
+    unshare = shutil.which("unshare")
+    command = f"mount -t tmpfs -o size=64k tmpfs {mount_point} && {sys.executable} {script} {mount_point}"
+    probe = subprocess.run([unshare or "unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True)
+    if unshare is None or probe.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (no user namespaces)")
+    result = subprocess.run(
+        [unshare, "--user", "--map-root-user", "--mount", "sh", "-c", command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+    )
+    folder = f"{mount_point}/storage/sentiment/inference_outputs"
+    assert result.stdout.splitlines() == [
+        f"StorageError writing {folder}/posts.jsonl.parquet failed: no space left on device in {folder}: "
+        "free space there (or make it writable), or point BATCH_ASSETS_DATA at other storage",
+        "left: []",  # no temporary file left behind on the full disk
+    ], result.stderr[-2000:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import gzip
 import io
 import json
 import re
@@ -211,8 +212,32 @@ def test_parquet_nested_text_is_kept_as_json() -> None:
 def test_unreadable_parquet_and_unknown_suffix_fail_the_file() -> None:
     with pytest.raises(DropFileError, match="x.parquet: not a readable parquet file"):
         read_prompts(b"PAR1 but not really", "x.parquet", TEXT)
-    with pytest.raises(DropFileError, match="unsupported file type '.xlsx'"):
+    with pytest.raises(DropFileError, match=r"x.xlsx: unsupported file type; inputs are .jsonl, .csv, .parquet, .txt"):
         read_prompts(b"", "x.xlsx", TEXT)
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "options"),
+    [
+        ("posts.jsonl.gz", b'{"text": "a"}\nnot json\n{"text": "c"}\n', TEXT),
+        ("Customers.CSV.GZ", b"Company,City\nAcme,Paris\n\"Law, LLP\",Rome\n", COMPANY),
+        ("prompts.txt.gz", "one\ntwo \u00e9\n".encode(), TEXT),
+    ],
+)
+def test_gzip_compressed_inputs_read_like_the_plain_file(name: str, data: bytes, options: ParseOptions) -> None:
+    plain = read_prompts(data, name.removesuffix(".gz").removesuffix(".GZ"), options)
+    compressed = read_prompts(gzip.compress(data), name, options)
+    assert compressed.drop("error").equals(plain.drop("error"))
+    assert compressed["error"].is_null().to_list() == plain["error"].is_null().to_list()
+    assert compressed.height == data.count(b"\n") - (name.lower().startswith("customers"))
+
+
+def test_truncated_or_corrupt_gzip_fails_the_file_naming_it() -> None:
+    whole = gzip.compress(b'{"text": "a"}\n' * 1000)
+    with pytest.raises(DropFileError, match=r"posts.jsonl.gz: the gzip file is incomplete .*drop the whole file again"):
+        read_prompts(whole[: len(whole) // 2], "posts.jsonl.gz", TEXT)
+    with pytest.raises(DropFileError, match=r"posts.jsonl.gz: not a readable gzip file"):
+        read_prompts(b'{"text": "not compressed"}\n', "posts.jsonl.gz", TEXT)
 
 
 # --- size: duplicates, very long texts, many rows ---------------------------------------------

@@ -101,8 +101,9 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         name="raw_prompts",
         description=(
             f"Records of one `{name}` drop file, one row each, in input order with a stable `row_id`. "
-            "Reads .jsonl, .csv (header row), .parquet and .txt (one prompt a line). A record that "
-            "cannot be read becomes a row with an `error` naming the file and line; none is dropped."
+            "Reads .jsonl, .csv (header row), .parquet and .txt (one prompt a line), also gzip-compressed "
+            "(.jsonl.gz, .csv.gz, .txt.gz). A record that cannot be read becomes a row with an `error` naming "
+            "the file and line; none is dropped."
         ),
         **common,
     )

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import dagster as dg
 import polars as pl
 
-from batch_assets.pipeline.format_prompts import messages_for, user_message_expr
+from batch_assets.pipeline.format_prompts import PromptEncoder, PromptFormat, messages_for, user_message_expr
 from batch_assets.pipeline.task_spec import TaskSpec
 
 IN_PROCESS_RESOURCE_KEY = "llm_engine"
@@ -58,15 +58,17 @@ def prompt_encoder(engine, task: TaskSpec, tokenizer, formatted: pl.DataFrame) -
     row's messages, rebuilt from the input columns with the task's template (the same messages the
     prompt was rendered from). The in-process engine gets plain token ids: nothing extra is built.
     """
+    # Special-token text in a record stays text (format_prompts.PromptEncoder): no forged chat turns.
+    encoder = PromptEncoder(PromptFormat.of(task), tokenizer)
     if not getattr(engine, "sends_chat_messages", False):
-        return lambda prompts: tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        return encoder.encode
     valid = formatted.filter(pl.col("error").is_null())
     users = valid.select(user_message_expr(task.prompt.template).alias("user"))["user"]
     # Identical prompts come from identical user messages, so the prompt text is a safe key.
     user_by_prompt = dict(zip(valid["prompt"].to_list(), users.to_list(), strict=True))
 
     def encode(prompts: list[str]) -> list[list[int]]:
-        token_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        token_ids = encoder.encode(prompts)
         return [
             EncodedPrompt(ids, messages_for(task.prompt.system, user_by_prompt[prompt]))
             for prompt, ids in zip(prompts, token_ids, strict=True)

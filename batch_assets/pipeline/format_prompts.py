@@ -4,10 +4,16 @@ The user message comes from the task template over the input fields; system + us
 rendered with the model's own chat template (or the task's `raw_template` for models without one).
 Rows whose text is empty, or whose prompt plus `max_tokens` would not fit the model's context,
 get an `error` here so they never reach the engine.
+
+User text is text: a record containing the model's special tokens (`<|im_start|>`, `<|im_end|>`,
+...) must not open a chat turn of its own (prompt injection). `PromptEncoder` turns prompts into
+token ids with the user message tokenized with special tokens split into ordinary tokens, and only
+the chat template's own special tokens left special; token counts here follow the same rule.
 """
 
 from __future__ import annotations
 
+import re
 import string
 from dataclasses import dataclass
 from typing import Protocol
@@ -31,6 +37,12 @@ class PromptFormat:
     template: str
     raw_template: str | None
     text_fields: tuple[str, ...]
+
+    @classmethod
+    def of(cls, task) -> PromptFormat:
+        """The prompt format of a `TaskSpec`."""
+        prompt = task.prompt
+        return cls(prompt.system, prompt.template, prompt.raw_template, tuple(task.input.text_fields))
 
 
 def messages_for(system: str, user: str) -> list[dict[str, str]]:
@@ -78,6 +90,77 @@ def prompt_affixes(fmt: PromptFormat, tokenizer: Tokenizer) -> tuple[str, str] |
         if render_prompt(fmt, tokenizer, probe) != prefix + probe + suffix:
             return None
     return prefix, suffix
+
+
+def prompt_segments(fmt: PromptFormat, tokenizer: Tokenizer) -> tuple[str, str] | None:
+    """Text before and after the user message in every rendered prompt (None: no single place)."""
+    rendered = render_prompt(fmt, tokenizer, _SENTINEL)
+    if rendered.count(_SENTINEL) != 1:
+        return None
+    prefix, suffix = rendered.split(_SENTINEL)
+    return prefix, suffix
+
+
+def special_tokens(tokenizer: Tokenizer) -> list[str]:
+    """The text of the tokenizer's special tokens, longest first."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    specials = {token.content for token in decoder.values() if getattr(token, "special", False)}
+    specials |= set(getattr(tokenizer, "all_special_tokens", None) or [])
+    specials.discard("")
+    return sorted(specials, key=len, reverse=True)
+
+
+class PromptEncoder:
+    """Prompt texts → token ids, with the user message always tokenized as plain text.
+
+    A prompt whose user message holds no special-token text is tokenized whole, as before (the
+    common case, one batched call). Otherwise it is tokenized in three parts: the template's text
+    before the message and after it as usual, the message with `split_special_tokens`, so
+    `<|im_start|>` in a record becomes the tokens of the characters `<|im_start|>`.
+    """
+
+    def __init__(self, fmt: PromptFormat, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.specials = special_tokens(tokenizer)
+        self.pattern = re.compile("|".join(map(re.escape, self.specials))) if self.specials else None
+        self.segments = prompt_segments(fmt, tokenizer) if self.pattern is not None else None
+        self._segment_ids: tuple[list[int], list[int]] | None = None
+
+    def user_text(self, prompt: str) -> str | None:
+        """The user message inside a rendered prompt (None when the template gives no single place)."""
+        if self.segments is None:
+            return None
+        prefix, suffix = self.segments
+        if len(prompt) < len(prefix) + len(suffix) or not (prompt.startswith(prefix) and prompt.endswith(suffix)):
+            return None
+        return prompt[len(prefix) : len(prompt) - len(suffix)]
+
+    def needs_splitting(self, prompt: str) -> bool:
+        """Whether special-token text in the prompt comes from the user message."""
+        if self.pattern is None or not self.pattern.search(prompt):
+            return False
+        user = self.user_text(prompt)
+        return user is None or self.pattern.search(user) is not None
+
+    def encode(self, prompts: list[str]) -> list[list[int]]:
+        ids: list[list[int]] = self.tokenizer(prompts, add_special_tokens=False)["input_ids"] if prompts else []
+        for index, prompt in enumerate(prompts):
+            if self.needs_splitting(prompt):
+                ids[index] = self._encode_split(prompt)
+        return ids
+
+    def _encode_split(self, prompt: str) -> list[int]:
+        user = self.user_text(prompt)
+        if user is None:
+            # format_prompts turns such rows into `special_tokens` error rows; never guess here.
+            raise ValueError("a prompt with special-token text in its user message does not fit the chat template")
+        if self._segment_ids is None:
+            prefix, suffix = self.segments
+            self._segment_ids = tuple(
+                self.tokenizer(part, add_special_tokens=False)["input_ids"] if part else [] for part in (prefix, suffix)
+            )
+        plain = self.tokenizer(user, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return [*self._segment_ids[0], *plain, *self._segment_ids[1]]
 
 
 TOKENIZE_CHUNK = 20_000
@@ -142,6 +225,7 @@ def format_prompts(
             )
         )
         frame = frame.with_columns(num_prompt_tokens=count_unique(tokenizer, frame["prompt"]))
+    frame = _split_special_tokens_in_user_text(frame, PromptEncoder(fmt, tokenizer), source_file)
     budget = max_model_len - max_tokens
     too_long = pl.col("error").is_null() & (pl.col("num_prompt_tokens") > budget)
     frame = frame.with_columns(
@@ -159,3 +243,35 @@ def format_prompts(
         .otherwise(pl.col("error"))
     )
     return frame.drop("user_message").with_columns(prompt=pl.when(pl.col("error").is_null()).then(pl.col("prompt")))
+
+
+def _split_special_tokens_in_user_text(frame: pl.DataFrame, encoder: PromptEncoder, source_file: str) -> pl.DataFrame:
+    """Count the few prompts whose user text holds special-token text as the engine will get them
+    (special tokens split); where the chat template leaves no single place for the message, such a
+    row gets a `special_tokens` error instead of reaching the model with forged chat turns."""
+    if encoder.pattern is None:
+        return frame
+    ok = pl.col("error").is_null()
+    candidates = frame.with_row_index("_position").filter(ok & pl.col("prompt").str.contains_any(encoder.specials))
+    rows = [
+        (position, prompt)
+        for position, prompt in zip(candidates["_position"], candidates["prompt"], strict=True)
+        if encoder.needs_splitting(prompt)
+    ]
+    if not rows:
+        return frame
+    counts = frame["num_prompt_tokens"].to_list()
+    errors = frame["error"].to_list()
+    for position, prompt in rows:
+        if encoder.user_text(prompt) is None:
+            token = encoder.pattern.search(prompt).group()
+            line = frame["source_line"][position]
+            errors[position] = (
+                f"special_tokens: {source_file} line {line}: the text contains the model's special token {token!r}, "
+                "and this chat template gives no single place for the message to keep it as plain text"
+            )
+        else:
+            counts[position] = len(encoder.encode([prompt])[0])
+    return frame.with_columns(
+        num_prompt_tokens=pl.Series(counts, dtype=pl.Int64), error=pl.Series(errors, dtype=pl.String)
+    )

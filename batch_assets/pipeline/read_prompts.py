@@ -17,26 +17,31 @@ row is visible in the output:
     null_text         the text field is null
     non_string_text   the text field is a number, list, object... (kept as JSON text)
 
+Inputs are `.jsonl`, `.csv`, `.parquet` and `.txt`; `.jsonl.gz`, `.csv.gz` and `.txt.gz` are the
+same formats gzip-compressed (parquet compresses inside the file).
+
 Only a problem with the file as a whole raises `DropFileError` and fails the partition: an unknown
-suffix, an unreadable parquet file, or a text field that no record has (the message lists the
-columns or fields that were found, which is what a wrong field name in the task YAML looks like).
+suffix, an incomplete or corrupt gzip file, an unreadable parquet file, or a text field that no
+record has (the message lists the columns or fields that were found, which is what a wrong field
+name in the task YAML looks like).
 An empty file (nothing but whitespace), or a CSV with only its header row, gives zero rows.
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
 import io
 import json
 import re
 import sys
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import PurePosixPath
 
 import polars as pl
 
-SUPPORTED_SUFFIXES = (".jsonl", ".csv", ".parquet", ".txt")
+SUPPORTED_SUFFIXES = (".jsonl", ".csv", ".parquet", ".txt", ".jsonl.gz", ".csv.gz", ".txt.gz")
 # Columns the pipeline adds or uses on the way; an input column with one of these names is kept
 # as `input.<name>` so it can never be overwritten or confused with the pipeline's own.
 RESERVED_COLUMNS = frozenset(
@@ -72,11 +77,22 @@ class ParseOptions:
     txt_field: str = "text"
 
 
+def input_suffix(file_name: str) -> str | None:
+    """The supported suffix a file name ends with (`.jsonl.gz` before `.gz`), any case; else None."""
+    name = file_name.rsplit("/", 1)[-1].lower()
+    for suffix in sorted(SUPPORTED_SUFFIXES, key=len, reverse=True):
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return suffix
+    return None
+
+
 def read_prompts(data: bytes, file_name: str, options: ParseOptions) -> pl.DataFrame:
     """Parse the bytes of one drop file, by its suffix, into the raw_prompts table."""
-    suffix = PurePosixPath(file_name).suffix.lower()
-    if suffix not in SUPPORTED_SUFFIXES:
-        raise DropFileError(f"{file_name}: unsupported file type {suffix!r}; use one of {', '.join(SUPPORTED_SUFFIXES)}")
+    suffix = input_suffix(file_name)
+    if suffix is None:
+        raise DropFileError(f"{file_name}: unsupported file type; inputs are {', '.join(SUPPORTED_SUFFIXES)}")
+    if suffix.endswith(".gz"):
+        data, suffix = _gunzip(data, file_name), suffix.removesuffix(".gz")
     if suffix == ".parquet":
         return _finish(*_read_parquet(data, file_name, options), options)
     if data.startswith(_BOM):
@@ -88,6 +104,15 @@ def read_prompts(data: bytes, file_name: str, options: ParseOptions) -> pl.DataF
     if suffix == ".csv":
         return _finish(*_read_csv(data, file_name, options), options)
     return _finish(*_read_txt(data, file_name, options), options)
+
+
+def _gunzip(data: bytes, file_name: str) -> bytes:
+    try:
+        return gzip.decompress(data)
+    except EOFError as exc:  # an upload cut short, or still in progress
+        raise DropFileError(f"{file_name}: the gzip file is incomplete ({exc}); drop the whole file again") from None
+    except (OSError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
+        raise DropFileError(f"{file_name}: not a readable gzip file ({exc})") from None
 
 
 def _error(code: str, file_name: str, line: int, message: str) -> str:

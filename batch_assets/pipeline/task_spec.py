@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import string
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,6 +42,38 @@ class InputSpec(_Strict):
         return self
 
 
+def template_placeholders(template: str, setting: str) -> set[str]:
+    """The field names of a prompt template; anything but plain `{name}` placeholders is refused.
+
+    Templates are filled column-wise, so `{}` / `{0}` (positional), `{text!r}` (conversion),
+    `{text:>10}` (format spec) and `{text.attr}` / `{text[0]}` (attribute or index access) could
+    only fail later, on every row of every run; the message names the placeholder and the setting.
+    """
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(f"{setting} is not a valid template ({exc}); write a literal brace as {{{{ or }}}}") from None
+    names: set[str] = set()
+    for _, name, format_spec, conversion in parsed:
+        if name is None:
+            continue
+        placeholder = "{" + name + (f"!{conversion}" if conversion else "") + (f":{format_spec}" if format_spec else "")
+        placeholder += "}"
+        if not name or name.isdigit():
+            problem = "a positional placeholder; name an input field, e.g. {text}"
+        elif conversion:
+            problem = "conversions (!r, !s, !a) are not supported; write {" + name + "}"
+        elif format_spec:
+            problem = "format specs are not supported; write {" + name.split(".")[0].split("[")[0] + "}"
+        elif not name.isidentifier():
+            problem = "attribute and index access are not supported; name an input field, e.g. {text}"
+        else:
+            names.add(name)
+            continue
+        raise ValueError(f"{setting}: placeholder {placeholder} is {problem} (a literal brace is written {{{{ or }}}})")
+    return names
+
+
 class PromptSpec(_Strict):
     """System prompt and user template; `{field}` placeholders name input fields."""
 
@@ -50,8 +83,23 @@ class PromptSpec(_Strict):
     # format string over `{system}` and `{user}` used instead of the tokenizer's chat template.
     raw_template: str | None = None
 
+    @field_validator("template")
+    @classmethod
+    def _template_has_plain_placeholders(cls, template: str) -> str:
+        template_placeholders(template, "prompt.template")
+        return template
+
+    @field_validator("raw_template")
+    @classmethod
+    def _raw_template_uses_system_and_user(cls, raw_template: str | None) -> str | None:
+        if raw_template is not None:
+            unknown = template_placeholders(raw_template, "prompt.raw_template") - {"system", "user"}
+            if unknown:
+                raise ValueError(f"prompt.raw_template may only use {{system}} and {{user}}, not {sorted(unknown)}")
+        return raw_template
+
     def placeholders(self) -> set[str]:
-        return {name for _, name, _, _ in string.Formatter().parse(self.template) if name}
+        return template_placeholders(self.template, "prompt.template")
 
 
 ENV_VAR_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -245,6 +293,8 @@ def load_task_spec(path: Path) -> TaskSpec:
         raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_Yaml12Loader)
     except yaml.YAMLError as exc:
         raise TaskSpecError(f"{path}: not valid YAML: {exc}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TaskSpecError(f"{path}: cannot be read: {exc}") from exc
     if not isinstance(raw, dict):
         raise TaskSpecError(f"{path}: expected a mapping at the top level")
     raw.setdefault("name", path.stem)
@@ -261,10 +311,53 @@ def tasks_dir() -> Path:
     return Path(os.environ.get(TASKS_DIR_ENV) or BUNDLED_TASKS_DIR)
 
 
-def load_task_specs(directory: Path | None = None) -> list[TaskSpec]:
-    """Every `*.yaml` / `*.yml` task in the tasks folder, sorted by name."""
+@dataclass(frozen=True)
+class TaskFileError:
+    """A task file (or two files claiming one task name) that could not be loaded."""
+
+    name: str  # the task the file(s) would define: the file name without its suffix
+    paths: tuple[Path, ...]
+    message: str  # names the file(s), the field and the rule
+
+
+@dataclass(frozen=True)
+class TaskLoad:
+    tasks: list[TaskSpec]
+    errors: list[TaskFileError]
+
+
+def load_tasks(directory: Path | None = None) -> TaskLoad:
+    """Every `*.yaml` / `*.yml` task in the tasks folder, sorted by name, and the files that failed.
+
+    One broken file does not hide the others: the good tasks load and each bad file becomes a
+    `TaskFileError` (the code location shows it as a failing sensor, `batch-assets tasks` prints it).
+    Two files for one task name (`x.yaml` next to `x.yml`) are refused together, naming both.
+    """
     directory = directory or tasks_dir()
     paths = sorted([*directory.glob("*.yaml"), *directory.glob("*.yml")])
     if not paths:
         raise TaskSpecError(f"no task YAML files in {directory}")
-    return [load_task_spec(path) for path in paths]
+    by_name: dict[str, list[Path]] = {}
+    for path in paths:
+        by_name.setdefault(path.stem, []).append(path)
+    tasks: list[TaskSpec] = []
+    errors: list[TaskFileError] = []
+    for name, group in sorted(by_name.items()):
+        if len(group) > 1:
+            files = " and ".join(str(path) for path in group)
+            message = f"{files} both define the task {name!r}: keep one of them (rename or remove the other)"
+            errors.append(TaskFileError(name, tuple(group), message))
+            continue
+        try:
+            tasks.append(load_task_spec(group[0]))
+        except TaskSpecError as exc:
+            errors.append(TaskFileError(name, (group[0],), str(exc)))
+    return TaskLoad(tasks, errors)
+
+
+def load_task_specs(directory: Path | None = None) -> list[TaskSpec]:
+    """Every task in the tasks folder, sorted by name; any bad file raises `TaskSpecError` naming it."""
+    loaded = load_tasks(directory)
+    if loaded.errors:
+        raise TaskSpecError("\n".join(error.message for error in loaded.errors))
+    return loaded.tasks

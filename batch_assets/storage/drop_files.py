@@ -9,7 +9,8 @@ name. `posts.jsonl` → `posts.jsonl`, `posts 1.jsonl` → `posts_1.jsonl-<hash>
 `2026/11/posts.jsonl` → `2026__11__posts.jsonl-<hash>` (distinct from a file named
 `2026__11__posts.jsonl`).
 
-Which files are inputs: `.jsonl`, `.csv`, `.parquet`, `.txt`, anywhere below the drop zone. Skipped,
+Which files are inputs: `.jsonl`, `.csv`, `.parquet`, `.txt` and the gzip-compressed `.jsonl.gz`,
+`.csv.gz`, `.txt.gz`, anywhere below the drop zone. Skipped,
 with a reason: hidden or temporary names (a path part starting with `.`, `_` or `~`), names of
 uploads in progress (`.tmp`, `.part`, `.crdownload`, ...), unknown extensions, and local files
 modified within the last few seconds (still being copied in). S3 objects need no such wait: an
@@ -28,7 +29,7 @@ from pathlib import PurePosixPath
 import dagster as dg
 from upath import UPath
 
-from batch_assets.pipeline.read_prompts import SUPPORTED_SUFFIXES
+from batch_assets.pipeline.read_prompts import SUPPORTED_SUFFIXES, input_suffix
 from batch_assets.storage.errors import storage_errors
 from batch_assets.storage.locations import drop_zone, is_local
 
@@ -67,9 +68,29 @@ def skip_reason(relative_path: str) -> str | None:
         return "hidden or temporary name"
     if name.lower().endswith(_IN_PROGRESS_MARKERS):
         return "still being written (temporary suffix)"
-    if PurePosixPath(name).suffix.lower() not in SUPPORTED_SUFFIXES:
+    if input_suffix(name) is None:
         return f"unknown extension (inputs are {', '.join(SUPPORTED_SUFFIXES)})"
     return None
+
+
+def input_file_problem(name: str) -> str | None:
+    """Why a file of this name would not be read from the drop zone, said for the user who is about
+    to put it there (None when it would be); checked before anything is copied."""
+    reason = skip_reason(name)
+    if reason is None:
+        return None
+    formats = f"inputs are {', '.join(SUPPORTED_SUFFIXES)}"
+    lower = name.lower()
+    if name.startswith((".", "_", "~")):
+        return "names starting with '.', '_' or '~' are hidden or temporary files the drop zone skips; rename the file"
+    if lower.endswith(_IN_PROGRESS_MARKERS):
+        markers = ", ".join(_IN_PROGRESS_MARKERS)
+        return f"names ending in {markers} are files still being written, which the drop zone skips; rename the file"
+    if lower.endswith((".json", ".json.gz")):
+        return f"a .json file is not read: write one JSON object per line and name the file .jsonl ({formats})"
+    if lower.endswith(".gz"):
+        return f"unsupported compressed file; {formats}"
+    return f"unsupported file type; {formats}"
 
 
 @dataclass(frozen=True)

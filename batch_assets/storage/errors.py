@@ -9,6 +9,7 @@ and the sensor's tick. Messages never carry credentials: secret values from the 
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from collections.abc import Iterator
@@ -111,11 +112,26 @@ def describe(exc: BaseException) -> str:
             return f"the S3 endpoint timed out, still failing after retries ({cause})"
         if isinstance(cause, NoCredentialsError):
             return "no AWS credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"
+    for cause in _causes(exc):
+        if isinstance(cause, OSError) and cause.errno in _FULL_OR_READ_ONLY:
+            return _FULL_OR_READ_ONLY[cause.errno]
     if isinstance(exc, PermissionError):
         return f"permission denied ({exc.strerror or exc})"
     if isinstance(exc, FileNotFoundError):
         return "not found"
-    return f"{type(exc).__name__}: {exc}"
+    text = str(exc).strip()
+    if isinstance(exc, OSError) and exc.errno is not None and not (exc.strerror or "").strip():
+        # e.g. `OSError(28, "")` from a writer that drops the reason: say what the number means.
+        text = f"[Errno {exc.errno}] {os.strerror(exc.errno)}"
+    return f"{type(exc).__name__}: {text}" if text else f"{type(exc).__name__} (no reason given)"
+
+
+# Conditions of the storage itself; the folder is named by `storage_error`.
+_FULL_OR_READ_ONLY = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "the file system is read-only",
+}
 
 
 def is_storage_exception(exc: BaseException) -> bool:
@@ -126,7 +142,11 @@ def is_storage_exception(exc: BaseException) -> bool:
 
 
 def storage_error(action: str, url: object, exc: BaseException) -> StorageError:
-    return StorageError(scrub(f"{action} {url} failed: {describe(exc)}"))
+    reason = describe(exc)
+    if reason in _FULL_OR_READ_ONLY.values():
+        folder = str(url).rstrip("/").rsplit("/", 1)[0] or str(url)
+        reason += f" in {folder}: free space there (or make it writable), or point BATCH_ASSETS_DATA at other storage"
+    return StorageError(scrub(f"{action} {url} failed: {reason}"))
 
 
 @contextmanager

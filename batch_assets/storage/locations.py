@@ -109,7 +109,10 @@ def write_bytes_atomically(path: UPath, data: bytes) -> None:
     with storage_errors("writing", path):
         if is_local(path):
             path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+            # Hidden and `.tmp` (drop listings skip it); at most 102 bytes, so a target name of up
+            # to the file system's 255 bytes still has a temporary name that fits.
+            stem = path.name.encode("utf-8")[:64].decode("utf-8", errors="ignore")
+            temporary = path.parent / f".{stem}.{uuid.uuid4().hex}.tmp"
             try:
                 with open(temporary.path, "wb") as handle:
                     handle.write(data)
