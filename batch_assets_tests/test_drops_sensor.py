@@ -176,6 +176,7 @@ def test_local_drop_folder_new_replaced_in_progress_and_restart(data_dir: Path) 
         retried, _ = tick(sensor, instance, None)
         assert not retried.run_requests
 
+        settled(data_dir / "drops" / TASK / "copying.jsonl", age=0)  # still being written to
         quiet, cursor = tick(sensor, instance, cursor)
         assert not quiet.run_requests
         assert "copying.jsonl: still being written" in quiet.skip_reason.skip_message
