@@ -32,8 +32,9 @@ tick (oldest files first); the rest wait for the next tick, which keeps every ti
 import base64
 import binascii
 import hashlib
+import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import dagster as dg
@@ -140,16 +141,19 @@ def run_request_for(drop: DropFile, replaced: bool) -> dg.RunRequest:
 
 
 def backfill_request_for(
-    task: str, drops: list[DropFile], asset_graph, *, replaced: bool
+    task: str, drops: list[DropFile], asset_graph, *, replaced: bool, job_tags: Mapping[str, object] | None = None
 ) -> tuple[str, dg.RunRequest]:
     """A backfill of the drops' partitions through the task's four assets (their checks run with them).
-    Returns the request key (see the module docstring) and the request."""
+    Returns the request key (see the module docstring) and the request. Backfill runs use Dagster's
+    implicit asset job, so the task job's tags (a GPU count for the Kubernetes run launcher) are
+    given to the backfill, which passes them to each of its runs."""
     from dagster._core.definitions.events import AssetKeyPartitionKey
     from dagster._core.definitions.assets.graph.asset_graph_subset import AssetGraphSubset
 
     identity = "\n".join(sorted(f"{drop.partition_key}@{version_digest(drop.version)}" for drop in drops))
     request_key = hashlib.sha1(identity.encode("utf-8")).hexdigest()[:16]
-    tags = {LAUNCHED_BY_TAG: "sensor", REQUEST_KEY_TAG: request_key}
+    tags = {key: value if isinstance(value, str) else json.dumps(value) for key, value in (job_tags or {}).items()}
+    tags |= {LAUNCHED_BY_TAG: "sensor", REQUEST_KEY_TAG: request_key}
     if replaced:
         tags[REPLACED_TAG] = "true"
     # AssetGraphSubset is how Dagster 1.13 lets a sensor ask for a backfill; the backfill daemon
@@ -218,7 +222,11 @@ def _backfill_exists(instance: dg.DagsterInstance, request_key: str) -> bool:
 
 
 def run_requests_for(
-    task: str, to_run: list[tuple[DropFile, bool]], asset_graph, backfill_exists: Callable[[str], bool]
+    task: str,
+    to_run: list[tuple[DropFile, bool]],
+    asset_graph,
+    backfill_exists: Callable[[str], bool],
+    job_tags: Mapping[str, object] | None = None,
 ) -> list[dg.RunRequest]:
     """One run for a lone file; a backfill for several (new and replaced files apart)."""
     requests = []
@@ -227,7 +235,7 @@ def run_requests_for(
         if len(drops) == 1:
             requests.append(run_request_for(drops[0], replaced))
         elif drops:
-            request_key, request = backfill_request_for(task, drops, asset_graph, replaced=replaced)
+            request_key, request = backfill_request_for(task, drops, asset_graph, replaced=replaced, job_tags=job_tags)
             if not backfill_exists(request_key):
                 requests.append(request)
     return requests
@@ -300,6 +308,7 @@ def build_drops_sensor(
             plan.to_run,
             context.repository_def.asset_graph,
             lambda request_key: _backfill_exists(context.instance, request_key),
+            job_tags=job.tags,
         )
         return dg.SensorResult(
             run_requests=run_requests,
