@@ -206,13 +206,21 @@ def test_a_burst_of_drops_becomes_a_backfill_of_grouped_runs_recorded_in_postgre
                 break
             assert time.monotonic() < deadline, f"backfill not finished in {RUNS_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
             time.sleep(3)
+        # A single new file later is one run of its partition, not a backfill.
+        (zone / "posts-d.jsonl").write_text("\n".join(lines[6:7]) + "\n", encoding="utf-8")
+        while True:
+            assert daemon.poll() is None, f"dagster-daemon exited:\n{log.read_text()[-3000:]}"
+            single = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/partition": partition_key_for("posts-d.jsonl")}))
+            if single and single[0].is_finished:
+                break
+            assert time.monotonic() < deadline, f"single run not finished in {RUNS_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
+            time.sleep(3)
     finally:
         stop(daemon)
 
     # One tick turned the three files into three partitions and one backfill ...
-    [tick] = [t for t in sensor_ticks(instance, SENSOR) if t.status.value == "SUCCESS"][:1]
-    assert sorted(instance.get_dynamic_partitions(partitions_def_name("sentiment"))) == keys
-    [backfill] = backfills
+    assert instance.get_dynamic_partitions(partitions_def_name("sentiment"))[:3] == keys
+    [backfill] = instance.get_backfills()
     assert backfill.status == dg.BulkActionStatus.COMPLETED_SUCCESS, log.read_text()[-3000:]
     assert backfill.tags["batch_assets/launched_by"] == "sensor"
     # ... which made two runs: a range of two partitions, then the third.
@@ -254,6 +262,15 @@ def test_a_burst_of_drops_becomes_a_backfill_of_grouped_runs_recorded_in_postgre
         for key in keys
     }
     assert inference[keys[0]].run_id == inference[keys[1]].run_id != inference[keys[2]].run_id
+
+    # The later single file: one run with the sensor's tags, its checks evaluated for its partition.
+    [run] = single
+    assert run.status == dg.DagsterRunStatus.SUCCESS, log.read_text()[-3000:]
+    assert run.tags["batch_assets/source_file"] == "posts-d.jsonl" and "dagster/backfill" not in run.tags
+    assert {"labels_are_valid", "one_row_per_record", "outputs_satisfy_constraint", "error_share_below_threshold"} <= {
+        r.event_log_entry.dagster_event.event_specific_data.check_name
+        for r in instance.get_records_for_run(run.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION).records
+    }
 
     # The `gpu` pool got its default limit of 1 and is free again.
     pool = instance.event_log_storage.get_concurrency_info("gpu")

@@ -3,7 +3,7 @@
 Each tick lists the drop zone (a local folder, or an S3 prefix paged 1,000 keys at a time), and in
 the same tick adds a dynamic partition for every new input file and requests its processing
 (`SensorResult` with the partition requests, run requests and the new cursor):
-- one file found in the tick: one run of that partition (the task's job);
+- one file found in the tick: one run of that partition (its four assets and checks);
 - several: a backfill of those partitions (`RunRequest.for_asset_graph_subset`), which the assets'
   `BackfillPolicy.multi_run` splits into runs of up to `runs.max_partitions_per_run` partitions each,
   so a burst of drops pays the engine start and the per-run overhead once per range, not per file.
@@ -132,16 +132,16 @@ def plan_tick(
     return plan
 
 
-def run_request_for(drop: DropFile, replaced: bool) -> dg.RunRequest:
+def run_request_for(drop: DropFile, replaced: bool, job_tags: Mapping[str, str] | None = None) -> dg.RunRequest:
     digest = version_digest(drop.version)
-    tags = {SOURCE_FILE_TAG: drop.relative_path, SOURCE_VERSION_TAG: digest, LAUNCHED_BY_TAG: "sensor"}
+    tags = {**(job_tags or {}), SOURCE_FILE_TAG: drop.relative_path, SOURCE_VERSION_TAG: digest, LAUNCHED_BY_TAG: "sensor"}
     if replaced:
         tags[REPLACED_TAG] = "true"
     return dg.RunRequest(run_key=f"{drop.partition_key}@{digest}", partition_key=drop.partition_key, tags=tags)
 
 
 def backfill_request_for(
-    task: str, drops: list[DropFile], asset_graph, *, replaced: bool, job_tags: Mapping[str, object] | None = None
+    task: str, drops: list[DropFile], asset_graph, *, replaced: bool, job_tags: Mapping[str, str] | None = None
 ) -> tuple[str, dg.RunRequest]:
     """A backfill of the drops' partitions through the task's four assets (their checks run with them).
     Returns the request key (see the module docstring) and the request. Backfill runs use Dagster's
@@ -152,8 +152,7 @@ def backfill_request_for(
 
     identity = "\n".join(sorted(f"{drop.partition_key}@{version_digest(drop.version)}" for drop in drops))
     request_key = hashlib.sha1(identity.encode("utf-8")).hexdigest()[:16]
-    tags = {key: value if isinstance(value, str) else json.dumps(value) for key, value in (job_tags or {}).items()}
-    tags |= {LAUNCHED_BY_TAG: "sensor", REQUEST_KEY_TAG: request_key}
+    tags = {**(job_tags or {}), LAUNCHED_BY_TAG: "sensor", REQUEST_KEY_TAG: request_key}
     if replaced:
         tags[REPLACED_TAG] = "true"
     # AssetGraphSubset is how Dagster 1.13 lets a sensor ask for a backfill; the backfill daemon
@@ -226,14 +225,14 @@ def run_requests_for(
     to_run: list[tuple[DropFile, bool]],
     asset_graph,
     backfill_exists: Callable[[str], bool],
-    job_tags: Mapping[str, object] | None = None,
+    job_tags: Mapping[str, str] | None = None,
 ) -> list[dg.RunRequest]:
     """One run for a lone file; a backfill for several (new and replaced files apart)."""
     requests = []
     for replaced in (False, True):
         drops = [drop for drop, is_replaced in to_run if is_replaced == replaced]
         if len(drops) == 1:
-            requests.append(run_request_for(drops[0], replaced))
+            requests.append(run_request_for(drops[0], replaced, job_tags))
         elif drops:
             request_key, request = backfill_request_for(task, drops, asset_graph, replaced=replaced, job_tags=job_tags)
             if not backfill_exists(request_key):
@@ -256,9 +255,13 @@ def build_drops_sensor(
 ) -> dg.SensorDefinition:
     partitions_name = partitions_def_name(task.name)
 
+    # The sensor targets the task's assets (their checks come with them), not its job: Dagster lets
+    # only a sensor with an asset selection request backfills. Its runs get the job's tags.
+    job_tags = {key: value if isinstance(value, str) else json.dumps(value) for key, value in (job.tags or {}).items()}
+
     @dg.sensor(
         name=f"{task.name}_drops_sensor",
-        job=job,
+        asset_selection=dg.AssetSelection.assets(*(dg.AssetKey([task.name, asset]) for asset in PIPELINE_ASSETS)),
         minimum_interval_seconds=task.sensor.minimum_interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING if task.sensor.running_by_default else dg.DefaultSensorStatus.STOPPED,
         description=(
@@ -308,7 +311,7 @@ def build_drops_sensor(
             plan.to_run,
             context.repository_def.asset_graph,
             lambda request_key: _backfill_exists(context.instance, request_key),
-            job_tags=job.tags,
+            job_tags=job_tags,
         )
         return dg.SensorResult(
             run_requests=run_requests,
