@@ -11,11 +11,9 @@ $(STAMP): pyproject.toml scripts/setup.sh
 
 setup: $(STAMP)
 
-$(DAGSTER_HOME)/dagster.yaml: dagster.yaml
-	mkdir -p $(DAGSTER_HOME)
-	cp dagster.yaml $(DAGSTER_HOME)/dagster.yaml
-
-demo: setup $(DAGSTER_HOME)/dagster.yaml
+# batch-assets creates $(DAGSTER_HOME) (dagster.yaml, storages) itself, under a lock, so that
+# commands started at once on a new home leave one usable instance.
+demo: setup
 	$(VENV)/bin/batch-assets demo
 
 test: setup
@@ -31,8 +29,9 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-ui: setup $(DAGSTER_HOME)/dagster.yaml
-	$(VENV)/bin/dagster dev -h 127.0.0.1 -p 3000 -w workspace.yaml
+# `dg dev` (webserver + daemon); a second `make ui` on the same home is refused with a message.
+ui: setup
+	$(VENV)/bin/batch-assets ui --host 127.0.0.1 --port 3000
 
 clean:
 	rm -rf $(VENV) .dagster_home data

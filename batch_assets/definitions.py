@@ -1,6 +1,6 @@
 """The code location: one asset group, partitions definition, job, sensor and set of checks per task.
 
-Load with `dagster dev` / `dg dev` from the repo root (workspace.yaml points here).
+Load with `dg dev` (`make ui`) from the repo root (workspace.yaml points here).
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from pathlib import Path
 
 import dagster as dg
 
-from batch_assets.dagster_defs.assets import IO_MANAGER_KEY, build_task_assets
+from batch_assets.dagster_defs.assets import IO_MANAGER_KEY, build_automation_sensor, build_task_assets
 from batch_assets.dagster_defs.checks import build_task_checks
 from batch_assets.engines.protocol import ENDPOINT_RESOURCE_KEY, IN_PROCESS_RESOURCE_KEY
 from batch_assets.engines.openai_engine import OpenAIEngine
 from batch_assets.engines.vllm_engine import VLLMEngine
+from batch_assets.dagster_defs.run_recovery import build_recovery_sensor
 from batch_assets.dagster_defs.sensors import build_drops_sensor
 from batch_assets.dagster_defs.task_file_errors import build_task_file_error_sensor
 from batch_assets.pipeline.task_spec import TaskFileError, TaskSpec, load_tasks
@@ -80,11 +81,12 @@ def build_definitions(
         job = build_task_job(task)
         jobs.append(job)
         sensors.append(build_drops_sensor(task, job))
+        sensors += build_automation_sensor(task)
     return dg.Definitions(
         assets=assets,
         asset_checks=checks,
         jobs=jobs,
-        sensors=sensors,
+        sensors=[*sensors, build_recovery_sensor()],
         resources={
             IO_MANAGER_KEY: ParquetStorage(),
             IN_PROCESS_RESOURCE_KEY: engine or VLLMEngine(),

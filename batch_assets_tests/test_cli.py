@@ -87,6 +87,13 @@ def test_demo_runs_every_sample_and_a_second_demo_reruns_nothing(workdir) -> Non
     lines = summary_lines(first.stdout)
     assert {line.split("/")[0] for line in lines} == {"industry", "sentiment", "answers"}
     assert all(": OK run " in line for line in lines), lines
+    # The choice samples carry hand-made labels, so their lines show accuracy next to the label counts.
+    accuracy = {line.split("/")[0]: "hand-labelled rows)" in line for line in lines}
+    assert accuracy == {"industry": True, "sentiment": True, "answers": False}, lines
+    sentiment = next(line for line in lines if line.startswith("sentiment/"))
+    assert "(accuracy " in sentiment and "on 36 hand-labelled rows)" in sentiment
+    # The caution about the embedded model is for runs on it; this one ran on the tiny test model.
+    assert "not a labeler" not in first.stdout
     second = run_cli(["demo"], env, tmp_path)
     assert second.returncode == 0
     again = summary_lines(second.stdout)
@@ -96,6 +103,41 @@ def test_demo_runs_every_sample_and_a_second_demo_reruns_nothing(workdir) -> Non
         assert len(instance.get_runs()) == len(lines)
 
 
+def test_demo_says_once_that_the_embedded_model_is_not_a_labeler(monkeypatch: pytest.MonkeyPatch) -> None:
+    from batch_assets.cli import demo_note
+    from batch_assets.pipeline.task_spec import load_task_specs
+
+    monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
+    note = demo_note(load_task_specs())
+    assert "not a labeler" in note and "engine.model" in note and "BATCH_ASSETS_MODEL" in note
+    assert "engine.base_url" in note and "checks.gold_field" in note
+    monkeypatch.setenv("BATCH_ASSETS_MODEL", "/models/llama-3.1-8b-instruct")
+    assert demo_note(load_task_specs()) is None
+
+
 def test_repo_root_has_the_contract_files() -> None:
     for name in ("workspace.yaml", "dagster.yaml", "Makefile", ".ci/run", "pyproject.toml", "README.md"):
         assert (REPO_ROOT / name).exists(), name
+
+
+def test_run_over_budget_fails_naming_estimate_and_limit(workdir) -> None:
+    tmp_path, env = workdir
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "budgeted.yaml").write_text(
+        "input: {text_fields: [text]}\nprompt: {template: 'Item: {text}'}\n"
+        "engine: {max_model_len: 512, price: {input_per_million_tokens: 3.0, output_per_million_tokens: 15.0}}\n"
+        "sampling: {temperature: 0, max_tokens: 4}\noutput: {kind: choices, choices: [a, b]}\n"
+        "budget: {max_generated_tokens: 30}\n"
+    )
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(f'{{"text": "item {i}"}}\n' for i in range(10)))
+    result = run_cli(["run", "budgeted", str(items)], {**env, "BATCH_ASSETS_TASKS_DIR": str(tasks)}, tmp_path)
+    assert result.returncode == 1
+    [line] = summary_lines(result.stdout)
+    assert "FAILED" in line and (
+        "stopped by within_budget: worst-case generated tokens 40 (10 rows x sampling.max_tokens) "
+        "exceed budget.max_generated_tokens 30"
+    ) in line
+    assert "starting vLLM engine" not in result.stdout + result.stderr
+    assert not (tmp_path / "data" / "storage" / "budgeted" / "inference_outputs").exists()

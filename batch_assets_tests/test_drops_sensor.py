@@ -313,16 +313,15 @@ def test_names_up_to_the_file_system_limit_are_written_listed_and_found(data_dir
     ],
 )
 def test_run_refuses_files_the_drop_zone_would_skip_before_copying_anything(
-    data_dir: Path, tmp_path: Path, name: str, message: str
+    data_dir: Path, tmp_path: Path, name: str, message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from batch_assets import cli
 
     good, bad = tmp_path / "good.jsonl", tmp_path / name
     good.write_text(POST)
     bad.write_text(POST)
-    with pytest.raises(SystemExit) as info:
-        cli.main(["run", TASK, str(good), str(bad)])
-    assert str(info.value).startswith(f"{bad}: {message}")
+    assert cli.main(["run", TASK, str(good), str(bad)]) == 2
+    assert capsys.readouterr().out.startswith(f"error: {bad}: not an input file: {message}")
     assert not (data_dir / "drops").exists()  # nothing copied, not even the good file
 
 

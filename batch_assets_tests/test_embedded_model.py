@@ -9,6 +9,7 @@ import dagster as dg
 import polars as pl
 import pytest
 
+from batch_assets.engines import embedded_model
 from batch_assets.engines.embedded_model import EMBEDDED_PREFIX, embedded_model_dir, ensure_embedded_model, resolve_model
 from batch_assets_tests.conftest import SAMPLES, drop
 from batch_assets_tests.test_pipeline_materialize import failure_messages, read_output, run_partition
@@ -24,6 +25,47 @@ def test_conversion_is_a_complete_safetensors_checkpoint_made_once() -> None:
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert ensure_embedded_model() == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp  # not converted again
+
+
+def test_conversion_writes_architectures_and_keeps_the_bos_behaviour() -> None:
+    from transformers import AutoTokenizer
+
+    path = ensure_embedded_model()
+    # vLLM picks the model class from `architectures`; transformers leaves it empty for GGUF models.
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    # The GGUF file says no BOS token is added; the converted tokenizer must not add one either.
+    assert embedded_model.gguf_adds_bos(embedded_model.gguf_path()) is False
+    assert tokenizer("Post: hi")["input_ids"][0] != tokenizer.bos_token_id
+    assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
+
+
+def test_a_folder_converted_before_architectures_is_upgraded_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(embedded_model.CACHE_ENV, str(tmp_path))
+    folder = embedded_model_dir()
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": None, "hidden_size": 8}))
+    (folder / "batch_assets_model.json").write_text(json.dumps({"source": "old.gguf"}))
+    assert ensure_embedded_model() == folder  # no conversion: the folder is complete
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["hidden_size"] == 8
+    marker = json.loads((folder / "batch_assets_model.json").read_text())
+    assert marker["conversion"] == embedded_model.CONVERSION_VERSION
+
+
+def test_a_tokenizer_that_cannot_keep_the_bos_behaviour_is_refused() -> None:
+    class AlwaysAddsBos:
+        bos_token_id = 1
+
+        def __call__(self, text):
+            return {"input_ids": [1, 42]}
+
+    tokenizer = AlwaysAddsBos()
+    embedded_model._keep_bos_behaviour(tokenizer, True, Path("m.gguf"))  # already right: nothing to do
+    with pytest.raises(RuntimeError, match="add_bos_token=False"):
+        embedded_model._keep_bos_behaviour(tokenizer, False, Path("m.gguf"))
 
 
 def test_model_names_resolve(tmp_path: Path) -> None:

@@ -154,7 +154,9 @@ def test_tasks_command_lists_good_tasks_and_names_the_bad_file_with_a_non_zero_e
     assert f"ERROR: task 'bad' not loaded: {bad}" in err and "needs a non-empty `choices`" in err
 
 
-def test_run_of_a_bad_task_names_its_file_and_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_run_of_a_bad_task_names_its_file_and_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     write(tmp_path, "good", GOOD)
     bad = write(tmp_path, "bad", GOOD.replace("Text: {text}", "Text: {}"))
     monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(tmp_path))
@@ -162,7 +164,7 @@ def test_run_of_a_bad_task_names_its_file_and_error(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("BATCH_ASSETS_DATA", str(tmp_path / "data"))
     posts = tmp_path / "posts.jsonl"
     posts.write_text('{"text": "hi"}\n')
-    with pytest.raises(SystemExit) as info:
-        cli.main(["run", "bad", str(posts)])
-    assert str(info.value).startswith(f"task 'bad' cannot be loaded: {bad}") and "placeholder {}" in str(info.value)
+    assert cli.main(["run", "bad", str(posts)]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith(f"error: task 'bad' cannot be loaded: {bad}") and "placeholder {}" in out
     assert not (tmp_path / "data" / "drops" / "bad").exists()

@@ -1,6 +1,6 @@
 """The Dagster UI in a real browser: the asset graph, a partition launched by clicking, its checks.
 
-Starts `dagster dev` (webserver + daemon, as `make ui` does) on a free loopback port with a fresh
+Starts `batch-assets ui` (`dg dev`: webserver + daemon, as `make ui` does) on a free loopback port with a fresh
 DAGSTER_HOME holding the repo's dagster.yaml, the tiny test model and one sentiment drop registered
 as a partition; then drives Debian's Chromium with Playwright like a user would. Screenshots go to
 `.screenshots/` (ignored by git) for a human to look at.
@@ -78,7 +78,7 @@ def wait_for_location(base_url: str, server: subprocess.Popen, log: Path, timeou
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            pytest.fail(f"dagster dev exited with {server.returncode}:\n{log.read_text()[-3000:]}")
+            pytest.fail(f"batch-assets ui exited with {server.returncode}:\n{log.read_text()[-3000:]}")
         try:
             entries = graphql(base_url, query)["data"]["workspaceOrError"]["locationEntries"]
             if {"name": "batch_assets", "loadStatus": "LOADED"} in entries:
@@ -107,7 +107,7 @@ def stop(server: subprocess.Popen) -> None:
 
 @pytest.fixture
 def ui(tmp_path: Path, tiny_model_path: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, dg.DagsterInstance, str]]:
-    """`dagster dev` with one sentiment drop registered as a partition: (base URL, instance, partition key).
+    """`batch-assets ui` with one sentiment drop registered as a partition: (base URL, instance, partition key).
 
     Its runs use the code location's default, the shared engine host, kept in this test's folder."""
     home, data = tmp_path / "dagster_home", tmp_path / "data"
@@ -131,9 +131,9 @@ def ui(tmp_path: Path, tiny_model_path: str, monkeypatch: pytest.MonkeyPatch) ->
     }
     env.pop("BATCH_ASSETS_TASKS_DIR", None)
     log = tmp_path / "dagster-dev.log"
-    dagster = Path(sys.executable).with_name("dagster")
+    cli = Path(sys.executable).with_name("batch-assets")
     server = subprocess.Popen(
-        [str(dagster), "dev", "-h", "127.0.0.1", "-p", str(port), "-w", "workspace.yaml"],
+        [str(cli), "ui", "--host", "127.0.0.1", "--port", str(port)],
         cwd=REPO_ROOT,
         env=env,
         stdout=log.open("w"),

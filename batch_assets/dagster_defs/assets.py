@@ -30,6 +30,9 @@ from batch_assets.engines.engine_host import acquire as acquire_engine_host
 from batch_assets.engines.engine_host import complete as complete_on_host
 from batch_assets.engines.protocol import checkpoint_identity, engine_for, engine_pool, engine_resource_key, prompt_encoder
 from batch_assets.engines.vllm_engine import PROCESS_ENGINE, EngineStartError, VLLMEngine
+from batch_assets.pipeline.budget import actual_cost_metadata, estimate_cost
+from batch_assets.pipeline.code_versions import code_versions
+from batch_assets.pipeline.label_quality import accuracy_report
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.locations import checkpoint_dir, task_storage_dir
 from batch_assets.pipeline.validate_labels import validate_labels
@@ -76,6 +79,58 @@ def label_counts(labels: pl.DataFrame) -> dict[str, int]:
     return {str(row["label"]): int(row["count"]) for row in counts.to_dicts()}
 
 
+def column_schema(frame: pl.DataFrame) -> dg.TableSchema:
+    """`dagster/column_schema`: the catalog shows an asset's columns and their types."""
+    return dg.TableSchema(columns=[dg.TableColumn(name, str(dtype)) for name, dtype in frame.schema.items()])
+
+
+def stale_partitions_condition() -> dg.AutomationCondition:
+    """Re-materialize partitions made before a task edit (`automation: {rematerialize_stale: true}`).
+
+    True for every materialized partition on the tick the asset's code version changes, or when an
+    upstream partition was updated by a run that did not include this asset; then held until the
+    partition is requested. New partitions are left to the drops sensor (`~missing`).
+    """
+    return (
+        (dg.AutomationCondition.code_version_changed() | dg.AutomationCondition.any_deps_updated()).since_last_handled()
+        & ~dg.AutomationCondition.missing()
+        & ~dg.AutomationCondition.any_deps_missing()
+        & ~dg.AutomationCondition.any_deps_in_progress()
+        & ~dg.AutomationCondition.in_progress()
+    ).with_label("rematerialize_stale")
+
+
+def build_automation_sensor(task: TaskSpec) -> list[dg.AutomationConditionSensorDefinition]:
+    """The sensor that evaluates a task's stale-partition condition (running whenever the daemon is)."""
+    if not task.automation.rematerialize_stale:
+        return []
+    return [
+        dg.AutomationConditionSensorDefinition(
+            f"{task.name}_automation_sensor",
+            target=dg.AssetSelection.groups(task.name),
+            default_status=dg.DefaultSensorStatus.RUNNING,
+            description=f"Re-materializes `{task.name}` partitions made with an earlier version of the task.",
+        )
+    ]
+
+
+def accuracy_metadata(labels: pl.DataFrame, task: TaskSpec) -> dict:
+    """Accuracy against the task's `checks.gold_field`, when the partition carries one."""
+    if not task.checks.gold_field:
+        return {}
+    report = accuracy_report(labels, task.checks.gold_field, task.checks.gold_json_field)
+    if report is None:
+        note = f"no row has a value in the gold column {task.checks.gold_field!r}: accuracy not measured"
+        return {"accuracy_note": note}
+    return {
+        "accuracy": round(report.accuracy, 4),
+        "rows_with_gold": report.rows_with_gold,
+        "correct_rows": report.correct,
+        "per_label": report.per_label_metadata(),
+        "confusion": dg.MetadataValue.md(report.confusion_markdown()),
+    }
+
+
 def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     name = task.name
     partitions = drop_partitions(name)
@@ -90,6 +145,8 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     parse_options = ParseOptions(text_fields=tuple(task.input.text_fields), txt_field=task.input.txt_field)
     # The task's engine: in-process vLLM (`llm_engine`) or an OpenAI-compatible endpoint (`llm_endpoint`).
     engine_key = engine_resource_key(task)
+    versions = code_versions(task)
+    automation = stale_partitions_condition() if task.automation.rematerialize_stale else None
     prompt_format = PromptFormat(
         system=task.prompt.system,
         template=task.prompt.template,
@@ -145,6 +202,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                 "source_version": drop.version,
                 "columns": [c for c in frame.columns if c not in ("row_id", "source_line", "error")],
                 "dagster/row_count": frame.height,
+                "dagster/column_schema": column_schema(frame),
             },
         )
         return frame
@@ -158,6 +216,8 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         ),
         ins={"raw_prompts": dg.AssetIn(key=asset_key(name, "raw_prompts"))},
         required_resource_keys={engine_key},
+        code_version=versions["formatted_prompts"],
+        automation_condition=automation,
         **common,
     )
     def formatted_prompts(
@@ -186,7 +246,9 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                     "prompt_tokens": int(frame["num_prompt_tokens"].sum() or 0),
                     "max_prompt_tokens": int(frame["num_prompt_tokens"].max() or 0),
                     "seconds": round(time.monotonic() - started, 3),
+                    **estimate_cost(frame, task).metadata(),
                     "dagster/row_count": frame.height,
+                    "dagster/column_schema": column_schema(frame),
                 },
             )
         return frames
@@ -203,6 +265,8 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         pool=engine_pool(task),
         required_resource_keys={engine_key},
         retry_policy=dg.RetryPolicy(max_retries=1, delay=5),
+        code_version=versions["inference_outputs"],
+        automation_condition=automation,
         **common,
     )
     def inference_outputs(
@@ -322,7 +386,13 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                 "engine_starts_in_process": llm_engine.engine_starts,
                 **engine_metadata,
                 "checkpoint_fingerprint": fingerprint,
+                **actual_cost_metadata(
+                    int(frame["num_prompt_tokens"].sum() or 0),
+                    int(frame["num_generated_tokens"].sum() or 0),
+                    task.engine.price,
+                ),
                 "dagster/row_count": frame.height,
+                "dagster/column_schema": column_schema(frame),
             },
         )
         return frame
@@ -335,6 +405,8 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
             "row is fine). Exactly one row per input record, in input order."
         ),
         ins={"inference_outputs": dg.AssetIn(key=asset_key(name, "inference_outputs"))},
+        code_version=versions["validated_labels"],
+        automation_condition=automation,
         **common,
     )
     def validated_labels(
@@ -356,6 +428,8 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
             "errors_by_code": errors,
             "preview": dg.MetadataValue.md(markdown_table(labels.head(PREVIEW_ROWS).to_dicts(), preview_columns)),
             "dagster/row_count": labels.height,
+            "dagster/column_schema": column_schema(labels),
+            **accuracy_metadata(labels, task),
         }
         if counts:
             metadata["label_counts"] = counts

@@ -8,6 +8,12 @@
 - `one_row_per_record` on validated_labels (ERROR): as many rows as raw records, unique row_ids in
   input order.
 - `error_share_below_threshold` on validated_labels (WARN): share of error rows under the task's limit.
+- `within_budget` on formatted_prompts (ERROR, blocking; tasks with a `budget`): the worst-case
+  tokens and cost of the partition are within the budget, or inference_outputs is not run.
+- `label_drift` on validated_labels (WARN; choices and regex tasks): the label shares are within
+  `checks.max_label_drift` (total variation distance) of the task's recent partitions.
+- `accuracy_at_least` on validated_labels (WARN; tasks with `checks.gold_field`): accuracy against
+  the known labels is at least `checks.min_accuracy`.
 
 In a run over a range of partitions (a backfill), each check reads every partition of the range and
 records one evaluation per partition (`evaluate_per_partition`): Dagster 1.13 gives an
@@ -29,6 +35,8 @@ from batch_assets.dagster_defs.assets import asset_key, error_code_counts, markd
 from batch_assets.storage.drop_files import drop_partitions
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.locations import output_path
+from batch_assets.pipeline.budget import budget_overruns, estimate_cost
+from batch_assets.pipeline.label_quality import accuracy_report, label_drift
 from batch_assets.pipeline.validate_labels import constraint_violations, parse_label
 
 FAILED_ROWS_SHOWN = 10
@@ -82,6 +90,24 @@ def evaluate_per_partition(
             target_materialization_data=_target_materialization(context, spec.asset_key, partition_key),
         )
     yield dg.Output(None, output_name=context.op_def.output_defs[0].name)
+
+
+def recent_label_counts(
+    instance: dg.DagsterInstance, key: dg.AssetKey, partition_key: str, partitions: int
+) -> list[dict]:
+    """`label_counts` of the latest materialization of up to `partitions` other partitions, newest first."""
+    limit = max(50, 10 * partitions)  # newest first; a partition re-run many times takes several records
+    records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key), limit=limit).records
+    found: dict[str, dict] = {}
+    for record in records:
+        event = record.asset_materialization
+        if event is None or event.partition in (None, partition_key) or event.partition in found:
+            continue
+        counts = event.metadata.get("label_counts")
+        found[event.partition] = dict(counts.value) if counts is not None else {}
+        if len(found) == partitions:
+            break
+    return [counts for counts in found.values() if counts]
 
 
 def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
@@ -192,4 +218,133 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
             passed=share <= task.checks.max_error_share, severity=dg.AssetCheckSeverity.WARN, metadata=metadata
         )
 
-    return [outputs_satisfy_constraint, labels_are_valid, one_row_per_record, error_share_below_threshold]
+    gates = [*_budget_checks(task), *_drift_checks(task), *_accuracy_checks(task)]
+    return [outputs_satisfy_constraint, labels_are_valid, one_row_per_record, error_share_below_threshold, *gates]
+
+
+def _budget_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
+    if task.budget is None:
+        return []
+    limits = {k: v for k, v in task.budget.model_dump().items() if v is not None}
+
+    @dg.asset_check(
+        asset=asset_key(task.name, "formatted_prompts"),
+        name="within_budget",
+        blocking=True,
+        partitions_def=drop_partitions(task.name),
+        description=(
+            f"The partition's worst-case tokens and cost are within the task's budget {limits}; otherwise "
+            "inference_outputs is not run and nothing is sent to the engine."
+        ),
+    )
+    def within_budget(context: dg.AssetCheckExecutionContext, formatted_prompts: dict[str, pl.DataFrame]):
+        yield from evaluate_per_partition(context, lambda key: budget_result(context, key, formatted_prompts[key]))
+
+    def budget_result(
+        context: dg.AssetCheckExecutionContext, partition_key: str, formatted_prompts: pl.DataFrame
+    ) -> dg.AssetCheckResult:
+        estimate = estimate_cost(formatted_prompts, task)
+        overruns = budget_overruns(estimate, task.budget)
+        metadata: dict = {**estimate.metadata(), "rows_to_infer": estimate.rows_to_infer, "budget": limits}
+        if overruns:
+            metadata["over_budget"] = "; ".join(overruns) + ": raise the budget in the task YAML or split the file"
+            context.log.error(f"{partition_key}: not sent to the engine: {metadata['over_budget']}")
+        return dg.AssetCheckResult(
+            passed=not overruns,
+            severity=dg.AssetCheckSeverity.ERROR,
+            description=metadata.get("over_budget"),
+            metadata=metadata,
+        )
+
+    return [within_budget]
+
+
+def _drift_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
+    if task.output.kind not in ("choices", "regex"):
+        return []
+    labels_key = asset_key(task.name, "validated_labels")
+    threshold, partitions = task.checks.max_label_drift, task.checks.drift_history
+
+    @dg.asset_check(
+        asset=labels_key,
+        name="label_drift",
+        partitions_def=drop_partitions(task.name),
+        description=(
+            f"The partition's label shares are within {threshold} (total variation distance, task setting "
+            f"`checks.max_label_drift`) of the task's {partitions} most recent other partitions."
+        ),
+    )
+    def label_drift_check(context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame]):
+        yield from evaluate_per_partition(context, lambda key: drift_result(context, key, validated_labels[key]))
+
+    def drift_result(
+        context: dg.AssetCheckExecutionContext, partition_key: str, validated_labels: pl.DataFrame
+    ) -> dg.AssetCheckResult:
+        counts = {
+            str(row["label"]): int(row["n"])
+            for row in validated_labels.filter(pl.col("label").is_not_null()).group_by("label").len(name="n").to_dicts()
+        }
+        history = recent_label_counts(context.instance, labels_key, partition_key, partitions)
+        report = label_drift(counts, history)
+        if report is None:
+            note = "no earlier partition with labels to compare with" if counts else "no labelled row in this partition"
+            return dg.AssetCheckResult(passed=True, metadata={"note": f"skipped: {note}", "threshold": threshold})
+        passed = report.distance <= threshold
+        metadata = {
+            "distance": report.distance,
+            "threshold": threshold,
+            "partitions_compared": report.partitions_compared,
+            "moved_labels": report.moved_text() or "none",
+            "shares": {k: round(v, 4) for k, v in sorted(report.shares.items())},
+            "reference_shares": {k: round(v, 4) for k, v in sorted(report.reference_shares.items())},
+        }
+        description = (
+            None if passed else f"label shares moved by {report.distance:.2f} (> {threshold}): {report.moved_text()}"
+        )
+        return dg.AssetCheckResult(
+            passed=passed, severity=dg.AssetCheckSeverity.WARN, description=description, metadata=metadata
+        )
+
+    return [label_drift_check]
+
+
+def _accuracy_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
+    gold_field = task.checks.gold_field
+    if not gold_field:
+        return []
+    minimum = task.checks.min_accuracy
+
+    @dg.asset_check(
+        asset=asset_key(task.name, "validated_labels"),
+        name="accuracy_at_least",
+        partitions_def=drop_partitions(task.name),
+        description=(
+            f"Labels agree with the known labels in the input column `{gold_field}` on at least {minimum:.0%} of "
+            "the rows that carry one (task settings `checks.gold_field`, `checks.min_accuracy`)."
+        ),
+    )
+    def accuracy_at_least(context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame]):
+        yield from evaluate_per_partition(context, lambda key: accuracy_result(validated_labels[key]))
+
+    def accuracy_result(validated_labels: pl.DataFrame) -> dg.AssetCheckResult:
+        report = accuracy_report(validated_labels, gold_field, task.checks.gold_json_field)
+        if report is None:
+            note = f"skipped: no row has a value in the gold column {gold_field!r}"
+            return dg.AssetCheckResult(passed=True, metadata={"note": note, "min_accuracy": minimum})
+        passed = report.accuracy >= minimum
+        return dg.AssetCheckResult(
+            passed=passed,
+            severity=dg.AssetCheckSeverity.WARN,
+            description=(
+                None if passed else f"accuracy {report.accuracy:.1%} is below checks.min_accuracy {minimum:.1%}"
+            ),
+            metadata={
+                "accuracy": round(report.accuracy, 4),
+                "min_accuracy": minimum,
+                "rows_with_gold": report.rows_with_gold,
+                "correct_rows": report.correct,
+                "confusion": dg.MetadataValue.md(report.confusion_markdown()),
+            },
+        )
+
+    return [accuracy_at_least]

@@ -13,7 +13,7 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
-from batch_assets.pipeline.task_spec import load_task_specs, tasks_dir
+from batch_assets.pipeline.task_spec import load_tasks, tasks_dir
 
 
 class TaskPipelinesComponent(dg.Component, dg.Model, dg.Resolvable):
@@ -37,4 +37,6 @@ class TaskPipelinesComponent(dg.Component, dg.Model, dg.Resolvable):
         # Imported here: definitions.py loads this component, so a top-level import would be circular.
         from batch_assets.definitions import build_definitions
 
-        return build_definitions(load_task_specs(self.resolved_tasks_dir(context.path)))
+        # A bad task file does not hide the good ones: it becomes a failing sensor that names it.
+        loaded = load_tasks(self.resolved_tasks_dir(context.path))
+        return build_definitions(loaded.tasks, task_errors=loaded.errors)

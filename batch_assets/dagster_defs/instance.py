@@ -1,0 +1,71 @@
+"""The Dagster instance at `$DAGSTER_HOME`, created and migrated by one process at a time.
+
+Dagster's SQLite storages create their tables and stamp their schema revision on first use, and that
+is not atomic: two commands started at once on a new home can leave `history/runs.db` with two
+alembic heads (which `dagster instance migrate` cannot repair) or fail with "table runs already
+exists". So every `batch-assets` command and `make ui` (`batch-assets ui`) copies `dagster.yaml` and
+opens every storage once under an exclusive lock on `$DAGSTER_HOME/.batch_assets_setup.lock`; the
+first one creates the tables, the others wait a moment and then find them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import dagster as dg
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_DAGSTER_HOME = ".dagster_home"
+SETUP_LOCK_NAME = ".batch_assets_setup.lock"
+
+
+@contextmanager
+def home_lock(home: Path) -> Iterator[None]:
+    """Exclusive lock on the Dagster home's setup, released when the block (or the process) ends."""
+    with (home / SETUP_LOCK_NAME).open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def dagster_home() -> Path:
+    """`DAGSTER_HOME` (default `.dagster_home/`), created if missing and exported to this process."""
+    home = Path(os.environ.get("DAGSTER_HOME") or DEFAULT_DAGSTER_HOME).expanduser().resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    os.environ["DAGSTER_HOME"] = str(home)
+    return home
+
+
+def prepare_instance() -> Path:
+    """Create `DAGSTER_HOME` with the repo's dagster.yaml and its storages, once, under the setup lock."""
+    home = dagster_home()
+    with home_lock(home):
+        config, template = home / "dagster.yaml", REPO_ROOT / "dagster.yaml"
+        if not config.exists() and template.exists():
+            shutil.copyfile(template, home / ".dagster.yaml.tmp")
+            os.replace(home / ".dagster.yaml.tmp", config)
+        with dg.DagsterInstance.get() as instance:
+            _touch_storages(instance)
+    return home
+
+
+def open_instance() -> dg.DagsterInstance:
+    """The instance at `DAGSTER_HOME`, its storages created and migrated (see module doc)."""
+    prepare_instance()
+    return dg.DagsterInstance.get()
+
+
+def _touch_storages(instance: dg.DagsterInstance) -> None:
+    # Each call opens one storage, which creates its tables on a new home.
+    instance.get_runs(limit=1)
+    instance.get_dynamic_partitions("batch_assets_setup")
+    instance.all_instigator_state()
+    if instance.event_log_storage.supports_global_concurrency_limits:
+        instance.event_log_storage.get_concurrency_keys()

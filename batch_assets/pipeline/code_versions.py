@@ -1,0 +1,79 @@
+"""Dagster code versions of a task's assets, derived from the settings that decide their outputs.
+
+A task edit that can change an asset's output (prompt, template, model, sampling, output
+constraint, an engine setting that changes outputs) changes that asset's code version, and Dagster
+then shows the partitions materialized before the edit as stale. Settings that change only speed
+(batch size, KV cache, concurrency, retries) leave the version as it is, so tuning does not force
+a re-run. The version is a hash of the task's settings alone: the same task gives the same version
+in every process and after every restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from batch_assets.pipeline.task_spec import TaskSpec
+
+# Raise when a change in this package's code changes what an asset writes for the same task.
+PIPELINE_OUTPUT_VERSION = 1
+
+# Engine settings that change how fast outputs come, never what they are. Every other engine
+# setting (including ones added later) counts as output-changing: a wrong "stale" costs a re-run
+# that the result cache mostly serves, a wrong "fresh" would hide a change.
+THROUGHPUT_ONLY_ENGINE_FIELDS = frozenset(
+    {
+        "batch_size",
+        "concurrency",
+        "enable_prefix_caching",
+        "enforce_eager",
+        "gpu_memory_utilization",
+        "kv_cache_memory_gib",
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "max_retries",
+        "request_timeout_s",
+        "tensor_parallel_size",
+        "data_parallel_size",
+        "api_key_env",
+        "price",
+    }
+)
+
+VERSIONED_ASSETS = ("formatted_prompts", "inference_outputs", "validated_labels")
+
+
+def _digest(parts: dict) -> str:
+    text = json.dumps({"pipeline": PIPELINE_OUTPUT_VERSION, **parts}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def code_versions(task: TaskSpec) -> dict[str, str]:
+    """The code version of each versioned asset of `task`, by asset name.
+
+    `task.model` includes a `BATCH_ASSETS_MODEL` override: another model is another version.
+    """
+    engine = task.engine.model_dump(exclude=set(THROUGHPUT_ONLY_ENGINE_FIELDS))
+    engine["model"] = task.model
+    formatting = {
+        "input": task.input.model_dump(),
+        "prompt": task.prompt.model_dump(),
+        # The tokenizer renders the chat template and counts tokens; the context decides which rows
+        # are too long and max_tokens how much room they need.
+        "tokenizer": {key: engine.get(key) for key in ("kind", "model", "tokenizer")},
+        "max_model_len": task.engine.max_model_len,
+        "max_tokens": task.sampling.max_tokens,
+    }
+    inference = {
+        "formatting": formatting,
+        "engine": engine,
+        "sampling": task.sampling.model_dump(),
+        "output": task.output.model_dump(),
+    }
+    return {
+        "formatted_prompts": _digest(formatting),
+        "inference_outputs": _digest(inference),
+        # Labels are parsed from the outputs: whatever changes the outputs changes them. (Dagster does
+        # not mark a partition stale for an upstream partition's new code version alone.)
+        "validated_labels": _digest({"inference": inference, "validation": task.output.model_dump()}),
+    }

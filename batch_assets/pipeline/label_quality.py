@@ -1,0 +1,152 @@
+"""How good and how steady a partition's labels are: accuracy against known labels, drift from the
+task's recent partitions. Pure functions over `validated_labels` frames and label counts.
+
+Accuracy: the share of rows with a non-empty gold value whose label equals it (both compared as
+text with surrounding spaces removed; an error row counts as wrong), per-label precision, recall
+and support, and a confusion table (gold label by row, predicted label by column).
+
+Drift: the total variation distance between the partition's label shares and the pooled shares of
+the recent partitions, 0 (same distribution) to 1 (no label in common), and the labels that moved.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import polars as pl
+
+NO_LABEL = "(error)"  # the predicted column of rows that got no label
+MOVED_SHARE = 0.05  # a label "moved" when its share changed by at least this much
+
+
+@dataclass(frozen=True)
+class LabelScore:
+    label: str
+    precision: float | None  # None when the label was never predicted
+    recall: float | None  # None when no gold row has the label
+    support: int  # gold rows with this label
+
+
+@dataclass(frozen=True)
+class AccuracyReport:
+    rows_with_gold: int
+    correct: int
+    per_label: list[LabelScore]
+    confusion: dict[str, dict[str, int]]  # gold label -> predicted label (or NO_LABEL) -> rows
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.rows_with_gold if self.rows_with_gold else 0.0
+
+    def confusion_markdown(self) -> str:
+        predicted = sorted({p for row in self.confusion.values() for p in row}, key=lambda p: (p == NO_LABEL, p))
+        lines = [
+            "| gold \\ predicted | " + " | ".join(_cell(p) for p in predicted) + " |",
+            "|" + "---|" * (len(predicted) + 1),
+        ]
+        for gold in sorted(self.confusion):
+            lines.append(
+                f"| {_cell(gold)} | " + " | ".join(str(self.confusion[gold].get(p, 0)) for p in predicted) + " |"
+            )
+        return "\n".join(lines)
+
+    def per_label_metadata(self) -> dict[str, dict]:
+        return {
+            score.label: {
+                "precision": None if score.precision is None else round(score.precision, 4),
+                "recall": None if score.recall is None else round(score.recall, 4),
+                "support": score.support,
+            }
+            for score in self.per_label
+        }
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _json_field(label: str | None, name: str) -> str | None:
+    if label is None:
+        return None
+    value = json.loads(label)
+    if not isinstance(value, dict) or name not in value or value[name] is None:
+        return None
+    found = value[name]
+    return found if isinstance(found, str) else json.dumps(found)
+
+
+def accuracy_report(labels: pl.DataFrame, gold_field: str, gold_json_field: str | None = None) -> AccuracyReport | None:
+    """Accuracy of `label` against the input column `gold_field`; None when the partition has no
+    such column or no row with a gold value. JSON tasks compare the label's `gold_json_field`."""
+    if gold_field not in labels.columns:
+        return None
+    gold = labels[gold_field].cast(pl.String).str.strip_chars()
+    predicted = labels["label"]
+    if gold_json_field is not None:
+        predicted = pl.Series([_json_field(v, gold_json_field) for v in predicted], dtype=pl.String)
+    frame = pl.DataFrame({"gold": gold, "predicted": predicted.cast(pl.String).str.strip_chars()}).filter(
+        pl.col("gold").is_not_null() & (pl.col("gold") != "")
+    )
+    if frame.height == 0:
+        return None
+    frame = frame.with_columns(pl.col("predicted").fill_null(NO_LABEL))
+    correct = int((frame["gold"] == frame["predicted"]).sum())
+    confusion: dict[str, dict[str, int]] = {}
+    for row in frame.group_by("gold", "predicted").len(name="rows").to_dicts():
+        confusion.setdefault(row["gold"], {})[row["predicted"]] = int(row["rows"])
+    support = {g: sum(row.values()) for g, row in confusion.items()}
+    predicted_totals: dict[str, int] = {}
+    for row in confusion.values():
+        for label, count in row.items():
+            predicted_totals[label] = predicted_totals.get(label, 0) + count
+    scores = []
+    for label in sorted((set(support) | set(predicted_totals)) - {NO_LABEL}):
+        hits = confusion.get(label, {}).get(label, 0)
+        scores.append(
+            LabelScore(
+                label,
+                precision=hits / predicted_totals[label] if predicted_totals.get(label) else None,
+                recall=hits / support[label] if support.get(label) else None,
+                support=support.get(label, 0),
+            )
+        )
+    return AccuracyReport(frame.height, correct, scores, confusion)
+
+
+@dataclass(frozen=True)
+class DriftReport:
+    distance: float  # total variation distance, 0..1
+    partitions_compared: int
+    shares: dict[str, float]  # this partition
+    reference_shares: dict[str, float]  # the recent partitions, pooled
+    moved: list[str] = field(default_factory=list)  # labels whose share changed by >= MOVED_SHARE, largest first
+
+    def moved_text(self) -> str:
+        return ", ".join(
+            f"{label} {self.reference_shares.get(label, 0):.0%} -> {self.shares.get(label, 0):.0%}"
+            for label in self.moved
+        )
+
+
+def _shares(counts: dict[str, int]) -> dict[str, float]:
+    total = sum(counts.values())
+    return {label: count / total for label, count in counts.items()} if total else {}
+
+
+def label_drift(counts: dict[str, int], history: list[dict[str, int]]) -> DriftReport | None:
+    """Drift of one partition's label counts from the pooled counts of earlier partitions; None when
+    there is nothing to compare (no history, or no labelled row on either side)."""
+    pooled: dict[str, int] = {}
+    for earlier in history:
+        for label, count in earlier.items():
+            pooled[label] = pooled.get(label, 0) + count
+    shares, reference = _shares(counts), _shares(pooled)
+    if not shares or not reference:
+        return None
+    changes = {label: shares.get(label, 0.0) - reference.get(label, 0.0) for label in set(shares) | set(reference)}
+    distance = 0.5 * sum(abs(change) for change in changes.values())
+    moved = sorted(
+        (label for label, change in changes.items() if abs(change) >= MOVED_SHARE), key=lambda l: (-abs(changes[l]), l)
+    )
+    return DriftReport(round(distance, 4), len(history), shares, reference, moved)

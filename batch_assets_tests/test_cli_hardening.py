@@ -1,0 +1,296 @@
+"""`batch-assets` against a hostile user: concurrent first commands, killed processes, same-name
+files, bad models, files of only errors, a second UI. Real processes, a real Dagster home."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from batch_assets.dagster_defs import run_recovery
+from batch_assets.dagster_defs.instance import prepare_instance
+from batch_assets_tests.conftest import REPO_ROOT
+from batch_assets_tests.test_cli import open_instance, run_cli, summary_lines, workdir  # noqa: F401 - fixture
+
+PYTHON = sys.executable
+CLI = str(Path(sys.executable).parent / "batch-assets")
+ROUNDS, PROCESSES = 3, 5
+
+
+def python_env(env: dict[str, str]) -> dict[str, str]:
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))}
+
+
+def test_concurrent_first_commands_leave_one_usable_instance_and_one_partition(workdir) -> None:
+    """Issue 17.1 and 17.4: without the setup lock 2-3 of 5 such rounds left two alembic heads."""
+    tmp_path, env = workdir
+    script = textwrap.dedent(
+        """
+        from batch_assets.cli import add_partitions
+        from batch_assets.dagster_defs.instance import open_instance
+        instance = open_instance()
+        add_partitions(instance, "sentiment_drops", ["posts.jsonl"])
+        """
+    )
+    for round_number in range(ROUNDS):
+        home = tmp_path / f"home{round_number}"
+        round_env = python_env({**env, "DAGSTER_HOME": str(home)})
+        processes = [subprocess.Popen([PYTHON, "-c", script], env=round_env, stderr=subprocess.PIPE, text=True) for _ in range(PROCESSES)]
+        errors = [process.communicate(timeout=300)[1] for process in processes]
+        assert all(process.returncode == 0 for process in processes), "\n".join(errors)[-3000:]
+        with sqlite3.connect(home / "history" / "runs.db") as db:
+            assert db.execute("select count(*) from alembic_version").fetchone() == (1,)
+        with open_instance(home) as instance:
+            assert instance.get_dynamic_partitions("sentiment_drops") == ["posts.jsonl"]
+            assert instance.get_runs() == []
+
+
+LEASE_HOLDER = textwrap.dedent(
+    """
+    import sys, time, uuid
+    import dagster as dg
+    from batch_assets.dagster_defs.instance import open_instance
+    from batch_assets.dagster_defs.run_recovery import HOST_TAG, ProcessLease
+    instance = open_instance()
+    lease = ProcessLease(instance.root_directory)
+    lease.claim("sentiment", [("posts.jsonl", sys.argv[1])])
+    run_id = str(uuid.uuid4())
+    # A host name of another container: the lease, not pid + host, tells whether the process lives.
+    tags = {**lease.tags(), HOST_TAG: "another-container", "batch_assets/launched_by": "cli", "dagster/partition": "x"}
+    instance.add_run(dg.DagsterRun(job_name="sentiment_pipeline", run_id=run_id, status=dg.DagsterRunStatus.STARTED, tags=tags))
+    storage = instance.event_log_storage
+    storage.initialize_concurrency_limit_to_default("gpu")
+    assert storage.claim_concurrency_slot("gpu", run_id, "sentiment__inference_outputs").is_claimed
+    print(run_id, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def start_lease_holder(env: dict[str, str], digest: str = "0") -> tuple[subprocess.Popen, str]:
+    holder = subprocess.Popen(
+        [PYTHON, "-c", LEASE_HOLDER, digest], env=python_env(env), stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    run_id = holder.stdout.readline().strip()
+    assert run_id, "the lease holder did not start"
+    return holder, run_id
+
+
+def kill(process: subprocess.Popen) -> None:
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+
+
+def test_run_of_a_killed_process_on_another_host_is_failed_and_its_slot_freed_by_the_sensor(workdir, monkeypatch) -> None:
+    """Issue 17.2: a live process's run is left alone; once it is killed, the daemon's sensor frees the pool."""
+    tmp_path, env = workdir
+    monkeypatch.setenv("DAGSTER_HOME", env["DAGSTER_HOME"])
+    prepare_instance()
+    holder, run_id = start_lease_holder(env)
+    sensor = run_recovery.build_recovery_sensor()
+    with open_instance(tmp_path / "home") as instance:
+        try:
+            assert run_recovery.fail_runs_of_dead_processes(instance) == []
+            assert instance.get_run_by_id(run_id).status == dg.DagsterRunStatus.STARTED
+            assert instance.event_log_storage.get_concurrency_info("gpu").active_run_ids == {run_id}
+        finally:
+            kill(holder)
+        sensor(dg.build_sensor_context(instance=instance))
+        assert instance.get_run_by_id(run_id).status == dg.DagsterRunStatus.FAILURE
+        assert instance.event_log_storage.get_concurrency_info("gpu").active_slot_count == 0
+        assert list(run_recovery.leases_dir(tmp_path / "home").iterdir()) == []
+
+
+def test_cli_waiting_for_the_gpu_pool_says_so_and_stops_on_sigterm(workdir) -> None:
+    """Issue 17.2: before, the CLI blocked inside Dagster without a word and ignored SIGTERM."""
+    tmp_path, env = workdir
+    posts = tmp_path / "posts.jsonl"
+    posts.write_text('{"text": "fine"}\n')
+    run_cli(["tasks"], env, tmp_path)
+    holder, run_id = start_lease_holder(env)
+    try:
+        cli = subprocess.Popen(
+            [CLI, "run", "sentiment", str(posts)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        lines = []
+        for line in cli.stdout:
+            lines.append(line)
+            if "waiting for a slot of pool `gpu`" in line:
+                break
+        assert run_id[:8] in lines[-1] and "Ctrl-C" in lines[-1], lines
+        cli.send_signal(signal.SIGTERM)
+        rest = cli.communicate(timeout=120)[0]
+        assert cli.returncode == 130 and "stopped" in rest, rest
+        assert "Traceback" not in "".join(lines) + rest
+    finally:
+        kill(holder)
+
+
+def test_drop_sensor_leaves_a_file_that_a_live_cli_is_running_to_it(workdir, monkeypatch) -> None:
+    """Issue 17.11: the sensor queued a second run of a file `batch-assets run` was still processing."""
+    from batch_assets.dagster_defs.sensors import build_drops_sensor, version_digest
+    from batch_assets.definitions import build_task_job
+    from batch_assets.pipeline.task_spec import load_task_specs
+    from batch_assets.storage.drop_files import find_drop_file
+
+    tmp_path, env = workdir
+    for name in ("DAGSTER_HOME", "BATCH_ASSETS_DATA"):
+        monkeypatch.setenv(name, env[name])
+    prepare_instance()
+    drop = tmp_path / "data" / "drops" / "sentiment" / "posts.jsonl"
+    drop.parent.mkdir(parents=True)
+    drop.write_text('{"text": "fine"}\n')
+    os.utime(drop, (time.time() - 60, time.time() - 60))
+    digest = version_digest(find_drop_file("sentiment", "posts.jsonl").version)
+    [task] = [task for task in load_task_specs() if task.name == "sentiment"]
+    sensor = build_drops_sensor(task, build_task_job(task))
+    holder, _ = start_lease_holder(env, digest)
+    with open_instance(tmp_path / "home") as instance:
+        try:
+            busy = sensor(dg.build_sensor_context(instance=instance, cursor=None))
+            assert not busy.run_requests
+        finally:
+            kill(holder)
+        after = sensor(dg.build_sensor_context(instance=instance, cursor=busy.cursor))
+        assert [request.partition_key for request in after.run_requests] == ["posts.jsonl"]
+
+
+def test_same_name_from_another_folder_is_refused_before_anything_is_copied(workdir) -> None:
+    """Issue 17.3 / 16 defect 1: the second file replaced the first's drop and outputs without a word."""
+    tmp_path, env = workdir
+    for folder, text in (("d1", '{"text": "a"}\n{"text": "b"}\n{"text": "c"}\n'), ("d2", '{"text": "z"}\n')):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "posts.jsonl").write_text(text)
+    zone = tmp_path / "data" / "drops" / "sentiment"
+    zone.mkdir(parents=True)
+    (zone / "posts.jsonl").write_bytes((tmp_path / "d1" / "posts.jsonl").read_bytes())
+
+    both = run_cli(["run", "sentiment", "d1/posts.jsonl", "d2/posts.jsonl"], env, tmp_path)
+    assert both.returncode == 2, both.stdout + both.stderr
+    assert "d1/posts.jsonl and d2/posts.jsonl are different files with the same name" in both.stdout
+    second = run_cli(["run", "sentiment", "d2/posts.jsonl"], env, tmp_path)
+    assert second.returncode == 2 and "already holds a different posts.jsonl" in second.stdout and "--replace" in second.stdout
+    for result in (both, second):
+        assert "Traceback" not in result.stdout + result.stderr and "IntegrityError" not in result.stdout + result.stderr
+    assert (zone / "posts.jsonl").read_bytes() == (tmp_path / "d1" / "posts.jsonl").read_bytes()
+
+
+def test_replace_says_so_and_a_file_of_only_errors_fails_quietly(workdir) -> None:
+    """17.3 (--replace), 17.11 (only error rows: exit 1) and 16 defects 2-3 (no engine logs, no traceback)."""
+    tmp_path, env = workdir
+    zone = tmp_path / "data" / "drops" / "sentiment"
+    zone.mkdir(parents=True)
+    (zone / "posts.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c"}\n')
+    (tmp_path / "d2").mkdir()
+    (tmp_path / "d2" / "posts.jsonl").write_text('{"text": "fine"}\n{"text": "bad"}\n')
+    (tmp_path / "garbage.jsonl").write_text("not json\n{also not\n")
+
+    result = run_cli(["run", "sentiment", "--replace", "d2/posts.jsonl", "garbage.jsonl"], env, tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    assert "replaces the drop file posts.jsonl" in result.stdout and "(--replace)" in result.stdout
+    posts, garbage = summary_lines(result.stdout)
+    assert posts.startswith("sentiment/posts.jsonl: OK run ") and "2 rows, 0 error rows" in posts
+    assert garbage.startswith("sentiment/garbage.jsonl: ALL ROWS FAILED") and "2 rows, 2 error rows" in garbage
+    assert "requests to infer" in result.stdout  # the progress line
+    for noise in ("Traceback", "safetensors", "INFO", "WARNING", "vllm"):
+        assert noise not in output, noise
+    log = next((tmp_path / "home" / "logs").glob("batch-assets-*.log")).read_text()
+    assert "vLLM" in log or "vllm" in log
+
+
+def test_bad_models_fail_at_once_with_the_setting_to_change(workdir) -> None:
+    """Issue 17.9: a missing folder said "Repo id must be in the form…"; an uncached id failed after a 54 s DNS error."""
+    tmp_path, env = workdir
+    posts = tmp_path / "posts.jsonl"
+    posts.write_text('{"text": "fine"}\n')
+    missing = run_cli(["run", "sentiment", str(posts)], {**env, "BATCH_ASSETS_MODEL": str(tmp_path / "no-model")}, tmp_path)
+    assert missing.returncode == 2
+    assert f"model folder {tmp_path / 'no-model'} does not exist" in missing.stdout and "BATCH_ASSETS_MODEL" in missing.stdout
+    offline = {**env, "BATCH_ASSETS_MODEL": "nobody/not-a-cached-model", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    uncached = run_cli(["run", "sentiment", str(posts)], offline, tmp_path)
+    assert uncached.returncode == 2
+    assert "'nobody/not-a-cached-model' is not in the local Hugging Face cache" in uncached.stdout
+    assert "hf download nobody/not-a-cached-model" in uncached.stdout
+    assert not (tmp_path / "data" / "drops" / "sentiment" / "posts.jsonl").exists()
+
+
+def test_too_long_max_model_len_names_the_setting_and_the_limit(workdir) -> None:
+    """Issue 17.9: the CLI printed a pydantic documentation link."""
+    tmp_path, env = workdir
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    spec = (REPO_ROOT / "batch_assets" / "tasks" / "sentiment.yaml").read_text()
+    (tasks / "sentiment.yaml").write_text(spec.replace("max_model_len: 1024", "max_model_len: 100000"))
+    posts = tmp_path / "posts.jsonl"
+    posts.write_text('{"text": "fine"}\n')
+    result = run_cli(["run", "sentiment", str(posts)], {**env, "BATCH_ASSETS_TASKS_DIR": str(tasks)}, tmp_path)
+    assert result.returncode == 1
+    [line] = summary_lines(result.stdout)
+    assert "engine.max_model_len 100000 is more than the model's context length (2048 tokens)" in line
+    assert "pydantic" not in result.stdout and "Traceback" not in result.stdout + result.stderr
+
+
+def test_expected_errors_print_one_line_and_keep_the_traceback_in_the_run_log(workdir) -> None:
+    """Issue 16 defect 2: a missing column printed a whole traceback before the message."""
+    tmp_path, env = workdir
+    bad = tmp_path / "wrong-column.csv"
+    bad.write_text("Name,City\nAcme,Paris\n")
+    result = run_cli(["run", "industry", str(bad)], env, tmp_path)
+    assert result.returncode == 1
+    [line] = summary_lines(result.stdout)
+    assert "FAILED" in line and "Company" in line
+    assert "Traceback" not in result.stdout + result.stderr and "Stack Trace" not in result.stdout + result.stderr
+    with open_instance(tmp_path / "home") as instance:
+        [run] = instance.get_runs()
+        failures = [event for event in instance.all_logs(run.run_id) if event.is_dagster_event and event.dagster_event.is_step_failure]
+        assert failures and failures[0].dagster_event.step_failure_data.error.stack
+    verbose = run_cli(["run", "industry", "--verbose", str(bad)], env, tmp_path)
+    assert verbose.returncode == 1 and "Stack Trace" in verbose.stdout + verbose.stderr
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_second_ui_on_the_same_home_is_refused(workdir) -> None:
+    """Issue 17.11: `make ui` twice left a second daemon running."""
+    tmp_path, env = workdir
+    first = subprocess.Popen(
+        [CLI, "ui", "--port", str(free_port())], env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        lock = tmp_path / "home" / ".batch_assets_ui.lock"
+        deadline = time.monotonic() + 120
+        while not (lock.exists() and lock.read_text()) and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        second = run_cli(["ui", "--port", str(free_port())], env, REPO_ROOT)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert f"the Dagster UI and daemon of {tmp_path / 'home'} already run (pid {first.pid}" in second.stdout
+        assert first.poll() is None
+    finally:
+        os.killpg(first.pid, signal.SIGTERM)
+        first.wait(timeout=60)
+
+
+def test_every_run_argument_has_help() -> None:
+    from batch_assets.cli import build_parser
+
+    parser = build_parser()
+    commands = next(action for action in parser._actions if action.dest == "command")  # argparse has no public walk
+    for name, command in commands.choices.items():
+        for action in command._actions:
+            assert action.help, f"{name} {action.dest}"

@@ -1,0 +1,151 @@
+"""The gates through Dagster: the budget check stops a partition before the engine, the drift and
+accuracy checks read real materializations, and a task edit marks earlier partitions stale."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleCauseCategory, StaleStatus
+from dagster._core.loader import LoadingContextForTest
+
+from batch_assets.definitions import build_definitions, pipeline_job_name
+from batch_assets.engines.vllm_engine import PROCESS_ENGINE
+from batch_assets.pipeline.task_spec import TaskSpec
+from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
+from batch_assets_tests.conftest import drop
+
+
+def task_spec(name: str, **extra) -> TaskSpec:
+    raw = {
+        "name": name,
+        "input": {"text_fields": ["text"]},
+        "prompt": {"system": "Answer with one letter.", "template": "Item: {text}"},
+        "engine": {"max_model_len": 512, "kv_cache_memory_gib": 0.25, "max_num_seqs": 8},
+        "sampling": {"temperature": 0, "max_tokens": 4},
+        **extra,
+    }
+    return TaskSpec.model_validate(raw)
+
+
+def run(task: TaskSpec, file_name: str, instance: dg.DagsterInstance, defs: dg.Definitions | None = None):
+    defs = defs or build_definitions(tasks=[task])
+    key = partition_key_for(file_name)
+    instance.add_dynamic_partitions(partitions_def_name(task.name), [key])
+    return key, defs.resolve_job_def(pipeline_job_name(task.name)).execute_in_process(
+        instance=instance, partition_key=key, raise_on_error=False
+    )
+
+
+def latest_metadata(instance: dg.DagsterInstance, task: str, asset: str, key: str) -> dict:
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey([task, asset]), asset_partitions=[key]), limit=1
+    ).records
+    return {name: value.value for name, value in records[0].asset_materialization.metadata.items()}
+
+
+def test_over_budget_partition_never_reaches_the_engine(data_dir: Path, tiny_model: str) -> None:
+    task = task_spec(
+        "budgeted",
+        output={"kind": "choices", "choices": ["a", "b"]},
+        budget={"max_generated_tokens": 30, "max_cost_usd": 5.0},
+        engine={"max_model_len": 512, "price": {"input_per_million_tokens": 3.0, "output_per_million_tokens": 15.0}},
+    )
+    drop(data_dir, "budgeted", "items.jsonl", "".join(f'{{"text": "item {i}"}}\n' for i in range(10)))
+    starts = PROCESS_ENGINE.starts
+    with dg.instance_for_test() as instance:
+        key, result = run(task, "items.jsonl", instance)
+        assert not result.success
+        check = {e.check_name: e for e in result.get_asset_check_evaluations()}["within_budget"]
+        assert not check.passed and check.severity == dg.AssetCheckSeverity.ERROR
+        # 10 rows x max_tokens 4 = 40 worst-case generated tokens, over the limit of 30.
+        assert check.metadata["estimated_max_generated_tokens"].value == 40
+        assert (
+            "worst-case generated tokens 40 (10 rows x sampling.max_tokens) exceed budget.max_generated_tokens 30"
+            in (check.description)
+        )
+        formatted = latest_metadata(instance, "budgeted", "formatted_prompts", key)
+        prompt_tokens = formatted["estimated_prompt_tokens"]
+        assert prompt_tokens == formatted["prompt_tokens"] > 0
+        assert formatted["estimated_max_cost_usd"] == pytest.approx(round((prompt_tokens * 3.0 + 40 * 15.0) / 1e6, 6))
+        materialized = {m.asset_key.path[-1] for m in result.get_asset_materialization_events()}
+        assert materialized == {"raw_prompts", "formatted_prompts"}
+        assert not instance.fetch_materializations(dg.AssetKey(["budgeted", "inference_outputs"]), limit=1).records
+    assert PROCESS_ENGINE.starts == starts  # the engine was never started
+    assert not (data_dir / "storage" / "budgeted" / "inference_outputs").exists()
+
+
+def test_drift_accuracy_and_stale_partitions(data_dir: Path, tiny_model: str) -> None:
+    """A regex task whose constraint admits a single label makes the random model's labels certain."""
+    only_y = task_spec(
+        "letters", output={"kind": "regex", "regex": "y"}, checks={"gold_field": "truth", "min_accuracy": 0.9}
+    )
+    only_x = task_spec(
+        "letters", output={"kind": "regex", "regex": "x"}, checks={"gold_field": "truth", "min_accuracy": 0.9}
+    )
+    drop(data_dir, "letters", "early.jsonl", "".join(f'{{"text": "e{i}", "truth": "y"}}\n' for i in range(6)))
+    drop(
+        data_dir,
+        "letters",
+        "late.jsonl",
+        '{"text": "l0", "truth": "x"}\n{"text": "l1", "truth": "x"}\n{"text": "l2", "truth": "y"}\n{"text": "l3", "truth": ""}\n',
+    )
+    with dg.instance_for_test() as instance:
+        _, result = run(only_y, "early.jsonl", instance)
+        assert result.success
+        checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
+        assert checks["label_drift"].passed
+        assert (
+            checks["label_drift"].metadata["note"].value == "skipped: no earlier partition with labels to compare with"
+        )
+        assert checks["accuracy_at_least"].passed and checks["accuracy_at_least"].metadata["accuracy"].value == 1.0
+
+        late, result = run(only_x, "late.jsonl", instance)
+        assert result.success  # WARN checks do not fail the run
+        checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
+        drift = checks["label_drift"]
+        assert not drift.passed and drift.severity == dg.AssetCheckSeverity.WARN
+        assert drift.metadata["distance"].value == 1.0
+        assert drift.metadata["moved_labels"].value == "x 0% -> 100%, y 100% -> 0%"
+        assert drift.metadata["partitions_compared"].value == 1
+
+        # 3 rows carry a gold value; every label is "x": 2 of 3 correct.
+        labels = latest_metadata(instance, "letters", "validated_labels", late)
+        assert labels["accuracy"] == pytest.approx(0.6667)
+        assert (labels["rows_with_gold"], labels["correct_rows"]) == (3, 2)
+        assert labels["per_label"] == {
+            "x": {"precision": 0.6667, "recall": 1.0, "support": 2},
+            "y": {"precision": None, "recall": 0.0, "support": 1},
+        }
+        assert "| y | 1 |" in labels["confusion"]
+        accuracy = checks["accuracy_at_least"]
+        assert not accuracy.passed and accuracy.severity == dg.AssetCheckSeverity.WARN
+        assert accuracy.description == "accuracy 66.7% is below checks.min_accuracy 90.0%"
+        schema = labels["dagster/column_schema"]
+        assert {c.name: c.type for c in schema.columns}["truth"] == "String"
+
+        # Same task: fresh. Edited prompt: the partition's assets show as stale, caused by the code version.
+        def status(task: TaskSpec, asset: str):
+            graph = build_definitions(tasks=[task]).resolve_asset_graph()
+            resolver = CachingStaleStatusResolver(instance, graph, LoadingContextForTest(instance))
+            key = dg.AssetKey(["letters", asset])
+            return resolver.get_status(key, late), resolver.get_stale_root_causes(key, late)
+
+        assert status(only_x, "inference_outputs")[0] == StaleStatus.FRESH
+        edited = task_spec(
+            "letters",
+            prompt={"system": "Answer with one letter.", "template": "Thing: {text}"},
+            output={"kind": "regex", "regex": "x"},
+            checks={"gold_field": "truth"},
+        )
+        state, causes = status(edited, "formatted_prompts")
+        assert state == StaleStatus.STALE
+        assert [(c.category, c.reason) for c in causes] == [(StaleCauseCategory.CODE, "has a new code version")]
+        for asset in ("inference_outputs", "validated_labels"):
+            assert status(edited, asset)[0] == StaleStatus.STALE
+        # A change of a check's threshold leaves the labels fresh.
+        relaxed = task_spec(
+            "letters", output={"kind": "regex", "regex": "x"}, checks={"gold_field": "truth", "min_accuracy": 0.5}
+        )
+        assert status(relaxed, "validated_labels")[0] == StaleStatus.FRESH
