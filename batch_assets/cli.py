@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from batch_assets.dagster_defs.instance import dagster_home, open_instance, prepare_instance
+from batch_assets.dagster_defs.instance import dagster_home, home_lock, open_instance, prepare_instance
 
 SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
 # The absolute path of the file a CLI run was given, so a later file of the same name from another
@@ -57,9 +57,26 @@ class Terminal:
         self.stream: TextIO | None = None  # None: whatever sys.stdout is now
         self.verbose = False
         self.log_path: Path | None = None
+        self.line_open = False  # a progress line is being updated in place (terminals only)
+
+    @property
+    def out(self) -> TextIO:
+        return self.stream or sys.stdout
 
     def say(self, text: str) -> None:
-        print(text, file=self.stream or sys.stdout, flush=True)
+        if self.line_open:
+            text = "\n" + text
+            self.line_open = False
+        print(text, file=self.out, flush=True)
+
+    def update(self, text: str) -> None:
+        """A progress line: rewritten in place on a terminal, one line each otherwise."""
+        if not self.out.isatty():
+            self.say(text)
+            return
+        self.out.write(f"\r\033[K{text}")
+        self.out.flush()
+        self.line_open = True
 
     @contextmanager
     def library_output_to(self, log_path: Path):
@@ -264,6 +281,8 @@ def _copy_into_drop_zone(instance, task_name: str, job_name: str, files: list[Na
 
 def add_partitions(instance, partitions_name: str, keys: list[str]) -> None:
     """Register the partitions; one that another process (CLI, sensor) added meanwhile is fine too."""
+    import sqlite3
+
     from sqlalchemy.exc import IntegrityError
 
     missing = [key for key in dict.fromkeys(keys) if not instance.has_dynamic_partition(partitions_name, key)]
@@ -271,7 +290,7 @@ def add_partitions(instance, partitions_name: str, keys: list[str]) -> None:
         return
     try:
         instance.add_dynamic_partitions(partitions_name, missing)
-    except IntegrityError:
+    except (IntegrityError, sqlite3.IntegrityError):
         # Dagster's check-then-insert races with a concurrent add of the same key; one insert wins.
         still = [key for key in missing if not instance.has_dynamic_partition(partitions_name, key)]
         if still:
@@ -296,7 +315,8 @@ class _ProgressHandler(logging.Handler):
         if match:
             done, total, percent, rate = int(match[1]), int(match[2]), match[3], float(match[4])
             left = f", about {_duration((total - done) / rate)} left" if rate > 0 and done < total else ""
-            TERMINAL.say(f"  {self.label}: {done}/{total} requests ({percent}%), {rate:.1f} rows/s{left}")
+            text = f"  {self.label}: {done}/{total} requests ({percent}%), {rate:.1f} rows/s{left}"
+            TERMINAL.update(text)
         elif _STARTING.search(message):
             TERMINAL.say(f"  {self.label}: {message}")
 
@@ -338,9 +358,9 @@ def run_partitions(
         validated_from_version,
         version_digest,
     )
-    from batch_assets.definitions import build_definitions, pipeline_job_name, share_engine_setting
-    from batch_assets.engines.protocol import engine_pool
-    from batch_assets.engines.vllm_engine import VLLMEngine, keep_engine_warm
+    from batch_assets.definitions import build_definitions, pipeline_job_name
+    from batch_assets.engines.protocol import engine_kind
+    from batch_assets.engines.vllm_engine import keep_engine_warm
     from batch_assets.pipeline.task_spec import load_tasks
     from batch_assets.storage.drop_files import find_drop_file, partitions_def_name
 
@@ -355,16 +375,13 @@ def run_partitions(
     named = _read_named_files(files)
     check_model(task)
     instance = open_instance()
-    # One process runs every named file, so an in-process engine is started once anyway; runs
-    # share the engine host only when BATCH_ASSETS_SHARE_ENGINE=1.
-    defs = build_definitions(engine=VLLMEngine(share_engine=share_engine_setting(default=False)))
+    # One process runs every named file, so the in-process engine is started once.
+    defs = build_definitions()
     job_name = pipeline_job_name(task_name)
     job = defs.resolve_job_def(job_name)
 
     lease = ProcessLease(dagster_home())
     with lease:
-        from batch_assets.dagster_defs.instance import home_lock
-
         # Checking, copying and registering under the home's lock: two commands naming files of the
         # same name see each other's copy, and never add the same partition twice.
         with home_lock(dagster_home()):
@@ -373,14 +390,18 @@ def run_partitions(
             add_partitions(instance, partitions_def_name(task_name), [file.key for file, _ in keys])
             lease.claim(task_name, [(file.key, digest) for file, digest in keys])
         for run_id in fail_runs_of_dead_processes(instance):
-            TERMINAL.say(f"run {run_id[:8]}: its batch-assets process died before it finished; marked failed, pool slots freed")
+            TERMINAL.say(
+                f"run {run_id[:8]}: its batch-assets process died before it finished; marked failed, pool slots freed"
+            )
 
         by_key: dict[str, PartitionOutcome] = {}
         to_run: list[str] = []
         named_by_key = {file.key: (file, digest) for file, digest in keys}
         for file, _ in keys:
             if skip_succeeded and validated_from_version(instance, task_name, find_drop_file(task_name, file.key)):
-                by_key[file.key] = _outcome(task_name, file.key, instance, success=True, run_id=None, failed_error_checks=[], skipped=True)
+                done = _outcome(task_name, file.key, instance, success=True, run_id=None, failed_error_checks=[])
+                done.skipped = True
+                by_key[file.key] = done
             elif file.key not in to_run:
                 to_run.append(file.key)
         ordered = instance.get_dynamic_partitions(partitions_def_name(task_name))
@@ -388,7 +409,7 @@ def run_partitions(
             # Grouped as a backfill of these partitions is: one run per range of adjacent partitions,
             # up to the task's `runs.max_partitions_per_run`, one engine stream per run.
             for run_keys in partition_ranges(ordered, to_run, task.runs.max_partitions_per_run):
-                wait_for_pool_slot(instance, engine_pool(task), say=TERMINAL.say)
+                wait_for_pool_slot(instance, engine_kind(task).pool, say=TERMINAL.say)
                 if len(run_keys) == 1:
                     file, digest = named_by_key[run_keys[0]]
                     label, selection = f"{task_name}/{file.key}", {"partition_key": file.key}

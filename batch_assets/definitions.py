@@ -6,7 +6,6 @@ Load with `dg dev` (`make ui`) from the repo root (workspace.yaml points here).
 from __future__ import annotations
 
 import importlib
-import os
 import warnings
 from pathlib import Path
 
@@ -14,15 +13,14 @@ import dagster as dg
 
 from batch_assets.dagster_defs.assets import IO_MANAGER_KEY, build_automation_sensor, build_task_assets
 from batch_assets.dagster_defs.checks import build_task_checks
-from batch_assets.engines.protocol import ENDPOINT_RESOURCE_KEY, IN_PROCESS_RESOURCE_KEY
-from batch_assets.engines.openai_engine import OpenAIEngine
-from batch_assets.engines.vllm_engine import VLLMEngine
 from batch_assets.dagster_defs.run_recovery import build_recovery_sensor
 from batch_assets.dagster_defs.sensors import build_drops_sensor
 from batch_assets.dagster_defs.task_file_errors import build_task_file_error_sensor
+from batch_assets.engines.openai_engine import OpenAIEngine
+from batch_assets.engines.protocol import ENGINE_KINDS
+from batch_assets.engines.vllm_engine import VLLMEngine
 from batch_assets.pipeline.task_spec import TaskFileError, TaskSpec, load_tasks
 from batch_assets.storage.parquet_io_manager import ParquetStorage
-
 
 # Partitioned asset checks are marked "preview" in Dagster 1.13; they are what lets each check read
 # only its own partition, so we use them and silence the notice.
@@ -42,11 +40,15 @@ K8S_CONFIG_TAG = "dagster-k8s/config"
 
 
 def run_tags_for(task: TaskSpec) -> dict[str, object]:
-    """Tags of a task's job runs. A model split over N GPUs (`engine.tensor_parallel_size`) asks
-    Dagster's Kubernetes run launcher for N GPUs in its run pod (deploy/README.md); other run
-    launchers ignore the tag."""
-    gpus = task.engine.tensor_parallel_size
-    if task.engine.kind != "vllm" or gpus <= 1:
+    """Tags of a task's job runs. An engine on N GPUs (`engine.tensor_parallel_size` ×
+    `engine.data_parallel_size`) asks Dagster's Kubernetes run launcher for N GPUs in its run pod
+    (deploy/README.md); other run launchers ignore the tag. With `data_parallel_size: auto` the pod
+    keeps the launcher's GPU count and the engine uses every GPU it is given."""
+    spec = task.engine
+    if spec.kind != "vllm" or spec.data_parallel_size == "auto":
+        return {}
+    gpus = spec.tensor_parallel_size * spec.data_parallel_size
+    if gpus <= 1:
         return {}
     return {K8S_CONFIG_TAG: {"container_config": {"resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}}}
 
@@ -69,7 +71,8 @@ def build_definitions(
     """`engine` serves tasks with `engine.kind: vllm` (default: in-process vLLM; an `OpenAIEngine`
     here sends those tasks to an endpoint instead); `endpoint` serves tasks with `kind: openai`.
     With no `tasks`, the tasks folder is loaded; a bad task file becomes a failing sensor naming it
-    (dagster_defs/task_file_errors.py) and the other tasks load as usual."""
+    (dagster_defs/task_file_errors.py) and the other tasks load as usual. Each engine kind's resource
+    key comes from `ENGINE_KINDS`."""
     if tasks is None:
         loaded = load_tasks()
         tasks, task_errors = loaded.tasks, loaded.errors
@@ -89,27 +92,13 @@ def build_definitions(
         sensors=[*sensors, build_recovery_sensor()],
         resources={
             IO_MANAGER_KEY: ParquetStorage(),
-            IN_PROCESS_RESOURCE_KEY: engine or VLLMEngine(),
-            ENDPOINT_RESOURCE_KEY: endpoint or OpenAIEngine(),
+            ENGINE_KINDS["vllm"].resource_key: engine or VLLMEngine(),
+            ENGINE_KINDS["openai"].resource_key: endpoint or OpenAIEngine(),
         },
         # The four steps of a partition run one after another anyway; running them in one process
         # skips a process start per step and lets the engine stay warm across partitions.
         executor=dg.in_process_executor,
     )
-
-
-SHARE_ENGINE_ENV = "BATCH_ASSETS_SHARE_ENGINE"
-
-
-def share_engine_setting(default: bool) -> bool:
-    """`BATCH_ASSETS_SHARE_ENGINE=1|0` decides whether runs share one engine host (see
-    engines/engine_host.py); unset, `default` applies."""
-    value = os.environ.get(SHARE_ENGINE_ENV, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    return default
 
 
 def load_project_defs() -> dg.Definitions:

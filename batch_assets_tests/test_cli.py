@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,8 +39,12 @@ def run_cli(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Compl
     return subprocess.run([CLI, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
+SUMMARY = re.compile(r"^[\w-]+/\S+: (OK|FAILED|UP TO DATE|CHECKS FAILED|ALL ROWS FAILED)\b")
+
+
 def summary_lines(stdout: str) -> list[str]:
-    return [line for line in stdout.splitlines() if line.split(":", 1)[0].count("/") == 1 and ": " in line]
+    """The one line per file (`task/partition: STATUS ...`), not the indented progress lines."""
+    return [line for line in stdout.splitlines() if SUMMARY.match(line)]
 
 
 def test_run_mixed_sentiment_file_gives_one_row_per_record(workdir) -> None:

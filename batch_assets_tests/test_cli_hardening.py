@@ -18,20 +18,31 @@ import pytest
 from batch_assets.dagster_defs import run_recovery
 from batch_assets.dagster_defs.instance import prepare_instance
 from batch_assets_tests.conftest import REPO_ROOT
-from batch_assets_tests.test_cli import open_instance, run_cli, summary_lines, workdir  # noqa: F401 - fixture
+from batch_assets_tests.test_cli import open_instance, run_cli, summary_lines
 
 PYTHON = sys.executable
 CLI = str(Path(sys.executable).parent / "batch-assets")
 ROUNDS, PROCESSES = 3, 5
 
 
+@pytest.fixture
+def cli_env(tmp_path: Path, tiny_model_path: str) -> tuple[Path, dict[str, str]]:
+    env = {
+        **os.environ,
+        "BATCH_ASSETS_MODEL": tiny_model_path,
+        "BATCH_ASSETS_DATA": str(tmp_path / "data"),
+        "DAGSTER_HOME": str(tmp_path / "home"),
+    }
+    return tmp_path, env
+
+
 def python_env(env: dict[str, str]) -> dict[str, str]:
     return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))}
 
 
-def test_concurrent_first_commands_leave_one_usable_instance_and_one_partition(workdir) -> None:
+def test_concurrent_first_commands_leave_one_usable_instance_and_one_partition(cli_env) -> None:
     """Issue 17.1 and 17.4: without the setup lock 2-3 of 5 such rounds left two alembic heads."""
-    tmp_path, env = workdir
+    tmp_path, env = cli_env
     script = textwrap.dedent(
         """
         from batch_assets.cli import add_partitions
@@ -43,7 +54,10 @@ def test_concurrent_first_commands_leave_one_usable_instance_and_one_partition(w
     for round_number in range(ROUNDS):
         home = tmp_path / f"home{round_number}"
         round_env = python_env({**env, "DAGSTER_HOME": str(home)})
-        processes = [subprocess.Popen([PYTHON, "-c", script], env=round_env, stderr=subprocess.PIPE, text=True) for _ in range(PROCESSES)]
+        processes = [
+            subprocess.Popen([PYTHON, "-c", script], env=round_env, stderr=subprocess.PIPE, text=True)
+            for _ in range(PROCESSES)
+        ]
         errors = [process.communicate(timeout=300)[1] for process in processes]
         assert all(process.returncode == 0 for process in processes), "\n".join(errors)[-3000:]
         with sqlite3.connect(home / "history" / "runs.db") as db:
@@ -51,6 +65,45 @@ def test_concurrent_first_commands_leave_one_usable_instance_and_one_partition(w
         with open_instance(home) as instance:
             assert instance.get_dynamic_partitions("sentiment_drops") == ["posts.jsonl"]
             assert instance.get_runs() == []
+
+
+def test_adding_a_partition_that_another_process_just_added_is_success(cli_env, monkeypatch) -> None:
+    """Issue 17.4, the interleaving made certain: B inserts the key between A's lookup and A's insert
+    inside Dagster's `add_dynamic_partitions` (which raised IntegrityError then)."""
+    from contextlib import contextmanager
+
+    from batch_assets.cli import add_partitions
+
+    tmp_path, env = cli_env
+    monkeypatch.setenv("DAGSTER_HOME", env["DAGSTER_HOME"])
+    prepare_instance()
+    with open_instance(tmp_path / "home") as first, open_instance(tmp_path / "home") as second:
+        storage = first.event_log_storage
+        connect = storage.index_connection
+
+        class LosesTheRace:
+            def __init__(self, conn):
+                self.conn = conn
+
+            def __getattr__(self, name):
+                return getattr(self.conn, name)
+
+            def execute(self, statement, *args, **kwargs):
+                result = self.conn.execute(statement, *args, **kwargs)
+                text = " ".join(str(statement).split())
+                # Dagster's lookup of the keys to insert (`partition IN (...)`), not a plain existence check.
+                if text.startswith("SELECT dynamic_partitions.partition ") and " IN (" in text:
+                    second.add_dynamic_partitions("sentiment_drops", ["posts.jsonl"])
+                return result
+
+        @contextmanager
+        def racing_connection():
+            with connect() as conn:
+                yield LosesTheRace(conn)
+
+        monkeypatch.setattr(storage, "index_connection", racing_connection)
+        add_partitions(first, "sentiment_drops", ["posts.jsonl", "posts.jsonl"])
+        assert second.get_dynamic_partitions("sentiment_drops") == ["posts.jsonl"]
 
 
 LEASE_HOLDER = textwrap.dedent(
@@ -65,7 +118,8 @@ LEASE_HOLDER = textwrap.dedent(
     run_id = str(uuid.uuid4())
     # A host name of another container: the lease, not pid + host, tells whether the process lives.
     tags = {**lease.tags(), HOST_TAG: "another-container", "batch_assets/launched_by": "cli", "dagster/partition": "x"}
-    instance.add_run(dg.DagsterRun(job_name="sentiment_pipeline", run_id=run_id, status=dg.DagsterRunStatus.STARTED, tags=tags))
+    status = dg.DagsterRunStatus.STARTED
+    instance.add_run(dg.DagsterRun(job_name="sentiment_pipeline", run_id=run_id, status=status, tags=tags))
     storage = instance.event_log_storage
     storage.initialize_concurrency_limit_to_default("gpu")
     assert storage.claim_concurrency_slot("gpu", run_id, "sentiment__inference_outputs").is_claimed
@@ -77,7 +131,11 @@ LEASE_HOLDER = textwrap.dedent(
 
 def start_lease_holder(env: dict[str, str], digest: str = "0") -> tuple[subprocess.Popen, str]:
     holder = subprocess.Popen(
-        [PYTHON, "-c", LEASE_HOLDER, digest], env=python_env(env), stdout=subprocess.PIPE, text=True, start_new_session=True
+        [PYTHON, "-c", LEASE_HOLDER, digest],
+        env=python_env(env),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     run_id = holder.stdout.readline().strip()
     assert run_id, "the lease holder did not start"
@@ -89,9 +147,11 @@ def kill(process: subprocess.Popen) -> None:
     process.wait(timeout=30)
 
 
-def test_run_of_a_killed_process_on_another_host_is_failed_and_its_slot_freed_by_the_sensor(workdir, monkeypatch) -> None:
+def test_run_of_a_killed_process_on_another_host_is_failed_and_its_slot_freed_by_the_sensor(
+    cli_env, monkeypatch
+) -> None:
     """Issue 17.2: a live process's run is left alone; once it is killed, the daemon's sensor frees the pool."""
-    tmp_path, env = workdir
+    tmp_path, env = cli_env
     monkeypatch.setenv("DAGSTER_HOME", env["DAGSTER_HOME"])
     prepare_instance()
     holder, run_id = start_lease_holder(env)
@@ -109,16 +169,21 @@ def test_run_of_a_killed_process_on_another_host_is_failed_and_its_slot_freed_by
         assert list(run_recovery.leases_dir(tmp_path / "home").iterdir()) == []
 
 
-def test_cli_waiting_for_the_gpu_pool_says_so_and_stops_on_sigterm(workdir) -> None:
+def test_cli_waiting_for_the_gpu_pool_says_so_and_stops_on_sigterm(cli_env) -> None:
     """Issue 17.2: before, the CLI blocked inside Dagster without a word and ignored SIGTERM."""
-    tmp_path, env = workdir
+    tmp_path, env = cli_env
     posts = tmp_path / "posts.jsonl"
     posts.write_text('{"text": "fine"}\n')
     run_cli(["tasks"], env, tmp_path)
     holder, run_id = start_lease_holder(env)
     try:
         cli = subprocess.Popen(
-            [CLI, "run", "sentiment", str(posts)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            [CLI, "run", "sentiment", str(posts)],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         lines = []
         for line in cli.stdout:
@@ -134,14 +199,14 @@ def test_cli_waiting_for_the_gpu_pool_says_so_and_stops_on_sigterm(workdir) -> N
         kill(holder)
 
 
-def test_drop_sensor_leaves_a_file_that_a_live_cli_is_running_to_it(workdir, monkeypatch) -> None:
+def test_drop_sensor_leaves_a_file_that_a_live_cli_is_running_to_it(cli_env, monkeypatch) -> None:
     """Issue 17.11: the sensor queued a second run of a file `batch-assets run` was still processing."""
     from batch_assets.dagster_defs.sensors import build_drops_sensor, version_digest
     from batch_assets.definitions import build_task_job
     from batch_assets.pipeline.task_spec import load_task_specs
     from batch_assets.storage.drop_files import find_drop_file
 
-    tmp_path, env = workdir
+    tmp_path, env = cli_env
     for name in ("DAGSTER_HOME", "BATCH_ASSETS_DATA"):
         monkeypatch.setenv(name, env[name])
     prepare_instance()
@@ -163,9 +228,9 @@ def test_drop_sensor_leaves_a_file_that_a_live_cli_is_running_to_it(workdir, mon
         assert [request.partition_key for request in after.run_requests] == ["posts.jsonl"]
 
 
-def test_same_name_from_another_folder_is_refused_before_anything_is_copied(workdir) -> None:
+def test_same_name_from_another_folder_is_refused_before_anything_is_copied(cli_env) -> None:
     """Issue 17.3 / 16 defect 1: the second file replaced the first's drop and outputs without a word."""
-    tmp_path, env = workdir
+    tmp_path, env = cli_env
     for folder, text in (("d1", '{"text": "a"}\n{"text": "b"}\n{"text": "c"}\n'), ("d2", '{"text": "z"}\n')):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "posts.jsonl").write_text(text)
@@ -177,15 +242,21 @@ def test_same_name_from_another_folder_is_refused_before_anything_is_copied(work
     assert both.returncode == 2, both.stdout + both.stderr
     assert "d1/posts.jsonl and d2/posts.jsonl are different files with the same name" in both.stdout
     second = run_cli(["run", "sentiment", "d2/posts.jsonl"], env, tmp_path)
-    assert second.returncode == 2 and "already holds a different posts.jsonl" in second.stdout and "--replace" in second.stdout
+    assert (
+        second.returncode == 2
+        and "already holds a different posts.jsonl" in second.stdout
+        and "--replace" in second.stdout
+    )
     for result in (both, second):
-        assert "Traceback" not in result.stdout + result.stderr and "IntegrityError" not in result.stdout + result.stderr
+        assert (
+            "Traceback" not in result.stdout + result.stderr and "IntegrityError" not in result.stdout + result.stderr
+        )
     assert (zone / "posts.jsonl").read_bytes() == (tmp_path / "d1" / "posts.jsonl").read_bytes()
 
 
-def test_replace_says_so_and_a_file_of_only_errors_fails_quietly(workdir) -> None:
+def test_replace_says_so_and_a_file_of_only_errors_fails_quietly(cli_env) -> None:
     """17.3 (--replace), 17.11 (only error rows: exit 1) and 16 defects 2-3 (no engine logs, no traceback)."""
-    tmp_path, env = workdir
+    tmp_path, env = cli_env
     zone = tmp_path / "data" / "drops" / "sentiment"
     zone.mkdir(parents=True)
     (zone / "posts.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c"}\n')
@@ -207,14 +278,19 @@ def test_replace_says_so_and_a_file_of_only_errors_fails_quietly(workdir) -> Non
     assert "vLLM" in log or "vllm" in log
 
 
-def test_bad_models_fail_at_once_with_the_setting_to_change(workdir) -> None:
-    """Issue 17.9: a missing folder said "Repo id must be in the form…"; an uncached id failed after a 54 s DNS error."""
-    tmp_path, env = workdir
+def test_bad_models_fail_at_once_with_the_setting_to_change(cli_env) -> None:
+    """Issue 17.9: a missing folder said "Repo id must be in the form…"; an uncached id failed after a DNS error."""
+    tmp_path, env = cli_env
     posts = tmp_path / "posts.jsonl"
     posts.write_text('{"text": "fine"}\n')
-    missing = run_cli(["run", "sentiment", str(posts)], {**env, "BATCH_ASSETS_MODEL": str(tmp_path / "no-model")}, tmp_path)
+    missing = run_cli(
+        ["run", "sentiment", str(posts)], {**env, "BATCH_ASSETS_MODEL": str(tmp_path / "no-model")}, tmp_path
+    )
     assert missing.returncode == 2
-    assert f"model folder {tmp_path / 'no-model'} does not exist" in missing.stdout and "BATCH_ASSETS_MODEL" in missing.stdout
+    assert (
+        f"model folder {tmp_path / 'no-model'} does not exist" in missing.stdout
+        and "BATCH_ASSETS_MODEL" in missing.stdout
+    )
     offline = {**env, "BATCH_ASSETS_MODEL": "nobody/not-a-cached-model", "HF_ENDPOINT": "http://127.0.0.1:9"}
     uncached = run_cli(["run", "sentiment", str(posts)], offline, tmp_path)
     assert uncached.returncode == 2
@@ -223,9 +299,9 @@ def test_bad_models_fail_at_once_with_the_setting_to_change(workdir) -> None:
     assert not (tmp_path / "data" / "drops" / "sentiment" / "posts.jsonl").exists()
 
 
-def test_too_long_max_model_len_names_the_setting_and_the_limit(workdir) -> None:
+def test_too_long_max_model_len_names_the_setting_and_the_limit(cli_env) -> None:
     """Issue 17.9: the CLI printed a pydantic documentation link."""
-    tmp_path, env = workdir
+    tmp_path, env = cli_env
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     spec = (REPO_ROOT / "batch_assets" / "tasks" / "sentiment.yaml").read_text()
@@ -239,9 +315,9 @@ def test_too_long_max_model_len_names_the_setting_and_the_limit(workdir) -> None
     assert "pydantic" not in result.stdout and "Traceback" not in result.stdout + result.stderr
 
 
-def test_expected_errors_print_one_line_and_keep_the_traceback_in_the_run_log(workdir) -> None:
+def test_expected_errors_print_one_line_and_keep_the_traceback_in_the_run_log(cli_env) -> None:
     """Issue 16 defect 2: a missing column printed a whole traceback before the message."""
-    tmp_path, env = workdir
+    tmp_path, env = cli_env
     bad = tmp_path / "wrong-column.csv"
     bad.write_text("Name,City\nAcme,Paris\n")
     result = run_cli(["run", "industry", str(bad)], env, tmp_path)
@@ -251,7 +327,11 @@ def test_expected_errors_print_one_line_and_keep_the_traceback_in_the_run_log(wo
     assert "Traceback" not in result.stdout + result.stderr and "Stack Trace" not in result.stdout + result.stderr
     with open_instance(tmp_path / "home") as instance:
         [run] = instance.get_runs()
-        failures = [event for event in instance.all_logs(run.run_id) if event.is_dagster_event and event.dagster_event.is_step_failure]
+        failures = [
+            event
+            for event in instance.all_logs(run.run_id)
+            if event.is_dagster_event and event.dagster_event.is_step_failure
+        ]
         assert failures and failures[0].dagster_event.step_failure_data.error.stack
     verbose = run_cli(["run", "industry", "--verbose", str(bad)], env, tmp_path)
     assert verbose.returncode == 1 and "Stack Trace" in verbose.stdout + verbose.stderr
@@ -265,11 +345,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_a_second_ui_on_the_same_home_is_refused(workdir) -> None:
+def test_a_second_ui_on_the_same_home_is_refused(cli_env) -> None:
     """Issue 17.11: `make ui` twice left a second daemon running."""
-    tmp_path, env = workdir
+    tmp_path, env = cli_env
     first = subprocess.Popen(
-        [CLI, "ui", "--port", str(free_port())], env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [CLI, "ui", "--port", str(free_port())],
+        env=env,
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
     try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import polars as pl
 import pytest
 from transformers import AutoTokenizer
@@ -144,7 +146,8 @@ def test_engine_prompt_encoder_keeps_special_tokens_in_user_text_as_text(tokeniz
     task = next(task for task in load_task_specs() if task.name == "sentiment")
     fmt = PromptFormat.of(task)
     out = format_prompts(raw([INJECTION]), fmt, tokenizer, max_model_len=2048, max_tokens=8, source_file="a.jsonl")
-    [ids] = prompt_encoder(object(), task, tokenizer, out)(out["prompt"].to_list())
+    [prompt] = prompt_encoder(SimpleNamespace(sends_chat_messages=False), task, tokenizer, out)(out["prompt"].to_list())
+    ids = prompt.token_ids
     assert sum(token in special_ids(tokenizer) for token in ids) == 5  # system, user and assistant turns only
 
 

@@ -16,6 +16,8 @@ from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import drop
 
+PRICE = {"input_per_million_tokens": 2.0, "output_per_million_tokens": 8.0}
+
 
 def task_spec(name: str, **extra) -> TaskSpec:
     raw = {
@@ -81,8 +83,13 @@ def test_drift_accuracy_and_stale_partitions(data_dir: Path, tiny_model: str) ->
     only_y = task_spec(
         "letters", output={"kind": "regex", "regex": "y"}, checks={"gold_field": "truth", "min_accuracy": 0.9}
     )
+    # A price changes no output: `relaxed` below, without one, has the same code versions.
+    priced = {"max_model_len": 512, "kv_cache_memory_gib": 0.25, "max_num_seqs": 8, "price": PRICE}
     only_x = task_spec(
-        "letters", output={"kind": "regex", "regex": "x"}, checks={"gold_field": "truth", "min_accuracy": 0.9}
+        "letters",
+        engine=priced,
+        output={"kind": "regex", "regex": "x"},
+        checks={"gold_field": "truth", "min_accuracy": 0.9},
     )
     drop(data_dir, "letters", "early.jsonl", "".join(f'{{"text": "e{i}", "truth": "y"}}\n' for i in range(6)))
     drop(
@@ -109,6 +116,11 @@ def test_drift_accuracy_and_stale_partitions(data_dir: Path, tiny_model: str) ->
         assert drift.metadata["distance"].value == 1.0
         assert drift.metadata["moved_labels"].value == "x 0% -> 100%, y 100% -> 0%"
         assert drift.metadata["partitions_compared"].value == 1
+
+        # With a price, inference_outputs records what the partition's tokens cost.
+        outputs = latest_metadata(instance, "letters", "inference_outputs", late)
+        expected_cost = (outputs["prompt_tokens"] * 2.0 + outputs["generated_tokens"] * 8.0) / 1e6
+        assert outputs["generated_tokens"] > 0 and outputs["cost_usd"] == pytest.approx(expected_cost, abs=1e-6)
 
         # 3 rows carry a gold value; every label is "x": 2 of 3 correct.
         labels = latest_metadata(instance, "letters", "validated_labels", late)

@@ -1,7 +1,8 @@
 """Checkpoint logic of `run_inference`, without an engine: reuse, fingerprints, failures, cleanup.
 
-The `generate` functions here are plain deterministic functions standing in for an engine's
-contract (one Generation per prompt, in order); the real engine is exercised in test_resume_kill.py.
+The engines here are plain deterministic functions standing in for an engine's contract (one
+Generation per prompt, in order), behind the session interface every engine offers; the real
+engine is exercised in test_resume_kill.py and test_inference_engine.py.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import pytest
 from upath import UPath
 
 from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
-from batch_assets.pipeline.run_inference import InferenceError, run_inference
-from batch_assets.engines.vllm_engine import Generation
+from batch_assets.engines.protocol import Generation, Prompt, batched_stream
+from batch_assets.pipeline.run_inference import InferenceError, PartitionInput, run_inference
 
 
 def formatted_frame(texts: list[str | None], extra: dict | None = None) -> pl.DataFrame:
@@ -37,6 +38,10 @@ def tokenize(prompts: list[str]) -> list[list[int]]:
     return [[ord(c) for c in prompt[8:-9]] + [0, 0] for prompt in prompts]
 
 
+def encode(prompts: list[str]) -> list[Prompt]:
+    return [Prompt(tuple(ids)) for ids in tokenize(prompts)]
+
+
 class Engine:
     """Deterministic outputs (the label is the text reversed); fails after `fail_after` prompts."""
 
@@ -45,7 +50,8 @@ class Engine:
         self.fail_after = fail_after
         self.calls = 0
 
-    def __call__(self, token_ids: list[list[int]]) -> list[Generation]:
+    def __call__(self, prompts: list[Prompt]) -> list[Generation]:
+        token_ids = [list(p.token_ids) for p in prompts]
         if self.fail_after is not None and len(self.seen) + len(token_ids) > self.fail_after:
             raise RuntimeError("EngineCore died: Killed (exit code -9)")
         self.calls += 1
@@ -53,17 +59,47 @@ class Engine:
         return [Generation("".join(chr(c) for c in ids if c)[::-1], "stop", len(ids), 3) for ids in token_ids]
 
 
-def infer(frame: pl.DataFrame, engine: Engine, store: CheckpointStore | None, *, batch_size: int = 4, deduplicate: bool = True, max_model_len: int = 64):
-    return run_inference(
-        frame,
-        tokenize=tokenize,
-        generate=engine,
+class Session:
+    """The session interface over a batch engine: calls of up to `batch_size` prompts; counts starts."""
+
+    started_here = True
+    start_seconds = 0.0
+
+    def __init__(self, engine: Engine, batch_size: int) -> None:
+        self.starts = 0
+        self._stream = batched_stream(engine, batch_size)
+
+    def start(self) -> None:  # idempotent, as the engines' sessions are
+        self.starts = 1
+
+    def stream(self, prompts):
+        self.start()
+        return self._stream(prompts)
+
+
+def infer(
+    frame: pl.DataFrame,
+    engine: Engine,
+    store: CheckpointStore | None,
+    *,
+    batch_size: int = 4,
+    deduplicate: bool = True,
+    max_model_len: int = 64,
+    cache=None,
+    log=lambda message: None,
+    session: Session | None = None,
+):
+    [(out, stats)] = run_inference(
+        [PartitionInput(frame, encode, store, "posts.jsonl")],
+        session=session or Session(engine, batch_size),
         max_model_len=max_model_len,
         max_tokens=8,
         batch_size=batch_size,
         deduplicate=deduplicate,
-        checkpoints=store,
+        cache=cache,
+        log=log,
     )
+    return out, stats
 
 
 @pytest.fixture
@@ -95,11 +131,10 @@ def test_rerun_after_success_reuses_everything_and_starts_no_engine(partition_di
     frame = formatted_frame(["a", "b", "c"])
     infer(frame, Engine(), CheckpointStore(partition_dir, "fp"))
     starts: list[int] = []
-    out, stats = run_inference(
-        frame, tokenize=tokenize, generate=Engine(fail_after=0), max_model_len=64, max_tokens=8, batch_size=2,
-        deduplicate=True, checkpoints=CheckpointStore(partition_dir, "fp"), start_engine=lambda: starts.append(1),
-    )
-    assert stats.rows_from_checkpoint == 3 and stats.rows_inferred == 0 and starts == []
+    session = Session(Engine(fail_after=0), batch_size=2)
+    out, stats = infer(frame, Engine(fail_after=0), CheckpointStore(partition_dir, "fp"), batch_size=2, session=session)
+    assert stats.rows_from_checkpoint == 3 and stats.rows_inferred == 0 and session.starts == 0
+    assert not stats.engine_started and stats.engine_start_seconds == 0.0
     assert out["generated_text"].to_list() == ["a", "b", "c"]
 
 
@@ -181,18 +216,60 @@ def test_model_identity_changes_when_weights_are_replaced_in_place(tmp_path: Pat
 def test_progress_is_logged_at_least_every_tenth_of_the_partition(partition_dir: UPath) -> None:
     frame = formatted_frame([f"post {i}" for i in range(1000)])
     lines: list[str] = []
-    run_inference(
-        frame, tokenize=tokenize, generate=Engine(), max_model_len=64, max_tokens=8,
-        batch_size=1024, deduplicate=True, checkpoints=CheckpointStore(partition_dir, "fp"), log=lines.append,
-    )
+    infer(frame, Engine(), CheckpointStore(partition_dir, "fp"), batch_size=1024, log=lines.append)
     assert lines[0].startswith("1000 requests to infer") and "checkpoint every 100" in lines[0]
     progress = [line for line in lines if line.startswith("inferred ")]
     assert len(progress) == 10 and progress[-1].startswith("inferred 1000/1000 requests (100%)")
     # Small partitions are not cut into tiny engine calls.
     lines.clear()
     engine = Engine()
-    run_inference(
-        formatted_frame([f"p {i}" for i in range(30)]), tokenize=tokenize, generate=engine, max_model_len=64,
-        max_tokens=8, batch_size=1024, deduplicate=True, checkpoints=None, log=lines.append,
-    )
+    infer(formatted_frame([f"p {i}" for i in range(30)]), engine, None, batch_size=1024, log=lines.append)
     assert engine.calls == 1 and "checkpoint every 64" in lines[0]
+
+
+def test_several_partitions_share_one_stream_and_keep_their_own_checkpoints_and_rows(tmp_path: Path) -> None:
+    a = formatted_frame(["same", "only a", None, "same"])
+    b = formatted_frame(["only b", "same"])
+    stores = [CheckpointStore(UPath(tmp_path / "_checkpoints" / name), "fp") for name in ("a.jsonl", "b.jsonl")]
+    engine = Engine()
+    session = Session(engine, batch_size=100)
+    results = run_inference(
+        [PartitionInput(a, encode, stores[0], "a.jsonl"), PartitionInput(b, encode, stores[1], "b.jsonl")],
+        session=session, max_model_len=64, max_tokens=8, batch_size=100, deduplicate=True,
+    )
+    # One engine start and one call for both; "same" (in both partitions) is inferred once.
+    assert session.starts == 1 and engine.calls == 1
+    assert sorted(bytes(c for c in ids if c).decode() for ids in engine.seen) == ["only a", "only b", "same"]
+    (out_a, stats_a), (out_b, stats_b) = results
+    assert out_a["generated_text"].to_list() == ["emas", "a ylno", None, "emas"] and out_a["error"][2].startswith("null_text")
+    assert out_b["generated_text"].to_list() == ["b ylno", "emas"]
+    assert (stats_a.rows_inferred, stats_b.rows_inferred) == (2, 2)
+    # Each partition's checkpoints hold what it needs: a re-run of b alone starts no engine.
+    assert sorted(stores[1].load()["generated_text"].to_list()) == ["b ylno", "emas"]
+    rerun = Session(Engine(fail_after=0), batch_size=100)
+    out, stats = infer(b, Engine(fail_after=0), stores[1], session=rerun)
+    assert rerun.starts == 0 and stats.rows_from_checkpoint == 2 and out["generated_text"].to_list() == ["b ylno", "emas"]
+
+
+def test_without_deduplication_partitions_never_share_a_result(tmp_path: Path) -> None:
+    engine = Engine()
+    results = run_inference(
+        [PartitionInput(formatted_frame(["x"]), encode, None, "a"), PartitionInput(formatted_frame(["x"]), encode, None, "b")],
+        session=Session(engine, batch_size=10), max_model_len=64, max_tokens=8, batch_size=10, deduplicate=False,
+    )
+    assert len(engine.seen) == 2 and [out["generated_text"].to_list() for out, _ in results] == [["x"], ["x"]]
+
+
+def test_a_per_request_max_tokens_decides_whether_a_prompt_fits() -> None:
+    """`Prompt.sampling` overrides the task's sampling for one request, also in the too-long check."""
+    from batch_assets.pipeline.task_spec import SamplingSpec
+
+    def encode_long_answers(prompts: list[str]) -> list[Prompt]:
+        return [Prompt(tuple(ids), sampling=SamplingSpec(max_tokens=60)) for ids in tokenize(prompts)]
+
+    engine = Engine()
+    [(out, stats)] = run_inference(
+        [PartitionInput(formatted_frame(["short"]), encode_long_answers, None)],
+        session=Session(engine, batch_size=4), max_model_len=64, max_tokens=8, batch_size=4, deduplicate=True,
+    )
+    assert engine.seen == [] and out["error"][0].startswith("prompt_too_long: 7 prompt tokens + 60 max_tokens")

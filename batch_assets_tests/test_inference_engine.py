@@ -155,33 +155,68 @@ def test_an_engine_that_cannot_start_for_memory_says_which_setting_to_change(dat
     assert "`kv_cache_memory_gib`" in failures[0] and "`max_model_len` (now 1024)" in failures[0]
 
 
-def test_the_stream_returns_every_result_once_and_a_closed_stream_leaves_the_engine_clean(tiny_model: str) -> None:
+def test_the_stream_returns_every_result_once_honours_per_request_overrides_and_cleans_up(tiny_model: str) -> None:
+    from batch_assets.engines.protocol import Prompt
     from batch_assets.engines.vllm_engine import PROCESS_ENGINE, VLLMEngine
+    from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec
 
     engine = VLLMEngine()
-    task = sentiment(engine={"max_num_seqs": 8})  # window of 16 requests: prompts are pulled in many top-ups
+    task = sentiment(engine={"vllm_args": {"max_num_seqs": 8}})  # window of 16 requests: prompts are pulled in many top-ups
     tokenizer = engine.tokenizer(task)
-    prompts = [tokenizer(f"post {i}: the parcel arrived late", add_special_tokens=False)["input_ids"] for i in range(60)]
+    prompts = [Prompt(tuple(tokenizer(f"post {i}: the parcel arrived late", add_special_tokens=False)["input_ids"])) for i in range(60)]
     pulled: list[int] = []
 
-    def lazily():
-        for i, ids in enumerate(prompts):
+    def lazily(items):
+        for i, prompt in enumerate(items):
             pulled.append(i)
-            yield ids
+            yield prompt
 
-    streamed, pulled_at_first_result = {}, None
-    for position, generation in engine.generate_stream(task, lazily()):
-        pulled_at_first_result = len(pulled) if pulled_at_first_result is None else pulled_at_first_result
-        streamed[position] = generation
-    # Results came back while prompts were still being pulled, and each prompt got exactly one.
-    assert pulled_at_first_result <= 16 and sorted(streamed) == list(range(60)) and pulled == list(range(60))
-    # Same outputs as one plain `LLM.generate` call over the same prompts (temperature 0).
-    assert [streamed[i].text for i in range(60)] == [g.text for g in engine.generate(task, prompts)]
+    with engine.session(task) as session:
+        streamed, pulled_at_first_result = {}, None
+        for position, generation in session.stream(lazily(prompts)):
+            pulled_at_first_result = len(pulled) if pulled_at_first_result is None else pulled_at_first_result
+            streamed[position] = generation
+        # Results came back while prompts were still being pulled, and each prompt got exactly one.
+        assert pulled_at_first_result <= 16 and sorted(streamed) == list(range(60)) and pulled == list(range(60))
+        assert {g.text for g in streamed.values()} <= {"positive", "negative", "neutral"}
+        # Positions map results to their prompts: the prompts in reverse order give the same outputs.
+        backwards = dict(session.stream(reversed(prompts)))
+        assert [backwards[59 - i].text for i in range(60)] == [streamed[i].text for i in range(60)]
 
-    # A caller that stops early (its step failed) withdraws what it left in the engine, so the
-    # next partition on this warm engine gets only its own results.
-    stream = engine.generate_stream(task, iter(prompts))
-    next(stream)
-    stream.close()
-    assert PROCESS_ENGINE.get(engine.settings_for(task)).llm_engine.get_num_unfinished_requests() == 0
-    assert [g.text for _, g in sorted(engine.generate_stream(task, iter(prompts[:5])))] == [streamed[i].text for i in range(5)]
+        # Per-request sampling and output constraint (what the OpenAI batch format needs).
+        override = [
+            Prompt(prompts[0].token_ids, sampling=SamplingSpec(max_tokens=1)),
+            Prompt(prompts[1].token_ids, output=OutputSpec(kind="choices", choices=["alpha", "beta"])),
+        ]
+        first, second = (g for _, g in sorted(session.stream(override)))
+        assert first.num_generated_tokens == 1 and first.finish_reason == "length"
+        assert second.text in ("alpha", "beta")
+
+        # A caller that stops early (its step failed) withdraws what it left in the engine, so the
+        # next partition on this warm engine gets only its own results.
+        stream = session.stream(iter(prompts))
+        next(stream)
+        stream.close()
+        live, started = PROCESS_ENGINE.get(engine.settings(task))
+        assert not started and live.llm.get_num_unfinished_requests() == 0
+        assert [g.text for _, g in sorted(session.stream(iter(prompts[:5])))] == [streamed[i].text for i in range(5)]
+
+
+def test_no_engine_starts_for_a_cached_an_empty_or_an_all_error_file(data_dir: Path, tiny_model: str) -> None:
+    from batch_assets.engines.vllm_engine import PROCESS_ENGINE
+
+    drop(data_dir, "sentiment", "posts.jsonl", posts(5))
+    drop(data_dir, "sentiment", "empty.jsonl", "")
+    drop(data_dir, "sentiment", "errors.jsonl", 'not json\n{"id": 1, "text": ""}\n')
+    task = sentiment()
+    with dg.instance_for_test() as instance:
+        assert run(task, "posts.jsonl", instance).success
+        PROCESS_ENGINE.shutdown()
+        starts = PROCESS_ENGINE.starts
+        for name in ("empty.jsonl", "errors.jsonl", "posts.jsonl"):
+            result = run(task, name, instance)
+            metadata = inference_metadata(result)
+            assert result.success
+            assert metadata["engine_started_by_this_run"] is False and metadata["engine_start_seconds"] == 0.0
+            assert metadata["rows_inferred"] == 0
+    assert PROCESS_ENGINE.starts == starts and not PROCESS_ENGINE.running

@@ -152,6 +152,21 @@ def test_a_task_split_over_four_gpus_gets_a_four_gpu_pod(kubeconfig: Path) -> No
     assert any(v.name == "dshm" for v in pod.volumes)
 
 
+def test_data_parallel_replicas_multiply_the_pods_gpus(kubeconfig: Path, tmp_path: Path) -> None:
+    """Two replicas of a model split over two GPUs: one run pod with all four GPUs of a node."""
+    text = (DEPLOY / "examples" / "tasks" / "industry_large.yaml").read_text()
+    path = tmp_path / "industry_dp.yaml"
+    path.write_text(text.replace("tensor_parallel_size: 4", "tensor_parallel_size: 2\n  data_parallel_size: 2"))
+    task = load_task_spec(path)
+    assert (task.engine.tensor_parallel_size, task.engine.data_parallel_size) == (2, 2)
+    tags = dict(build_definitions(tasks=[task]).resolve_job_def(pipeline_job_name(task.name)).tags)
+    pod = run_pod_job(build_launcher(kubeconfig), tags=tags).spec.template.spec
+    assert pod.containers[0].resources.limits["nvidia.com/gpu"] == "4"
+    # `auto` (every GPU the pod is given) keeps the launcher's GPU count.
+    auto = task.model_copy(update={"engine": task.engine.model_copy(update={"data_parallel_size": "auto"})})
+    assert run_tags_for(auto) == {}
+
+
 def test_helm_values_describe_the_same_run_pod(kubeconfig: Path) -> None:
     values = yaml.safe_load((DEPLOY / "helm" / "values.yaml").read_text())
     launcher_values = values["runLauncher"]["config"]["k8sRunLauncher"]

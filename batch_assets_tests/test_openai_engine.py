@@ -25,7 +25,7 @@ import polars as pl
 import pytest
 
 from batch_assets.definitions import build_definitions
-from batch_assets.engines.protocol import EncodedPrompt
+from batch_assets.engines.protocol import Prompt
 from batch_assets.engines.openai_engine import OpenAIEngine
 from batch_assets.pipeline.task_spec import load_task_spec, load_task_specs
 from batch_assets_tests.conftest import REPO_ROOT, SAMPLES, drop
@@ -173,7 +173,7 @@ def test_regex_and_json_schema_constraints_reach_the_server(tmp_path: Path, vllm
     engine = OpenAIEngine()
     tokenizer = engine.tokenizer(base)
     posts = ["The parcel arrived broken.", "Lovely day at the beach!", "Train at 9:15."]
-    prompts = [EncodedPrompt(tokenizer(p)["input_ids"], [{"role": "user", "content": p}]) for p in posts]
+    prompts = [Prompt(tuple(tokenizer(p)["input_ids"]), ({"role": "user", "content": p},)) for p in posts]
 
     regex_task = base.model_copy(
         update={"output": base.output.model_copy(update={"kind": "regex", "regex": "[a-z]{2}-[0-9]{3}", "choices": None})}

@@ -24,7 +24,7 @@ import polars as pl
 import pytest
 
 from batch_assets.definitions import build_definitions
-from batch_assets.engines.protocol import EncodedPrompt
+from batch_assets.engines.protocol import Prompt
 from batch_assets.engines.openai_engine import EndpointError, OpenAIEngine, chat_request_params
 from batch_assets.pipeline.task_spec import load_task_spec
 from batch_assets_tests.conftest import REPO_ROOT, drop
@@ -239,7 +239,7 @@ def test_transient_faults_are_retried_and_every_row_succeeds(
     task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path)
     engine = OpenAIEngine()
     tokenizer = engine.tokenizer(task)
-    prompts = [EncodedPrompt(tokenizer(p)["input_ids"], [{"role": "user", "content": p}]) for p in POSTS]
+    prompts = [Prompt(tuple(tokenizer(p)["input_ids"]), ({"role": "user", "content": p},)) for p in POSTS]
     generations = engine.generate(task, prompts)
     assert [g.error for g in generations] == [None] * len(POSTS)
     assert all(g.text in ("positive", "negative", "neutral") for g in generations)
@@ -248,10 +248,34 @@ def test_transient_faults_are_retried_and_every_row_succeeds(
     assert {h.get("authorization") for h in fault_server.headers_seen} == {f"Bearer {API_KEY}"}
 
 
+def test_per_request_sampling_and_output_overrides_reach_the_server(
+    tmp_path: Path, tiny_model_path: str, fault_server: FaultServer, endpoint_key: str
+) -> None:
+    """`Prompt.sampling` / `Prompt.output` replace the task's for one request (the OpenAI batch format)."""
+    from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec
+
+    task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path)
+    prompts = [
+        Prompt((1, 2, 3), ({"role": "user", "content": "task defaults"},)),
+        Prompt(
+            (1, 2, 3),
+            ({"role": "user", "content": "overridden"},),
+            sampling=SamplingSpec(max_tokens=5, temperature=0.7),
+            output=OutputSpec(kind="choices", choices=["yes", "no"]),
+        ),
+    ]
+    defaults, overridden = OpenAIEngine().generate(task, prompts)
+    assert defaults.text in ("positive", "negative", "neutral") and overridden.text in ("yes", "no")
+    sent = {body["messages"][-1]["content"]: body for body in fault_server.bodies}
+    assert (sent["task defaults"]["max_tokens"], sent["task defaults"]["temperature"]) == (task.sampling.max_tokens, 0.0)
+    assert (sent["overridden"]["max_tokens"], sent["overridden"]["temperature"]) == (5, 0.7)
+    assert sent["overridden"]["structured_outputs"] == {"choice": ["yes", "no"]}
+
+
 def test_requests_in_flight_are_limited_by_concurrency(tmp_path: Path, tiny_model_path: str, endpoint_key: str) -> None:
     with FaultServer(ok_delay=0.3) as server:
         task = endpoint_task(tmp_path, server.base_url, tiny_model_path, concurrency=3, request_timeout_s=30)
-        prompts = [EncodedPrompt([1, 2, 3], [{"role": "user", "content": f"post {i}"}]) for i in range(12)]
+        prompts = [Prompt((1, 2, 3), ({"role": "user", "content": f"post {i}"},)) for i in range(12)]
         generations = OpenAIEngine().generate(task, prompts)
     assert all(g.error is None for g in generations)
     assert 1 < server.max_in_flight <= 3
@@ -300,7 +324,7 @@ def test_model_discovery_against_a_down_server_names_the_server(tmp_path: Path, 
     base_url = f"http://127.0.0.1:{free_port()}/v1"
     task = endpoint_task(tmp_path, base_url, tiny_model_path, model="embedded:SmolLM2-135M-Instruct", max_retries=0)
     with pytest.raises(EndpointError, match="cannot connect to the endpoint"):
-        OpenAIEngine().settings_for(task)
+        OpenAIEngine().settings(task)
 
 
 def test_a_refused_key_fails_the_run_without_revealing_it(
@@ -362,4 +386,4 @@ def test_endpoint_settings_are_checked_without_echoing_secrets(tmp_path: Path, t
 
     no_server = task.model_copy(update={"engine": task.engine.model_copy(update={"base_url": None})})
     with pytest.raises(EndpointError, match="set `engine.base_url`"):
-        OpenAIEngine().settings_for(no_server)
+        OpenAIEngine().settings(no_server)

@@ -12,8 +12,9 @@ from upath import UPath
 from batch_assets.storage import result_cache
 from batch_assets.storage.checkpoints import CheckpointStore
 from batch_assets.storage.result_cache import ResultCache
-from batch_assets.pipeline.run_inference import request_keys, run_inference
-from batch_assets_tests.test_inference_checkpoints import Engine, formatted_frame, tokenize
+from batch_assets.pipeline.run_inference import request_keys
+from batch_assets_tests.test_inference_checkpoints import Engine, Session, formatted_frame
+from batch_assets_tests.test_inference_checkpoints import infer as infer_partition
 
 
 @pytest.fixture
@@ -23,10 +24,7 @@ def task_dir(tmp_path: Path) -> UPath:
 
 def infer(frame: pl.DataFrame, engine: Engine, cache: ResultCache | None, *, deterministic: bool = True, partition: str = "a.csv", root: UPath | None = None):
     store = CheckpointStore((root or UPath("/nonexistent")) / "_checkpoints" / partition, "fp") if root else None
-    return run_inference(
-        frame, tokenize=tokenize, generate=engine, max_model_len=64, max_tokens=8, batch_size=4,
-        deduplicate=deterministic, checkpoints=store, cache=cache,
-    )
+    return infer_partition(frame, engine, store, deduplicate=deterministic, cache=cache)
 
 
 def test_a_second_partition_reuses_the_first_ones_results(task_dir: UPath) -> None:
@@ -45,12 +43,9 @@ def test_a_second_partition_reuses_the_first_ones_results(task_dir: UPath) -> No
 def test_a_rerun_is_served_from_the_cache_without_starting_the_engine(task_dir: UPath) -> None:
     frame = formatted_frame(["a", "b", "a"])
     infer(frame, Engine(), ResultCache(task_dir, "fp"))
-    starts: list[int] = []
-    out, stats = run_inference(
-        frame, tokenize=tokenize, generate=Engine(fail_after=0), max_model_len=64, max_tokens=8, batch_size=4,
-        deduplicate=True, checkpoints=None, cache=ResultCache(task_dir, "fp"), start_engine=lambda: starts.append(1),
-    )
-    assert starts == [] and stats.rows_inferred == 0 and stats.rows_from_cache == 2
+    session = Session(Engine(fail_after=0), batch_size=4)
+    out, stats = infer_partition(frame, Engine(fail_after=0), None, cache=ResultCache(task_dir, "fp"), session=session)
+    assert session.starts == 0 and stats.rows_inferred == 0 and stats.rows_from_cache == 2
     assert out["generated_text"].to_list() == ["a", "b", "a"]
 
 

@@ -136,3 +136,35 @@ def test_kill_9_mid_inference_then_rerun_gives_each_row_once_and_reuses_checkpoi
     # The checkpoints of finished partitions are gone.
     assert not (data_dir / "storage" / "sentiment" / "_checkpoints" / "b.jsonl").exists()
     assert not (data_dir / "storage" / "sentiment" / "_checkpoints" / "c.jsonl").exists()
+
+
+def test_engine_processes_die_with_a_run_whose_main_process_alone_is_killed(
+    data_dir: Path, child_env: dict[str, str], tmp_path: Path
+) -> None:
+    """What the out-of-memory killer does: SIGKILL to the main process only, not its group. vLLM's
+    engine core would outlive it, holding its memory (or GPU); the engine's watcher kills it."""
+    import psutil
+
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    write_posts(inputs / "big.jsonl", 5000, "big")
+    log = tmp_path / "cli.log"
+    child = run_cli(child_env, inputs, "big.jsonl", log=log)
+    deadline = time.monotonic() + 600
+    while not chunks_of(data_dir, "big.jsonl"):
+        assert child.poll() is None, f"the run ended before it could be killed:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    main = psutil.Process(child.pid)
+    engine = [p for p in main.children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()]
+    assert engine, [p.cmdline() for p in main.children(recursive=True)]
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(timeout=30)
+    gone, alive = psutil.wait_procs(engine, timeout=30)
+    assert not alive, f"engine processes outlived their run: {[p.pid for p in alive]}"
+    # Nothing of the run is left: the watcher exits once its work is done.
+    for _ in range(100):
+        if not group_alive(child.pid):
+            break
+        time.sleep(0.1)
+    assert group_alive(child.pid) == []

@@ -295,6 +295,79 @@ def test_endpoint_down_fails_the_tick_and_the_run_naming_url_and_cause(s3: S3, m
         assert SECRET not in all_log_text(instance, result.run_id)
 
 
+class SilentServer:
+    """A loopback TCP server that accepts every connection and never sends a byte."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+        self.endpoint = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.connections: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections.append(connection)
+
+    def close(self) -> None:
+        self.listener.close()
+        for connection in self.connections:
+            connection.close()
+
+
+def test_silent_endpoint_fails_every_call_within_the_timeouts_naming_endpoint_and_setting(
+    s3: S3, monkeypatch: pytest.MonkeyPatch, tiny_model: str
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from batch_assets.storage.locations import storage_path, write_bytes_atomically
+
+    s3.put("posts.jsonl", POSTS_A)
+    silent = SilentServer()
+    try:
+        use_endpoint(monkeypatch, silent.endpoint)
+        monkeypatch.setenv("BATCH_ASSETS_S3_CONNECT_TIMEOUT", "1")
+        monkeypatch.setenv("BATCH_ASSETS_S3_READ_TIMEOUT", "1")
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+        expected = f"the S3 endpoint {silent.endpoint} accepted the connection but did not answer within 1 s"
+        settings = "the wait is BATCH_ASSETS_S3_READ_TIMEOUT, the attempts AWS_MAX_ATTEMPTS"
+        with dg.instance_for_test() as instance:
+            with pytest.raises(StorageError) as tick_error:
+                tick(sentiment_sensor(build_definitions()), instance, None)
+            assert f"listing drop zone {DATA_URL}/drops/{TASK} failed: {expected}" in str(tick_error.value)
+            assert settings in str(tick_error.value)
+
+            text = failure_text(run_partition_expecting_failure(instance))
+            assert f"{DATA_URL}/drops/{TASK}" in text and expected in text
+            assert not materialized(instance, "raw_prompts")
+
+        # A write waited for "100 Continue" with no timeout at all; it must end like any other call.
+        target = storage_path(f"{DATA_URL}/storage/{TASK}/raw_prompts/posts.jsonl.parquet")
+        with ThreadPoolExecutor(1) as pool:
+            outcome = pool.submit(write_bytes_atomically, target, b"outputs")
+            with pytest.raises(StorageError) as write_error:
+                outcome.result(timeout=120)
+        assert str(write_error.value).startswith(f"writing {target} failed: {expected}")
+        assert silent.connections  # the calls did reach the silent server
+    finally:
+        silent.close()
+
+
+def test_s3_timeouts_are_settings_with_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from batch_assets.storage.locations import s3_storage_options
+
+    monkeypatch.setenv("BATCH_ASSETS_S3_READ_TIMEOUT", "2.5")
+    config = s3_storage_options()["config_kwargs"]
+    assert (config["connect_timeout"], config["read_timeout"]) == (10.0, 2.5)
+    monkeypatch.setenv("BATCH_ASSETS_S3_CONNECT_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match=r"BATCH_ASSETS_S3_CONNECT_TIMEOUT='soon': must be a number of seconds"):
+        s3_storage_options()
+
+
 def test_missing_bucket_fails_the_tick_and_the_run_naming_url_and_cause(s3: S3, monkeypatch: pytest.MonkeyPatch, tiny_model: str) -> None:
     monkeypatch.setenv("BATCH_ASSETS_DATA", "s3://no-such-bucket/batch")
     with dg.instance_for_test() as instance:

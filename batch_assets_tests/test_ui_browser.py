@@ -25,7 +25,6 @@ import dagster as dg
 import pytest
 
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
-from batch_assets.engines import engine_host
 from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets_tests.conftest import REPO_ROOT, SAMPLES
 
@@ -107,11 +106,8 @@ def stop(server: subprocess.Popen) -> None:
 
 @pytest.fixture
 def ui(tmp_path: Path, tiny_model_path: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, dg.DagsterInstance, str]]:
-    """`batch-assets ui` with one sentiment drop registered as a partition: (base URL, instance, partition key).
-
-    Its runs use the code location's default, the shared engine host, kept in this test's folder."""
+    """`batch-assets ui` with one sentiment drop registered as a partition: (base URL, instance, partition key)."""
     home, data = tmp_path / "dagster_home", tmp_path / "data"
-    monkeypatch.setenv(engine_host.STATE_DIR_ENV, str(tmp_path / "engine_host"))
     home.mkdir()
     shutil.copyfile(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
     drop = data / "drops" / "sentiment" / SAMPLE.name
@@ -149,7 +145,6 @@ def ui(tmp_path: Path, tiny_model_path: str, monkeypatch: pytest.MonkeyPatch) ->
         yield base_url, instance, key
     finally:
         stop(server)
-        engine_host.stop_host()
         instance.dispose()
 
 

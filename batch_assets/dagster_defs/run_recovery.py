@@ -102,6 +102,8 @@ def lease_alive(home: str | Path, lease_id: str) -> bool:
         fd = os.open(leases_dir(home) / f"{lease_id}.lock", os.O_RDWR)
     except FileNotFoundError:
         return False
+    except OSError:
+        return True  # not ours to open (another user's process): cannot tell, so leave its runs alone
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -117,7 +119,9 @@ def _legacy_process_alive(pid: int, started_at: float | None) -> bool:
 
     try:
         process = psutil.Process(pid)
-        return process.status() != psutil.STATUS_ZOMBIE and (started_at is None or process.create_time() <= started_at + 1)
+        return process.status() != psutil.STATUS_ZOMBIE and (
+            started_at is None or process.create_time() <= started_at + 1
+        )
     except psutil.NoSuchProcess:
         return False
 
@@ -150,7 +154,8 @@ def fail_runs_of_dead_processes(instance: dg.DagsterInstance) -> list[str]:
             continue
         holder = f"pid {tags.get(PID_TAG, '?')} on {tags.get(HOST_TAG, '?')}"
         instance.report_run_failed(
-            run, message=f"The batch-assets process that ran this run ({holder}) died before finishing it; marked failed."
+            run,
+            message=f"The batch-assets process that ran this run ({holder}) died before finishing it; marked failed.",
         )
         instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
         closed.append(run.run_id)
@@ -235,7 +240,9 @@ def _launched_by(instance: dg.DagsterInstance, run_id: str) -> str:
     run = instance.get_run_by_id(run_id)
     if run is None:
         return "unknown run"
-    who = run.tags.get("batch_assets/launched_by") or ("a backfill" if "dagster/backfill" in run.tags else "the UI or daemon")
+    who = run.tags.get("batch_assets/launched_by") or (
+        "a backfill" if "dagster/backfill" in run.tags else "the UI or daemon"
+    )
     return f"{run.job_name}, {run.tags.get('dagster/partition', '')}, launched by {who}, {run.status.value}"
 
 

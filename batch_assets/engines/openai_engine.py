@@ -19,24 +19,25 @@ same as with the in-process engine: only `generate` differs.
   `engine.api_key_env`. It is never logged and never put in metadata or error messages.
 """
 
+from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
 
 import dagster as dg
 from pydantic import Field
 
 from batch_assets.engines.embedded_model import resolve_model
+from batch_assets.engines.protocol import Generation, Prompt, batched_stream
 from batch_assets.engines.tokenizers import load_tokenizer
-from batch_assets.engines.protocol import EncodedPrompt
-from batch_assets.engines.vllm_engine import Generation
-from batch_assets.pipeline.task_spec import EMBEDDED_MODEL, TaskSpec, check_base_url
+from batch_assets.pipeline.task_spec import EMBEDDED_MODEL, OutputSpec, SamplingSpec, TaskSpec, check_base_url
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,15 @@ class EndpointSettings:
     tokenizer: str
     structured_outputs: bool
     api_key_source: str  # where the key comes from ("resource", "env:NAME", "none"), never its value
+    batch_size: int = 1024  # requests per call (each call's results are checkpointed)
+
+    def identity(self) -> dict[str, Any]:
+        """What decides the outputs besides sampling and the output constraint: the model and the
+        server it is served from."""
+        return {"engine": "openai", "model": self.model, "base_url": self.base_url}
+
+    def metadata(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k != "model"}
 
 
 @dataclass(frozen=True)
@@ -72,20 +82,35 @@ class _Failure:
     fatal: str | None = None  # set when the whole endpoint is at fault: fail the run with this
 
 
-def chat_request_params(task: TaskSpec, model: str, structured_outputs: bool = True) -> dict:
-    """The chat-completions request fields (besides `messages`) for a task."""
-    sampling = task.sampling
+def chat_request_params(
+    task: TaskSpec,
+    model: str,
+    structured_outputs: bool = True,
+    sampling: SamplingSpec | None = None,
+    output: OutputSpec | None = None,
+) -> dict:
+    """The chat-completions request fields (besides `messages`) for a task, or for one request
+    that overrides the task's `sampling` / `output`."""
+    sampling = sampling or task.sampling
     # `max_tokens` rather than `max_completion_tokens`: vLLM takes both, but many other
     # OpenAI-compatible servers (TGI, llama.cpp, managed endpoints) only know `max_tokens`.
-    params: dict = {"model": model, "temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens}
+    params: dict = {
+        "model": model,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "max_tokens": sampling.max_tokens,
+    }
     if sampling.seed is not None:
         params["seed"] = sampling.seed
-    output = task.output
+    output = output or task.output
     if not structured_outputs or output.kind == "text":
         return params
     if output.kind == "json_schema":
         # The standard OpenAI field; vLLM's server turns it into its JSON structured output.
-        params["response_format"] = {"type": "json_schema", "json_schema": {"name": task.name, "schema": output.json_schema}}
+        params["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": task.name, "schema": output.json_schema},
+        }
     elif output.kind == "choices":
         # vLLM's own request field (`guided_choice` in vLLM < 0.11): no OpenAI equivalent exists.
         params["extra_body"] = {"structured_outputs": {"choice": list(output.choices or [])}}
@@ -108,7 +133,9 @@ def _cause_names(exc: BaseException) -> set[str]:
     return names
 
 
-def classify_failure(exc: Exception, *, base_url: str, model: str, timeout_s: float, max_retries: int, api_key: str | None) -> _Failure:
+def classify_failure(
+    exc: Exception, *, base_url: str, model: str, timeout_s: float, max_retries: int, api_key: str | None
+) -> _Failure:
     """Turn the client's final exception (after its retries) into an error row or a run failure."""
     import openai
 
@@ -178,20 +205,36 @@ class OpenAIEngine(dg.ConfigurableResource):
     `dg.EnvVar("NAME")`, never as a literal.
     """
 
-    base_url: str | None = Field(default=None, description="Server URL including the API prefix, e.g. http://host:8000/v1.")
-    model: str | None = Field(default=None, description="Model name the server knows (else the task's, else the server's only model).")
-    api_key: str | None = Field(default=None, description="API key; set it with dg.EnvVar('NAME'). Else the task's engine.api_key_env.")
+    base_url: str | None = Field(
+        default=None, description="Server URL including the API prefix, e.g. http://host:8000/v1."
+    )
+    model: str | None = Field(
+        default=None, description="Model name the server knows (else the task's, else the server's only model)."
+    )
+    api_key: str | None = Field(
+        default=None, description="API key; set it with dg.EnvVar('NAME'). Else the task's engine.api_key_env."
+    )
     concurrency: int | None = Field(default=None, description="Requests in flight at once.")
-    request_timeout_s: float | None = Field(default=None, description="Seconds to wait for one response before retrying.")
-    max_retries: int | None = Field(default=None, description="Retries on 429/5xx/timeouts/connection errors before a row fails.")
-    max_model_len: int | None = Field(default=None, description="The served model's context length (for the too-long check).")
-    local_tokenizer: str | None = Field(default=None, description="Local tokenizer for prompt rendering and token counts.")
-    structured_outputs: bool = Field(default=True, description="Send the task's choices/schema/regex constraint with each request.")
+    request_timeout_s: float | None = Field(
+        default=None, description="Seconds to wait for one response before retrying."
+    )
+    max_retries: int | None = Field(
+        default=None, description="Retries on 429/5xx/timeouts/connection errors before a row fails."
+    )
+    max_model_len: int | None = Field(
+        default=None, description="The served model's context length (for the too-long check)."
+    )
+    local_tokenizer: str | None = Field(
+        default=None, description="Local tokenizer for prompt rendering and token counts."
+    )
+    structured_outputs: bool = Field(
+        default=True, description="Send the task's choices/schema/regex constraint with each request."
+    )
 
-    # The assets hand this engine `EncodedPrompt`s (token ids + chat messages).
+    # Prompts for this engine carry their chat messages (`Prompt.messages`).
     sends_chat_messages: ClassVar[bool] = True
 
-    def settings_for(self, task: TaskSpec) -> EndpointSettings:
+    def settings(self, task: TaskSpec) -> EndpointSettings:
         spec = task.engine
         base_url = self.base_url or spec.base_url
         if not base_url:
@@ -210,6 +253,7 @@ class OpenAIEngine(dg.ConfigurableResource):
             max_retries=self.max_retries if self.max_retries is not None else spec.max_retries,
             structured_outputs=self.structured_outputs,
             api_key_source="resource" if self.api_key else f"env:{spec.api_key_env}" if spec.api_key_env else "none",
+            batch_size=spec.batch_size,
         )
         # BATCH_ASSETS_MODEL is for the in-process engine: an endpoint's model is the server's name.
         model = self.model or (spec.model if spec.model != EMBEDDED_MODEL else None)
@@ -217,30 +261,34 @@ class OpenAIEngine(dg.ConfigurableResource):
             model = self._served_model(task, base_url, settings["request_timeout_s"], settings["max_retries"])
         return EndpointSettings(model=model, tokenizer=self._tokenizer_source(task, model), **settings)
 
-    def describe(self, task: TaskSpec) -> dict:
-        return vars(self.settings_for(task))
-
     def tokenizer(self, task: TaskSpec):
         """A local tokenizer (no server call) for the prompt text and token counts."""
-        return load_tokenizer(self.settings_for(task).tokenizer)
+        return load_tokenizer(self.settings(task).tokenizer)
 
-    @property
-    def engine_starts(self) -> int:
-        return 0  # nothing is started in this process
+    @contextlib.contextmanager
+    def session(self, task: TaskSpec, log: Callable[[str], None] = lambda message: None) -> Iterator[EndpointSession]:
+        """Nothing to start: the server runs elsewhere; requests go in calls of `batch_size`."""
+        yield EndpointSession(self, task)
 
-    def generate(self, task: TaskSpec, prompt_token_ids: Sequence[list[int]]) -> list[Generation]:
+    def generate(self, task: TaskSpec, prompts: Sequence[Prompt]) -> list[Generation]:
         """One chat completion per prompt, `concurrency` at a time; failed requests become error rows."""
-        prompts = list(prompt_token_ids)
+        prompts = list(prompts)
         if not prompts:
             return []
-        if not all(isinstance(p, EncodedPrompt) for p in prompts):
+        if any(p.messages is None for p in prompts):
             raise TypeError(
                 "the endpoint engine sends chat messages: build its prompts with "
-                "batch_assets.engines.protocol.prompt_encoder (EncodedPrompt), not bare token ids"
+                "batch_assets.engines.protocol.prompt_encoder, which fills `Prompt.messages`"
             )
-        settings = self.settings_for(task)
+        settings = self.settings(task)
         api_key = self._api_key(task)
-        params = chat_request_params(task, settings.model, settings.structured_outputs)
+        default = chat_request_params(task, settings.model, settings.structured_outputs)
+        params = [
+            default
+            if p.sampling is None and p.output is None
+            else chat_request_params(task, settings.model, settings.structured_outputs, p.sampling, p.output)
+            for p in prompts
+        ]
         outcomes = _run_coroutine(self._send_all(settings, api_key, params, prompts))
         fatal = next((o.fatal for o in outcomes if isinstance(o, _Failure) and o.fatal), None)
         if fatal:
@@ -252,12 +300,26 @@ class OpenAIEngine(dg.ConfigurableResource):
                 f"serving (first error: {failures[0].error}). Finished batches are checkpointed: re-run to resume."
             )
         if failures:
-            log.warning("%d of %d requests to %s failed after retries, e.g. %s", len(failures), len(outcomes), settings.base_url, failures[0].error)
+            log.warning(
+                "%d of %d requests to %s failed after retries, e.g. %s",
+                len(failures),
+                len(outcomes),
+                settings.base_url,
+                failures[0].error,
+            )
         tokenizer = None
         results = []
         for prompt, outcome in zip(prompts, outcomes, strict=True):
             if isinstance(outcome, _Failure):
-                results.append(Generation(text=None, finish_reason=None, num_prompt_tokens=len(prompt), num_generated_tokens=0, error=outcome.error))
+                results.append(
+                    Generation(
+                        text=None,
+                        finish_reason=None,
+                        num_prompt_tokens=len(prompt),
+                        num_generated_tokens=0,
+                        error=outcome.error,
+                    )
+                )
                 continue
             text, finish_reason, usage = outcome
             prompt_tokens = getattr(usage, "prompt_tokens", None)
@@ -275,7 +337,9 @@ class OpenAIEngine(dg.ConfigurableResource):
             )
         return results
 
-    async def _send_all(self, settings: EndpointSettings, api_key: str, params: dict, prompts: list[EncodedPrompt]) -> list:
+    async def _send_all(
+        self, settings: EndpointSettings, api_key: str, params: list[dict], prompts: list[Prompt]
+    ) -> list:
         # The official `openai` client (installed with vLLM, kept in step with the API): typed
         # responses, auth, and a tested retry policy (exponential backoff with jitter, Retry-After,
         # one idempotency key across attempts) that we would otherwise re-implement.
@@ -285,15 +349,18 @@ class OpenAIEngine(dg.ConfigurableResource):
         stop = asyncio.Event()  # set once the endpoint as a whole has failed: skip what is left
 
         async with openai.AsyncOpenAI(
-            base_url=settings.base_url, api_key=api_key, timeout=settings.request_timeout_s, max_retries=settings.max_retries
+            base_url=settings.base_url,
+            api_key=api_key,
+            timeout=settings.request_timeout_s,
+            max_retries=settings.max_retries,
         ) as client:
 
-            async def one(prompt: EncodedPrompt):
+            async def one(prompt: Prompt, params: dict):
                 async with gate:
                     if stop.is_set():
                         return _Failure("endpoint_error: not sent, the endpoint failed", fatal=None)
                     try:
-                        response = await client.chat.completions.create(messages=prompt.messages, **params)
+                        response = await client.chat.completions.create(messages=list(prompt.messages), **params)
                     except openai.APIError as exc:
                         failure = classify_failure(
                             exc,
@@ -307,13 +374,15 @@ class OpenAIEngine(dg.ConfigurableResource):
                             stop.set()
                         return failure
                     except Exception as exc:  # e.g. a reply that is not a chat completion: this row only
-                        return _Failure(f"endpoint_error: unreadable response ({type(exc).__name__}): {_redact(str(exc), api_key)[:200]}")
+                        return _Failure(
+                            f"endpoint_error: unreadable response ({type(exc).__name__}): {_redact(str(exc), api_key)[:200]}"
+                        )
                     if not response.choices or response.choices[0].message.content is None:
                         return _Failure("endpoint_error: the response has no message content")
                     choice = response.choices[0]
                     return (choice.message.content, choice.finish_reason, response.usage)
 
-            return await asyncio.gather(*(one(prompt) for prompt in prompts))
+            return await asyncio.gather(*(one(prompt, p) for prompt, p in zip(prompts, params, strict=True)))
 
     def _api_key(self, task: TaskSpec) -> str:
         if self.api_key:
@@ -322,7 +391,9 @@ class OpenAIEngine(dg.ConfigurableResource):
         if name:
             value = os.environ.get(name)
             if not value:
-                raise EndpointError(f"task {task.name!r}: engine.api_key_env names {name}, which is not set in this process's environment")
+                raise EndpointError(
+                    f"task {task.name!r}: engine.api_key_env names {name}, which is not set in this process's environment"
+                )
             return value
         return NO_KEY
 
@@ -335,11 +406,18 @@ class OpenAIEngine(dg.ConfigurableResource):
                 return _served_models[base_url]
             api_key = self._api_key(task)
             try:
-                with openai.OpenAI(base_url=base_url, api_key=api_key, timeout=min(timeout, 30.0), max_retries=retries) as client:
+                with openai.OpenAI(
+                    base_url=base_url, api_key=api_key, timeout=min(timeout, 30.0), max_retries=retries
+                ) as client:
                     served = [model.id for model in client.models.list().data]
             except openai.APIError as exc:
                 failure = classify_failure(
-                    exc, base_url=base_url, model="(any)", timeout_s=min(timeout, 30.0), max_retries=retries, api_key=api_key
+                    exc,
+                    base_url=base_url,
+                    model="(any)",
+                    timeout_s=min(timeout, 30.0),
+                    max_retries=retries,
+                    api_key=api_key,
                 )
                 raise EndpointError(
                     f"task {task.name!r} names no `engine.model`, and asking {base_url}/models for the served model failed: "
@@ -370,3 +448,23 @@ class OpenAIEngine(dg.ConfigurableResource):
                 model,
             )
         return resolve_model(EMBEDDED_MODEL)
+
+
+class EndpointSession:
+    """An endpoint needs no start: `started_here` is always False."""
+
+    started_here = False
+    start_seconds = 0.0
+
+    def __init__(self, engine: OpenAIEngine, task: TaskSpec) -> None:
+        self._stream = batched_stream(lambda prompts: engine.generate(task, prompts), task.engine.batch_size)
+
+    def start(self) -> None:
+        pass
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return {"engine_started_by_this_run": False}
+
+    def stream(self, prompts: Iterable[Prompt]) -> Iterator[tuple[int, Generation]]:
+        return self._stream(prompts)

@@ -1,94 +1,170 @@
-"""The engine interface the assets rely on, and how each task picks its engine.
+"""The engine interface: what the inference step asks of every engine kind, and which engine a task uses.
 
-Two resources implement it, so a task can use either with no other change:
+Two kinds implement it, so a task can use either with no other change:
 
-- `VLLMEngine`, resource key `llm_engine`: vLLM inside the job's process (the default).
-- `OpenAIEngine`, resource key `llm_endpoint`: any OpenAI-compatible chat-completions server,
-  for tasks whose YAML says `engine.kind: openai`.
+- `vllm` (`VLLMEngine`, resource key `llm_engine`, pool `gpu`): vLLM's async engine inside the
+  run's process (the default).
+- `openai` (`OpenAIEngine`, resource key `llm_endpoint`, pool `llm_endpoint`): any
+  OpenAI-compatible chat-completions server, for tasks whose YAML says `engine.kind: openai`.
 
-What both offer (duck-typed; the assets call nothing else):
+An engine offers (see `Engine`):
 
-    settings_for(task)        resolved settings, with at least `.model` and `.max_model_len`
-    tokenizer(task)           a local Hugging Face tokenizer: renders the chat prompt, counts tokens
-    generate(task, prompts)   one `Generation` per prompt, in order; a failed request may come
-                              back as a `Generation` with an `error` instead of raising
-    engine_starts             engines this process has started (0 for an endpoint)
+    settings(task)        resolved settings: `.model`, `.max_model_len`, `.identity()` (what decides
+                          the outputs, for the checkpoint fingerprint) and `.metadata()`
+    tokenizer(task)       a local Hugging Face tokenizer: renders the chat prompt, counts tokens
+    session(task, log)    a context manager that starts the engine (or connects) on entry and
+                          tears down on exit; start failures raise `EngineStartError` with a hint
+    session.stream(ps)    `(position, Generation)` for each `Prompt`, in the order they finish; a
+                          failed request may come back as a `Generation` with an `error`
 
-The prompts handed to `generate` are token ids (what an in-process engine runs). For an endpoint
-they are `EncodedPrompt`s, token ids that also carry the chat messages the server is sent.
+The asset never names an engine class: `ENGINE_KINDS[task.engine.kind]` gives the resource key,
+pool and display name, and the resource under that key is the engine.
 """
 
-from collections.abc import Callable
+from __future__ import annotations
 
-import dagster as dg
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
 import polars as pl
 
 from batch_assets.pipeline.format_prompts import PromptEncoder, PromptFormat, messages_for, user_message_expr
-from batch_assets.pipeline.task_spec import TaskSpec
-
-IN_PROCESS_RESOURCE_KEY = "llm_engine"
-ENDPOINT_RESOURCE_KEY = "llm_endpoint"
+from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec, TaskSpec
 
 
-def engine_resource_key(task: TaskSpec) -> str:
-    """The resource a task's assets use: `llm_endpoint` for `engine.kind: openai`, else `llm_engine`."""
-    return ENDPOINT_RESOURCE_KEY if task.engine.kind == "openai" else IN_PROCESS_RESOURCE_KEY
+@dataclass(frozen=True)
+class Generation:
+    text: str | None
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    # Set when the engine gave up on this request (e.g. an endpoint failing after its retries):
+    # the row becomes an error row instead of failing the partition.
+    error: str | None = None
 
 
-def engine_for(context: dg.AssetExecutionContext, task: TaskSpec):
-    """The engine resource a task's asset runs with."""
-    return getattr(context.resources, engine_resource_key(task))
+@dataclass(frozen=True)
+class Prompt:
+    """One request: the rendered prompt's token ids (what an in-process engine runs), the chat
+    messages it was rendered from (what an endpoint is sent; None when the engine does not need
+    them), and optional per-request overrides of the task's sampling and output constraint."""
+
+    token_ids: tuple[int, ...]
+    messages: tuple[dict[str, str], ...] | None = None
+    sampling: SamplingSpec | None = None
+    output: OutputSpec | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
 
 
-class EncodedPrompt(list):
-    """A prompt's token ids (a plain `list[int]` to everything that counts or runs tokens) plus the
-    chat messages it was rendered from, which is what a chat-completions endpoint is sent."""
-
-    __slots__ = ("messages",)
-
-    def __init__(self, token_ids: list[int], messages: list[dict[str, str]]) -> None:
-        super().__init__(token_ids)
-        self.messages = messages
+class EngineStartError(RuntimeError):
+    """The engine could not start (or be reached) with these settings; retrying will not help."""
 
 
-def prompt_encoder(engine, task: TaskSpec, tokenizer, formatted: pl.DataFrame) -> Callable[[list[str]], list[list[int]]]:
-    """The `tokenize` function `run_inference` needs: prompt texts → token ids.
+class EngineSettings(Protocol):
+    kind: str
+    model: str
+    max_model_len: int
 
-    For an engine that sends chat messages (`sends_chat_messages`), each result also carries the
-    row's messages, rebuilt from the input columns with the task's template (the same messages the
-    prompt was rendered from). The in-process engine gets plain token ids: nothing extra is built.
+    def identity(self) -> dict[str, Any]: ...
+
+    def metadata(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class EngineSession(Protocol):
+    started_here: bool  # this session started the engine (False: reused a warm one, or an endpoint)
+    start_seconds: float
+
+    def start(self) -> None:
+        """Start the engine now (idempotent); `stream` starts it too. Never called when no request
+        needs the engine, so a fully cached partition costs no engine start."""
+
+    @property
+    def metadata(self) -> dict[str, Any]: ...
+
+    def stream(self, prompts: Iterable[Prompt]) -> Iterator[tuple[int, Generation]]: ...
+
+
+class Engine(Protocol):
+    # The engine sends `Prompt.messages` (so callers must build them); else token ids are enough.
+    sends_chat_messages: bool
+
+    def settings(self, task: TaskSpec) -> EngineSettings: ...
+
+    def tokenizer(self, task: TaskSpec): ...
+
+    def session(self, task: TaskSpec, log: Callable[[str], None]) -> AbstractContextManager[EngineSession]: ...
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    resource_key: str
+    pool: str  # the Dagster pool of the inference step
+    display_name: str
+
+
+# `gpu`: limit = runs per node (one run uses every GPU of its node); `llm_endpoint`: limit = runs the
+# server may take at once.
+ENGINE_KINDS: dict[str, EngineKind] = {
+    "vllm": EngineKind("llm_engine", "gpu", "the vLLM engine"),
+    "openai": EngineKind("llm_endpoint", "llm_endpoint", "an OpenAI-compatible endpoint"),
+}
+
+
+def engine_kind(task: TaskSpec) -> EngineKind:
+    return ENGINE_KINDS[task.engine.kind]
+
+
+def engine_for(resources: Any, task: TaskSpec) -> Engine:
+    """The engine a task's assets run with: the resource registered for its `engine.kind`."""
+    return getattr(resources, engine_kind(task).resource_key)
+
+
+def prompt_encoder(
+    engine: Engine, task: TaskSpec, tokenizer, formatted: pl.DataFrame
+) -> Callable[[list[str]], list[Prompt]]:
+    """Prompt texts of `formatted` → `Prompt`s for `engine`.
+
+    For an engine that sends chat messages, each prompt also carries the row's messages, rebuilt
+    from the input columns with the task's template (the same messages the prompt was rendered
+    from). The in-process engine gets token ids only: nothing extra is built.
     """
     # Special-token text in a record stays text (format_prompts.PromptEncoder): no forged chat turns.
-    encoder = PromptEncoder(PromptFormat.of(task), tokenizer)
-    if not getattr(engine, "sends_chat_messages", False):
-        return encoder.encode
+    token_ids = PromptEncoder(PromptFormat.of(task), tokenizer).encode
+    if not engine.sends_chat_messages:
+        return lambda prompts: [Prompt(tuple(ids)) for ids in token_ids(prompts)]
     valid = formatted.filter(pl.col("error").is_null())
     users = valid.select(user_message_expr(task.prompt.template).alias("user"))["user"]
     # Identical prompts come from identical user messages, so the prompt text is a safe key.
     user_by_prompt = dict(zip(valid["prompt"].to_list(), users.to_list(), strict=True))
 
-    def encode(prompts: list[str]) -> list[list[int]]:
-        token_ids = encoder.encode(prompts)
+    def encode(prompts: list[str]) -> list[Prompt]:
         return [
-            EncodedPrompt(ids, messages_for(task.prompt.system, user_by_prompt[prompt]))
-            for prompt, ids in zip(prompts, token_ids, strict=True)
+            Prompt(tuple(ids), tuple(messages_for(task.prompt.system, user_by_prompt[prompt])))
+            for prompt, ids in zip(prompts, token_ids(prompts), strict=True)
         ]
 
     return encode
 
 
-def checkpoint_identity(settings) -> dict:
-    """What, besides sampling and the output constraint, decides an engine's outputs.
+def batched_stream(
+    generate: Callable[[list[Prompt]], list[Generation]], batch_size: int
+) -> Callable[[Iterable[Prompt]], Iterator[tuple[int, Generation]]]:
+    """A stream over a batch `generate` function: up to `batch_size` prompts per call, results in order."""
+    import itertools
 
-    Checkpoints are reused only under the same identity. For the in-process engine it is the model,
-    dtype and seed (unchanged from before endpoints existed, so old checkpoints stay valid); for an
-    endpoint, the model and the server it is served from.
-    """
-    if getattr(settings, "kind", "vllm") == "openai":
-        return {"engine": "openai", "model": settings.model, "base_url": settings.base_url}
-    return {"model": settings.model, "dtype": settings.dtype, "seed": settings.seed}
+    def stream(prompts: Iterable[Prompt]) -> Iterator[tuple[int, Generation]]:
+        position, pending = 0, iter(prompts)
+        while batch := list(itertools.islice(pending, batch_size)):
+            generated = generate(batch)
+            if len(generated) != len(batch):
+                raise RuntimeError(f"the engine returned {len(generated)} outputs for {len(batch)} prompts")
+            for generation in generated:
+                yield position, generation
+                position += 1
 
-def engine_pool(task: TaskSpec) -> str:
-    """The Dagster pool of a task's inference step: `gpu` for the in-process engine (limit = GPUs);
-    `llm_endpoint` for endpoints, which need no local GPU (limit = runs the server may take at once)."""
-    return "llm_endpoint" if task.engine.kind == "openai" else "gpu"
+    return stream

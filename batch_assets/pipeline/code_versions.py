@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from batch_assets.pipeline.task_spec import TaskSpec
+from batch_assets.pipeline.task_spec import THROUGHPUT_ONLY_VLLM_ARGS, TaskSpec
 
 # Raise when a change in this package's code changes what an asset writes for the same task.
 PIPELINE_OUTPUT_VERSION = 1
@@ -25,12 +25,7 @@ THROUGHPUT_ONLY_ENGINE_FIELDS = frozenset(
     {
         "batch_size",
         "concurrency",
-        "enable_prefix_caching",
-        "enforce_eager",
-        "gpu_memory_utilization",
         "kv_cache_memory_gib",
-        "max_num_batched_tokens",
-        "max_num_seqs",
         "max_retries",
         "request_timeout_s",
         "tensor_parallel_size",
@@ -54,6 +49,7 @@ def code_versions(task: TaskSpec) -> dict[str, str]:
     `task.model` includes a `BATCH_ASSETS_MODEL` override: another model is another version.
     """
     engine = task.engine.model_dump(exclude=set(THROUGHPUT_ONLY_ENGINE_FIELDS))
+    engine["vllm_args"] = {k: v for k, v in task.engine.vllm_args.items() if k not in THROUGHPUT_ONLY_VLLM_ARGS}
     engine["model"] = task.model
     formatting = {
         "input": task.input.model_dump(),

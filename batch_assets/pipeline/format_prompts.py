@@ -135,18 +135,26 @@ class PromptEncoder:
             return None
         return prompt[len(prefix) : len(prompt) - len(suffix)]
 
-    def needs_splitting(self, prompt: str) -> bool:
-        """Whether special-token text in the prompt comes from the user message."""
-        if self.pattern is None or not self.pattern.search(prompt):
-            return False
-        user = self.user_text(prompt)
-        return user is None or self.pattern.search(user) is not None
+    def needs_splitting(self, prompts: list[str]) -> list[bool]:
+        """Per prompt: whether its user message holds special-token text (vectorized; usually none).
+
+        Without a single place for the message (`segments` None) nothing is split here: such rows
+        became `special_tokens` error rows in format_prompts and never reach the engine.
+        """
+        if self.segments is None or not self.specials or not prompts:
+            return [False] * len(prompts)
+        prefix, suffix = self.segments
+        texts = pl.Series(prompts, dtype=pl.String)
+        fits = texts.str.starts_with(prefix) & texts.str.ends_with(suffix)
+        fits &= texts.str.len_chars() >= len(prefix) + len(suffix)
+        middle = texts.str.strip_prefix(prefix).str.strip_suffix(suffix)
+        return (fits & middle.str.contains_any(self.specials)).to_list()
 
     def encode(self, prompts: list[str]) -> list[list[int]]:
         ids: list[list[int]] = self.tokenizer(prompts, add_special_tokens=False)["input_ids"] if prompts else []
-        for index, prompt in enumerate(prompts):
-            if self.needs_splitting(prompt):
-                ids[index] = self._encode_split(prompt)
+        for index, split in enumerate(self.needs_splitting(prompts)):
+            if split:
+                ids[index] = self._encode_split(prompts[index])
         return ids
 
     def _encode_split(self, prompt: str) -> list[int]:
@@ -249,23 +257,17 @@ def _split_special_tokens_in_user_text(frame: pl.DataFrame, encoder: PromptEncod
     """Count the few prompts whose user text holds special-token text as the engine will get them
     (special tokens split); where the chat template leaves no single place for the message, such a
     row gets a `special_tokens` error instead of reaching the model with forged chat turns."""
-    if encoder.pattern is None:
+    if not encoder.specials:
         return frame
     ok = pl.col("error").is_null()
-    candidates = frame.with_row_index("_position").filter(ok & pl.col("prompt").str.contains_any(encoder.specials))
-    rows = [
-        (position, prompt)
-        for position, prompt in zip(candidates["_position"], candidates["prompt"], strict=True)
-        if encoder.needs_splitting(prompt)
-    ]
-    if not rows:
+    candidates = frame.with_row_index("_position").filter(ok & pl.col("user_message").str.contains_any(encoder.specials))
+    if candidates.height == 0:
         return frame
     counts = frame["num_prompt_tokens"].to_list()
     errors = frame["error"].to_list()
-    for position, prompt in rows:
+    for position, prompt, user, line in candidates.select("_position", "prompt", "user_message", "source_line").iter_rows():
         if encoder.user_text(prompt) is None:
-            token = encoder.pattern.search(prompt).group()
-            line = frame["source_line"][position]
+            token = encoder.pattern.search(user).group()
             errors[position] = (
                 f"special_tokens: {source_file} line {line}: the text contains the model's special token {token!r}, "
                 "and this chat template gives no single place for the message to keep it as plain text"

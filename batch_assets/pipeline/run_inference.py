@@ -1,31 +1,38 @@
-"""Send a partition's valid prompts to the engine as one stream; checkpoint; cache; join results back.
+"""Send the valid prompts of one or more partitions to an engine as ONE stream; checkpoint; cache; join.
 
-Engine-agnostic: takes a `tokenize` and a `generate` function, so the pure logic (deduplication,
-checkpoint reuse, batching, joining, errors for prompts that do not fit) is tested without Dagster.
+Engine-agnostic: the engine is an `EngineSession` (see engines/protocol.py: `start()` and
+`stream(prompts)`), so the logic here (deduplication, checkpoint and cache reuse, errors for prompts
+that do not fit, joining results back to rows) is shared by every engine and tested without one.
+
+The work reads in four parts:
+
+- planning (`_plan`): per partition, which requests are already answered (result cache,
+  checkpoints) and which are left; across partitions, one list of requests to send;
+- the stream (`run_inference`): prompts encoded lazily as the engine asks for more, results
+  handed to their partitions as they finish;
+- chunk writing (`_PartitionSink`): each partition checkpoints its finished results every ~10 %;
+- joining (`_join`): every row of each partition gets its result, in input order.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import polars as pl
 
+from batch_assets.engines.protocol import EngineSession, Generation, Prompt
 from batch_assets.storage.checkpoints import CHECKPOINT_SCHEMA, CheckpointStore
 from batch_assets.storage.result_cache import ResultCache
-from batch_assets.engines.vllm_engine import Generation
 
-# Prompts in (pulled lazily), (position, result) out in the order results finish.
-GenerateStream = Callable[[Iterator[list[int]]], Iterator[tuple[int, Generation]]]
 MIN_PROGRESS_BATCH = 64
 _KEY, _ENGINE_ERROR, _ENGINE_PROMPT_TOKENS = "\x00request_key", "\x00engine_error", "\x00engine_prompt_tokens"
 
 
 class InferenceError(RuntimeError):
-    """The engine failed mid-partition: the message has the engine's own error and what was kept."""
+    """The engine failed mid-stream: the message has the engine's own error and what was kept."""
 
 
 @dataclass
@@ -39,10 +46,12 @@ class InferenceStats:
     error_rows: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    # From the first request to the last result: tokenization, the engine and checkpoint writes
-    # (not engine start-up).
+    # From the first request to the last result of the stream this partition was part of:
+    # tokenization, the engine and checkpoint writes (not engine start-up). Shared by the
+    # partitions of one stream.
     engine_seconds: float = 0.0
     engine_start_seconds: float = 0.0
+    engine_started: bool = False
 
     @property
     def inference_seconds(self) -> float:
@@ -58,6 +67,16 @@ class InferenceStats:
         return self.rows_inferred / self.engine_seconds if self.engine_seconds else 0.0
 
 
+@dataclass
+class PartitionInput:
+    """One partition's share of a stream."""
+
+    formatted: pl.DataFrame  # formatted_prompts: row_id, prompt, error, num_prompt_tokens, inputs
+    encode: Callable[[list[str]], list[Prompt]]  # prompt texts → engine prompts (engines/protocol.py)
+    checkpoints: CheckpointStore | None = None
+    label: str = ""  # names the partition in log lines when a stream has several
+
+
 def request_keys(prompts: Sequence[str], row_ids: Sequence[int], deduplicate: bool) -> list[str]:
     """Identical prompts share a key when decoding is deterministic, so they are inferred once."""
     if deduplicate:
@@ -65,174 +84,126 @@ def request_keys(prompts: Sequence[str], row_ids: Sequence[int], deduplicate: bo
     return [hashlib.sha1(f"{r}\x00{p}".encode("utf-8")).hexdigest() for p, r in zip(prompts, row_ids, strict=True)]
 
 
-def batched_stream(generate: Callable[[list[list[int]]], list[Generation]], batch_size: int) -> GenerateStream:
-    """A stream over a batch `generate` function: `batch_size` prompts per call, results in order."""
-
-    def stream(prompts: Iterator[list[int]]) -> Iterator[tuple[int, Generation]]:
-        position = 0
-        while batch := list(itertools.islice(prompts, batch_size)):
-            generated = generate(batch)
-            if len(generated) != len(batch):
-                raise RuntimeError(f"the engine returned {len(generated)} outputs for {len(batch)} prompts")
-            for generation in generated:
-                yield position, generation
-                position += 1
-
-    return stream
+# --- planning ---------------------------------------------------------------------------------
 
 
-def run_inference(
-    formatted: pl.DataFrame,
-    *,
-    tokenize: Callable[[list[str]], list[list[int]]],
-    generate: Callable[[list[list[int]]], list[Generation]] | None = None,
-    generate_stream: GenerateStream | None = None,
-    max_model_len: int,
-    max_tokens: int,
-    batch_size: int,
-    deduplicate: bool,
-    checkpoints: CheckpointStore | None,
-    cache: ResultCache | None = None,
-    log: Callable[[str], None] = lambda message: None,
-    start_engine: Callable[[], object] | None = None,
-) -> tuple[pl.DataFrame, InferenceStats]:
-    """formatted_prompts → inference_outputs, reusing cached and checkpointed results.
+@dataclass
+class _Plan:
+    part: PartitionInput
+    stats: InferenceStats
+    keyed: pl.DataFrame  # row_id, request_key of every valid row
+    reused: list[pl.DataFrame]  # results from the cache and the checkpoints
+    pending: pl.DataFrame  # request_key, prompt: what this partition still needs
+    step: int = MIN_PROGRESS_BATCH  # results per checkpoint chunk
 
-    Requests already in the result `cache` (deterministic decoding only) or in this partition's
-    `checkpoints` are not inferred again. The rest go to the engine as one stream
-    (`generate_stream`: prompts are pulled lazily and results come back as they finish, so the
-    engine never idles between chunks), or in calls of up to `batch_size` to `generate`. Every
-    ~10 % of the work the finished results are checkpointed and progress is logged; at the end the
-    new results are added to the cache.
 
-    `start_engine`, when given, is called once before the first request (and not at all when
-    every result is reused), so engine start-up is timed apart from inference.
-    """
-    if (generate is None) == (generate_stream is None):
-        raise ValueError("pass exactly one of `generate` and `generate_stream`")
-    stats = InferenceStats(rows=formatted.height)
-    valid = formatted.filter(pl.col("error").is_null()).select("row_id", "prompt")
+def _plan(part: PartitionInput, *, deduplicate: bool, cache: ResultCache | None, batch_size: int) -> _Plan:
+    stats = InferenceStats(rows=part.formatted.height)
+    valid = part.formatted.filter(pl.col("error").is_null()).select("row_id", "prompt")
     keyed = valid.with_columns(
-        request_key=pl.Series(request_keys(valid["prompt"].to_list(), valid["row_id"].to_list(), deduplicate), dtype=pl.String)
+        request_key=pl.Series(
+            request_keys(valid["prompt"].to_list(), valid["row_id"].to_list(), deduplicate), dtype=pl.String
+        )
     )
     unique_requests = keyed.unique("request_key", keep="first", maintain_order=True)
     stats.rows_deduplicated = keyed.height - unique_requests.height
-
-    cached = cache.lookup(unique_requests["request_key"]) if cache is not None and deduplicate else pl.DataFrame(schema=CHECKPOINT_SCHEMA)
-    stats.rows_from_cache = cached.height
+    cached = (
+        cache.lookup(unique_requests["request_key"])
+        if cache is not None and deduplicate
+        else pl.DataFrame(schema=CHECKPOINT_SCHEMA)
+    )
     remaining = unique_requests.join(cached.select("request_key"), on="request_key", how="anti", maintain_order="left")
-    done = checkpoints.load() if checkpoints is not None else pl.DataFrame(schema=CHECKPOINT_SCHEMA)
+    done = part.checkpoints.load() if part.checkpoints is not None else pl.DataFrame(schema=CHECKPOINT_SCHEMA)
     done = done.join(remaining.select("request_key"), on="request_key", how="semi")
     pending = remaining.join(done.select("request_key"), on="request_key", how="anti", maintain_order="left")
-    stats.rows_from_checkpoint = done.height
-    if cached.height or done.height:
-        log(f"reusing {cached.height} results from the result cache and {done.height} from checkpoints; {pending.height} requests left to infer")
+    stats.rows_from_cache, stats.rows_from_checkpoint = cached.height, done.height
+    # A checkpoint every ~10 % of the work, at least every 64 requests (so tiny partitions do not
+    # write a file per row), never more than `batch_size`.
+    step = min(batch_size, max(MIN_PROGRESS_BATCH, -(-pending.height // 10)))
+    return _Plan(
+        part,
+        stats,
+        keyed.select("row_id", "request_key"),
+        [cached, done],
+        pending.select("request_key", "prompt"),
+        step,
+    )
 
-    results = [cached, done]
-    new_results: list[pl.DataFrame] = [done]  # what this partition adds to the cache
-    total = pending.height
-    # A checkpoint and a progress line every ~10 % of the work, at least every 64 requests
-    # (so tiny partitions do not write a file per row), never more than `batch_size`.
-    step = min(batch_size, max(MIN_PROGRESS_BATCH, -(-total // 10)))
-    if total:
-        log(f"{total} requests to infer ({stats.rows_deduplicated} duplicate prompts share a request); checkpoint every {step}")
-    if total and start_engine is not None:
-        started = time.monotonic()
-        start_engine()
-        stats.engine_start_seconds = time.monotonic() - started
 
-    budget = max_model_len - max_tokens
-    sent_keys: list[str] = []  # request key of each prompt handed to the engine, by position
-    too_long: list[dict] = []  # rows for prompts that do not fit, until the next flush
-    skipped = 0
+@dataclass
+class _Request:
+    key: str
+    prompt_text: str
+    owners: list[int]  # indices of the partitions waiting for this result
 
-    def prompts_to_send() -> Iterator[list[int]]:
-        # Tokenized `step` at a time, as the engine asks for more; too-long prompts never reach it.
-        nonlocal skipped
-        for offset in range(0, total, step):
-            batch = pending.slice(offset, step)
-            for key, ids in zip(batch["request_key"], tokenize(batch["prompt"].to_list()), strict=True):
-                if len(ids) <= budget:
-                    sent_keys.append(key)
-                    yield ids
-                else:
-                    skipped += 1
-                    too_long.append(_too_long_row(key, len(ids), max_tokens, max_model_len))
 
-    stream = generate_stream if generate_stream is not None else batched_stream(generate, step)
-    buffer: list[tuple[str, Generation]] = []
-    saved = 0
-    started = time.monotonic()
-    last_log, last_logged = started, 0
+def _requests(plans: list[_Plan], deduplicate: bool) -> list[_Request]:
+    """One request per pending key; with deterministic decoding a prompt pending in several
+    partitions is sent once and its result goes to each of them."""
+    requests: list[_Request] = []
+    by_key: dict[str, _Request] = {}
+    for index, plan in enumerate(plans):
+        for key, prompt in zip(plan.pending["request_key"], plan.pending["prompt"], strict=True):
+            shared = by_key.get(key) if deduplicate else None
+            if shared is not None:
+                shared.owners.append(index)
+                continue
+            request = _Request(key, prompt, [index])
+            requests.append(request)
+            if deduplicate:
+                by_key[key] = request
+    return requests
 
-    def flush() -> None:
-        nonlocal buffer, saved
-        chunk = _results_frame(buffer, too_long)
-        buffer, too_long[:] = [], []
-        if checkpoints is not None:
-            # Only finished requests: a re-run asks again for those the engine gave up on (and
-            # re-counts too-long prompts, which costs no engine time).
-            finished_requests = chunk.filter(pl.col("error").is_null())
-            checkpoints.save(finished_requests)
-            saved += finished_requests.height
-        results.append(chunk)
-        new_results.append(chunk)
 
-    results_stream = stream(prompts_to_send())
-    try:
-        while True:
-            try:
-                item = next(results_stream, None)
-            except Exception as exc:
-                kept = (
-                    f"the {done.height + saved} requests finished before are checkpointed; a re-run of the partition reuses them"
-                    if checkpoints is not None
-                    else "nothing is checkpointed"
-                )
-                raise InferenceError(
-                    f"the engine failed after {stats.rows_inferred} of the {total} requests left to infer "
-                    f"({kept}): {type(exc).__name__}: {exc}"
-                ) from exc
-            if item is None:
-                break
-            position, generation = item
-            buffer.append((sent_keys[position], generation))
+# --- chunk writing ------------------------------------------------------------------------------
+
+
+@dataclass
+class _PartitionSink:
+    """A partition's new results, checkpointed every `step` results."""
+
+    plan: _Plan
+    buffer: list[dict] = field(default_factory=list)
+    new: list[pl.DataFrame] = field(default_factory=list)  # what this partition adds to the cache
+    saved: int = 0
+
+    def add(self, row: dict, generation: Generation | None) -> None:
+        self.buffer.append(row)
+        if generation is not None:
+            stats = self.plan.stats
             stats.rows_inferred += 1
             stats.prompt_tokens += generation.num_prompt_tokens
             stats.generated_tokens += generation.num_generated_tokens
-            if len(buffer) >= step:
-                flush()
-            finished = stats.rows_inferred + skipped
-            now = time.monotonic()
-            # Progress in the run's logs at least every 10 % or 30 s (100 % is logged below).
-            if finished < total and (now - last_log >= 30 or (finished - last_logged) * 10 >= total):
-                rate = stats.rows_inferred / (now - started) if now > started else 0.0
-                log(f"inferred {finished}/{total} requests ({100 * finished // max(total, 1)}%), {rate:.1f} rows/s in the engine")
-                last_log, last_logged = now, finished
-    finally:
-        # Stops an engine stream that did not run to its end (it withdraws its unfinished requests).
-        results_stream.close()
-    if len(sent_keys) != stats.rows_inferred:
-        raise InferenceError(f"the engine returned {stats.rows_inferred} outputs for {len(sent_keys)} prompts")
-    if buffer or too_long:
-        flush()
-    stats.engine_seconds = time.monotonic() - started
-    if total:
-        log(f"inferred {total}/{total} requests (100%), {stats.rows_per_second:.1f} rows/s in the engine")
-    if cache is not None and deduplicate:
-        stats.rows_cached = cache.add(pl.concat(new_results))
+        if len(self.buffer) >= self.plan.step:
+            self.flush()
 
-    # Internal column names that no input column can have.
-    by_key = pl.concat(results).rename({"request_key": _KEY, "error": _ENGINE_ERROR, "num_prompt_tokens": _ENGINE_PROMPT_TOKENS})
-    joined = formatted.join(
-        keyed.select("row_id", pl.col("request_key").alias(_KEY)), on="row_id", how="left", maintain_order="left"
-    ).join(by_key, on=_KEY, how="left", maintain_order="left")
-    joined = joined.with_columns(
-        error=pl.coalesce("error", _ENGINE_ERROR),
-        num_prompt_tokens=pl.coalesce(_ENGINE_PROMPT_TOKENS, "num_prompt_tokens"),
-    ).drop(_ENGINE_ERROR, _ENGINE_PROMPT_TOKENS, _KEY)
-    stats.error_rows = joined["error"].is_not_null().sum()
-    return joined, stats
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        chunk = pl.DataFrame(self.buffer, schema=CHECKPOINT_SCHEMA)
+        self.buffer = []
+        if self.plan.part.checkpoints is not None:
+            # Only finished requests: a re-run asks again for those the engine gave up on (and
+            # re-counts too-long prompts, which costs no engine time).
+            finished = chunk.filter(pl.col("error").is_null())
+            self.plan.part.checkpoints.save(finished)
+            self.saved += finished.height
+        self.new.append(chunk)
+
+    @property
+    def kept(self) -> int:
+        return self.plan.stats.rows_from_checkpoint + self.saved
+
+
+def _result_row(key: str, g: Generation) -> dict:
+    return {
+        "request_key": key,
+        "generated_text": g.text,
+        "finish_reason": g.finish_reason,
+        "num_prompt_tokens": g.num_prompt_tokens,
+        "num_generated_tokens": g.num_generated_tokens,
+        "error": g.error,
+    }
 
 
 def _too_long_row(key: str, prompt_tokens: int, max_tokens: int, max_model_len: int) -> dict:
@@ -246,16 +217,190 @@ def _too_long_row(key: str, prompt_tokens: int, max_tokens: int, max_model_len: 
     }
 
 
-def _results_frame(generated: list[tuple[str, Generation]], too_long: list[dict]) -> pl.DataFrame:
-    rows = [
-        {
-            "request_key": key,
-            "generated_text": g.text,
-            "finish_reason": g.finish_reason,
-            "num_prompt_tokens": g.num_prompt_tokens,
-            "num_generated_tokens": g.num_generated_tokens,
-            "error": g.error,
-        }
-        for key, g in generated
-    ]
-    return pl.DataFrame(rows + too_long, schema=CHECKPOINT_SCHEMA)
+# --- progress -----------------------------------------------------------------------------------
+
+
+class _Progress:
+    """A line at least every 10 % of the stream or 30 s (and at 100 %)."""
+
+    def __init__(self, total: int, log: Callable[[str], None]) -> None:
+        self.total, self.log = total, log
+        self.started = self.last_time = time.monotonic()
+        self.last_count = 0
+
+    def update(self, finished: int, inferred: int) -> None:
+        now = time.monotonic()
+        if finished < self.total and (now - self.last_time >= 30 or (finished - self.last_count) * 10 >= self.total):
+            self.log(
+                f"inferred {finished}/{self.total} requests ({100 * finished // max(self.total, 1)}%), {self.rate(inferred, now):.1f} rows/s in the engine"
+            )
+            self.last_time, self.last_count = now, finished
+
+    def rate(self, inferred: int, now: float | None = None) -> float:
+        elapsed = (now or time.monotonic()) - self.started
+        return inferred / elapsed if elapsed > 0 else 0.0
+
+
+# --- the stream ---------------------------------------------------------------------------------
+
+
+def run_inference(
+    partitions: Sequence[PartitionInput],
+    *,
+    session: EngineSession,
+    max_model_len: int,
+    max_tokens: int,
+    batch_size: int,
+    deduplicate: bool,
+    cache: ResultCache | None = None,
+    log: Callable[[str], None] = lambda message: None,
+) -> list[tuple[pl.DataFrame, InferenceStats]]:
+    """formatted_prompts → inference_outputs for each partition, reusing cached and checkpointed results.
+
+    Requests already in the result `cache` (deterministic decoding only) or in a partition's
+    checkpoints are not inferred again. The rest of every partition go to the engine as one stream
+    (prompts encoded lazily, results back as they finish, so the engine never idles between chunks
+    or partitions). Each partition checkpoints its results every ~10 % of its work; progress is
+    logged; at the end new results are added to the cache. The engine is started (`session.start`)
+    only when a request needs it, and timed apart from inference. Returns `(frame, stats)` per
+    partition, in the order given.
+    """
+    plans = [_plan(part, deduplicate=deduplicate, cache=cache, batch_size=batch_size) for part in partitions]
+    many = len(plans) > 1
+    for plan in plans:
+        reused = plan.stats.rows_from_cache + plan.stats.rows_from_checkpoint
+        if reused:
+            log(
+                f"{_prefix(plan, many)}reusing {plan.stats.rows_from_cache} results from the result cache and "
+                f"{plan.stats.rows_from_checkpoint} from checkpoints; {plan.pending.height} requests left to infer"
+            )
+        if plan.pending.height:
+            log(
+                f"{_prefix(plan, many)}{plan.pending.height} requests to infer ({plan.stats.rows_deduplicated} duplicate "
+                f"prompts share a request); checkpoint every {plan.step}"
+            )
+    requests = _requests(plans, deduplicate)
+    sinks = [_PartitionSink(plan) for plan in plans]
+    engine_seconds, start_seconds = 0.0, 0.0
+    if requests:
+        started = time.monotonic()
+        session.start()
+        start_seconds = time.monotonic() - started
+        engine_seconds = _stream(requests, plans, sinks, session, max_model_len, max_tokens, log)
+    results = []
+    for plan, sink in zip(plans, sinks, strict=True):
+        sink.flush()
+        plan.stats.engine_seconds, plan.stats.engine_start_seconds = engine_seconds, start_seconds
+        plan.stats.engine_started = bool(requests) and bool(getattr(session, "started_here", True))
+        if cache is not None and deduplicate:
+            plan.stats.rows_cached = cache.add(pl.concat([plan.reused[1], *sink.new]))
+        results.append(_join(plan, sink))
+    return results
+
+
+def _prefix(plan: _Plan, many: bool) -> str:
+    return f"{plan.part.label}: " if many and plan.part.label else ""
+
+
+def _stream(
+    requests: list[_Request],
+    plans: list[_Plan],
+    sinks: list[_PartitionSink],
+    session: EngineSession,
+    max_model_len: int,
+    max_tokens: int,
+    log: Callable[[str], None],
+) -> float:
+    """Run `requests` through the engine; returns the seconds from first request to last result."""
+    total = len(requests)
+    sent: list[_Request] = []  # the request of each prompt handed to the engine, by position
+    skipped = 0
+    chunk = min(plan.step for plan in plans if plan.pending.height)
+
+    def prompts() -> Iterator[Prompt]:
+        # Encoded `chunk` at a time, as the engine asks for more; too-long prompts never reach it.
+        nonlocal skipped
+        for offset in range(0, total, chunk):
+            batch = requests[offset : offset + chunk]
+            for request, prompt in zip(batch, _encode(batch, plans), strict=True):
+                limit = prompt.sampling.max_tokens if prompt.sampling is not None else max_tokens
+                if len(prompt.token_ids) <= max_model_len - limit:
+                    sent.append(request)
+                    yield prompt
+                else:
+                    skipped += 1
+                    row = _too_long_row(request.key, len(prompt.token_ids), limit, max_model_len)
+                    for owner in request.owners:
+                        sinks[owner].add(row, None)
+
+    progress = _Progress(total, log)
+    inferred = 0
+    results = session.stream(prompts())
+    try:
+        while True:
+            try:
+                item = next(results, None)
+            except Exception as exc:
+                raise InferenceError(_failure_message(exc, inferred, total, sinks)) from exc
+            if item is None:
+                break
+            position, generation = item
+            request = sent[position]
+            row = _result_row(request.key, generation)
+            for owner in request.owners:
+                sinks[owner].add(row, generation)
+            inferred += 1
+            progress.update(inferred + skipped, inferred)
+    finally:
+        # Stops an engine stream that did not run to its end (it withdraws its unfinished requests).
+        close = getattr(results, "close", None)
+        if close is not None:
+            close()
+    if len(sent) != inferred:
+        raise InferenceError(f"the engine returned {inferred} outputs for {len(sent)} prompts")
+    log(f"inferred {total}/{total} requests (100%), {progress.rate(inferred):.1f} rows/s in the engine")
+    return time.monotonic() - progress.started
+
+
+def _encode(batch: list[_Request], plans: list[_Plan]) -> list[Prompt]:
+    """Each request encoded by the first partition that needs it (its rows know the chat messages)."""
+    prompts: list[Prompt | None] = [None] * len(batch)
+    by_owner: dict[int, list[int]] = {}
+    for i, request in enumerate(batch):
+        by_owner.setdefault(request.owners[0], []).append(i)
+    for owner, indices in by_owner.items():
+        encoded = plans[owner].part.encode([batch[i].prompt_text for i in indices])
+        for i, prompt in zip(indices, encoded, strict=True):
+            prompts[i] = prompt
+    return prompts  # type: ignore[return-value]
+
+
+def _failure_message(exc: Exception, inferred: int, total: int, sinks: list[_PartitionSink]) -> str:
+    if any(sink.plan.part.checkpoints is not None for sink in sinks):
+        kept_count = sum(sink.kept for sink in sinks)
+        kept = f"the {kept_count} requests finished before are checkpointed; a re-run of the partition reuses them"
+    else:
+        kept = "nothing is checkpointed"
+    return f"the engine failed after {inferred} of the {total} requests left to infer ({kept}): {type(exc).__name__}: {exc}"
+
+
+# --- joining ------------------------------------------------------------------------------------
+
+
+def _join(plan: _Plan, sink: _PartitionSink) -> tuple[pl.DataFrame, InferenceStats]:
+    formatted = plan.part.formatted
+    # Internal column names that no input column can have.
+    by_key = (
+        pl.concat([*plan.reused, *sink.new])
+        .unique("request_key", keep="first", maintain_order=True)
+        .rename({"request_key": _KEY, "error": _ENGINE_ERROR, "num_prompt_tokens": _ENGINE_PROMPT_TOKENS})
+    )
+    joined = formatted.join(
+        plan.keyed.rename({"request_key": _KEY}), on="row_id", how="left", maintain_order="left"
+    ).join(by_key, on=_KEY, how="left", maintain_order="left")
+    joined = joined.with_columns(
+        error=pl.coalesce("error", _ENGINE_ERROR),
+        num_prompt_tokens=pl.coalesce(_ENGINE_PROMPT_TOKENS, "num_prompt_tokens"),
+    ).drop(_ENGINE_ERROR, _ENGINE_PROMPT_TOKENS, _KEY)
+    plan.stats.error_rows = int(joined["error"].is_not_null().sum())
+    return joined, plan.stats

