@@ -26,6 +26,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from dagster._core.execution.backfill import BulkActionStatus
 
 import yaml
 
@@ -223,7 +224,7 @@ def test_a_burst_of_drops_becomes_a_backfill_of_grouped_runs_recorded_in_postgre
     # One tick turned the three files into three partitions and one backfill ...
     assert instance.get_dynamic_partitions(partitions_def_name("sentiment"))[:3] == keys
     [backfill] = instance.get_backfills()
-    assert backfill.status == dg.BulkActionStatus.COMPLETED_SUCCESS, log.read_text()[-3000:]
+    assert backfill.status == BulkActionStatus.COMPLETED_SUCCESS, log.read_text()[-3000:]
     assert backfill.tags["batch_assets/launched_by"] == "sensor"
     # ... which made two runs: a range of two partitions, then the third.
     runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill.backfill_id}))
