@@ -160,6 +160,10 @@ def test_a_burst_of_drops_becomes_a_backfill_of_grouped_runs_recorded_in_postgre
     home.mkdir()
     tasks.mkdir()
     shutil.copyfile(DEPLOY_INSTANCE, home / "dagster.yaml")
+    # A backfill fails when its code location cannot be loaded; on a busy 2-core machine the code
+    # server can take longer than Dagster's default 180 s to start while engines start beside it.
+    with (home / "dagster.yaml").open("a") as config:
+        config.write("\ncode_servers:\n  local_startup_timeout: 900\n")
     # The shipped sentiment task, with ranges of at most two partitions per run.
     sentiment = yaml.safe_load((BUNDLED_TASKS_DIR / "sentiment.yaml").read_text(encoding="utf-8"))
     (tasks / "sentiment.yaml").write_text(yaml.safe_dump({**sentiment, "runs": {"max_partitions_per_run": 2}}), encoding="utf-8")
