@@ -185,7 +185,9 @@ def plain_side(files: list[Path], work: Path) -> dict:
     out = subprocess.run([sys.executable, str(HERE / "plain_vllm_script.py"), str(combined), str(work / "out.parquet")],
                          cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     wall = time.perf_counter() - started
-    return {"wall": wall, **json.loads(out.stdout.strip().splitlines()[-1])}
+    # vLLM logs to stdout too: the script's result is its last JSON line.
+    result = next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{"))
+    return {"wall": wall, **json.loads(result)}
 
 
 def main() -> None:
