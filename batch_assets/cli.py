@@ -19,6 +19,7 @@ in this process, so the engine starts once for all the files of one command.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -37,6 +38,11 @@ SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
 # The absolute path of the file a CLI run was given, so a later file of the same name from another
 # folder is not taken for a new version of it.
 ORIGIN_TAG = "batch_assets/origin"
+# A run over several files (up to the task's `runs.max_partitions_per_run`) records each file's
+# origin here instead, as JSON {partition key: path}.
+ORIGINS_TAG = "batch_assets/origins"
+RANGE_START_TAG = "dagster/asset_partition_range_start"
+RANGE_END_TAG = "dagster/asset_partition_range_end"
 
 
 class CliError(Exception):
@@ -230,7 +236,13 @@ def _last_origin(instance, job_name: str, key: str) -> str | None:
     import dagster as dg
 
     runs = instance.get_runs(filters=dg.RunsFilter(job_name=job_name, tags={"dagster/partition": key}), limit=20)
-    return next((run.tags[ORIGIN_TAG] for run in runs if ORIGIN_TAG in run.tags), None)
+    single = next((run for run in runs if ORIGIN_TAG in run.tags), None)
+    ranges = instance.get_runs(filters=dg.RunsFilter(job_name=job_name, tags={"batch_assets/launched_by": "cli"}), limit=50)
+    grouped = next((run for run in ranges if key in json.loads(run.tags.get(ORIGINS_TAG, "{}"))), None)
+    latest = max((run for run in (single, grouped) if run is not None), key=lambda run: run.create_timestamp, default=None)
+    if latest is None:
+        return None
+    return latest.tags[ORIGIN_TAG] if latest is single else json.loads(latest.tags[ORIGINS_TAG])[key]
 
 
 def _copy_into_drop_zone(instance, task_name: str, job_name: str, files: list[NamedFile], *, replace: bool) -> None:
@@ -340,10 +352,16 @@ def run_partitions(
     import dagster as dg
 
     from batch_assets.dagster_defs.run_recovery import ProcessLease, fail_runs_of_dead_processes, wait_for_pool_slot
-    from batch_assets.dagster_defs.sensors import SOURCE_FILE_TAG, SOURCE_VERSION_TAG, version_digest
+    from batch_assets.dagster_defs.sensors import (
+        SOURCE_FILE_TAG,
+        SOURCE_VERSION_TAG,
+        partition_ranges,
+        validated_from_version,
+        version_digest,
+    )
     from batch_assets.definitions import build_definitions, pipeline_job_name
     from batch_assets.engines.protocol import engine_kind
-    from batch_assets.engines.vllm_engine import VLLMEngine, keep_engine_warm
+    from batch_assets.engines.vllm_engine import keep_engine_warm
     from batch_assets.pipeline.task_spec import load_tasks
     from batch_assets.storage.drop_files import find_drop_file, partitions_def_name
 
@@ -377,41 +395,55 @@ def run_partitions(
                 f"run {run_id[:8]}: its batch-assets process died before it finished; marked failed, pool slots freed"
             )
 
-        outcomes: list[PartitionOutcome] = []
+        by_key: dict[str, PartitionOutcome] = {}
+        to_run: list[str] = []
+        named_by_key = {file.key: (file, digest) for file, digest in keys}
+        for file, _ in keys:
+            if skip_succeeded and validated_from_version(instance, task_name, find_drop_file(task_name, file.key)):
+                done = _outcome(task_name, file.key, instance, success=True, run_id=None, failed_error_checks=[])
+                done.skipped = True
+                by_key[file.key] = done
+            elif file.key not in to_run:
+                to_run.append(file.key)
+        ordered = instance.get_dynamic_partitions(partitions_def_name(task_name))
         with keep_engine_warm():
-            for file, digest in keys:
-                key = file.key
-                if skip_succeeded and _already_succeeded(instance, task_name, key, digest):
-                    done = _outcome(task_name, key, instance, success=True, run_id=None, failed_error_checks=[])
-                    done.skipped = True
-                    outcomes.append(done)
-                    continue
+            # Grouped as a backfill of these partitions is: one run per range of adjacent partitions,
+            # up to the task's `runs.max_partitions_per_run`, one engine stream per run.
+            for run_keys in partition_ranges(ordered, to_run, task.runs.max_partitions_per_run):
                 wait_for_pool_slot(instance, engine_kind(task).pool, say=TERMINAL.say)
-                run_job, run_config = _cli_job(job, f"{task_name}/{key}")
+                if len(run_keys) == 1:
+                    file, digest = named_by_key[run_keys[0]]
+                    label, selection = f"{task_name}/{file.key}", {"partition_key": file.key}
+                    tags = {SOURCE_FILE_TAG: file.key, SOURCE_VERSION_TAG: digest, ORIGIN_TAG: file.origin}
+                else:
+                    label, selection = f"{task_name}/{run_keys[0]}..{run_keys[-1]} ({len(run_keys)} files)", {}
+                    tags = {
+                        RANGE_START_TAG: run_keys[0],
+                        RANGE_END_TAG: run_keys[-1],
+                        ORIGINS_TAG: json.dumps({key: named_by_key[key][0].origin for key in run_keys}),
+                    }
+                run_job, run_config = _cli_job(job, label)
                 result = run_job.execute_in_process(
                     run_config=run_config,
                     instance=instance,
-                    partition_key=key,
                     raise_on_error=False,
-                    tags={
-                        SOURCE_FILE_TAG: key,
-                        SOURCE_VERSION_TAG: digest,
-                        ORIGIN_TAG: file.origin,
-                        "batch_assets/launched_by": "cli",
-                        **lease.tags(),
-                    },
+                    tags={**tags, "batch_assets/launched_by": "cli", **lease.tags()},
+                    **selection,
                 )
-                failed = [
-                    evaluation
-                    for evaluation in result.get_asset_check_evaluations()
-                    if not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.ERROR
-                ]
-                failed_checks = [f"{e.asset_key.to_user_string()}:{e.check_name}" for e in failed]
-                # A blocking check that stopped the run says why in its description (e.g. over budget).
-                stopped_by = [f"stopped by {e.check_name}: {e.description}" for e in failed if e.description]
-                failure = None if result.success else (stopped_by[0] if stopped_by else _failure_text(result, task))
-                outcomes.append(
-                    _outcome(
+                evaluations = result.get_asset_check_evaluations()
+                for key in run_keys:
+                    failed = [
+                        evaluation
+                        for evaluation in evaluations
+                        if evaluation.partition == key
+                        and not evaluation.passed
+                        and evaluation.severity == dg.AssetCheckSeverity.ERROR
+                    ]
+                    failed_checks = [f"{e.asset_key.to_user_string()}:{e.check_name}" for e in failed]
+                    # A blocking check that stopped the run says why in its description (e.g. over budget).
+                    stopped_by = [f"stopped by {e.check_name}: {e.description}" for e in failed if e.description]
+                    failure = None if result.success else (stopped_by[0] if stopped_by else _failure_text(result, task))
+                    by_key[key] = _outcome(
                         task_name,
                         key,
                         instance,
@@ -420,7 +452,7 @@ def run_partitions(
                         summary=failure,
                         failed_error_checks=failed_checks,
                     )
-                )
+        outcomes = [by_key[key] for key in dict.fromkeys(file.key for file, _ in keys)]
         if TERMINAL.log_path and any(not outcome.ok for outcome in outcomes):
             TERMINAL.say(f"engine and library output of this command: {TERMINAL.log_path}")
     return outcomes
@@ -521,19 +553,6 @@ def _meaningful_line(message: str) -> str:
         if line.startswith("Value error, "):
             return line.removeprefix("Value error, ")
     return lines[-1] if lines else "unknown error"
-
-
-def _already_succeeded(instance, task_name: str, partition_key: str, digest: str) -> bool:
-    """The last materialization of validated_labels came from this exact file version."""
-    import dagster as dg
-
-    from batch_assets.dagster_defs.sensors import SOURCE_VERSION_TAG
-
-    record = latest_materialization(instance, dg.AssetKey([task_name, "validated_labels"]), partition_key)
-    if record is None:
-        return False
-    run = instance.get_run_by_id(record.run_id)
-    return run is not None and run.tags.get(SOURCE_VERSION_TAG) == digest
 
 
 def _print_outcomes(outcomes: list[PartitionOutcome]) -> None:

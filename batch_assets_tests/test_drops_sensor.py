@@ -19,11 +19,14 @@ from hypothesis import strategies as st
 from batch_assets.definitions import build_definitions, pipeline_job_name
 from batch_assets.storage.drop_files import find_drop_file, list_drop_files, partition_key_for, partitions_def_name, skip_reason
 from batch_assets.dagster_defs.sensors import (
+    LAUNCHED_BY_TAG,
     REPLACED_TAG,
+    REQUEST_KEY_TAG,
     SOURCE_FILE_TAG,
     build_drops_sensor,
     decode_cursor,
     encode_cursor,
+    requested_partitions,
 )
 from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.errors import StorageError, scrub
@@ -31,6 +34,7 @@ from batch_assets.storage.locations import data_root, storage_path, write_bytes_
 from batch_assets_tests.conftest import drop
 
 TASK = "sentiment"
+ASSETS = ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels")
 POST = '{"text": "Loving it"}\n'
 SAFE_KEY = r"^[A-Za-z0-9._-]+$"
 
@@ -129,10 +133,29 @@ def sensor_for(**kwargs) -> dg.SensorDefinition:
 
 
 def tick(sensor: dg.SensorDefinition, instance: dg.DagsterInstance, cursor: str | None):
-    result = sensor(dg.build_sensor_context(instance=instance, cursor=cursor))
+    result = sensor(dg.build_sensor_context(instance=instance, cursor=cursor, definitions=build_definitions()))
     for request in result.dynamic_partitions_requests or []:
         instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
     return result, result.cursor if result.cursor is not None else cursor
+
+
+def submit_backfill(instance: dg.DagsterInstance, request: dg.RunRequest) -> None:
+    """What the sensor daemon does with a backfill request."""
+    from dagster._core.execution.backfill import PartitionBackfill
+    from dagster._core.utils import make_new_backfill_id
+
+    instance.add_backfill(
+        PartitionBackfill.from_asset_graph_subset(
+            backfill_id=make_new_backfill_id(),
+            dynamic_partitions_store=instance,
+            backfill_timestamp=time.time(),
+            asset_graph_subset=request.asset_graph_subset,
+            tags=request.tags,
+            title=None,
+            description=None,
+            run_config=None,
+        )
+    )
 
 
 def test_local_drop_folder_new_replaced_in_progress_and_restart(data_dir: Path) -> None:
@@ -142,10 +165,18 @@ def test_local_drop_folder_new_replaced_in_progress_and_restart(data_dir: Path) 
     settled(drop(data_dir, TASK, ".posts.jsonl.swp", POST))
     sensor = sensor_for()
     with dg.instance_for_test() as instance:
+        # Two new files in one tick: one backfill of both partitions (the backfill policy makes runs).
         first, cursor = tick(sensor, instance, None)
-        assert sorted(request.tags[SOURCE_FILE_TAG] for request in first.run_requests) == ["posts.jsonl", "team a/été.jsonl"]
-        run_keys = {request.partition_key: request.run_key for request in first.run_requests}
+        [burst] = first.run_requests
+        assert requested_partitions(burst, TASK) == sorted([partition_key_for("posts.jsonl"), partition_key_for("team a/été.jsonl")])
+        assert burst.tags[LAUNCHED_BY_TAG] == "sensor" and REPLACED_TAG not in burst.tags
+        assert burst.asset_graph_subset.asset_keys == {dg.AssetKey([TASK, a]) for a in ASSETS}
+        # The daemon submits it; the same tick evaluated again (its cursor lost) requests nothing.
+        submit_backfill(instance, burst)
+        retried, _ = tick(sensor, instance, None)
+        assert not retried.run_requests
 
+        settled(data_dir / "drops" / TASK / "copying.jsonl", age=0)  # still being written to
         quiet, cursor = tick(sensor, instance, cursor)
         assert not quiet.run_requests
         assert "copying.jsonl: still being written" in quiet.skip_reason.skip_message
@@ -167,11 +198,12 @@ def test_local_drop_folder_new_replaced_in_progress_and_restart(data_dir: Path) 
         removed, cursor = tick(sensor, instance, cursor)
         assert not removed.run_requests and len(decode_cursor(cursor)) == 2
 
-        # A cursor from elsewhere is ignored with a warning; the run keys are the same as before,
-        # so Dagster would not launch those files again.
+        # A cursor from elsewhere is ignored with a warning; every file is checked again, and the
+        # ones not yet validated from their current version are requested (here: none has run).
         reset, _ = tick(sensor, instance, '{"old": "format"}')
-        key = partition_key_for("team a/été.jsonl")
-        assert {request.partition_key: request.run_key for request in reset.run_requests}[key] == run_keys[key]
+        [again] = reset.run_requests
+        assert requested_partitions(again, TASK) == sorted([partition_key_for("posts.jsonl"), partition_key_for("team a/été.jsonl")])
+        assert again.tags[REPLACED_TAG] == "true" and again.tags[REQUEST_KEY_TAG] != burst.tags[REQUEST_KEY_TAG]
 
 
 def test_bursts_are_worked_through_oldest_first_a_few_runs_per_tick(data_dir: Path) -> None:
@@ -183,7 +215,7 @@ def test_bursts_are_worked_through_oldest_first_a_few_runs_per_tick(data_dir: Pa
         cursor = None
         for _ in range(4):
             result, cursor = tick(sensor, instance, cursor)
-            order.append([request.partition_key for request in result.run_requests])
+            order.append([key for request in result.run_requests for key in requested_partitions(request, TASK)])
     assert order == [["a.jsonl", "b.jsonl"], ["c.jsonl", "d.jsonl"], ["e.jsonl"], []]
 
 
@@ -241,6 +273,17 @@ def test_credentials_never_appear_in_urls_or_messages(monkeypatch: pytest.Monkey
     assert "hunter2" not in str(error.value) and "AWS_ACCESS_KEY_ID" in str(error.value)
     text = scrub("failed at https://user:pa55word@host/x with wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY")
     assert "pa55word" not in text and "wJalrXUtnFEMI" not in text and "https://***@host/x" in text
+
+
+def test_partitions_are_grouped_into_ranges_of_adjacent_keys() -> None:
+    from batch_assets.dagster_defs.sensors import partition_ranges
+
+    order = ["a", "b", "c", "d", "e", "f", "g"]
+    assert partition_ranges(order, ["a", "b", "c", "d", "e"], 2) == [["a", "b"], ["c", "d"], ["e"]]
+    # A key not wanted between two wanted ones splits the range: a range covers every key in it.
+    assert partition_ranges(order, ["a", "b", "d", "g"], 16) == [["a", "b"], ["d"], ["g"]]
+    assert partition_ranges(order, ["g"], 16) == [["g"]]
+    assert partition_ranges(order, [], 16) == []
 
 
 @pytest.mark.parametrize("length", [218, 240, 255])

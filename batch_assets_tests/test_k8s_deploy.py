@@ -191,3 +191,70 @@ def test_helm_values_describe_the_same_run_pod(kubeconfig: Path) -> None:
     assert values["postgresql"]["postgresqlScheme"] == instance["storage"]["postgres"]["postgres_db"]["scheme"]
     deployment = values["dagster-user-deployments"]["deployments"][0]
     assert deployment["dagsterApiGrpcArgs"] == ["-m", "batch_assets.definitions", "-a", "defs"]
+
+
+def test_a_range_of_partitions_is_one_run_pod(kubeconfig: Path) -> None:
+    """A backfill run over a range of partitions (up to `runs.max_partitions_per_run`) is one
+    Kubernetes Job with one pod: one engine start for the whole range."""
+    task = load_task_spec(DEPLOY / "examples" / "tasks" / "industry_large.yaml")
+    defs = build_definitions(tasks=[task])
+    inference = defs.resolve_assets_def(dg.AssetKey([task.name, "inference_outputs"]))
+    assert inference.backfill_policy.max_partitions_per_run == task.runs.max_partitions_per_run == 16
+    tags = {
+        **defs.resolve_job_def(pipeline_job_name(task.name)).tags,
+        "dagster/asset_partition_range_start": "customers-0001.csv",
+        "dagster/asset_partition_range_end": "customers-0016.csv",
+        "dagster/backfill": "abcdefgh",
+    }
+    job = run_pod_job(build_launcher(kubeconfig), tags=tags)
+    assert job.spec.parallelism in (None, 1) and job.spec.completions in (None, 1)
+    pod = job.spec.template.spec
+    [container] = pod.containers
+    assert container.args == ["dagster", "api", "execute_run", "{}"]  # one process runs the range
+    assert container.resources.limits["nvidia.com/gpu"] == "4"
+
+
+def test_the_shared_vllm_serve_deployment_matches_the_task_that_uses_it() -> None:
+    from urllib.parse import urlsplit
+
+    deployment, service = yaml.safe_load_all((DEPLOY / "k8s" / "vllm-serve.yaml").read_text())
+    task = load_task_spec(DEPLOY / "examples" / "tasks" / "industry_shared.yaml")
+    assert (deployment["kind"], service["kind"]) == ("Deployment", "Service")
+    namespace = "batch-assets"  # the namespace deploy/README.md creates
+    assert deployment["metadata"]["namespace"] == service["metadata"]["namespace"] == namespace
+
+    pod = deployment["spec"]["template"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    [container] = pod["spec"]["containers"]
+    assert container["command"] == ["vllm", "serve"]
+    args = dict(arg[2:].split("=", 1) for arg in container["args"] if arg.startswith("--"))
+    assert container["args"][0] == args["served-model-name"] == task.engine.model
+    assert int(args["max-model-len"]) == task.engine.max_model_len
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert [env["name"] for env in container["env"] if env["name"] == task.engine.api_key_env] == ["VLLM_API_KEY"]
+
+    # The task's base_url is the Service's cluster DNS name and port.
+    url = urlsplit(task.engine.base_url)
+    assert task.engine.kind == "openai" and url.path == "/v1"
+    assert url.hostname == f"{service['metadata']['name']}.{namespace}.svc.cluster.local"
+    [port] = service["spec"]["ports"]
+    assert url.port == port["port"]
+    assert port["targetPort"] in [p["name"] for p in container["ports"]]
+    assert int(args["port"]) == next(p["containerPort"] for p in container["ports"] if p["name"] == port["targetPort"])
+
+
+def test_a_burst_of_drops_for_a_four_gpu_task_asks_for_four_gpus_per_backfill_run(kubeconfig: Path) -> None:
+    """Backfill runs use Dagster's implicit asset job; the sensor passes the task job's GPU tag on."""
+    from upath import UPath
+
+    from batch_assets.dagster_defs.sensors import backfill_request_for
+    from batch_assets.storage.drop_files import DropFile
+
+    task = load_task_spec(DEPLOY / "examples" / "tasks" / "industry_large.yaml")
+    defs = build_definitions(tasks=[task])
+    job_def = defs.resolve_job_def(pipeline_job_name(task.name))
+    drops = [DropFile(f"customers-{i}.csv", UPath("/drops"), f"v{i}") for i in range(3)]
+    _, request = backfill_request_for(task.name, drops, defs.resolve_asset_graph(), replaced=False, job_tags=job_def.tags)
+    pod = run_pod_job(build_launcher(kubeconfig), tags=dict(request.tags)).spec.template.spec
+    assert pod.containers[0].resources.limits["nvidia.com/gpu"] == "4"

@@ -2,13 +2,11 @@
 
 A throwaway PostgreSQL cluster (Debian's server binaries, `initdb` + `pg_ctl`, run as the `postgres`
 user when the tests run as root) listens on a free loopback port. The real daemon ticks the
-`sentiment_drops_sensor` over three dropped files; the tick, the three partitions, their runs
-(queued, launched and executed by the daemon, one inference step at a time through the `gpu` pool),
-materializations and check results must all land in Postgres.
-
-Each run is its own process with its own engine start (the slow part on a CPU), and this test is
-about storage: one drop holds real posts, the other two only posts with an empty text, which become
-error rows without starting an engine.
+`sentiment_drops_sensor` over a burst of three dropped files; the tick asks for one backfill, which
+the backfill daemon splits by the assets' backfill policy (here `runs.max_partitions_per_run: 2`)
+into two runs: one over a range of two partitions, one over the third. The tick, the partitions,
+the backfill, its runs (queued, launched and executed by the daemon through the `gpu` pool),
+materializations and check results of every partition must all land in Postgres.
 """
 
 from __future__ import annotations
@@ -28,7 +26,11 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from dagster._core.execution.backfill import BulkActionStatus
 
+import yaml
+
+from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import REPO_ROOT, SAMPLES
 
@@ -151,16 +153,25 @@ def sensor_ticks(instance: dg.DagsterInstance, name: str) -> list:
     return []
 
 
-def test_sensor_tick_and_runs_of_several_partitions_recorded_in_postgres(
+def test_a_burst_of_drops_becomes_a_backfill_of_grouped_runs_recorded_in_postgres(
     postgres: PostgresServer, tmp_path: Path, tiny_model_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    home, data = tmp_path / "dagster_home", tmp_path / "data"
+    home, data, tasks = tmp_path / "dagster_home", tmp_path / "data", tmp_path / "tasks"
     home.mkdir()
+    tasks.mkdir()
     shutil.copyfile(DEPLOY_INSTANCE, home / "dagster.yaml")
-    # Three drops: four real posts, two posts with an empty text, and two other real posts.
+    # A backfill fails when its code location cannot be loaded; on a busy 2-core machine the code
+    # server can take longer than Dagster's default 180 s to start while engines start beside it.
+    with (home / "dagster.yaml").open("a") as config:
+        config.write("\ncode_servers:\n  local_startup_timeout: 900\n")
+    # The shipped sentiment task, with ranges of at most two partitions per run.
+    sentiment = yaml.safe_load((BUNDLED_TASKS_DIR / "sentiment.yaml").read_text(encoding="utf-8"))
+    (tasks / "sentiment.yaml").write_text(yaml.safe_dump({**sentiment, "runs": {"max_partitions_per_run": 2}}), encoding="utf-8")
+    # Three drops: four real posts, then two files of posts with an empty text, which become error
+    # rows without reaching the engine (one engine start on a CPU is the slow part of this test).
     lines = (SAMPLES / "sentiment" / "posts-sample.jsonl").read_text(encoding="utf-8").splitlines()
     empty = '{"post_id": "e1", "text": ""}\n{"post_id": "e2", "text": "   "}\n'
-    drops = {"posts-a.jsonl": "\n".join(lines[:4]) + "\n", "posts-b.jsonl": empty, "posts-c.jsonl": "\n".join(lines[4:6]) + "\n"}
+    drops = {"posts-a.jsonl": "\n".join(lines[:4]) + "\n", "posts-b.jsonl": empty, "posts-c.jsonl": empty}
     rows = {"posts-a.jsonl": 4, "posts-b.jsonl": 2, "posts-c.jsonl": 2}
     zone = data / "drops" / "sentiment"
     zone.mkdir(parents=True)
@@ -174,8 +185,8 @@ def test_sensor_tick_and_runs_of_several_partitions_recorded_in_postgres(
         "DAGSTER_HOME": str(home),
         "BATCH_ASSETS_DATA": str(data),
         "BATCH_ASSETS_MODEL": tiny_model_path,
+        "BATCH_ASSETS_TASKS_DIR": str(tasks),
     }
-    env.pop("BATCH_ASSETS_TASKS_DIR", None)
     for name, value in postgres.env().items():
         monkeypatch.setenv(name, value)
     bin_dir = Path(sys.executable).parent
@@ -196,26 +207,39 @@ def test_sensor_tick_and_runs_of_several_partitions_recorded_in_postgres(
         deadline = time.monotonic() + RUNS_TIMEOUT_S
         while True:
             assert daemon.poll() is None, f"dagster-daemon exited:\n{log.read_text()[-3000:]}"
-            ticks = [t for t in sensor_ticks(instance, SENSOR) if t.run_ids]
-            runs = instance.get_runs(filters=dg.RunsFilter(run_ids=list(ticks[0].run_ids))) if ticks else []
-            if runs and all(run.is_finished for run in runs):
+            backfills = instance.get_backfills()
+            if backfills and backfills[0].status.value not in ("REQUESTED", "CANCELING"):
                 break
-            assert time.monotonic() < deadline, f"runs not finished in {RUNS_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"backfill not finished in {RUNS_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
+            time.sleep(3)
+        # A single new file later is one run of its partition, not a backfill.
+        (zone / "posts-d.jsonl").write_text(empty, encoding="utf-8")
+        deadline = time.monotonic() + RUNS_TIMEOUT_S
+        while True:
+            assert daemon.poll() is None, f"dagster-daemon exited:\n{log.read_text()[-3000:]}"
+            single = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/partition": partition_key_for("posts-d.jsonl")}))
+            if single and single[0].is_finished:
+                break
+            assert time.monotonic() < deadline, f"single run not finished in {RUNS_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
             time.sleep(3)
     finally:
         stop(daemon)
 
-    # One tick turned the three files into three partitions and three runs.
-    tick = ticks[0]
-    assert tick.status.value == "SUCCESS"
-    assert len(tick.run_ids) == 3
-    assert sorted(instance.get_dynamic_partitions(partitions_def_name("sentiment"))) == keys
-    assert sorted(run.tags["dagster/partition"] for run in runs) == keys
+    # One tick turned the three files into three partitions and one backfill ...
+    assert instance.get_dynamic_partitions(partitions_def_name("sentiment"))[:3] == keys
+    [backfill] = instance.get_backfills()
+    assert backfill.status == BulkActionStatus.COMPLETED_SUCCESS, log.read_text()[-3000:]
+    assert backfill.tags["batch_assets/launched_by"] == "sensor"
+    # ... which made two runs: a range of two partitions, then the third.
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill.backfill_id}))
+    ranges = sorted(
+        (run.tags["dagster/asset_partition_range_start"], run.tags["dagster/asset_partition_range_end"]) for run in runs
+    )
+    assert ranges == [(keys[0], keys[1]), (keys[2], keys[2])]
     failed = {run.run_id: run.status for run in runs if run.status != dg.DagsterRunStatus.SUCCESS}
     assert not failed, f"{failed}\n{log.read_text()[-3000:]}"
-    assert all(run.tags.get("dagster/sensor_name") == SENSOR for run in runs)
 
-    # Each partition's labels and check results are in the event log.
+    # Each partition's labels and check results are in the event log, per partition.
     labels_key = dg.AssetKey(["sentiment", "validated_labels"])
     for name, expected_rows in rows.items():
         records = instance.fetch_materializations(
@@ -229,24 +253,31 @@ def test_sensor_tick_and_runs_of_several_partitions_recorded_in_postgres(
     passed = {(e.partition, e.check_name) for e in evaluations if e.passed}
     for key in keys:
         assert {(key, "labels_are_valid"), (key, "one_row_per_record"), (key, "outputs_satisfy_constraint")} <= passed
-    # Each run is a process of its own: the two runs with real posts each started an engine, the run
-    # whose every row is an error started none.
-    inference = [
-        instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=dg.AssetKey(["sentiment", "inference_outputs"]), asset_partitions=[partition_key_for(name)]), limit=1
-        ).records[0].asset_materialization.metadata
-        for name in ("posts-a.jsonl", "posts-b.jsonl", "posts-c.jsonl")
-    ]
-    assert [m["engine_started_by_this_run"].value for m in inference] == [True, False, True]
-    assert inference[1]["engine_start_seconds"].value == 0.0
-    # Only the real posts reached the engine; the empty ones are error rows, flagged by the WARN
-    # check, whose result points at the failing rows and the file that holds them.
+    # The empty posts are error rows, flagged by the WARN check of their partition only, whose
+    # result points at the failing rows and the file that holds them.
     assert (partition_key_for("posts-a.jsonl"), "error_share_below_threshold") in passed
     empty_key = partition_key_for("posts-b.jsonl")
     flagged = next(e for e in evaluations if e.partition == empty_key and e.check_name == "error_share_below_threshold")
     assert not flagged.passed
     assert flagged.metadata["failed_row_ids"].value == [0, 1]
     assert flagged.metadata["rows_file"].value == str(data / "storage" / "sentiment" / "validated_labels" / f"{empty_key}.parquet")
+    # The first two partitions were processed in one run, the third in another.
+    inference = {
+        key: instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey(["sentiment", "inference_outputs"]), asset_partitions=[key]), limit=1
+        ).records[0]
+        for key in keys
+    }
+    assert inference[keys[0]].run_id == inference[keys[1]].run_id != inference[keys[2]].run_id
+
+    # The later single file: one run with the sensor's tags, its checks evaluated for its partition.
+    [run] = single
+    assert run.status == dg.DagsterRunStatus.SUCCESS, log.read_text()[-3000:]
+    assert run.tags["batch_assets/source_file"] == "posts-d.jsonl" and "dagster/backfill" not in run.tags
+    assert {"labels_are_valid", "one_row_per_record", "outputs_satisfy_constraint", "error_share_below_threshold"} <= {
+        r.event_log_entry.dagster_event.event_specific_data.check_name
+        for r in instance.get_records_for_run(run.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION).records
+    }
 
     # The `gpu` pool got its default limit of 1 and is free again.
     pool = instance.event_log_storage.get_concurrency_info("gpu")
@@ -255,9 +286,3 @@ def test_sensor_tick_and_runs_of_several_partitions_recorded_in_postgres(
     # And all of it is in Postgres itself, not in files under DAGSTER_HOME.
     assert type(instance.run_storage).__name__ == "PostgresRunStorage"
     assert type(instance.event_log_storage).__name__ == "PostgresEventLogStorage"
-    assert type(instance.schedule_storage).__name__ == "PostgresScheduleStorage"
-    assert postgres.query("SELECT status, count(*) FROM runs GROUP BY status") == [("SUCCESS", 3)]
-    assert postgres.query("SELECT count(*) FROM job_ticks WHERE status = 'SUCCESS'")[0][0] >= 1
-    assert postgres.query("SELECT count(*) FROM event_logs WHERE dagster_event_type = 'ASSET_CHECK_EVALUATION'")[0][0] == 3 * 4
-    assert not list(home.rglob("*.db"))
-    instance.dispose()

@@ -28,8 +28,14 @@ import s3fs
 from moto.server import ThreadedMotoServer
 
 from batch_assets.definitions import build_definitions, pipeline_job_name
-from batch_assets.storage.drop_files import list_drop_files, partitions_def_name
-from batch_assets.dagster_defs.sensors import REPLACED_TAG, SOURCE_FILE_TAG, build_drops_sensor
+from batch_assets.storage.drop_files import list_drop_files, partition_key_for, partitions_def_name
+from batch_assets.dagster_defs.sensors import (
+    REPLACED_TAG,
+    SOURCE_FILE_TAG,
+    build_drops_sensor,
+    partition_ranges,
+    requested_partitions,
+)
 from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.errors import StorageError
 
@@ -112,7 +118,7 @@ def sentiment_sensor(defs: dg.Definitions) -> dg.SensorDefinition:
 
 def tick(sensor: dg.SensorDefinition, instance: dg.DagsterInstance, cursor: str | None) -> tuple[dg.SensorResult, str | None]:
     """Evaluate one tick and apply its partition requests, as the daemon does."""
-    result = sensor(dg.build_sensor_context(instance=instance, cursor=cursor))
+    result = sensor(dg.build_sensor_context(instance=instance, cursor=cursor, definitions=build_definitions()))
     for request in result.dynamic_partitions_requests or []:
         instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
     return result, result.cursor if result.cursor is not None else cursor
@@ -124,6 +130,22 @@ def execute(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunR
     return job.execute_in_process(instance=instance, partition_key=request.partition_key, tags=request.tags, raise_on_error=False)
 
 
+def execute_backfill(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunRequest) -> list:
+    """Run a backfill the sensor requested as the backfill daemon would: one run per range of
+    adjacent partitions, up to the task's `runs.max_partitions_per_run`."""
+    job = defs.resolve_job_def(pipeline_job_name(TASK))
+    task = next(task for task in load_task_specs() if task.name == TASK)
+    ordered = instance.get_dynamic_partitions(partitions_def_name(TASK))
+    return [
+        job.execute_in_process(
+            instance=instance,
+            tags={**request.tags, "dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]},
+            raise_on_error=False,
+        )
+        for keys in partition_ranges(ordered, requested_partitions(request, TASK), task.runs.max_partitions_per_run)
+    ]
+
+
 def failure_text(result) -> str:
     return "\n".join(event.step_failure_data.error.to_string() for event in result.all_events if event.is_step_failure)
 
@@ -132,7 +154,7 @@ def materialized(instance: dg.DagsterInstance, asset: str) -> set[str]:
     return instance.get_materialized_partitions(dg.AssetKey([TASK, asset]))
 
 
-def test_s3_drops_become_one_run_each_with_outputs_in_s3(s3: S3, tiny_model: str) -> None:
+def test_s3_drops_become_a_backfill_then_one_run_each_with_outputs_in_s3(s3: S3, tiny_model: str) -> None:
     s3.put("posts-a.jsonl", POSTS_A)
     s3.put("2026/11/posts b é.jsonl", POSTS_B)  # nested, with a space and unicode
     s3.put("posts-c.jsonl", POSTS_C)
@@ -142,17 +164,16 @@ def test_s3_drops_become_one_run_each_with_outputs_in_s3(s3: S3, tiny_model: str
     sensor = sentiment_sensor(defs)
     with dg.instance_for_test() as instance:
         result, cursor = tick(sensor, instance, None)
-        requests = result.run_requests
-        assert len(requests) == 3
-        keys = [request.partition_key for request in requests]
-        assert len(set(keys)) == 3
-        assert sorted(instance.get_dynamic_partitions(partitions_def_name(TASK))) == sorted(keys)
-        assert {request.tags[SOURCE_FILE_TAG] for request in requests} == {"posts-a.jsonl", "2026/11/posts b é.jsonl", "posts-c.jsonl"}
-        assert all(REPLACED_TAG not in request.tags for request in requests)
-        for request in requests:
-            run = execute(defs, instance, request)
-            assert run.success, failure_text(run)
-        rows = {request.tags[SOURCE_FILE_TAG]: s3.read_output("validated_labels", request.partition_key).height for request in requests}
+        # Three new files in one tick: one backfill of their partitions, run as one range.
+        [burst] = result.run_requests
+        names = ["posts-a.jsonl", "2026/11/posts b é.jsonl", "posts-c.jsonl"]
+        keys = requested_partitions(burst, TASK)
+        assert keys == sorted(partition_key_for(name) for name in names)
+        assert sorted(instance.get_dynamic_partitions(partitions_def_name(TASK))) == keys
+        assert REPLACED_TAG not in burst.tags
+        [run] = execute_backfill(defs, instance, burst)
+        assert run.success, failure_text(run)
+        rows = {name: s3.read_output("validated_labels", partition_key_for(name)).height for name in names}
         assert rows == {"posts-a.jsonl": 3, "2026/11/posts b é.jsonl": 2, "posts-c.jsonl": 1}
         assert materialized(instance, "validated_labels") == set(keys)
 
@@ -174,13 +195,13 @@ def test_s3_drops_become_one_run_each_with_outputs_in_s3(s3: S3, tiny_model: str
         assert s3.read_output("validated_labels", fourth.run_requests[0].partition_key).height == 2
 
         # Replacing a file with new content re-runs that partition only, tagged as a replacement.
-        key_a = next(request.partition_key for request in requests if request.tags[SOURCE_FILE_TAG] == "posts-a.jsonl")
+        key_a = partition_key_for("posts-a.jsonl")
         s3.put("posts-a.jsonl", POSTS_A + '{"text": "One more post"}\n')
         replaced, cursor = tick(sensor, instance, cursor)
         assert [request.partition_key for request in replaced.run_requests] == [key_a]
         request = replaced.run_requests[0]
         assert request.tags[REPLACED_TAG] == "true"
-        assert request.run_key != next(r.run_key for r in requests if r.partition_key == key_a)
+        assert request.run_key.startswith(f"{key_a}@")
         run = execute(defs, instance, request)
         assert run.success
         assert instance.get_run_by_id(run.run_id).tags[REPLACED_TAG] == "true"
@@ -210,16 +231,17 @@ def test_tick_over_ten_thousand_keys_pages_and_requests_each_file_once(s3: S3) -
     assert len(files) == 9_990 and len(skipped) == 10  # ten pages of ListObjectsV2
 
     with dg.instance_for_test() as instance:
-        # The shipped sensor requests at most 500 runs a tick; the rest wait for the next ticks.
+        # The shipped sensor requests at most 500 files a tick (one backfill); the rest wait for the next ticks.
         first, _ = tick(build_drops_sensor(task, job), instance, None)
-        assert len(first.run_requests) == 500
+        [backfill] = first.run_requests
+        assert len(requested_partitions(backfill, TASK)) == 500
 
     with dg.instance_for_test() as instance:
         sensor = build_drops_sensor(task, job, max_runs_per_tick=None)
         result, cursor = tick(sensor, instance, None)
-        keys = [request.partition_key for request in result.run_requests]
+        [backfill] = result.run_requests
+        keys = requested_partitions(backfill, TASK)
         assert len(keys) == len(set(keys)) == 9_990
-        assert len({request.run_key for request in result.run_requests}) == 9_990
         assert len(instance.get_dynamic_partitions(partitions_def_name(TASK))) == 9_990
         # The cursor stays small: about 11 bytes per file.
         assert len(cursor) < 12 * 9_990

@@ -4,6 +4,10 @@
 
 Each asset is partitioned by drop file (one dynamic partition per file) and stored as parquet at
 `<data>/storage/<task>/<asset>/<partition_key>.parquet` by the `parquet_storage` IO manager.
+A run covers one partition or a range of up to `runs.max_partitions_per_run` of them
+(`BackfillPolicy.multi_run`): every asset loops over `context.partition_keys`, returns one frame per
+partition (a dict keyed by partition key) and records its metadata per partition, so outputs,
+metadata and checks stay per partition while the engine starts once per run.
 The row-level work lives in pure modules (parsing, formatting, inference, validation); this file
 is the Dagster glue: reading the drop, calling them, and reporting metadata.
 """
@@ -21,7 +25,7 @@ from batch_assets.pipeline.openai_batch_output import batch_files, jsonl_bytes, 
 from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
 from batch_assets.storage.result_cache import ResultCache
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
-from batch_assets.pipeline.read_prompts import ParseOptions, read_prompts
+from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions, read_prompts
 from batch_assets.storage.drop_files import drop_partitions, find_drop_file
 from batch_assets.engines.protocol import EngineSession, EngineSettings, EngineStartError, engine_for, engine_kind, prompt_encoder
 from batch_assets.pipeline.budget import actual_cost_metadata, estimate_cost
@@ -181,6 +185,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         partitions_def=partitions,
         io_manager_key=IO_MANAGER_KEY,
         kinds={"parquet"},
+        backfill_policy=dg.BackfillPolicy.multi_run(task.runs.max_partitions_per_run),
     )
     parse_options = ParseOptions(text_fields=tuple(task.input.text_fields), txt_field=task.input.txt_field, format=task.input.format)
     # OpenAI Batch API files: each line brings its own messages and sampling (pipeline/openai_batch.py).
@@ -206,8 +211,27 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         ),
         **common,
     )
-    def raw_prompts(context: dg.AssetExecutionContext) -> dg.Output[pl.DataFrame]:
-        drop = find_drop_file(name, context.partition_key)
+    def raw_prompts(context: dg.AssetExecutionContext) -> dict[str, pl.DataFrame]:
+        frames: dict[str, pl.DataFrame] = {}
+        unreadable: dict[str, str] = {}
+        for partition_key in context.partition_keys:
+            try:
+                frames[partition_key] = read_partition(context, partition_key)
+            except DropFileError as exc:
+                # Read every file of the range first, so one failure names every bad file in it.
+                unreadable[partition_key] = str(exc)
+                context.log.error(str(exc))
+        if unreadable:
+            raise dg.Failure(
+                description=f"{len(unreadable)} of {len(context.partition_keys)} drop file(s) cannot be read: "
+                + "; ".join(unreadable.values()),
+                metadata={"failed_partitions": sorted(unreadable)},
+                allow_retries=False,
+            )
+        return frames
+
+    def read_partition(context: dg.AssetExecutionContext, partition_key: str) -> pl.DataFrame:
+        drop = find_drop_file(name, partition_key)
         frame = read_prompts(drop.read_bytes(), drop.relative_path, parse_options)
         errors = error_code_counts(frame)
         if errors:
@@ -215,8 +239,8 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
             context.log.warning(f"{sum(errors.values())} unreadable record(s) in {drop.relative_path}, e.g. {first}")
         if frame.height == 0:
             context.log.warning(f"{drop.relative_path} has no records (an empty file, or a CSV with only its header): zero rows")
-        return dg.Output(
-            frame,
+        context.add_asset_metadata(
+            partition_key=partition_key,
             metadata={
                 "rows": frame.height,
                 "error_rows": sum(errors.values()),
@@ -228,6 +252,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                 "dagster/column_schema": column_schema(frame),
             },
         )
+        return frame
 
     @dg.asset(
         name="formatted_prompts",
@@ -242,44 +267,53 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         automation_condition=automation,
         **common,
     )
-    def formatted_prompts(context: dg.AssetExecutionContext, raw_prompts: pl.DataFrame) -> dg.Output[pl.DataFrame]:
+    def formatted_prompts(
+        context: dg.AssetExecutionContext, raw_prompts: dict[str, pl.DataFrame]
+    ) -> dict[str, pl.DataFrame]:
         llm_engine = engine_for(context.resources, task)
         settings = llm_engine.settings(task)
-        started = time.monotonic()
-        if batch_format:
-            frame = format_batch_prompts(
-                raw_prompts,
-                llm_engine.tokenizer(task),
-                sampling_defaults=task.sampling,
-                max_model_len=settings.max_model_len,
-                source_file=context.partition_key,
-                accepted_models=accepted_model_names(task.model) if task.input.require_model_match else None,
-                chat_only=llm_engine.sends_chat_messages,
-            )
-        else:
-            frame = format_prompts(
-                raw_prompts,
+        tokenizer = llm_engine.tokenizer(task)
+
+        def format_partition(raw: pl.DataFrame, partition_key: str) -> pl.DataFrame:
+            if batch_format:
+                return format_batch_prompts(
+                    raw,
+                    tokenizer,
+                    sampling_defaults=task.sampling,
+                    max_model_len=settings.max_model_len,
+                    source_file=partition_key,
+                    accepted_models=accepted_model_names(task.model) if task.input.require_model_match else None,
+                    chat_only=llm_engine.sends_chat_messages,
+                )
+            return format_prompts(
+                raw,
                 prompt_format,
-                llm_engine.tokenizer(task),
+                tokenizer,
                 max_model_len=settings.max_model_len,
                 max_tokens=task.sampling.max_tokens,
-                source_file=context.partition_key,
+                source_file=partition_key,
             )
-        errors = error_code_counts(frame)
-        return dg.Output(
-            frame,
-            metadata={
-                "rows": frame.height,
-                "error_rows": sum(errors.values()),
-                "errors_by_code": errors,
-                "prompt_tokens": int(frame["num_prompt_tokens"].sum() or 0),
-                "max_prompt_tokens": int(frame["num_prompt_tokens"].max() or 0),
-                "seconds": round(time.monotonic() - started, 3),
-                **estimate_cost(frame, task).metadata(),
-                "dagster/row_count": frame.height,
-                "dagster/column_schema": column_schema(frame),
-            },
-        )
+
+        frames: dict[str, pl.DataFrame] = {}
+        for partition_key, raw in raw_prompts.items():
+            started = time.monotonic()
+            frame = frames[partition_key] = format_partition(raw, partition_key)
+            errors = error_code_counts(frame)
+            context.add_asset_metadata(
+                partition_key=partition_key,
+                metadata={
+                    "rows": frame.height,
+                    "error_rows": sum(errors.values()),
+                    "errors_by_code": errors,
+                    "prompt_tokens": int(frame["num_prompt_tokens"].sum() or 0),
+                    "max_prompt_tokens": int(frame["num_prompt_tokens"].max() or 0),
+                    "seconds": round(time.monotonic() - started, 3),
+                    **estimate_cost(frame, task).metadata(),
+                    "dagster/row_count": frame.height,
+                    "dagster/column_schema": column_schema(frame),
+                },
+            )
+        return frames
 
     @dg.asset(
         name="inference_outputs",
@@ -298,20 +332,25 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         **common,
     )
     def inference_outputs(
-        context: dg.AssetExecutionContext, config: InferenceConfig, formatted_prompts: pl.DataFrame
-    ) -> dg.Output[pl.DataFrame]:
+        context: dg.AssetExecutionContext, config: InferenceConfig, formatted_prompts: dict[str, pl.DataFrame]
+    ) -> dict[str, pl.DataFrame]:
         engine = engine_for(context.resources, task)
         settings = engine.settings(task)
         fingerprint = inference_fingerprint(task, settings)
-        checkpoints = CheckpointStore(checkpoint_dir(name, context.partition_key), fingerprint)
-        if stale := checkpoints.discard_other_fingerprints():
-            context.log.info(f"removed checkpoints made with other model/sampling settings: {stale}")
-        encode = (batch_prompt_encoder if batch_format else prompt_encoder)(engine, task, engine.tokenizer(task), formatted_prompts)
+        tokenizer = engine.tokenizer(task)
+        parts = []
+        for partition_key, frame in formatted_prompts.items():
+            checkpoints = CheckpointStore(checkpoint_dir(name, partition_key), fingerprint)
+            if stale := checkpoints.discard_other_fingerprints():
+                context.log.info(f"{partition_key}: removed checkpoints made with other model/sampling settings: {stale}")
+            encode = (batch_prompt_encoder if batch_format else prompt_encoder)(engine, task, tokenizer, frame)
+            parts.append(PartitionInput(frame, encode, checkpoints, label=partition_key))
         try:
-            # The engine starts with the first request that needs it: not for a cached, empty or all-error file.
+            # One session and one stream for every partition of the run; the engine starts with the
+            # first request that needs it: not for cached, empty or all-error files.
             with engine.session(task, context.log.info) as session:
-                [(frame, stats)] = run_inference(
-                    [PartitionInput(formatted_prompts, encode, checkpoints, context.partition_key)],
+                results = run_inference(
+                    parts,
                     session=session,
                     max_model_len=settings.max_model_len,
                     max_tokens=task.sampling.max_tokens,
@@ -325,7 +364,12 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
             # Settings that do not fit will not fit five seconds later either: fail now, with the
             # hint of what to change, instead of retrying a start-up that can take minutes.
             raise dg.Failure(description=str(exc), allow_retries=False) from exc
-        return dg.Output(frame, metadata=inference_metadata(task, settings, session, frame, stats, fingerprint))
+        outputs: dict[str, pl.DataFrame] = {}
+        for partition_key, (frame, stats) in zip(formatted_prompts, results, strict=True):
+            metadata = inference_metadata(task, settings, session, frame, stats, fingerprint)
+            context.add_asset_metadata(metadata, partition_key=partition_key)
+            outputs[partition_key] = frame
+        return outputs
 
     @dg.asset(
         name="validated_labels",
@@ -339,14 +383,19 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         automation_condition=automation,
         **common,
     )
-    def validated_labels(context: dg.AssetExecutionContext, inference_outputs: pl.DataFrame) -> dg.Output[pl.DataFrame]:
+    def validated_labels(
+        context: dg.AssetExecutionContext, inference_outputs: dict[str, pl.DataFrame]
+    ) -> dict[str, pl.DataFrame]:
+        return {key: validate_partition(context, key, frame) for key, frame in inference_outputs.items()}
+
+    def validate_partition(context: dg.AssetExecutionContext, partition_key: str, inference_outputs: pl.DataFrame) -> pl.DataFrame:
         # inference_outputs is stored by now, so its checkpoints have served their purpose.
-        clear_checkpoints(checkpoint_dir(name, context.partition_key))
+        clear_checkpoints(checkpoint_dir(name, partition_key))
         labels = validate_batch_outputs(inference_outputs) if batch_format else validate_labels(inference_outputs, task.output)
         counts = label_counts(labels) if task.output.kind in ("choices", "regex") else {}
         errors = error_code_counts(labels)
         preview_columns = ["custom_id", "label", "error"] if batch_format else [*task.input.text_fields, "label", "error"]
-        metadata: dict = write_batch_files(labels, context.partition_key) if batch_format else {}
+        metadata: dict = write_batch_files(labels, partition_key) if batch_format else {}
         metadata |= {
             "rows": labels.height,
             "labelled_rows": int(labels["label"].is_not_null().sum()),
@@ -365,7 +414,8 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                     ["label", "rows", "share"],
                 )
             )
-        return dg.Output(labels, metadata=metadata)
+        context.add_asset_metadata(metadata, partition_key=partition_key)
+        return labels
 
     def write_batch_files(labels: pl.DataFrame, partition_key: str) -> dict:
         """The partition's OpenAI batch output and error files, each written atomically."""

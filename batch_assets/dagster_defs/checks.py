@@ -14,11 +14,22 @@
   `checks.max_label_drift` (total variation distance) of the task's recent partitions.
 - `accuracy_at_least` on validated_labels (WARN; tasks with `checks.gold_field`): accuracy against
   the known labels is at least `checks.min_accuracy`.
+
+In a run over a range of partitions (a backfill), each check reads every partition of the range and
+records one evaluation per partition (`evaluate_per_partition`): Dagster 1.13 gives an
+`AssetCheckResult` the run's single partition only, and none in a range run. A failed blocking check
+of any partition fails the check step, so validated_labels of the whole range is skipped; the
+evaluations of the other partitions are still recorded.
 """
 
 
+from collections.abc import Callable, Iterator
+
 import dagster as dg
 import polars as pl
+from dagster._core.definitions.asset_checks.asset_check_evaluation import (
+    AssetCheckEvaluationTargetMaterializationData,
+)
 
 from batch_assets.dagster_defs.assets import asset_key, error_code_counts, markdown_table
 from batch_assets.storage.drop_files import drop_partitions
@@ -41,6 +52,44 @@ def _failed_rows_metadata(rows: pl.DataFrame, columns: list[str], task: str, ass
         # The partition's parquet file; `row_id` selects the rows listed above.
         "rows_file": dg.MetadataValue.path(str(output_path(task, asset, partition_key))),
     }
+
+
+def _target_materialization(
+    context: dg.AssetCheckExecutionContext, asset: dg.AssetKey, partition_key: str
+) -> AssetCheckEvaluationTargetMaterializationData | None:
+    """The partition's latest materialization, which the evaluation is about (what Dagster itself
+    attaches to an `AssetCheckResult`), so the UI shows the check against that materialization."""
+    records = context.instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=asset, asset_partitions=[partition_key]), limit=1
+    ).records
+    if not records:
+        return None
+    record = records[0]
+    return AssetCheckEvaluationTargetMaterializationData(
+        run_id=record.run_id, storage_id=record.storage_id, timestamp=record.timestamp
+    )
+
+
+def evaluate_per_partition(
+    context: dg.AssetCheckExecutionContext, evaluate: Callable[[str], dg.AssetCheckResult]
+) -> Iterator[dg.AssetCheckEvaluation | dg.Output]:
+    """Evaluate a check for each partition of the run (one, or a range) and record each result as an
+    evaluation of that partition; then the check's output, which blocking checks gate on."""
+    spec = context.check_specs[0]
+    for partition_key in context.partition_keys:
+        result = evaluate(partition_key)
+        yield dg.AssetCheckEvaluation(
+            asset_key=spec.asset_key,
+            check_name=spec.name,
+            passed=result.passed,
+            metadata=result.metadata,
+            severity=result.severity,
+            description=result.description,
+            blocking=spec.blocking,
+            partition=partition_key,
+            target_materialization_data=_target_materialization(context, spec.asset_key, partition_key),
+        )
+    yield dg.Output(None, output_name=context.op_def.output_defs[0].name)
 
 
 def recent_label_counts(
@@ -74,14 +123,18 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         partitions_def=partitions,
         description=f"Every output that finished normally satisfies the task's `{task.output.kind}` constraint.",
     )
-    def outputs_satisfy_constraint(context: dg.AssetCheckExecutionContext, inference_outputs: pl.DataFrame) -> dg.AssetCheckResult:
-        bad = constraint_violations(inference_outputs, task.output)
-        metadata = {"checked_rows": inference_outputs.height}
-        if bad.height:
-            metadata |= _failed_rows_metadata(
-                bad, ["row_id", "source_line", "generated_text", "finish_reason"], name, "inference_outputs", context.partition_key
-            )
-        return dg.AssetCheckResult(passed=bad.height == 0, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata)
+    def outputs_satisfy_constraint(context: dg.AssetCheckExecutionContext, inference_outputs: dict[str, pl.DataFrame]):
+        def evaluate(partition_key: str) -> dg.AssetCheckResult:
+            outputs = inference_outputs[partition_key]
+            bad = constraint_violations(outputs, task.output)
+            metadata = {"checked_rows": outputs.height}
+            if bad.height:
+                metadata |= _failed_rows_metadata(
+                    bad, ["row_id", "source_line", "generated_text", "finish_reason"], name, "inference_outputs", partition_key
+                )
+            return dg.AssetCheckResult(passed=bad.height == 0, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata)
+
+        yield from evaluate_per_partition(context, evaluate)
 
     @dg.asset_check(
         asset=labels_key,
@@ -90,7 +143,10 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         partitions_def=partitions,
         description="Every label is valid for the task (one of the choices / validates against the schema); rows without a label carry an error.",
     )
-    def labels_are_valid(context: dg.AssetCheckExecutionContext, validated_labels: pl.DataFrame) -> dg.AssetCheckResult:
+    def labels_are_valid(context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame]):
+        yield from evaluate_per_partition(context, lambda key: labels_valid_result(validated_labels[key], key))
+
+    def labels_valid_result(validated_labels: pl.DataFrame, partition_key: str) -> dg.AssetCheckResult:
         unexplained = validated_labels.filter(pl.col("label").is_null() & pl.col("error").is_null())
         labelled = validated_labels.filter(pl.col("label").is_not_null())
         if task.output.kind == "choices":
@@ -103,7 +159,7 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         bad = pl.concat([invalid, unexplained]).sort("row_id")
         metadata = {"labelled_rows": labelled.height, "invalid_labels": invalid.height, "null_labels_without_error": unexplained.height}
         if bad.height:
-            metadata |= _failed_rows_metadata(bad, ["row_id", "source_line", "label", "error"], name, "validated_labels", context.partition_key)
+            metadata |= _failed_rows_metadata(bad, ["row_id", "source_line", "label", "error"], name, "validated_labels", partition_key)
         return dg.AssetCheckResult(passed=bad.height == 0, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata)
 
     @dg.asset_check(
@@ -113,7 +169,12 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         additional_ins={"raw_prompts": dg.AssetIn(key=asset_key(name, "raw_prompts"))},
         description="Every input record has exactly one output row, with a unique row_id, in input order.",
     )
-    def one_row_per_record(validated_labels: pl.DataFrame, raw_prompts: pl.DataFrame) -> dg.AssetCheckResult:
+    def one_row_per_record(
+        context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame], raw_prompts: dict[str, pl.DataFrame]
+    ):
+        yield from evaluate_per_partition(context, lambda key: one_row_result(validated_labels[key], raw_prompts[key]))
+
+    def one_row_result(validated_labels: pl.DataFrame, raw_prompts: pl.DataFrame) -> dg.AssetCheckResult:
         row_ids = validated_labels["row_id"]
         expected = raw_prompts["row_id"]
         duplicates = int(row_ids.is_duplicated().sum())
@@ -138,7 +199,10 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         partitions_def=partitions,
         description=f"Fewer than {task.checks.max_error_share:.0%} of rows carry an error (task setting `checks.max_error_share`).",
     )
-    def error_share_below_threshold(context: dg.AssetCheckExecutionContext, validated_labels: pl.DataFrame) -> dg.AssetCheckResult:
+    def error_share_below_threshold(context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame]):
+        yield from evaluate_per_partition(context, lambda key: error_share_result(validated_labels[key], key))
+
+    def error_share_result(validated_labels: pl.DataFrame, partition_key: str) -> dg.AssetCheckResult:
         errors = validated_labels.filter(pl.col("error").is_not_null())
         share = errors.height / validated_labels.height if validated_labels.height else 0.0
         metadata = {
@@ -149,7 +213,7 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
             "errors_by_code": error_code_counts(validated_labels),
         }
         if errors.height:
-            metadata |= _failed_rows_metadata(errors, ["row_id", "source_line", "error"], name, "validated_labels", context.partition_key)
+            metadata |= _failed_rows_metadata(errors, ["row_id", "source_line", "error"], name, "validated_labels", partition_key)
         return dg.AssetCheckResult(
             passed=share <= task.checks.max_error_share, severity=dg.AssetCheckSeverity.WARN, metadata=metadata
         )
@@ -173,13 +237,18 @@ def _budget_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
             "inference_outputs is not run and nothing is sent to the engine."
         ),
     )
-    def within_budget(context: dg.AssetCheckExecutionContext, formatted_prompts: pl.DataFrame) -> dg.AssetCheckResult:
+    def within_budget(context: dg.AssetCheckExecutionContext, formatted_prompts: dict[str, pl.DataFrame]):
+        yield from evaluate_per_partition(context, lambda key: budget_result(context, key, formatted_prompts[key]))
+
+    def budget_result(
+        context: dg.AssetCheckExecutionContext, partition_key: str, formatted_prompts: pl.DataFrame
+    ) -> dg.AssetCheckResult:
         estimate = estimate_cost(formatted_prompts, task)
         overruns = budget_overruns(estimate, task.budget)
         metadata: dict = {**estimate.metadata(), "rows_to_infer": estimate.rows_to_infer, "budget": limits}
         if overruns:
             metadata["over_budget"] = "; ".join(overruns) + ": raise the budget in the task YAML or split the file"
-            context.log.error(f"{context.partition_key}: not sent to the engine: {metadata['over_budget']}")
+            context.log.error(f"{partition_key}: not sent to the engine: {metadata['over_budget']}")
         return dg.AssetCheckResult(
             passed=not overruns,
             severity=dg.AssetCheckSeverity.ERROR,
@@ -205,14 +274,17 @@ def _drift_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
             f"`checks.max_label_drift`) of the task's {partitions} most recent other partitions."
         ),
     )
-    def label_drift_check(
-        context: dg.AssetCheckExecutionContext, validated_labels: pl.DataFrame
+    def label_drift_check(context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame]):
+        yield from evaluate_per_partition(context, lambda key: drift_result(context, key, validated_labels[key]))
+
+    def drift_result(
+        context: dg.AssetCheckExecutionContext, partition_key: str, validated_labels: pl.DataFrame
     ) -> dg.AssetCheckResult:
         counts = {
             str(row["label"]): int(row["n"])
             for row in validated_labels.filter(pl.col("label").is_not_null()).group_by("label").len(name="n").to_dicts()
         }
-        history = recent_label_counts(context.instance, labels_key, context.partition_key, partitions)
+        history = recent_label_counts(context.instance, labels_key, partition_key, partitions)
         report = label_drift(counts, history)
         if report is None:
             note = "no earlier partition with labels to compare with" if counts else "no labelled row in this partition"
@@ -251,7 +323,10 @@ def _accuracy_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
             "the rows that carry one (task settings `checks.gold_field`, `checks.min_accuracy`)."
         ),
     )
-    def accuracy_at_least(validated_labels: pl.DataFrame) -> dg.AssetCheckResult:
+    def accuracy_at_least(context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame]):
+        yield from evaluate_per_partition(context, lambda key: accuracy_result(validated_labels[key]))
+
+    def accuracy_result(validated_labels: pl.DataFrame) -> dg.AssetCheckResult:
         report = accuracy_report(validated_labels, gold_field, task.checks.gold_json_field)
         if report is None:
             note = f"skipped: no row has a value in the gold column {gold_field!r}"

@@ -1,22 +1,32 @@
-"""`<task>_drops_sensor`: a new or replaced file in the task's drop zone becomes a partition and a run.
+"""`<task>_drops_sensor`: a new or replaced file in the task's drop zone becomes a partition and is run.
 
 Each tick lists the drop zone (a local folder, or an S3 prefix paged 1,000 keys at a time), and in
-the same tick adds a dynamic partition for every new input file and requests its run
-(`SensorResult` with the partition requests, run requests and the new cursor).
+the same tick adds a dynamic partition for every new input file and requests its processing
+(`SensorResult` with the partition requests, run requests and the new cursor):
+- one file found in the tick: one run of that partition (its four assets and checks);
+- several: a backfill of those partitions (`RunRequest.for_asset_graph_subset`), which the assets'
+  `BackfillPolicy.multi_run` splits into runs of up to `runs.max_partitions_per_run` partitions each,
+  so a burst of drops pays the engine start and the per-run overhead once per range, not per file.
+  Dynamic partitions are ordered by when they were added, so the files of one burst form one range.
+New and replaced files are requested apart (a backfill, or a run, each), so the replaced-file tag
+below marks exactly the runs that re-process replaced files.
 
 Once per file version:
 - The cursor holds an 8-byte fingerprint of (relative path, version) for every file already
   requested; version = ETag + size on S3, modification time + size locally. About 11 bytes per
   file, so 10,000 files make a ~110 kB cursor. Deleted files drop out of it.
 - Run keys are `<partition_key>@<version digest>`: Dagster launches at most one run per key for
-  this sensor, even if a tick is retried or the cursor is lost.
+  this sensor, even if a tick is retried or the cursor is lost. A backfill carries the tag
+  `batch_assets/request_key` (a digest of its partitions and versions); a tick does not request a
+  backfill whose key already exists, which gives backfills the same guarantee.
 - A file whose partition already has `validated_labels` from the same version (for example run
-  with `batch-assets run`) is recorded in the cursor without a new run.
+  with `batch-assets run`) is recorded in the cursor without a new run. The version a partition was
+  made from is the `source_version` metadata of its raw_prompts materialization.
 - A file that a live `batch-assets run` process is running or about to run (it announces them in
   its lease, see run_recovery.py) gets no run in this tick; a later tick finds it done, or runs it
   if that process died first.
-A replaced file (same name, new ETag / modification time) has a new fingerprint, so it gets one
-new run, tagged `batch_assets/replaced_file=true`. Files that are not inputs are skipped with
+A replaced file (same name, new ETag / modification time) has a new fingerprint, so it is run once
+more, in a run or backfill tagged `batch_assets/replaced_file=true`. Files that are not inputs are skipped with
 the reason in the tick's log and skip message. At most `max_runs_per_tick` runs are requested per
 tick (oldest files first); the rest wait for the next tick, which keeps every tick short.
 """
@@ -25,8 +35,9 @@ tick (oldest files first); the rest wait for the next tick, which keeps every ti
 import base64
 import binascii
 import hashlib
+import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import dagster as dg
@@ -40,6 +51,8 @@ SOURCE_FILE_TAG = "batch_assets/source_file"
 SOURCE_VERSION_TAG = "batch_assets/source_version"
 REPLACED_TAG = "batch_assets/replaced_file"
 LAUNCHED_BY_TAG = "batch_assets/launched_by"
+REQUEST_KEY_TAG = "batch_assets/request_key"
+PIPELINE_ASSETS = ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels")
 
 # Runs requested per tick at most; the daemon creates and queues each one, so this bounds a tick.
 MAX_RUNS_PER_TICK = 500
@@ -128,24 +141,112 @@ def plan_tick(
     return plan
 
 
-def run_request_for(drop: DropFile, replaced: bool) -> dg.RunRequest:
+def run_request_for(drop: DropFile, replaced: bool, job_tags: Mapping[str, str] | None = None) -> dg.RunRequest:
     digest = version_digest(drop.version)
-    tags = {SOURCE_FILE_TAG: drop.relative_path, SOURCE_VERSION_TAG: digest, LAUNCHED_BY_TAG: "sensor"}
+    tags = {**(job_tags or {}), SOURCE_FILE_TAG: drop.relative_path, SOURCE_VERSION_TAG: digest, LAUNCHED_BY_TAG: "sensor"}
     if replaced:
         tags[REPLACED_TAG] = "true"
     return dg.RunRequest(run_key=f"{drop.partition_key}@{digest}", partition_key=drop.partition_key, tags=tags)
 
 
-def _validated_from_version(instance: dg.DagsterInstance, task: str, drop: DropFile) -> bool:
-    """The partition's latest validated_labels came from exactly this file version."""
+def backfill_request_for(
+    task: str, drops: list[DropFile], asset_graph, *, replaced: bool, job_tags: Mapping[str, str] | None = None
+) -> tuple[str, dg.RunRequest]:
+    """A backfill of the drops' partitions through the task's four assets (their checks run with them).
+    Returns the request key (see the module docstring) and the request. Backfill runs use Dagster's
+    implicit asset job, so the task job's tags (a GPU count for the Kubernetes run launcher) are
+    given to the backfill, which passes them to each of its runs."""
+    from dagster._core.definitions.events import AssetKeyPartitionKey
+    from dagster._core.definitions.assets.graph.asset_graph_subset import AssetGraphSubset
+
+    identity = "\n".join(sorted(f"{drop.partition_key}@{version_digest(drop.version)}" for drop in drops))
+    request_key = hashlib.sha1(identity.encode("utf-8")).hexdigest()[:16]
+    tags = {**(job_tags or {}), LAUNCHED_BY_TAG: "sensor", REQUEST_KEY_TAG: request_key}
+    if replaced:
+        tags[REPLACED_TAG] = "true"
+    # AssetGraphSubset is how Dagster 1.13 lets a sensor ask for a backfill; the backfill daemon
+    # then groups the partitions into runs by the assets' backfill policy.
+    subset = AssetGraphSubset.from_asset_partition_set(
+        {
+            AssetKeyPartitionKey(dg.AssetKey([task, asset]), drop.partition_key)
+            for asset in PIPELINE_ASSETS
+            for drop in drops
+        },
+        asset_graph,
+    )
+    return request_key, dg.RunRequest.for_asset_graph_subset(subset, tags=tags)
+
+
+def partition_ranges(ordered_keys: list[str], wanted: Iterable[str], max_per_run: int) -> list[list[str]]:
+    """`wanted` split into runs the way a multi-run backfill policy splits them: ranges of keys
+    adjacent in the partitions' order (dynamic partitions: the order they were added), each of at
+    most `max_per_run` keys. A range start..end covers every key between, so a key not wanted
+    ends a range."""
+    wanted = set(wanted)
+    ranges: list[list[str]] = []
+    current: list[str] = []
+    for key in ordered_keys:
+        if key in wanted and len(current) < max_per_run:
+            current.append(key)
+            continue
+        if current:
+            ranges.append(current)
+        current = [key] if key in wanted else []
+    if current:
+        ranges.append(current)
+    return ranges
+
+
+def requested_partitions(request: dg.RunRequest, task: str) -> list[str]:
+    """The partitions a request of this sensor covers: a run's one, or a backfill's (sorted)."""
+    if request.asset_graph_subset is None:
+        return [request.partition_key] if request.partition_key else []
+    subset = request.asset_graph_subset.get_partitions_subset(dg.AssetKey([task, "raw_prompts"]))
+    return sorted(subset.get_partition_keys())
+
+
+def _latest_record(instance: dg.DagsterInstance, task: str, asset: str, partition_key: str):
     records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=dg.AssetKey([task, "validated_labels"]), asset_partitions=[drop.partition_key]),
-        limit=1,
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey([task, asset]), asset_partitions=[partition_key]), limit=1
     ).records
-    if not records:
+    return records[0] if records else None
+
+
+def validated_from_version(instance: dg.DagsterInstance, task: str, drop: DropFile) -> bool:
+    """The partition's latest validated_labels came from exactly this file version: made after the
+    latest raw_prompts, which read this version (in a run of its own or of a range)."""
+    labels = _latest_record(instance, task, "validated_labels", drop.partition_key)
+    raw = _latest_record(instance, task, "raw_prompts", drop.partition_key)
+    if labels is None or raw is None or raw.storage_id > labels.storage_id or raw.asset_materialization is None:
         return False
-    run = instance.get_run_by_id(records[0].run_id)
-    return run is not None and run.tags.get(SOURCE_VERSION_TAG) == version_digest(drop.version)
+    version = raw.asset_materialization.metadata.get("source_version")
+    return version is not None and version.value == drop.version
+
+
+def _backfill_exists(instance: dg.DagsterInstance, request_key: str) -> bool:
+    from dagster._core.execution.backfill import BulkActionsFilter
+
+    return bool(instance.get_backfills(filters=BulkActionsFilter(tags={REQUEST_KEY_TAG: request_key}), limit=1))
+
+
+def run_requests_for(
+    task: str,
+    to_run: list[tuple[DropFile, bool]],
+    asset_graph,
+    backfill_exists: Callable[[str], bool],
+    job_tags: Mapping[str, str] | None = None,
+) -> list[dg.RunRequest]:
+    """One run for a lone file; a backfill for several (new and replaced files apart)."""
+    requests = []
+    for replaced in (False, True):
+        drops = [drop for drop, is_replaced in to_run if is_replaced == replaced]
+        if len(drops) == 1:
+            requests.append(run_request_for(drops[0], replaced, job_tags))
+        elif drops:
+            request_key, request = backfill_request_for(task, drops, asset_graph, replaced=replaced, job_tags=job_tags)
+            if not backfill_exists(request_key):
+                requests.append(request)
+    return requests
 
 
 def _skipped_text(skipped: dict[str, str]) -> str:
@@ -163,14 +264,19 @@ def build_drops_sensor(
 ) -> dg.SensorDefinition:
     partitions_name = partitions_def_name(task.name)
 
+    # The sensor targets the task's assets (their checks come with them), not its job: Dagster lets
+    # only a sensor with an asset selection request backfills. Its runs get the job's tags.
+    job_tags = {key: value if isinstance(value, str) else json.dumps(value) for key, value in (job.tags or {}).items()}
+
     @dg.sensor(
         name=f"{task.name}_drops_sensor",
-        job=job,
+        asset_selection=dg.AssetSelection.assets(*(dg.AssetKey([task.name, asset]) for asset in PIPELINE_ASSETS)),
         minimum_interval_seconds=task.sensor.minimum_interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING if task.sensor.running_by_default else dg.DefaultSensorStatus.STOPPED,
         description=(
             f"Turns each new or replaced file in the `{task.name}` drop zone (`<BATCH_ASSETS_DATA>/drops/{task.name}/`) "
-            "into a partition and one run. Skips hidden, temporary and unknown files, with the reason in the tick."
+            "into a partition and runs it: one file, one run; several, a backfill in runs of up to "
+            f"{task.runs.max_partitions_per_run} partitions. Skips hidden, temporary and unknown files, with the reason in the tick."
         ),
     )
     def drops_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
@@ -192,7 +298,7 @@ def build_drops_sensor(
             seen,
             existing,
             max_runs=max_runs_per_tick,
-            already_done=lambda drop: _validated_from_version(context.instance, task.name, drop),
+            already_done=lambda drop: validated_from_version(context.instance, task.name, drop),
             in_progress=lambda drop: (drop.partition_key, version_digest(drop.version)) in claimed,
         )
         summary = (
@@ -212,8 +318,15 @@ def build_drops_sensor(
                 reason += "; " + _skipped_text(skipped)
             return dg.SensorResult(skip_reason=dg.SkipReason(reason), cursor=cursor if cursor_changed else None)
         new_partitions = sorted({drop.partition_key for drop, _ in plan.to_run} - existing)
+        run_requests = run_requests_for(
+            task.name,
+            plan.to_run,
+            context.repository_def.asset_graph,
+            lambda request_key: _backfill_exists(context.instance, request_key),
+            job_tags=job_tags,
+        )
         return dg.SensorResult(
-            run_requests=[run_request_for(drop, replaced) for drop, replaced in plan.to_run],
+            run_requests=run_requests,
             dynamic_partitions_requests=[dg.AddDynamicPartitionsRequest(partitions_name, new_partitions)]
             if new_partitions
             else [],

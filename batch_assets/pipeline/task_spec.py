@@ -382,6 +382,14 @@ class SensorSpec(_Strict):
     minimum_interval_seconds: int = Field(default=30, ge=5)
 
 
+class RunsSpec(_Strict):
+    """How Dagster groups partitions into runs. A backfill (and a burst of drops picked up by the
+    sensor, and `batch-assets run` with several files) puts up to `max_partitions_per_run`
+    partitions in one run, whose rows reach the engine as one stream: one engine start per run."""
+
+    max_partitions_per_run: int = Field(default=16, ge=1)
+
+
 class TaskSpec(_Strict):
     # Validation errors name the field and the rule but do not echo values: an API key pasted
     # into the YAML by mistake must not reach logs.
@@ -399,6 +407,7 @@ class TaskSpec(_Strict):
     sensor: SensorSpec = SensorSpec()
     budget: BudgetSpec | None = None
     automation: AutomationSpec = AutomationSpec()
+    runs: RunsSpec = RunsSpec()
 
     @field_validator("name")
     @classmethod

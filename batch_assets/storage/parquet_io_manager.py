@@ -5,6 +5,12 @@ polars 2; UPathIOManager already gives partition-aware paths on any fsspec files
 (de)serialization is ours. Files land at `<storage>/<task>/<asset>/<partition_key>.parquet`, on a
 local disk or in S3, written atomically. A storage failure fails the step with a `StorageError`
 naming the URL and the cause; the output is then not recorded as materialized.
+
+A run over several partitions (a backfill with `BackfillPolicy.multi_run`) hands over one frame
+per partition, as a dict keyed by partition key; each is written to its own file, the same file a
+single-partition run writes. Inputs annotated `dict[str, pl.DataFrame]` are loaded the same way
+(one file per partition, keyed by partition key, also for a one-partition run); an input annotated
+`pl.DataFrame` loads its one partition as before.
 """
 
 
@@ -16,6 +22,11 @@ from upath import UPath
 
 from batch_assets.storage.errors import storage_errors
 from batch_assets.storage.locations import is_local, storage_path, storage_root, write_bytes_atomically
+
+
+def _wants_dict(context: dg.InputContext) -> bool:
+    typing_type = context.dagster_type.typing_type
+    return typing_type is dict or getattr(typing_type, "__origin__", None) is dict
 
 
 class PolarsParquetIOManager(dg.UPathIOManager):
@@ -30,12 +41,26 @@ class PolarsParquetIOManager(dg.UPathIOManager):
         if is_local(path):
             path.mkdir(parents=True, exist_ok=True)
 
-    def handle_output(self, context: dg.OutputContext, obj: pl.DataFrame) -> None:
+    def handle_output(self, context: dg.OutputContext, obj: pl.DataFrame | dict[str, pl.DataFrame]) -> None:
         with storage_errors("writing", self._asset_url(context)):
-            super().handle_output(context, obj)
+            if not isinstance(obj, dict):
+                super().handle_output(context, obj)
+                return
+            paths = self._get_paths_for_partitions(context)
+            if set(obj) != set(paths):
+                raise ValueError(
+                    f"{context.asset_key.to_user_string()}: the asset returned frames for partitions {sorted(obj)}, "
+                    f"but the run materializes {sorted(paths)}"
+                )
+            for partition_key, path in paths.items():
+                self.make_directory(path.parent)
+                self.dump_to_path(context=context, obj=obj[partition_key], path=path)
 
-    def load_input(self, context: dg.InputContext) -> pl.DataFrame:
+    def load_input(self, context: dg.InputContext) -> pl.DataFrame | dict[str, pl.DataFrame]:
         with storage_errors("reading", self._asset_url(context)):
+            if context.has_asset_partitions and _wants_dict(context):
+                paths = self._get_paths_for_partitions(context)
+                return {key: self.load_from_path(context, paths[key]) for key in context.asset_partition_keys}
             return super().load_input(context)
 
     def dump_to_path(self, context: dg.OutputContext, obj: pl.DataFrame, path: UPath) -> None:
