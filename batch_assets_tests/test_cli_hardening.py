@@ -272,7 +272,7 @@ def test_replace_says_so_and_a_file_of_only_errors_fails_quietly(cli_env) -> Non
     posts, garbage = summary_lines(result.stdout)
     assert posts.startswith("sentiment/posts.jsonl: OK run ") and "2 rows, 0 error rows" in posts
     assert garbage.startswith("sentiment/garbage.jsonl: ALL ROWS FAILED") and "2 rows, 2 error rows" in garbage
-    assert "requests to infer" in result.stdout  # the progress line
+    assert "2/2 requests (100%)" in result.stdout  # the progress line of the run (both files, one stream)
     for noise in ("Traceback", "safetensors", "INFO", "WARNING", "vllm"):
         assert noise not in output, noise
     log = next((tmp_path / "home" / "logs").glob("batch-assets-*.log")).read_text()
