@@ -237,9 +237,13 @@ def _last_origin(instance, job_name: str, key: str) -> str | None:
 
     runs = instance.get_runs(filters=dg.RunsFilter(job_name=job_name, tags={"dagster/partition": key}), limit=20)
     single = next((run for run in runs if ORIGIN_TAG in run.tags), None)
-    ranges = instance.get_runs(filters=dg.RunsFilter(job_name=job_name, tags={"batch_assets/launched_by": "cli"}), limit=50)
+    ranges = instance.get_runs(
+        filters=dg.RunsFilter(job_name=job_name, tags={"batch_assets/launched_by": "cli"}), limit=50
+    )
     grouped = next((run for run in ranges if key in json.loads(run.tags.get(ORIGINS_TAG, "{}"))), None)
-    latest = max((run for run in (single, grouped) if run is not None), key=lambda run: run.create_timestamp, default=None)
+    latest = max(
+        (run for run in (single, grouped) if run is not None), key=lambda run: run.create_timestamp, default=None
+    )
     if latest is None:
         return None
     return latest.tags[ORIGIN_TAG] if latest is single else json.loads(latest.tags[ORIGINS_TAG])[key]

@@ -12,28 +12,34 @@ The row-level work lives in pure modules (parsing, formatting, inference, valida
 is the Dagster glue: reading the drop, calling them, and reporting metadata.
 """
 
-
 import time
 
 import dagster as dg
 import polars as pl
 from pydantic import Field
 
-from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts
-from batch_assets.pipeline.openai_batch import accepted_model_names, batch_prompt_encoder, format_batch_prompts
-from batch_assets.pipeline.openai_batch_output import batch_files, jsonl_bytes, validate_batch_outputs
-from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
-from batch_assets.storage.result_cache import ResultCache
-from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
-from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions, read_prompts
-from batch_assets.storage.drop_files import drop_partitions, find_drop_file
-from batch_assets.engines.protocol import EngineSession, EngineSettings, EngineStartError, engine_for, engine_kind, prompt_encoder
+from batch_assets.engines.protocol import (
+    EngineSession,
+    EngineSettings,
+    EngineStartError,
+    engine_for,
+    engine_kind,
+    prompt_encoder,
+)
 from batch_assets.pipeline.budget import actual_cost_metadata, estimate_cost
 from batch_assets.pipeline.code_versions import code_versions
+from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts
 from batch_assets.pipeline.label_quality import accuracy_report
+from batch_assets.pipeline.openai_batch import accepted_model_names, batch_prompt_encoder, format_batch_prompts
+from batch_assets.pipeline.openai_batch_output import batch_files, jsonl_bytes, validate_batch_outputs
+from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions, read_prompts
+from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
 from batch_assets.pipeline.task_spec import TaskSpec
-from batch_assets.storage.locations import checkpoint_dir, task_storage_dir, write_bytes_atomically
 from batch_assets.pipeline.validate_labels import validate_labels
+from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
+from batch_assets.storage.drop_files import drop_partitions, find_drop_file
+from batch_assets.storage.locations import checkpoint_dir, task_storage_dir, write_bytes_atomically
+from batch_assets.storage.result_cache import ResultCache
 
 IO_MANAGER_KEY = "parquet_storage"
 PREVIEW_ROWS = 5
@@ -56,8 +62,12 @@ def asset_key(task: str, asset: str) -> dg.AssetKey:
 
 
 def error_code_counts(frame: pl.DataFrame) -> dict[str, int]:
-    codes = frame.filter(pl.col("error").is_not_null()).select(pl.col("error").str.extract(r"^([a-z_]+):", 1).alias("code"))
-    return {row["code"] or "other": row["count"] for row in codes.group_by("code").len(name="count").sort("code").to_dicts()}
+    codes = frame.filter(pl.col("error").is_not_null()).select(
+        pl.col("error").str.extract(r"^([a-z_]+):", 1).alias("code")
+    )
+    return {
+        row["code"] or "other": row["count"] for row in codes.group_by("code").len(name="count").sort("code").to_dicts()
+    }
 
 
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
@@ -72,7 +82,9 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
 
 
 def label_counts(labels: pl.DataFrame) -> dict[str, int]:
-    counts = labels.filter(pl.col("label").is_not_null()).group_by("label").len(name="count").sort("count", descending=True)
+    counts = (
+        labels.filter(pl.col("label").is_not_null()).group_by("label").len(name="count").sort("count", descending=True)
+    )
     return {str(row["label"]): int(row["count"]) for row in counts.to_dicts()}
 
 
@@ -144,7 +156,12 @@ def inference_fingerprint(task: TaskSpec, settings: EngineSettings) -> str:
 
 
 def inference_metadata(
-    task: TaskSpec, settings: EngineSettings, session: EngineSession, frame: pl.DataFrame, stats: InferenceStats, fingerprint: str
+    task: TaskSpec,
+    settings: EngineSettings,
+    session: EngineSession,
+    frame: pl.DataFrame,
+    stats: InferenceStats,
+    fingerprint: str,
 ) -> dict:
     return {
         "rows": stats.rows,
@@ -187,18 +204,24 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         kinds={"parquet"},
         backfill_policy=dg.BackfillPolicy.multi_run(task.runs.max_partitions_per_run),
     )
-    parse_options = ParseOptions(text_fields=tuple(task.input.text_fields), txt_field=task.input.txt_field, format=task.input.format)
+    parse_options = ParseOptions(
+        text_fields=tuple(task.input.text_fields), txt_field=task.input.txt_field, format=task.input.format
+    )
     # OpenAI Batch API files: each line brings its own messages and sampling (pipeline/openai_batch.py).
     batch_format = task.input.format == "openai_batch"
     # The task's engine kind names its resource (in-process vLLM or an endpoint), pool and display name.
     kind = engine_kind(task)
     versions = code_versions(task)
     automation = stale_partitions_condition() if task.automation.rematerialize_stale else None
-    prompt_format = None if task.prompt is None else PromptFormat(
-        system=task.prompt.system,
-        template=task.prompt.template,
-        raw_template=task.prompt.raw_template,
-        text_fields=tuple(task.input.text_fields),
+    prompt_format = (
+        None
+        if task.prompt is None
+        else PromptFormat(
+            system=task.prompt.system,
+            template=task.prompt.template,
+            raw_template=task.prompt.raw_template,
+            text_fields=tuple(task.input.text_fields),
+        )
     )
 
     @dg.asset(
@@ -238,7 +261,9 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
             first = frame.filter(pl.col("error").is_not_null()).head(3)["error"].to_list()
             context.log.warning(f"{sum(errors.values())} unreadable record(s) in {drop.relative_path}, e.g. {first}")
         if frame.height == 0:
-            context.log.warning(f"{drop.relative_path} has no records (an empty file, or a CSV with only its header): zero rows")
+            context.log.warning(
+                f"{drop.relative_path} has no records (an empty file, or a CSV with only its header): zero rows"
+            )
         context.add_asset_metadata(
             partition_key=partition_key,
             metadata={
@@ -342,7 +367,9 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         for partition_key, frame in formatted_prompts.items():
             checkpoints = CheckpointStore(checkpoint_dir(name, partition_key), fingerprint)
             if stale := checkpoints.discard_other_fingerprints():
-                context.log.info(f"{partition_key}: removed checkpoints made with other model/sampling settings: {stale}")
+                context.log.info(
+                    f"{partition_key}: removed checkpoints made with other model/sampling settings: {stale}"
+                )
             encode = (batch_prompt_encoder if batch_format else prompt_encoder)(engine, task, tokenizer, frame)
             parts.append(PartitionInput(frame, encode, checkpoints, label=partition_key))
         try:
@@ -388,13 +415,21 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     ) -> dict[str, pl.DataFrame]:
         return {key: validate_partition(context, key, frame) for key, frame in inference_outputs.items()}
 
-    def validate_partition(context: dg.AssetExecutionContext, partition_key: str, inference_outputs: pl.DataFrame) -> pl.DataFrame:
+    def validate_partition(
+        context: dg.AssetExecutionContext, partition_key: str, inference_outputs: pl.DataFrame
+    ) -> pl.DataFrame:
         # inference_outputs is stored by now, so its checkpoints have served their purpose.
         clear_checkpoints(checkpoint_dir(name, partition_key))
-        labels = validate_batch_outputs(inference_outputs) if batch_format else validate_labels(inference_outputs, task.output)
+        labels = (
+            validate_batch_outputs(inference_outputs)
+            if batch_format
+            else validate_labels(inference_outputs, task.output)
+        )
         counts = label_counts(labels) if task.output.kind in ("choices", "regex") else {}
         errors = error_code_counts(labels)
-        preview_columns = ["custom_id", "label", "error"] if batch_format else [*task.input.text_fields, "label", "error"]
+        preview_columns = (
+            ["custom_id", "label", "error"] if batch_format else [*task.input.text_fields, "label", "error"]
+        )
         metadata: dict = write_batch_files(labels, partition_key) if batch_format else {}
         metadata |= {
             "rows": labels.height,
@@ -410,7 +445,10 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
             metadata["label_counts"] = counts
             metadata["label_distribution"] = dg.MetadataValue.md(
                 markdown_table(
-                    [{"label": k, "rows": v, "share": f"{100 * v / max(labels.height, 1):.1f}%"} for k, v in counts.items()],
+                    [
+                        {"label": k, "rows": v, "share": f"{100 * v / max(labels.height, 1):.1f}%"}
+                        for k, v in counts.items()
+                    ],
                     ["label", "rows", "share"],
                 )
             )

@@ -22,7 +22,6 @@ of any partition fails the check step, so validated_labels of the whole range is
 evaluations of the other partitions are still recorded.
 """
 
-
 from collections.abc import Callable, Iterator
 
 import dagster as dg
@@ -32,12 +31,12 @@ from dagster._core.definitions.asset_checks.asset_check_evaluation import (
 )
 
 from batch_assets.dagster_defs.assets import asset_key, error_code_counts, markdown_table
-from batch_assets.storage.drop_files import drop_partitions
-from batch_assets.pipeline.task_spec import TaskSpec
-from batch_assets.storage.locations import output_path
 from batch_assets.pipeline.budget import budget_overruns, estimate_cost
 from batch_assets.pipeline.label_quality import accuracy_report, label_drift
+from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.pipeline.validate_labels import constraint_violations, parse_label
+from batch_assets.storage.drop_files import drop_partitions
+from batch_assets.storage.locations import output_path
 
 FAILED_ROWS_SHOWN = 10
 
@@ -130,7 +129,11 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
             metadata = {"checked_rows": outputs.height}
             if bad.height:
                 metadata |= _failed_rows_metadata(
-                    bad, ["row_id", "source_line", "generated_text", "finish_reason"], name, "inference_outputs", partition_key
+                    bad,
+                    ["row_id", "source_line", "generated_text", "finish_reason"],
+                    name,
+                    "inference_outputs",
+                    partition_key,
                 )
             return dg.AssetCheckResult(passed=bad.height == 0, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata)
 
@@ -157,9 +160,15 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         else:
             invalid = labelled.head(0)
         bad = pl.concat([invalid, unexplained]).sort("row_id")
-        metadata = {"labelled_rows": labelled.height, "invalid_labels": invalid.height, "null_labels_without_error": unexplained.height}
+        metadata = {
+            "labelled_rows": labelled.height,
+            "invalid_labels": invalid.height,
+            "null_labels_without_error": unexplained.height,
+        }
         if bad.height:
-            metadata |= _failed_rows_metadata(bad, ["row_id", "source_line", "label", "error"], name, "validated_labels", partition_key)
+            metadata |= _failed_rows_metadata(
+                bad, ["row_id", "source_line", "label", "error"], name, "validated_labels", partition_key
+            )
         return dg.AssetCheckResult(passed=bad.height == 0, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata)
 
     @dg.asset_check(
@@ -170,7 +179,9 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         description="Every input record has exactly one output row, with a unique row_id, in input order.",
     )
     def one_row_per_record(
-        context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame], raw_prompts: dict[str, pl.DataFrame]
+        context: dg.AssetCheckExecutionContext,
+        validated_labels: dict[str, pl.DataFrame],
+        raw_prompts: dict[str, pl.DataFrame],
     ):
         yield from evaluate_per_partition(context, lambda key: one_row_result(validated_labels[key], raw_prompts[key]))
 
@@ -213,7 +224,9 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
             "errors_by_code": error_code_counts(validated_labels),
         }
         if errors.height:
-            metadata |= _failed_rows_metadata(errors, ["row_id", "source_line", "error"], name, "validated_labels", partition_key)
+            metadata |= _failed_rows_metadata(
+                errors, ["row_id", "source_line", "error"], name, "validated_labels", partition_key
+            )
         return dg.AssetCheckResult(
             passed=share <= task.checks.max_error_share, severity=dg.AssetCheckSeverity.WARN, metadata=metadata
         )
