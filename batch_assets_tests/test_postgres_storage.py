@@ -11,6 +11,7 @@ materializations and check results of every partition must all land in Postgres.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -92,7 +93,8 @@ def postgres() -> Iterator[PostgresServer]:
     bin_dir = postgres_bin_dir()
     if bin_dir is None:
         pytest.skip(
-            "PostgreSQL server binaries not found: install Debian's postgresql (scripts/install_system_deps.sh does it as root)"
+            "PostgreSQL server binaries not found: install Debian's postgresql "
+            "(scripts/install_system_deps.sh does it as root)"
         )
     # initdb refuses to run as root: run the server as the `postgres` user the Debian package creates.
     run_as: list[str] = []
@@ -166,10 +168,8 @@ def stop(process: subprocess.Popen) -> None:
         pass
     except ProcessLookupError:
         return
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     process.wait()
 
 

@@ -241,7 +241,8 @@ def main() -> None:
         f"{burst['backfills']} backfill(s), {burst['rows_inferred']} rows inferred"
     )
     print(
-        f"  plain one-call vLLM script:          {plain['wall']:7.1f} s (engine start {plain['engine_start_seconds']:.1f} s)"
+        f"  plain one-call vLLM script:          {plain['wall']:7.1f} s "
+        f"(engine start {plain['engine_start_seconds']:.1f} s)"
     )
     print(f"  ratio burst / plain:                 {burst['wall'] / plain['wall']:7.3f}")
     print(

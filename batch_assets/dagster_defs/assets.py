@@ -52,7 +52,8 @@ class InferenceConfig(dg.Config):
         default=True,
         description=(
             "Reuse results cached by earlier runs (same model, prompt and sampling; deterministic decoding only) "
-            "and add new ones. Set false to infer every row again, e.g. when an endpoint now serves other weights under the same name."
+            "and add new ones. Set false to infer every row again, e.g. when an endpoint now serves other weights "
+            "under the same name."
         ),
     )
 
@@ -196,14 +197,14 @@ def inference_metadata(
 def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     name = task.name
     partitions = drop_partitions(name)
-    common = dict(
-        key_prefix=[name],
-        group_name=name,
-        partitions_def=partitions,
-        io_manager_key=IO_MANAGER_KEY,
-        kinds={"parquet"},
-        backfill_policy=dg.BackfillPolicy.multi_run(task.runs.max_partitions_per_run),
-    )
+    common = {
+        "key_prefix": [name],
+        "group_name": name,
+        "partitions_def": partitions,
+        "io_manager_key": IO_MANAGER_KEY,
+        "kinds": {"parquet"},
+        "backfill_policy": dg.BackfillPolicy.multi_run(task.runs.max_partitions_per_run),
+    }
     parse_options = ParseOptions(
         text_fields=tuple(task.input.text_fields), txt_field=task.input.txt_field, format=task.input.format
     )

@@ -144,7 +144,10 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         name="labels_are_valid",
         blocking=True,
         partitions_def=partitions,
-        description="Every label is valid for the task (one of the choices / validates against the schema); rows without a label carry an error.",
+        description=(
+            "Every label is valid for the task (one of the choices / validates against the schema); "
+            "rows without a label carry an error."
+        ),
     )
     def labels_are_valid(context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame]):
         yield from evaluate_per_partition(context, lambda key: labels_valid_result(validated_labels[key], key))
@@ -208,7 +211,10 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         asset=labels_key,
         name="error_share_below_threshold",
         partitions_def=partitions,
-        description=f"Fewer than {task.checks.max_error_share:.0%} of rows carry an error (task setting `checks.max_error_share`).",
+        description=(
+            f"Fewer than {task.checks.max_error_share:.0%} of rows carry an error "
+            "(task setting `checks.max_error_share`)."
+        ),
     )
     def error_share_below_threshold(context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame]):
         yield from evaluate_per_partition(context, lambda key: error_share_result(validated_labels[key], key))

@@ -280,9 +280,10 @@ def build_drops_sensor(
         if task.sensor.running_by_default
         else dg.DefaultSensorStatus.STOPPED,
         description=(
-            f"Turns each new or replaced file in the `{task.name}` drop zone (`<BATCH_ASSETS_DATA>/drops/{task.name}/`) "
-            "into a partition and runs it: one file, one run; several, a backfill in runs of up to "
-            f"{task.runs.max_partitions_per_run} partitions. Skips hidden, temporary and unknown files, with the reason in the tick."
+            f"Turns each new or replaced file in the `{task.name}` drop zone "
+            f"(`<BATCH_ASSETS_DATA>/drops/{task.name}/`) into a partition and runs it: one file, one run; "
+            f"several, a backfill in runs of up to {task.runs.max_partitions_per_run} partitions. "
+            "Skips hidden, temporary and unknown files, with the reason in the tick."
         ),
     )
     def drops_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:

@@ -246,17 +246,17 @@ class OpenAIEngine(dg.ConfigurableResource):
             )
         check_base_url(base_url)
         base_url = base_url.rstrip("/")
-        settings = dict(
-            kind="openai",
-            base_url=base_url,
-            max_model_len=self.max_model_len or spec.max_model_len,
-            concurrency=self.concurrency or spec.concurrency,
-            request_timeout_s=self.request_timeout_s or spec.request_timeout_s,
-            max_retries=self.max_retries if self.max_retries is not None else spec.max_retries,
-            structured_outputs=self.structured_outputs,
-            api_key_source="resource" if self.api_key else f"env:{spec.api_key_env}" if spec.api_key_env else "none",
-            batch_size=spec.batch_size,
-        )
+        settings = {
+            "kind": "openai",
+            "base_url": base_url,
+            "max_model_len": self.max_model_len or spec.max_model_len,
+            "concurrency": self.concurrency or spec.concurrency,
+            "request_timeout_s": self.request_timeout_s or spec.request_timeout_s,
+            "max_retries": self.max_retries if self.max_retries is not None else spec.max_retries,
+            "structured_outputs": self.structured_outputs,
+            "api_key_source": "resource" if self.api_key else f"env:{spec.api_key_env}" if spec.api_key_env else "none",
+            "batch_size": spec.batch_size,
+        }
         # BATCH_ASSETS_MODEL is for the in-process engine: an endpoint's model is the server's name.
         model = self.model or (spec.model if spec.model != EMBEDDED_MODEL else None)
         if model is None:
@@ -377,7 +377,8 @@ class OpenAIEngine(dg.ConfigurableResource):
                         return failure
                     except Exception as exc:  # e.g. a reply that is not a chat completion: this row only
                         return _Failure(
-                            f"endpoint_error: unreadable response ({type(exc).__name__}): {_redact(str(exc), api_key)[:200]}"
+                            f"endpoint_error: unreadable response ({type(exc).__name__}): "
+                            f"{_redact(str(exc), api_key)[:200]}"
                         )
                     if not response.choices or response.choices[0].message.content is None:
                         return _Failure("endpoint_error: the response has no message content")
@@ -394,7 +395,8 @@ class OpenAIEngine(dg.ConfigurableResource):
             value = os.environ.get(name)
             if not value:
                 raise EndpointError(
-                    f"task {task.name!r}: engine.api_key_env names {name}, which is not set in this process's environment"
+                    f"task {task.name!r}: engine.api_key_env names {name}, "
+                    "which is not set in this process's environment"
                 )
             return value
         return NO_KEY
@@ -422,7 +424,8 @@ class OpenAIEngine(dg.ConfigurableResource):
                     api_key=api_key,
                 )
                 raise EndpointError(
-                    f"task {task.name!r} names no `engine.model`, and asking {base_url}/models for the served model failed: "
+                    f"task {task.name!r} names no `engine.model`, "
+                    f"and asking {base_url}/models for the served model failed: "
                     f"{failure.fatal or failure.error}"
                 ) from None
             if len(served) != 1:

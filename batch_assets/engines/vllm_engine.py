@@ -424,14 +424,16 @@ def memory_hint(settings: VLLMSettings) -> str:
     where = "In the task YAML's `engine:` section (or the `llm_engine` resource config)"
     if settings.on_gpu:
         return (
-            f"{where}: if the model weights do not fit, raise `tensor_parallel_size` (now {settings.tensor_parallel_size}) "
-            f"or lower `vllm_args.gpu_memory_utilization` (now {settings.vllm_args['gpu_memory_utilization']}) when "
+            f"{where}: if the model weights do not fit, raise `tensor_parallel_size` "
+            f"(now {settings.tensor_parallel_size}) or lower `vllm_args.gpu_memory_utilization` "
+            f"(now {settings.vllm_args['gpu_memory_utilization']}) when "
             f"other processes use the GPU; if the KV cache does not fit, lower `max_model_len` (now "
             f"{settings.max_model_len}) or `vllm_args.max_num_seqs` (now {settings.max_num_seqs})."
         )
     return (
-        f"{where}: if the machine ran out of memory, lower `kv_cache_memory_gib` (now {settings.kv_cache_memory_gib} GiB "
-        "of RAM for the KV cache) or free memory held by other processes; if the KV cache is too small for one "
+        f"{where}: if the machine ran out of memory, lower `kv_cache_memory_gib` "
+        f"(now {settings.kv_cache_memory_gib} GiB of RAM for the KV cache) or free memory held by other processes; "
+        "if the KV cache is too small for one "
         f"sequence, lower `max_model_len` (now {settings.max_model_len}) or raise `kv_cache_memory_gib`."
     )
 
@@ -513,7 +515,10 @@ class VLLMEngine(dg.ConfigurableResource):
     )
     structured_outputs: bool = Field(
         default=True,
-        description="Constrain generation to the task's choices/schema/regex. Off only to debug; the checks then catch bad outputs.",
+        description=(
+            "Constrain generation to the task's choices/schema/regex. "
+            "Off only to debug; the checks then catch bad outputs."
+        ),
     )
 
     def settings(self, task: TaskSpec) -> VLLMSettings:

@@ -21,6 +21,7 @@ drop it, or materialize `inference_outputs` with `use_result_cache: false` to by
 
 from __future__ import annotations
 
+import contextlib
 import io
 import time
 import uuid
@@ -96,10 +97,8 @@ class ResultCache:
             return  # another writer is compacting the same files
         self._write(merged)
         for path in files:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 remove_path(path)
-            except FileNotFoundError:
-                pass
 
     def _write(self, frame: pl.DataFrame) -> None:
         buffer = io.BytesIO()
