@@ -13,6 +13,7 @@ is the Dagster glue: reading the drop, calling them, and reporting metadata.
 """
 
 import time
+from typing import Any, cast
 
 import dagster as dg
 import polars as pl
@@ -101,8 +102,10 @@ def stale_partitions_condition() -> dg.AutomationCondition:
     upstream partition was updated by a run that did not include this asset; then held until the
     partition is requested. New partitions are left to the drops sensor (`~missing`).
     """
+    changed = dg.AutomationCondition.code_version_changed() | dg.AutomationCondition.any_deps_updated()
     return (
-        (dg.AutomationCondition.code_version_changed() | dg.AutomationCondition.any_deps_updated()).since_last_handled()
+        # dagster types since_last_handled's self as a condition over asset and check keys
+        changed.since_last_handled()  # type: ignore[misc]
         & ~dg.AutomationCondition.missing()
         & ~dg.AutomationCondition.any_deps_missing()
         & ~dg.AutomationCondition.any_deps_in_progress()
@@ -197,7 +200,8 @@ def inference_metadata(
 def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     name = task.name
     partitions = drop_partitions(name)
-    common = {
+    # Shared keyword arguments of the four assets (`Any`: dg.asset's overloads type each one).
+    common: dict[str, Any] = {
         "key_prefix": [name],
         "group_name": name,
         "partitions_def": partitions,
@@ -311,6 +315,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                     accepted_models=accepted_model_names(task.model) if task.input.require_model_match else None,
                     chat_only=llm_engine.sends_chat_messages,
                 )
+            assert prompt_format is not None  # a records task always has a prompt section (TaskSpec)
             return format_prompts(
                 raw,
                 prompt_format,
@@ -332,7 +337,8 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                     "error_rows": sum(errors.values()),
                     "errors_by_code": errors,
                     "prompt_tokens": int(frame["num_prompt_tokens"].sum() or 0),
-                    "max_prompt_tokens": int(frame["num_prompt_tokens"].max() or 0),
+                    # polars types Series.max() as any literal; an Int64 column gives an int or None
+                    "max_prompt_tokens": int(cast("int | None", frame["num_prompt_tokens"].max()) or 0),
                     "seconds": round(time.monotonic() - started, 3),
                     **estimate_cost(frame, task).metadata(),
                     "dagster/row_count": frame.height,

@@ -23,6 +23,7 @@ evaluations of the other partitions are still recorded.
 """
 
 from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import dagster as dg
 import polars as pl
@@ -41,7 +42,9 @@ from batch_assets.storage.locations import output_path
 FAILED_ROWS_SHOWN = 10
 
 
-def _failed_rows_metadata(rows: pl.DataFrame, columns: list[str], task: str, asset: str, partition_key: str) -> dict:
+def _failed_rows_metadata(
+    rows: pl.DataFrame, columns: list[str], task: str, asset: str, partition_key: str
+) -> dict[str, Any]:
     """What a user needs to find the failing rows: their ids, a preview, and the file they are in."""
     shown = [c for c in columns if c in rows.columns]
     return {
@@ -103,7 +106,8 @@ def recent_label_counts(
         if event is None or event.partition in (None, partition_key) or event.partition in found:
             continue
         counts = event.metadata.get("label_counts")
-        found[event.partition] = dict(counts.value) if counts is not None else {}
+        # dagster types a metadata value as any packable value; label_counts is JSON of label -> count
+        found[event.partition] = dict(cast("dict[str, int]", counts.value)) if counts is not None else {}
         if len(found) == partitions:
             break
     return [counts for counts in found.values() if counts]
@@ -222,7 +226,7 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
     def error_share_result(validated_labels: pl.DataFrame, partition_key: str) -> dg.AssetCheckResult:
         errors = validated_labels.filter(pl.col("error").is_not_null())
         share = errors.height / validated_labels.height if validated_labels.height else 0.0
-        metadata = {
+        metadata: dict[str, Any] = {
             "error_rows": errors.height,
             "rows": validated_labels.height,
             "error_share": round(share, 4),
@@ -309,7 +313,7 @@ def _drift_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
             note = "no earlier partition with labels to compare with" if counts else "no labelled row in this partition"
             return dg.AssetCheckResult(passed=True, metadata={"note": f"skipped: {note}", "threshold": threshold})
         passed = report.distance <= threshold
-        metadata = {
+        metadata: dict[str, Any] = {
             "distance": report.distance,
             "threshold": threshold,
             "partitions_compared": report.partitions_compared,

@@ -36,7 +36,7 @@ import binascii
 import hashlib
 import json
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import dagster as dg
@@ -181,7 +181,7 @@ def backfill_request_for(
     return request_key, dg.RunRequest.for_asset_graph_subset(subset, tags=tags)
 
 
-def partition_ranges(ordered_keys: list[str], wanted: Iterable[str], max_per_run: int) -> list[list[str]]:
+def partition_ranges(ordered_keys: Sequence[str], wanted: Iterable[str], max_per_run: int) -> list[list[str]]:
     """`wanted` split into runs the way a multi-run backfill policy splits them: ranges of keys
     adjacent in the partitions' order (dynamic partitions: the order they were added), each of at
     most `max_per_run` keys. A range start..end covers every key between, so a key not wanted
@@ -325,6 +325,7 @@ def build_drops_sensor(
                 reason += "; " + _skipped_text(skipped)
             return dg.SensorResult(skip_reason=dg.SkipReason(reason), cursor=cursor if cursor_changed else None)
         new_partitions = sorted({drop.partition_key for drop, _ in plan.to_run} - existing)
+        assert context.repository_def is not None  # a sensor is evaluated inside its code location
         run_requests = run_requests_for(
             task.name,
             plan.to_run,

@@ -102,8 +102,9 @@ def chat_request_params(
     }
     if sampling.seed is not None:
         params["seed"] = sampling.seed
-    if getattr(sampling, "stop", None):  # a request's own stop strings (an OpenAI batch line's `stop`)
-        params["stop"] = list(sampling.stop)
+    stop = getattr(sampling, "stop", None)  # a request's own stop strings (an OpenAI batch line's `stop`)
+    if stop:
+        params["stop"] = list(stop)
     output = output or task.output
     if not structured_outputs or output.kind == "text":
         return params
@@ -128,7 +129,8 @@ def _redact(text: str, secret: str | None) -> str:
 
 
 def _cause_names(exc: BaseException) -> set[str]:
-    names, seen = set(), exc.__cause__ or exc.__context__
+    names: set[str] = set()
+    seen = exc.__cause__ or exc.__context__
     while seen is not None and len(names) < 10:
         names.add(type(seen).__name__)
         seen = seen.__cause__ or seen.__context__
@@ -246,7 +248,7 @@ class OpenAIEngine(dg.ConfigurableResource):
             )
         check_base_url(base_url)
         base_url = base_url.rstrip("/")
-        settings = {
+        settings: dict[str, Any] = {
             "kind": "openai",
             "base_url": base_url,
             "max_model_len": self.max_model_len or spec.max_model_len,
@@ -361,8 +363,13 @@ class OpenAIEngine(dg.ConfigurableResource):
                 async with gate:
                     if stop.is_set():
                         return _Failure("endpoint_error: not sent, the endpoint failed", fatal=None)
+                    assert prompt.messages is not None  # generate() refuses prompts without messages
                     try:
-                        response = await client.chat.completions.create(messages=list(prompt.messages), **params)
+                        response = await client.chat.completions.create(
+                            # plain role/content dicts: the client's message TypedDicts are stricter
+                            messages=list(prompt.messages),  # type: ignore[arg-type]
+                            **params,
+                        )
                     except openai.APIError as exc:
                         failure = classify_failure(
                             exc,
