@@ -418,7 +418,9 @@ def run_partitions(
         with keep_engine_warm():
             # Grouped as a backfill of these partitions is: one run per range of adjacent partitions,
             # up to the task's `runs.max_partitions_per_run`, one engine stream per run.
-            for run_keys in partition_ranges(ordered, to_run, task.runs.max_partitions_per_run):
+            ranges = list(partition_ranges(ordered, to_run, task.runs.max_partitions_per_run))
+            while ranges:
+                run_keys = ranges.pop(0)
                 wait_for_pool_slot(instance, engine_kind(task).pool, say=TERMINAL.say)
                 if len(run_keys) == 1:
                     file, digest = named_by_key[run_keys[0]]
@@ -439,6 +441,14 @@ def run_partitions(
                     tags={**tags, "batch_assets/launched_by": "cli", **lease.tags()},
                     **selection,
                 )
+                if len(run_keys) > 1 and _failed_before_inference(result):
+                    # Dagster fails a step for every partition of its range: a bad file (unreadable,
+                    # missing column) or a failed blocking check of one file would fail the others too.
+                    # Run the range again file by file, so only the bad file fails; the engine stays
+                    # warm in this process, and checkpoints and the result cache keep finished work.
+                    TERMINAL.say(f"{label}: failed as a whole; running its files one by one")
+                    ranges[:0] = [[key] for key in run_keys]
+                    continue
                 evaluations = result.get_asset_check_evaluations()
                 for key in run_keys:
                     failed = [
@@ -465,6 +475,16 @@ def run_partitions(
         if TERMINAL.log_path and any(not outcome.ok for outcome in outcomes):
             TERMINAL.say(f"engine and library output of this command: {TERMINAL.log_path}")
     return outcomes
+
+
+def _failed_before_inference(result) -> bool:
+    """A failed run whose failure lies in one file's input (reading, formatting, a blocking check of
+    its outputs), not in the engine: worth running file by file. An engine that cannot start or died
+    would fail each file again, so those failures are reported as they are."""
+    if result.success:
+        return False
+    failed_steps = [event.step_key or "" for event in result.all_events if event.is_step_failure]
+    return not any("inference_outputs" in step for step in failed_steps)
 
 
 def check_model(task) -> None:

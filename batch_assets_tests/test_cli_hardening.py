@@ -202,7 +202,7 @@ def test_cli_waiting_for_the_gpu_pool_says_so_and_stops_on_sigterm(cli_env) -> N
 def test_drop_sensor_leaves_a_file_that_a_live_cli_is_running_to_it(cli_env, monkeypatch) -> None:
     """Issue 17.11: the sensor queued a second run of a file `batch-assets run` was still processing."""
     from batch_assets.dagster_defs.sensors import build_drops_sensor, version_digest
-    from batch_assets.definitions import build_task_job
+    from batch_assets.definitions import build_definitions, build_task_job
     from batch_assets.pipeline.task_spec import load_task_specs
     from batch_assets.storage.drop_files import find_drop_file
 
@@ -218,13 +218,14 @@ def test_drop_sensor_leaves_a_file_that_a_live_cli_is_running_to_it(cli_env, mon
     [task] = [task for task in load_task_specs() if task.name == "sentiment"]
     sensor = build_drops_sensor(task, build_task_job(task))
     holder, _ = start_lease_holder(env, digest)
+    defs = build_definitions()
     with open_instance(tmp_path / "home") as instance:
         try:
-            busy = sensor(dg.build_sensor_context(instance=instance, cursor=None))
+            busy = sensor(dg.build_sensor_context(instance=instance, cursor=None, definitions=defs))
             assert not busy.run_requests
         finally:
             kill(holder)
-        after = sensor(dg.build_sensor_context(instance=instance, cursor=busy.cursor))
+        after = sensor(dg.build_sensor_context(instance=instance, cursor=busy.cursor, definitions=defs))
         assert [request.partition_key for request in after.run_requests] == ["posts.jsonl"]
 
 
