@@ -30,9 +30,12 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from batch_assets.dagster_defs.instance import dagster_home, home_lock, open_instance, prepare_instance
+
+if TYPE_CHECKING:
+    from upath import UPath
 
 SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
 # The absolute path of the file a CLI run was given, so a later file of the same name from another
@@ -237,12 +240,17 @@ def _last_origin(instance, job_name: str, key: str) -> str | None:
 
     runs = instance.get_runs(filters=dg.RunsFilter(job_name=job_name, tags={"dagster/partition": key}), limit=20)
     single = next((run for run in runs if ORIGIN_TAG in run.tags), None)
-    ranges = instance.get_runs(filters=dg.RunsFilter(job_name=job_name, tags={"batch_assets/launched_by": "cli"}), limit=50)
+    ranges = instance.get_runs(
+        filters=dg.RunsFilter(job_name=job_name, tags={"batch_assets/launched_by": "cli"}), limit=50
+    )
     grouped = next((run for run in ranges if key in json.loads(run.tags.get(ORIGINS_TAG, "{}"))), None)
-    latest = max((run for run in (single, grouped) if run is not None), key=lambda run: run.create_timestamp, default=None)
+    latest = max(
+        (run for run in (single, grouped) if run is not None), key=lambda run: run.create_timestamp, default=None
+    )
     if latest is None:
         return None
-    return latest.tags[ORIGIN_TAG] if latest is single else json.loads(latest.tags[ORIGINS_TAG])[key]
+    tags = latest.tags
+    return tags[ORIGIN_TAG] if latest is single else json.loads(tags[ORIGINS_TAG])[key]
 
 
 def _copy_into_drop_zone(instance, task_name: str, job_name: str, files: list[NamedFile], *, replace: bool) -> None:
@@ -250,7 +258,8 @@ def _copy_into_drop_zone(instance, task_name: str, job_name: str, files: list[Na
     from batch_assets.storage.locations import drop_zone, write_bytes_atomically
 
     zone = drop_zone(task_name)
-    plans = []
+    plans: list[tuple[NamedFile, UPath, str | None]] = []
+    note: str | None
     for file in files:
         target = zone / file.path.name
         if not target.exists() or target.read_bytes() == file.content:
@@ -339,7 +348,7 @@ def _cli_job(job, label: str):
         return logger
 
     loggers = {"cli_progress": cli_progress}
-    config = {"cli_progress": {}}
+    config: dict[str, Any] = {"cli_progress": {}}
     if TERMINAL.verbose:
         loggers["console"] = dg.colored_console_logger
         config["console"] = {"config": {"log_level": "INFO"}}

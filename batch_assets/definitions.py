@@ -57,7 +57,9 @@ def build_task_job(task: TaskSpec):
     return dg.define_asset_job(
         name=pipeline_job_name(task.name),
         selection=dg.AssetSelection.groups(task.name),
-        description=f"Materializes the four `{task.name}` assets and their checks for one drop file, or a range of them.",
+        description=(
+            f"Materializes the four `{task.name}` assets and their checks for one drop file, or a range of them."
+        ),
         tags=run_tags_for(task) or None,
     )
 

@@ -141,10 +141,14 @@ def test_run_over_budget_fails_naming_estimate_and_limit(workdir) -> None:
     result = run_cli(["run", "budgeted", str(items)], {**env, "BATCH_ASSETS_TASKS_DIR": str(tasks)}, tmp_path)
     assert result.returncode == 1
     [line] = summary_lines(result.stdout)
-    assert "FAILED" in line and (
-        "stopped by within_budget: worst-case generated tokens 40 (10 rows x sampling.max_tokens) "
-        "exceed budget.max_generated_tokens 30"
-    ) in line
+    assert (
+        "FAILED" in line
+        and (
+            "stopped by within_budget: worst-case generated tokens 40 (10 rows x sampling.max_tokens) "
+            "exceed budget.max_generated_tokens 30"
+        )
+        in line
+    )
     assert "starting vLLM engine" not in result.stdout + result.stderr
     assert not (tmp_path / "data" / "storage" / "budgeted" / "inference_outputs").exists()
 
@@ -154,7 +158,9 @@ def test_run_of_several_files_is_one_run_per_range_with_a_line_per_file(workdir)
     tmp_path, env = workdir
     names = ["a.csv", "b.csv", "c.csv"]
     for index, name in enumerate(names):
-        (tmp_path / name).write_text("Name,Company\n" + "".join(f"n{i},Firm {index} {i} LLP\n" for i in range(index + 2)))
+        (tmp_path / name).write_text(
+            "Name,Company\n" + "".join(f"n{i},Firm {index} {i} LLP\n" for i in range(index + 2))
+        )
     result = run_cli(["run", "industry", *(str(tmp_path / n) for n in names)], env, tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     lines = summary_lines(result.stdout)
@@ -163,12 +169,16 @@ def test_run_of_several_files_is_one_run_per_range_with_a_line_per_file(workdir)
     with open_instance(tmp_path / "home") as instance:
         [run] = instance.get_runs()
         assert run.is_success
-        assert (run.tags["dagster/asset_partition_range_start"], run.tags["dagster/asset_partition_range_end"]) == ("a.csv", "c.csv")
+        assert (run.tags["dagster/asset_partition_range_start"], run.tags["dagster/asset_partition_range_end"]) == (
+            "a.csv",
+            "c.csv",
+        )
         # Each line names that run; each partition has its own materialization from it.
         assert all(run.run_id[:8] in line for line in lines)
         for name in names:
             record = instance.fetch_materializations(
-                dg.AssetRecordsFilter(asset_key=dg.AssetKey(["industry", "validated_labels"]), asset_partitions=[name]), limit=1
+                dg.AssetRecordsFilter(asset_key=dg.AssetKey(["industry", "validated_labels"]), asset_partitions=[name]),
+                limit=1,
             ).records[0]
             assert record.run_id == run.run_id
 
@@ -178,7 +188,14 @@ def test_run_of_several_files_is_one_run_per_range_with_a_line_per_file(workdir)
     with open_instance(tmp_path / "home") as instance:
         assert len(instance.get_runs()) == 2
         for name, rows in zip(names, (2, 3, 4), strict=True):
-            metadata = instance.fetch_materializations(
-                dg.AssetRecordsFilter(asset_key=dg.AssetKey(["industry", "inference_outputs"]), asset_partitions=[name]), limit=1
-            ).records[0].asset_materialization.metadata
+            metadata = (
+                instance.fetch_materializations(
+                    dg.AssetRecordsFilter(
+                        asset_key=dg.AssetKey(["industry", "inference_outputs"]), asset_partitions=[name]
+                    ),
+                    limit=1,
+                )
+                .records[0]
+                .asset_materialization.metadata
+            )
             assert (metadata["rows_inferred"].value, metadata["rows_from_cache"].value) == (0, rows)

@@ -50,7 +50,7 @@ def definitions_snapshot(defs: dg.Definitions) -> dict:
             "partitioned": spec.partitions_def is not None,
         }
     jobs = {
-        job.name: {"tags": {k: v for k, v in sorted(job.tags.items())}}
+        job.name: {"tags": dict(sorted(job.tags.items()))}
         for job in sorted(defs.resolve_all_job_defs(), key=lambda j: j.name)
         if not job.name.startswith("__")
     }

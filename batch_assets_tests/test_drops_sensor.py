@@ -16,8 +16,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batch_assets.definitions import build_definitions, pipeline_job_name
-from batch_assets.storage.drop_files import find_drop_file, list_drop_files, partition_key_for, partitions_def_name, skip_reason
 from batch_assets.dagster_defs.sensors import (
     LAUNCHED_BY_TAG,
     REPLACED_TAG,
@@ -28,7 +26,15 @@ from batch_assets.dagster_defs.sensors import (
     encode_cursor,
     requested_partitions,
 )
+from batch_assets.definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.task_spec import load_task_specs
+from batch_assets.storage.drop_files import (
+    find_drop_file,
+    list_drop_files,
+    partition_key_for,
+    partitions_def_name,
+    skip_reason,
+)
 from batch_assets.storage.errors import StorageError, scrub
 from batch_assets.storage.locations import data_root, storage_path, write_bytes_atomically
 from batch_assets_tests.conftest import drop
@@ -73,7 +79,14 @@ def test_partition_keys_are_path_safe_unique_and_accepted_by_dagster() -> None:
         assert sorted(instance.get_dynamic_partitions(partitions_def_name(TASK))) == sorted(keys)
 
 
-@given(st.lists(st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=80), min_size=2, max_size=20, unique=True))
+@given(
+    st.lists(
+        st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=80),
+        min_size=2,
+        max_size=20,
+        unique=True,
+    )
+)
 def test_partition_keys_are_safe_and_distinct_for_any_names(names: list[str]) -> None:
     names = [name.strip("/") for name in names if name.strip("/")]
     keys = {partition_key_for(name) for name in set(names)}
@@ -168,7 +181,9 @@ def test_local_drop_folder_new_replaced_in_progress_and_restart(data_dir: Path) 
         # Two new files in one tick: one backfill of both partitions (the backfill policy makes runs).
         first, cursor = tick(sensor, instance, None)
         [burst] = first.run_requests
-        assert requested_partitions(burst, TASK) == sorted([partition_key_for("posts.jsonl"), partition_key_for("team a/été.jsonl")])
+        assert requested_partitions(burst, TASK) == sorted(
+            [partition_key_for("posts.jsonl"), partition_key_for("team a/été.jsonl")]
+        )
         assert burst.tags[LAUNCHED_BY_TAG] == "sensor" and REPLACED_TAG not in burst.tags
         assert burst.asset_graph_subset.asset_keys == {dg.AssetKey([TASK, a]) for a in ASSETS}
         # The daemon submits it; the same tick evaluated again (its cursor lost) requests nothing.
@@ -202,7 +217,9 @@ def test_local_drop_folder_new_replaced_in_progress_and_restart(data_dir: Path) 
         # ones not yet validated from their current version are requested (here: none has run).
         reset, _ = tick(sensor, instance, '{"old": "format"}')
         [again] = reset.run_requests
-        assert requested_partitions(again, TASK) == sorted([partition_key_for("posts.jsonl"), partition_key_for("team a/été.jsonl")])
+        assert requested_partitions(again, TASK) == sorted(
+            [partition_key_for("posts.jsonl"), partition_key_for("team a/été.jsonl")]
+        )
         assert again.tags[REPLACED_TAG] == "true" and again.tags[REQUEST_KEY_TAG] != burst.tags[REQUEST_KEY_TAG]
 
 
@@ -252,7 +269,9 @@ def test_drop_files_are_found_by_partition_key(data_dir: Path) -> None:
         find_drop_file(TASK, "gone.jsonl")
 
 
-def test_local_writes_are_atomic_and_failures_keep_the_old_file(data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_writes_are_atomic_and_failures_keep_the_old_file(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     target = data_root() / "storage" / TASK / "validated_labels" / "posts.jsonl.parquet"
     write_bytes_atomically(target, b"old")
 

@@ -96,7 +96,8 @@ def test_drift_accuracy_and_stale_partitions(data_dir: Path, tiny_model: str) ->
         data_dir,
         "letters",
         "late.jsonl",
-        '{"text": "l0", "truth": "x"}\n{"text": "l1", "truth": "x"}\n{"text": "l2", "truth": "y"}\n{"text": "l3", "truth": ""}\n',
+        '{"text": "l0", "truth": "x"}\n{"text": "l1", "truth": "x"}\n'
+        '{"text": "l2", "truth": "y"}\n{"text": "l3", "truth": ""}\n',
     )
     with dg.instance_for_test() as instance:
         _, result = run(only_y, "early.jsonl", instance)

@@ -130,7 +130,6 @@ def test_a_failed_run_keeps_finished_chunks_and_the_rerun_infers_only_the_rest(p
 def test_rerun_after_success_reuses_everything_and_starts_no_engine(partition_dir: UPath) -> None:
     frame = formatted_frame(["a", "b", "c"])
     infer(frame, Engine(), CheckpointStore(partition_dir, "fp"))
-    starts: list[int] = []
     session = Session(Engine(fail_after=0), batch_size=2)
     out, stats = infer(frame, Engine(fail_after=0), CheckpointStore(partition_dir, "fp"), batch_size=2, session=session)
     assert stats.rows_from_checkpoint == 3 and stats.rows_inferred == 0 and session.starts == 0

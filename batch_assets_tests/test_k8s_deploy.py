@@ -19,8 +19,8 @@ from batch_assets_tests.conftest import REPO_ROOT
 
 dagster_k8s = pytest.importorskip("dagster_k8s", reason="dagster-k8s is not installed (pip install -e '.[test]')")
 from dagster._config import process_config, resolve_to_config_type  # noqa: E402
-from dagster._core.utils import make_new_run_id  # noqa: E402
 from dagster._core.instance.config import dagster_instance_config  # noqa: E402
+from dagster._core.utils import make_new_run_id  # noqa: E402
 from dagster._serdes.config_class import ConfigurableClassData  # noqa: E402
 from dagster_k8s.job import construct_dagster_k8s_job, get_job_name_from_run_id  # noqa: E402
 
@@ -255,6 +255,8 @@ def test_a_burst_of_drops_for_a_four_gpu_task_asks_for_four_gpus_per_backfill_ru
     defs = build_definitions(tasks=[task])
     job_def = defs.resolve_job_def(pipeline_job_name(task.name))
     drops = [DropFile(f"customers-{i}.csv", UPath("/drops"), f"v{i}") for i in range(3)]
-    _, request = backfill_request_for(task.name, drops, defs.resolve_asset_graph(), replaced=False, job_tags=job_def.tags)
+    _, request = backfill_request_for(
+        task.name, drops, defs.resolve_asset_graph(), replaced=False, job_tags=job_def.tags
+    )
     pod = run_pod_job(build_launcher(kubeconfig), tags=dict(request.tags)).spec.template.spec
     assert pod.containers[0].resources.limits["nvidia.com/gpu"] == "4"

@@ -10,6 +10,7 @@ finished batches resume from checkpoints, and the API key never shows up in what
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -98,10 +99,8 @@ class FaultServer:
                     self.wfile.write(data)
                 elif action == "slow":
                     time.sleep(server.slow_seconds)
-                    try:
+                    with contextlib.suppress(OSError):  # the client gave up already
                         self._completion(body)
-                    except OSError:  # the client gave up already
-                        pass
                 else:
                     time.sleep(server.ok_delay)
                     self._completion(body)

@@ -73,21 +73,32 @@ def test_a_range_run_equals_one_run_per_partition(data_dir: Path, tiny_model: st
             for asset in ASSETS:
                 metadata = materialization_metadata(instance, asset, key)
                 assert metadata["rows"] == rows, (asset, key)
-                assert instance.fetch_materializations(
-                    dg.AssetRecordsFilter(asset_key=dg.AssetKey([TASK, asset]), asset_partitions=[key]), limit=5
-                ).records[0].run_id == result.run_id
+                assert (
+                    instance.fetch_materializations(
+                        dg.AssetRecordsFilter(asset_key=dg.AssetKey([TASK, asset]), asset_partitions=[key]), limit=5
+                    )
+                    .records[0]
+                    .run_id
+                    == result.run_id
+                )
             assert materialization_metadata(instance, "inference_outputs", key)["rows_inferred"] == rows
             assert materialization_metadata(instance, "raw_prompts", key)["source_file"] == key
 
         # One evaluation per check of the task and partition, each recorded against that partition.
-        checks = {key.name for key in build_definitions().resolve_asset_graph().asset_check_keys if key.asset_key.path[0] == TASK}
-        assert BLOCKING_CHECKS < checks
+        checks = {
+            key.name
+            for key in build_definitions().resolve_asset_graph().asset_check_keys
+            if key.asset_key.path[0] == TASK
+        }
+        assert checks > BLOCKING_CHECKS
         evaluations = result.get_asset_check_evaluations()
         assert sorted((e.check_name, e.partition) for e in evaluations) == sorted(
             (check, key) for check in checks for key in keys
         )
         assert all(e.passed for e in evaluations if e.check_name in BLOCKING_CHECKS)
-        one_row = {e.partition: e.metadata["output_rows"].value for e in evaluations if e.check_name == "one_row_per_record"}
+        one_row = {
+            e.partition: e.metadata["output_rows"].value for e in evaluations if e.check_name == "one_row_per_record"
+        }
         assert one_row == dict(zip(keys, (4, 7, 2), strict=True))
         # The instance records them per partition too (what the UI shows on each partition).
         check_key = dg.AssetCheckKey(dg.AssetKey([TASK, "validated_labels"]), "labels_are_valid")
@@ -101,7 +112,11 @@ def test_a_range_run_equals_one_run_per_partition(data_dir: Path, tiny_model: st
 def test_a_bad_file_fails_its_range_before_the_engine_and_a_rerun_infers_nothing_twice(
     data_dir: Path, tiny_model: str
 ) -> None:
-    files = {"good1.csv": customers_csv(0, 3), "broken.parquet": b"not a parquet file", "good2.csv": customers_csv(5, 2)}
+    files = {
+        "good1.csv": customers_csv(0, 3),
+        "broken.parquet": b"not a parquet file",
+        "good2.csv": customers_csv(5, 2),
+    }
     with dg.instance_for_test() as instance:
         keys = drop_files(data_dir, instance, files)
         result = run_range(instance, keys)

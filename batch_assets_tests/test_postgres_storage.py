@@ -11,6 +11,7 @@ materializations and check results of every partition must all land in Postgres.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -26,9 +27,8 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from dagster._core.execution.backfill import BulkActionStatus
-
 import yaml
+from dagster._core.execution.backfill import BulkActionStatus
 
 from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
@@ -43,7 +43,9 @@ RUNS_TIMEOUT_S = 900
 
 def postgres_bin_dir() -> Path | None:
     """Debian keeps the server binaries in /usr/lib/postgresql/<version>/bin, off the PATH."""
-    versions = sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0)
+    versions = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0
+    )
     for candidate in reversed(versions):
         if (candidate / "initdb").exists() and (candidate / "pg_ctl").exists():
             return candidate
@@ -76,9 +78,12 @@ class PostgresServer:
         }
 
     def query(self, sql: str) -> list[tuple]:
-        with psycopg2.connect(
-            host=self.host, port=self.port, user=self.username, password=self.password, dbname=self.db_name
-        ) as connection, connection.cursor() as cursor:
+        with (
+            psycopg2.connect(
+                host=self.host, port=self.port, user=self.username, password=self.password, dbname=self.db_name
+            ) as connection,
+            connection.cursor() as cursor,
+        ):
             cursor.execute(sql)
             return cursor.fetchall()
 
@@ -87,7 +92,10 @@ class PostgresServer:
 def postgres() -> Iterator[PostgresServer]:
     bin_dir = postgres_bin_dir()
     if bin_dir is None:
-        pytest.skip("PostgreSQL server binaries not found: install Debian's postgresql (scripts/install_system_deps.sh does it as root)")
+        pytest.skip(
+            "PostgreSQL server binaries not found: install Debian's postgresql "
+            "(scripts/install_system_deps.sh does it as root)"
+        )
     # initdb refuses to run as root: run the server as the `postgres` user the Debian package creates.
     run_as: list[str] = []
     owner = None
@@ -111,12 +119,33 @@ def postgres() -> Iterator[PostgresServer]:
         return subprocess.run([*run_as, *args], capture_output=True, text=True, timeout=120, **kwargs)
 
     initdb = pg(
-        str(bin_dir / "initdb"), "-D", str(data), "-U", "dagster", f"--pwfile={root / 'pwfile'}",
-        "--auth-host=scram-sha-256", "--auth-local=trust", "-E", "UTF8", "--locale=C",
+        str(bin_dir / "initdb"),
+        "-D",
+        str(data),
+        "-U",
+        "dagster",
+        f"--pwfile={root / 'pwfile'}",
+        "--auth-host=scram-sha-256",
+        "--auth-local=trust",
+        "-E",
+        "UTF8",
+        "--locale=C",
     )
     assert initdb.returncode == 0, initdb.stderr
     options = f"-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories={root} -c fsync=off"
-    started = pg(str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log"), "-w", "-t", "60", "-o", options, "start")
+    started = pg(
+        str(bin_dir / "pg_ctl"),
+        "-D",
+        str(data),
+        "-l",
+        str(root / "server.log"),
+        "-w",
+        "-t",
+        "60",
+        "-o",
+        options,
+        "start",
+    )
     assert started.returncode == 0, started.stderr + started.stdout
     try:
         connection = psycopg2.connect(host="127.0.0.1", port=port, user="dagster", password=password, dbname="postgres")
@@ -139,10 +168,8 @@ def stop(process: subprocess.Popen) -> None:
         pass
     except ProcessLookupError:
         return
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     process.wait()
 
 
@@ -166,7 +193,9 @@ def test_a_burst_of_drops_becomes_a_backfill_of_grouped_runs_recorded_in_postgre
         config.write("\ncode_servers:\n  local_startup_timeout: 900\n")
     # The shipped sentiment task, with ranges of at most two partitions per run.
     sentiment = yaml.safe_load((BUNDLED_TASKS_DIR / "sentiment.yaml").read_text(encoding="utf-8"))
-    (tasks / "sentiment.yaml").write_text(yaml.safe_dump({**sentiment, "runs": {"max_partitions_per_run": 2}}), encoding="utf-8")
+    (tasks / "sentiment.yaml").write_text(
+        yaml.safe_dump({**sentiment, "runs": {"max_partitions_per_run": 2}}), encoding="utf-8"
+    )
     # Three drops: four real posts, then two files of posts with an empty text, which become error
     # rows without reaching the engine (one engine start on a CPU is the slow part of this test).
     lines = (SAMPLES / "sentiment" / "posts-sample.jsonl").read_text(encoding="utf-8").splitlines()
@@ -193,7 +222,11 @@ def test_a_burst_of_drops_becomes_a_backfill_of_grouped_runs_recorded_in_postgre
 
     started = subprocess.run(
         [str(bin_dir / "dagster"), "sensor", "start", "-w", "workspace.yaml", SENSOR],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert started.returncode == 0, started.stdout + started.stderr
 
@@ -201,7 +234,11 @@ def test_a_burst_of_drops_becomes_a_backfill_of_grouped_runs_recorded_in_postgre
     log = tmp_path / "daemon.log"
     daemon = subprocess.Popen(
         [str(bin_dir / "dagster-daemon"), "run", "-w", "workspace.yaml"],
-        cwd=REPO_ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + RUNS_TIMEOUT_S
@@ -210,17 +247,23 @@ def test_a_burst_of_drops_becomes_a_backfill_of_grouped_runs_recorded_in_postgre
             backfills = instance.get_backfills()
             if backfills and backfills[0].status.value not in ("REQUESTED", "CANCELING"):
                 break
-            assert time.monotonic() < deadline, f"backfill not finished in {RUNS_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, (
+                f"backfill not finished in {RUNS_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
+            )
             time.sleep(3)
         # A single new file later is one run of its partition, not a backfill.
         (zone / "posts-d.jsonl").write_text(empty, encoding="utf-8")
         deadline = time.monotonic() + RUNS_TIMEOUT_S
         while True:
             assert daemon.poll() is None, f"dagster-daemon exited:\n{log.read_text()[-3000:]}"
-            single = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/partition": partition_key_for("posts-d.jsonl")}))
+            single = instance.get_runs(
+                filters=dg.RunsFilter(tags={"dagster/partition": partition_key_for("posts-d.jsonl")})
+            )
             if single and single[0].is_finished:
                 break
-            assert time.monotonic() < deadline, f"single run not finished in {RUNS_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, (
+                f"single run not finished in {RUNS_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
+            )
             time.sleep(3)
     finally:
         stop(daemon)
@@ -248,7 +291,9 @@ def test_a_burst_of_drops_becomes_a_backfill_of_grouped_runs_recorded_in_postgre
         assert records and records[0].asset_materialization.metadata["rows"].value == expected_rows
     evaluations = [
         record.event_log_entry.dagster_event.event_specific_data
-        for record in instance.get_event_records(dg.EventRecordsFilter(event_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION))
+        for record in instance.get_event_records(
+            dg.EventRecordsFilter(event_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)
+        )
     ]
     passed = {(e.partition, e.check_name) for e in evaluations if e.passed}
     for key in keys:
@@ -260,11 +305,14 @@ def test_a_burst_of_drops_becomes_a_backfill_of_grouped_runs_recorded_in_postgre
     flagged = next(e for e in evaluations if e.partition == empty_key and e.check_name == "error_share_below_threshold")
     assert not flagged.passed
     assert flagged.metadata["failed_row_ids"].value == [0, 1]
-    assert flagged.metadata["rows_file"].value == str(data / "storage" / "sentiment" / "validated_labels" / f"{empty_key}.parquet")
+    assert flagged.metadata["rows_file"].value == str(
+        data / "storage" / "sentiment" / "validated_labels" / f"{empty_key}.parquet"
+    )
     # The first two partitions were processed in one run, the third in another.
     inference = {
         key: instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=dg.AssetKey(["sentiment", "inference_outputs"]), asset_partitions=[key]), limit=1
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey(["sentiment", "inference_outputs"]), asset_partitions=[key]),
+            limit=1,
         ).records[0]
         for key in keys
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
 import io
@@ -347,10 +348,8 @@ def test_any_csv_body_after_a_valid_header_never_raises(body: bytes) -> None:
 @settings(max_examples=200, deadline=None)
 @given(data=st.binary(max_size=200))
 def test_any_bytes_as_parquet_is_a_file_error_or_rows(data: bytes) -> None:
-    try:
+    with contextlib.suppress(DropFileError):
         check_shape(read_prompts(data, "any.parquet", TEXT))
-    except DropFileError:
-        pass
 
 
 JSON_VALUES = st.recursive(

@@ -27,8 +27,6 @@ import pytest
 import s3fs
 from moto.server import ThreadedMotoServer
 
-from batch_assets.definitions import build_definitions, pipeline_job_name
-from batch_assets.storage.drop_files import list_drop_files, partition_key_for, partitions_def_name
 from batch_assets.dagster_defs.sensors import (
     REPLACED_TAG,
     SOURCE_FILE_TAG,
@@ -36,7 +34,9 @@ from batch_assets.dagster_defs.sensors import (
     partition_ranges,
     requested_partitions,
 )
+from batch_assets.definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.task_spec import load_task_specs
+from batch_assets.storage.drop_files import list_drop_files, partition_key_for, partitions_def_name
 from batch_assets.storage.errors import StorageError
 
 BUCKET = "batch-bucket"
@@ -67,7 +67,9 @@ def _post(url: str, data: bytes = b"") -> None:
     urllib.request.urlopen(request, timeout=30).read()
 
 
-def use_endpoint(monkeypatch: pytest.MonkeyPatch, endpoint: str, key: str = "AKIAIOSFODNN7EXAMPLE", secret: str = SECRET) -> None:
+def use_endpoint(
+    monkeypatch: pytest.MonkeyPatch, endpoint: str, key: str = "AKIAIOSFODNN7EXAMPLE", secret: str = SECRET
+) -> None:
     """Point s3fs and boto3 at `endpoint` through the standard AWS variables only."""
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", key)
@@ -90,7 +92,9 @@ class S3:
         return [item["Key"] for page in pages for item in page.get("Contents", [])]
 
     def read_output(self, asset: str, partition_key: str, task: str = TASK) -> pl.DataFrame:
-        body = self.client.get_object(Bucket=BUCKET, Key=f"{PREFIX}/storage/{task}/{asset}/{partition_key}.parquet")["Body"]
+        body = self.client.get_object(Bucket=BUCKET, Key=f"{PREFIX}/storage/{task}/{asset}/{partition_key}.parquet")[
+            "Body"
+        ]
         return pl.read_parquet(io.BytesIO(body.read()))
 
 
@@ -116,7 +120,9 @@ def sentiment_sensor(defs: dg.Definitions) -> dg.SensorDefinition:
     return next(sensor for sensor in defs.sensors if sensor.name == SENSOR)
 
 
-def tick(sensor: dg.SensorDefinition, instance: dg.DagsterInstance, cursor: str | None) -> tuple[dg.SensorResult, str | None]:
+def tick(
+    sensor: dg.SensorDefinition, instance: dg.DagsterInstance, cursor: str | None
+) -> tuple[dg.SensorResult, str | None]:
     """Evaluate one tick and apply its partition requests, as the daemon does."""
     result = sensor(dg.build_sensor_context(instance=instance, cursor=cursor, definitions=build_definitions()))
     for request in result.dynamic_partitions_requests or []:
@@ -127,7 +133,9 @@ def tick(sensor: dg.SensorDefinition, instance: dg.DagsterInstance, cursor: str 
 def execute(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunRequest):
     """Run what the sensor requested, with its partition and tags, as the daemon's run would."""
     job = defs.resolve_job_def(pipeline_job_name(TASK))
-    return job.execute_in_process(instance=instance, partition_key=request.partition_key, tags=request.tags, raise_on_error=False)
+    return job.execute_in_process(
+        instance=instance, partition_key=request.partition_key, tags=request.tags, raise_on_error=False
+    )
 
 
 def execute_backfill(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunRequest) -> list:
@@ -139,7 +147,11 @@ def execute_backfill(defs: dg.Definitions, instance: dg.DagsterInstance, request
     return [
         job.execute_in_process(
             instance=instance,
-            tags={**request.tags, "dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]},
+            tags={
+                **request.tags,
+                "dagster/asset_partition_range_start": keys[0],
+                "dagster/asset_partition_range_end": keys[-1],
+            },
             raise_on_error=False,
         )
         for keys in partition_ranges(ordered, requested_partitions(request, TASK), task.runs.max_partitions_per_run)
@@ -278,7 +290,9 @@ def all_log_text(instance: dg.DagsterInstance, run_id: str) -> str:
     return "\n".join(dg.serialize_value(record) for record in instance.all_logs(run_id))
 
 
-def test_endpoint_down_fails_the_tick_and_the_run_naming_url_and_cause(s3: S3, monkeypatch: pytest.MonkeyPatch, tiny_model: str) -> None:
+def test_endpoint_down_fails_the_tick_and_the_run_naming_url_and_cause(
+    s3: S3, monkeypatch: pytest.MonkeyPatch, tiny_model: str
+) -> None:
     s3.put("posts.jsonl", POSTS_A)
     down = f"http://127.0.0.1:{free_port()}"
     use_endpoint(monkeypatch, down)
@@ -368,10 +382,14 @@ def test_s3_timeouts_are_settings_with_clear_errors(monkeypatch: pytest.MonkeyPa
         s3_storage_options()
 
 
-def test_missing_bucket_fails_the_tick_and_the_run_naming_url_and_cause(s3: S3, monkeypatch: pytest.MonkeyPatch, tiny_model: str) -> None:
+def test_missing_bucket_fails_the_tick_and_the_run_naming_url_and_cause(
+    s3: S3, monkeypatch: pytest.MonkeyPatch, tiny_model: str
+) -> None:
     monkeypatch.setenv("BATCH_ASSETS_DATA", "s3://no-such-bucket/batch")
     with dg.instance_for_test() as instance:
-        with pytest.raises(StorageError, match=r"s3://no-such-bucket/batch/drops/sentiment failed: the bucket does not exist"):
+        with pytest.raises(
+            StorageError, match=r"s3://no-such-bucket/batch/drops/sentiment failed: the bucket does not exist"
+        ):
             tick(sentiment_sensor(build_definitions()), instance, None)
         result = run_partition_expecting_failure(instance)
         text = failure_text(result)
@@ -381,7 +399,9 @@ def test_missing_bucket_fails_the_tick_and_the_run_naming_url_and_cause(s3: S3, 
     assert "no-such-bucket" not in [bucket["Name"] for bucket in s3.client.list_buckets()["Buckets"]]
 
 
-def test_access_denied_fails_the_run_naming_url_with_nothing_materialized(s3: S3, monkeypatch: pytest.MonkeyPatch, tiny_model: str) -> None:
+def test_access_denied_fails_the_run_naming_url_with_nothing_materialized(
+    s3: S3, monkeypatch: pytest.MonkeyPatch, tiny_model: str
+) -> None:
     s3.put("posts.jsonl", POSTS_A)
     iam = boto3.client("iam")
     iam.create_user(UserName="reader")
@@ -516,7 +536,9 @@ def throttling(s3: S3, monkeypatch: pytest.MonkeyPatch) -> Iterator[ThrottlingPr
     proxy.close()
 
 
-def test_throttled_writes_are_retried_and_the_run_succeeds(s3: S3, throttling: ThrottlingProxy, tiny_model: str) -> None:
+def test_throttled_writes_are_retried_and_the_run_succeeds(
+    s3: S3, throttling: ThrottlingProxy, tiny_model: str
+) -> None:
     s3.put("posts.jsonl", POSTS_A)
     throttling.throttle("PUT", f"/{PREFIX}/storage/", times=3)
     with dg.instance_for_test() as instance:

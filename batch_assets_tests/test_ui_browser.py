@@ -8,6 +8,7 @@ as a partition; then drives Debian's Chromium with Playwright like a user would.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -97,10 +98,8 @@ def stop(server: subprocess.Popen) -> None:
         pass
     except ProcessLookupError:
         return
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(server.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     server.wait()
 
 

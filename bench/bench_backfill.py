@@ -44,7 +44,10 @@ def make_files(folder: Path, partitions: int, rows: int) -> list[Path]:
     files = []
     for index in range(partitions):
         path = folder / f"customers-{index:02d}.csv"
-        subprocess.run([sys.executable, str(HERE / "generate_customers.py"), str(rows), str(path), "--seed", str(1000 + index)], check=True)
+        subprocess.run(
+            [sys.executable, str(HERE / "generate_customers.py"), str(rows), str(path), "--seed", str(1000 + index)],
+            check=True,
+        )
         files.append(path)
     return files
 
@@ -111,8 +114,8 @@ def submit_backfill(instance, keys: list[str]) -> None:
     from dagster._core.execution.backfill import PartitionBackfill
     from dagster._core.utils import make_new_backfill_id
 
-    from batch_assets.definitions import build_definitions
     from batch_assets.dagster_defs.sensors import PIPELINE_ASSETS
+    from batch_assets.definitions import build_definitions
 
     graph = build_definitions().resolve_asset_graph()
     subset = AssetGraphSubset.from_asset_partition_set(
@@ -120,8 +123,14 @@ def submit_backfill(instance, keys: list[str]) -> None:
     )
     instance.add_backfill(
         PartitionBackfill.from_asset_graph_subset(
-            backfill_id=make_new_backfill_id(), dynamic_partitions_store=instance, backfill_timestamp=time.time(),
-            asset_graph_subset=subset, tags={}, title="bench re-run", description=None, run_config=None,
+            backfill_id=make_new_backfill_id(),
+            dynamic_partitions_store=instance,
+            backfill_timestamp=time.time(),
+            asset_graph_subset=subset,
+            tags={},
+            title="bench re-run",
+            description=None,
+            run_config=None,
         )
     )
 
@@ -134,18 +143,38 @@ def daemon_side(files: list[Path], work: Path) -> dict:
     home, data = work / "home", work / "data"
     home.mkdir(parents=True)
     shutil.copyfile(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
-    env = {**os.environ, "DAGSTER_HOME": str(home), "BATCH_ASSETS_DATA": str(data), "BATCH_ASSETS_TASKS_DIR": str(task_folder(work))}
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "BATCH_ASSETS_DATA": str(data),
+        "BATCH_ASSETS_TASKS_DIR": str(task_folder(work)),
+    }
     sensor = f"{TASK}_drops_sensor"
-    subprocess.run([str(VENV_BIN / "dagster"), "sensor", "start", "-w", "workspace.yaml", sensor], cwd=REPO_ROOT, env=env, check=True, capture_output=True)
+    subprocess.run(
+        [str(VENV_BIN / "dagster"), "sensor", "start", "-w", "workspace.yaml", sensor],
+        cwd=REPO_ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     log = work / "daemon.log"
-    daemon = subprocess.Popen([str(VENV_BIN / "dagster-daemon"), "run", "-w", "workspace.yaml"], cwd=REPO_ROOT, env=env,
-                              stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    daemon = subprocess.Popen(
+        [str(VENV_BIN / "dagster-daemon"), "run", "-w", "workspace.yaml"],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     keys = [partition_key_for(f.name) for f in files]
     try:
         os.environ.update({k: env[k] for k in ("DAGSTER_HOME", "BATCH_ASSETS_DATA", "BATCH_ASSETS_TASKS_DIR")})
         instance = dg.DagsterInstance.get()
         deadline = time.monotonic() + 300
-        while not any(s.name == sensor and list(instance.get_ticks(s.instigator_origin_id, s.selector_id)) for s in instance.all_instigator_state()):
+        while not any(
+            s.name == sensor and list(instance.get_ticks(s.instigator_origin_id, s.selector_id))
+            for s in instance.all_instigator_state()
+        ):
             assert time.monotonic() < deadline, f"no sensor tick in 300 s:\n{log.read_text()[-3000:]}"
             time.sleep(1)
 
@@ -182,8 +211,13 @@ def plain_side(files: list[Path], work: Path) -> dict:
     combined = work / "customers-all.csv"
     pl.concat([pl.read_csv(f, infer_schema=False) for f in files]).write_csv(combined)
     started = time.perf_counter()
-    out = subprocess.run([sys.executable, str(HERE / "plain_vllm_script.py"), str(combined), str(work / "out.parquet")],
-                         cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, str(HERE / "plain_vllm_script.py"), str(combined), str(work / "out.parquet")],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     wall = time.perf_counter() - started
     # vLLM logs to stdout too: the script's result is its last JSON line.
     result = next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{"))
@@ -202,12 +236,19 @@ def main() -> None:
     print(json.dumps({"daemon": daemon, "plain": plain}), flush=True)
     burst, rerun = daemon["burst"], daemon["rerun"]
     print(f"\n{args.partitions} drop files x {args.rows} rows:")
-    print(f"  burst through the sensor and daemon: {burst['wall']:7.1f} s in {burst['runs']} run(s), "
-          f"{burst['backfills']} backfill(s), {burst['rows_inferred']} rows inferred")
-    print(f"  plain one-call vLLM script:          {plain['wall']:7.1f} s (engine start {plain['engine_start_seconds']:.1f} s)")
+    print(
+        f"  burst through the sensor and daemon: {burst['wall']:7.1f} s in {burst['runs']} run(s), "
+        f"{burst['backfills']} backfill(s), {burst['rows_inferred']} rows inferred"
+    )
+    print(
+        f"  plain one-call vLLM script:          {plain['wall']:7.1f} s "
+        f"(engine start {plain['engine_start_seconds']:.1f} s)"
+    )
     print(f"  ratio burst / plain:                 {burst['wall'] / plain['wall']:7.3f}")
-    print(f"  re-run of every partition (cached):  {rerun['wall']:7.1f} s in {rerun['runs']} run(s), "
-          f"{rerun['rows_from_cache']} rows from cache, {rerun['rows_inferred']} inferred")
+    print(
+        f"  re-run of every partition (cached):  {rerun['wall']:7.1f} s in {rerun['runs']} run(s), "
+        f"{rerun['rows_from_cache']} rows from cache, {rerun['rows_inferred']} inferred"
+    )
 
 
 if __name__ == "__main__":

@@ -88,10 +88,12 @@ def start_server(model: str, log_path: Path) -> tuple[subprocess.Popen, str]:
         try:
             with urllib.request.urlopen(f"{base_url}/models", timeout=2):
                 return process, base_url
-        except OSError:
+        except OSError as exc:
             if process.poll() is not None or time.monotonic() > deadline:
                 stop_server(process)
-                raise SystemExit(f"vllm serve failed to start:\n{log_path.read_text(errors='replace')[-3000:]}")
+                raise SystemExit(
+                    f"vllm serve failed to start:\n{log_path.read_text(errors='replace')[-3000:]}"
+                ) from exc
             time.sleep(1)
 
 

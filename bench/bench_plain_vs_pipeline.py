@@ -107,7 +107,8 @@ def main() -> None:
 
         print(f"\nrows {args.rows}, repeat share {args.repeat_share}, {args.runs} runs each, medians:")
         print(
-            f"  plain script : wall {med(plains, 'wall'):7.1f} s  engine {med(plains, 'engine_rows_per_s'):6.1f} rows/s  "
+            f"  plain script : wall {med(plains, 'wall'):7.1f} s  "
+            f"engine {med(plains, 'engine_rows_per_s'):6.1f} rows/s  "
             f"{med(plains, 'tokens_per_s'):7.1f} gen tok/s"
         )
         print(

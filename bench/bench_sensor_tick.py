@@ -188,7 +188,8 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for row in rows:
         print(
-            f"| {row['where']} | {row['scenario']} | {row['median_s']:.2f} | {row['min_s']:.2f}–{row['max_s']:.2f} | {row['detail']} |"
+            f"| {row['where']} | {row['scenario']} | {row['median_s']:.2f} | "
+            f"{row['min_s']:.2f}–{row['max_s']:.2f} | {row['detail']} |"
         )
 
 

@@ -12,28 +12,35 @@ The row-level work lives in pure modules (parsing, formatting, inference, valida
 is the Dagster glue: reading the drop, calling them, and reporting metadata.
 """
 
-
 import time
+from typing import Any, cast
 
 import dagster as dg
 import polars as pl
 from pydantic import Field
 
-from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts
-from batch_assets.pipeline.openai_batch import accepted_model_names, batch_prompt_encoder, format_batch_prompts
-from batch_assets.pipeline.openai_batch_output import batch_files, jsonl_bytes, validate_batch_outputs
-from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
-from batch_assets.storage.result_cache import ResultCache
-from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
-from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions, read_prompts
-from batch_assets.storage.drop_files import drop_partitions, find_drop_file
-from batch_assets.engines.protocol import EngineSession, EngineSettings, EngineStartError, engine_for, engine_kind, prompt_encoder
+from batch_assets.engines.protocol import (
+    EngineSession,
+    EngineSettings,
+    EngineStartError,
+    engine_for,
+    engine_kind,
+    prompt_encoder,
+)
 from batch_assets.pipeline.budget import actual_cost_metadata, estimate_cost
 from batch_assets.pipeline.code_versions import code_versions
+from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts
 from batch_assets.pipeline.label_quality import accuracy_report
+from batch_assets.pipeline.openai_batch import accepted_model_names, batch_prompt_encoder, format_batch_prompts
+from batch_assets.pipeline.openai_batch_output import batch_files, jsonl_bytes, validate_batch_outputs
+from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions, read_prompts
+from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
 from batch_assets.pipeline.task_spec import TaskSpec
-from batch_assets.storage.locations import checkpoint_dir, task_storage_dir, write_bytes_atomically
 from batch_assets.pipeline.validate_labels import validate_labels
+from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
+from batch_assets.storage.drop_files import drop_partitions, find_drop_file
+from batch_assets.storage.locations import checkpoint_dir, task_storage_dir, write_bytes_atomically
+from batch_assets.storage.result_cache import ResultCache
 
 IO_MANAGER_KEY = "parquet_storage"
 PREVIEW_ROWS = 5
@@ -46,7 +53,8 @@ class InferenceConfig(dg.Config):
         default=True,
         description=(
             "Reuse results cached by earlier runs (same model, prompt and sampling; deterministic decoding only) "
-            "and add new ones. Set false to infer every row again, e.g. when an endpoint now serves other weights under the same name."
+            "and add new ones. Set false to infer every row again, e.g. when an endpoint now serves other weights "
+            "under the same name."
         ),
     )
 
@@ -56,8 +64,12 @@ def asset_key(task: str, asset: str) -> dg.AssetKey:
 
 
 def error_code_counts(frame: pl.DataFrame) -> dict[str, int]:
-    codes = frame.filter(pl.col("error").is_not_null()).select(pl.col("error").str.extract(r"^([a-z_]+):", 1).alias("code"))
-    return {row["code"] or "other": row["count"] for row in codes.group_by("code").len(name="count").sort("code").to_dicts()}
+    codes = frame.filter(pl.col("error").is_not_null()).select(
+        pl.col("error").str.extract(r"^([a-z_]+):", 1).alias("code")
+    )
+    return {
+        row["code"] or "other": row["count"] for row in codes.group_by("code").len(name="count").sort("code").to_dicts()
+    }
 
 
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
@@ -72,7 +84,9 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
 
 
 def label_counts(labels: pl.DataFrame) -> dict[str, int]:
-    counts = labels.filter(pl.col("label").is_not_null()).group_by("label").len(name="count").sort("count", descending=True)
+    counts = (
+        labels.filter(pl.col("label").is_not_null()).group_by("label").len(name="count").sort("count", descending=True)
+    )
     return {str(row["label"]): int(row["count"]) for row in counts.to_dicts()}
 
 
@@ -88,8 +102,10 @@ def stale_partitions_condition() -> dg.AutomationCondition:
     upstream partition was updated by a run that did not include this asset; then held until the
     partition is requested. New partitions are left to the drops sensor (`~missing`).
     """
+    changed = dg.AutomationCondition.code_version_changed() | dg.AutomationCondition.any_deps_updated()
     return (
-        (dg.AutomationCondition.code_version_changed() | dg.AutomationCondition.any_deps_updated()).since_last_handled()
+        # dagster types since_last_handled's self as a condition over asset and check keys
+        changed.since_last_handled()  # type: ignore[misc]
         & ~dg.AutomationCondition.missing()
         & ~dg.AutomationCondition.any_deps_missing()
         & ~dg.AutomationCondition.any_deps_in_progress()
@@ -144,7 +160,12 @@ def inference_fingerprint(task: TaskSpec, settings: EngineSettings) -> str:
 
 
 def inference_metadata(
-    task: TaskSpec, settings: EngineSettings, session: EngineSession, frame: pl.DataFrame, stats: InferenceStats, fingerprint: str
+    task: TaskSpec,
+    settings: EngineSettings,
+    session: EngineSession,
+    frame: pl.DataFrame,
+    stats: InferenceStats,
+    fingerprint: str,
 ) -> dict:
     return {
         "rows": stats.rows,
@@ -179,26 +200,33 @@ def inference_metadata(
 def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     name = task.name
     partitions = drop_partitions(name)
-    common = dict(
-        key_prefix=[name],
-        group_name=name,
-        partitions_def=partitions,
-        io_manager_key=IO_MANAGER_KEY,
-        kinds={"parquet"},
-        backfill_policy=dg.BackfillPolicy.multi_run(task.runs.max_partitions_per_run),
+    # Shared keyword arguments of the four assets (`Any`: dg.asset's overloads type each one).
+    common: dict[str, Any] = {
+        "key_prefix": [name],
+        "group_name": name,
+        "partitions_def": partitions,
+        "io_manager_key": IO_MANAGER_KEY,
+        "kinds": {"parquet"},
+        "backfill_policy": dg.BackfillPolicy.multi_run(task.runs.max_partitions_per_run),
+    }
+    parse_options = ParseOptions(
+        text_fields=tuple(task.input.text_fields), txt_field=task.input.txt_field, format=task.input.format
     )
-    parse_options = ParseOptions(text_fields=tuple(task.input.text_fields), txt_field=task.input.txt_field, format=task.input.format)
     # OpenAI Batch API files: each line brings its own messages and sampling (pipeline/openai_batch.py).
     batch_format = task.input.format == "openai_batch"
     # The task's engine kind names its resource (in-process vLLM or an endpoint), pool and display name.
     kind = engine_kind(task)
     versions = code_versions(task)
     automation = stale_partitions_condition() if task.automation.rematerialize_stale else None
-    prompt_format = None if task.prompt is None else PromptFormat(
-        system=task.prompt.system,
-        template=task.prompt.template,
-        raw_template=task.prompt.raw_template,
-        text_fields=tuple(task.input.text_fields),
+    prompt_format = (
+        None
+        if task.prompt is None
+        else PromptFormat(
+            system=task.prompt.system,
+            template=task.prompt.template,
+            raw_template=task.prompt.raw_template,
+            text_fields=tuple(task.input.text_fields),
+        )
     )
 
     @dg.asset(
@@ -238,7 +266,9 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
             first = frame.filter(pl.col("error").is_not_null()).head(3)["error"].to_list()
             context.log.warning(f"{sum(errors.values())} unreadable record(s) in {drop.relative_path}, e.g. {first}")
         if frame.height == 0:
-            context.log.warning(f"{drop.relative_path} has no records (an empty file, or a CSV with only its header): zero rows")
+            context.log.warning(
+                f"{drop.relative_path} has no records (an empty file, or a CSV with only its header): zero rows"
+            )
         context.add_asset_metadata(
             partition_key=partition_key,
             metadata={
@@ -285,6 +315,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                     accepted_models=accepted_model_names(task.model) if task.input.require_model_match else None,
                     chat_only=llm_engine.sends_chat_messages,
                 )
+            assert prompt_format is not None  # a records task always has a prompt section (TaskSpec)
             return format_prompts(
                 raw,
                 prompt_format,
@@ -306,7 +337,8 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                     "error_rows": sum(errors.values()),
                     "errors_by_code": errors,
                     "prompt_tokens": int(frame["num_prompt_tokens"].sum() or 0),
-                    "max_prompt_tokens": int(frame["num_prompt_tokens"].max() or 0),
+                    # polars types Series.max() as any literal; an Int64 column gives an int or None
+                    "max_prompt_tokens": int(cast("int | None", frame["num_prompt_tokens"].max()) or 0),
                     "seconds": round(time.monotonic() - started, 3),
                     **estimate_cost(frame, task).metadata(),
                     "dagster/row_count": frame.height,
@@ -342,7 +374,9 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         for partition_key, frame in formatted_prompts.items():
             checkpoints = CheckpointStore(checkpoint_dir(name, partition_key), fingerprint)
             if stale := checkpoints.discard_other_fingerprints():
-                context.log.info(f"{partition_key}: removed checkpoints made with other model/sampling settings: {stale}")
+                context.log.info(
+                    f"{partition_key}: removed checkpoints made with other model/sampling settings: {stale}"
+                )
             encode = (batch_prompt_encoder if batch_format else prompt_encoder)(engine, task, tokenizer, frame)
             parts.append(PartitionInput(frame, encode, checkpoints, label=partition_key))
         try:
@@ -388,13 +422,21 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     ) -> dict[str, pl.DataFrame]:
         return {key: validate_partition(context, key, frame) for key, frame in inference_outputs.items()}
 
-    def validate_partition(context: dg.AssetExecutionContext, partition_key: str, inference_outputs: pl.DataFrame) -> pl.DataFrame:
+    def validate_partition(
+        context: dg.AssetExecutionContext, partition_key: str, inference_outputs: pl.DataFrame
+    ) -> pl.DataFrame:
         # inference_outputs is stored by now, so its checkpoints have served their purpose.
         clear_checkpoints(checkpoint_dir(name, partition_key))
-        labels = validate_batch_outputs(inference_outputs) if batch_format else validate_labels(inference_outputs, task.output)
+        labels = (
+            validate_batch_outputs(inference_outputs)
+            if batch_format
+            else validate_labels(inference_outputs, task.output)
+        )
         counts = label_counts(labels) if task.output.kind in ("choices", "regex") else {}
         errors = error_code_counts(labels)
-        preview_columns = ["custom_id", "label", "error"] if batch_format else [*task.input.text_fields, "label", "error"]
+        preview_columns = (
+            ["custom_id", "label", "error"] if batch_format else [*task.input.text_fields, "label", "error"]
+        )
         metadata: dict = write_batch_files(labels, partition_key) if batch_format else {}
         metadata |= {
             "rows": labels.height,
@@ -410,7 +452,10 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
             metadata["label_counts"] = counts
             metadata["label_distribution"] = dg.MetadataValue.md(
                 markdown_table(
-                    [{"label": k, "rows": v, "share": f"{100 * v / max(labels.height, 1):.1f}%"} for k, v in counts.items()],
+                    [
+                        {"label": k, "rows": v, "share": f"{100 * v / max(labels.height, 1):.1f}%"}
+                        for k, v in counts.items()
+                    ],
                     ["label", "rows", "share"],
                 )
             )

@@ -22,8 +22,8 @@ of any partition fails the check step, so validated_labels of the whole range is
 evaluations of the other partitions are still recorded.
 """
 
-
 from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import dagster as dg
 import polars as pl
@@ -32,17 +32,19 @@ from dagster._core.definitions.asset_checks.asset_check_evaluation import (
 )
 
 from batch_assets.dagster_defs.assets import asset_key, error_code_counts, markdown_table
-from batch_assets.storage.drop_files import drop_partitions
-from batch_assets.pipeline.task_spec import TaskSpec
-from batch_assets.storage.locations import output_path
 from batch_assets.pipeline.budget import budget_overruns, estimate_cost
 from batch_assets.pipeline.label_quality import accuracy_report, label_drift
+from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.pipeline.validate_labels import constraint_violations, parse_label
+from batch_assets.storage.drop_files import drop_partitions
+from batch_assets.storage.locations import output_path
 
 FAILED_ROWS_SHOWN = 10
 
 
-def _failed_rows_metadata(rows: pl.DataFrame, columns: list[str], task: str, asset: str, partition_key: str) -> dict:
+def _failed_rows_metadata(
+    rows: pl.DataFrame, columns: list[str], task: str, asset: str, partition_key: str
+) -> dict[str, Any]:
     """What a user needs to find the failing rows: their ids, a preview, and the file they are in."""
     shown = [c for c in columns if c in rows.columns]
     return {
@@ -104,7 +106,8 @@ def recent_label_counts(
         if event is None or event.partition in (None, partition_key) or event.partition in found:
             continue
         counts = event.metadata.get("label_counts")
-        found[event.partition] = dict(counts.value) if counts is not None else {}
+        # dagster types a metadata value as any packable value; label_counts is JSON of label -> count
+        found[event.partition] = dict(cast("dict[str, int]", counts.value)) if counts is not None else {}
         if len(found) == partitions:
             break
     return [counts for counts in found.values() if counts]
@@ -130,7 +133,11 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
             metadata = {"checked_rows": outputs.height}
             if bad.height:
                 metadata |= _failed_rows_metadata(
-                    bad, ["row_id", "source_line", "generated_text", "finish_reason"], name, "inference_outputs", partition_key
+                    bad,
+                    ["row_id", "source_line", "generated_text", "finish_reason"],
+                    name,
+                    "inference_outputs",
+                    partition_key,
                 )
             return dg.AssetCheckResult(passed=bad.height == 0, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata)
 
@@ -141,7 +148,10 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         name="labels_are_valid",
         blocking=True,
         partitions_def=partitions,
-        description="Every label is valid for the task (one of the choices / validates against the schema); rows without a label carry an error.",
+        description=(
+            "Every label is valid for the task (one of the choices / validates against the schema); "
+            "rows without a label carry an error."
+        ),
     )
     def labels_are_valid(context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame]):
         yield from evaluate_per_partition(context, lambda key: labels_valid_result(validated_labels[key], key))
@@ -157,9 +167,15 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         else:
             invalid = labelled.head(0)
         bad = pl.concat([invalid, unexplained]).sort("row_id")
-        metadata = {"labelled_rows": labelled.height, "invalid_labels": invalid.height, "null_labels_without_error": unexplained.height}
+        metadata = {
+            "labelled_rows": labelled.height,
+            "invalid_labels": invalid.height,
+            "null_labels_without_error": unexplained.height,
+        }
         if bad.height:
-            metadata |= _failed_rows_metadata(bad, ["row_id", "source_line", "label", "error"], name, "validated_labels", partition_key)
+            metadata |= _failed_rows_metadata(
+                bad, ["row_id", "source_line", "label", "error"], name, "validated_labels", partition_key
+            )
         return dg.AssetCheckResult(passed=bad.height == 0, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata)
 
     @dg.asset_check(
@@ -170,7 +186,9 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         description="Every input record has exactly one output row, with a unique row_id, in input order.",
     )
     def one_row_per_record(
-        context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame], raw_prompts: dict[str, pl.DataFrame]
+        context: dg.AssetCheckExecutionContext,
+        validated_labels: dict[str, pl.DataFrame],
+        raw_prompts: dict[str, pl.DataFrame],
     ):
         yield from evaluate_per_partition(context, lambda key: one_row_result(validated_labels[key], raw_prompts[key]))
 
@@ -197,7 +215,10 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         asset=labels_key,
         name="error_share_below_threshold",
         partitions_def=partitions,
-        description=f"Fewer than {task.checks.max_error_share:.0%} of rows carry an error (task setting `checks.max_error_share`).",
+        description=(
+            f"Fewer than {task.checks.max_error_share:.0%} of rows carry an error "
+            "(task setting `checks.max_error_share`)."
+        ),
     )
     def error_share_below_threshold(context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame]):
         yield from evaluate_per_partition(context, lambda key: error_share_result(validated_labels[key], key))
@@ -205,7 +226,7 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
     def error_share_result(validated_labels: pl.DataFrame, partition_key: str) -> dg.AssetCheckResult:
         errors = validated_labels.filter(pl.col("error").is_not_null())
         share = errors.height / validated_labels.height if validated_labels.height else 0.0
-        metadata = {
+        metadata: dict[str, Any] = {
             "error_rows": errors.height,
             "rows": validated_labels.height,
             "error_share": round(share, 4),
@@ -213,7 +234,9 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
             "errors_by_code": error_code_counts(validated_labels),
         }
         if errors.height:
-            metadata |= _failed_rows_metadata(errors, ["row_id", "source_line", "error"], name, "validated_labels", partition_key)
+            metadata |= _failed_rows_metadata(
+                errors, ["row_id", "source_line", "error"], name, "validated_labels", partition_key
+            )
         return dg.AssetCheckResult(
             passed=share <= task.checks.max_error_share, severity=dg.AssetCheckSeverity.WARN, metadata=metadata
         )
@@ -290,7 +313,7 @@ def _drift_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
             note = "no earlier partition with labels to compare with" if counts else "no labelled row in this partition"
             return dg.AssetCheckResult(passed=True, metadata={"note": f"skipped: {note}", "threshold": threshold})
         passed = report.distance <= threshold
-        metadata = {
+        metadata: dict[str, Any] = {
             "distance": report.distance,
             "threshold": threshold,
             "partitions_compared": report.partitions_compared,

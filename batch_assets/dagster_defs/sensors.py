@@ -31,20 +31,19 @@ the reason in the tick's log and skip message. At most `max_runs_per_tick` runs 
 tick (oldest files first); the rest wait for the next tick, which keeps every tick short.
 """
 
-
 import base64
 import binascii
 import hashlib
 import json
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import dagster as dg
 
 from batch_assets.dagster_defs.run_recovery import partitions_claimed_by_live_processes
-from batch_assets.storage.drop_files import DropFile, list_drop_files, partitions_def_name
 from batch_assets.pipeline.task_spec import TaskSpec
+from batch_assets.storage.drop_files import DropFile, list_drop_files, partitions_def_name
 from batch_assets.storage.locations import drop_zone
 
 SOURCE_FILE_TAG = "batch_assets/source_file"
@@ -143,7 +142,12 @@ def plan_tick(
 
 def run_request_for(drop: DropFile, replaced: bool, job_tags: Mapping[str, str] | None = None) -> dg.RunRequest:
     digest = version_digest(drop.version)
-    tags = {**(job_tags or {}), SOURCE_FILE_TAG: drop.relative_path, SOURCE_VERSION_TAG: digest, LAUNCHED_BY_TAG: "sensor"}
+    tags = {
+        **(job_tags or {}),
+        SOURCE_FILE_TAG: drop.relative_path,
+        SOURCE_VERSION_TAG: digest,
+        LAUNCHED_BY_TAG: "sensor",
+    }
     if replaced:
         tags[REPLACED_TAG] = "true"
     return dg.RunRequest(run_key=f"{drop.partition_key}@{digest}", partition_key=drop.partition_key, tags=tags)
@@ -156,8 +160,8 @@ def backfill_request_for(
     Returns the request key (see the module docstring) and the request. Backfill runs use Dagster's
     implicit asset job, so the task job's tags (a GPU count for the Kubernetes run launcher) are
     given to the backfill, which passes them to each of its runs."""
-    from dagster._core.definitions.events import AssetKeyPartitionKey
     from dagster._core.definitions.assets.graph.asset_graph_subset import AssetGraphSubset
+    from dagster._core.definitions.events import AssetKeyPartitionKey
 
     identity = "\n".join(sorted(f"{drop.partition_key}@{version_digest(drop.version)}" for drop in drops))
     request_key = hashlib.sha1(identity.encode("utf-8")).hexdigest()[:16]
@@ -177,7 +181,7 @@ def backfill_request_for(
     return request_key, dg.RunRequest.for_asset_graph_subset(subset, tags=tags)
 
 
-def partition_ranges(ordered_keys: list[str], wanted: Iterable[str], max_per_run: int) -> list[list[str]]:
+def partition_ranges(ordered_keys: Sequence[str], wanted: Iterable[str], max_per_run: int) -> list[list[str]]:
     """`wanted` split into runs the way a multi-run backfill policy splits them: ranges of keys
     adjacent in the partitions' order (dynamic partitions: the order they were added), each of at
     most `max_per_run` keys. A range start..end covers every key between, so a key not wanted
@@ -272,11 +276,14 @@ def build_drops_sensor(
         name=f"{task.name}_drops_sensor",
         asset_selection=dg.AssetSelection.assets(*(dg.AssetKey([task.name, asset]) for asset in PIPELINE_ASSETS)),
         minimum_interval_seconds=task.sensor.minimum_interval_seconds,
-        default_status=dg.DefaultSensorStatus.RUNNING if task.sensor.running_by_default else dg.DefaultSensorStatus.STOPPED,
+        default_status=dg.DefaultSensorStatus.RUNNING
+        if task.sensor.running_by_default
+        else dg.DefaultSensorStatus.STOPPED,
         description=(
-            f"Turns each new or replaced file in the `{task.name}` drop zone (`<BATCH_ASSETS_DATA>/drops/{task.name}/`) "
-            "into a partition and runs it: one file, one run; several, a backfill in runs of up to "
-            f"{task.runs.max_partitions_per_run} partitions. Skips hidden, temporary and unknown files, with the reason in the tick."
+            f"Turns each new or replaced file in the `{task.name}` drop zone "
+            f"(`<BATCH_ASSETS_DATA>/drops/{task.name}/`) into a partition and runs it: one file, one run; "
+            f"several, a backfill in runs of up to {task.runs.max_partitions_per_run} partitions. "
+            "Skips hidden, temporary and unknown files, with the reason in the tick."
         ),
     )
     def drops_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
@@ -318,6 +325,7 @@ def build_drops_sensor(
                 reason += "; " + _skipped_text(skipped)
             return dg.SensorResult(skip_reason=dg.SkipReason(reason), cursor=cursor if cursor_changed else None)
         new_partitions = sorted({drop.partition_key for drop, _ in plan.to_run} - existing)
+        assert context.repository_def is not None  # a sensor is evaluated inside its code location
         run_requests = run_requests_for(
             task.name,
             plan.to_run,

@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import cast
 
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -49,7 +50,8 @@ def gguf_path() -> Path:
         ) from exc
     for file in distribution.files or []:
         if str(file).endswith(".gguf"):
-            return Path(distribution.locate_file(file))
+            # typeshed types it as the SimplePath protocol; an installed wheel gives a pathlib.Path
+            return Path(cast(Path, distribution.locate_file(file)))
     raise RuntimeError(f"no .gguf file in the installed {GGUF_DISTRIBUTION} package")
 
 

@@ -102,8 +102,9 @@ def chat_request_params(
     }
     if sampling.seed is not None:
         params["seed"] = sampling.seed
-    if getattr(sampling, "stop", None):  # a request's own stop strings (an OpenAI batch line's `stop`)
-        params["stop"] = list(sampling.stop)
+    stop = getattr(sampling, "stop", None)  # a request's own stop strings (an OpenAI batch line's `stop`)
+    if stop:
+        params["stop"] = list(stop)
     output = output or task.output
     if not structured_outputs or output.kind == "text":
         return params
@@ -128,7 +129,8 @@ def _redact(text: str, secret: str | None) -> str:
 
 
 def _cause_names(exc: BaseException) -> set[str]:
-    names, seen = set(), exc.__cause__ or exc.__context__
+    names: set[str] = set()
+    seen = exc.__cause__ or exc.__context__
     while seen is not None and len(names) < 10:
         names.add(type(seen).__name__)
         seen = seen.__cause__ or seen.__context__
@@ -246,17 +248,17 @@ class OpenAIEngine(dg.ConfigurableResource):
             )
         check_base_url(base_url)
         base_url = base_url.rstrip("/")
-        settings = dict(
-            kind="openai",
-            base_url=base_url,
-            max_model_len=self.max_model_len or spec.max_model_len,
-            concurrency=self.concurrency or spec.concurrency,
-            request_timeout_s=self.request_timeout_s or spec.request_timeout_s,
-            max_retries=self.max_retries if self.max_retries is not None else spec.max_retries,
-            structured_outputs=self.structured_outputs,
-            api_key_source="resource" if self.api_key else f"env:{spec.api_key_env}" if spec.api_key_env else "none",
-            batch_size=spec.batch_size,
-        )
+        settings: dict[str, Any] = {
+            "kind": "openai",
+            "base_url": base_url,
+            "max_model_len": self.max_model_len or spec.max_model_len,
+            "concurrency": self.concurrency or spec.concurrency,
+            "request_timeout_s": self.request_timeout_s or spec.request_timeout_s,
+            "max_retries": self.max_retries if self.max_retries is not None else spec.max_retries,
+            "structured_outputs": self.structured_outputs,
+            "api_key_source": "resource" if self.api_key else f"env:{spec.api_key_env}" if spec.api_key_env else "none",
+            "batch_size": spec.batch_size,
+        }
         # BATCH_ASSETS_MODEL is for the in-process engine: an endpoint's model is the server's name.
         model = self.model or (spec.model if spec.model != EMBEDDED_MODEL else None)
         if model is None:
@@ -361,8 +363,13 @@ class OpenAIEngine(dg.ConfigurableResource):
                 async with gate:
                     if stop.is_set():
                         return _Failure("endpoint_error: not sent, the endpoint failed", fatal=None)
+                    assert prompt.messages is not None  # generate() refuses prompts without messages
                     try:
-                        response = await client.chat.completions.create(messages=list(prompt.messages), **params)
+                        response = await client.chat.completions.create(
+                            # plain role/content dicts: the client's message TypedDicts are stricter
+                            messages=list(prompt.messages),  # type: ignore[arg-type]
+                            **params,
+                        )
                     except openai.APIError as exc:
                         failure = classify_failure(
                             exc,
@@ -377,7 +384,8 @@ class OpenAIEngine(dg.ConfigurableResource):
                         return failure
                     except Exception as exc:  # e.g. a reply that is not a chat completion: this row only
                         return _Failure(
-                            f"endpoint_error: unreadable response ({type(exc).__name__}): {_redact(str(exc), api_key)[:200]}"
+                            f"endpoint_error: unreadable response ({type(exc).__name__}): "
+                            f"{_redact(str(exc), api_key)[:200]}"
                         )
                     if not response.choices or response.choices[0].message.content is None:
                         return _Failure("endpoint_error: the response has no message content")
@@ -394,7 +402,8 @@ class OpenAIEngine(dg.ConfigurableResource):
             value = os.environ.get(name)
             if not value:
                 raise EndpointError(
-                    f"task {task.name!r}: engine.api_key_env names {name}, which is not set in this process's environment"
+                    f"task {task.name!r}: engine.api_key_env names {name}, "
+                    "which is not set in this process's environment"
                 )
             return value
         return NO_KEY
@@ -422,7 +431,8 @@ class OpenAIEngine(dg.ConfigurableResource):
                     api_key=api_key,
                 )
                 raise EndpointError(
-                    f"task {task.name!r} names no `engine.model`, and asking {base_url}/models for the served model failed: "
+                    f"task {task.name!r} names no `engine.model`, "
+                    f"and asking {base_url}/models for the served model failed: "
                     f"{failure.fatal or failure.error}"
                 ) from None
             if len(served) != 1:

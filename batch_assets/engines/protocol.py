@@ -138,14 +138,16 @@ def prompt_encoder(
     token_ids = PromptEncoder(PromptFormat.of(task), tokenizer).encode
     if not engine.sends_chat_messages:
         return lambda prompts: [Prompt(tuple(ids)) for ids in token_ids(prompts)]
+    prompt_spec = task.prompt
+    assert prompt_spec is not None  # a records task (openai_batch lines go through batch_prompt_encoder)
     valid = formatted.filter(pl.col("error").is_null())
-    users = valid.select(user_message_expr(task.prompt.template).alias("user"))["user"]
+    users = valid.select(user_message_expr(prompt_spec.template).alias("user"))["user"]
     # Identical prompts come from identical user messages, so the prompt text is a safe key.
     user_by_prompt = dict(zip(valid["prompt"].to_list(), users.to_list(), strict=True))
 
     def encode(prompts: list[str]) -> list[Prompt]:
         return [
-            Prompt(tuple(ids), tuple(messages_for(task.prompt.system, user_by_prompt[prompt])))
+            Prompt(tuple(ids), tuple(messages_for(prompt_spec.system, user_by_prompt[prompt])))
             for prompt, ids in zip(prompts, token_ids(prompts), strict=True)
         ]
 

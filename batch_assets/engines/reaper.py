@@ -12,6 +12,7 @@ Only the standard library and psutil (a vLLM dependency) are imported, so it cos
 
 from __future__ import annotations
 
+import contextlib
 import select
 import sys
 
@@ -39,10 +40,8 @@ def kill_tree(pid: int, create_time: float) -> None:
     except psutil.Error:
         tree = [process]
     for member in tree:
-        try:
+        with contextlib.suppress(psutil.Error):
             member.kill()
-        except psutil.Error:
-            pass
 
 
 def main(argv: list[str]) -> int:

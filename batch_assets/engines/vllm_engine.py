@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import dagster as dg
 from pydantic import Field
@@ -72,7 +72,7 @@ def _cuda_device_count() -> int:
         return 0
 
 
-def resolve_data_parallel_size(requested: int | str, tensor_parallel_size: int, gpus: int) -> int:
+def resolve_data_parallel_size(requested: int | Literal["auto"], tensor_parallel_size: int, gpus: int) -> int:
     """`auto` → every visible GPU (a multiple of `tensor_parallel_size`); a number is checked
     against the visible GPUs (on a CPU any number is taken: vLLM decides)."""
     if requested == "auto":
@@ -219,6 +219,7 @@ class _Reaper:
         for child in self._engine_children():
             with contextlib.suppress(psutil.Error):
                 lines.append(f"{child.pid} {child.create_time()!r}\n")
+        assert self._process.stdin is not None  # started with stdin=PIPE
         with contextlib.suppress(OSError, ValueError):
             self._process.stdin.write("".join(lines))
             self._process.stdin.flush()
@@ -232,6 +233,7 @@ class _Reaper:
                 kill_tree(child.pid, child.create_time())
 
     def stop(self) -> None:
+        assert self._process.stdin is not None  # started with stdin=PIPE
         with contextlib.suppress(OSError, ValueError):
             self._process.stdin.write("done\n")
             self._process.stdin.close()
@@ -424,14 +426,16 @@ def memory_hint(settings: VLLMSettings) -> str:
     where = "In the task YAML's `engine:` section (or the `llm_engine` resource config)"
     if settings.on_gpu:
         return (
-            f"{where}: if the model weights do not fit, raise `tensor_parallel_size` (now {settings.tensor_parallel_size}) "
-            f"or lower `vllm_args.gpu_memory_utilization` (now {settings.vllm_args['gpu_memory_utilization']}) when "
+            f"{where}: if the model weights do not fit, raise `tensor_parallel_size` "
+            f"(now {settings.tensor_parallel_size}) or lower `vllm_args.gpu_memory_utilization` "
+            f"(now {settings.vllm_args['gpu_memory_utilization']}) when "
             f"other processes use the GPU; if the KV cache does not fit, lower `max_model_len` (now "
             f"{settings.max_model_len}) or `vllm_args.max_num_seqs` (now {settings.max_num_seqs})."
         )
     return (
-        f"{where}: if the machine ran out of memory, lower `kv_cache_memory_gib` (now {settings.kv_cache_memory_gib} GiB "
-        "of RAM for the KV cache) or free memory held by other processes; if the KV cache is too small for one "
+        f"{where}: if the machine ran out of memory, lower `kv_cache_memory_gib` "
+        f"(now {settings.kv_cache_memory_gib} GiB of RAM for the KV cache) or free memory held by other processes; "
+        "if the KV cache is too small for one "
         f"sequence, lower `max_model_len` (now {settings.max_model_len}) or raise `kv_cache_memory_gib`."
     )
 
@@ -483,6 +487,7 @@ class VLLMSession:
 
     def stream(self, prompts: Iterable[Prompt]) -> Iterator[tuple[int, Generation]]:
         self.start()
+        assert self._engine is not None  # start() sets it
         return self._engine.stream(prompts, self._params_for)
 
     @property
@@ -513,7 +518,10 @@ class VLLMEngine(dg.ConfigurableResource):
     )
     structured_outputs: bool = Field(
         default=True,
-        description="Constrain generation to the task's choices/schema/regex. Off only to debug; the checks then catch bad outputs.",
+        description=(
+            "Constrain generation to the task's choices/schema/regex. "
+            "Off only to debug; the checks then catch bad outputs."
+        ),
     )
 
     def settings(self, task: TaskSpec) -> VLLMSettings:
@@ -523,9 +531,8 @@ class VLLMEngine(dg.ConfigurableResource):
         check_vllm_args(self.vllm_args)
         gpus = _cuda_device_count()
         tensor_parallel_size = self.tensor_parallel_size or spec.tensor_parallel_size
-        requested_dp = self.data_parallel_size or spec.data_parallel_size
-        if isinstance(requested_dp, str) and requested_dp != "auto":
-            requested_dp = int(requested_dp)
+        requested = self.data_parallel_size or spec.data_parallel_size
+        requested_dp: int | Literal["auto"] = "auto" if requested == "auto" else int(requested)
         vllm_args = {**VLLM_ARG_DEFAULTS, **spec.vllm_args, **self.vllm_args}
         max_model_len = self.max_model_len or spec.max_model_len
         kv_gib = self.kv_cache_memory_gib or spec.kv_cache_memory_gib

@@ -35,8 +35,8 @@ class CostEstimate:
     max_generated_tokens: int  # worst case: every row runs to sampling.max_tokens
     cost_usd: float | None  # None when the task has no engine.price
 
-    def metadata(self) -> dict:
-        values = {
+    def metadata(self) -> dict[str, int | float]:
+        values: dict[str, int | float] = {
             "estimated_prompt_tokens": self.prompt_tokens,
             "estimated_max_generated_tokens": self.max_generated_tokens,
         }

@@ -28,7 +28,7 @@ class Tokenizer(Protocol):
 
     def apply_chat_template(self, conversation, tokenize: bool = ..., add_generation_prompt: bool = ...) -> str: ...
 
-    def __call__(self, text, add_special_tokens: bool = ...): ...
+    def __call__(self, text, add_special_tokens: bool = ..., split_special_tokens: bool = ...): ...
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,7 @@ class PromptEncoder:
             # format_prompts turns such rows into `special_tokens` error rows; never guess here.
             raise ValueError("a prompt with special-token text in its user message does not fit the chat template")
         if self._segment_ids is None:
+            assert self.segments is not None  # set whenever the tokenizer has special tokens to split
             prefix, suffix = self.segments
             self._segment_ids = tuple(
                 self.tokenizer(part, add_special_tokens=False)["input_ids"] if part else [] for part in (prefix, suffix)
@@ -273,7 +274,11 @@ def _split_special_tokens_in_user_text(frame: pl.DataFrame, encoder: PromptEncod
         "_position", "prompt", "user_message", "source_line"
     ).iter_rows():
         if encoder.user_text(prompt) is None:
-            token = encoder.pattern.search(user).group()
+            # Candidates hold special-token text, so the pattern of those tokens exists and matches.
+            assert encoder.pattern is not None
+            match = encoder.pattern.search(user)
+            assert match is not None
+            token = match.group()
             errors[position] = (
                 f"special_tokens: {source_file} line {line}: the text contains the model's special token {token!r}, "
                 "and this chat template gives no single place for the message to keep it as plain text"

@@ -147,6 +147,7 @@ def label_drift(counts: dict[str, int], history: list[dict[str, int]]) -> DriftR
     changes = {label: shares.get(label, 0.0) - reference.get(label, 0.0) for label in set(shares) | set(reference)}
     distance = 0.5 * sum(abs(change) for change in changes.values())
     moved = sorted(
-        (label for label, change in changes.items() if abs(change) >= MOVED_SHARE), key=lambda l: (-abs(changes[l]), l)
+        (label for label, change in changes.items() if abs(change) >= MOVED_SHARE),
+        key=lambda label: (-abs(changes[label]), label),
     )
     return DriftReport(round(distance, 4), len(history), shares, reference, moved)

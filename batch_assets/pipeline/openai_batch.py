@@ -258,12 +258,14 @@ def _response_format(value: object) -> dict:
     if kind in ("text", "json_object"):
         return {"type": kind}
     if kind == "json_schema":
+        assert isinstance(value, dict)  # kind is only read from a dict
         spec = value.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict) or not schema:
             raise _LineError(
                 "invalid_field", "body.response_format.json_schema.schema must be a non-empty JSON schema object"
             )
+        assert isinstance(spec, dict)  # the schema was read from it
         try:
             import jsonschema
 
@@ -350,7 +352,7 @@ class RequestSpec:
         """Canonical JSON of everything besides the prompt that decides the output: part of the
         request key, so identical requests share a result and different sampling never does.
         `sample_id` makes a non-deterministic request (temperature > 0, no seed) its own."""
-        value = {
+        value: dict[str, Any] = {
             "sampling": self.sampling.model_dump(),
             "output": self.output.model_dump(exclude_none=True) if self.output is not None else None,
         }
@@ -489,7 +491,10 @@ def format_batch_prompts(
     counts = iter(count_tokens(tokenizer, valid) if valid else [])
     num_tokens = [next(counts) if p is not None else None for p in prompts]
     for index, (tokens, limit) in enumerate(zip(num_tokens, max_tokens, strict=True)):
-        if tokens is not None and tokens + limit > max_model_len:
+        if tokens is None:
+            continue
+        assert limit is not None  # a line gets a prompt only after its request spec (and max_tokens)
+        if tokens + limit > max_model_len:
             errors[index] = _error(
                 "prompt_too_long",
                 source_file,

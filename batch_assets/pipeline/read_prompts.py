@@ -322,6 +322,7 @@ def _read_csv(data: bytes, file_name: str, options: ParseOptions) -> tuple[pl.Da
     errors: list[str | None] = []
     width = len(header)
     line_number = reader.line_num + 1
+    error: str | None
     while True:
         try:
             record = next(reader)
@@ -360,7 +361,7 @@ def _read_parquet(
     missing = [field for field in options.text_fields if field not in frame.columns]
     if missing:
         raise DropFileError(f"{file_name}: column(s) {missing} not found; columns found: {frame.columns}")
-    errors = [None] * frame.height
+    errors: list[str | None] = [None] * frame.height
     for field in reversed(options.text_fields):
         column = frame[field]
         if not (column.dtype == pl.String or isinstance(column.dtype, (pl.Categorical, pl.Enum))):

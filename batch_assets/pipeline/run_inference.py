@@ -235,7 +235,10 @@ def _too_long_row(key: str, prompt_tokens: int, max_tokens: int, max_model_len: 
         "finish_reason": None,
         "num_prompt_tokens": prompt_tokens,
         "num_generated_tokens": None,
-        "error": f"prompt_too_long: {prompt_tokens} prompt tokens + {max_tokens} max_tokens exceed max_model_len {max_model_len}",
+        "error": (
+            f"prompt_too_long: {prompt_tokens} prompt tokens + {max_tokens} max_tokens "
+            f"exceed max_model_len {max_model_len}"
+        ),
     }
 
 
@@ -254,7 +257,8 @@ class _Progress:
         now = time.monotonic()
         if finished < self.total and (now - self.last_time >= 30 or (finished - self.last_count) * 10 >= self.total):
             self.log(
-                f"inferred {finished}/{self.total} requests ({100 * finished // max(self.total, 1)}%), {self.rate(inferred, now):.1f} rows/s in the engine"
+                f"inferred {finished}/{self.total} requests ({100 * finished // max(self.total, 1)}%), "
+                f"{self.rate(inferred, now):.1f} rows/s in the engine"
             )
             self.last_time, self.last_count = now, finished
 
@@ -298,8 +302,8 @@ def run_inference(
             )
         if plan.pending.height:
             log(
-                f"{_prefix(plan, many)}{plan.pending.height} requests to infer ({plan.stats.rows_deduplicated} duplicate "
-                f"prompts share a request); checkpoint every {plan.step}"
+                f"{_prefix(plan, many)}{plan.pending.height} requests to infer "
+                f"({plan.stats.rows_deduplicated} duplicate prompts share a request); checkpoint every {plan.step}"
             )
     requests = _requests(plans, deduplicate)
     sinks = [_PartitionSink(plan) for plan in plans]
@@ -407,7 +411,10 @@ def _failure_message(exc: Exception, inferred: int, total: int, sinks: list[_Par
         kept = f"the {kept_count} requests finished before are checkpointed; a re-run of the partition reuses them"
     else:
         kept = "nothing is checkpointed"
-    return f"the engine failed after {inferred} of the {total} requests left to infer ({kept}): {type(exc).__name__}: {exc}"
+    return (
+        f"the engine failed after {inferred} of the {total} requests left to infer ({kept}): "
+        f"{type(exc).__name__}: {exc}"
+    )
 
 
 # --- joining ------------------------------------------------------------------------------------

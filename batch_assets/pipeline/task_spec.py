@@ -50,7 +50,9 @@ class InputSpec(_Strict):
     def _fields_fit_the_format(self) -> InputSpec:
         if self.format == "openai_batch":
             if self.text_fields:
-                raise ValueError("input.text_fields is not used with format openai_batch (each line carries its messages); remove it")
+                raise ValueError(
+                    "input.text_fields is not used with format openai_batch (each line carries its messages); remove it"
+                )
             return self
         if self.require_model_match:
             raise ValueError("input.require_model_match applies to format openai_batch only")
@@ -213,7 +215,9 @@ class EngineSpec(_Strict):
     def _api_key_env_is_a_name(cls, name: str | None) -> str | None:
         if name is not None and not ENV_VAR_NAME_PATTERN.match(name):
             # Refuse to echo it: it may be the key itself, pasted in by mistake.
-            raise ValueError("api_key_env must be the name of an environment variable (e.g. OPENAI_API_KEY), not the key")
+            raise ValueError(
+                "api_key_env must be the name of an environment variable (e.g. OPENAI_API_KEY), not the key"
+            )
         return name
 
 
@@ -223,14 +227,24 @@ def check_base_url(url: str) -> None:
 
     parts = urlsplit(url)
     if parts.username or parts.password:
-        raise ValueError("base_url must not contain credentials; name the API key's environment variable in api_key_env")
+        raise ValueError(
+            "base_url must not contain credentials; name the API key's environment variable in api_key_env"
+        )
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"base_url {url!r} must be an http:// or https:// URL, e.g. http://host:8000/v1")
 
 
 # vLLM engine arguments that were first-class task fields before `engine.vllm_args`.
 LEGACY_VLLM_ARGS = frozenset(
-    {"dtype", "seed", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "enforce_eager"}
+    {
+        "dtype",
+        "seed",
+        "gpu_memory_utilization",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "enable_prefix_caching",
+        "enforce_eager",
+    }
 )
 # vLLM arguments that change speed or memory but not what is generated: left out of the checkpoint
 # fingerprint and the assets' code versions, so tuning them keeps checkpoints, cached results and
@@ -282,7 +296,9 @@ def vllm_engine_argument_names() -> frozenset[str]:
             names |= {
                 item.target.id
                 for item in node.body
-                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and not item.target.id.startswith("_")
+                if isinstance(item, ast.AnnAssign)
+                and isinstance(item.target, ast.Name)
+                and not item.target.id.startswith("_")
             }
     if not names:  # another layout: ask the dataclass itself
         import dataclasses
@@ -419,7 +435,9 @@ class TaskSpec(_Strict):
     @model_validator(mode="after")
     def _prompt_fits_the_input_format(self) -> TaskSpec:
         if self.input.format == "openai_batch" and self.prompt is not None:
-            raise ValueError("a task with input.format openai_batch takes no `prompt` section: each line carries its own messages")
+            raise ValueError(
+                "a task with input.format openai_batch takes no `prompt` section: each line carries its own messages"
+            )
         if self.input.format == "records" and self.prompt is None:
             raise ValueError("the task needs a `prompt` section (system and template)")
         return self

@@ -25,13 +25,19 @@ import shutil
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import polars as pl
 from upath import UPath
 
 from batch_assets.storage.locations import write_bytes_atomically
 
-CHECKPOINT_SCHEMA = {
+if TYPE_CHECKING:
+    from polars._typing import PolarsDataType
+
+# polars' stubs type DataFrame.cast's mapping keys as `str | selector | dtype`, and a Mapping's key type
+# is invariant, so `.cast(CHECKPOINT_SCHEMA)` needs a type: ignore[arg-type] (it is fine at run time).
+CHECKPOINT_SCHEMA: dict[str, PolarsDataType] = {
     "request_key": pl.String,
     "generated_text": pl.String,
     "finish_reason": pl.String,
@@ -80,14 +86,16 @@ class CheckpointStore:
         frames = []
         for chunk in self.chunk_paths():
             with chunk.open("rb") as handle:
-                frames.append(pl.read_parquet(handle).select(list(CHECKPOINT_SCHEMA)).cast(CHECKPOINT_SCHEMA))
+                frame = pl.read_parquet(handle).select(list(CHECKPOINT_SCHEMA))
+                frames.append(frame.cast(CHECKPOINT_SCHEMA))  # type: ignore[arg-type]  # see CHECKPOINT_SCHEMA
         if not frames:
             return pl.DataFrame(schema=CHECKPOINT_SCHEMA)
         return pl.concat(frames).unique("request_key", keep="first", maintain_order=True)
 
     def save(self, chunk: pl.DataFrame) -> None:
         buffer = io.BytesIO()
-        chunk.select(list(CHECKPOINT_SCHEMA)).cast(CHECKPOINT_SCHEMA).write_parquet(buffer)
+        chunk = chunk.select(list(CHECKPOINT_SCHEMA))
+        chunk.cast(CHECKPOINT_SCHEMA).write_parquet(buffer)  # type: ignore[arg-type]  # see CHECKPOINT_SCHEMA
         name = f"chunk-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet"
         write_bytes_atomically(self.folder / name, buffer.getvalue())
         self.chunks_saved += 1

@@ -166,7 +166,10 @@ def list_drop_files(
         reason = skip_reason(relative)
         modified = _modified_of(info)
         if reason is None and local and settle_seconds > 0 and modified is not None and now - modified < settle_seconds:
-            reason = f"still being written (modified {max(now - modified, 0):.1f} s ago; picked up once unchanged for {settle_seconds:g} s)"
+            reason = (
+                f"still being written (modified {max(now - modified, 0):.1f} s ago; "
+                f"picked up once unchanged for {settle_seconds:g} s)"
+            )
         if reason:
             skipped[relative] = reason
             continue

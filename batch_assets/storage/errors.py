@@ -138,6 +138,8 @@ def _timeout_text(cause: BaseException, *, connecting: bool) -> str:
     from batch_assets.storage.locations import CONNECT_TIMEOUT_ENV, READ_TIMEOUT_ENV, s3_timeouts
 
     endpoint = _endpoint_of(str(getattr(cause, "kwargs", {}).get("endpoint_url", ""))) or "(unknown)"
+    connect_timeout: float | None
+    read_timeout: float | None
     try:
         connect_timeout, read_timeout = s3_timeouts()
     except ValueError:

@@ -13,7 +13,6 @@ single-partition run writes. Inputs annotated `dict[str, pl.DataFrame]` are load
 `pl.DataFrame` loads its one partition as before.
 """
 
-
 import io
 
 import dagster as dg

@@ -21,6 +21,7 @@ drop it, or materialize `inference_outputs` with `use_result_cache: false` to by
 
 from __future__ import annotations
 
+import contextlib
 import io
 import time
 import uuid
@@ -55,7 +56,8 @@ class ResultCache:
         frames = []
         for path in files:
             with path.open("rb") as handle:
-                frame = pl.read_parquet(handle, columns=list(CHECKPOINT_SCHEMA)).cast(CHECKPOINT_SCHEMA)
+                frame = pl.read_parquet(handle, columns=list(CHECKPOINT_SCHEMA))
+            frame = frame.cast(CHECKPOINT_SCHEMA)  # type: ignore[arg-type]  # see CHECKPOINT_SCHEMA
             if keys is not None:
                 frame = frame.filter(pl.col("request_key").is_in(keys.implode()))
             frames.append(frame)
@@ -77,7 +79,8 @@ class ResultCache:
 
     def add(self, results: pl.DataFrame) -> int:
         """Store finished results (rows with an error are not cached). Returns rows stored."""
-        finished = results.filter(pl.col("error").is_null()).select(list(CHECKPOINT_SCHEMA)).cast(CHECKPOINT_SCHEMA)
+        finished = results.filter(pl.col("error").is_null()).select(list(CHECKPOINT_SCHEMA))
+        finished = finished.cast(CHECKPOINT_SCHEMA)  # type: ignore[arg-type]  # see CHECKPOINT_SCHEMA
         if finished.height == 0:
             return 0
         self._write(finished)
@@ -96,10 +99,8 @@ class ResultCache:
             return  # another writer is compacting the same files
         self._write(merged)
         for path in files:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 remove_path(path)
-            except FileNotFoundError:
-                pass
 
     def _write(self, frame: pl.DataFrame) -> None:
         buffer = io.BytesIO()
