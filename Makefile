@@ -16,7 +16,7 @@ setup: $(STAMP)
 demo: setup
 	$(VENV)/bin/batch-assets demo
 
-test: setup
+test: setup lint
 	bash scripts/install_system_deps.sh
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
