@@ -91,6 +91,18 @@ def tiny_model(tiny_model_path: str, monkeypatch: pytest.MonkeyPatch) -> str:
     return tiny_model_path
 
 
+@pytest.fixture
+def workdir(tmp_path: Path, tiny_model_path: str) -> tuple[Path, dict[str, str]]:
+    """A folder and the environment of a `batch-assets` subprocess: tiny model, own data and home."""
+    env = {
+        **os.environ,
+        "BATCH_ASSETS_MODEL": tiny_model_path,
+        "BATCH_ASSETS_DATA": str(tmp_path / "data"),
+        "DAGSTER_HOME": str(tmp_path / "home"),
+    }
+    return tmp_path, env
+
+
 def drop(data: Path, task: str, name: str, content: bytes | str) -> Path:
     """Put a file into a task's drop zone, as a user would."""
     path = data / "drops" / task / name

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -16,17 +15,6 @@ from batch_assets_tests.conftest import REPO_ROOT, SAMPLES
 from batch_assets_tests.test_pipeline_materialize import BAD_POSTS
 
 CLI = str(Path(sys.executable).parent / "batch-assets")
-
-
-@pytest.fixture
-def workdir(tmp_path: Path, tiny_model_path: str) -> tuple[Path, dict[str, str]]:
-    env = {
-        **os.environ,
-        "BATCH_ASSETS_MODEL": tiny_model_path,
-        "BATCH_ASSETS_DATA": str(tmp_path / "data"),
-        "DAGSTER_HOME": str(tmp_path / "home"),
-    }
-    return tmp_path, env
 
 
 def open_instance(home: Path) -> dg.DagsterInstance:

@@ -26,14 +26,8 @@ ROUNDS, PROCESSES = 3, 5
 
 
 @pytest.fixture
-def cli_env(tmp_path: Path, tiny_model_path: str) -> tuple[Path, dict[str, str]]:
-    env = {
-        **os.environ,
-        "BATCH_ASSETS_MODEL": tiny_model_path,
-        "BATCH_ASSETS_DATA": str(tmp_path / "data"),
-        "DAGSTER_HOME": str(tmp_path / "home"),
-    }
-    return tmp_path, env
+def cli_env(workdir: tuple[Path, dict[str, str]]) -> tuple[Path, dict[str, str]]:
+    return workdir
 
 
 def python_env(env: dict[str, str]) -> dict[str, str]:
