@@ -177,10 +177,16 @@ def _summary_line(task_name: str, partition_key: str, instance) -> str:
     rate = ""
     labels_record = latest_materialization(instance, dg.AssetKey([task_name, "validated_labels"]), partition_key)
     if labels_record is not None and labels_record.asset_materialization is not None:
-        accuracy = labels_record.asset_materialization.metadata.get("accuracy")
-        rows_with_gold = labels_record.asset_materialization.metadata.get("rows_with_gold")
+        labels_metadata = labels_record.asset_materialization.metadata
+        notes = []
+        accuracy, rows_with_gold = labels_metadata.get("accuracy"), labels_metadata.get("rows_with_gold")
         if accuracy is not None and rows_with_gold is not None:
-            label_text += f" (accuracy {accuracy.value:.0%} on {rows_with_gold.value} hand-labelled rows)"
+            notes.append(f"accuracy {accuracy.value:.0%} on {rows_with_gold.value} hand-labelled rows")
+        low_share, minimum = labels_metadata.get("low_confidence_share"), labels_metadata.get("min_confidence")
+        if low_share is not None and minimum is not None:
+            notes.append(f"{low_share.value:.0%} of labels with confidence under {minimum.value}")
+        if notes:
+            label_text += f" ({'; '.join(notes)})"
     record = latest_materialization(instance, dg.AssetKey([task_name, "inference_outputs"]), partition_key)
     if record is not None and record.asset_materialization is not None:
         metadata = record.asset_materialization.metadata

@@ -81,11 +81,14 @@ def test_demo_runs_every_sample_and_a_second_demo_reruns_nothing(workdir) -> Non
     with_samples = {folder.name for folder in SAMPLES.iterdir() if folder.is_dir()}
     assert {line.split("/")[0] for line in lines} == with_samples
     assert all(": OK run " in line for line in lines), lines
-    # The choice samples carry hand-made labels, so their lines show accuracy next to the label counts.
-    accuracy = {line.split("/")[0]: "hand-labelled rows)" in line for line in lines}
+    # The choice samples carry hand-made labels, so their lines show accuracy next to the label counts,
+    # and how many labels the model was unsure of (choice tasks have a confidence per label).
+    accuracy = {line.split("/")[0]: "hand-labelled rows" in line for line in lines}
     assert accuracy == {task: task in ("industry", "sentiment") for task in with_samples}, lines
+    confidence = {line.split("/")[0]: "of labels with confidence under 0.5)" in line for line in lines}
+    assert confidence == {task: task in ("industry", "sentiment") for task in with_samples}, lines
     sentiment = next(line for line in lines if line.startswith("sentiment/"))
-    assert "(accuracy " in sentiment and "on 36 hand-labelled rows)" in sentiment
+    assert "(accuracy " in sentiment and "on 36 hand-labelled rows; " in sentiment
     # The caution about the embedded model is for runs on it; this one ran on the tiny test model.
     assert "not a labeler" not in first.stdout
     second = run_cli(["demo"], env, tmp_path)

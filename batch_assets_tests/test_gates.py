@@ -14,7 +14,7 @@ import pytest
 
 from batch_assets.pipeline.budget import actual_cost_metadata, budget_overruns, estimate_cost
 from batch_assets.pipeline.code_versions import code_versions
-from batch_assets.pipeline.label_quality import NO_LABEL, accuracy_report, label_drift
+from batch_assets.pipeline.label_quality import NO_LABEL, accuracy_report, confidence_report, label_drift
 from batch_assets.pipeline.task_spec import BudgetSpec, TaskSpec, TaskSpecError, load_task_spec
 
 BASE = {
@@ -191,6 +191,22 @@ def test_accuracy_on_a_json_field_and_without_gold() -> None:
 # --- drift ---------------------------------------------------------------------------------------
 
 
+def test_confidence_report_counts_labels_under_the_minimum_among_those_measured() -> None:
+    labels = pl.DataFrame(
+        {
+            "label": ["a", "b", "a", None, "b"],
+            "confidence": [0.95, 0.3, None, None, 0.45],
+        }
+    )
+    report = confidence_report(labels, min_confidence=0.5)
+    assert report is not None
+    assert (report.labelled_rows, report.measured_rows, report.unmeasured_rows, report.low_rows) == (4, 3, 1, 2)
+    assert report.low_share == pytest.approx(2 / 3) and report.median == pytest.approx(0.45)
+    assert confidence_report(labels.drop("confidence"), 0.5) is None  # a text or JSON task
+    nothing = confidence_report(labels.with_columns(pl.lit(None, dtype=pl.Float64).alias("confidence")), 0.5)
+    assert nothing is not None and (nothing.measured_rows, nothing.low_share, nothing.median) == (0, 0.0, None)
+
+
 def test_drift_is_total_variation_distance_and_names_moved_labels() -> None:
     history = [{"positive": 30, "negative": 10}, {"positive": 30, "negative": 10, "neutral": 20}]
     # Pooled history: positive 60 %, negative 20 %, neutral 20 %.
@@ -241,6 +257,13 @@ def write_task(tmp_path: Path, extra: str) -> Path:
         ("checks: {max_label_drift: 1.5}\n", "checks.max_label_drift", "less than or equal to 1"),
         ("checks: {max_label_drift: -0.1}\n", "checks.max_label_drift", "greater than or equal to 0"),
         ("checks: {min_accuracy: 2}\n", "checks.min_accuracy", "less than or equal to 1"),
+        ("checks: {min_confidence: 1.2}\n", "checks.min_confidence", "less than or equal to 1"),
+        (
+            "checks: {min_confidence: 0.7}\noutput: {kind: text}\n",
+            "checks.min_confidence applies to `output.kind: choices` or `regex` only",
+            "",
+        ),
+        ("checks: {max_low_confidence_share: -1}\n", "checks.max_low_confidence_share", "greater than or equal to 0"),
         ("checks: {gold_json_field: x}\n", "checks.gold_json_field applies to `output.kind: json_schema` only", ""),
         ("automation: {rematerialize_stale: maybe}\n", "automation.rematerialize_stale", "valid boolean"),
     ],

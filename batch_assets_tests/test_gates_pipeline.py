@@ -3,9 +3,11 @@ accuracy checks read real materializations, and a task edit marks earlier partit
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import dagster as dg
+import polars as pl
 import pytest
 from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleCauseCategory, StaleStatus
 from dagster._core.loader import LoadingContextForTest
@@ -45,6 +47,10 @@ def latest_metadata(instance: dg.DagsterInstance, task: str, asset: str, key: st
         dg.AssetRecordsFilter(asset_key=dg.AssetKey([task, asset]), asset_partitions=[key]), limit=1
     ).records
     return {name: value.value for name, value in records[0].asset_materialization.metadata.items()}
+
+
+def output(data: Path, task: str, asset: str, file_name: str) -> pl.DataFrame:
+    return pl.read_parquet(data / "storage" / task / asset / f"{partition_key_for(file_name)}.parquet")
 
 
 def test_over_budget_partition_never_reaches_the_engine(data_dir: Path, tiny_model: str) -> None:
@@ -108,6 +114,11 @@ def test_drift_accuracy_and_stale_partitions(data_dir: Path, tiny_model: str) ->
             checks["label_drift"].metadata["note"].value == "skipped: no earlier partition with labels to compare with"
         )
         assert checks["accuracy_at_least"].passed and checks["accuracy_at_least"].metadata["accuracy"].value == 1.0
+        # Confidence is the probability among the outputs the constraint allows: one allowed
+        # output, so 1.0 exactly, though the random model alone would almost never write "y".
+        assert output(data_dir, "letters", "validated_labels", "early.jsonl")["confidence"].to_list() == [1.0] * 6
+        assert checks["confidence_at_least"].passed
+        assert checks["confidence_at_least"].metadata["confidence_median"].value == 1.0
 
         late, result = run(only_x, "late.jsonl", instance)
         assert result.success  # WARN checks do not fail the run
@@ -162,3 +173,27 @@ def test_drift_accuracy_and_stale_partitions(data_dir: Path, tiny_model: str) ->
             "letters", output={"kind": "regex", "regex": "x"}, checks={"gold_field": "truth", "min_accuracy": 0.5}
         )
         assert status(relaxed, "validated_labels")[0] == StaleStatus.FRESH
+
+
+def test_labels_the_model_is_unsure_of_fail_the_confidence_warning(data_dir: Path, tiny_model: str) -> None:
+    pairs = task_spec(
+        "pairs",
+        output={"kind": "choices", "choices": ["x", "y"]},
+        checks={"min_confidence": 1.0, "max_low_confidence_share": 0.5},
+    )
+    drop(data_dir, "pairs", "items.jsonl", "".join(f'{{"text": "item {i}"}}\n' for i in range(8)))
+    with dg.instance_for_test() as instance:
+        key, result = run(pairs, "items.jsonl", instance)
+        assert result.success  # a WARN check does not fail the run
+        check = {e.check_name: e for e in result.get_asset_check_evaluations()}["confidence_at_least"]
+        labels = output(data_dir, "pairs", "validated_labels", "items.jsonl")
+        confidence = labels["confidence"].to_list()
+        # Greedy decoding picks the likelier of two single-token choices: at least 0.5, never certain.
+        assert labels["label"].null_count() == 0 and all(0.5 <= c < 1.0 for c in confidence), confidence
+        assert not check.passed and check.severity == dg.AssetCheckSeverity.WARN
+        assert check.description == "100% of the labels have a confidence under 1.0 (> 50%)"
+        assert check.metadata["low_confidence_rows"].value == 8
+        assert check.metadata["failed_row_ids"].value == labels.sort("confidence")["row_id"].head(50).to_list()
+        metadata = latest_metadata(instance, "pairs", "validated_labels", key)
+        assert metadata["low_confidence_share"] == 1.0 and metadata["min_confidence"] == 1.0
+        assert metadata["confidence_median"] == pytest.approx(statistics.median(confidence), abs=1e-4)

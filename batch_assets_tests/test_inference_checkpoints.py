@@ -14,7 +14,7 @@ import pytest
 from upath import UPath
 
 from batch_assets.engines.protocol import Generation, Prompt, batched_stream
-from batch_assets.pipeline.run_inference import InferenceError, PartitionInput, run_inference
+from batch_assets.pipeline.run_inference import InferenceError, PartitionInput, request_keys, run_inference
 from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
 
 
@@ -56,7 +56,10 @@ class Engine:
             raise RuntimeError("EngineCore died: Killed (exit code -9)")
         self.calls += 1
         self.seen += token_ids
-        return [Generation("".join(chr(c) for c in ids if c)[::-1], "stop", len(ids), 3) for ids in token_ids]
+        return [
+            Generation("".join(chr(c) for c in ids if c)[::-1], "stop", len(ids), 3, cumulative_logprob=-len(ids) / 100)
+            for ids in token_ids
+        ]
 
 
 class Session:
@@ -125,6 +128,32 @@ def test_a_failed_run_keeps_finished_chunks_and_the_rerun_infers_only_the_rest(p
     assert out["row_id"].to_list() == list(range(10))
     assert out["generated_text"].to_list() == [t[::-1] for t in texts]
     assert out["error"].null_count() == 10
+
+
+def test_log_probabilities_survive_checkpoints_and_older_chunks_without_them_still_count(
+    partition_dir: UPath,
+) -> None:
+    frame = formatted_frame(["ab", "abcd", "abcdef"])
+    store = CheckpointStore(partition_dir, "fp")
+    with pytest.raises(InferenceError):
+        infer(frame, Engine(fail_after=2), store, batch_size=2)
+    # A chunk written before the column existed (an upgrade mid-partition) is still reused.
+    pl.DataFrame(
+        {
+            "request_key": [request_keys(["<prompt>abcdef</prompt>"], [2], True)[0]],
+            "generated_text": ["fedcba"],
+            "finish_reason": ["stop"],
+            "num_prompt_tokens": [8],
+            "num_generated_tokens": [3],
+            "error": [None],
+        },
+        schema_overrides={"error": pl.String},
+    ).write_parquet(store.folder / "chunk-00000000000000000001-old.parquet")
+    out, stats = infer(frame, Engine(fail_after=0), CheckpointStore(partition_dir, "fp"), batch_size=2)
+    assert (stats.rows_from_checkpoint, stats.rows_inferred) == (3, 0)
+    # 4 and 6 token ids (text + two zeros) from the fake engine's -len/100; the old chunk has none.
+    assert out["cumulative_logprob"].to_list() == [-0.04, -0.06, None]
+    assert out["generated_text"].to_list() == ["ba", "dcba", "fedcba"]
 
 
 def test_rerun_after_success_reuses_everything_and_starts_no_engine(partition_dir: UPath) -> None:

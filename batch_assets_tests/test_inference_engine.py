@@ -195,6 +195,8 @@ def test_the_stream_returns_every_result_once_honours_per_request_overrides_and_
         # Results came back while prompts were still being pulled, and each prompt got exactly one.
         assert pulled_at_first_result <= 16 and sorted(streamed) == list(range(60)) and pulled == list(range(60))
         assert {g.text for g in streamed.values()} <= {"positive", "negative", "neutral"}
+        # A choice task asks for the sampled tokens' log-probabilities (the labels' confidence).
+        assert all(g.cumulative_logprob is not None and g.cumulative_logprob <= 0 for g in streamed.values())
         # Positions map results to their prompts: the prompts in reverse order give the same outputs.
         backwards = dict(session.stream(reversed(prompts)))
         assert [backwards[59 - i].text for i in range(60)] == [streamed[i].text for i in range(60)]
@@ -204,9 +206,13 @@ def test_the_stream_returns_every_result_once_honours_per_request_overrides_and_
             Prompt(prompts[0].token_ids, sampling=SamplingSpec(max_tokens=1)),
             Prompt(prompts[1].token_ids, output=OutputSpec(kind="choices", choices=["alpha", "beta"])),
         ]
-        first, second = (g for _, g in sorted(session.stream(override)))
+        text = OutputSpec(kind="text")
+        override.append(Prompt(prompts[2].token_ids, sampling=SamplingSpec(max_tokens=2), output=text))
+        first, second, free_text = (g for _, g in sorted(session.stream(override)))
         assert first.num_generated_tokens == 1 and first.finish_reason == "length"
         assert second.text in ("alpha", "beta")
+        # Free text has no confidence: its request does not ask for log-probabilities.
+        assert first.cumulative_logprob is not None and free_text.cumulative_logprob is None
 
         # A caller that stops early (its step failed) withdraws what it left in the engine, so the
         # next partition on this warm engine gets only its own results.

@@ -129,8 +129,10 @@ def test_sentiment_sample_through_vllm_serve_matches_the_in_process_engine(
         checks = {e.check_name: e.passed for e in endpoint_run.get_asset_check_evaluations()}
         # Every check of the outputs' validity passes; accuracy against the sample's hand-made labels
         # is a question for the model (random weights here), not for the engine path.
-        assert all(passed for name, passed in checks.items() if name != "accuracy_at_least"), checks
-        assert "accuracy_at_least" in checks
+        # Accuracy and confidence are questions for the model (random weights here), not the engine path.
+        model_checks = ("accuracy_at_least", "confidence_at_least")
+        assert all(passed for name, passed in checks.items() if name not in model_checks), checks
+        assert set(model_checks) <= set(checks)
         metadata = endpoint_run.asset_materializations_for_node("sentiment__inference_outputs")[0].metadata
         recorded = "\n".join(repr(entry) for entry in instance.all_logs(endpoint_run.run_id))
 
@@ -147,6 +149,9 @@ def test_sentiment_sample_through_vllm_serve_matches_the_in_process_engine(
     # prompt tokens as the local tokenizer (the chat template was applied identically).
     assert via_endpoint["label"].to_list() == in_process["label"].to_list()
     assert via_endpoint["num_prompt_tokens"].to_list() == in_process["num_prompt_tokens"].to_list()
+    # The server's per-token log-probabilities give the confidence the engine's own do.
+    assert via_endpoint["confidence"].null_count() == 0
+    assert via_endpoint["confidence"].to_list() == pytest.approx(in_process["confidence"].to_list(), abs=1e-3)
 
     assert metadata["model"].value == vllm_server.model  # the server's only model, asked for
     assert metadata["rows_inferred"].value == via_endpoint.height - metadata["rows_deduplicated"].value

@@ -116,7 +116,21 @@ class FaultServer:
                         "created": 0,
                         "model": body["model"],
                         "choices": [
-                            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+                            {
+                                "index": 0,
+                                "message": {"role": "assistant", "content": text},
+                                "finish_reason": "stop",
+                                # Two tokens at log-probability -0.1 each, when asked for; a server
+                                # may also not return any ("quiet" prompts here).
+                                "logprobs": {
+                                    "content": [
+                                        {"token": t, "logprob": -0.1, "bytes": None, "top_logprobs": []}
+                                        for t in ("a", "b")
+                                    ]
+                                }
+                                if body.get("logprobs") and "quiet" not in body["messages"][-1]["content"]
+                                else None,
+                            }
                         ],
                         "usage": {"prompt_tokens": 11, "completion_tokens": 2, "total_tokens": 13},
                     },
@@ -232,6 +246,9 @@ def test_request_fields_follow_vllms_protocol(tmp_path: Path, tiny_model_path: s
     body = {k: v for k, v in params.items() if k != "extra_body"} | params["extra_body"]
     request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **body})
     assert request.structured_outputs.choice == ["positive", "negative", "neutral"]
+    # Choice (and regex) tasks ask for the sampled tokens' log-probabilities: the labels' confidence.
+    assert params["logprobs"] is True and request.logprobs is True and not request.top_logprobs
+    assert "logprobs" not in chat_request_params(task, "m", logprobs=False)
 
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
     json_task = task.model_copy(
@@ -242,6 +259,7 @@ def test_request_fields_follow_vllms_protocol(tmp_path: Path, tiny_model_path: s
     params = chat_request_params(json_task, "m")
     request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **params})
     assert request.extract_structured_outputs().json == schema
+    assert "logprobs" not in params  # a JSON object's probability says little: no confidence asked
 
 
 def test_transient_faults_are_retried_and_every_row_succeeds(
@@ -263,6 +281,20 @@ def test_transient_faults_are_retried_and_every_row_succeeds(
     assert (generations[0].num_prompt_tokens, generations[0].num_generated_tokens) == (11, 2)  # the server's usage
     assert fault_server.attempts == Counter({"alpha": 3, "bravo": 2, "charlie": 2, "delta": 2, "*": 2})
     assert {h.get("authorization") for h in fault_server.headers_seen} == {f"Bearer {API_KEY}"}
+
+
+def test_confidence_comes_from_the_servers_log_probabilities_when_it_returns_them(
+    tmp_path: Path, tiny_model_path: str, fault_server: FaultServer, endpoint_key: str
+) -> None:
+    task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path)
+    prompts = [Prompt((1, 2, 3), ({"role": "user", "content": text},)) for text in ("loud post", "quiet post")]
+    answered, quiet = OpenAIEngine().generate(task, prompts)
+    assert answered.cumulative_logprob == pytest.approx(-0.2) and quiet.cumulative_logprob is None
+    assert [body.get("logprobs") for body in fault_server.bodies] == [True, True]
+    # A server that refuses the field: the resource turns it off.
+    fault_server.bodies.clear()
+    [plain] = OpenAIEngine(logprobs=False).generate(task, prompts[:1])
+    assert plain.cumulative_logprob is None and "logprobs" not in fault_server.bodies[0]
 
 
 def test_per_request_sampling_and_output_overrides_reach_the_server(

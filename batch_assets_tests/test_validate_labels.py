@@ -94,3 +94,22 @@ def test_constraint_violations_are_outputs_that_break_the_constraint() -> None:
     frame = outputs(["positive", "bogus", "negat", None], ["stop", "stop", "length", None], [None, None, None, "x: y"])
     assert constraint_violations(frame, CHOICES)["row_id"].to_list() == [1, 2]
     assert constraint_violations(frame, TEXT).height == 0
+
+
+def test_choice_and_regex_labels_carry_their_confidence_others_none() -> None:
+    frame = outputs(
+        ["positive", "bogus", None, "negative"], ["stop", "stop", None, "stop"], [None, None, "x: y", None]
+    ).with_columns(cumulative_logprob=pl.Series([-0.105360516, -0.5, None, None], dtype=pl.Float64))
+    labels = validate_labels(frame, CHOICES)
+    # exp(log p): 0.9 for the first; none for an invalid label, an error row, or a result without logprobs.
+    assert [None if c is None else round(c, 4) for c in labels["confidence"]] == [0.9, None, None, None]
+    assert labels.columns[-7:-5] == ["confidence", "label"] and "cumulative_logprob" not in labels.columns
+
+    regex = validate_labels(outputs(["ABC-1"], ["stop"]).with_columns(cumulative_logprob=pl.lit(0.0)), REGEX)
+    assert regex["confidence"].to_list() == [1.0]
+    for output in (TEXT, SCHEMA):
+        text = '{"sentiment": "neg", "score": 0.1}'
+        labels = validate_labels(outputs([text], ["stop"]).with_columns(cumulative_logprob=pl.lit(-1.0)), output)
+        assert "confidence" not in labels.columns and "cumulative_logprob" not in labels.columns
+    # Outputs stored before confidence was measured have no log-probabilities: the column is null.
+    assert validate_labels(outputs(["neutral"], ["stop"]), CHOICES)["confidence"].to_list() == [None]

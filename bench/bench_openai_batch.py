@@ -80,29 +80,24 @@ def answers(path: Path) -> dict[str, str]:
     return out
 
 
+def run(command: list[str], **kwargs) -> None:
+    """Runs one side; on failure prints its output tail, which capture_output would otherwise hide."""
+    done = subprocess.run(command, capture_output=True, text=True, **kwargs)
+    if done.returncode != 0:
+        sys.exit(f"{command[:3]} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+
+
 def run_batch(source: Path, work: Path, flags: list[str]) -> tuple[float, dict[str, str]]:
     target = work / "run-batch-out.jsonl"
     started = time.perf_counter()
-    subprocess.run(
-        [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(source), "-o", str(target), *flags],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    run([sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(source), "-o", str(target), *flags])
     return time.perf_counter() - started, answers(target)
 
 
 def pipeline(source: Path, work: Path) -> tuple[float, dict[str, str], dict]:
     env = {**os.environ, "DAGSTER_HOME": str(work / "home"), "BATCH_ASSETS_DATA": str(work / "data")}
     started = time.perf_counter()
-    subprocess.run(
-        [str(VENV_BIN / "batch-assets"), "run", "openai_batch", str(source)],
-        env=env,
-        cwd=work,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    run([str(VENV_BIN / "batch-assets"), "run", "openai_batch", str(source)], env=env, cwd=work)
     wall = time.perf_counter() - started
     outputs = next((work / "data" / "storage" / "openai_batch" / "batch_output").glob("*.jsonl"))
     return wall, answers(outputs), inference_metadata(work / "home")
@@ -129,10 +124,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-openai-batch-") as tmp:
         source = Path(tmp) / "requests.jsonl"
         batch_file(source, args.requests, args.max_tokens, args.repeat_share)
-        for run in range(args.runs):
+        for attempt in range(args.runs):
             peer_wall, theirs = run_batch(source, Path(tmp), flags)
-            print(json.dumps({"run": run, "run_batch_wall_s": round(peer_wall, 1)}), flush=True)
-            work = Path(tmp) / f"pipeline-{run}"
+            print(json.dumps({"run": attempt, "run_batch_wall_s": round(peer_wall, 1)}), flush=True)
+            work = Path(tmp) / f"pipeline-{attempt}"
             work.mkdir()
             our_wall, ours, metadata = pipeline(source, work)
             peer_walls.append(peer_wall)
@@ -142,7 +137,7 @@ def main() -> None:
             print(
                 json.dumps(
                     {
-                        "run": run,
+                        "run": attempt,
                         "run_batch_wall_s": round(peer_wall, 1),
                         "batch_assets_wall_s": round(our_wall, 1),
                         "batch_assets_engine_s": metadata["engine_seconds"],

@@ -30,7 +30,7 @@ from batch_assets.engines.protocol import (
 from batch_assets.pipeline.budget import actual_cost_metadata, estimate_cost
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts
-from batch_assets.pipeline.label_quality import accuracy_report
+from batch_assets.pipeline.label_quality import accuracy_report, confidence_report
 from batch_assets.pipeline.openai_batch import accepted_model_names, batch_prompt_encoder, format_batch_prompts
 from batch_assets.pipeline.openai_batch_output import batch_files, jsonl_bytes, validate_batch_outputs
 from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions, read_prompts
@@ -142,6 +142,26 @@ def accuracy_metadata(labels: pl.DataFrame, task: TaskSpec) -> dict:
         "per_label": report.per_label_metadata(),
         "confusion": dg.MetadataValue.md(report.confusion_markdown()),
     }
+
+
+def confidence_metadata(labels: pl.DataFrame, task: TaskSpec) -> dict:
+    """The labels' confidence: its median and the share under the task's `checks.min_confidence`."""
+    report = confidence_report(labels, task.checks.min_confidence)
+    if report is None:
+        return {}
+    metadata: dict = {"min_confidence": task.checks.min_confidence}
+    if report.measured_rows:
+        metadata |= {
+            "confidence_median": round(report.median or 0.0, 4),
+            "low_confidence_rows": report.low_rows,
+            "low_confidence_share": round(report.low_share, 4),
+        }
+    if report.unmeasured_rows:
+        metadata["confidence_note"] = (
+            f"{report.unmeasured_rows} of {report.labelled_rows} labels have no confidence: "
+            f"{engine_kind(task).no_confidence_reason}"
+        )
+    return metadata
 
 
 def inference_fingerprint(task: TaskSpec, settings: EngineSettings) -> str:
@@ -447,6 +467,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
             "dagster/row_count": labels.height,
             "dagster/column_schema": column_schema(labels),
             **accuracy_metadata(labels, task),
+            **confidence_metadata(labels, task),
         }
         if counts:
             metadata["label_counts"] = counts

@@ -14,6 +14,8 @@
   `checks.max_label_drift` (total variation distance) of the task's recent partitions.
 - `accuracy_at_least` on validated_labels (WARN; tasks with `checks.gold_field`): accuracy against
   the known labels is at least `checks.min_accuracy`.
+- `confidence_at_least` on validated_labels (WARN; choices and regex tasks): at most
+  `checks.max_low_confidence_share` of the labels have a `confidence` under `checks.min_confidence`.
 
 In a run over a range of partitions (a backfill), each check reads every partition of the range and
 records one evaluation per partition (`evaluate_per_partition`): Dagster 1.13 gives an
@@ -33,7 +35,7 @@ from dagster._core.definitions.asset_checks.asset_check_evaluation import (
 
 from batch_assets.dagster_defs.assets import asset_key, error_code_counts, markdown_table
 from batch_assets.pipeline.budget import budget_overruns, estimate_cost
-from batch_assets.pipeline.label_quality import accuracy_report, label_drift
+from batch_assets.pipeline.label_quality import accuracy_report, confidence_report, label_drift
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.pipeline.validate_labels import constraint_violations, parse_label
 from batch_assets.storage.drop_files import drop_partitions
@@ -241,7 +243,7 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
             passed=share <= task.checks.max_error_share, severity=dg.AssetCheckSeverity.WARN, metadata=metadata
         )
 
-    gates = [*_budget_checks(task), *_drift_checks(task), *_accuracy_checks(task)]
+    gates = [*_budget_checks(task), *_drift_checks(task), *_accuracy_checks(task), *_confidence_checks(task)]
     return [outputs_satisfy_constraint, labels_are_valid, one_row_per_record, error_share_below_threshold, *gates]
 
 
@@ -371,3 +373,52 @@ def _accuracy_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         )
 
     return [accuracy_at_least]
+
+
+def _confidence_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
+    if not task.output.has_confidence:
+        return []
+    minimum, max_share = task.checks.min_confidence, task.checks.max_low_confidence_share
+
+    @dg.asset_check(
+        asset=asset_key(task.name, "validated_labels"),
+        name="confidence_at_least",
+        partitions_def=drop_partitions(task.name),
+        description=(
+            f"At most {max_share:.0%} of the labels have a confidence under {minimum} (the model's probability of "
+            "the label among the allowed outputs; task settings `checks.min_confidence`, "
+            "`checks.max_low_confidence_share`)."
+        ),
+    )
+    def confidence_at_least(context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame]):
+        yield from evaluate_per_partition(context, lambda key: confidence_result(validated_labels[key], key))
+
+    def confidence_result(validated_labels: pl.DataFrame, partition_key: str) -> dg.AssetCheckResult:
+        report = confidence_report(validated_labels, minimum)
+        if report is None or report.measured_rows == 0:
+            note = "skipped: no label has a confidence (see validated_labels' `confidence_note`)"
+            return dg.AssetCheckResult(passed=True, metadata={"note": note, "min_confidence": minimum})
+        passed = report.low_share <= max_share
+        metadata: dict[str, Any] = {
+            "low_confidence_rows": report.low_rows,
+            "measured_rows": report.measured_rows,
+            "low_confidence_share": round(report.low_share, 4),
+            "max_low_confidence_share": max_share,
+            "min_confidence": minimum,
+            "confidence_median": None if report.median is None else round(report.median, 4),
+        }
+        if report.low_rows:
+            # The least sure labels first: the rows worth reading by hand.
+            low = validated_labels.filter(pl.col("confidence") < minimum).sort("confidence")
+            columns = ["row_id", "source_line", *task.input.text_fields, "label", "confidence"]
+            metadata |= _failed_rows_metadata(low, columns, task.name, "validated_labels", partition_key)
+        description = (
+            None
+            if passed
+            else f"{report.low_share:.0%} of the labels have a confidence under {minimum} (> {max_share:.0%})"
+        )
+        return dg.AssetCheckResult(
+            passed=passed, severity=dg.AssetCheckSeverity.WARN, description=description, metadata=metadata
+        )
+
+    return [confidence_at_least]

@@ -64,6 +64,7 @@ class EndpointSettings:
     max_retries: int
     tokenizer: str
     structured_outputs: bool
+    logprobs: bool  # ask for the sampled tokens' log-probabilities (choices/regex tasks)
     api_key_source: str  # where the key comes from ("resource", "env:NAME", "none"), never its value
     batch_size: int = 1024  # requests per call (each call's results are checkpointed)
 
@@ -88,6 +89,7 @@ def chat_request_params(
     structured_outputs: bool = True,
     sampling: SamplingSpec | None = None,
     output: OutputSpec | None = None,
+    logprobs: bool = True,
 ) -> dict:
     """The chat-completions request fields (besides `messages`) for a task, or for one request
     that overrides the task's `sampling` / `output`."""
@@ -106,6 +108,8 @@ def chat_request_params(
     if stop:
         params["stop"] = list(stop)
     output = output or task.output
+    if logprobs and output.has_confidence:
+        params["logprobs"] = True  # the sampled tokens' log-probabilities: the label's confidence
     if not structured_outputs or output.kind == "text":
         return params
     if output.kind == "json_schema":
@@ -120,6 +124,15 @@ def chat_request_params(
     elif output.kind == "regex":
         params["extra_body"] = {"structured_outputs": {"regex": output.regex}}
     return params
+
+
+def _cumulative_logprob(choice) -> float | None:
+    """The sum of the sampled tokens' log-probabilities, when the server returned them (a server
+    may ignore `logprobs`, or return none for some tokens: then None, never a partial sum)."""
+    tokens = getattr(choice.logprobs, "content", None) if choice.logprobs is not None else None
+    if not tokens or any(token.logprob is None for token in tokens):
+        return None
+    return float(sum(token.logprob for token in tokens))
 
 
 def _redact(text: str, secret: str | None) -> str:
@@ -234,6 +247,13 @@ class OpenAIEngine(dg.ConfigurableResource):
     structured_outputs: bool = Field(
         default=True, description="Send the task's choices/schema/regex constraint with each request."
     )
+    logprobs: bool = Field(
+        default=True,
+        description=(
+            "Ask for the sampled tokens' log-probabilities (the `confidence` of choices/regex labels); "
+            "off for a server that refuses the `logprobs` field."
+        ),
+    )
 
     # Prompts for this engine carry their chat messages (`Prompt.messages`).
     sends_chat_messages: ClassVar[bool] = True
@@ -256,6 +276,7 @@ class OpenAIEngine(dg.ConfigurableResource):
             "request_timeout_s": self.request_timeout_s or spec.request_timeout_s,
             "max_retries": self.max_retries if self.max_retries is not None else spec.max_retries,
             "structured_outputs": self.structured_outputs,
+            "logprobs": self.logprobs,
             "api_key_source": "resource" if self.api_key else f"env:{spec.api_key_env}" if spec.api_key_env else "none",
             "batch_size": spec.batch_size,
         }
@@ -286,11 +307,13 @@ class OpenAIEngine(dg.ConfigurableResource):
             )
         settings = self.settings(task)
         api_key = self._api_key(task)
-        default = chat_request_params(task, settings.model, settings.structured_outputs)
+        default = chat_request_params(task, settings.model, settings.structured_outputs, logprobs=settings.logprobs)
         params = [
             default
             if p.sampling is None and p.output is None
-            else chat_request_params(task, settings.model, settings.structured_outputs, p.sampling, p.output)
+            else chat_request_params(
+                task, settings.model, settings.structured_outputs, p.sampling, p.output, logprobs=settings.logprobs
+            )
             for p in prompts
         ]
         outcomes = _run_coroutine(self._send_all(settings, api_key, params, prompts))
@@ -325,7 +348,7 @@ class OpenAIEngine(dg.ConfigurableResource):
                     )
                 )
                 continue
-            text, finish_reason, usage = outcome
+            text, finish_reason, usage, cumulative_logprob = outcome
             prompt_tokens = getattr(usage, "prompt_tokens", None)
             generated_tokens = getattr(usage, "completion_tokens", None)
             if generated_tokens is None:  # a server without `usage`: count locally
@@ -337,6 +360,7 @@ class OpenAIEngine(dg.ConfigurableResource):
                     finish_reason=finish_reason,
                     num_prompt_tokens=prompt_tokens if prompt_tokens is not None else len(prompt),
                     num_generated_tokens=generated_tokens,
+                    cumulative_logprob=cumulative_logprob,
                 )
             )
         return results
@@ -390,7 +414,7 @@ class OpenAIEngine(dg.ConfigurableResource):
                     if not response.choices or response.choices[0].message.content is None:
                         return _Failure("endpoint_error: the response has no message content")
                     choice = response.choices[0]
-                    return (choice.message.content, choice.finish_reason, response.usage)
+                    return (choice.message.content, choice.finish_reason, response.usage, _cumulative_logprob(choice))
 
             return await asyncio.gather(*(one(prompt, p) for prompt, p in zip(prompts, params, strict=True)))
 

@@ -151,6 +151,7 @@ def _generation(output) -> Generation:
         finish_reason=completion.finish_reason,
         num_prompt_tokens=len(output.prompt_token_ids or []),
         num_generated_tokens=len(completion.token_ids),
+        cumulative_logprob=completion.cumulative_logprob,  # None unless the request asked for logprobs
     )
 
 
@@ -166,7 +167,13 @@ def structured_outputs_for(output: OutputSpec):
     return None
 
 
-def sampling_params_for(sampling: SamplingSpec, output: OutputSpec | None):
+def sampling_params_for(sampling: SamplingSpec, output: OutputSpec | None, *, logprobs: bool = False):
+    """vLLM's sampling parameters for one request; `output` None: unconstrained.
+
+    `logprobs`: return the sampled tokens' log-probabilities (the `confidence` of a label). vLLM
+    computes them from the logits after the structured-output mask (the grammar bitmask is applied
+    before the sampler), so they are renormalized over the outputs the constraint allows.
+    """
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -178,6 +185,7 @@ def sampling_params_for(sampling: SamplingSpec, output: OutputSpec | None):
         # Stop strings come with a request's own sampling (an OpenAI batch line's `stop`).
         stop=list(getattr(sampling, "stop", None) or []) or None,
         structured_outputs=structured_outputs_for(output) if output is not None else None,
+        logprobs=0 if logprobs else None,  # 0: the sampled token's only, no alternatives
         output_kind=RequestOutputKind.FINAL_ONLY,  # only finished results: nothing to stream token by token
     )
 
@@ -478,12 +486,12 @@ class VLLMSession:
     def _params_for(self, prompt: Prompt):
         if prompt.sampling is None and prompt.output is None:
             if self._default_params is None:
-                self._default_params = sampling_params_for(
-                    self._task.sampling, self._task.output if self._structured else None
-                )
+                self._default_params = self._params(self._task.sampling, self._task.output)
             return self._default_params
-        output = prompt.output or self._task.output
-        return sampling_params_for(prompt.sampling or self._task.sampling, output if self._structured else None)
+        return self._params(prompt.sampling or self._task.sampling, prompt.output or self._task.output)
+
+    def _params(self, sampling: SamplingSpec, output: OutputSpec):
+        return sampling_params_for(sampling, output if self._structured else None, logprobs=output.has_confidence)
 
     def stream(self, prompts: Iterable[Prompt]) -> Iterator[tuple[int, Generation]]:
         self.start()

@@ -1,9 +1,14 @@
-"""How good and how steady a partition's labels are: accuracy against known labels, drift from the
-task's recent partitions. Pure functions over `validated_labels` frames and label counts.
+"""How good and how steady a partition's labels are: accuracy against known labels, the model's
+confidence in them, drift from the task's recent partitions. Pure functions over `validated_labels`
+frames and label counts.
 
 Accuracy: the share of rows with a non-empty gold value whose label equals it (both compared as
 text with surrounding spaces removed; an error row counts as wrong), per-label precision, recall
 and support, and a confusion table (gold label by row, predicted label by column).
+
+Confidence: of the labelled rows, how many have a `confidence` under the task's `min_confidence`
+(rows the model was unsure of: the ones to read first), and how many have none (the engine gave no
+log-probabilities).
 
 Drift: the total variation distance between the partition's label shares and the pooled shares of
 the recent partitions, 0 (same distribution) to 1 (no label in common), and the labels that moved.
@@ -112,6 +117,38 @@ def accuracy_report(labels: pl.DataFrame, gold_field: str, gold_json_field: str 
             )
         )
     return AccuracyReport(frame.height, correct, scores, confusion)
+
+
+@dataclass(frozen=True)
+class ConfidenceReport:
+    labelled_rows: int
+    measured_rows: int  # labelled rows with a confidence
+    low_rows: int  # measured rows under `min_confidence`
+    median: float | None
+
+    @property
+    def unmeasured_rows(self) -> int:
+        return self.labelled_rows - self.measured_rows
+
+    @property
+    def low_share(self) -> float:
+        """Share of the measured rows under `min_confidence` (0 when none was measured)."""
+        return self.low_rows / self.measured_rows if self.measured_rows else 0.0
+
+
+def confidence_report(labels: pl.DataFrame, min_confidence: float) -> ConfidenceReport | None:
+    """None when the partition has no `confidence` column (a task without one)."""
+    if "confidence" not in labels.columns:
+        return None
+    labelled = labels.filter(pl.col("label").is_not_null())
+    measured = labelled["confidence"].drop_nulls()
+    median = measured.median()
+    return ConfidenceReport(
+        labelled_rows=labelled.height,
+        measured_rows=measured.len(),
+        low_rows=int((measured < min_confidence).sum()),
+        median=None if median is None else float(median),  # type: ignore[arg-type]  # a float for a Float64 series
+    )
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ def validate_batch_outputs(outputs: pl.DataFrame) -> pl.DataFrame:
         pl.Series("label", labels, dtype=pl.String), pl.Series("error", errors, dtype=pl.String)
     )
     trailing = ["label", "generated_text", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "error"]
-    dropped = {"prompt", "request_params"}
+    dropped = {"prompt", "request_params", "cumulative_logprob"}  # batch lines do not ask for logprobs
     middle = [c for c in frame.columns if c not in trailing and c not in dropped and c not in ("row_id", "source_line")]
     return frame.select("row_id", "source_line", *middle, *trailing)
 

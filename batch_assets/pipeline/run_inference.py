@@ -225,6 +225,7 @@ def _result_row(key: str, g: Generation) -> dict:
         "num_prompt_tokens": g.num_prompt_tokens,
         "num_generated_tokens": g.num_generated_tokens,
         "error": g.error,
+        "cumulative_logprob": g.cumulative_logprob,
     }
 
 
@@ -239,6 +240,7 @@ def _too_long_row(key: str, prompt_tokens: int, max_tokens: int, max_model_len: 
             f"prompt_too_long: {prompt_tokens} prompt tokens + {max_tokens} max_tokens "
             f"exceed max_model_len {max_model_len}"
         ),
+        "cumulative_logprob": None,
     }
 
 

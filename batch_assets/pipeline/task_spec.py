@@ -361,6 +361,12 @@ class OutputSpec(_Strict):
             re.compile(self.regex)
         return self
 
+    @property
+    def has_confidence(self) -> bool:
+        """Labels of a closed set (choices, a regex) get a confidence from the engine's token
+        log-probabilities; free text and JSON objects do not (their probability says little)."""
+        return self.kind in ("choices", "regex")
+
 
 class BudgetSpec(_Strict):
     """Limits per partition, checked on `formatted_prompts` before anything reaches the engine.
@@ -391,6 +397,11 @@ class ChecksSpec(_Strict):
     gold_json_field: str | None = None
     # The WARN check `accuracy_at_least` fails below this share of correct rows.
     min_accuracy: float = Field(default=0.0, ge=0, le=1)
+    # Choices and regex tasks: a label whose `confidence` (the model's probability of it among the
+    # outputs the constraint allows) is under this is "low confidence"...
+    min_confidence: float = Field(default=0.5, ge=0, le=1)
+    # ...and the WARN check `confidence_at_least` fails when more than this share of labels are.
+    max_low_confidence_share: float = Field(default=0.2, ge=0, le=1)
 
 
 class SensorSpec(_Strict):
@@ -476,6 +487,12 @@ class TaskSpec(_Strict):
             )
         if self.checks.gold_field and self.output.kind == "text":
             raise ValueError("checks.gold_field needs a closed output (choices, regex or json_schema), not free text")
+        confidence_settings = {"min_confidence", "max_low_confidence_share"} & self.checks.model_fields_set
+        if confidence_settings and not self.output.has_confidence:
+            raise ValueError(
+                f"checks.{sorted(confidence_settings)[0]} applies to `output.kind: choices` or `regex` only "
+                "(labels of free text and JSON tasks have no confidence)"
+            )
         return self
 
     @model_validator(mode="after")

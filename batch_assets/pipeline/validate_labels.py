@@ -82,10 +82,12 @@ def _choice_labels(outputs: pl.DataFrame, output: OutputSpec) -> tuple[pl.Series
 
 
 def validate_labels(outputs: pl.DataFrame, output: OutputSpec) -> pl.DataFrame:
-    """inference_outputs → validated_labels: `label` parsed and checked, problems in `error`."""
+    """inference_outputs → validated_labels: `label` parsed and checked, problems in `error`, and
+    for choices and regex tasks the label's `confidence`."""
     if output.kind == "choices":
         label_series, error_series = _choice_labels(outputs, output)
-        return _arrange(outputs.with_columns(label_series.alias("label"), error_series.alias("error")))
+        labelled = outputs.with_columns(label_series.alias("label"), error_series.alias("error"))
+        return _arrange(_with_confidence(labelled, output))
     labels: list[Any] = []
     errors: list[str | None] = []
     for text, finish_reason, error in zip(
@@ -105,13 +107,31 @@ def validate_labels(outputs: pl.DataFrame, output: OutputSpec) -> pl.DataFrame:
         )
     else:
         label_series = pl.Series("label", labels, dtype=pl.String)
-    return _arrange(outputs.with_columns(label_series, pl.Series("error", errors, dtype=pl.String)))
+    labelled = outputs.with_columns(label_series, pl.Series("error", errors, dtype=pl.String))
+    return _arrange(_with_confidence(labelled, output))
+
+
+def _with_confidence(labelled: pl.DataFrame, output: OutputSpec) -> pl.DataFrame:
+    """`confidence` (0–1) of each label: exp of its tokens' summed log-probabilities, i.e. the
+    model's probability of exactly this output among those the constraint allows. Null for rows
+    without a label and for results the engine returned no log-probabilities for."""
+    if not output.has_confidence:
+        return labelled
+    if "cumulative_logprob" not in labelled.columns:  # outputs stored before confidence was measured
+        return labelled.with_columns(confidence=pl.lit(None, dtype=pl.Float64))
+    return labelled.with_columns(
+        confidence=pl.when(pl.col("label").is_not_null()).then(pl.col("cumulative_logprob").exp().clip(0.0, 1.0))
+    )
 
 
 def _arrange(result: pl.DataFrame) -> pl.DataFrame:
     leading = ["row_id"]
     trailing = ["label", "generated_text", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "error"]
-    dropped = {"prompt", "source_line"}
+    if "confidence" in result.columns:
+        # Before `label`: the contract's trailing columns (DESIGN.md) keep their places.
+        trailing.insert(0, "confidence")
+    # The engine's log-probability lives on in inference_outputs; the result table has `confidence`.
+    dropped = {"prompt", "source_line", "cumulative_logprob"}
     middle = [c for c in result.columns if c not in leading + trailing and c not in dropped]
     return result.select(*leading, "source_line", *middle, *trailing)
 

@@ -44,9 +44,24 @@ CHECKPOINT_SCHEMA: dict[str, PolarsDataType] = {
     "num_prompt_tokens": pl.Int64,
     "num_generated_tokens": pl.Int64,
     "error": pl.String,
+    "cumulative_logprob": pl.Float64,
 }
+# Columns added after results were first stored: files written before lack them and read as null.
+_LATER_COLUMNS = ("cumulative_logprob",)
 # Files whose change means "other weights" in a local model folder.
 _MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".json", ".model", ".jinja")
+
+
+def conform_results(frame: pl.DataFrame) -> pl.DataFrame:
+    """A stored or new results frame in `CHECKPOINT_SCHEMA`: its columns, in order, with their types.
+
+    Checkpoints and cached results outlive upgrades, so a file without a later column is still
+    used (the column is null: e.g. no confidence for results cached before it was measured).
+    """
+    missing = [pl.lit(None).alias(name) for name in _LATER_COLUMNS if name not in frame.columns]
+    if missing:
+        frame = frame.with_columns(missing)
+    return frame.select(list(CHECKPOINT_SCHEMA)).cast(CHECKPOINT_SCHEMA)  # type: ignore[arg-type]  # see CHECKPOINT_SCHEMA
 
 
 def run_fingerprint(parts: dict) -> str:
@@ -86,16 +101,14 @@ class CheckpointStore:
         frames = []
         for chunk in self.chunk_paths():
             with chunk.open("rb") as handle:
-                frame = pl.read_parquet(handle).select(list(CHECKPOINT_SCHEMA))
-                frames.append(frame.cast(CHECKPOINT_SCHEMA))  # type: ignore[arg-type]  # see CHECKPOINT_SCHEMA
+                frames.append(conform_results(pl.read_parquet(handle)))
         if not frames:
             return pl.DataFrame(schema=CHECKPOINT_SCHEMA)
         return pl.concat(frames).unique("request_key", keep="first", maintain_order=True)
 
     def save(self, chunk: pl.DataFrame) -> None:
         buffer = io.BytesIO()
-        chunk = chunk.select(list(CHECKPOINT_SCHEMA))
-        chunk.cast(CHECKPOINT_SCHEMA).write_parquet(buffer)  # type: ignore[arg-type]  # see CHECKPOINT_SCHEMA
+        conform_results(chunk).write_parquet(buffer)
         name = f"chunk-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet"
         write_bytes_atomically(self.folder / name, buffer.getvalue())
         self.chunks_saved += 1

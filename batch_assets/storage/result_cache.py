@@ -29,7 +29,7 @@ import uuid
 import polars as pl
 from upath import UPath
 
-from batch_assets.storage.checkpoints import CHECKPOINT_SCHEMA, remove_path
+from batch_assets.storage.checkpoints import CHECKPOINT_SCHEMA, conform_results, remove_path
 from batch_assets.storage.locations import write_bytes_atomically
 
 # Files a fingerprint folder may hold before a writer merges them into one.
@@ -56,8 +56,7 @@ class ResultCache:
         frames = []
         for path in files:
             with path.open("rb") as handle:
-                frame = pl.read_parquet(handle, columns=list(CHECKPOINT_SCHEMA))
-            frame = frame.cast(CHECKPOINT_SCHEMA)  # type: ignore[arg-type]  # see CHECKPOINT_SCHEMA
+                frame = conform_results(pl.read_parquet(handle))
             if keys is not None:
                 frame = frame.filter(pl.col("request_key").is_in(keys.implode()))
             frames.append(frame)
@@ -79,8 +78,7 @@ class ResultCache:
 
     def add(self, results: pl.DataFrame) -> int:
         """Store finished results (rows with an error are not cached). Returns rows stored."""
-        finished = results.filter(pl.col("error").is_null()).select(list(CHECKPOINT_SCHEMA))
-        finished = finished.cast(CHECKPOINT_SCHEMA)  # type: ignore[arg-type]  # see CHECKPOINT_SCHEMA
+        finished = conform_results(results.filter(pl.col("error").is_null()))
         if finished.height == 0:
             return 0
         self._write(finished)
