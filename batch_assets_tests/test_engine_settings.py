@@ -82,6 +82,9 @@ def test_first_class_settings_are_refused_inside_vllm_args(tmp_path: Path) -> No
         load_task_spec(task_file(tmp_path, "  vllm_args: {max_model_len: 512}\n"))
     with pytest.raises(TaskSpecError, match="set it as `engine.kv_cache_memory_gib`"):
         load_task_spec(task_file(tmp_path, "  vllm_args: {kv_cache_memory_bytes: 1000}\n", name="kv"))
+    # The labels' confidence relies on vLLM's default log-probabilities.
+    with pytest.raises(TaskSpecError, match="engine.vllm_args.logprobs_mode cannot be changed: the labels' `confid"):
+        load_task_spec(task_file(tmp_path, "  vllm_args: {logprobs_mode: processed_logits}\n", name="lp"))
 
 
 def test_loading_tasks_never_imports_vllm(tmp_path: Path) -> None:

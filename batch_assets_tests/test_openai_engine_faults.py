@@ -38,7 +38,7 @@ MODEL = "fault-model"
 class FaultServer:
     """Chat completions with scripted faults: `plan[word]` lists what successive requests whose
     user message contains `word` get: "429", "500", "slow", "drop", "401", "garbage" (a 200 that
-    is not JSON) or "ok". The last step
+    is not JSON), "400-logprobs" (a server refusing the `logprobs` field) or "ok". The last step
     repeats. Prompts matching no word get "ok"."""
 
     def __init__(self, slow_seconds: float = 1.5, ok_delay: float = 0.0) -> None:
@@ -83,6 +83,8 @@ class FaultServer:
                 if action == "drop":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
+                elif action == "400-logprobs":
+                    self._json(400, {"error": {"message": "logprobs is not supported for this model"}})
                 elif action == "429":
                     self._json(429, {"error": {"message": "rate limited"}}, {"Retry-After": "0.05"})
                 elif action == "500":
@@ -291,8 +293,11 @@ def test_confidence_comes_from_the_servers_log_probabilities_when_it_returns_the
     answered, quiet = OpenAIEngine().generate(task, prompts)
     assert answered.cumulative_logprob == pytest.approx(-0.2) and quiet.cumulative_logprob is None
     assert [body.get("logprobs") for body in fault_server.bodies] == [True, True]
-    # A server that refuses the field: the resource turns it off.
-    fault_server.bodies.clear()
+    # A server that refuses the field fails the run naming the switch, which turns it off.
+    fault_server.plan = {"loud": ["400-logprobs"]}
+    with pytest.raises(EndpointError, match="refuses `logprobs`.*set `logprobs=False` on the `llm_endpoint` resource"):
+        OpenAIEngine().generate(task, prompts[:1])
+    fault_server.plan, fault_server.bodies = {}, []
     [plain] = OpenAIEngine(logprobs=False).generate(task, prompts[:1])
     assert plain.cumulative_logprob is None and "logprobs" not in fault_server.bodies[0]
 

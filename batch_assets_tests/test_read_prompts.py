@@ -105,6 +105,10 @@ def test_jsonl_columns_named_like_pipeline_columns_are_kept_under_input_prefix()
     assert row["row_id"] == 0 and row["error"] is None
     assert row["input.row_id"] == "7" and row["input.error"] == "theirs" and row["input.request_key"] == "k"
     assert row["input.label"] == "y" and row["input.label_2"] == "x"
+    # The columns the engine and validation add are taken too.
+    data = b'{"text": "t", "confidence": "high", "cumulative_logprob": "n/a"}\n'
+    row = read_prompts(data, "r.jsonl", TEXT).to_dicts()[0]
+    assert row["input.confidence"] == "high" and row["input.cumulative_logprob"] == "n/a"
 
 
 def test_jsonl_very_deep_nesting_is_an_error_row() -> None:

@@ -144,6 +144,14 @@ def accuracy_metadata(labels: pl.DataFrame, task: TaskSpec) -> dict:
     }
 
 
+# Engine-neutral: resources can route a task to an engine other than its YAML's `engine.kind`.
+NO_CONFIDENCE_REASONS = (
+    "their results were reused from checkpoints or the result cache stored before confidence was measured "
+    "(materialize inference_outputs with `use_result_cache: false` to measure it), the endpoint returned no "
+    "log-probabilities (or `logprobs=False` on the `llm_endpoint` resource), or structured outputs are off"
+)
+
+
 def confidence_metadata(labels: pl.DataFrame, task: TaskSpec) -> dict:
     """The labels' confidence: its median and the share under the task's `checks.min_confidence`."""
     report = confidence_report(labels, task.checks.min_confidence)
@@ -158,8 +166,7 @@ def confidence_metadata(labels: pl.DataFrame, task: TaskSpec) -> dict:
         }
     if report.unmeasured_rows:
         metadata["confidence_note"] = (
-            f"{report.unmeasured_rows} of {report.labelled_rows} labels have no confidence: "
-            f"{engine_kind(task).no_confidence_reason}"
+            f"{report.unmeasured_rows} of {report.labelled_rows} labels have no confidence: {NO_CONFIDENCE_REASONS}"
         )
     return metadata
 
@@ -429,8 +436,9 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         name="validated_labels",
         description=(
             f"The `{name}` result table: every input column, `label` (parsed and checked against the "
-            "task's output constraint), the generated text, token counts and `error` (null when the "
-            "row is fine). Exactly one row per input record, in input order."
+            "task's output constraint; choices and regex tasks also give its `confidence`, 0-1), the "
+            "generated text, token counts and `error` (null when the row is fine). Exactly one row per "
+            "input record, in input order."
         ),
         ins={"inference_outputs": dg.AssetIn(key=asset_key(name, "inference_outputs"))},
         code_version=versions["validated_labels"],
@@ -454,8 +462,9 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         )
         counts = label_counts(labels) if task.output.kind in ("choices", "regex") else {}
         errors = error_code_counts(labels)
+        shown = ["confidence"] if "confidence" in labels.columns else []
         preview_columns = (
-            ["custom_id", "label", "error"] if batch_format else [*task.input.text_fields, "label", "error"]
+            ["custom_id", "label", "error"] if batch_format else [*task.input.text_fields, "label", *shown, "error"]
         )
         metadata: dict = write_batch_files(labels, partition_key) if batch_format else {}
         metadata |= {

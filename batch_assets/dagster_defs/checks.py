@@ -376,7 +376,7 @@ def _accuracy_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
 
 
 def _confidence_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
-    if not task.output.has_confidence:
+    if not task.output.has_confidence or task.input.format == "openai_batch":  # batch lines: text or JSON
         return []
     minimum, max_share = task.checks.min_confidence, task.checks.max_low_confidence_share
 
@@ -396,7 +396,7 @@ def _confidence_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
     def confidence_result(validated_labels: pl.DataFrame, partition_key: str) -> dg.AssetCheckResult:
         report = confidence_report(validated_labels, minimum)
         if report is None or report.measured_rows == 0:
-            note = "skipped: no label has a confidence (see validated_labels' `confidence_note`)"
+            note = "skipped: no label has a confidence (validated_labels' `confidence_note` says why)"
             return dg.AssetCheckResult(passed=True, metadata={"note": note, "min_confidence": minimum})
         passed = report.low_share <= max_share
         metadata: dict[str, Any] = {
@@ -409,7 +409,7 @@ def _confidence_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         }
         if report.low_rows:
             # The least sure labels first: the rows worth reading by hand.
-            low = validated_labels.filter(pl.col("confidence") < minimum).sort("confidence")
+            low = validated_labels.filter(pl.col("confidence") < minimum).sort("confidence", "row_id")
             columns = ["row_id", "source_line", *task.input.text_fields, "label", "confidence"]
             metadata |= _failed_rows_metadata(low, columns, task.name, "validated_labels", partition_key)
         description = (

@@ -108,10 +108,10 @@ def chat_request_params(
     if stop:
         params["stop"] = list(stop)
     output = output or task.output
-    if logprobs and output.has_confidence:
-        params["logprobs"] = True  # the sampled tokens' log-probabilities: the label's confidence
     if not structured_outputs or output.kind == "text":
         return params
+    if logprobs and output.has_confidence:
+        params["logprobs"] = True  # the sampled tokens' log-probabilities: the label's confidence
     if output.kind == "json_schema":
         # The standard OpenAI field; vLLM's server turns it into its JSON structured output.
         params["response_format"] = {
@@ -186,6 +186,12 @@ def classify_failure(
                 "prefix (usually /v1) and that `engine.model` is a model the server serves",
             )
         attempts = retried if status in RETRIED_STATUSES or status >= 500 else "not retried"
+        if status == 400 and "logprob" in message.lower():
+            return _Failure(
+                f"endpoint_error: HTTP 400: {message}",
+                fatal=f"the endpoint {where} refuses `logprobs` ({message}): set `logprobs=False` on the "
+                "`llm_endpoint` resource (labels then come without a confidence)",
+            )
         return _Failure(f"endpoint_error: HTTP {status}: {message}; {attempts}")
     return _Failure(f"endpoint_error: {type(exc).__name__}: {_redact(str(exc), api_key)[:200]}")
 

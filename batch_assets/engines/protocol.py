@@ -109,21 +109,13 @@ class EngineKind:
     resource_key: str
     pool: str  # the Dagster pool of the inference step
     display_name: str
-    no_confidence_reason: str  # why a label of a choices/regex task may come without a confidence
 
 
-_REUSED = "their results were reused from checkpoints or the result cache stored before confidence was measured"
 # `gpu`: limit = runs per node (one run uses every GPU of its node); `llm_endpoint`: limit = runs the
 # server may take at once.
 ENGINE_KINDS: dict[str, EngineKind] = {
-    "vllm": EngineKind("llm_engine", "gpu", "the vLLM engine", _REUSED),
-    "openai": EngineKind(
-        "llm_endpoint",
-        "llm_endpoint",
-        "an OpenAI-compatible endpoint",
-        "the endpoint returned no log-probabilities for them (or `logprobs` is off on the `llm_endpoint` "
-        f"resource), or {_REUSED}",
-    ),
+    "vllm": EngineKind("llm_engine", "gpu", "the vLLM engine"),
+    "openai": EngineKind("llm_endpoint", "llm_endpoint", "an OpenAI-compatible endpoint"),
 }
 
 

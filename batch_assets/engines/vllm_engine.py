@@ -491,7 +491,9 @@ class VLLMSession:
         return self._params(prompt.sampling or self._task.sampling, prompt.output or self._task.output)
 
     def _params(self, sampling: SamplingSpec, output: OutputSpec):
-        return sampling_params_for(sampling, output if self._structured else None, logprobs=output.has_confidence)
+        # Confidence is a probability among the outputs the constraint allows: only asked for with it.
+        logprobs = self._structured and output.has_confidence
+        return sampling_params_for(sampling, output if self._structured else None, logprobs=logprobs)
 
     def stream(self, prompts: Iterable[Prompt]) -> Iterator[tuple[int, Generation]]:
         self.start()

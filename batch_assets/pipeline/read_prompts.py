@@ -57,6 +57,8 @@ RESERVED_COLUMNS = frozenset(
         "generated_text",
         "finish_reason",
         "num_generated_tokens",
+        "cumulative_logprob",
+        "confidence",
     }
 )
 # Records are collected into polars frames this many at a time, so a file of millions of rows

@@ -274,6 +274,9 @@ OUTPUT_VLLM_ARG_DEFAULTS = {"dtype": "auto", "seed": 0}
 RESERVED_VLLM_ARGS = frozenset(
     {"model", "max_model_len", "tensor_parallel_size", "data_parallel_size", "kv_cache_memory_bytes"}
 )
+# vLLM arguments the pipeline relies on as they are: the labels' confidence needs the default
+# `raw_logprobs` (log-probabilities after the output constraint, before temperature).
+FIXED_VLLM_ARGS = {"logprobs_mode": "the labels' `confidence` is computed from vLLM's default raw log-probabilities"}
 
 
 @functools.cache
@@ -320,6 +323,8 @@ def check_vllm_args(vllm_args: dict[str, Any]) -> None:
         if name in RESERVED_VLLM_ARGS:
             hint = "kv_cache_memory_gib" if name == "kv_cache_memory_bytes" else name
             raise ValueError(f"engine.vllm_args.{name}: set it as `engine.{hint}` instead")
+        if name in FIXED_VLLM_ARGS:
+            raise ValueError(f"engine.vllm_args.{name} cannot be changed: {FIXED_VLLM_ARGS[name]}")
     valid = vllm_engine_argument_names()
     for name in vllm_args:
         if name not in valid:

@@ -119,16 +119,15 @@ def _with_confidence(labelled: pl.DataFrame, output: OutputSpec) -> pl.DataFrame
         return labelled
     if "cumulative_logprob" not in labelled.columns:  # outputs stored before confidence was measured
         return labelled.with_columns(confidence=pl.lit(None, dtype=pl.Float64))
-    return labelled.with_columns(
-        confidence=pl.when(pl.col("label").is_not_null()).then(pl.col("cumulative_logprob").exp().clip(0.0, 1.0))
-    )
+    probability = pl.col("cumulative_logprob").fill_nan(None).exp().clip(0.0, 1.0)
+    return labelled.with_columns(confidence=pl.when(pl.col("label").is_not_null()).then(probability))
 
 
 def _arrange(result: pl.DataFrame) -> pl.DataFrame:
     leading = ["row_id"]
     trailing = ["label", "generated_text", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "error"]
-    if "confidence" in result.columns:
-        # Before `label`: the contract's trailing columns (DESIGN.md) keep their places.
+    if "confidence" in result.columns:  # only choices and regex tasks have it (input columns cannot)
+        # Before `label`, so the trailing columns that readers of the table rely on keep their places.
         trailing.insert(0, "confidence")
     # The engine's log-probability lives on in inference_outputs; the result table has `confidence`.
     dropped = {"prompt", "source_line", "cumulative_logprob"}
