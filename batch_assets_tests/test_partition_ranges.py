@@ -8,6 +8,7 @@ from pathlib import Path
 
 import dagster as dg
 import polars as pl
+import pytest
 from dagster._core.event_api import PartitionKeyFilter
 
 from batch_assets.definitions import build_definitions, pipeline_job_name
@@ -68,7 +69,11 @@ def test_a_range_run_equals_one_run_per_partition(data_dir: Path, tiny_model: st
         for key, rows in zip(keys, (4, 7, 2), strict=True):
             labels = read(data_dir, "validated_labels", key)
             assert labels.height == rows
-            assert labels.equals(singles[key]), key
+            # Row for row the same labels and outputs; a confidence is a float from batched arithmetic,
+            # and the range batches other rows together, so it is compared to a tolerance.
+            assert labels.drop("confidence").equals(singles[key].drop("confidence")), key
+            confidence = labels["confidence"].to_list()
+            assert confidence == pytest.approx(singles[key]["confidence"].to_list(), abs=1e-4), key
             # Metadata per partition: each partition's own row count, not the range's.
             for asset in ASSETS:
                 metadata = materialization_metadata(instance, asset, key)
