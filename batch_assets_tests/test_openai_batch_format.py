@@ -38,6 +38,18 @@ def jsonl(*lines: dict | str) -> bytes:
     return "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines).encode("utf-8")
 
 
+def format_lines(data: bytes, tokenizer, **options) -> pl.DataFrame:
+    """A batch file's lines, read and formatted with the defaults these tests share."""
+    return format_batch_prompts(
+        read_batch_requests(data, "in.jsonl"),
+        tokenizer,
+        sampling_defaults=DEFAULTS,
+        max_model_len=512,
+        source_file="in.jsonl",
+        **options,
+    )
+
+
 def test_valid_lines_keep_custom_id_model_messages_and_sampling() -> None:
     messages = [
         {"role": "system", "content": "Be brief."},
@@ -160,23 +172,10 @@ def test_chat_prompt_is_the_template_over_the_requests_own_messages(tokenizer) -
 
 def test_completions_prompt_is_the_text_itself(tokenizer) -> None:
     line = {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Once upon a time"}}
-    out = format_batch_prompts(
-        read_batch_requests(jsonl(line), "in.jsonl"),
-        tokenizer,
-        sampling_defaults=DEFAULTS,
-        max_model_len=512,
-        source_file="in.jsonl",
-    )
+    out = format_lines(jsonl(line), tokenizer)
     assert out["prompt"][0] == "Once upon a time"  # SmolLM2's tokenizer adds no BOS of its own
     # An endpoint engine sends chat messages only: a completion line is an error row there.
-    chat_only = format_batch_prompts(
-        read_batch_requests(jsonl(line), "in.jsonl"),
-        tokenizer,
-        sampling_defaults=DEFAULTS,
-        max_model_len=512,
-        source_file="in.jsonl",
-        chat_only=True,
-    )
+    chat_only = format_lines(jsonl(line), tokenizer, chat_only=True)
     assert chat_only["error"][0].startswith(
         "unsupported_url: in.jsonl line 1: /v1/completions lines need the in-process engine"
     )
@@ -195,13 +194,7 @@ def test_sampling_defaults_fill_what_a_line_leaves_out_and_response_format_becom
         ),
         chat_line("c", response_format={"type": "json_object"}),
     )
-    out = format_batch_prompts(
-        read_batch_requests(data, "in.jsonl"),
-        tokenizer,
-        sampling_defaults=DEFAULTS,
-        max_model_len=512,
-        source_file="in.jsonl",
-    )
+    out = format_lines(data, tokenizer)
     a, b, c = (RequestSpec.from_params_json(p) for p in out["request_params"])
     assert a.sampling.model_dump() == {**DEFAULTS.model_dump(), "stop": None} and a.output is None
     assert (b.sampling.temperature, b.sampling.seed, b.sampling.max_tokens, b.sampling.stop) == (0.7, 5, 64, ("\n",))
@@ -256,23 +249,11 @@ def test_request_keys_share_identical_deterministic_requests_and_separate_other_
         chat_line("g", same, temperature=0.9, seed=1),
         chat_line("h", same, temperature=0, response_format={"type": "json_object"}),
     )
-    out = format_batch_prompts(
-        read_batch_requests(data, "in.jsonl"),
-        tokenizer,
-        sampling_defaults=DEFAULTS,
-        max_model_len=512,
-        source_file="in.jsonl",
-    )
+    out = format_lines(data, tokenizer)
     keys = request_keys(out["prompt"].to_list(), out["row_id"].to_list(), True, out["request_params"].to_list())
     a, b, c, d, e, f, g, h = keys
     # Stable across runs (a resumed partition finds its checkpoints under the same keys).
-    again = format_batch_prompts(
-        read_batch_requests(data, "in.jsonl"),
-        tokenizer,
-        sampling_defaults=DEFAULTS,
-        max_model_len=512,
-        source_file="in.jsonl",
-    )
+    again = format_lines(data, tokenizer)
     assert (
         request_keys(again["prompt"].to_list(), again["row_id"].to_list(), True, again["request_params"].to_list())
         == keys
@@ -296,13 +277,7 @@ def test_output_and_error_files_follow_openais_batch_schema_one_line_per_input(t
         {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hi"}},
         chat_line("engine-failed"),
     )
-    formatted = format_batch_prompts(
-        read_batch_requests(data, "in.jsonl"),
-        tokenizer,
-        sampling_defaults=DEFAULTS,
-        max_model_len=512,
-        source_file="in.jsonl",
-    )
+    formatted = format_lines(data, tokenizer)
     answers = {"a": ("Paris.", "stop", 3), "json": ('{"x": "no"}', "stop", 5), "c": (" there", "length", 2)}
     outputs = formatted.with_columns(
         generated_text=pl.Series([answers.get(cid, (None,))[0] for cid in formatted["custom_id"]], dtype=pl.String),
@@ -381,13 +356,7 @@ def test_run_inference_sends_each_request_once_with_its_own_sampling(tokenizer, 
         chat_line("c", same, max_tokens=7, stop=["x"]),
         chat_line("d", [{"role": "user", "content": "other"}], max_tokens=6, response_format={"type": "json_object"}),
     )
-    formatted = format_batch_prompts(
-        read_batch_requests(data, "in.jsonl"),
-        tokenizer,
-        sampling_defaults=DEFAULTS,
-        max_model_len=512,
-        source_file="in.jsonl",
-    )
+    formatted = format_lines(data, tokenizer)
     seen = []
 
     def generate(prompts):
