@@ -202,9 +202,11 @@ def test_confidence_report_counts_labels_under_the_minimum_among_those_measured(
     assert report is not None
     assert (report.labelled_rows, report.measured_rows, report.unmeasured_rows, report.low_rows) == (4, 3, 1, 2)
     assert report.low_share == pytest.approx(2 / 3) and report.median == pytest.approx(0.45)
+    assert report.metadata() == {"confidence_median": 0.45, "low_confidence_rows": 2, "low_confidence_share": 0.6667}
     assert confidence_report(labels.drop("confidence"), 0.5) is None  # a text or JSON task
     nothing = confidence_report(labels.with_columns(pl.lit(None, dtype=pl.Float64).alias("confidence")), 0.5)
     assert nothing is not None and (nothing.measured_rows, nothing.low_share, nothing.median) == (0, 0.0, None)
+    assert nothing.metadata() == {}  # nothing measured: no figures that would read as "0 % low"
 
 
 def test_drift_is_total_variation_distance_and_names_moved_labels() -> None:

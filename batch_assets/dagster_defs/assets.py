@@ -157,13 +157,7 @@ def confidence_metadata(labels: pl.DataFrame, task: TaskSpec) -> dict:
     report = confidence_report(labels, task.checks.min_confidence)
     if report is None:
         return {}
-    metadata: dict = {"min_confidence": task.checks.min_confidence}
-    if report.measured_rows:
-        metadata |= {
-            "confidence_median": round(report.median or 0.0, 4),
-            "low_confidence_rows": report.low_rows,
-            "low_confidence_share": round(report.low_share, 4),
-        }
+    metadata: dict = {"min_confidence": task.checks.min_confidence, **report.metadata()}
     if report.unmeasured_rows:
         metadata["confidence_note"] = (
             f"{report.unmeasured_rows} of {report.labelled_rows} labels have no confidence: {NO_CONFIDENCE_REASONS}"

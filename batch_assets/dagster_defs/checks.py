@@ -400,12 +400,10 @@ def _confidence_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
             return dg.AssetCheckResult(passed=True, metadata={"note": note, "min_confidence": minimum})
         passed = report.low_share <= max_share
         metadata: dict[str, Any] = {
-            "low_confidence_rows": report.low_rows,
+            **report.metadata(),
             "measured_rows": report.measured_rows,
-            "low_confidence_share": round(report.low_share, 4),
             "max_low_confidence_share": max_share,
             "min_confidence": minimum,
-            "confidence_median": None if report.median is None else round(report.median, 4),
         }
         if report.low_rows:
             # The least sure labels first: the rows worth reading by hand.

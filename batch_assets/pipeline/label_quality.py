@@ -135,6 +135,16 @@ class ConfidenceReport:
         """Share of the measured rows under `min_confidence` (0 when none was measured)."""
         return self.low_rows / self.measured_rows if self.measured_rows else 0.0
 
+    def metadata(self) -> dict[str, int | float | None]:
+        """What the asset and its check record; empty when no row was measured."""
+        if not self.measured_rows:
+            return {}
+        return {
+            "confidence_median": None if self.median is None else round(self.median, 4),
+            "low_confidence_rows": self.low_rows,
+            "low_confidence_share": round(self.low_share, 4),
+        }
+
 
 def confidence_report(labels: pl.DataFrame, min_confidence: float) -> ConfidenceReport | None:
     """None when the partition has no `confidence` column (a task without one)."""
