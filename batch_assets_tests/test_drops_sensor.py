@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 
 from batch_assets.dagster_defs.sensors import (
     LAUNCHED_BY_TAG,
+    RANGE_END_TAG,
+    RANGE_START_TAG,
     REPLACED_TAG,
-    REQUEST_KEY_TAG,
     SOURCE_FILE_TAG,
     build_drops_sensor,
     decode_cursor,
@@ -40,7 +41,6 @@ from batch_assets.storage.locations import data_root, storage_path, write_bytes_
 from batch_assets_tests.conftest import drop
 
 TASK = "sentiment"
-ASSETS = ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels")
 POST = '{"text": "Loving it"}\n'
 SAFE_KEY = r"^[A-Za-z0-9._-]+$"
 
@@ -152,23 +152,8 @@ def tick(sensor: dg.SensorDefinition, instance: dg.DagsterInstance, cursor: str 
     return result, result.cursor if result.cursor is not None else cursor
 
 
-def submit_backfill(instance: dg.DagsterInstance, request: dg.RunRequest) -> None:
-    """What the sensor daemon does with a backfill request."""
-    from dagster._core.execution.backfill import PartitionBackfill
-    from dagster._core.utils import make_new_backfill_id
-
-    instance.add_backfill(
-        PartitionBackfill.from_asset_graph_subset(
-            backfill_id=make_new_backfill_id(),
-            dynamic_partitions_store=instance,
-            backfill_timestamp=time.time(),
-            asset_graph_subset=request.asset_graph_subset,
-            tags=request.tags,
-            title=None,
-            description=None,
-            run_config=None,
-        )
-    )
+def ordered_partitions(instance: dg.DagsterInstance) -> list[str]:
+    return list(instance.get_dynamic_partitions(partitions_def_name(TASK)))
 
 
 def test_local_drop_folder_new_replaced_in_progress_and_restart(data_dir: Path) -> None:
@@ -178,18 +163,19 @@ def test_local_drop_folder_new_replaced_in_progress_and_restart(data_dir: Path) 
     settled(drop(data_dir, TASK, ".posts.jsonl.swp", POST))
     sensor = sensor_for()
     with dg.instance_for_test() as instance:
-        # Two new files in one tick: one backfill of both partitions (the backfill policy makes runs).
+        # Two new files in one tick: one run over the range of both partitions (oldest file first).
         first, cursor = tick(sensor, instance, None)
         [burst] = first.run_requests
-        assert requested_partitions(burst, TASK) == sorted(
-            [partition_key_for("posts.jsonl"), partition_key_for("team a/été.jsonl")]
-        )
+        pair = [partition_key_for("posts.jsonl"), partition_key_for("team a/été.jsonl")]
+        assert ordered_partitions(instance) == pair
+        assert burst.partition_key is None and requested_partitions(burst, ordered_partitions(instance)) == pair
+        assert (burst.tags[RANGE_START_TAG], burst.tags[RANGE_END_TAG]) == tuple(pair)
         assert burst.tags[LAUNCHED_BY_TAG] == "sensor" and REPLACED_TAG not in burst.tags
-        assert burst.asset_graph_subset.asset_keys == {dg.AssetKey([TASK, a]) for a in ASSETS}
-        # The daemon submits it; the same tick evaluated again (its cursor lost) requests nothing.
-        submit_backfill(instance, burst)
+        assert burst.run_key.startswith(f"{pair[0]}..{pair[1]}@")
+        # The same tick evaluated again (its cursor lost) asks for the same run key, which Dagster
+        # launches only once.
         retried, _ = tick(sensor, instance, None)
-        assert not retried.run_requests
+        assert [request.run_key for request in retried.run_requests] == [burst.run_key]
 
         settled(data_dir / "drops" / TASK / "copying.jsonl", age=0)  # still being written to
         quiet, cursor = tick(sensor, instance, cursor)
@@ -217,10 +203,9 @@ def test_local_drop_folder_new_replaced_in_progress_and_restart(data_dir: Path) 
         # ones not yet validated from their current version are requested (here: none has run).
         reset, _ = tick(sensor, instance, '{"old": "format"}')
         [again] = reset.run_requests
-        assert requested_partitions(again, TASK) == sorted(
-            [partition_key_for("posts.jsonl"), partition_key_for("team a/été.jsonl")]
-        )
-        assert again.tags[REPLACED_TAG] == "true" and again.tags[REQUEST_KEY_TAG] != burst.tags[REQUEST_KEY_TAG]
+        assert requested_partitions(again, ordered_partitions(instance)) == pair
+        # posts.jsonl has new content since the burst: another version, another run key.
+        assert again.tags[REPLACED_TAG] == "true" and again.run_key != burst.run_key
 
 
 def test_bursts_are_worked_through_oldest_first_a_few_runs_per_tick(data_dir: Path) -> None:
@@ -228,12 +213,34 @@ def test_bursts_are_worked_through_oldest_first_a_few_runs_per_tick(data_dir: Pa
         settled(drop(data_dir, TASK, name, POST), age=100 + age)  # a.jsonl is the oldest
     sensor = sensor_for(max_runs_per_tick=2)
     order: list[list[str]] = []
+    runs: list[int] = []
     with dg.instance_for_test() as instance:
         cursor = None
         for _ in range(4):
             result, cursor = tick(sensor, instance, cursor)
-            order.append([key for request in result.run_requests for key in requested_partitions(request, TASK)])
+            ordered = ordered_partitions(instance)
+            order.append([key for request in result.run_requests for key in requested_partitions(request, ordered)])
+            runs.append(len(result.run_requests))
     assert order == [["a.jsonl", "b.jsonl"], ["c.jsonl", "d.jsonl"], ["e.jsonl"], []]
+    assert runs == [1, 1, 1, 0]  # each tick's files in one range run
+
+
+def test_a_burst_larger_than_a_run_becomes_ranges_of_max_partitions_per_run(data_dir: Path) -> None:
+    for age, name in enumerate(["e.jsonl", "d.jsonl", "c.jsonl", "b.jsonl", "a.jsonl"]):
+        settled(drop(data_dir, TASK, name, POST), age=100 + age)
+    task = next(task for task in load_task_specs() if task.name == TASK)
+    task = task.model_copy(update={"runs": task.runs.model_copy(update={"max_partitions_per_run": 2})})
+    sensor = build_drops_sensor(task, build_definitions().resolve_job_def(pipeline_job_name(TASK)))
+    with dg.instance_for_test() as instance:
+        result, _ = tick(sensor, instance, None)
+        ordered = ordered_partitions(instance)
+        assert ordered == ["a.jsonl", "b.jsonl", "c.jsonl", "d.jsonl", "e.jsonl"]  # arrival order
+        ranges = [requested_partitions(request, ordered) for request in result.run_requests]
+        assert ranges == [["a.jsonl", "b.jsonl"], ["c.jsonl", "d.jsonl"], ["e.jsonl"]]
+        # The last file alone is an ordinary single-partition run.
+        assert result.run_requests[2].partition_key == "e.jsonl"
+        assert result.run_requests[2].tags[SOURCE_FILE_TAG] == "e.jsonl"
+        assert len({request.run_key for request in result.run_requests}) == 3
 
 
 def test_sensor_skips_files_already_run_from_the_command_line(data_dir: Path, tiny_model: str, tmp_path: Path) -> None:

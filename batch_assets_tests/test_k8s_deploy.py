@@ -244,19 +244,19 @@ def test_the_shared_vllm_serve_deployment_matches_the_task_that_uses_it() -> Non
     assert int(args["port"]) == next(p["containerPort"] for p in container["ports"] if p["name"] == port["targetPort"])
 
 
-def test_a_burst_of_drops_for_a_four_gpu_task_asks_for_four_gpus_per_backfill_run(kubeconfig: Path) -> None:
-    """Backfill runs use Dagster's implicit asset job; the sensor passes the task job's GPU tag on."""
+def test_a_burst_of_drops_for_a_four_gpu_task_asks_for_four_gpus_per_range_run(kubeconfig: Path) -> None:
+    """The sensor's runs use Dagster's implicit asset job; the sensor passes the task job's GPU tag on."""
     from upath import UPath
 
-    from batch_assets.dagster_defs.sensors import backfill_request_for
+    from batch_assets.dagster_defs.sensors import run_requests_for
     from batch_assets.storage.drop_files import DropFile
 
     task = load_task_spec(DEPLOY / "examples" / "tasks" / "industry_large.yaml")
     defs = build_definitions(tasks=[task])
     job_def = defs.resolve_job_def(pipeline_job_name(task.name))
     drops = [DropFile(f"customers-{i}.csv", UPath("/drops"), f"v{i}") for i in range(3)]
-    _, request = backfill_request_for(
-        task.name, drops, defs.resolve_asset_graph(), replaced=False, job_tags=job_def.tags
-    )
+    keys = [drop.partition_key for drop in drops]
+    [request] = run_requests_for([(drop, False) for drop in drops], keys, 16, job_tags=job_def.tags)
+    assert request.tags["dagster/asset_partition_range_end"] == keys[-1]  # one pod for the three files
     pod = run_pod_job(build_launcher(kubeconfig), tags=dict(request.tags)).spec.template.spec
     assert pod.containers[0].resources.limits["nvidia.com/gpu"] == "4"

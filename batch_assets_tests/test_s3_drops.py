@@ -31,7 +31,6 @@ from batch_assets.dagster_defs.sensors import (
     REPLACED_TAG,
     SOURCE_FILE_TAG,
     build_drops_sensor,
-    partition_ranges,
     requested_partitions,
 )
 from batch_assets.definitions import build_definitions, pipeline_job_name
@@ -131,31 +130,11 @@ def tick(
 
 
 def execute(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunRequest):
-    """Run what the sensor requested, with its partition and tags, as the daemon's run would."""
+    """Run what the sensor requested, with its partition (or range tags) and tags, as the daemon's run would."""
     job = defs.resolve_job_def(pipeline_job_name(TASK))
     return job.execute_in_process(
         instance=instance, partition_key=request.partition_key, tags=request.tags, raise_on_error=False
     )
-
-
-def execute_backfill(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunRequest) -> list:
-    """Run a backfill the sensor requested as the backfill daemon would: one run per range of
-    adjacent partitions, up to the task's `runs.max_partitions_per_run`."""
-    job = defs.resolve_job_def(pipeline_job_name(TASK))
-    task = next(task for task in load_task_specs() if task.name == TASK)
-    ordered = instance.get_dynamic_partitions(partitions_def_name(TASK))
-    return [
-        job.execute_in_process(
-            instance=instance,
-            tags={
-                **request.tags,
-                "dagster/asset_partition_range_start": keys[0],
-                "dagster/asset_partition_range_end": keys[-1],
-            },
-            raise_on_error=False,
-        )
-        for keys in partition_ranges(ordered, requested_partitions(request, TASK), task.runs.max_partitions_per_run)
-    ]
 
 
 def failure_text(result) -> str:
@@ -166,7 +145,7 @@ def materialized(instance: dg.DagsterInstance, asset: str) -> set[str]:
     return instance.get_materialized_partitions(dg.AssetKey([TASK, asset]))
 
 
-def test_s3_drops_become_a_backfill_then_one_run_each_with_outputs_in_s3(s3: S3, tiny_model: str) -> None:
+def test_s3_drops_become_a_range_run_then_one_run_each_with_outputs_in_s3(s3: S3, tiny_model: str) -> None:
     s3.put("posts-a.jsonl", POSTS_A)
     s3.put("2026/11/posts b é.jsonl", POSTS_B)  # nested, with a space and unicode
     s3.put("posts-c.jsonl", POSTS_C)
@@ -176,18 +155,21 @@ def test_s3_drops_become_a_backfill_then_one_run_each_with_outputs_in_s3(s3: S3,
     sensor = sentiment_sensor(defs)
     with dg.instance_for_test() as instance:
         result, cursor = tick(sensor, instance, None)
-        # Three new files in one tick: one backfill of their partitions, run as one range.
+        # Three new files in one tick: one run over the range of their partitions.
         [burst] = result.run_requests
         names = ["posts-a.jsonl", "2026/11/posts b é.jsonl", "posts-c.jsonl"]
-        keys = requested_partitions(burst, TASK)
-        assert keys == sorted(partition_key_for(name) for name in names)
-        assert sorted(instance.get_dynamic_partitions(partitions_def_name(TASK))) == keys
+        keys = requested_partitions(burst, instance.get_dynamic_partitions(partitions_def_name(TASK)))
+        assert sorted(keys) == sorted(partition_key_for(name) for name in names)
+        assert sorted(instance.get_dynamic_partitions(partitions_def_name(TASK))) == sorted(keys)
         assert REPLACED_TAG not in burst.tags
-        [run] = execute_backfill(defs, instance, burst)
+        run = execute(defs, instance, burst)
         assert run.success, failure_text(run)
         rows = {name: s3.read_output("validated_labels", partition_key_for(name)).height for name in names}
         assert rows == {"posts-a.jsonl": 3, "2026/11/posts b é.jsonl": 2, "posts-c.jsonl": 1}
         assert materialized(instance, "validated_labels") == set(keys)
+        # One run made all three partitions.
+        labels = dg.AssetRecordsFilter(asset_key=dg.AssetKey([TASK, "validated_labels"]), asset_partitions=keys)
+        assert {record.run_id for record in instance.fetch_materializations(labels, limit=10).records} == {run.run_id}
 
         # Nothing changed: no run, and the tick says which files it skipped and why.
         again, cursor = tick(sensor, instance, cursor)
@@ -243,16 +225,18 @@ def test_tick_over_ten_thousand_keys_pages_and_requests_each_file_once(s3: S3) -
     assert len(files) == 9_990 and len(skipped) == 10  # ten pages of ListObjectsV2
 
     with dg.instance_for_test() as instance:
-        # The shipped sensor requests at most 500 files a tick (one backfill); the rest wait for the next ticks.
+        # The shipped sensor requests at most 500 files a tick (in runs of up to 16); the rest wait.
         first, _ = tick(build_drops_sensor(task, job), instance, None)
-        [backfill] = first.run_requests
-        assert len(requested_partitions(backfill, TASK)) == 500
+        ordered = instance.get_dynamic_partitions(partitions_def_name(TASK))
+        ranges = [requested_partitions(request, ordered) for request in first.run_requests]
+        assert sum(len(keys) for keys in ranges) == 500
+        assert len(ranges) == -(-500 // task.runs.max_partitions_per_run)
 
     with dg.instance_for_test() as instance:
         sensor = build_drops_sensor(task, job, max_runs_per_tick=None)
         result, cursor = tick(sensor, instance, None)
-        [backfill] = result.run_requests
-        keys = requested_partitions(backfill, TASK)
+        ordered = instance.get_dynamic_partitions(partitions_def_name(TASK))
+        keys = [key for request in result.run_requests for key in requested_partitions(request, ordered)]
         assert len(keys) == len(set(keys)) == 9_990
         assert len(instance.get_dynamic_partitions(partitions_def_name(TASK))) == 9_990
         # The cursor stays small: about 11 bytes per file.

@@ -1,7 +1,7 @@
-"""A burst of drop files through the real daemon: the sensor's backfill, grouped into runs of up to
+"""A burst of drop files through the real daemon: the sensor's runs over ranges of up to
 `runs.max_partitions_per_run` partitions, vs the plain one-call vLLM script over the same rows.
 
-    .venv/bin/python bench/bench_backfill.py --partitions 20 --rows 50
+    .venv/bin/python bench/bench_backfill.py --partitions 20 --rows 50 [--max-partitions-per-run 20]
 
 1. A fresh DAGSTER_HOME (the repo's dagster.yaml) and data folder; `industry_drops_sensor` started
    with a 5 s interval; `dagster-daemon run` started and its first tick awaited, as on a machine
@@ -9,11 +9,13 @@
 2. Burst: the 20 customers files (distinct seeds: little for the result cache) land in the drop
    zone at once. Wall = from the drop to the last partition's validated_labels materialization
    (engine starts, the sensor's settle time and tick interval included). Runs are counted from the
-   instance (runs of the sensor's backfill, or the sensor's own runs), engine starts from each
-   partition's inference metadata where it records them.
+   instance, engine starts from each partition's inference metadata. Printed besides: each run's
+   timeline (created, started, each step's start and seconds) and the CPU seconds of the daemon,
+   code server, run workers and engine processes.
 3. Re-run: a backfill of the same partitions submitted to the instance (what "Materialize" on the
    20 partitions in the UI does); every row comes from the result cache. Wall = submission to the
-   last validated_labels.
+   last validated_labels; it includes the 0-30 s until Dagster's backfill daemon (a fixed 30 s
+   loop) picks the backfill up.
 4. The plain script (bench/plain_vllm_script.py) over the same 1,000 rows in one file, one process.
 """
 
@@ -52,12 +54,14 @@ def make_files(folder: Path, partitions: int, rows: int) -> list[Path]:
     return files
 
 
-def task_folder(work: Path) -> Path:
+def task_folder(work: Path, max_partitions_per_run: int | None) -> Path:
     """The shipped industry task, its sensor ticking every 5 s (the shipped 30 s would dominate)."""
     from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR
 
     spec = yaml.safe_load((BUNDLED_TASKS_DIR / f"{TASK}.yaml").read_text(encoding="utf-8"))
     spec["sensor"] = {**spec.get("sensor", {}), "minimum_interval_seconds": 5}
+    if max_partitions_per_run is not None:
+        spec["runs"] = {**spec.get("runs", {}), "max_partitions_per_run": max_partitions_per_run}
     folder = work / "tasks"
     folder.mkdir()
     (folder / f"{TASK}.yaml").write_text(yaml.safe_dump(spec), encoding="utf-8")
@@ -77,9 +81,61 @@ def latest_labels(instance, keys: list[str]) -> dict[str, float]:
     return done
 
 
-def wait_for_labels(instance, keys: list[str], after: float, daemon: subprocess.Popen, log: Path) -> float:
+class CpuMeter:
+    """CPU seconds used by each kind of process under the daemon (its own, the code server's, each run
+    worker's and the engine's), sampled every second: the run workers and engines end with their runs."""
+
+    def __init__(self, root_pid: int) -> None:
+        self.root_pid = root_pid
+        self.last: dict[int, tuple[str, float]] = {}
+        self.baseline: dict[int, float] = {}
+
+    @staticmethod
+    def kind(process) -> str:
+        line = " ".join(process.cmdline())
+        if "VLLM" in line:  # vLLM titles its processes VLLM::EngineCore, VLLM::Worker...
+            return "engine"
+        if "dagster-daemon" in line:
+            return "daemon"
+        if "api grpc" in line:
+            return "code server"
+        if "multiprocessing" in line or "execute_run" in line:  # the code server spawns run workers
+            return "run worker"
+        return "other"
+
+    def sample(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.root_pid)
+            processes = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        for process in processes:
+            try:
+                times = process.cpu_times()
+                self.last[process.pid] = (self.kind(process), times.user + times.system)
+            except psutil.Error:
+                continue
+
+    def start(self) -> None:
+        self.sample()
+        self.baseline = {pid: seconds for pid, (_, seconds) in self.last.items()}
+
+    def seconds_by_kind(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for pid, (kind, seconds) in self.last.items():
+            totals[kind] = totals.get(kind, 0.0) + seconds - self.baseline.get(pid, 0.0)
+        return {kind: round(seconds, 1) for kind, seconds in sorted(totals.items())}
+
+
+def wait_for_labels(
+    instance, keys: list[str], after: float, daemon: subprocess.Popen, log: Path, meter: CpuMeter
+) -> float:
     deadline = time.monotonic() + TIMEOUT_S
+    meter.start()
     while True:
+        meter.sample()
         assert daemon.poll() is None, f"dagster-daemon exited:\n{log.read_text()[-3000:]}"
         done = {k: t for k, t in latest_labels(instance, keys).items() if t > after}
         if len(done) == len(keys):
@@ -95,6 +151,7 @@ def inference_summary(instance, keys: list[str]) -> dict:
 
     # Partitions of one range run share its engine session, so each records the run's start: count runs.
     inferred, from_cache, run_ids, runs_that_started = 0, 0, set(), set()
+    engine: dict[str, dict] = {}
     for key in keys:
         record = instance.fetch_materializations(
             dg.AssetRecordsFilter(asset_key=dg.AssetKey([TASK, "inference_outputs"]), asset_partitions=[key]), limit=1
@@ -105,12 +162,63 @@ def inference_summary(instance, keys: list[str]) -> dict:
         run_ids.add(record.run_id)
         if metadata.get("engine_started_by_this_run"):
             runs_that_started.add(record.run_id)
+        # The run's engine start and stream, recorded by each of its partitions alike.
+        engine[record.run_id[:8]] = {
+            "engine_start_seconds": metadata.get("engine_start_seconds"),
+            "inference_seconds": metadata.get("inference_seconds"),
+        }
     return {
         "runs": len(run_ids),
         "engine_starts": len(runs_that_started),
         "rows_inferred": inferred,
         "rows_from_cache": from_cache,
+        "engine_by_run": engine,
     }
+
+
+def run_timelines(instance, after: float) -> list[dict]:
+    """Where each run's time went: queued, worker start, each step's seconds (from the event log)."""
+    import dagster as dg
+
+    wanted = {
+        dg.DagsterEventType.RUN_START,
+        dg.DagsterEventType.STEP_START,
+        dg.DagsterEventType.STEP_SUCCESS,
+        dg.DagsterEventType.STEP_FAILURE,
+        dg.DagsterEventType.RUN_SUCCESS,
+        dg.DagsterEventType.RUN_FAILURE,
+    }
+    timelines = []
+    records = sorted(instance.get_run_records(), key=lambda r: r.create_timestamp)
+    for record in records:
+        run, created = record.dagster_run, record.create_timestamp.timestamp()
+        if created < after:
+            continue
+        events = [e for e in instance.all_logs(run.run_id) if e.dagster_event and e.dagster_event.event_type in wanted]
+        started: dict[str, float] = {}
+        steps: dict[str, float] = {}
+        run_start = run_end = None
+        for event in events:
+            kind, step = event.dagster_event.event_type, event.dagster_event.step_key
+            if kind == dg.DagsterEventType.RUN_START:
+                run_start = event.timestamp
+            elif kind in (dg.DagsterEventType.RUN_SUCCESS, dg.DagsterEventType.RUN_FAILURE):
+                run_end = event.timestamp
+            elif kind == dg.DagsterEventType.STEP_START:
+                started[step] = event.timestamp
+            elif step in started:
+                # [seconds after the drop or submission it started, seconds it took]
+                steps[step] = [round(started[step] - after, 1), round(event.timestamp - started[step], 1)]
+        timelines.append(
+            {
+                "range": [run.tags.get(f"dagster/asset_partition_range_{end}") for end in ("start", "end")],
+                "created": round(created - after, 1),
+                "started": round(run_start - after, 1) if run_start else None,
+                "ended": round(run_end - after, 1) if run_end else None,
+                "steps": steps,
+            }
+        )
+    return timelines
 
 
 def submit_backfill(instance, keys: list[str]) -> None:
@@ -142,7 +250,7 @@ def submit_backfill(instance, keys: list[str]) -> None:
     )
 
 
-def daemon_side(files: list[Path], work: Path) -> dict:
+def daemon_side(files: list[Path], work: Path, max_partitions_per_run: int | None) -> dict:
     import dagster as dg
 
     from batch_assets.storage.drop_files import partition_key_for
@@ -154,7 +262,7 @@ def daemon_side(files: list[Path], work: Path) -> dict:
         **os.environ,
         "DAGSTER_HOME": str(home),
         "BATCH_ASSETS_DATA": str(data),
-        "BATCH_ASSETS_TASKS_DIR": str(task_folder(work)),
+        "BATCH_ASSETS_TASKS_DIR": str(task_folder(work, max_partitions_per_run)),
     }
     sensor = f"{TASK}_drops_sensor"
     subprocess.run(
@@ -190,17 +298,21 @@ def daemon_side(files: list[Path], work: Path) -> dict:
         dropped = time.time()
         for file in files:
             shutil.copyfile(file, zone / file.name)
-        burst_end = wait_for_labels(instance, keys, dropped, daemon, log)
+        burst_end = wait_for_labels(instance, keys, dropped, daemon, log, meter := CpuMeter(daemon.pid))
         burst = {"wall": burst_end - dropped, **inference_summary(instance, keys)}
         backfills = instance.get_backfills()
         burst["backfills"] = len(backfills)
         burst["runs_in_instance"] = len(instance.get_runs())
+        burst["timelines"] = run_timelines(instance, dropped)
+        burst["cpu_seconds"] = meter.seconds_by_kind()
 
         submitted = time.time()
         submit_backfill(instance, keys)
-        rerun_end = wait_for_labels(instance, keys, submitted, daemon, log)
+        rerun_end = wait_for_labels(instance, keys, submitted, daemon, log, meter := CpuMeter(daemon.pid))
         rerun = {"wall": rerun_end - submitted, **inference_summary(instance, keys)}
         rerun["runs_in_instance"] = len(instance.get_runs()) - burst["runs_in_instance"]
+        rerun["timelines"] = run_timelines(instance, submitted)
+        rerun["cpu_seconds"] = meter.seconds_by_kind()
     finally:
         os.killpg(daemon.pid, signal.SIGINT)
         try:
@@ -235,10 +347,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--partitions", type=int, default=20)
     parser.add_argument("--rows", type=int, default=50)
+    parser.add_argument(
+        "--max-partitions-per-run", type=int, default=None, help="the task's runs.max_partitions_per_run (default: 16)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         files = make_files(Path(tmp) / "inputs", args.partitions, args.rows)
-        daemon = daemon_side(files, Path(tmp) / "daemon")
+        daemon = daemon_side(files, Path(tmp) / "daemon", args.max_partitions_per_run)
         plain = plain_side(files, Path(tmp) / "plain")
     print(json.dumps({"daemon": daemon, "plain": plain}), flush=True)
     burst, rerun = daemon["burst"], daemon["rerun"]

@@ -17,8 +17,8 @@
 - `confidence_at_least` on validated_labels (WARN; choices and regex tasks): at most
   `checks.max_low_confidence_share` of the labels have a `confidence` under `checks.min_confidence`.
 
-In a run over a range of partitions (a backfill), each check reads every partition of the range and
-records one evaluation per partition (`evaluate_per_partition`): Dagster 1.13 gives an
+In a run over a range of partitions (a backfill, a burst from the sensor), each check reads every
+partition of the range and records one evaluation per partition (`evaluate_per_partition`): Dagster 1.13 gives an
 `AssetCheckResult` the run's single partition only, and none in a range run. A failed blocking check
 of any partition fails the check step, so validated_labels of the whole range is skipped; the
 evaluations of the other partitions are still recorded.

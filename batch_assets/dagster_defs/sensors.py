@@ -4,21 +4,23 @@ Each tick lists the drop zone (a local folder, or an S3 prefix paged 1,000 keys 
 the same tick adds a dynamic partition for every new input file and requests its processing
 (`SensorResult` with the partition requests, run requests and the new cursor):
 - one file found in the tick: one run of that partition (its four assets and checks);
-- several: a backfill of those partitions (`RunRequest.for_asset_graph_subset`), which the assets'
-  `BackfillPolicy.multi_run` splits into runs of up to `runs.max_partitions_per_run` partitions each,
-  so a burst of drops pays the engine start and the per-run overhead once per range, not per file.
-  Dynamic partitions are ordered by when they were added, so the files of one burst form one range.
-New and replaced files are requested apart (a backfill, or a run, each), so the replaced-file tag
-below marks exactly the runs that re-process replaced files.
+- several: one run per range of up to `runs.max_partitions_per_run` partitions, split the way the
+  assets' `BackfillPolicy.multi_run` splits a backfill (`partition_ranges`), so a burst of drops pays
+  the engine start and the per-run overhead once per range, not per file. Dynamic partitions are
+  ordered by when they were added, so the files of one burst form one range.
+  The sensor requests these range runs itself instead of a backfill: Dagster's backfill daemon looks
+  for new backfills every 30 s (a fixed interval), which a burst would wait for on top of the tick;
+  a run requested by the sensor is queued in the tick. Backfills from the UI use the same policy.
+New and replaced files are requested apart (their own runs), so the replaced-file tag below marks
+exactly the runs that re-process replaced files.
 
 Once per file version:
 - The cursor holds an 8-byte fingerprint of (relative path, version) for every file already
   requested; version = ETag + size on S3, modification time + size locally. About 11 bytes per
   file, so 10,000 files make a ~110 kB cursor. Deleted files drop out of it.
-- Run keys are `<partition_key>@<version digest>`: Dagster launches at most one run per key for
-  this sensor, even if a tick is retried or the cursor is lost. A backfill carries the tag
-  `batch_assets/request_key` (a digest of its partitions and versions); a tick does not request a
-  backfill whose key already exists, which gives backfills the same guarantee.
+- Run keys are `<partition_key>@<version digest>` (a range: `<first>..<last>@<digest of every
+  key and version in it>`): Dagster launches at most one run per key for this sensor, even if a
+  tick is retried or the cursor is lost.
 - A file whose partition already has `validated_labels` from the same version (for example run
   with `batch-assets run`) is recorded in the cursor without a new run. The version a partition was
   made from is the `source_version` metadata of its raw_prompts materialization.
@@ -26,7 +28,7 @@ Once per file version:
   its lease, see run_recovery.py) gets no run in this tick; a later tick finds it done, or runs it
   if that process died first.
 A replaced file (same name, new ETag / modification time) has a new fingerprint, so it is run once
-more, in a run or backfill tagged `batch_assets/replaced_file=true`. Files that are not inputs are skipped with
+more, in a run tagged `batch_assets/replaced_file=true`. Files that are not inputs are skipped with
 the reason in the tick's log and skip message. At most `max_runs_per_tick` runs are requested per
 tick (oldest files first); the rest wait for the next tick, which keeps every tick short.
 """
@@ -50,7 +52,9 @@ SOURCE_FILE_TAG = "batch_assets/source_file"
 SOURCE_VERSION_TAG = "batch_assets/source_version"
 REPLACED_TAG = "batch_assets/replaced_file"
 LAUNCHED_BY_TAG = "batch_assets/launched_by"
-REQUEST_KEY_TAG = "batch_assets/request_key"
+# How Dagster tags a run over a range of partitions (the partitions' order decides what lies between).
+RANGE_START_TAG = "dagster/asset_partition_range_start"
+RANGE_END_TAG = "dagster/asset_partition_range_end"
 PIPELINE_ASSETS = ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels")
 
 # Runs requested per tick at most; the daemon creates and queues each one, so this bounds a tick.
@@ -153,32 +157,23 @@ def run_request_for(drop: DropFile, replaced: bool, job_tags: Mapping[str, str] 
     return dg.RunRequest(run_key=f"{drop.partition_key}@{digest}", partition_key=drop.partition_key, tags=tags)
 
 
-def backfill_request_for(
-    task: str, drops: list[DropFile], asset_graph, *, replaced: bool, job_tags: Mapping[str, str] | None = None
-) -> tuple[str, dg.RunRequest]:
-    """A backfill of the drops' partitions through the task's four assets (their checks run with them).
-    Returns the request key (see the module docstring) and the request. Backfill runs use Dagster's
-    implicit asset job, so the task job's tags (a GPU count for the Kubernetes run launcher) are
-    given to the backfill, which passes them to each of its runs."""
-    from dagster._core.definitions.assets.graph.asset_graph_subset import AssetGraphSubset
-    from dagster._core.definitions.events import AssetKeyPartitionKey
-
-    identity = "\n".join(sorted(f"{drop.partition_key}@{version_digest(drop.version)}" for drop in drops))
-    request_key = hashlib.sha1(identity.encode("utf-8")).hexdigest()[:16]
-    tags = {**(job_tags or {}), LAUNCHED_BY_TAG: "sensor", REQUEST_KEY_TAG: request_key}
+def range_run_request_for(
+    keys: list[str], versions: Mapping[str, str], replaced: bool, job_tags: Mapping[str, str] | None = None
+) -> dg.RunRequest:
+    """One run over the partitions `keys` (adjacent in the partitions' order, first to last), tagged
+    the way Dagster tags a range run of a backfill. Its run key names the range and a digest of every
+    file version in it, so Dagster launches it at most once."""
+    identity = "\n".join(f"{key}@{version_digest(versions[key])}" for key in keys)
+    digest = hashlib.sha1(identity.encode("utf-8")).hexdigest()[:16]
+    tags = {
+        **(job_tags or {}),
+        RANGE_START_TAG: keys[0],
+        RANGE_END_TAG: keys[-1],
+        LAUNCHED_BY_TAG: "sensor",
+    }
     if replaced:
         tags[REPLACED_TAG] = "true"
-    # AssetGraphSubset is how Dagster 1.13 lets a sensor ask for a backfill; the backfill daemon
-    # then groups the partitions into runs by the assets' backfill policy.
-    subset = AssetGraphSubset.from_asset_partition_set(
-        {
-            AssetKeyPartitionKey(dg.AssetKey([task, asset]), drop.partition_key)
-            for asset in PIPELINE_ASSETS
-            for drop in drops
-        },
-        asset_graph,
-    )
-    return request_key, dg.RunRequest.for_asset_graph_subset(subset, tags=tags)
+    return dg.RunRequest(run_key=f"{keys[0]}..{keys[-1]}@{digest}", tags=tags)
 
 
 def partition_ranges(ordered_keys: Sequence[str], wanted: Iterable[str], max_per_run: int) -> list[list[str]]:
@@ -201,12 +196,13 @@ def partition_ranges(ordered_keys: Sequence[str], wanted: Iterable[str], max_per
     return ranges
 
 
-def requested_partitions(request: dg.RunRequest, task: str) -> list[str]:
-    """The partitions a request of this sensor covers: a run's one, or a backfill's (sorted)."""
-    if request.asset_graph_subset is None:
-        return [request.partition_key] if request.partition_key else []
-    subset = request.asset_graph_subset.get_partitions_subset(dg.AssetKey([task, "raw_prompts"]))
-    return sorted(subset.get_partition_keys())
+def requested_partitions(request: dg.RunRequest, ordered_keys: Sequence[str]) -> list[str]:
+    """The partitions a request of this sensor covers: a run's one, or every key of its range in
+    the partitions' order `ordered_keys`."""
+    if request.partition_key:
+        return [request.partition_key]
+    start, end = request.tags[RANGE_START_TAG], request.tags[RANGE_END_TAG]
+    return list(ordered_keys[ordered_keys.index(start) : ordered_keys.index(end) + 1])
 
 
 def _latest_record(instance: dg.DagsterInstance, task: str, asset: str, partition_key: str):
@@ -227,29 +223,24 @@ def validated_from_version(instance: dg.DagsterInstance, task: str, drop: DropFi
     return version is not None and version.value == drop.version
 
 
-def _backfill_exists(instance: dg.DagsterInstance, request_key: str) -> bool:
-    from dagster._core.execution.backfill import BulkActionsFilter
-
-    return bool(instance.get_backfills(filters=BulkActionsFilter(tags={REQUEST_KEY_TAG: request_key}), limit=1))
-
-
 def run_requests_for(
-    task: str,
     to_run: list[tuple[DropFile, bool]],
-    asset_graph,
-    backfill_exists: Callable[[str], bool],
+    ordered_keys: Sequence[str],
+    max_partitions_per_run: int,
     job_tags: Mapping[str, str] | None = None,
 ) -> list[dg.RunRequest]:
-    """One run for a lone file; a backfill for several (new and replaced files apart)."""
+    """New and replaced files apart, each split into ranges of adjacent partitions (`ordered_keys`:
+    every partition in order, the tick's new ones included) of up to `max_partitions_per_run`: one
+    run per range, a lone file's run with its own partition key."""
     requests = []
     for replaced in (False, True):
-        drops = [drop for drop, is_replaced in to_run if is_replaced == replaced]
-        if len(drops) == 1:
-            requests.append(run_request_for(drops[0], replaced, job_tags))
-        elif drops:
-            request_key, request = backfill_request_for(task, drops, asset_graph, replaced=replaced, job_tags=job_tags)
-            if not backfill_exists(request_key):
-                requests.append(request)
+        drops = {drop.partition_key: drop for drop, is_replaced in to_run if is_replaced == replaced}
+        for keys in partition_ranges(ordered_keys, drops, max_partitions_per_run):
+            if len(keys) == 1:
+                requests.append(run_request_for(drops[keys[0]], replaced, job_tags))
+            else:
+                versions = {key: drops[key].version for key in keys}
+                requests.append(range_run_request_for(keys, versions, replaced, job_tags))
     return requests
 
 
@@ -268,8 +259,8 @@ def build_drops_sensor(
 ) -> dg.SensorDefinition:
     partitions_name = partitions_def_name(task.name)
 
-    # The sensor targets the task's assets (their checks come with them), not its job: Dagster lets
-    # only a sensor with an asset selection request backfills. Its runs get the job's tags.
+    # The sensor targets the task's assets (their checks come with them); its runs are Dagster's asset
+    # job runs, so they get the task job's tags (a GPU count for the Kubernetes run launcher) here.
     job_tags = {key: value if isinstance(value, str) else json.dumps(value) for key, value in (job.tags or {}).items()}
 
     @dg.sensor(
@@ -282,7 +273,7 @@ def build_drops_sensor(
         description=(
             f"Turns each new or replaced file in the `{task.name}` drop zone "
             f"(`<BATCH_ASSETS_DATA>/drops/{task.name}/`) into a partition and runs it: one file, one run; "
-            f"several, a backfill in runs of up to {task.runs.max_partitions_per_run} partitions. "
+            f"several, one run per range of up to {task.runs.max_partitions_per_run} partitions. "
             "Skips hidden, temporary and unknown files, with the reason in the tick."
         ),
     )
@@ -298,7 +289,8 @@ def build_drops_sensor(
             # Run keys still prevent repeated runs for files requested before.
             context.log.warning(f"ignoring the sensor cursor ({error}); every file is checked again")
             seen = set()
-        existing = set(context.instance.get_dynamic_partitions(partitions_name))
+        ordered = list(context.instance.get_dynamic_partitions(partitions_name))
+        existing = set(ordered)
         claimed = partitions_claimed_by_live_processes(context.instance.root_directory, task.name)
         plan = plan_tick(
             files,
@@ -324,14 +316,13 @@ def build_drops_sensor(
             if skipped:
                 reason += "; " + _skipped_text(skipped)
             return dg.SensorResult(skip_reason=dg.SkipReason(reason), cursor=cursor if cursor_changed else None)
-        new_partitions = sorted({drop.partition_key for drop, _ in plan.to_run} - existing)
-        assert context.repository_def is not None  # a sensor is evaluated inside its code location
+        # Added oldest file first: the partitions' order, which decides the ranges, is arrival order.
+        new_partitions = list(
+            dict.fromkeys(drop.partition_key for drop, _ in plan.to_run if drop.partition_key not in existing)
+        )
+        # New partitions are added in this order before the tick's runs are created.
         run_requests = run_requests_for(
-            task.name,
-            plan.to_run,
-            context.repository_def.asset_graph,
-            lambda request_key: _backfill_exists(context.instance, request_key),
-            job_tags=job_tags,
+            plan.to_run, ordered + new_partitions, task.runs.max_partitions_per_run, job_tags=job_tags
         )
         return dg.SensorResult(
             run_requests=run_requests,

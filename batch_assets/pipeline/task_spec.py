@@ -415,9 +415,10 @@ class SensorSpec(_Strict):
 
 
 class RunsSpec(_Strict):
-    """How Dagster groups partitions into runs. A backfill (and a burst of drops picked up by the
-    sensor, and `batch-assets run` with several files) puts up to `max_partitions_per_run`
-    partitions in one run, whose rows reach the engine as one stream: one engine start per run."""
+    """How partitions are grouped into runs. A backfill (`BackfillPolicy.multi_run`), a burst of drops
+    picked up by the sensor and `batch-assets run` with several files put up to
+    `max_partitions_per_run` partitions in one run, whose rows reach the engine as one stream: one
+    engine start per run."""
 
     max_partitions_per_run: int = Field(default=16, ge=1)
 
