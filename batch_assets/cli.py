@@ -44,8 +44,6 @@ ORIGIN_TAG = "batch_assets/origin"
 # A run over several files (up to the task's `runs.max_partitions_per_run`) records each file's
 # origin here instead, as JSON {partition key: path}.
 ORIGINS_TAG = "batch_assets/origins"
-RANGE_START_TAG = "dagster/asset_partition_range_start"
-RANGE_END_TAG = "dagster/asset_partition_range_end"
 
 
 class CliError(Exception):
@@ -368,6 +366,8 @@ def run_partitions(
 
     from batch_assets.dagster_defs.run_recovery import ProcessLease, fail_runs_of_dead_processes, wait_for_pool_slot
     from batch_assets.dagster_defs.sensors import (
+        RANGE_END_TAG,
+        RANGE_START_TAG,
         SOURCE_FILE_TAG,
         SOURCE_VERSION_TAG,
         partition_ranges,

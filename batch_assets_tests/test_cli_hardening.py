@@ -373,3 +373,25 @@ def test_every_run_argument_has_help() -> None:
     for name, command in commands.choices.items():
         for action in command._actions:
             assert action.help, f"{name} {action.dest}"
+
+
+def test_a_step_dagster_left_waiting_for_a_free_pool_slot_gets_it() -> None:
+    """Seen in a cached re-run of two range runs: the second run's inference step waited for the
+    `gpu` pool for minutes with no slot claimed (it queued itself just after the first freed it)."""
+    with dg.instance_for_test() as instance:
+        storage = instance.event_log_storage
+        storage.set_concurrency_slots("gpu", 1)
+        assert storage.claim_concurrency_slot("gpu", "run-a", "inference").is_claimed
+        # run-b looked while run-a held the slot; run-a frees it (assigning nobody: none queued yet)
+        # and only then run-b queues itself unassigned, as Dagster does after such a look.
+        storage.free_concurrency_slot_for_step("run-a", "inference")
+        storage.add_pending_step("gpu", "run-b", "inference", should_assign=False)
+        assert not storage.claim_concurrency_slot("gpu", "run-b", "inference").is_claimed  # stranded
+        assert run_recovery.assign_stranded_pool_steps(instance) == ["gpu"]
+        assert storage.claim_concurrency_slot("gpu", "run-b", "inference").is_claimed
+        # A step waiting behind a slot that is really held is left waiting: no second slot.
+        storage.add_pending_step("gpu", "run-c", "inference", should_assign=False)
+        assert run_recovery.assign_stranded_pool_steps(instance) == []
+        assert not storage.claim_concurrency_slot("gpu", "run-c", "inference").is_claimed
+        storage.free_concurrency_slot_for_step("run-b", "inference")  # Dagster's own hand-over
+        assert storage.claim_concurrency_slot("gpu", "run-c", "inference").is_claimed

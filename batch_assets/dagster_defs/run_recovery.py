@@ -175,6 +175,33 @@ def _free_slots_of_ended_runs(instance: dg.DagsterInstance) -> None:
                 storage.free_concurrency_slots_for_run(run_id)
 
 
+def assign_stranded_pool_steps(instance: dg.DagsterInstance) -> list[str]:
+    """Give a free pool slot to a step left waiting for it; returns the pools where one was given.
+
+    Dagster 1.13 (SQL storage) queues a step that finds no free slot as pending, and a step that
+    frees its slot assigns the oldest pending one. The two are not atomic: a step that looked (no
+    slot), then is queued just after the holder freed the slot and assigned nobody, waits forever
+    with the slot free (seen here with two range runs whose inference steps met, a cached re-run:
+    `Step still blocked by limit for pool gpu` for minutes, no slot claimed). Done here, by the
+    recovery sensor every 30 s and by `batch-assets run` while it waits for a slot.
+    """
+    from dagster._core.storage.event_log import SqlEventLogStorage
+
+    storage = instance.event_log_storage
+    if not isinstance(storage, SqlEventLogStorage) or not storage.supports_global_concurrency_limits:
+        return []
+    given = []
+    for pool in sorted(storage.get_concurrency_keys()):
+        info = storage.get_concurrency_info(pool)
+        # A pending step keeps its assignment until it ends, claimed or not yet: those hold the slots.
+        holding = sum(1 for step in info.pending_steps if step.assigned_timestamp is not None)
+        waiting = any(step.assigned_timestamp is None for step in info.pending_steps)
+        if waiting and holding < info.slot_count:
+            storage.assign_pending_steps([pool])  # the oldest waiting step of the highest priority
+            given.append(pool)
+    return given
+
+
 def _remove_dead_lease_files(home: str) -> None:
     directory = leases_dir(home)
     if not directory.is_dir():
@@ -234,6 +261,7 @@ def wait_for_pool_slot(
             told = holders
         time.sleep(poll_seconds)
         fail_runs_of_dead_processes(instance)
+        assign_stranded_pool_steps(instance)
 
 
 def _launched_by(instance: dg.DagsterInstance, run_id: str) -> str:
@@ -255,11 +283,14 @@ def build_recovery_sensor(minimum_interval_seconds: int = 30) -> dg.SensorDefini
         default_status=dg.DefaultSensorStatus.RUNNING,
         description=(
             "Marks runs of `batch-assets` processes that died (kill -9, out of memory) as failed and frees "
-            "their pool slots, so runs waiting for the `gpu` pool go on."
+            "their pool slots, and gives a free slot to a step Dagster left waiting for it, so runs waiting "
+            "for the `gpu` pool go on."
         ),
     )
     def dead_cli_runs_sensor(context: dg.SensorEvaluationContext) -> dg.SkipReason:
         closed = fail_runs_of_dead_processes(context.instance)
+        for pool in assign_stranded_pool_steps(context.instance):
+            context.log.warning(f"gave a free slot of pool `{pool}` to a step Dagster had left waiting for it")
         if closed:
             context.log.warning(f"failed {len(closed)} run(s) of dead batch-assets processes: {', '.join(closed)}")
             return dg.SkipReason(f"marked {len(closed)} run(s) of dead processes failed and freed their slots")
