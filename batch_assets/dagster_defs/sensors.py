@@ -29,8 +29,9 @@ Once per file version:
   if that process died first.
 A replaced file (same name, new ETag / modification time) has a new fingerprint, so it is run once
 more, in a run tagged `batch_assets/replaced_file=true`. Files that are not inputs are skipped with
-the reason in the tick's log and skip message. At most `max_runs_per_tick` runs are requested per
-tick (oldest files first); the rest wait for the next tick, which keeps every tick short.
+the reason in the tick's log and skip message. At most `max_runs_per_tick` files are requested per
+tick (oldest first, grouped into ranges as above); the rest wait for the next tick, which keeps
+every tick short.
 """
 
 import base64
@@ -57,7 +58,8 @@ RANGE_START_TAG = "dagster/asset_partition_range_start"
 RANGE_END_TAG = "dagster/asset_partition_range_end"
 PIPELINE_ASSETS = ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels")
 
-# Runs requested per tick at most; the daemon creates and queues each one, so this bounds a tick.
+# Files requested per tick at most (one run each, or ranges of them); the daemon creates and queues
+# each run, so this bounds a tick.
 MAX_RUNS_PER_TICK = 500
 # A local file must be unchanged this long before it counts as fully copied in.
 LOCAL_SETTLE_SECONDS = 5.0
