@@ -13,6 +13,7 @@ import dagster as dg
 
 from batch_assets.dagster_defs.assets import IO_MANAGER_KEY, build_automation_sensor, build_task_assets
 from batch_assets.dagster_defs.checks import build_task_checks
+from batch_assets.dagster_defs.pool_waits import sleep_between_pool_checks
 from batch_assets.dagster_defs.run_recovery import build_recovery_sensor
 from batch_assets.dagster_defs.sensors import build_drops_sensor
 from batch_assets.dagster_defs.task_file_errors import build_task_file_error_sensor
@@ -75,6 +76,9 @@ def build_definitions(
     With no `tasks`, the tasks folder is loaded; a bad task file becomes a failing sensor naming it
     (dagster_defs/task_file_errors.py) and the other tasks load as usual. Each engine kind's resource
     key comes from `ENGINE_KINDS`."""
+    # Whoever builds these definitions executes their runs (a run worker, `batch-assets run`): a step
+    # waiting for the `gpu` pool must sleep, not spin (pool_waits.py).
+    sleep_between_pool_checks()
     if tasks is None:
         loaded = load_tasks()
         tasks, task_errors = loaded.tasks, loaded.errors

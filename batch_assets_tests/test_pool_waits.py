@@ -1,0 +1,96 @@
+"""A step waiting for the `gpu` pool sleeps between looks and notices a freed slot within seconds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import dagster as dg
+import psutil
+import pytest
+
+from batch_assets.dagster_defs.pool_waits import POOL_CHECK_SECONDS, sleep_between_pool_checks
+
+
+def test_a_waiting_step_sleeps_until_its_next_look_and_looks_at_least_every_two_seconds() -> None:
+    from dagster._core.execution.plan import instance_concurrency_context as module
+
+    sleep_between_pool_checks()
+    with dg.instance_for_test() as instance:
+        storage = instance.event_log_storage
+        storage.set_concurrency_slots("gpu", 1)
+        assert storage.claim_concurrency_slot("gpu", "run-a", "inference").is_claimed
+        run = instance.create_run_for_job(job_def=dg.define_asset_job("j").resolve(asset_graph=_graph()))
+        with module.InstanceConcurrencyContext(instance, run) as waiting:
+            assert not waiting.claim("gpu", "inference")
+            first_wait = waiting.interval_to_next_pending_claim_check()
+            assert 0.5 < first_wait <= 1.0  # Dagster's first back-off (1 s), slept rather than spun
+            # However long the wait already lasted, the next look is at most POOL_CHECK_SECONDS away
+            # (Dagster's own back-off grows to 15 s).
+            assert module._calculate_timeout_interval(None, 40) == POOL_CHECK_SECONDS
+            storage.free_concurrency_slot_for_step("run-a", "inference")  # hands the slot to the waiting step
+            time.sleep(first_wait)
+            assert waiting.interval_to_next_pending_claim_check() == 0.0  # its look is due: no sleep
+            assert waiting.claim("gpu", "inference")
+            assert not waiting.has_pending_claims()
+            assert waiting.interval_to_next_pending_claim_check() == 0.0
+
+
+def _graph():
+    @dg.asset
+    def anything() -> int:
+        return 1
+
+    return dg.Definitions(assets=[anything]).resolve_asset_graph()
+
+
+WAITING_RUN = textwrap.dedent(
+    """
+    import dagster as dg
+    from batch_assets.dagster_defs.pool_waits import sleep_between_pool_checks
+
+    sleep_between_pool_checks()
+
+    @dg.asset(pool="gpu")
+    def needs_the_gpu() -> int:
+        return 1
+
+    with dg.DagsterInstance.get() as instance:
+        assert dg.materialize([needs_the_gpu], instance=instance).success
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_run_waiting_for_the_pool_uses_no_cpu_and_runs_once_the_slot_is_free(tmp_path: Path) -> None:
+    """Measured before: a range run waiting behind another used a whole core for the whole wait."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "DAGSTER_HOME": str(home)}
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        storage = instance.event_log_storage
+        storage.set_concurrency_slots("gpu", 1)
+        assert storage.claim_concurrency_slot("gpu", "engine-run", "inference").is_claimed
+        waiting = subprocess.Popen([sys.executable, "-c", WAITING_RUN], env=env)
+        try:
+            deadline = time.monotonic() + 120
+            while len(storage.get_concurrency_info("gpu").pending_steps) < 2:  # the holder's and the waiter's
+                assert waiting.poll() is None and time.monotonic() < deadline, "the run never queued for the pool"
+                time.sleep(0.2)
+            process = psutil.Process(waiting.pid)
+            before = process.cpu_times()
+            time.sleep(5)
+            after = process.cpu_times()
+            busy = (after.user + after.system) - (before.user + before.system)
+            assert busy < 1.0, f"the waiting run used {busy:.1f} CPU s in 5 s"  # spinning: ~5
+            assert waiting.poll() is None  # still waiting: the slot is held
+            storage.free_concurrency_slot_for_step("engine-run", "inference")
+            assert waiting.wait(timeout=120) == 0
+        finally:
+            if waiting.poll() is None:
+                waiting.kill()
+        assert storage.get_concurrency_info("gpu").active_slot_count == 0  # the run gave its slot back
