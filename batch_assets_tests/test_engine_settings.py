@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from batch_assets.engines.protocol import EngineStartError
-from batch_assets.engines.vllm_engine import VLLMEngine, resolve_data_parallel_size
+from batch_assets.engines.vllm_engine import VLLMEngine, engine_process_environment, resolve_data_parallel_size
 from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec, load_task_specs
 from batch_assets_tests.conftest import REPO_ROOT
 
@@ -68,6 +68,23 @@ def test_on_a_cpu_the_engine_gets_a_fixed_kv_cache_and_no_chunked_prefill(tmp_pa
     args = VLLMEngine().settings(task).engine_args()
     assert args["kv_cache_memory_bytes"] == 2 << 30
     assert args["enable_chunked_prefill"] is False and args["max_num_batched_tokens"] == 8192
+
+
+def test_on_a_cpu_in_eager_mode_the_engine_compiles_nothing_else_torch_is_left_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dataclasses
+
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    settings = VLLMEngine().settings(load_task_spec(task_file(tmp_path, "  max_model_len: 512\n")))
+    assert not settings.on_gpu and engine_process_environment(settings) == {"TORCHDYNAMO_DISABLE": "1"}
+    # A GPU, or a model vLLM compiles on purpose, keeps torch.compile.
+    assert engine_process_environment(dataclasses.replace(settings, on_gpu=True)) == {}
+    compiled = load_task_spec(task_file(tmp_path / "c", "  vllm_args: {enforce_eager: false}\n"))
+    assert engine_process_environment(VLLMEngine().settings(compiled)) == {}
+    # The user's own choice wins.
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+    assert engine_process_environment(settings) == {}
 
 
 def test_task_files_with_engine_arguments_at_the_top_level_keep_working(tmp_path: Path) -> None:

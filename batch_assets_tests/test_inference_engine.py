@@ -166,11 +166,18 @@ def test_an_engine_that_cannot_start_for_memory_says_which_setting_to_change(dat
     assert "`kv_cache_memory_gib`" in failures[0] and "`max_model_len` (now 1024)" in failures[0]
 
 
-def test_the_stream_returns_every_result_once_honours_per_request_overrides_and_cleans_up(tiny_model: str) -> None:
+def test_the_stream_returns_every_result_once_honours_per_request_overrides_and_cleans_up(
+    tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from batch_assets.engines.protocol import Prompt
     from batch_assets.engines.vllm_engine import PROCESS_ENGINE, VLLMEngine
     from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec
 
+    # Where torch would put what it compiles: on a CPU in eager mode nothing should land there,
+    # log-probabilities included (vLLM's sampler would compile its rank counter with g++, ~24 s).
+    compile_cache = tmp_path / "torch-compile-cache"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(compile_cache))
+    PROCESS_ENGINE.shutdown()  # this test's engine starts with the environment above
     engine = VLLMEngine()
     task = sentiment(
         engine={"vllm_args": {"max_num_seqs": 8}}
@@ -222,6 +229,8 @@ def test_the_stream_returns_every_result_once_honours_per_request_overrides_and_
         live, started = PROCESS_ENGINE.get(engine.settings(task))
         assert not started and live.llm.get_num_unfinished_requests() == 0
         assert [g.text for _, g in sorted(session.stream(iter(prompts[:5])))] == [streamed[i].text for i in range(5)]
+    compiled = sorted(str(p.relative_to(compile_cache)) for p in compile_cache.rglob("*") if p.is_file())
+    assert compiled == [], f"the engine compiled {len(compiled)} files, e.g. {compiled[:3]}"
 
 
 def test_no_engine_starts_for_a_cached_an_empty_or_an_all_error_file(data_dir: Path, tiny_model: str) -> None:

@@ -25,6 +25,7 @@ import asyncio
 import atexit
 import contextlib
 import logging
+import os
 import queue
 import subprocess
 import sys
@@ -249,6 +250,38 @@ class _Reaper:
             self._process.wait(timeout=10)
 
 
+def engine_process_environment(settings: VLLMSettings) -> dict[str, str]:
+    """Environment variables the engine's processes get on top of this process's.
+
+    On a CPU in eager mode nothing of the model is compiled, yet vLLM's sampler compiles its
+    token-rank counter (`vllm/v1/sample/ops/logprobs.py`, `torch.compile` with inductor) at the
+    first request that asks for log-probabilities, which every choices and regex task does (the
+    labels' `confidence`): about 24 s of g++ on 2 cores inside the engine phase, once per machine
+    because the compile cache lives in /tmp, so in every fresh container or pod. Run eagerly, the
+    same counter is as fast at CPU batch sizes (BENCHMARKS.md), so dynamo is switched off there.
+    On a GPU, or with `enforce_eager: false` (vLLM compiles the model), nothing is changed; nor
+    when the user set the variable.
+    """
+    if settings.on_gpu or not settings.vllm_args.get("enforce_eager") or "TORCHDYNAMO_DISABLE" in os.environ:
+        return {}
+    return {"TORCHDYNAMO_DISABLE": "1"}
+
+
+@contextlib.contextmanager
+def _environment(overrides: dict[str, str]) -> Iterator[None]:
+    """Set `overrides` in os.environ for the block (child processes started in it inherit them)."""
+    before = {name: os.environ.get(name) for name in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 class _AsyncEngine:
     """One `AsyncLLM` and the event loop (in a daemon thread) that drives it."""
 
@@ -271,7 +304,9 @@ class _AsyncEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**self.settings.engine_args()))
+        # The engine's processes are started here and inherit this environment.
+        with _environment(engine_process_environment(self.settings)):
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**self.settings.engine_args()))
 
     def _call(self, coroutine, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
