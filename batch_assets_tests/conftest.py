@@ -8,8 +8,11 @@ embedded SmolLM2 model where realism matters.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,6 +104,18 @@ def workdir(tmp_path: Path, tiny_model_path: str) -> tuple[Path, dict[str, str]]
         "DAGSTER_HOME": str(tmp_path / "home"),
     }
     return tmp_path, env
+
+
+def stop_process_group(leader: subprocess.Popen) -> None:
+    """Ctrl-C for a server started with `start_new_session=True` and everything it started (webserver,
+    daemon, code server, run workers), then kill what is left: a code server can outlive its daemon."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(leader.pid, signal.SIGINT)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        leader.wait(timeout=30)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(leader.pid, signal.SIGKILL)
+    leader.wait()
 
 
 def drop(data: Path, task: str, name: str, content: bytes | str) -> Path:

@@ -11,11 +11,9 @@ partition must all land in Postgres.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pwd
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +29,7 @@ import yaml
 
 from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
-from batch_assets_tests.conftest import REPO_ROOT, SAMPLES
+from batch_assets_tests.conftest import REPO_ROOT, SAMPLES, stop_process_group
 
 psycopg2 = pytest.importorskip("psycopg2", reason="dagster-postgres is not installed (pip install -e '.[test]')")
 
@@ -158,20 +156,6 @@ def postgres() -> Iterator[PostgresServer]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def stop(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGINT)
-        process.wait(timeout=30)
-        return
-    except subprocess.TimeoutExpired:
-        pass
-    except ProcessLookupError:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-
-
 def sensor_ticks(instance: dg.DagsterInstance, name: str) -> list:
     for state in instance.all_instigator_state():
         if state.name == name:
@@ -263,7 +247,7 @@ def test_a_burst_of_drops_becomes_grouped_runs_recorded_in_postgres(
             )
             time.sleep(3)
     finally:
-        stop(daemon)
+        stop_process_group(daemon)
 
     # One tick turned the three files into three partitions (oldest first) and two runs: a range of
     # two partitions, then the third alone; no backfill to wait for.

@@ -8,12 +8,10 @@ as a partition; then drives Debian's Chromium with Playwright like a user would.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +25,7 @@ import pytest
 
 from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
-from batch_assets_tests.conftest import REPO_ROOT, SAMPLES
+from batch_assets_tests.conftest import REPO_ROOT, SAMPLES, stop_process_group
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -89,20 +87,6 @@ def wait_for_location(base_url: str, server: subprocess.Popen, log: Path, timeou
     pytest.fail(f"the UI did not load the code location in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
-def stop(server: subprocess.Popen) -> None:
-    """Ctrl-C for the whole process group (webserver, daemon, code server, run workers), then kill."""
-    try:
-        os.killpg(server.pid, signal.SIGINT)
-        server.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pass
-    except ProcessLookupError:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(server.pid, signal.SIGKILL)
-    server.wait()
-
-
 @pytest.fixture
 def ui(
     tmp_path: Path, tiny_model_path: str, monkeypatch: pytest.MonkeyPatch
@@ -145,7 +129,7 @@ def ui(
         graphql(base_url, "mutation { setNuxSeen }")
         yield base_url, instance, key
     finally:
-        stop(server)
+        stop_process_group(server)
         instance.dispose()
 
 
