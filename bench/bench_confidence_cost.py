@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -32,7 +33,7 @@ def main() -> None:
     import polars as pl
     from vllm import LLM
 
-    from batch_assets.engines.vllm_engine import VLLMEngine, sampling_params_for
+    from batch_assets.engines.vllm_engine import VLLMEngine, engine_process_environment, sampling_params_for
     from batch_assets.pipeline.task_spec import load_task_specs
 
     task = {t.name: t for t in load_task_specs()}["industry"]
@@ -48,8 +49,12 @@ def main() -> None:
         ]
         for company in companies
     ]
-    engine_args = VLLMEngine().settings(task).engine_args()
+    settings = VLLMEngine().settings(task)
+    engine_args = settings.engine_args()
     engine_args.pop("disable_log_stats", None)
+    # The environment the pipeline starts its engine with (on a CPU: torch.compile off), so the
+    # log-probabilities are computed here as they are there.
+    os.environ.update(engine_process_environment(settings))
     llm = LLM(**engine_args)
     params = {
         "with logprobs": sampling_params_for(task.sampling, task.output, logprobs=True),
