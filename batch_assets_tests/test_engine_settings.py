@@ -3,6 +3,7 @@ checked against vLLM's own engine arguments when the task loads; data parallelis
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -73,8 +74,6 @@ def test_on_a_cpu_the_engine_gets_a_fixed_kv_cache_and_no_chunked_prefill(tmp_pa
 def test_on_a_cpu_in_eager_mode_the_engine_compiles_nothing_else_torch_is_left_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dataclasses
-
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
     settings = VLLMEngine().settings(load_task_spec(task_file(tmp_path, "  max_model_len: 512\n")))
     assert not settings.on_gpu and engine_process_environment(settings) == {"TORCHDYNAMO_DISABLE": "1"}

@@ -269,7 +269,11 @@ def engine_process_environment(settings: VLLMSettings) -> dict[str, str]:
 
 @contextlib.contextmanager
 def _environment(overrides: dict[str, str]) -> Iterator[None]:
-    """Set `overrides` in os.environ for the block (child processes started in it inherit them)."""
+    """Set `overrides` in os.environ for the block (child processes started in it inherit them).
+
+    Written by hand rather than `unittest.mock.patch.dict(os.environ, ...)`: that one restores by
+    clearing the whole environment and refilling it, and other threads of a run process (Dagster's
+    log capture) may start processes meanwhile; this touches only the variables it set."""
     before = {name: os.environ.get(name) for name in overrides}
     os.environ.update(overrides)
     try:
