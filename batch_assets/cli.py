@@ -364,7 +364,12 @@ def run_partitions(
 ) -> list[PartitionOutcome]:
     import dagster as dg
 
-    from batch_assets.dagster_defs.run_recovery import ProcessLease, fail_runs_of_dead_processes, wait_for_pool_slot
+    from batch_assets.dagster_defs.run_recovery import (
+        ProcessLease,
+        fail_runs_of_dead_processes,
+        others_wait_for_pool,
+        wait_for_pool_slot,
+    )
     from batch_assets.dagster_defs.sensors import (
         RANGE_END_TAG,
         RANGE_START_TAG,
@@ -421,13 +426,14 @@ def run_partitions(
             elif file.key not in to_run:
                 to_run.append(file.key)
         ordered = instance.get_dynamic_partitions(partitions_def_name(task_name))
-        with keep_engine_warm():
+        pool = engine_kind(task).pool
+        with keep_engine_warm(wanted_elsewhere=lambda: others_wait_for_pool(instance, pool)):
             # Grouped as a backfill of these partitions is: one run per range of adjacent partitions,
             # up to the task's `runs.max_partitions_per_run`, one engine stream per run.
             ranges = list(partition_ranges(ordered, to_run, task.runs.max_partitions_per_run))
             while ranges:
                 run_keys = ranges.pop(0)
-                wait_for_pool_slot(instance, engine_kind(task).pool, say=TERMINAL.say)
+                wait_for_pool_slot(instance, pool, say=TERMINAL.say)
                 if len(run_keys) == 1:
                     file, digest = named_by_key[run_keys[0]]
                     label, selection = f"{task_name}/{file.key}", {"partition_key": file.key}

@@ -14,6 +14,7 @@ import dagster as dg
 from batch_assets.dagster_defs.assets import IO_MANAGER_KEY, build_automation_sensor, build_task_assets
 from batch_assets.dagster_defs.checks import build_task_checks
 from batch_assets.dagster_defs.pool_waits import sleep_between_pool_checks
+from batch_assets.dagster_defs.range_failures import build_range_failure_sensor
 from batch_assets.dagster_defs.run_recovery import build_recovery_sensor
 from batch_assets.dagster_defs.sensors import build_drops_sensor
 from batch_assets.dagster_defs.task_file_errors import build_task_file_error_sensor
@@ -90,6 +91,7 @@ def build_definitions(
         job = build_task_job(task)
         jobs.append(job)
         sensors.append(build_drops_sensor(task, job))
+        sensors.append(build_range_failure_sensor(task, job))
         sensors += build_automation_sensor(task)
     return dg.Definitions(
         assets=assets,

@@ -395,3 +395,18 @@ def test_a_step_dagster_left_waiting_for_a_free_pool_slot_gets_it() -> None:
         assert not storage.claim_concurrency_slot("gpu", "run-c", "inference").is_claimed
         storage.free_concurrency_slot_for_step("run-b", "inference")  # Dagster's own hand-over
         assert storage.claim_concurrency_slot("gpu", "run-c", "inference").is_claimed
+
+
+def test_a_step_holding_the_pool_slot_sees_when_another_run_waits_for_it() -> None:
+    """What `batch-assets run` asks before keeping its engine for its next range: a waiting step of
+    another run will start its own engine as soon as the slot is freed."""
+    with dg.instance_for_test() as instance:
+        storage = instance.event_log_storage
+        storage.set_concurrency_slots("gpu", 1)
+        assert storage.claim_concurrency_slot("gpu", "cli-run", "inference").is_claimed
+        assert not run_recovery.others_wait_for_pool(instance, "gpu")
+        assert not storage.claim_concurrency_slot("gpu", "daemon-run", "inference").is_claimed  # now waiting
+        assert run_recovery.others_wait_for_pool(instance, "gpu")
+        storage.free_concurrency_slot_for_step("cli-run", "inference")  # handed to the waiting step
+        assert storage.claim_concurrency_slot("gpu", "daemon-run", "inference").is_claimed
+        assert not run_recovery.others_wait_for_pool(instance, "gpu")

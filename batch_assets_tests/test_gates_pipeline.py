@@ -198,3 +198,49 @@ def test_labels_the_model_is_unsure_of_fail_the_confidence_warning(data_dir: Pat
         metadata = latest_metadata(instance, "pairs", "validated_labels", key)
         assert metadata["low_confidence_share"] == 1.0 and metadata["min_confidence"] == 1.0
         assert metadata["confidence_median"] == pytest.approx(statistics.median(confidence), abs=1e-4)
+
+
+def test_an_over_budget_file_in_a_range_holds_up_none_of_the_others(data_dir: Path, tiny_model: str) -> None:
+    """The budget check stops the range's inference; the range failure sensor runs the files within
+    budget again without the one over it."""
+    task = task_spec("budgeted", output={"kind": "choices", "choices": ["a", "b"]}, budget={"max_generated_tokens": 30})
+    defs = build_definitions(tasks=[task])
+    sizes = {"small1.jsonl": 3, "big.jsonl": 10, "small2.jsonl": 2}
+    for name, rows in sizes.items():
+        drop(data_dir, "budgeted", name, "".join(f'{{"text": "{name} item {i}"}}\n' for i in range(rows)))
+    keys = [partition_key_for(name) for name in sizes]
+    job = defs.resolve_job_def(pipeline_job_name(task.name))
+    sensor = defs.get_sensor_def("budgeted_range_failure_sensor")
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(partitions_def_name(task.name), keys)
+        tags = {"dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]}
+        failed = job.execute_in_process(instance=instance, tags=tags, raise_on_error=False)
+        assert not failed.success
+        budget = {
+            e.partition: e.passed for e in failed.get_asset_check_evaluations() if e.check_name == "within_budget"
+        }
+        assert budget == {keys[0]: True, keys[1]: False, keys[2]: True}
+        context = dg.build_run_status_sensor_context(
+            sensor_name=sensor.name,
+            dagster_event=next(e for e in failed.all_events if e.event_type_value == "PIPELINE_FAILURE"),
+            dagster_instance=instance,
+            dagster_run=instance.get_run_by_id(failed.run_id),
+        ).for_run_failure()
+        requests = sensor(context)
+        assert [r.partition_key for r in requests] == [keys[0], keys[2]]  # split around the big file
+        for request in requests:
+            assert job.execute_in_process(
+                instance=instance, partition_key=request.partition_key, tags=request.tags
+            ).success
+        assert {
+            key: output(data_dir, "budgeted", "validated_labels", name).height
+            for key, name in zip(keys, sizes, strict=True)
+            if key != keys[1]
+        } == {
+            keys[0]: 3,
+            keys[2]: 2,
+        }
+        assert not instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey(["budgeted", "inference_outputs"]), asset_partitions=[keys[1]]),
+            limit=1,
+        ).records

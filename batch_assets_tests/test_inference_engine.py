@@ -305,3 +305,17 @@ def test_a_run_frees_its_engine_before_its_step_frees_the_pool_slot(
         if child.is_running() and "VLLM" in " ".join(child.cmdline())
     ]
     assert engine_processes == []
+
+
+def test_a_warm_engine_is_kept_for_the_next_range_unless_another_run_waits_for_the_device(
+    data_dir: Path, tiny_model: str
+) -> None:
+    from batch_assets.engines.vllm_engine import PROCESS_ENGINE, keep_engine_warm
+
+    drop(data_dir, "sentiment", "posts.jsonl", posts(4))
+    with dg.instance_for_test() as instance:
+        for someone_waits in (False, True):
+            with keep_engine_warm(wanted_elsewhere=lambda waits=someone_waits: waits):
+                result = run(sentiment(), "posts.jsonl", instance, use_result_cache=False)
+                assert result.success and inference_metadata(result)["rows_inferred"] == 4
+                assert PROCESS_ENGINE.running is not someone_waits

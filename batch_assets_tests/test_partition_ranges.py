@@ -140,3 +140,58 @@ def test_a_bad_file_fails_its_range_before_the_engine_and_a_rerun_infers_nothing
         assert run_range(instance, keys).success
         inferred = {key: materialization_metadata(instance, "inference_outputs", key)["rows_inferred"] for key in keys}
         assert inferred == dict(zip(keys, (3, 1, 2), strict=True))
+
+
+def test_the_range_failure_sensor_runs_the_good_files_of_a_failed_range_again(data_dir: Path, tiny_model: str) -> None:
+    files = {
+        "good1.csv": customers_csv(0, 3),
+        "broken.parquet": b"not a parquet file",
+        "good2.csv": customers_csv(5, 2),
+        "good3.csv": customers_csv(9, 1),
+    }
+    defs = build_definitions()
+    sensor = defs.get_sensor_def(f"{TASK}_range_failure_sensor")
+    with dg.instance_for_test() as instance:
+        keys = drop_files(data_dir, instance, files)
+        failed = run_range(instance, keys)
+        assert not failed.success
+
+        def evaluate(result) -> list:
+            run_failure = next(e for e in result.all_events if e.event_type_value == "PIPELINE_FAILURE")
+            context = dg.build_run_status_sensor_context(
+                sensor_name=sensor.name,
+                dagster_event=run_failure,
+                dagster_instance=instance,
+                dagster_run=instance.get_run_by_id(result.run_id),
+            ).for_run_failure()
+            outcome = sensor(context)
+            return outcome if isinstance(outcome, list) else []
+
+        # The good files around the bad one: the first alone, the other two as a range.
+        requests = evaluate(failed)
+        assert [(r.partition_key, r.tags.get(RANGE_START), r.tags.get(RANGE_END)) for r in requests] == [
+            (keys[0], None, None),
+            (None, keys[2], keys[3]),
+        ]
+        assert {r.tags["batch_assets/rerun_of"] for r in requests} == {failed.run_id}
+        assert len({r.run_key for r in requests}) == 2
+
+        job = defs.resolve_job_def(pipeline_job_name(TASK))
+        for request in requests:
+            rerun = job.execute_in_process(
+                instance=instance, partition_key=request.partition_key, tags=request.tags, run_config=NO_CACHE
+            )
+            assert rerun.success
+        assert {key: read(data_dir, "validated_labels", key).height for key in (keys[0], keys[2], keys[3])} == {
+            keys[0]: 3,
+            keys[2]: 2,
+            keys[3]: 1,
+        }
+        assert not materialization_metadata(instance, "raw_prompts", keys[1])  # the bad file stays failed
+
+        # A failed run the sensor requested is not split again (no chains of re-runs).
+        drop(data_dir, TASK, "good2.csv", "Index,Name\n1,no company column\n")
+        again = job.execute_in_process(
+            instance=instance, tags=requests[1].tags, run_config=NO_CACHE, raise_on_error=False
+        )
+        assert not again.success and evaluate(again) == []

@@ -6,7 +6,8 @@ user when the tests run as root) listens on a free loopback port. The real daemo
 the assets' backfill policy splits a backfill (here `runs.max_partitions_per_run: 2`): one over a
 range of two partitions, one over the third. The tick, the partitions, the runs (queued, launched
 and executed by the daemon through the `gpu` pool), materializations and check results of every
-partition must all land in Postgres.
+partition must all land in Postgres. Then a burst with a bad file: its range run fails, and the
+range failure sensor runs the good file of that range again on its own.
 """
 
 from __future__ import annotations
@@ -246,15 +247,47 @@ def test_a_burst_of_drops_becomes_grouped_runs_recorded_in_postgres(
                 f"single run not finished in {RUNS_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
             )
             time.sleep(3)
+        # A burst with a bad file (no record has the task's text field): its range run fails, and
+        # the range failure sensor runs the good file of that range again on its own.
+        (zone / "posts-e.jsonl").write_text('{"post_id": "x1", "body": "no text field"}\n', encoding="utf-8")
+        (zone / "posts-f.jsonl").write_text(empty, encoding="utf-8")
+        deadline = time.monotonic() + RUNS_TIMEOUT_S
+        while True:
+            assert daemon.poll() is None, f"dagster-daemon exited:\n{log.read_text()[-3000:]}"
+            rerun = instance.get_runs(filters=dg.RunsFilter(tags={"batch_assets/launched_by": "range_failure_sensor"}))
+            if rerun and rerun[0].is_finished:
+                break
+            assert time.monotonic() < deadline, (
+                f"no re-run of the good file in {RUNS_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
+            )
+            time.sleep(3)
     finally:
         stop_process_group(daemon)
+
+    bad_key, good_key = partition_key_for("posts-e.jsonl"), partition_key_for("posts-f.jsonl")
+    [bad_range] = [run for run in instance.get_runs() if run.tags.get("dagster/asset_partition_range_start") == bad_key]
+    assert bad_range.status == dg.DagsterRunStatus.FAILURE
+    [rerun] = rerun
+    assert rerun.status == dg.DagsterRunStatus.SUCCESS, log.read_text()[-3000:]
+    assert rerun.tags["dagster/partition"] == good_key and rerun.tags["batch_assets/rerun_of"] == bad_range.run_id
+    labels_of = {
+        key: instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey(["sentiment", "validated_labels"]), asset_partitions=[key]),
+            limit=1,
+        ).records
+        for key in (bad_key, good_key)
+    }
+    assert labels_of[good_key][0].asset_materialization.metadata["rows"].value == 2 and not labels_of[bad_key]
 
     # One tick turned the three files into three partitions (oldest first) and two runs: a range of
     # two partitions, then the third alone; no backfill to wait for.
     assert instance.get_dynamic_partitions(partitions_def_name("sentiment"))[:3] == keys
     assert not instance.get_backfills()
+    later = {partition_key_for(name) for name in ("posts-d.jsonl", "posts-e.jsonl", "posts-f.jsonl")}
     runs = [
-        run for run in instance.get_runs() if run.tags.get("dagster/partition") != partition_key_for("posts-d.jsonl")
+        run
+        for run in instance.get_runs()
+        if not later & {run.tags.get("dagster/partition"), run.tags.get("dagster/asset_partition_range_start")}
     ]
     ranges = sorted(
         (run.tags.get("dagster/asset_partition_range_start"), run.tags.get("dagster/asset_partition_range_end"))

