@@ -268,7 +268,10 @@ def others_wait_for_pool(instance: dg.DagsterInstance, pool: str) -> bool:
     """Whether a step is waiting for a slot of `pool` (asked by a step that holds one: the waiting
     step belongs to another run, which will start its own engine once the slot is freed)."""
     storage = instance.event_log_storage
-    return bool(storage.supports_global_concurrency_limits and storage.get_concurrency_info(pool).pending_steps)
+    if not storage.supports_global_concurrency_limits:
+        return False
+    # Dagster lists a step that holds a slot among the pending ones too, with the time it was assigned.
+    return any(step.assigned_timestamp is None for step in storage.get_concurrency_info(pool).pending_steps)
 
 
 def _launched_by(instance: dg.DagsterInstance, run_id: str) -> str:
