@@ -381,7 +381,7 @@ def run_partitions(
     )
     from batch_assets.definitions import build_definitions, pipeline_job_name
     from batch_assets.engines.protocol import engine_kind
-    from batch_assets.engines.vllm_engine import keep_engine_warm
+    from batch_assets.engines.vllm_engine import PROCESS_ENGINE, keep_engine_warm
     from batch_assets.pipeline.task_spec import load_tasks
     from batch_assets.storage.drop_files import find_drop_file, partitions_def_name
 
@@ -433,7 +433,7 @@ def run_partitions(
             ranges = list(partition_ranges(ordered, to_run, task.runs.max_partitions_per_run))
             while ranges:
                 run_keys = ranges.pop(0)
-                wait_for_pool_slot(instance, pool, say=TERMINAL.say)
+                wait_for_pool_slot(instance, pool, say=TERMINAL.say, before_waiting=PROCESS_ENGINE.shutdown)
                 if len(run_keys) == 1:
                     file, digest = named_by_key[run_keys[0]]
                     label, selection = f"{task_name}/{file.key}", {"partition_key": file.key}
@@ -496,7 +496,8 @@ def _failed_before_inference(result) -> bool:
     if result.success:
         return False
     failed_steps = [event.step_key or "" for event in result.all_events if event.is_step_failure]
-    return not any("inference_outputs" in step for step in failed_steps)
+    # The step itself, not its check `<task>__inference_outputs_outputs_satisfy_constraint`.
+    return not any(step.endswith("__inference_outputs") for step in failed_steps)
 
 
 def check_model(task) -> None:

@@ -91,8 +91,9 @@ def build_definitions(
         job = build_task_job(task)
         jobs.append(job)
         sensors.append(build_drops_sensor(task, job))
-        sensors.append(build_range_failure_sensor(task, job))
         sensors += build_automation_sensor(task)
+    range_failures = build_range_failure_sensor([(task, job) for task, job in zip(tasks, jobs, strict=True)])
+    sensors += [range_failures] if range_failures is not None else []
     return dg.Definitions(
         assets=assets,
         asset_checks=checks,

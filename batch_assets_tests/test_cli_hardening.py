@@ -9,6 +9,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -410,3 +411,25 @@ def test_a_step_holding_the_pool_slot_sees_when_another_run_waits_for_it() -> No
         storage.free_concurrency_slot_for_step("cli-run", "inference")  # handed to the waiting step
         assert storage.claim_concurrency_slot("gpu", "daemon-run", "inference").is_claimed
         assert not run_recovery.others_wait_for_pool(instance, "gpu")
+
+
+def test_the_cli_frees_its_warm_engine_before_waiting_for_a_slot_another_run_holds() -> None:
+    """The holder's engine needs the device: `batch-assets run` shuts its own engine down once, before
+    it waits, and goes on when the slot is free."""
+    with dg.instance_for_test() as instance:
+        storage = instance.event_log_storage
+        storage.set_concurrency_slots("gpu", 1)
+        freed: list[str] = []
+        run_recovery.wait_for_pool_slot(instance, "gpu", say=lambda _: None, before_waiting=lambda: freed.append("x"))
+        assert freed == []  # the slot was free: nothing to wait for, the engine stays
+        assert storage.claim_concurrency_slot("gpu", "daemon-run", "inference").is_claimed
+        said: list[str] = []
+        releaser = threading.Timer(3.0, lambda: storage.free_concurrency_slot_for_step("daemon-run", "inference"))
+        releaser.start()
+        started = time.monotonic()
+        run_recovery.wait_for_pool_slot(
+            instance, "gpu", say=said.append, poll_seconds=0.2, before_waiting=lambda: freed.append("x")
+        )
+        releaser.join()
+        assert freed == ["x"] and time.monotonic() - started >= 2.5
+        assert len(said) == 1 and "held by run daemon-r" in said[0]

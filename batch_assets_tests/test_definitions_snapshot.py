@@ -58,7 +58,7 @@ def definitions_snapshot(defs: dg.Definitions) -> dict:
         sensor.name: {
             "default_status": sensor.default_status.value,
             "minimum_interval_seconds": sensor.minimum_interval_seconds,
-            "job": sensor.job_name if sensor.has_jobs else None,
+            "jobs": sorted(job.name for job in sensor.jobs) if sensor.has_jobs else None,
         }
         for sensor in sorted(defs.sensors or [], key=lambda s: s.name)
     }

@@ -418,18 +418,3 @@ def test_a_real_full_file_system_is_reported_as_such(tmp_path: Path) -> None:
         "free space there (or make it writable), or point BATCH_ASSETS_DATA at other storage",
         "left: []",  # no temporary file left behind on the full disk
     ], result.stderr[-2000:]
-
-
-def test_a_failed_range_is_run_again_without_its_bad_files_unless_the_engine_failed() -> None:
-    from batch_assets.dagster_defs.range_failures import RangeFailure, ranges_to_rerun
-
-    order = ["a", "b", "c", "d", "e", "f"]
-    failed_on_c = RangeFailure(partitions=["a", "b", "c", "d", "e"], bad={"c"}, engine_failed=False)
-    assert ranges_to_rerun(failed_on_c, order, 16) == [["a", "b"], ["d", "e"]]
-    assert ranges_to_rerun(failed_on_c, order, 1) == [["a"], ["b"], ["d"], ["e"]]
-    every_file_bad = RangeFailure(partitions=["a", "b"], bad={"a", "b"}, engine_failed=False)
-    assert ranges_to_rerun(every_file_bad, order, 16) == []
-    # A failure that names no file (the task's template, a full disk) would fail every file again.
-    assert ranges_to_rerun(RangeFailure(partitions=["a", "b"], bad=set(), engine_failed=False), order, 16) == []
-    # The engine's failures are retried from checkpoints, not split.
-    assert ranges_to_rerun(RangeFailure(partitions=["a", "b"], bad={"a"}, engine_failed=True), order, 16) == []

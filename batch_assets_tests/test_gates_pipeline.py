@@ -210,7 +210,7 @@ def test_an_over_budget_file_in_a_range_holds_up_none_of_the_others(data_dir: Pa
         drop(data_dir, "budgeted", name, "".join(f'{{"text": "{name} item {i}"}}\n' for i in range(rows)))
     keys = [partition_key_for(name) for name in sizes]
     job = defs.resolve_job_def(pipeline_job_name(task.name))
-    sensor = defs.get_sensor_def("budgeted_range_failure_sensor")
+    sensor = defs.get_sensor_def("range_failure_sensor")
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(partitions_def_name(task.name), keys)
         tags = {"dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]}

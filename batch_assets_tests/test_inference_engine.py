@@ -317,5 +317,8 @@ def test_a_warm_engine_is_kept_for_the_next_range_unless_another_run_waits_for_t
         for someone_waits in (False, True):
             with keep_engine_warm(wanted_elsewhere=lambda waits=someone_waits: waits):
                 result = run(sentiment(), "posts.jsonl", instance, use_result_cache=False)
-                assert result.success and inference_metadata(result)["rows_inferred"] == 4
+                metadata = inference_metadata(result)
+                assert result.success and metadata["rows_inferred"] == 4
                 assert PROCESS_ENGINE.running is not someone_waits
+        # The second run found the first one's engine kept for it, and shut it down after.
+        assert metadata["engine_started_by_this_run"] is False

@@ -150,7 +150,7 @@ def test_the_range_failure_sensor_runs_the_good_files_of_a_failed_range_again(da
         "good3.csv": customers_csv(9, 1),
     }
     defs = build_definitions()
-    sensor = defs.get_sensor_def(f"{TASK}_range_failure_sensor")
+    sensor = defs.get_sensor_def("range_failure_sensor")
     with dg.instance_for_test() as instance:
         keys = drop_files(data_dir, instance, files)
         failed = run_range(instance, keys)

@@ -19,6 +19,7 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
+from batch_assets.dagster_defs.range_failures import FAILED_PARTITIONS_METADATA
 from batch_assets.engines.protocol import (
     EngineSession,
     EngineSettings,
@@ -274,7 +275,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
             raise dg.Failure(
                 description=f"{len(unreadable)} of {len(context.partition_keys)} drop file(s) cannot be read: "
                 + "; ".join(unreadable.values()),
-                metadata={"failed_partitions": sorted(unreadable)},
+                metadata={FAILED_PARTITIONS_METADATA: sorted(unreadable)},
                 allow_retries=False,
             )
         return frames

@@ -1,28 +1,33 @@
-"""`<task>_range_failure_sensor`: when a run over a range of partitions fails on some of its files,
-the other files of the range are run again without them.
+"""`range_failure_sensor`: when a run over a range of partitions fails on some of its files, the
+other files of the range are run again without them.
 
 Dagster records an asset of a run for all of the run's partitions or for none, so one bad drop file
 fails its whole range: an unreadable file fails `raw_prompts` (which names every bad file of the
 range in the failure's `failed_partitions` metadata), and a failed blocking check of one partition
-(over budget, invalid outputs or labels) stops the range's downstream steps. This sensor watches the
-task's failed runs (drops sensor ranges and UI backfills alike) and requests runs for the partitions
-that did not fail, in ranges of up to `runs.max_partitions_per_run` (split around the bad files);
-the bad files stay failed, each named in the failed run, until they are replaced (the drops sensor
-runs a replaced file again) or re-run. What the good files had already done is reused: their
-checkpoints and result-cache entries.
+(over budget, invalid outputs or labels) stops the range's later steps. This sensor watches the
+failed runs of every task (drops sensor ranges and UI backfills alike) and requests runs of the
+task's job for the partitions that did not fail, in ranges of up to `runs.max_partitions_per_run`
+(split around the bad files); the bad files stay failed, each named in the failed run, until they
+are replaced (the drops sensor runs a replaced file again) or re-run. Partitions whose labels the
+failed run did store (a blocking check on `validated_labels` fails after the asset) are not run
+again. What the re-run partitions had done before is reused: checkpoints and result-cache entries.
 
 It does nothing when the engine failed (`inference_outputs`: the step retries, and a re-run resumes
 from the checkpoints), when the failure names no partition (a task-wide problem would fail every
 file again), for single-partition runs, for `batch-assets run` (the CLI runs a failed range again
-file by file itself) and for runs this sensor requested (no chains). Run keys name the failed run,
-so a retried tick requests nothing twice.
+file by file itself) and for runs this sensor requested (no chains). Run keys name the failed run's
+root (a re-execution of it from the UI shares it), so nothing is requested twice.
+
+A run status sensor ends its tick at the first run it returns requests for, and Dagster ticks it
+every 30 s: one sensor for all tasks, returning nothing for runs it leaves alone, so those never
+cost a tick.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import dagster as dg
 
@@ -30,9 +35,11 @@ from batch_assets.dagster_defs.sensors import LAUNCHED_BY_TAG, RANGE_END_TAG, RA
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.drop_files import partitions_def_name
 
+RANGE_FAILURE_SENSOR_NAME = "range_failure_sensor"
 RERUN_OF_TAG = "batch_assets/rerun_of"
-# Where raw_prompts lists the files of its range that cannot be read (assets.py).
+# Where raw_prompts lists the files of its range that cannot be read.
 FAILED_PARTITIONS_METADATA = "failed_partitions"
+ROOT_RUN_TAG = "dagster/root_run_id"  # set by Dagster on a re-execution of a run
 
 
 @dataclass(frozen=True)
@@ -42,13 +49,14 @@ class RangeFailure:
     partitions: list[str]  # the run's range, in the partitions' order
     bad: set[str]  # partitions the failure names (unreadable files, failed blocking checks)
     engine_failed: bool  # inference_outputs failed: retries and re-runs resume from checkpoints
+    labelled: set[str] = field(default_factory=set)  # partitions whose labels the failed run stored
 
 
 def ranges_to_rerun(failure: RangeFailure, ordered_keys: Sequence[str], max_per_run: int) -> list[list[str]]:
     """The good partitions of a failed range, as the runs to request (ranges around the bad ones)."""
     if failure.engine_failed or len(failure.partitions) < 2 or not failure.bad:
         return []
-    good = [key for key in failure.partitions if key not in failure.bad]
+    good = [key for key in failure.partitions if key not in failure.bad and key not in failure.labelled]
     return partition_ranges(ordered_keys, good, max_per_run)
 
 
@@ -72,7 +80,7 @@ def failed_partitions_of(step_failures: Iterable[dg.DagsterEvent]) -> set[str]:
 
 
 def blocking_check_failures(instance: dg.DagsterInstance, run_id: str) -> set[str]:
-    """Partitions of the run whose blocking check failed (their downstream steps were skipped)."""
+    """Partitions of the run whose blocking check failed (Dagster's rule: not passed, ERROR, blocking)."""
     records = instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION).records
     failed: set[str] = set()
     for record in records:
@@ -89,68 +97,101 @@ def blocking_check_failures(instance: dg.DagsterInstance, run_id: str) -> set[st
     return failed
 
 
-def runs_task_assets(run: dg.DagsterRun, task: TaskSpec, job_name: str) -> bool:
-    """A run of the task's job, or of an asset selection (sensor runs, UI backfills) with its files."""
+def labelled_by(instance: dg.DagsterInstance, task: str, run_id: str, partitions: Sequence[str]) -> set[str]:
+    """Partitions whose latest `validated_labels` the run stored."""
+    labelled = set()
+    for key in partitions:
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey([task, "validated_labels"]), asset_partitions=[key]), limit=1
+        ).records
+        if records and records[0].run_id == run_id:
+            labelled.add(key)
+    return labelled
+
+
+def task_of_run(run: dg.DagsterRun, tasks_by_job: dict[str, TaskSpec]) -> TaskSpec | None:
+    """The task a run works for: its job's, or the one whose files an asset-selection run reads
+    (drops sensor runs and UI backfills run Dagster's asset job with a selection)."""
     if run.asset_selection:
-        return dg.AssetKey([task.name, "raw_prompts"]) in run.asset_selection
-    return run.job_name == job_name
+        return next(
+            (task for task in tasks_by_job.values() if dg.AssetKey([task.name, "raw_prompts"]) in run.asset_selection),
+            None,
+        )
+    return tasks_by_job.get(run.job_name)
 
 
 def describe_failure(
-    task: TaskSpec,
-    job_name: str,
-    run: dg.DagsterRun,
-    instance: dg.DagsterInstance,
-    step_failures: Sequence[dg.DagsterEvent],
+    task: TaskSpec, run: dg.DagsterRun, instance: dg.DagsterInstance, step_failures: Sequence[dg.DagsterEvent]
 ) -> RangeFailure | None:
     """The failed run's range and which of its partitions failed; None when it is not a range run
-    of this task that the sensor should act on."""
-    if run.tags.get(LAUNCHED_BY_TAG) == "cli" or RERUN_OF_TAG in run.tags or not runs_task_assets(run, task, job_name):
+    the sensor should act on."""
+    if run.tags.get(LAUNCHED_BY_TAG) == "cli" or RERUN_OF_TAG in run.tags:
         return None
     partitions = range_of(run, instance.get_dynamic_partitions(partitions_def_name(task.name)))
     if len(partitions) < 2:
         return None
     return RangeFailure(
         partitions=partitions,
-        bad=(failed_partitions_of(step_failures) | blocking_check_failures(instance, run.run_id)) & set(partitions),
+        # Not limited to the range's keys: a bad file's partition may have been deleted since.
+        bad=failed_partitions_of(step_failures) | blocking_check_failures(instance, run.run_id),
         engine_failed=any(event.step_key == f"{task.name}__inference_outputs" for event in step_failures),
+        labelled=labelled_by(instance, task.name, run.run_id, partitions),
     )
 
 
-def rerun_request(keys: list[str], failed_run_id: str, job_tags: Mapping[str, str]) -> dg.RunRequest:
-    tags = {**job_tags, LAUNCHED_BY_TAG: "range_failure_sensor", RERUN_OF_TAG: failed_run_id}
-    run_key = f"{failed_run_id}:{keys[0]}..{keys[-1]}"
-    if len(keys) == 1:
-        return dg.RunRequest(run_key=run_key, partition_key=keys[0], tags=tags)
-    return dg.RunRequest(run_key=run_key, tags={**tags, RANGE_START_TAG: keys[0], RANGE_END_TAG: keys[-1]})
+def rerun_requests(task: TaskSpec, job_name: str, run: dg.DagsterRun, ranges: list[list[str]]) -> list[dg.RunRequest]:
+    root = run.tags.get(ROOT_RUN_TAG, run.run_id)
+    tags = {LAUNCHED_BY_TAG: RANGE_FAILURE_SENSOR_NAME, RERUN_OF_TAG: run.run_id}
+    requests = []
+    for keys in ranges:
+        run_key = f"{task.name}:{root}:{keys[0]}..{keys[-1]}"
+        if len(keys) == 1:
+            requests.append(dg.RunRequest(run_key=run_key, job_name=job_name, partition_key=keys[0], tags=tags))
+        else:
+            range_tags = {**tags, RANGE_START_TAG: keys[0], RANGE_END_TAG: keys[-1]}
+            requests.append(dg.RunRequest(run_key=run_key, job_name=job_name, tags=range_tags))
+    return requests
 
 
-def build_range_failure_sensor(task: TaskSpec, job) -> dg.SensorDefinition:
-    job_tags = {key: value if isinstance(value, str) else json.dumps(value) for key, value in (job.tags or {}).items()}
+def build_range_failure_sensor(task_jobs: Sequence[tuple[TaskSpec, Any]]) -> dg.SensorDefinition | None:
+    """The sensor over every task's failed runs (None without tasks); `task_jobs`: each task with its
+    job. Its runs are of the task's job, which brings the job's run tags (a GPU count for the
+    Kubernetes run launcher)."""
+    if not task_jobs:
+        return None
+    tasks_by_job = {job.name: task for task, job in task_jobs}
+    job_names = {task.name: job.name for task, job in task_jobs}
 
     @dg.run_failure_sensor(
-        name=f"{task.name}_range_failure_sensor",
-        request_job=job,
+        name=RANGE_FAILURE_SENSOR_NAME,
+        request_jobs=[job for _, job in task_jobs],
         default_status=dg.DefaultSensorStatus.RUNNING,
         description=(
-            f"When a `{task.name}` run over several drop files fails on some of them (unreadable file, failed "
-            "blocking check), runs the other files of its range again without them."
+            "When a run over several drop files fails on some of them (unreadable file, failed blocking check), "
+            "runs the other files of its range again without them."
         ),
     )
     def range_failure_sensor(context: dg.RunFailureSensorContext):
         run = context.dagster_run
-        failure = describe_failure(task, job.name, run, context.instance, context.get_step_failure_events())
-        if failure is None:
-            return dg.SkipReason(f"run {run.run_id[:8]} is not a {task.name} range run to split")
+        task = task_of_run(run, tasks_by_job)
+        failure = describe_failure(task, run, context.instance, context.get_step_failure_events()) if task else None
+        if task is None or failure is None:
+            return None  # not a range run of a task: the next failed run is looked at in this tick
         ordered = context.instance.get_dynamic_partitions(partitions_def_name(task.name))
         ranges = ranges_to_rerun(failure, ordered, task.runs.max_partitions_per_run)
         if not ranges:
-            why = "its engine failed" if failure.engine_failed else "its failure names none of its files"
-            return dg.SkipReason(f"run {run.run_id[:8]}: nothing to run again ({why})")
+            if failure.engine_failed:
+                why = "its engine failed; a re-run resumes from its checkpoints"
+            elif not failure.bad:
+                why = "its failure names none of its files"
+            else:
+                why = "no other file of its range is left to run"
+            context.log.info(f"run {run.run_id[:8]} ({task.name}): nothing to run again ({why})")
+            return None
         context.log.info(
-            f"run {run.run_id[:8]} failed on {sorted(failure.bad)}; running the other "
-            f"{sum(map(len, ranges))} file(s) of its range again in {len(ranges)} run(s)"
+            f"run {run.run_id[:8]} ({task.name}) failed on {sorted(failure.bad)}; running "
+            f"{sum(map(len, ranges))} other file(s) of its range again in {len(ranges)} run(s)"
         )
-        return [rerun_request(keys, run.run_id, job_tags) for keys in ranges]
+        return rerun_requests(task, job_names[task.name], run, ranges)
 
     return range_failure_sensor

@@ -237,8 +237,11 @@ def wait_for_pool_slot(
     *,
     say: Callable[[str], None],
     poll_seconds: float = 2.0,
+    before_waiting: Callable[[], None] = lambda: None,
 ) -> None:
     """Return once `pool` has a free slot; meanwhile say once who holds it and keep closing dead runs.
+    `before_waiting` is called once if the pool is full (the CLI frees its warm engine: the holder's
+    engine needs the device).
 
     Interrupt it with Ctrl-C (or SIGTERM, which the CLI maps to the same): it only sleeps and reads.
     """
@@ -252,6 +255,8 @@ def wait_for_pool_slot(
         if not limit or info.active_slot_count < limit:
             return
         holders = sorted(info.active_run_ids)
+        if told is None:
+            before_waiting()
         if holders != told:
             names = ", ".join(f"run {run_id[:8]} ({_launched_by(instance, run_id)})" for run_id in holders)
             say(

@@ -458,6 +458,16 @@ def keep_engine_warm(wanted_elsewhere: Callable[[], bool] = lambda: False) -> It
             PROCESS_ENGINE.shutdown()
 
 
+def _wanted_elsewhere(log: Callable[[str], None]) -> bool:
+    """Asks `keep_engine_warm`'s question. No answer (the instance's database failed) keeps the engine
+    for the next range: a step whose work is done should not fail on a question about the next one."""
+    try:
+        return PROCESS_ENGINE.wanted_elsewhere()
+    except Exception as exc:
+        log(f"could not tell whether another run waits for the engine's device ({exc}); keeping the engine")
+        return False
+
+
 def _start_engine(settings: VLLMSettings) -> _AsyncEngine:
     if settings.kv_cache_memory_gib is not None and not settings.on_gpu:
         _check_cpu_memory(settings.kv_cache_memory_gib)
@@ -627,7 +637,7 @@ class VLLMEngine(dg.ConfigurableResource):
         try:
             yield session
         finally:
-            if PROCESS_ENGINE.keep_warm_depth and not PROCESS_ENGINE.wanted_elsewhere():
+            if PROCESS_ENGINE.keep_warm_depth and not _wanted_elsewhere(log):
                 # A dead engine (its process killed, out of memory) is dropped, so the retry starts
                 # a fresh one and resumes from the checkpoints; a live one stays for the next step.
                 PROCESS_ENGINE.shutdown_if_dead()
