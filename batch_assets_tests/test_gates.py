@@ -337,3 +337,54 @@ def test_definitions_carry_the_versions_and_opted_in_tasks_rematerialize_stale_p
             defs=build_definitions(tasks=[edited]), instance=instance, cursor=after_edit.cursor
         )
         assert handled.total_requested == 0
+
+
+def test_confidence_can_be_switched_off_without_re_inferring_anything(monkeypatch: pytest.MonkeyPatch) -> None:
+    from batch_assets.dagster_defs.assets import inference_fingerprint
+    from batch_assets.engines.vllm_engine import VLLMEngine, VLLMSession
+    from batch_assets.pipeline.validate_labels import validate_labels
+
+    monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
+    on, off = spec(), spec(output__confidence=False)
+    assert on.output.has_confidence and not off.output.has_confidence
+    # The generated text does not depend on it: same checkpoints, cache and inference version; the
+    # labels lose a column, so their version changes.
+    settings = VLLMEngine().settings(on)
+    assert inference_fingerprint(on, settings) == inference_fingerprint(off, settings)
+    versions_on, versions_off = code_versions(on), code_versions(off)
+    assert versions_on["inference_outputs"] == versions_off["inference_outputs"]
+    assert versions_on["validated_labels"] != versions_off["validated_labels"]
+    # Off, the engine is not asked for log-probabilities and the labels have no confidence column.
+    asked = {
+        name: VLLMSession(VLLMEngine(), task, settings, print)._params(task.sampling, task.output).logprobs
+        for name, task in (("on", on), ("off", off))
+    }
+    assert asked == {"on": 0, "off": None}
+    outputs = pl.DataFrame(
+        {
+            "row_id": [0, 1],
+            "source_line": [1, 2],
+            "text": ["great", "bad"],
+            "generated_text": ["positive", "negative"],
+            "finish_reason": ["stop", "stop"],
+            "num_prompt_tokens": [5, 5],
+            "num_generated_tokens": [2, 2],
+            "cumulative_logprob": [-0.1, -0.7],
+            "error": [None, None],
+        }
+    )
+    assert validate_labels(outputs, on.output)["confidence"].round(3).to_list() == [0.905, 0.497]
+    labels_off = validate_labels(outputs, off.output)
+    assert "confidence" not in labels_off.columns and labels_off["label"].to_list() == ["positive", "negative"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"output__kind": "text", "output__choices": None, "output__confidence": True}, "output.confidence applies"),
+        ({"output__confidence": False, "checks__min_confidence": 0.7}, "with `output.confidence` on"),
+    ],
+)
+def test_confidence_settings_that_cannot_apply_are_refused(changes: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        spec(**changes)

@@ -1,6 +1,6 @@
 """Plain vLLM script vs `batch-assets run`, side by side on the same customers CSV.
 
-    .venv/bin/python bench/bench_plain_vs_pipeline.py --rows 3000 --runs 3 [--repeat-share 0.3]
+    .venv/bin/python bench/bench_plain_vs_pipeline.py --rows 3000 --runs 3 [--repeat-share 0.3] [--no-confidence]
 
 Each run alternates (a) bench/plain_vllm_script.py and (b) `batch-assets run industry FILE` in a
 fresh DAGSTER_HOME and data folder (no cache from earlier runs), both as new processes, wall time
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -41,8 +42,23 @@ def plain(csv_path: Path, work: Path) -> dict:
     }
 
 
-def pipeline(csv_path: Path, work: Path) -> dict:
+def tasks_without_confidence(folder: Path) -> Path:
+    """The bundled tasks, industry with `output.confidence: false` (no log-probabilities asked)."""
+    import yaml
+
+    from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR
+
+    shutil.copytree(BUNDLED_TASKS_DIR, folder)
+    industry = yaml.safe_load((folder / "industry.yaml").read_text(encoding="utf-8"))
+    industry["output"]["confidence"] = False
+    (folder / "industry.yaml").write_text(yaml.safe_dump(industry, sort_keys=False), encoding="utf-8")
+    return folder
+
+
+def pipeline(csv_path: Path, work: Path, tasks_dir: Path | None = None) -> dict:
     env = {**os.environ, "DAGSTER_HOME": str(work / "home"), "BATCH_ASSETS_DATA": str(work / "data")}
+    if tasks_dir is not None:
+        env["BATCH_ASSETS_TASKS_DIR"] = str(tasks_dir)
     started = time.perf_counter()
     done = subprocess.run(
         [str(VENV_BIN / "batch-assets"), "run", "industry", str(csv_path)],
@@ -78,6 +94,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=3000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--repeat-share", type=float, default=0.0)
+    parser.add_argument(
+        "--no-confidence", action="store_true", help="the pipeline's industry task with `output.confidence: false`"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         csv_path = Path(tmp) / f"customers-{args.rows}.csv"
@@ -92,12 +111,13 @@ def main() -> None:
             ],
             check=True,
         )
+        tasks_dir = tasks_without_confidence(Path(tmp) / "tasks") if args.no_confidence else None
         plains, pipes = [], []
         for index in range(args.runs):
-            for kind, fn, bucket in (("plain", plain, plains), ("pipeline", pipeline, pipes)):
+            for kind, bucket in (("plain", plains), ("pipeline", pipes)):
                 work = Path(tmp) / f"{kind}-{index}"
                 work.mkdir()
-                bucket.append(fn(csv_path, work))
+                bucket.append(plain(csv_path, work) if kind == "plain" else pipeline(csv_path, work, tasks_dir))
                 print(
                     f"run {index + 1} {kind}: {json.dumps({k: round(v, 2) for k, v in bucket[-1].items()})}", flush=True
                 )

@@ -176,7 +176,7 @@ def inference_fingerprint(task: TaskSpec, settings: EngineSettings) -> str:
             "max_model_len": settings.max_model_len,
             "structured_outputs": settings.structured_outputs,
             "sampling": task.sampling.model_dump(),
-            "output": task.output.model_dump(),
+            "output": task.output.decision(),
         }
     )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Any
 
 from batch_assets.pipeline.task_spec import OUTPUT_VLLM_ARG_DEFAULTS, THROUGHPUT_ONLY_VLLM_ARGS, TaskSpec
 
@@ -71,12 +72,21 @@ def code_versions(task: TaskSpec) -> dict[str, str]:
         "formatting": formatting,
         "engine": engine,
         "sampling": task.sampling.model_dump(),
-        "output": task.output.model_dump(),
+        "output": task.output.decision(),
     }
     return {
         "formatted_prompts": _digest(formatting),
         "inference_outputs": _digest(inference),
         # Labels are parsed from the outputs: whatever changes the outputs changes them. (Dagster does
         # not mark a partition stale for an upstream partition's new code version alone.)
-        "validated_labels": _digest({"inference": inference, "validation": task.output.model_dump()}),
+        "validated_labels": _digest({"inference": inference, "validation": _validation(task)}),
     }
+
+
+def _validation(task: TaskSpec) -> dict[str, Any]:
+    """What decides the labels besides the outputs. `confidence: false` drops a column, so it counts,
+    and only when set: tasks that leave confidence on keep the code versions they have."""
+    validation = task.output.decision()
+    if not task.output.confidence:
+        validation["confidence"] = False
+    return validation

@@ -354,7 +354,10 @@ class RequestSpec:
         `sample_id` makes a non-deterministic request (temperature > 0, no seed) its own."""
         value: dict[str, Any] = {
             "sampling": self.sampling.model_dump(),
-            "output": self.output.model_dump(exclude_none=True) if self.output is not None else None,
+            # `confidence` asks for log-probabilities only; it decides nothing of the output.
+            "output": self.output.model_dump(exclude_none=True, exclude={"confidence"})
+            if self.output is not None
+            else None,
         }
         if sample_id is not None:
             value["sample"] = sample_id

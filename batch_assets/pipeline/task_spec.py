@@ -354,6 +354,9 @@ class OutputSpec(_Strict):
     choices: list[str] | None = None
     json_schema: dict[str, Any] | None = None
     regex: str | None = None
+    # Choices and regex labels get a `confidence` (the engine's token log-probabilities); `false`
+    # saves their cost in the engine (a log-softmax over the vocabulary per generated token).
+    confidence: bool = True
 
     @model_validator(mode="after")
     def _matches_kind(self) -> OutputSpec:
@@ -364,13 +367,25 @@ class OutputSpec(_Strict):
             raise ValueError("choices must be distinct")
         if self.regex is not None:
             re.compile(self.regex)
+        if "confidence" in self.model_fields_set and self.confidence and self.kind not in ("choices", "regex"):
+            raise ValueError(
+                "output.confidence applies to `kind: choices` or `regex` only "
+                "(labels of free text and JSON tasks have no confidence)"
+            )
         return self
 
     @property
     def has_confidence(self) -> bool:
         """Labels of a closed set (choices, a regex) get a confidence from the engine's token
-        log-probabilities; free text and JSON objects do not (their probability says little)."""
-        return self.kind in ("choices", "regex")
+        log-probabilities unless the task sets `confidence: false`; free text and JSON objects do
+        not (their probability says little)."""
+        return self.confidence and self.kind in ("choices", "regex")
+
+    def decision(self) -> dict[str, Any]:
+        """What decides the outputs: the constraint. Asking for log-probabilities does not change
+        which tokens are sampled, so `confidence` is left out (checkpoints, cached results and code
+        versions stay valid when it is switched)."""
+        return self.model_dump(exclude={"confidence"})
 
 
 class BudgetSpec(_Strict):
@@ -496,8 +511,8 @@ class TaskSpec(_Strict):
         confidence_settings = {"min_confidence", "max_low_confidence_share"} & self.checks.model_fields_set
         if confidence_settings and not self.output.has_confidence:
             raise ValueError(
-                f"checks.{sorted(confidence_settings)[0]} applies to `output.kind: choices` or `regex` only "
-                "(labels of free text and JSON tasks have no confidence)"
+                f"checks.{sorted(confidence_settings)[0]} applies to `output.kind: choices` or `regex` only, "
+                "with `output.confidence` on (labels of free text and JSON tasks have no confidence)"
             )
         return self
 
