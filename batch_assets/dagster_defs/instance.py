@@ -19,7 +19,9 @@ from pathlib import Path
 
 import dagster as dg
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+# The instance settings for one machine; the repo root's dagster.yaml links here, and the wheel
+# carries it, so an installed `batch-assets` sets up the same instance as a checkout.
+INSTANCE_TEMPLATE = Path(__file__).resolve().parent / "dagster.yaml"
 DEFAULT_DAGSTER_HOME = ".dagster_home"
 SETUP_LOCK_NAME = ".batch_assets_setup.lock"
 
@@ -44,12 +46,12 @@ def dagster_home() -> Path:
 
 
 def prepare_instance() -> Path:
-    """Create `DAGSTER_HOME` with the repo's dagster.yaml and its storages, once, under the setup lock."""
+    """Create `DAGSTER_HOME` with the bundled dagster.yaml and its storages, once, under the setup lock."""
     home = dagster_home()
     with home_lock(home):
-        config, template = home / "dagster.yaml", REPO_ROOT / "dagster.yaml"
-        if not config.exists() and template.exists():
-            shutil.copyfile(template, home / ".dagster.yaml.tmp")
+        config = home / "dagster.yaml"
+        if not config.exists():
+            shutil.copyfile(INSTANCE_TEMPLATE, home / ".dagster.yaml.tmp")
             os.replace(home / ".dagster.yaml.tmp", config)
         with dg.DagsterInstance.get() as instance:
             _touch_storages(instance)

@@ -1,0 +1,128 @@
+"""The wheel, installed outside the checkout as the Docker image installs it, carries everything the
+code location and the CLI load: every shipped task's four assets and drops sensor, the instance
+template, the sample drops.
+
+The wheel goes into a fresh virtual environment whose only other path is this venv's site-packages,
+added by a `.pth` line: Python does not process the `.pth` files of a directory added that way, so
+the editable install of the checkout is invisible there and `batch_assets` can only come from the
+wheel (the test asserts where it was imported from).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+
+from batch_assets_tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+SHIPPED_TASKS = sorted(path.stem for path in (REPO_ROOT / "batch_assets" / "tasks").glob("*.yaml"))
+# What a checkout holds that is no part of the source tree.
+NOT_SOURCE = shutil.ignore_patterns(
+    ".git", ".venv", "data", ".dagster_home", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".screenshots"
+)
+
+LOAD_DEFINITIONS = """
+import json, batch_assets
+from batch_assets.definitions import defs
+from batch_assets.dagster_defs.instance import prepare_instance
+home = prepare_instance()
+graph = defs.resolve_asset_graph()
+print(json.dumps({
+    "package": batch_assets.__file__,
+    "assets": sorted(key.to_user_string() for key in graph.get_all_asset_keys()),
+    "sensors": sorted(sensor.name for sensor in defs.sensors or []),
+    "instance_config": (home / "dagster.yaml").read_text(),
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """(python of a fresh environment with only the wheel as batch_assets, its environment)."""
+    root = tmp_path_factory.mktemp("wheel")
+    source = root / "source"
+    shutil.copytree(REPO_ROOT, source, ignore=NOT_SOURCE, symlinks=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", root / "dist", source],
+        check=True,
+    )
+    (wheel,) = (root / "dist").glob("batch_assets-*.whl")
+    environment = root / "env"
+    venv.create(environment, with_pip=False, symlinks=True)
+    python = environment / "bin" / "python"
+    site_packages = Path(
+        subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
+    (site_packages / "dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", site_packages, wheel], check=True
+    )
+    env = {
+        **{name: value for name, value in os.environ.items() if name != "PYTHONPATH"},
+        "DAGSTER_HOME": str(root / "home"),
+        "BATCH_ASSETS_DATA": str(root / "data"),
+    }
+    env.pop("BATCH_ASSETS_TASKS_DIR", None)
+    return python, env
+
+
+def test_wheel_loads_every_shipped_task(installed_wheel: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
+    python, env = installed_wheel
+    result = subprocess.run([python, "-c", LOAD_DEFINITIONS], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+
+    assert not loaded["package"].startswith(str(REPO_ROOT)), loaded["package"]
+    assert SHIPPED_TASKS == ["answers", "industry", "openai_batch", "sentiment"]
+    expected_assets = sorted(
+        f"{task}/{asset}"
+        for task in SHIPPED_TASKS
+        for asset in ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels")
+    )
+    assert loaded["assets"] == expected_assets
+    assert {f"{task}_drops_sensor" for task in SHIPPED_TASKS} <= set(loaded["sensors"])
+    # The instance the installed package sets up is the one a checkout sets up (pools, run monitoring).
+    template = (REPO_ROOT / "batch_assets" / "dagster_defs" / "dagster.yaml").read_text()
+    assert loaded["instance_config"] == template
+    assert "granularity: op" in loaded["instance_config"]
+
+
+def test_installed_cli_lists_tasks_and_ships_samples(
+    installed_wheel: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    python, env = installed_wheel
+    result = subprocess.run(
+        [python, "-m", "batch_assets.cli", "tasks"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    listed = sorted(line.split("\t")[0] for line in result.stdout.splitlines())
+    assert listed == SHIPPED_TASKS
+    samples = subprocess.run(
+        [
+            python,
+            "-c",
+            "from batch_assets.cli import SAMPLES_DIR; print(sorted(p.name for p in SAMPLES_DIR.iterdir()))",
+        ],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    for task in SHIPPED_TASKS:
+        assert f"'{task}'" in samples.stdout
