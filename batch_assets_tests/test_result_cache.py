@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -11,7 +13,8 @@ from upath import UPath
 
 from batch_assets.pipeline.run_inference import request_keys
 from batch_assets.storage import result_cache
-from batch_assets.storage.checkpoints import CheckpointStore
+from batch_assets.storage.checkpoints import CHECKPOINT_SCHEMA, CheckpointStore
+from batch_assets.storage.errors import StorageError
 from batch_assets.storage.result_cache import ResultCache
 from batch_assets_tests.test_inference_checkpoints import Engine, Session, formatted_frame
 from batch_assets_tests.test_inference_checkpoints import infer as infer_partition
@@ -84,25 +87,18 @@ def test_failed_and_too_long_requests_are_not_cached(task_dir: UPath) -> None:
     )
 
 
-def test_compaction_keeps_every_result_while_other_runs_read_and_write(
-    task_dir: UPath, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(result_cache, "COMPACT_AFTER_FILES", 4)
+def test_concurrent_writers_and_readers_lose_nothing(task_dir: UPath) -> None:
     writers, per_writer = 4, 12
     failures: list[BaseException] = []
 
     def write(worker: int) -> None:
         try:
             for i in range(per_writer):
-                frame = formatted_frame([f"w{worker}-{i}"])
+                frame = formatted_frame([f"w{worker}-{i}", "shared"])
                 infer(frame, Engine(), ResultCache(task_dir, "fp"))
-                # A reader in the middle of other writers' compactions sees its own result.
-                assert (
-                    ResultCache(task_dir, "fp")
-                    .lookup(pl.Series(request_keys(frame["prompt"].to_list(), [0], True)))
-                    .height
-                    == 1
-                )
+                # A reader between other writers' inserts sees its own results.
+                keys = pl.Series(request_keys(frame["prompt"].to_list(), [0, 1], True))
+                assert ResultCache(task_dir, "fp").lookup(keys).height == 2
         except BaseException as exc:  # reported by the main thread
             failures.append(exc)
 
@@ -112,7 +108,90 @@ def test_compaction_keeps_every_result_while_other_runs_read_and_write(
     for thread in threads:
         thread.join()
     assert failures == []
+    # Every distinct result once: the shared prompt written by every writer is one row.
+    assert ResultCache(task_dir, "fp").lookup().height == writers * per_writer + 1
+
+
+def test_processes_writing_one_cache_at_once(task_dir: UPath) -> None:
+    """Runs on one machine are processes: SQLite's locking, not a Python lock, keeps them apart."""
+    script = (
+        "import sys, polars as pl\n"
+        "from upath import UPath\n"
+        "from batch_assets.storage.result_cache import ResultCache\n"
+        "worker = int(sys.argv[2])\n"
+        "cache = ResultCache(UPath(sys.argv[1]), 'fp')\n"
+        "for i in range(20):\n"
+        "    keys = [f'{worker}-{i}-{j}' for j in range(50)] + [f'shared-{i}']\n"
+        "    cache.add(pl.DataFrame({'request_key': keys, 'generated_text': keys, 'finish_reason': 'stop',\n"
+        "        'num_prompt_tokens': 1, 'num_generated_tokens': 1, 'error': None, 'cumulative_logprob': -0.5}))\n"
+    )
+    workers = [subprocess.Popen([sys.executable, "-c", script, str(task_dir), str(w)]) for w in range(3)]
+    assert [worker.wait(timeout=120) for worker in workers] == [0, 0, 0]
+    stored = ResultCache(task_dir, "fp").lookup()
+    assert stored.height == 3 * 20 * 50 + 20
+    assert stored.filter(pl.col("request_key") == "1-7-3")["generated_text"].to_list() == ["1-7-3"]
+
+
+def test_lookup_returns_only_the_keys_asked_for(task_dir: UPath) -> None:
     cache = ResultCache(task_dir, "fp")
-    assert cache.lookup().height == writers * per_writer
-    cache.compact()
-    assert len(list(cache.folder.iterdir())) == 1 and cache.lookup().height == writers * per_writer
+    stored = results_frame([f"k{i}" for i in range(5_000)])
+    assert cache.add(stored) == 5_000
+    asked = pl.Series([f"k{i}" for i in range(0, 5_000, 1_000)] + ["missing", None, "k0"])
+    found = cache.lookup(asked)
+    assert sorted(found["request_key"].to_list()) == ["k0", "k1000", "k2000", "k3000", "k4000"]
+    assert found.schema == pl.Schema(CHECKPOINT_SCHEMA)
+    assert found.filter(pl.col("request_key") == "k2000").row(0, named=True) == {
+        "request_key": "k2000",
+        "generated_text": "text k2000",
+        "finish_reason": "stop",
+        "num_prompt_tokens": 3,
+        "num_generated_tokens": 2,
+        "error": None,
+        "cumulative_logprob": -0.25,
+    }
+    # Another fingerprint (other model or sampling) shares nothing.
+    assert ResultCache(task_dir, "other").lookup(asked).height == 0
+
+
+def test_a_cache_of_an_earlier_version_is_imported_once(task_dir: UPath) -> None:
+    """Parquet files under `_result_cache/<fingerprint>/` (earlier versions) move into the table."""
+    legacy = Path(task_dir.path) / "_result_cache" / "fp"
+    legacy.mkdir(parents=True)
+    results_frame(["a", "b"]).write_parquet(legacy / "part-00000000000000000001-aaaaaaaa.parquet")
+    old = results_frame(["c"]).drop("cumulative_logprob")  # written before confidence was stored
+    old.write_parquet(legacy / "part-00000000000000000002-bbbbbbbb.parquet")
+
+    found = ResultCache(task_dir, "fp").lookup(pl.Series(["a", "c", "z"]))
+    assert sorted(found["request_key"].to_list()) == ["a", "c"]
+    assert found.filter(pl.col("request_key") == "c")["cumulative_logprob"].to_list() == [None]
+    assert not legacy.exists()
+    assert (Path(task_dir.path) / "_result_cache" / result_cache.SQLITE_NAME).exists()
+    assert ResultCache(task_dir, "fp").lookup().height == 3
+
+
+def test_a_store_that_cannot_be_reached_names_itself_and_the_setting(
+    task_dir: UPath, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A Postgres URL on a loopback port nothing listens on.
+    monkeypatch.setenv(result_cache.URL_ENV, "postgresql+psycopg2://batch:secret@127.0.0.1:9/cache")
+    with pytest.raises(StorageError) as raised:
+        ResultCache(task_dir, "fp").lookup(pl.Series(["a"]))
+    message = str(raised.value)
+    assert "postgresql+psycopg2://batch:***@127.0.0.1:9/cache" in message
+    assert "secret" not in message
+    assert result_cache.URL_ENV in message and "use_result_cache: false" in message
+
+
+def results_frame(keys: list[str]) -> pl.DataFrame:
+    return pl.DataFrame(
+        {
+            "request_key": keys,
+            "generated_text": [f"text {key}" for key in keys],
+            "finish_reason": "stop",
+            "num_prompt_tokens": 3,
+            "num_generated_tokens": 2,
+            "error": None,
+            "cumulative_logprob": -0.25,
+        },
+        schema=CHECKPOINT_SCHEMA,
+    )

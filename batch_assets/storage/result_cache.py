@@ -1,107 +1,205 @@
 """Result cache: outputs of deterministic decoding, reused across partitions and re-runs.
 
-    <data>/storage/<task>/_result_cache/<fingerprint>/part-<time>-<uuid>.parquet
-
 A cached result is keyed by `request_key` (the hash of the full prompt text the model sees) under
 the same fingerprint as the checkpoints (model and its weights, dtype, engine seed, context length,
 sampling params, output constraint), so it is only reused where the engine would give the same
 answer. Only deterministic decoding (temperature 0, or a fixed seed) is cached, and only results
 that finished without an error.
 
-Safe under concurrent runs without locks (local disk and S3 alike): files are only ever added,
-each written atomically under a unique name, and a reader takes the union of what it lists.
-Compaction merges many small files into one: it writes the merged file first and only then deletes
-what it merged, so a reader at any moment sees every result at least once (a reader that lists
-just before the deletes retries its listing). Two runs compacting at once only write a duplicate
-merged file, which the next compaction folds in.
+The cache is a table in a SQL database, so a lookup reads only the keys it asks for (an index
+lookup each) and an add writes only its new rows: their cost grows with the partition, never with
+the cache, however long a backfill runs. Where it lives:
 
-The cache is part of the task's storage: delete `_result_cache/` (or one fingerprint folder) to
-drop it, or materialize `inference_outputs` with `use_result_cache: false` to bypass it once.
+- `BATCH_ASSETS_RESULT_CACHE_URL` (a SQLAlchemy URL) when set: on a cluster the deployment's
+  Postgres (`postgresql+psycopg2://…`), shared by every run pod;
+- else, with local storage, SQLite in the task's storage folder,
+  `<data>/storage/<task>/_result_cache/results.sqlite3` (delete `_result_cache/` to drop the cache);
+- else (storage on S3 without that URL), SQLite next to the Dagster instance,
+  `$DAGSTER_HOME/result_cache/<task>.sqlite3`: one cache per machine.
+
+Many writers at once are safe: rows are only ever inserted, a key already present is left as it is
+(`ON CONFLICT DO NOTHING`, the same result under the same fingerprint), and SQLite runs in WAL mode
+with a busy timeout so concurrent runs on one machine wait for each other's short transactions.
+A store that is down or full fails the step with a `StorageError` naming it; the partition's
+checkpoints still hold every row inferred, so a re-run infers nothing again.
+
+Caches of earlier versions (`_result_cache/<fingerprint>/part-*.parquet`) are imported into the
+table the first time their fingerprint is used, then removed.
+
+Materialize `inference_outputs` with `use_result_cache: false` to bypass the cache once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
-import time
-import uuid
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from threading import Lock
 
 import polars as pl
+import sqlalchemy as sa
 from upath import UPath
 
 from batch_assets.storage.checkpoints import CHECKPOINT_SCHEMA, conform_results, remove_path
-from batch_assets.storage.locations import write_bytes_atomically
+from batch_assets.storage.errors import StorageError
+from batch_assets.storage.locations import is_local
 
-# Files a fingerprint folder may hold before a writer merges them into one.
-COMPACT_AFTER_FILES = 32
-_LIST_ATTEMPTS = 3
+URL_ENV = "BATCH_ASSETS_RESULT_CACHE_URL"
+SQLITE_NAME = "results.sqlite3"
+# Keys per `IN (…)` query and rows per insert: under SQLite's bound-parameter limit (32,766), and
+# large enough that a 100,000-row partition is a few dozen round trips to Postgres.
+KEYS_PER_QUERY = 2_000
+ROWS_PER_INSERT = 5_000
+
+_METADATA = sa.MetaData()
+RESULTS = sa.Table(
+    "batch_assets_result_cache",
+    _METADATA,
+    sa.Column("fingerprint", sa.String(64), primary_key=True),
+    sa.Column("request_key", sa.String(64), primary_key=True),
+    sa.Column("generated_text", sa.Text),
+    sa.Column("finish_reason", sa.String(32)),
+    sa.Column("num_prompt_tokens", sa.BigInteger),
+    sa.Column("num_generated_tokens", sa.BigInteger),
+    sa.Column("cumulative_logprob", sa.Float),
+    # The key is the row: no separate rowid b-tree in SQLite (half the size, one lookup per key).
+    sqlite_with_rowid=False,
+)
+_VALUE_COLUMNS = [column.name for column in RESULTS.columns if column.name != "fingerprint"]
+
+_engines: dict[str, sa.Engine] = {}
+_engines_lock = Lock()
+
+
+def cache_url(task_dir: UPath) -> str:
+    """Where the cache of the task stored in `task_dir` lives (see the module docstring)."""
+    if url := os.environ.get(URL_ENV):
+        return url
+    if is_local(task_dir):
+        return f"sqlite:///{Path(task_dir.path) / '_result_cache' / SQLITE_NAME}"
+    home = Path(os.environ.get("DAGSTER_HOME") or ".dagster_home").expanduser().resolve()
+    return f"sqlite:///{home / 'result_cache' / f'{task_dir.name}.sqlite3'}"
+
+
+def _engine(url: str) -> sa.Engine:
+    with _engines_lock:
+        engine = _engines.get(url)
+        if engine is None:
+            engine = _engines[url] = _create_engine(url)
+        return engine
+
+
+def _create_engine(url: str) -> sa.Engine:
+    parsed = sa.make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        engine = sa.create_engine(url, pool_pre_ping=True)
+    else:
+        if parsed.database:
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        # A writer holds SQLite's lock for one short insert; another run waits for it, not fails.
+        engine = sa.create_engine(url, connect_args={"timeout": 120})
+        sa.event.listen(engine, "connect", _sqlite_pragmas)
+    try:
+        RESULTS.create(engine, checkfirst=True)
+    except sa.exc.SQLAlchemyError:
+        # Two processes creating the table at once: one wins, and the other finds it made.
+        if not sa.inspect(engine).has_table(RESULTS.name):
+            raise
+    return engine
+
+
+def _sqlite_pragmas(connection, _record) -> None:
+    cursor = connection.cursor()
+    # WAL: readers never wait for a writer. NORMAL sync survives a killed process; a power cut may
+    # lose the last adds, which the partitions' checkpoints still hold.
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
 
 
 class ResultCache:
     """The cached results of one task under one fingerprint."""
 
-    def __init__(self, task_dir: UPath, fingerprint: str) -> None:
+    def __init__(self, task_dir: UPath, fingerprint: str, url: str | None = None) -> None:
         self.fingerprint = fingerprint
-        self.folder = task_dir / "_result_cache" / fingerprint
-
-    def _files(self) -> list[UPath]:
-        if not self.folder.exists():
-            return []
-        return sorted(
-            (p for p in self.folder.iterdir() if p.name.startswith("part-") and p.name.endswith(".parquet")),
-            key=lambda p: p.name,
-        )
-
-    def _read(self, files: list[UPath], keys: pl.Series | None) -> pl.DataFrame:
-        frames = []
-        for path in files:
-            with path.open("rb") as handle:
-                frame = conform_results(pl.read_parquet(handle))
-            if keys is not None:
-                frame = frame.filter(pl.col("request_key").is_in(keys.implode()))
-            frames.append(frame)
-        if not frames:
-            return pl.DataFrame(schema=CHECKPOINT_SCHEMA)
-        return pl.concat(frames).unique("request_key", keep="first", maintain_order=True)
+        self.url = url or cache_url(task_dir)
+        # Where earlier versions kept this fingerprint's results as parquet files.
+        self.legacy_folder = task_dir / "_result_cache" / fingerprint
+        self._imported = False
 
     def lookup(self, keys: pl.Series | None = None) -> pl.DataFrame:
         """Cached results for `keys` (all cached results when None), each key once."""
-        for attempt in range(_LIST_ATTEMPTS):
-            try:
-                return self._read(self._files(), keys)
-            except FileNotFoundError:
-                # A compaction deleted a file between our listing and our read; its rows are in
-                # the merged file, which a new listing sees.
-                if attempt == _LIST_ATTEMPTS - 1:
-                    raise
-        raise AssertionError("unreachable")
+        with self._store("read from"):
+            self._import_legacy()
+            with _engine(self.url).connect() as connection:
+                rows = [tuple(row) for query in self._queries(keys) for row in connection.execute(query)]
+        frame = pl.DataFrame(rows, schema=[(name, CHECKPOINT_SCHEMA[name]) for name in _VALUE_COLUMNS], orient="row")
+        return conform_results(frame.with_columns(pl.lit(None, dtype=pl.String).alias("error")))
 
     def add(self, results: pl.DataFrame) -> int:
-        """Store finished results (rows with an error are not cached). Returns rows stored."""
-        finished = conform_results(results.filter(pl.col("error").is_null()))
+        """Store finished results (rows with an error are not cached). Returns rows offered."""
+        finished = conform_results(results.filter(pl.col("error").is_null())).unique("request_key")
         if finished.height == 0:
             return 0
-        self._write(finished)
-        if len(self._files()) > COMPACT_AFTER_FILES:
-            self.compact()
+        with self._store("write to"):
+            self._insert(finished)
         return finished.height
 
-    def compact(self) -> None:
-        """Merge every file into one; see the module docstring for why this is safe concurrently."""
-        files = self._files()
-        if len(files) < 2:
+    def _queries(self, keys: pl.Series | None) -> Iterator[sa.Select]:
+        columns = [RESULTS.c[name] for name in _VALUE_COLUMNS]
+        base = sa.select(*columns).where(RESULTS.c.fingerprint == self.fingerprint)
+        if keys is None:
+            yield base
             return
-        try:
-            merged = self._read(files, None)
-        except FileNotFoundError:
-            return  # another writer is compacting the same files
-        self._write(merged)
-        for path in files:
+        unique = keys.drop_nulls().unique().to_list()
+        for start in range(0, len(unique), KEYS_PER_QUERY):
+            yield base.where(RESULTS.c.request_key.in_(unique[start : start + KEYS_PER_QUERY]))
+
+    def _insert(self, frame: pl.DataFrame) -> None:
+        engine = _engine(self.url)
+        if engine.dialect.name == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert
+        statement = insert(RESULTS).on_conflict_do_nothing()
+        rows = frame.select(_VALUE_COLUMNS).with_columns(pl.lit(self.fingerprint).alias("fingerprint"))
+        for start in range(0, rows.height, ROWS_PER_INSERT):
+            with engine.begin() as connection:
+                connection.execute(statement, rows.slice(start, ROWS_PER_INSERT).to_dicts())
+
+    def _import_legacy(self) -> None:
+        """Move this fingerprint's parquet files of earlier versions into the table, once.
+
+        Rows are inserted before their file is removed, so a reader at any moment finds each result
+        in the table or still in its file; two processes importing at once insert the same rows
+        (kept once) and remove the same files."""
+        if self._imported:
+            return
+        self._imported = True
+        if not self.legacy_folder.exists():
+            return
+        for path in sorted(self.legacy_folder.glob("part-*.parquet"), key=lambda p: p.name):
+            try:
+                with path.open("rb") as handle:
+                    frame = conform_results(pl.read_parquet(handle))
+            except FileNotFoundError:
+                continue  # imported and removed by another process meanwhile
+            self._insert(frame.filter(pl.col("error").is_null()).unique("request_key"))
             with contextlib.suppress(FileNotFoundError):
                 remove_path(path)
+        with contextlib.suppress(OSError, NotImplementedError):  # S3 has no folders to remove
+            self.legacy_folder.rmdir()
 
-    def _write(self, frame: pl.DataFrame) -> None:
-        buffer = io.BytesIO()
-        frame.write_parquet(buffer, compression="zstd")
-        name = f"part-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet"
-        write_bytes_atomically(self.folder / name, buffer.getvalue())
+    @contextlib.contextmanager
+    def _store(self, action: str) -> Iterator[None]:
+        """Failures of the database as a `StorageError` naming it (password hidden) and what to set."""
+        try:
+            yield
+        except sa.exc.SQLAlchemyError as exc:
+            where = sa.make_url(self.url).render_as_string(hide_password=True)
+            raise StorageError(
+                f"{action} the result cache {where} failed: {getattr(exc, 'orig', None) or exc} "
+                f"(point {URL_ENV} at a working database, or materialize inference_outputs with "
+                "use_result_cache: false to run without the cache)"
+            ) from exc
