@@ -44,6 +44,8 @@ from batch_assets.storage.locations import checkpoint_dir, task_storage_dir, wri
 from batch_assets.storage.result_cache import ResultCache
 
 IO_MANAGER_KEY = "parquet_storage"
+# The code version Dagster records on each materialization.
+CODE_VERSION_TAG = "dagster/code_version"
 PREVIEW_ROWS = 5
 
 
@@ -96,17 +98,60 @@ def column_schema(frame: pl.DataFrame) -> dg.TableSchema:
     return dg.TableSchema(columns=[dg.TableColumn(name, str(dtype)) for name, dtype in frame.schema.items()])
 
 
+def materialized_code_version(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str) -> str | None:
+    """The code version the partition's latest materialization recorded (None: none recorded)."""
+    records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key, asset_partitions=[partition]), 1)
+    materialization = records.records[0].asset_materialization if records.records else None
+    return materialization.tags.get(CODE_VERSION_TAG) if materialization and materialization.tags else None
+
+
+class MadeWithOlderCodeVersion(dg.AutomationCondition):
+    """True for the partitions whose latest materialization recorded another code version than the
+    asset's current one. `code_version_changed` sees only a change between two evaluations, never
+    one made before the first (the option turned on in the same edit as the prompt)."""
+
+    @property
+    def name(self) -> str:
+        return "made_with_older_code_version"
+
+    @property
+    def requires_cursor(self) -> bool:
+        return False
+
+    def evaluate(self, context: dg.AutomationContext) -> dg.AutomationResult:
+        current = context.asset_graph.get(context.key).code_version
+        instance = context.asset_graph_view.instance
+        # One lookup per partition: evaluated on the first tick only (see stale_partitions_condition).
+        outdated = {
+            partition
+            for partition in context.candidate_subset.expensively_compute_partition_keys()
+            if materialized_code_version(instance, context.key, partition) not in (None, current)
+        }
+        if not outdated or context.partitions_def is None:
+            return dg.AutomationResult(context, context.get_empty_subset())
+        subset = context.asset_graph_view.get_subset_from_partition_keys(context.key, context.partitions_def, outdated)
+        return dg.AutomationResult(context, subset)
+
+
 def stale_partitions_condition() -> dg.AutomationCondition:
     """Re-materialize partitions made before a task edit (`automation: {rematerialize_stale: true}`).
 
-    True for every materialized partition on the tick the asset's code version changes, or when an
-    upstream partition was updated by a run that did not include this asset; then held until the
-    partition is requested. New partitions are left to the drops sensor (`~missing`).
+    True for every materialized partition on the tick the asset's code version changes; on the
+    condition's first evaluation (the option just turned on, perhaps with an edit) for the
+    partitions made with another code version; or when an upstream partition was updated by a run
+    that did not include this asset. Then held until the partition is requested or updated, so a
+    partition whose run fails is not requested again before the next change. New partitions are
+    left to the drops sensor (`~missing`).
     """
-    changed = dg.AutomationCondition.code_version_changed() | dg.AutomationCondition.any_deps_updated()
+    on_first_evaluation = dg.AutomationCondition.initial_evaluation() & MadeWithOlderCodeVersion()
+    changed = (
+        dg.AutomationCondition.code_version_changed() | on_first_evaluation | dg.AutomationCondition.any_deps_updated()
+    )
+    # Not since_last_handled(): it also resets on the first evaluation, which would drop exactly
+    # the partitions found outdated then.
+    handled = dg.AutomationCondition.newly_requested() | dg.AutomationCondition.newly_updated()
     return (
-        # dagster types since_last_handled's self as a condition over asset and check keys
-        changed.since_last_handled()  # type: ignore[misc]
+        changed.since(handled)
         & ~dg.AutomationCondition.missing()
         & ~dg.AutomationCondition.any_deps_missing()
         & ~dg.AutomationCondition.any_deps_in_progress()
@@ -115,7 +160,8 @@ def stale_partitions_condition() -> dg.AutomationCondition:
 
 
 def build_automation_sensor(task: TaskSpec) -> list[dg.AutomationConditionSensorDefinition]:
-    """The sensor that evaluates a task's stale-partition condition (running whenever the daemon is)."""
+    """The sensor that evaluates a task's stale-partition condition (running whenever the daemon is).
+    It runs in the code server: the condition's own Python part cannot be evaluated by the daemon."""
     if not task.automation.rematerialize_stale:
         return []
     return [
@@ -123,6 +169,7 @@ def build_automation_sensor(task: TaskSpec) -> list[dg.AutomationConditionSensor
             f"{task.name}_automation_sensor",
             target=dg.AssetSelection.groups(task.name),
             default_status=dg.DefaultSensorStatus.RUNNING,
+            use_user_code_server=True,
             description=f"Re-materializes `{task.name}` partitions made with an earlier version of the task.",
         )
     ]
