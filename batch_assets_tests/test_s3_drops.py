@@ -34,8 +34,9 @@ from batch_assets.dagster_defs.sensors import (
     requested_partitions,
 )
 from batch_assets.definitions import build_definitions, pipeline_job_name
+from batch_assets.pipeline.read_prompts import DropFileError
 from batch_assets.pipeline.task_spec import load_task_specs
-from batch_assets.storage.drop_files import list_drop_files, partition_key_for, partitions_def_name
+from batch_assets.storage.drop_files import find_drop_file, list_drop_files, partition_key_for, partitions_def_name
 from batch_assets.storage.errors import StorageError
 
 BUCKET = "batch-bucket"
@@ -249,6 +250,49 @@ def test_tick_over_ten_thousand_keys_pages_and_requests_each_file_once(s3: S3) -
         s3.put("batch-late/posts.jsonl", POSTS_C)
         late, _ = tick(sensor, instance, cursor)
         assert [request.tags[SOURCE_FILE_TAG] for request in late.run_requests] == ["batch-late/posts.jsonl"]
+
+
+def test_keys_with_empty_parts_are_read_under_the_name_they_are_listed_under(s3: S3) -> None:
+    # `prefix//a.jsonl` (a prefix written with a trailing slash, then joined with one) and `a//b.jsonl`
+    # are other objects than `a.jsonl` and `a/b.jsonl`: each its own partition, read as itself.
+    contents = {
+        "/lead.jsonl": '{"text": "double slash after the prefix"}\n',
+        "lead.jsonl": '{"text": "plain"}\n',
+        "a//b.jsonl": '{"text": "double slash inside"}\n',
+        "a/b.jsonl": '{"text": "single slash inside"}\n',
+    }
+    for relative, body in contents.items():
+        s3.put(relative, body)
+    files, skipped = list_drop_files(TASK)
+    assert sorted(drop.relative_path for drop in files) == sorted(contents)
+    assert skipped == {}
+    keys = {drop.relative_path: drop.partition_key for drop in files}
+    assert len(set(keys.values())) == 4 and keys["lead.jsonl"] == "lead.jsonl"
+    for relative, key in keys.items():
+        drop = find_drop_file(TASK, key)
+        assert (drop.relative_path, drop.read_bytes().decode()) == (relative, contents[relative])
+
+    # Through Dagster: the partition of `//lead.jsonl` reads that object, not `lead.jsonl`.
+    key = keys["/lead.jsonl"]
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(partitions_def_name(TASK), [key])
+        job = build_definitions().resolve_job_def(pipeline_job_name(TASK))
+        result = job.execute_in_process(
+            instance=instance, partition_key=key, asset_selection=[dg.AssetKey([TASK, "raw_prompts"])]
+        )
+        assert result.success
+    assert s3.read_output("raw_prompts", key)["text"].to_list() == ["double slash after the prefix"]
+
+
+@pytest.mark.parametrize("relative", ["x/../escape.jsonl", "../../outside.jsonl", "./dot.jsonl", "a/./b.jsonl"])
+def test_keys_with_dot_parts_are_skipped_as_unsafe_names(s3: S3, relative: str) -> None:
+    s3.put(relative, POSTS_C)
+    s3.put("ok.jsonl", POSTS_C)
+    files, skipped = list_drop_files(TASK)
+    assert [drop.relative_path for drop in files] == ["ok.jsonl"]
+    assert list(skipped) == [relative] and skipped[relative].startswith("unsafe name: a '.' or '..' path part")
+    with pytest.raises(DropFileError, match="unsafe name"):
+        find_drop_file(TASK, partition_key_for(relative))
 
 
 # --- failures -------------------------------------------------------------------------------------

@@ -12,16 +12,30 @@ name. `posts.jsonl` → `posts.jsonl`, `posts 1.jsonl` → `posts_1.jsonl-<hash>
 Which files are inputs: `.jsonl`, `.csv`, `.parquet`, `.txt` and the gzip-compressed `.jsonl.gz`,
 `.csv.gz`, `.txt.gz`, anywhere below the drop zone. Skipped,
 with a reason: hidden or temporary names (a path part starting with `.`, `_` or `~`), names of
-uploads in progress (`.tmp`, `.part`, `.crdownload`, ...), unknown extensions, and local files
+uploads in progress (`.tmp`, `.part`, `.crdownload`, ...), unknown extensions, unsafe names (a `.`
+or `..` path part, which tools resolve to another path), names that are not UTF-8, and local files
 modified within the last few seconds (still being copied in). S3 objects need no such wait: an
-object is listed only once its upload has completed.
+object is listed only once its upload has completed; an S3 key is read under exactly the name it is
+listed under (`a//b.jsonl` included).
+
+A local drop zone reads regular files only, because whoever can write into a shared drop folder
+must not make the pipeline read what only the worker may read: a symbolic link (to a file or a
+folder, inside the zone or not, dangling or not), a FIFO, a socket or a device is skipped with a
+reason, and a folder behind a link is not walked into. The zone's own path (`BATCH_ASSETS_DATA`) may
+go through links: that is whoever configured it. Reading opens every part of the path below the
+zone without following links (`O_NOFOLLOW`), so a file swapped for a link or a FIFO after the
+listing is refused too.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 import re
+import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import PurePosixPath
@@ -29,7 +43,7 @@ from pathlib import PurePosixPath
 import dagster as dg
 from upath import UPath
 
-from batch_assets.pipeline.read_prompts import SUPPORTED_SUFFIXES, input_suffix
+from batch_assets.pipeline.read_prompts import SUPPORTED_SUFFIXES, DropFileError, input_suffix
 from batch_assets.storage.errors import storage_errors
 from batch_assets.storage.locations import drop_zone, is_local
 
@@ -51,7 +65,6 @@ def drop_partitions(task: str) -> dg.DynamicPartitionsDefinition:
 
 def partition_key_for(relative_path: str) -> str:
     """The partition key of a drop file, from its path relative to the drop zone (see module doc)."""
-    relative_path = relative_path.strip("/")
     safe = _UNSAFE.sub("_", relative_path.replace("/", "__"))
     safe = _DOT_RUNS.sub(lambda run: "_" * len(run.group()), safe)
     if safe == relative_path and len(safe) <= MAX_KEY_LENGTH:
@@ -62,6 +75,9 @@ def partition_key_for(relative_path: str) -> str:
 
 def skip_reason(relative_path: str) -> str | None:
     """Why a file in the drop zone is not an input (None when it is one)."""
+    unsafe = unsafe_name_reason(relative_path)
+    if unsafe:
+        return unsafe
     parts = PurePosixPath(relative_path).parts
     name = parts[-1] if parts else relative_path
     if any(part.startswith((".", "_", "~")) for part in parts):
@@ -70,6 +86,18 @@ def skip_reason(relative_path: str) -> str | None:
         return "still being written (temporary suffix)"
     if input_suffix(name) is None:
         return f"unknown extension (inputs are {', '.join(SUPPORTED_SUFFIXES)})"
+    return None
+
+
+def unsafe_name_reason(relative_path: str) -> str | None:
+    """Why a name cannot be read back as itself: a `.` or `..` part (a key `x/../a.jsonl` looks like
+    `a.jsonl` one folder up to every tool that resolves it), or bytes that are not UTF-8."""
+    try:
+        relative_path.encode("utf-8")
+    except UnicodeEncodeError:
+        return "the name is not valid UTF-8; rename the file"
+    if any(part in (".", "..") for part in relative_path.split("/")):
+        return "unsafe name: a '.' or '..' path part, which tools resolve to another path; rename it"
     return None
 
 
@@ -109,10 +137,76 @@ class DropFile:
         return partition_key_for(self.relative_path)
 
     def read_bytes(self) -> bytes:
-        """The file's content; a storage failure raises `StorageError` naming the URL and cause."""
-        path = self.path
-        with storage_errors("reading drop file", path):
-            return path.read_bytes()
+        """The file's content; a storage failure raises `StorageError` naming the URL and cause,
+        a local file that is no longer a regular file (a link, a FIFO) `DropFileError`."""
+        url = f"{str(self.zone).rstrip('/')}/{self.relative_path}"
+        with storage_errors("reading drop file", url):
+            if is_local(self.zone):
+                return _read_local_regular_file(_zone_root(self.zone), self.relative_path)
+            # The exact key as listed: joining paths would fold `a//b.jsonl` into another key.
+            return self.zone.fs.cat_file(_full_path(self.zone, self.relative_path))
+
+
+def _zone_root(zone: UPath) -> str:
+    return zone.path.rstrip("/") or "/"
+
+
+def _full_path(zone: UPath, relative_path: str) -> str:
+    return f"{zone.path.rstrip('/')}/{relative_path}"
+
+
+_NOT_REGULAR = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISDIR, "a folder"),
+)
+_LINK_REASON = "symbolic link: the drop zone reads regular files only (copy the file in instead)"
+
+
+def _not_regular_reason(mode: int) -> str:
+    kind = next((name for test, name in _NOT_REGULAR if test(mode)), "not a file")
+    return f"{kind}, not a regular file: the drop zone reads regular files only"
+
+
+def _read_local_regular_file(root: str, relative_path: str) -> bytes:
+    """Read `root/relative_path` without following a link anywhere below `root`, refusing anything
+    but a regular file. A FIFO is opened without waiting for a writer, then refused."""
+    parts = relative_path.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        raise DropFileError(f"{relative_path}: unsafe name; not read")
+    folder = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            inner = _open_below(folder, part, os.O_DIRECTORY, relative_path)
+            os.close(folder)
+            folder = inner
+        handle = _open_below(folder, parts[-1], os.O_NONBLOCK, relative_path)
+    finally:
+        os.close(folder)
+    with os.fdopen(handle, "rb") as file:
+        mode = os.fstat(file.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise DropFileError(f"{relative_path}: {_not_regular_reason(mode)}; not read")
+        return file.read()
+
+
+def _open_below(folder: int, name: str, flags: int, relative_path: str) -> int:
+    try:
+        return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | flags, dir_fd=folder)
+    except OSError as exc:
+        # O_NOFOLLOW refuses a link with ELOOP; O_DIRECTORY a link (or a file) with ENOTDIR.
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(folder, name):
+            raise DropFileError(f"{relative_path}: {_LINK_REASON}; not read") from None
+        raise
+
+
+def _is_link(folder: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def _version_of(info: dict) -> str:
@@ -149,21 +243,13 @@ def list_drop_files(
     """
     zone = zone or drop_zone(task)
     local = is_local(zone)
-    fs = zone.fs
-    root = zone.path.rstrip("/")
     with storage_errors("listing drop zone", zone):
-        if local and not fs.isdir(root):
-            return [], {}
-        # s3fs pages through ListObjectsV2 (1,000 keys a page) until the prefix is exhausted.
-        found = fs.find(root, detail=True)
+        entries = list(_local_entries(_zone_root(zone)) if local else _remote_entries(zone))
     now = time.time() if now is None else now
     files: list[DropFile] = []
     skipped: dict[str, str] = {}
-    for full_path, info in sorted(found.items()):
-        if info.get("type") == "directory":
-            continue
-        relative = full_path[len(root) :].lstrip("/")
-        reason = skip_reason(relative)
+    for relative, info, refused in sorted(entries, key=lambda entry: entry[0]):
+        reason = refused or skip_reason(relative)
         modified = _modified_of(info)
         if reason is None and local and settle_seconds > 0 and modified is not None and now - modified < settle_seconds:
             reason = (
@@ -177,6 +263,56 @@ def list_drop_files(
     return files, skipped
 
 
+# (path relative to the zone, file info, why it is refused before its name is even looked at)
+_Entry = tuple[str, dict, str | None]
+
+
+def _remote_entries(zone: UPath) -> Iterator[_Entry]:
+    root = zone.path.rstrip("/")
+    # s3fs pages through ListObjectsV2 (1,000 keys a page) until the prefix is exhausted.
+    for full_path, info in zone.fs.find(root, detail=True).items():
+        if info.get("type") == "directory" or not full_path.startswith(root + "/"):
+            continue
+        # Exactly one separator off: the rest of the key, `/` included, is the name (`//a.jsonl`
+        # under the prefix is another object than `a.jsonl`).
+        yield full_path[len(root) + 1 :], info, None
+
+
+def _local_entries(root: str) -> Iterator[_Entry]:
+    """Every entry below `root`, walking folders without following links (`os.scandir` and
+    `lstat`): regular files with their info, anything else with the reason it is not read."""
+    if not os.path.isdir(root):
+        return
+    pending = [""]
+    while pending:
+        prefix = pending.pop()
+        try:
+            with os.scandir(os.path.join(root, prefix) if prefix else root) as scan:
+                found = list(scan)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # removed (or replaced) since its parent was listed
+        except PermissionError:
+            if not prefix:
+                raise
+            yield prefix, {}, "a folder this process may not list (permission denied)"
+            continue
+        for entry in found:
+            relative = f"{prefix}/{entry.name}" if prefix else entry.name
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISLNK(info.st_mode):
+                yield relative, {}, _LINK_REASON
+            elif stat.S_ISDIR(info.st_mode):
+                pending.append(relative)
+            elif stat.S_ISREG(info.st_mode):
+                # The same fields fsspec's local `info` gave, so file versions stay what they were.
+                yield relative, {"mtime": info.st_mtime, "size": info.st_size, "type": "file"}, None
+            else:
+                yield relative, {}, _not_regular_reason(info.st_mode)
+
+
 def _candidate_paths(partition_key: str) -> list[str]:
     """Relative paths that may have produced `partition_key`, to look up before listing the zone."""
     candidates = [partition_key]
@@ -186,21 +322,66 @@ def _candidate_paths(partition_key: str) -> list[str]:
 
 
 def find_drop_file(task: str, partition_key: str, zone: UPath | None = None) -> DropFile:
-    """The drop file behind a partition: a direct lookup for plain names, a listing otherwise."""
+    """The drop file behind a partition: a direct lookup for plain names, a listing otherwise.
+
+    A partition whose name the zone now refuses (a link, a FIFO: e.g. one registered before links
+    were refused, or a file swapped for a link) raises `DropFileError` saying why.
+    """
     zone = zone or drop_zone(task)
     for candidate in _candidate_paths(partition_key):
         if partition_key_for(candidate) != partition_key or skip_reason(candidate) is not None:
             continue
-        path = zone / candidate
-        with storage_errors("reading drop file", path):
-            try:
-                info = path.fs.info(path.path)
-            except FileNotFoundError:
-                continue
-        if info.get("type") == "file":
-            return DropFile(candidate, zone, _version_of(info), _modified_of(info))
-    files, _ = list_drop_files(task, zone)
+        found = _lookup(zone, candidate)
+        if found is not None:
+            return found
+    files, skipped = list_drop_files(task, zone)
     for drop in files:
         if drop.partition_key == partition_key:
             return drop
+    for relative, reason in skipped.items():
+        if partition_key_for(relative) == partition_key:
+            raise DropFileError(f"{relative}: {reason}; not read")
     raise FileNotFoundError(f"no file in {zone} maps to partition {partition_key!r} (was it removed or renamed?)")
+
+
+def _lookup(zone: UPath, relative: str) -> DropFile | None:
+    """The drop file at `relative`, or None when there is none; a local path that is not a regular
+    file all the way down raises `DropFileError`."""
+    url = f"{str(zone).rstrip('/')}/{relative}"
+    with storage_errors("reading drop file", url):
+        if is_local(zone):
+            info = _local_info(_zone_root(zone), relative)
+        else:
+            try:
+                info = zone.fs.info(_full_path(zone, relative))
+            except FileNotFoundError:
+                return None
+    if info is None or info.get("type") != "file":
+        return None
+    return DropFile(relative, zone, _version_of(info), _modified_of(info))
+
+
+def _local_info(root: str, relative: str) -> dict | None:
+    """lstat of every part below `root`: None when a part is missing (or the name has an empty
+    part, which no local file has)."""
+    parts = relative.split("/")
+    if "" in parts:
+        return None
+    path = root
+    for position, part in enumerate(parts):
+        path = os.path.join(path, part)
+        try:
+            info = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if stat.S_ISLNK(info.st_mode):
+            raise DropFileError(f"{relative}: {_LINK_REASON}; not read")
+        if position < len(parts) - 1:
+            if not stat.S_ISDIR(info.st_mode):
+                return None
+            continue
+        if stat.S_ISDIR(info.st_mode):
+            return None  # a folder of that name: the listing says whether any file maps to the key
+        if not stat.S_ISREG(info.st_mode):
+            raise DropFileError(f"{relative}: {_not_regular_reason(info.st_mode)}; not read")
+    return {"mtime": info.st_mtime, "size": info.st_size, "type": "file"}
