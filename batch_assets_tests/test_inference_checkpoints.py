@@ -7,6 +7,7 @@ engine is exercised in test_resume_kill.py and test_inference_engine.py.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import polars as pl
@@ -14,6 +15,7 @@ import pytest
 from upath import UPath
 
 from batch_assets.engines.protocol import Generation, Prompt, batched_stream
+from batch_assets.pipeline import run_inference as run_inference_module
 from batch_assets.pipeline.run_inference import InferenceError, PartitionInput, request_keys, run_inference
 from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
 
@@ -248,14 +250,61 @@ def test_progress_is_logged_at_least_every_tenth_of_the_partition(partition_dir:
     frame = formatted_frame([f"post {i}" for i in range(1000)])
     lines: list[str] = []
     infer(frame, Engine(), CheckpointStore(partition_dir, "fp"), batch_size=1024, log=lines.append)
-    assert lines[0].startswith("1000 requests to infer") and "checkpoint every 100" in lines[0]
+    assert lines[0].startswith("1000 requests to infer") and "checkpoint every 1024 results or 30 s" in lines[0]
     progress = [line for line in lines if line.startswith("inferred ")]
     assert len(progress) == 10 and progress[-1].startswith("inferred 1000/1000 requests (100%)")
     # Small partitions are not cut into tiny engine calls.
     lines.clear()
     engine = Engine()
     infer(formatted_frame([f"p {i}" for i in range(30)]), engine, None, batch_size=1024, log=lines.append)
-    assert engine.calls == 1 and "checkpoint every 64" in lines[0]
+    assert engine.calls == 1 and "checkpoint every 1024 results or 30 s" in lines[0]
+
+
+class RecordingStore(CheckpointStore):
+    """A real checkpoint store that also notes the size and thread of every chunk it writes, and
+    fails the write of chunk `fail_at` (a full disk, an S3 outage)."""
+
+    def __init__(self, partition_dir: UPath, fail_at: int | None = None) -> None:
+        super().__init__(partition_dir, "fp")
+        self.writes: list[tuple[int, str]] = []
+        self.fail_at = fail_at
+
+    def save(self, chunk: pl.DataFrame) -> None:
+        if len(self.writes) == self.fail_at:
+            raise OSError(28, "No space left on device")
+        self.writes.append((chunk.height, threading.current_thread().name))
+        super().save(chunk)
+
+
+def test_a_chunk_is_written_every_batch_size_results_off_the_feeding_thread(partition_dir: UPath) -> None:
+    store = RecordingStore(partition_dir)
+    frame = formatted_frame([f"post {i}" for i in range(250)])
+    infer(frame, Engine(), store, batch_size=100)
+    assert [rows for rows, _ in store.writes] == [100, 100, 50]
+    assert {thread for _, thread in store.writes} == {"checkpoint-writer"}
+    assert CheckpointStore(partition_dir, "fp").load().height == 250
+
+
+def test_a_chunk_is_written_after_checkpoint_seconds_even_when_short_of_batch_size(
+    partition_dir: UPath, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big partition on a slow engine: time, not rows, decides; here every result is 'late'."""
+    monkeypatch.setattr(run_inference_module, "CHECKPOINT_SECONDS", 0.0)
+    store = RecordingStore(partition_dir)
+    infer(formatted_frame([f"post {i}" for i in range(5)]), Engine(), store, batch_size=1024)
+    assert [rows for rows, _ in store.writes] == [1, 1, 1, 1, 1]
+
+
+def test_a_failed_checkpoint_write_fails_the_run_and_keeps_what_was_written(partition_dir: UPath) -> None:
+    store = RecordingStore(partition_dir, fail_at=1)
+    frame = formatted_frame([f"post {i}" for i in range(300)])
+    with pytest.raises(OSError, match="No space left on device"):
+        infer(frame, Engine(), store, batch_size=100)
+    # The first chunk stays; a re-run reuses it and infers the rest.
+    engine = Engine()
+    out, stats = infer(frame, engine, CheckpointStore(partition_dir, "fp"), batch_size=100)
+    assert (stats.rows_from_checkpoint, stats.rows_inferred) == (100, 200)
+    assert out["generated_text"].to_list()[299] == "992 tsop"
 
 
 def test_several_partitions_share_one_stream_and_keep_their_own_checkpoints_and_rows(tmp_path: Path) -> None:

@@ -10,13 +10,17 @@ The work reads in four parts:
   checkpoints) and which are left; across partitions, one list of requests to send;
 - the stream (`run_inference`): prompts encoded lazily as the engine asks for more, results
   handed to their partitions as they finish;
-- chunk writing (`_PartitionSink`): each partition checkpoints its finished results every ~10 %;
+- chunk writing (`_PartitionSink`, `_ChunkWriter`): each partition checkpoints its finished results
+  every `batch_size` results or 30 s, whichever comes first, on a writer thread;
 - joining (`_join`): every row of each partition gets its result, in input order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +32,11 @@ from batch_assets.storage.checkpoints import CHECKPOINT_SCHEMA, CheckpointStore
 from batch_assets.storage.result_cache import ResultCache
 
 MIN_PROGRESS_BATCH = 64
+# A partition's finished results are checkpointed at least this often (and every `batch_size` results):
+# a kill loses at most this much engine work, and a 50 M-row job writes thousands of chunks, not 49,000.
+CHECKPOINT_SECONDS = 30.0
+# Chunks waiting for the writer thread at most; beyond that the feeding thread waits (bounded memory).
+_MAX_QUEUED_CHUNKS = 8
 _KEY, _ENGINE_ERROR, _ENGINE_PROMPT_TOKENS = "\x00request_key", "\x00engine_error", "\x00engine_prompt_tokens"
 
 
@@ -104,7 +113,8 @@ class _Plan:
     keyed: pl.DataFrame  # row_id, request_key of every valid row
     reused: list[pl.DataFrame]  # results from the cache and the checkpoints
     pending: pl.DataFrame  # request_key, prompt (, request_params): what this partition still needs
-    step: int = MIN_PROGRESS_BATCH  # results per checkpoint chunk
+    step: int = MIN_PROGRESS_BATCH  # prompts encoded at a time, as the engine asks for more
+    checkpoint_rows: int = 1024  # results per checkpoint chunk at most (`batch_size`)
 
 
 def _plan(part: PartitionInput, *, deduplicate: bool, cache: ResultCache | None, batch_size: int) -> _Plan:
@@ -135,8 +145,8 @@ def _plan(part: PartitionInput, *, deduplicate: bool, cache: ResultCache | None,
     done = done.join(remaining.select("request_key"), on="request_key", how="semi")
     pending = remaining.join(done.select("request_key"), on="request_key", how="anti", maintain_order="left")
     stats.rows_from_cache, stats.rows_from_checkpoint = cached.height, done.height
-    # A checkpoint every ~10 % of the work, at least every 64 requests (so tiny partitions do not
-    # write a file per row), never more than `batch_size`.
+    # Prompts are encoded ~10 % of the work at a time, at least 64 (tiny partitions are not cut into
+    # tiny engine calls), never more than `batch_size`.
     step = min(batch_size, max(MIN_PROGRESS_BATCH, -(-pending.height // 10)))
     return _Plan(
         part,
@@ -145,6 +155,7 @@ def _plan(part: PartitionInput, *, deduplicate: bool, cache: ResultCache | None,
         [cached, done],
         pending.select("request_key", "prompt", *params),
         step,
+        batch_size,
     )
 
 
@@ -180,14 +191,56 @@ def _requests(plans: list[_Plan], deduplicate: bool) -> list[_Request]:
 # --- chunk writing ------------------------------------------------------------------------------
 
 
+class _ChunkWriter:
+    """Builds and writes the partitions' result chunks on a thread of its own, so checkpoint writes
+    (an S3 PUT each) never stall the thread that feeds the engine. `drain()` waits for every chunk
+    handed over and raises the first write error; a failed write also surfaces at the next `put`."""
+
+    def __init__(self) -> None:
+        self._chunks: queue.Queue[tuple[_PartitionSink, list[dict]] | None] = queue.Queue(_MAX_QUEUED_CHUNKS)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, sink: _PartitionSink, rows: list[dict]) -> None:
+        self._raise_error()
+        self._chunks.put((sink, rows))
+
+    def drain(self) -> None:
+        self._chunks.join()
+        self._raise_error()
+
+    def close(self) -> None:
+        self._chunks.put(None)
+        self._thread.join()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _work(self) -> None:
+        while (item := self._chunks.get()) is not None:
+            try:
+                if self._error is None:  # after a failure, later chunks are not written (a re-run infers them)
+                    item[0].write(item[1])
+            except BaseException as exc:  # handed to the feeding thread
+                self._error = exc
+            finally:
+                self._chunks.task_done()
+        self._chunks.task_done()
+
+
 @dataclass
 class _PartitionSink:
-    """A partition's new results, checkpointed every `step` results."""
+    """A partition's new results, checkpointed every `checkpoint_rows` results or `CHECKPOINT_SECONDS`."""
 
     plan: _Plan
+    writer: _ChunkWriter
     buffer: list[dict] = field(default_factory=list)
     new: list[pl.DataFrame] = field(default_factory=list)  # what this partition adds to the cache
     saved: int = 0
+    last_flush: float = field(default_factory=time.monotonic)
 
     def add(self, row: dict, generation: Generation | None) -> None:
         self.buffer.append(row)
@@ -196,14 +249,18 @@ class _PartitionSink:
             stats.rows_inferred += 1
             stats.prompt_tokens += generation.num_prompt_tokens
             stats.generated_tokens += generation.num_generated_tokens
-        if len(self.buffer) >= self.plan.step:
+        if len(self.buffer) >= self.plan.checkpoint_rows or time.monotonic() - self.last_flush >= CHECKPOINT_SECONDS:
             self.flush()
 
     def flush(self) -> None:
-        if not self.buffer:
-            return
-        chunk = pl.DataFrame(self.buffer, schema=CHECKPOINT_SCHEMA)
-        self.buffer = []
+        self.last_flush = time.monotonic()
+        if self.buffer:
+            rows, self.buffer = self.buffer, []
+            self.writer.put(self, rows)
+
+    def write(self, rows: list[dict]) -> None:
+        """On the writer thread: one chunk into the checkpoints and the partition's new results."""
+        chunk = pl.DataFrame(rows, schema=CHECKPOINT_SCHEMA)
         if self.plan.part.checkpoints is not None:
             # Only finished requests: a re-run asks again for those the engine gave up on (and
             # re-counts too-long prompts, which costs no engine time).
@@ -288,10 +345,10 @@ def run_inference(
     Requests already in the result `cache` (deterministic decoding only) or in a partition's
     checkpoints are not inferred again. The rest of every partition go to the engine as one stream
     (prompts encoded lazily, results back as they finish, so the engine never idles between chunks
-    or partitions). Each partition checkpoints its results every ~10 % of its work; progress is
-    logged; at the end new results are added to the cache. The engine is started (`session.start`)
-    only when a request needs it, and timed apart from inference. Returns `(frame, stats)` per
-    partition, in the order given.
+    or partitions). Each partition checkpoints its results every `batch_size` results or 30 s, off
+    the feeding thread; progress is logged; at the end new results are added to the cache. The
+    engine is started (`session.start`) only when a request needs it, and timed apart from
+    inference. Returns `(frame, stats)` per partition, in the order given.
     """
     plans = [_plan(part, deduplicate=deduplicate, cache=cache, batch_size=batch_size) for part in partitions]
     many = len(plans) > 1
@@ -305,19 +362,26 @@ def run_inference(
         if plan.pending.height:
             log(
                 f"{_prefix(plan, many)}{plan.pending.height} requests to infer "
-                f"({plan.stats.rows_deduplicated} duplicate prompts share a request); checkpoint every {plan.step}"
+                f"({plan.stats.rows_deduplicated} duplicate prompts share a request); checkpoint every "
+                f"{plan.checkpoint_rows} results or {CHECKPOINT_SECONDS:g} s"
             )
     requests = _requests(plans, deduplicate)
-    sinks = [_PartitionSink(plan) for plan in plans]
+    writer = _ChunkWriter()
+    sinks = [_PartitionSink(plan, writer) for plan in plans]
     engine_seconds, start_seconds = 0.0, 0.0
-    if requests:
-        started = time.monotonic()
-        session.start()
-        start_seconds = time.monotonic() - started
-        engine_seconds = _stream(requests, plans, sinks, session, max_model_len, max_tokens, log)
+    try:
+        if requests:
+            started = time.monotonic()
+            session.start()
+            start_seconds = time.monotonic() - started
+            engine_seconds = _stream(requests, plans, sinks, session, max_model_len, max_tokens, log)
+        for sink in sinks:
+            sink.flush()
+        writer.drain()
+    finally:
+        writer.close()
     results = []
     for plan, sink in zip(plans, sinks, strict=True):
-        sink.flush()
         plan.stats.engine_seconds, plan.stats.engine_start_seconds = engine_seconds, start_seconds
         plan.stats.engine_started = bool(requests) and bool(getattr(session, "started_here", True))
         if cache is not None and deduplicate:
@@ -408,6 +472,11 @@ def _encode(batch: list[_Request], plans: list[_Plan]) -> list[Prompt]:
 
 
 def _failure_message(exc: Exception, inferred: int, total: int, sinks: list[_PartitionSink]) -> str:
+    # What was finished before the failure is checkpointed first, so the count below is what a re-run reuses.
+    for sink in sinks:
+        sink.flush()
+    with contextlib.suppress(Exception):  # a failing store is reported by the count it leaves
+        sinks[0].writer.drain()
     if any(sink.plan.part.checkpoints is not None for sink in sinks):
         kept_count = sum(sink.kept for sink in sinks)
         kept = f"the {kept_count} requests finished before are checkpointed; a re-run of the partition reuses them"

@@ -39,6 +39,7 @@ from threading import Lock
 
 import polars as pl
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
 from upath import UPath
 
 from batch_assets.storage.checkpoints import CHECKPOINT_SCHEMA, conform_results, remove_path
@@ -115,6 +116,9 @@ def _sqlite_pragmas(connection, _record) -> None:
     # lose the last adds, which the partitions' checkpoints still hold.
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
+    # 64 MiB of pages per connection (SQLite's default is 2 MiB): an add of a partition's new keys
+    # touches one random leaf page per key of a large cache; the OS caches the rest.
+    cursor.execute("PRAGMA cache_size=-65536")
     cursor.close()
 
 
@@ -158,11 +162,9 @@ class ResultCache:
 
     def _insert(self, frame: pl.DataFrame) -> None:
         engine = _engine(self.url)
-        if engine.dialect.name == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert
-        else:
-            from sqlalchemy.dialects.sqlite import insert
-        statement = insert(RESULTS).on_conflict_do_nothing()
+        # `INSERT … ON CONFLICT DO NOTHING` is dialect syntax: SQLAlchemy spells it per database.
+        dialect = postgresql if engine.dialect.name == "postgresql" else sqlite
+        statement = dialect.insert(RESULTS).on_conflict_do_nothing()
         rows = frame.select(_VALUE_COLUMNS).with_columns(pl.lit(self.fingerprint).alias("fingerprint"))
         for start in range(0, rows.height, ROWS_PER_INSERT):
             with engine.begin() as connection:
