@@ -372,3 +372,22 @@ def test_a_per_request_max_tokens_decides_whether_a_prompt_fits() -> None:
         deduplicate=True,
     )
     assert engine.seen == [] and out["error"][0].startswith("prompt_too_long: 7 prompt tokens + 60 max_tokens")
+
+
+def test_prompts_sharing_a_prefix_are_sent_together_and_rows_keep_input_order() -> None:
+    questions = ["q1", "q2", "q3"]
+    texts = [f"{doc} {q}" for q in questions for doc in ("doc B", "doc A", "doc C")]
+    engine = Engine()
+    out, _ = infer(formatted_frame(texts), engine, None, batch_size=64)
+    sent = [bytes(c for c in ids if c).decode() for ids in engine.seen]
+    # Each document's questions one after another: its prefix is computed once while still cached.
+    assert sent == [f"{doc} {q}" for doc in ("doc A", "doc B", "doc C") for q in questions]
+    assert out["generated_text"].to_list() == [text[::-1] for text in texts]
+
+
+def test_random_sampling_keeps_input_order() -> None:
+    """Without deterministic decoding, each row is its own request, sent in the order of the file."""
+    texts = ["doc B q1", "doc A q1", "doc B q2"]
+    engine = Engine()
+    infer(formatted_frame(texts), engine, None, deduplicate=False)
+    assert [bytes(c for c in ids if c).decode() for ids in engine.seen] == texts

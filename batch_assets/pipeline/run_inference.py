@@ -185,7 +185,22 @@ def _requests(plans: list[_Plan], deduplicate: bool) -> list[_Request]:
             requests.append(request)
             if deduplicate:
                 by_key[key] = request
+    if deduplicate:
+        requests.sort(key=shared_prefix_order)
     return requests
+
+
+def shared_prefix_order(request: _Request) -> str:
+    """Requests in the order of their prompt texts, so prompts that share a prefix (one document with
+    several questions, one long instruction per customer) reach the engine one after another.
+
+    vLLM reuses a prefix's KV cache only while it is still cached; in input order a file whose shared
+    prefixes outgrow the cache computes each of them again and again. Sorted, a prefix is computed
+    once and reused by the requests right behind it (the idea of SGLang's longest-prefix-first and
+    Daft's prefix bucketing; a lexicographic order is a depth-first walk of the prefix tree). Only
+    with deterministic decoding, where the order cannot change an answer; results still land in
+    their rows in input order."""
+    return request.prompt_text
 
 
 # --- chunk writing ------------------------------------------------------------------------------
