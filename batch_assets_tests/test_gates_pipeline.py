@@ -200,47 +200,80 @@ def test_labels_the_model_is_unsure_of_fail_the_confidence_warning(data_dir: Pat
         assert metadata["confidence_median"] == pytest.approx(statistics.median(confidence), abs=1e-4)
 
 
-def test_an_over_budget_file_in_a_range_holds_up_none_of_the_others(data_dir: Path, tiny_model: str) -> None:
-    """The budget check stops the range's inference; the range failure sensor runs the files within
-    budget again without the one over it."""
-    task = task_spec("budgeted", output={"kind": "choices", "choices": ["a", "b"]}, budget={"max_generated_tokens": 30})
+def test_good_files_of_a_range_are_labelled_however_many_kinds_of_bad_file_it_holds(
+    data_dir: Path, tiny_model: str
+) -> None:
+    """An unreadable file fails the range before the budget check of another file is reached: the
+    range failure sensor runs the other files again, that re-run fails the budget check of one,
+    and the sensor splits its own re-run again, so both good files end labelled, each once."""
+    task = task_spec(
+        "budgeted",
+        output={"kind": "choices", "choices": ["a", "b"]},
+        budget={"max_generated_tokens": 30},
+        runs={"max_partitions_per_run": 5},
+    )
     defs = build_definitions(tasks=[task])
+    drop(data_dir, "budgeted", "broken.parquet", b"not a parquet file")
     sizes = {"small1.jsonl": 3, "big.jsonl": 10, "small2.jsonl": 2}
     for name, rows in sizes.items():
         drop(data_dir, "budgeted", name, "".join(f'{{"text": "{name} item {i}"}}\n' for i in range(rows)))
-    keys = [partition_key_for(name) for name in sizes]
+    broken, small1, big, small2 = keys = [partition_key_for(name) for name in ["broken.parquet", *sizes]]
     job = defs.resolve_job_def(pipeline_job_name(task.name))
     sensor = defs.get_sensor_def("range_failure_sensor")
-    with dg.instance_for_test() as instance:
-        instance.add_dynamic_partitions(partitions_def_name(task.name), keys)
-        tags = {"dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]}
-        failed = job.execute_in_process(instance=instance, tags=tags, raise_on_error=False)
-        assert not failed.success
-        budget = {
-            e.partition: e.passed for e in failed.get_asset_check_evaluations() if e.check_name == "within_budget"
-        }
-        assert budget == {keys[0]: True, keys[1]: False, keys[2]: True}
+
+    def requests_after(failed) -> list[dg.RunRequest]:
         context = dg.build_run_status_sensor_context(
             sensor_name=sensor.name,
             dagster_event=next(e for e in failed.all_events if e.event_type_value == "PIPELINE_FAILURE"),
             dagster_instance=instance,
             dagster_run=instance.get_run_by_id(failed.run_id),
         ).for_run_failure()
-        requests = sensor(context)
-        assert [r.partition_key for r in requests] == [keys[0], keys[2]]  # split around the big file
-        for request in requests:
-            assert job.execute_in_process(
-                instance=instance, partition_key=request.partition_key, tags=request.tags
-            ).success
+        return sensor(context) or []
+
+    def execute(request: dg.RunRequest):
+        return job.execute_in_process(
+            instance=instance, partition_key=request.partition_key, tags=request.tags, raise_on_error=False
+        )
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(partitions_def_name(task.name), keys)
+        tags = {"dagster/asset_partition_range_start": broken, "dagster/asset_partition_range_end": small2}
+        first = job.execute_in_process(instance=instance, tags=tags, raise_on_error=False)
+        assert not first.success and not first.get_asset_check_evaluations()  # failed reading broken.parquet
+        [rerun] = requests_after(first)
+        assert (rerun.tags["dagster/asset_partition_range_start"], rerun.tags["dagster/asset_partition_range_end"]) == (
+            small1,
+            small2,
+        )
+        assert rerun.tags["batch_assets/left_out"] == broken
+
+        second = execute(rerun)
+        assert not second.success
+        budget = {
+            e.partition: e.passed for e in second.get_asset_check_evaluations() if e.check_name == "within_budget"
+        }
+        assert budget == {small1: True, big: False, small2: True}
+        # The sensor's own re-run is split again, around the file over budget.
+        last = requests_after(second)
+        assert [r.partition_key for r in last] == [small1, small2]
+        assert {r.tags["batch_assets/rerun_of"] for r in last} == {second.run_id}
+        assert {r.tags["batch_assets/left_out"] for r in last} == {big}
+        assert all(execute(request).success for request in last)
+
+        def labelled(key: str) -> list:
+            return instance.fetch_materializations(
+                dg.AssetRecordsFilter(asset_key=dg.AssetKey(["budgeted", "validated_labels"]), asset_partitions=[key]),
+                limit=5,
+            ).records
+
+        assert {key: len(labelled(key)) for key in keys} == {broken: 0, small1: 1, big: 0, small2: 1}
         assert {
-            key: output(data_dir, "budgeted", "validated_labels", name).height
-            for key, name in zip(keys, sizes, strict=True)
-            if key != keys[1]
+            name: output(data_dir, "budgeted", "validated_labels", name).height for name in sizes if name != "big.jsonl"
         } == {
-            keys[0]: 3,
-            keys[2]: 2,
+            "small1.jsonl": 3,
+            "small2.jsonl": 2,
         }
         assert not instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=dg.AssetKey(["budgeted", "inference_outputs"]), asset_partitions=[keys[1]]),
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey(["budgeted", "inference_outputs"]), asset_partitions=[big]),
             limit=1,
         ).records

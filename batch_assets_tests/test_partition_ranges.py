@@ -189,9 +189,18 @@ def test_the_range_failure_sensor_runs_the_good_files_of_a_failed_range_again(da
         }
         assert not materialization_metadata(instance, "raw_prompts", keys[1])  # the bad file stays failed
 
-        # A failed run the sensor requested is not split again (no chains of re-runs).
+        # A failed run the sensor requested is split again without the file it failed on, so the
+        # re-runs shrink until only good files are left.
         drop(data_dir, TASK, "good2.csv", "Index,Name\n1,no company column\n")
         again = job.execute_in_process(
             instance=instance, tags=requests[1].tags, run_config=NO_CACHE, raise_on_error=False
         )
-        assert not again.success and evaluate(again) == []
+        assert not again.success
+        [last] = evaluate(again)
+        assert last.partition_key == keys[3] and last.tags["batch_assets/rerun_of"] == again.run_id
+        assert last.tags["batch_assets/left_out"] == keys[2]
+        # A single-partition run that fails is not run again: it is the bad file itself.
+        alone = job.execute_in_process(
+            instance=instance, partition_key=keys[2], tags=last.tags, run_config=NO_CACHE, raise_on_error=False
+        )
+        assert not alone.success and evaluate(alone) == []

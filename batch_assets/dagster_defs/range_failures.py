@@ -12,11 +12,19 @@ are replaced (the drops sensor runs a replaced file again) or re-run. Partitions
 failed run did store (a blocking check on `validated_labels` fails after the asset) are not run
 again. What the re-run partitions had done before is reused: checkpoints and result-cache entries.
 
+Its own re-runs are split again when they fail: a range can hold bad files of several kinds, and
+each kind shows only once the others are gone (an unreadable file fails `raw_prompts` before the
+budget check of another file is reached). This converges: every partition a failure names was in
+the failed run's range, and no re-run covers it, so each re-run covers fewer partitions than the
+run it replaces, and a single-partition run that fails is not run again. Every good file of a
+burst ends materialized once, however many bad files it holds. The files left out are named in
+the tick's log and in the re-runs' `batch_assets/left_out` tag.
+
 It does nothing when the engine failed (`inference_outputs`: the step retries, and a re-run resumes
 from the checkpoints), when the failure names no partition (a task-wide problem would fail every
-file again), for single-partition runs, for `batch-assets run` (the CLI runs a failed range again
-file by file itself) and for runs this sensor requested (no chains). Run keys name the failed run's
-root (a re-execution of it from the UI shares it), so nothing is requested twice.
+file again; the files left unlabelled are logged), for single-partition runs and for
+`batch-assets run` (the CLI runs a failed range again file by file itself). Run keys name the
+failed run's root (a re-execution of it from the UI shares it), so nothing is requested twice.
 
 A run status sensor ends its tick at the first run it returns requests for, and Dagster ticks it
 every 30 s: one sensor for all tasks, returning nothing for runs it leaves alone, so those never
@@ -25,7 +33,7 @@ cost a tick.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +45,9 @@ from batch_assets.storage.drop_files import partitions_def_name
 
 RANGE_FAILURE_SENSOR_NAME = "range_failure_sensor"
 RERUN_OF_TAG = "batch_assets/rerun_of"
+# The partitions of the failed run that its re-runs leave out (they failed, or were labelled).
+LEFT_OUT_TAG = "batch_assets/left_out"
+LEFT_OUT_TAG_MAX_CHARS = 1000  # a tag names the first ones; the tick's log names them all
 # Where raw_prompts lists the files of its range that cannot be read.
 FAILED_PARTITIONS_METADATA = "failed_partitions"
 ROOT_RUN_TAG = "dagster/root_run_id"  # set by Dagster on a re-execution of a run
@@ -52,12 +63,34 @@ class RangeFailure:
     labelled: set[str] = field(default_factory=set)  # partitions whose labels the failed run stored
 
 
+def splits_failed_run(tags: Mapping[str, str]) -> bool:
+    """Whether the sensor acts on a failed run with these tags: every range run but the CLI's, which
+    runs its failed ranges again file by file itself. Its own re-runs included (see the module)."""
+    return tags.get(LAUNCHED_BY_TAG) != "cli"
+
+
 def ranges_to_rerun(failure: RangeFailure, ordered_keys: Sequence[str], max_per_run: int) -> list[list[str]]:
-    """The good partitions of a failed range, as the runs to request (ranges around the bad ones)."""
+    """The good partitions of a failed range, as the runs to request (ranges around the bad ones).
+    None of them is a partition the failure names, so the re-runs cover fewer partitions than the
+    failed run did."""
     if failure.engine_failed or len(failure.partitions) < 2 or not failure.bad:
         return []
     good = [key for key in failure.partitions if key not in failure.bad and key not in failure.labelled]
     return partition_ranges(ordered_keys, good, max_per_run)
+
+
+def left_out_text(keys: Iterable[str], max_chars: int = LEFT_OUT_TAG_MAX_CHARS) -> str:
+    """`keys`, sorted and comma-separated, in at most `max_chars`: those past it are counted."""
+    keys = sorted(keys)
+    text = ", ".join(keys)
+    if len(text) <= max_chars:
+        return text
+    shown: list[str] = []
+    for key in keys:
+        if len(", ".join([*shown, key]) + f" and {len(keys) - len(shown) - 1} more") > max_chars:
+            break
+        shown.append(key)
+    return ", ".join(shown) + f" and {len(keys) - len(shown)} more" if shown else f"{len(keys)} partition(s)"
 
 
 def range_of(run: dg.DagsterRun, ordered_keys: Sequence[str]) -> list[str]:
@@ -125,7 +158,7 @@ def describe_failure(
 ) -> RangeFailure | None:
     """The failed run's range and which of its partitions failed; None when it is not a range run
     the sensor should act on."""
-    if run.tags.get(LAUNCHED_BY_TAG) == "cli" or RERUN_OF_TAG in run.tags:
+    if not splits_failed_run(run.tags):
         return None
     partitions = range_of(run, instance.get_dynamic_partitions(partitions_def_name(task.name)))
     if len(partitions) < 2:
@@ -139,9 +172,13 @@ def describe_failure(
     )
 
 
-def rerun_requests(task: TaskSpec, job_name: str, run: dg.DagsterRun, ranges: list[list[str]]) -> list[dg.RunRequest]:
+def rerun_requests(
+    task: TaskSpec, job_name: str, run: dg.DagsterRun, ranges: list[list[str]], left_out: Iterable[str] = ()
+) -> list[dg.RunRequest]:
     root = run.tags.get(ROOT_RUN_TAG, run.run_id)
     tags = {LAUNCHED_BY_TAG: RANGE_FAILURE_SENSOR_NAME, RERUN_OF_TAG: run.run_id}
+    if left_out:
+        tags[LEFT_OUT_TAG] = left_out_text(left_out)
     requests = []
     for keys in ranges:
         run_key = f"{task.name}:{root}:{keys[0]}..{keys[-1]}"
@@ -179,6 +216,8 @@ def build_range_failure_sensor(task_jobs: Sequence[tuple[TaskSpec, Any]]) -> dg.
             return None  # not a range run of a task: the next failed run is looked at in this tick
         ordered = context.instance.get_dynamic_partitions(partitions_def_name(task.name))
         ranges = ranges_to_rerun(failure, ordered, task.runs.max_partitions_per_run)
+        rerun = {key for keys in ranges for key in keys}
+        unlabelled = [key for key in failure.partitions if key not in rerun and key not in failure.labelled]
         if not ranges:
             if failure.engine_failed:
                 why = "its engine failed; a re-run resumes from its checkpoints"
@@ -186,12 +225,18 @@ def build_range_failure_sensor(task_jobs: Sequence[tuple[TaskSpec, Any]]) -> dg.
                 why = "its failure names none of its files"
             else:
                 why = "no other file of its range is left to run"
-            context.log.info(f"run {run.run_id[:8]} ({task.name}): nothing to run again ({why})")
+            context.log.warning(
+                f"run {run.run_id[:8]} ({task.name}): nothing to run again ({why}); "
+                f"left without labels: {left_out_text(unlabelled)}"
+            )
             return None
+        left_out = [key for key in failure.partitions if key not in rerun]
         context.log.info(
-            f"run {run.run_id[:8]} ({task.name}) failed on {sorted(failure.bad)}; running "
-            f"{sum(map(len, ranges))} other file(s) of its range again in {len(ranges)} run(s)"
+            f"run {run.run_id[:8]} ({task.name}) failed on {left_out_text(failure.bad)}; running "
+            f"{len(rerun)} other file(s) of its range again in {len(ranges)} run(s); left out: "
+            f"{left_out_text(unlabelled)} (failed)"
+            + (f", {left_out_text(failure.labelled)} (labelled by the failed run)" if failure.labelled else "")
         )
-        return rerun_requests(task, job_names[task.name], run, ranges)
+        return rerun_requests(task, job_names[task.name], run, ranges, left_out)
 
     return range_failure_sensor
