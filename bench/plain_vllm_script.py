@@ -1,15 +1,16 @@
-"""The baseline users write by hand: read the file, one `LLM.chat` call, write parquet.
+"""The baseline users write by hand: read the file, one `LLM.chat` call in input order, write parquet.
 
-    .venv/bin/python bench/plain_vllm_script.py CUSTOMERS.csv OUT.parquet
+    .venv/bin/python bench/plain_vllm_script.py CUSTOMERS.csv OUT.parquet [--task industry]
 
-Same engine settings and structured outputs as the `industry` task (embedded model unless
-BATCH_ASSETS_MODEL is set). Prints one JSON line with timings.
+Same engine settings, prompts and structured outputs as the task (`industry` unless --task; tasks
+from BATCH_ASSETS_TASKS_DIR when set; embedded model unless BATCH_ASSETS_MODEL is set). Reads CSV or
+JSONL; the task's template is filled with each row's fields. Prints one JSON line with timings.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
 
 
@@ -21,16 +22,23 @@ def main() -> None:
     from batch_assets.engines.vllm_engine import VLLMEngine, sampling_params_for
     from batch_assets.pipeline.task_spec import load_task_specs
 
-    source, target = sys.argv[1], sys.argv[2]
-    task = {t.name: t for t in load_task_specs()}["industry"]
+    parser = argparse.ArgumentParser()
+    parser.add_argument("source")
+    parser.add_argument("target")
+    parser.add_argument("--task", default="industry")
+    args = parser.parse_args()
+    task = {t.name: t for t in load_task_specs()}[args.task]
     settings = VLLMEngine().settings(task)
-    frame = pl.read_csv(source, infer_schema=False)
+    frame = (
+        pl.read_ndjson(args.source) if args.source.endswith(".jsonl") else pl.read_csv(args.source, infer_schema=False)
+    )
+    fields = task.input.text_fields
     messages = [
         [
             {"role": "system", "content": task.prompt.system},
-            {"role": "user", "content": task.prompt.template.format(Company=c)},
+            {"role": "user", "content": task.prompt.template.format(**{field: row[field] for field in fields})},
         ]
-        for c in frame["Company"].to_list()
+        for row in frame.select(fields).iter_rows(named=True)
     ]
     # The same engine arguments batch_assets passes (on a CPU: no chunked prefill, a fixed KV cache).
     engine_args = settings.engine_args()
@@ -41,7 +49,7 @@ def main() -> None:
     chat_seconds = time.perf_counter() - engine_ready
     texts = [o.outputs[0].text for o in outputs]
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    frame.with_columns(pl.Series("label", texts)).write_parquet(target)
+    frame.with_columns(pl.Series("label", texts)).write_parquet(args.target)
     total = time.perf_counter() - started
     print(
         json.dumps(
