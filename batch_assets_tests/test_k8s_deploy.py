@@ -9,6 +9,7 @@ checks deploy/Dockerfile against all of it (no image is built: no Docker, regist
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -358,7 +359,16 @@ def test_the_shared_vllm_serve_deployment_matches_the_task_that_uses_it() -> Non
     assert container["args"][0] == args["served-model-name"] == task.engine.model
     assert int(args["max-model-len"]) == task.engine.max_model_len
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert container["resources"]["requests"]["cpu"] == str(engine_pod_resources(1, 1).cpus)
     assert [env["name"] for env in container["env"] if env["name"] == task.engine.api_key_env] == ["VLLM_API_KEY"]
+    # The same vLLM as the image, the same cache volume and optional token as the run pods.
+    assert container["image"] == re.findall(r"^FROM\s+(\S+)", (DEPLOY / "Dockerfile").read_text(), re.M)[-1]
+    env = {item["name"]: item for item in container["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "HF_TOKEN", "optional": True}
+    [cache] = [v for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v]
+    assert cache["persistentVolumeClaim"]["claimName"] == CACHE_PVC["metadata"]["name"]
+    [mount] = [m["mountPath"] for m in container["volumeMounts"] if m["name"] == cache["name"]]
+    assert env["HF_HOME"]["value"].startswith(mount + "/") and env["VLLM_CACHE_ROOT"]["value"].startswith(mount + "/")
 
     # The task's base_url is the Service's cluster DNS name and port.
     url = urlsplit(task.engine.base_url)
