@@ -187,7 +187,11 @@ def test_local_drop_folder_new_replaced_in_progress_and_restart(data_dir: Path) 
         copied, cursor = tick(sensor, instance, cursor)
         assert [request.tags[SOURCE_FILE_TAG] for request in copied.run_requests] == ["copying.jsonl"]
 
-        # Replaced content (new modification time and size): one run, tagged as a replacement.
+        # The burst's run read posts.jsonl (its raw_prompts records the version); then the file is
+        # replaced (new modification time and size): one run, tagged as a replacement.
+        job = build_definitions().resolve_job_def(pipeline_job_name(TASK))
+        raw = [dg.AssetKey([TASK, "raw_prompts"])]
+        assert job.execute_in_process(instance=instance, partition_key=pair[0], asset_selection=raw).success
         settled(drop(data_dir, TASK, "posts.jsonl", POST + POST), age=30)
         replaced, cursor = tick(sensor, instance, cursor)
         assert [request.partition_key for request in replaced.run_requests] == ["posts.jsonl"]
@@ -202,10 +206,11 @@ def test_local_drop_folder_new_replaced_in_progress_and_restart(data_dir: Path) 
         # A cursor from elsewhere is ignored with a warning; every file is checked again, and the
         # ones not yet validated from their current version are requested (here: none has run).
         reset, _ = tick(sensor, instance, '{"old": "format"}')
-        [again] = reset.run_requests
-        assert requested_partitions(again, ordered_partitions(instance)) == pair
-        # posts.jsonl has new content since the burst: another version, another run key.
-        assert again.tags[REPLACED_TAG] == "true" and again.run_key != burst.run_key
+        # été.jsonl was never read: a new file; posts.jsonl has new content since its run read it.
+        new, again = reset.run_requests
+        assert (new.partition_key, REPLACED_TAG in new.tags) == (pair[1], False)
+        assert (again.partition_key, again.tags[REPLACED_TAG]) == (pair[0], "true")
+        assert again.run_key != burst.run_key
 
 
 def test_bursts_are_worked_through_oldest_first_a_few_runs_per_tick(data_dir: Path) -> None:
@@ -263,6 +268,43 @@ def test_sensor_skips_files_already_run_from_the_command_line(data_dir: Path, ti
     assert changed.run_requests[0].tags[REPLACED_TAG] == "true"
 
 
+def test_files_left_by_a_failed_or_killed_command_line_run_are_not_replacements(data_dir: Path) -> None:
+    """`batch-assets run` registers a file's partition before its run: killed before reading the
+    file, or failed after reading this same version, the file the sensor then runs replaces nothing."""
+    settled(drop(data_dir, TASK, "killed.jsonl", POST))
+    settled(drop(data_dir, TASK, "failed.jsonl", POST))
+    killed, failed = partition_key_for("killed.jsonl"), partition_key_for("failed.jsonl")
+    sensor = sensor_for()
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(partitions_def_name(TASK), [killed, failed])
+        # The failed run read the file (raw_prompts records its version), then failed later on.
+        job = build_definitions().resolve_job_def(pipeline_job_name(TASK))
+        raw = [dg.AssetKey([TASK, "raw_prompts"])]
+        assert job.execute_in_process(instance=instance, partition_key=failed, asset_selection=raw).success
+        first, cursor = tick(sensor, instance, None)
+        [burst] = first.run_requests
+        assert requested_partitions(burst, ordered_partitions(instance)) == [killed, failed]
+        assert REPLACED_TAG not in burst.tags
+        assert not first.dynamic_partitions_requests  # both partitions exist already
+        # New content under the name whose earlier version was read is a replacement.
+        settled(drop(data_dir, TASK, "failed.jsonl", POST + POST), age=30)
+        replaced, _ = tick(sensor, instance, cursor)
+        assert [(r.partition_key, r.tags.get(REPLACED_TAG)) for r in replaced.run_requests] == [(failed, "true")]
+
+
+def test_a_burst_over_the_cap_is_split_into_as_few_and_as_even_runs_as_it_allows(data_dir: Path) -> None:
+    names = [f"post-{i:02}.jsonl" for i in range(20)]
+    for age, name in enumerate(reversed(names)):
+        settled(drop(data_dir, TASK, name, POST), age=100 + age)  # post-00 is the oldest
+    sensor = sensor_for()  # the task's default cap: 16 partitions per run
+    with dg.instance_for_test() as instance:
+        result, _ = tick(sensor, instance, None)
+        ordered = ordered_partitions(instance)
+        ranges = [requested_partitions(request, ordered) for request in result.run_requests]
+    # Two runs are the fewest 16 allows; ten files each rather than 16 + 4.
+    assert ranges == [names[:10], names[10:]]
+
+
 def test_drop_files_are_found_by_partition_key(data_dir: Path) -> None:
     for name in ["posts.jsonl", "2026/11/posts.jsonl", "2026__11__posts.jsonl", "données/été.jsonl", "a...b.csv"]:
         drop(data_dir, TASK, name, POST)
@@ -310,6 +352,18 @@ def test_partitions_are_grouped_into_ranges_of_adjacent_keys() -> None:
     assert partition_ranges(order, ["a", "b", "d", "g"], 16) == [["a", "b"], ["d"], ["g"]]
     assert partition_ranges(order, ["g"], 16) == [["g"]]
     assert partition_ranges(order, [], 16) == []
+    # Adjacent keys over the cap: as few runs as the cap allows, their sizes at most one apart.
+    assert partition_ranges(order, order, 4) == [["a", "b", "c", "d"], ["e", "f", "g"]]
+    assert partition_ranges(order, order, 3) == [["a", "b", "c"], ["d", "e"], ["f", "g"]]
+    assert partition_ranges(order, ["a", "c", "d", "e", "f", "g"], 3) == [["a"], ["c", "d", "e"], ["f", "g"]]
+    keys = [f"k{i:03}" for i in range(100)]
+    for count, cap, sizes in [(20, 16, [10, 10]), (16, 16, [16]), (17, 16, [9, 8]), (33, 16, [11, 11, 11])]:
+        assert [len(r) for r in partition_ranges(keys, keys[:count], cap)] == sizes
+    for count in range(1, 60):
+        for cap in (1, 2, 5, 16):
+            ranges = partition_ranges(keys, keys[:count], cap)
+            assert [key for keys_ in ranges for key in keys_] == keys[:count]
+            assert len(ranges) == -(-count // cap) and max(map(len, ranges)) - min(map(len, ranges)) <= 1
 
 
 @pytest.mark.parametrize("length", [218, 240, 255])

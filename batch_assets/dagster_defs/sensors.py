@@ -4,8 +4,8 @@ Each tick lists the drop zone (a local folder, or an S3 prefix paged 1,000 keys 
 the same tick adds a dynamic partition for every new input file and requests its processing
 (`SensorResult` with the partition requests, run requests and the new cursor):
 - one file found in the tick: one run of that partition (its four assets and checks);
-- several: one run per range of up to `runs.max_partitions_per_run` partitions, split the way the
-  assets' `BackfillPolicy.multi_run` splits a backfill (`partition_ranges`), so a burst of drops pays
+- several: one run per range of up to `runs.max_partitions_per_run` partitions (`partition_ranges`):
+  as few runs as that cap allows, of even sizes (20 files at 16: 10 + 10), so a burst of drops pays
   the engine start and the per-run overhead once per range, not per file. Dynamic partitions are
   ordered by when they were added, so the files of one burst form one range.
   The sensor requests these range runs itself instead of a backfill: Dagster's backfill daemon looks
@@ -28,7 +28,9 @@ Once per file version:
   its lease, see run_recovery.py) gets no run in this tick; a later tick finds it done, or runs it
   if that process died first.
 A replaced file (same name, new ETag / modification time) has a new fingerprint, so it is run once
-more, in a run tagged `batch_assets/replaced_file=true`. Files that are not inputs are skipped with
+more, in a run tagged `batch_assets/replaced_file=true` when an earlier version of it was read (its
+partition's raw_prompts recorded another version; a partition that `batch-assets run` added for
+a run that was killed or failed replaces nothing). Files that are not inputs are skipped with
 the reason in the tick's log and skip message. At most `max_runs_per_tick` files are requested per
 tick (oldest first, grouped into ranges as above); the rest wait for the next tick, which keeps
 every tick short.
@@ -116,8 +118,13 @@ def plan_tick(
     max_runs: int | None,
     already_done: Callable[[DropFile], bool] = lambda drop: False,
     in_progress: Callable[[DropFile], bool] = lambda drop: False,
+    read_version: Callable[[DropFile], str | None] = lambda drop: None,
 ) -> TickPlan:
-    """Pure decision of a tick: which files are new or replaced since the cursor `seen`."""
+    """Pure decision of a tick: which files are new or replaced since the cursor `seen`.
+
+    A file replaces an earlier one when its partition's latest `raw_prompts` read another version of
+    it (`read_version`). A partition alone proves nothing: `batch-assets run` adds it before its run,
+    which may have been killed or failed before the file was read, or after reading this version."""
     plan = TickPlan()
     fresh: list[tuple[bytes, DropFile]] = []
     for drop in files:
@@ -137,10 +144,11 @@ def plan_tick(
         if max_runs is not None and len(plan.to_run) + plan.already_done >= max_runs:
             plan.waiting += 1
             continue
-        replaced = drop.partition_key in existing_partitions
-        if replaced and already_done(drop):
+        existing = drop.partition_key in existing_partitions
+        if existing and already_done(drop):
             plan.already_done += 1
         else:
+            replaced = existing and read_version(drop) not in (None, drop.version)
             plan.to_run.append((drop, replaced))
         plan.seen.add(fingerprint)
     return plan
@@ -178,24 +186,33 @@ def range_run_request_for(
     return dg.RunRequest(run_key=f"{keys[0]}..{keys[-1]}@{digest}", tags=tags)
 
 
+def even_chunks(keys: Sequence[str], max_per_run: int) -> list[list[str]]:
+    """`keys` in as few chunks of at most `max_per_run` as possible, their sizes at most one apart
+    (20 keys at 16: 10 + 10, not 16 + 4, so neither run waits long on the other's engine work)."""
+    count = -(-len(keys) // max_per_run)
+    size, longer = divmod(len(keys), count) if count else (0, 0)
+    chunks, start = [], 0
+    for index in range(count):
+        end = start + size + (1 if index < longer else 0)
+        chunks.append(list(keys[start:end]))
+        start = end
+    return chunks
+
+
 def partition_ranges(ordered_keys: Sequence[str], wanted: Iterable[str], max_per_run: int) -> list[list[str]]:
-    """`wanted` split into runs the way a multi-run backfill policy splits them: ranges of keys
-    adjacent in the partitions' order (dynamic partitions: the order they were added), each of at
-    most `max_per_run` keys. A range start..end covers every key between, so a key not wanted
-    ends a range."""
+    """`wanted` split into runs: ranges of keys adjacent in the partitions' order (dynamic
+    partitions: the order they were added), each of at most `max_per_run` keys. A range start..end
+    covers every key between, so a key not wanted ends a range; a stretch of adjacent wanted keys
+    over the cap becomes as few ranges as the cap allows, of even sizes (a multi-run backfill from
+    the UI fills its runs in order instead: 16 + 4)."""
     wanted = set(wanted)
-    ranges: list[list[str]] = []
-    current: list[str] = []
+    stretches: list[list[str]] = [[]]
     for key in ordered_keys:
-        if key in wanted and len(current) < max_per_run:
-            current.append(key)
-            continue
-        if current:
-            ranges.append(current)
-        current = [key] if key in wanted else []
-    if current:
-        ranges.append(current)
-    return ranges
+        if key in wanted:
+            stretches[-1].append(key)
+        elif stretches[-1]:
+            stretches.append([])
+    return [chunk for stretch in stretches for chunk in even_chunks(stretch, max_per_run)]
 
 
 def requested_partitions(request: dg.RunRequest, ordered_keys: Sequence[str]) -> list[str]:
@@ -212,6 +229,13 @@ def _latest_record(instance: dg.DagsterInstance, task: str, asset: str, partitio
         dg.AssetRecordsFilter(asset_key=dg.AssetKey([task, asset]), asset_partitions=[partition_key]), limit=1
     ).records
     return records[0] if records else None
+
+
+def read_version(instance: dg.DagsterInstance, task: str, partition_key: str) -> str | None:
+    """The file version the partition's latest raw_prompts read (None: never read)."""
+    raw = _latest_record(instance, task, "raw_prompts", partition_key)
+    version = raw.asset_materialization.metadata.get("source_version") if raw and raw.asset_materialization else None
+    return str(version.value) if version is not None else None
 
 
 def validated_from_version(instance: dg.DagsterInstance, task: str, drop: DropFile) -> bool:
@@ -301,6 +325,7 @@ def build_drops_sensor(
             max_runs=max_runs_per_tick,
             already_done=lambda drop: validated_from_version(context.instance, task.name, drop),
             in_progress=lambda drop: (drop.partition_key, version_digest(drop.version)) in claimed,
+            read_version=lambda drop: read_version(context.instance, task.name, drop.partition_key),
         )
         summary = (
             f"{len(files)} input file(s) in {zone}: {len(plan.to_run)} to run, {plan.known} already requested, "
