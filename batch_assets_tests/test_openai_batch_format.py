@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from batch_assets.engines.embedded_model import ensure_embedded_model
 from batch_assets.pipeline.openai_batch import RequestSpec, format_batch_prompts, read_batch_requests
-from batch_assets.pipeline.openai_batch_output import batch_files, validate_batch_outputs
+from batch_assets.pipeline.openai_batch_output import batch_files, jsonl_bytes, validate_batch_outputs
 from batch_assets.pipeline.read_prompts import DropFileError
 from batch_assets.pipeline.run_inference import request_keys
 from batch_assets.pipeline.task_spec import SamplingSpec, TaskSpecError, load_task_spec
@@ -97,8 +97,13 @@ def test_valid_lines_keep_custom_id_model_messages_and_sampling() -> None:
         ),
         (
             {"custom_id": 7, "method": "POST", "url": "/v1/chat/completions", "body": {}},
-            "missing_custom_id",
-            "a number",
+            "invalid_custom_id",
+            "custom_id is the number 7; it must be a non-empty string",
+        ),
+        (
+            {"custom_id": "", "method": "POST", "url": "/v1/chat/completions", "body": {}},
+            "invalid_custom_id",
+            "custom_id is an empty string; it must be a non-empty string",
         ),
         (chat_line("ok"), "duplicate_custom_id", "used first on line 1"),
         ({**chat_line("g"), "method": "GET"}, "unsupported_method", "'GET'"),
@@ -115,6 +120,36 @@ def test_valid_lines_keep_custom_id_model_messages_and_sampling() -> None:
             "image_url",
         ),
         (chat_line("temp", temperature="hot"), "invalid_field", "body.temperature is a string"),
+        (
+            '{"custom_id": "nan", "method": "POST", "url": "/v1/chat/completions", "body": {"temperature": NaN}}',
+            "invalid_field",
+            "body.temperature is NaN; it must be a finite number",
+        ),
+        (
+            '{"custom_id": "inf", "method": "POST", "url": "/v1/chat/completions", "body": {"top_p": -Infinity}}',
+            "invalid_field",
+            "body.top_p is -Infinity; it must be a finite number",
+        ),
+        (
+            chat_line("part", [{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+            "invalid_message",
+            "body.messages[0].content[0].text is a number; the text of a text part must be a string",
+        ),
+        (
+            chat_line("part2", [{"role": "user", "content": [{"type": "text"}]}]),
+            "invalid_message",
+            "body.messages[0].content[0].text is missing; the text of a text part must be a string",
+        ),
+        (
+            chat_line("part3", [{"role": "user", "content": ["plain"]}]),
+            "invalid_message",
+            "body.messages[0].content[0] is a string, not a content part object",
+        ),
+        (
+            chat_line("part4", [{"role": "user", "content": []}]),
+            "invalid_message",
+            "body.messages[0].content is an empty list",
+        ),
         (chat_line("topp", top_p=0), "invalid_field", "body.top_p is 0"),
         (chat_line("mt", max_tokens=0), "invalid_field", "at least 1"),
         (chat_line("rf", response_format={"type": "xml"}), "invalid_field", "response_format.type"),
@@ -208,6 +243,8 @@ def test_too_long_prompts_and_model_mismatch_are_error_rows(tokenizer) -> None:
         chat_line("long", [{"role": "user", "content": "word " * 600}], max_tokens=4),
         chat_line("needs-room", max_tokens=500),
         chat_line("other-model", model="gpt-4o"),
+        chat_line("huge", max_tokens=10_000_000),
+        chat_line("whole-context", max_completion_tokens=512),
     )
     raw = read_batch_requests(data, "in.jsonl")
     out = format_batch_prompts(
@@ -229,7 +266,14 @@ def test_too_long_prompts_and_model_mismatch_are_error_rows(tokenizer) -> None:
         errors[3].startswith("model_mismatch: in.jsonl line 4: body.model 'gpt-4o'")
         and "require_model_match" in errors[3]
     )
-    assert out["prompt"].to_list()[1:] == [None, None, None]
+    # A max_tokens no prompt could fit beside is the line's own mistake, whatever its prompt.
+    for index, value in ((4, 10_000_000), (5, 512)):
+        assert errors[index] == (
+            f"invalid_field: in.jsonl line {index + 1}: body.max_tokens / max_completion_tokens is {value}; "
+            "it must be less than "
+            "the model's context (max_model_len 512), which holds the prompt and the answer"
+        )
+    assert out["prompt"].to_list()[1:] == [None] * 5
     # Without the option every line is answered by the task's model.
     relaxed = format_batch_prompts(
         raw, tokenizer, sampling_defaults=DEFAULTS, max_model_len=512, source_file="in.jsonl"
@@ -276,6 +320,7 @@ def test_output_and_error_files_follow_openais_batch_schema_one_line_per_input(t
         chat_line("json", response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}),
         {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hi"}},
         chat_line("engine-failed"),
+        {"custom_id": 42, "method": "POST", "url": "/v1/chat/completions", "body": {}},
     )
     formatted = format_lines(data, tokenizer)
     answers = {"a": ("Paris.", "stop", 3), "json": ('{"x": "no"}', "stop", 5), "c": (" there", "length", 2)}
@@ -290,12 +335,13 @@ def test_output_and_error_files_follow_openais_batch_schema_one_line_per_input(t
         .otherwise(pl.col("error")),
     )
     labels = validate_batch_outputs(outputs)
-    assert labels["label"].to_list() == ["Paris.", None, None, " there", None]
+    assert labels["label"].to_list() == ["Paris.", None, None, " there", None, None]
     assert labels["error"][2].startswith("schema_mismatch: line 3: at x:")
     assert "request_params" not in labels.columns and "prompt" not in labels.columns
     ok, failed = batch_files(labels, model="the-model", partition_key="in", created=1700000000)
     assert [r["custom_id"] for r in ok] == ["a", "json", "c"]
-    assert [r["custom_id"] for r in failed] == [None, "engine-failed"]
+    # A custom_id that is not a string is refused, and echoed as given so the client can match it.
+    assert [r["custom_id"] for r in failed] == [None, "engine-failed", 42]
     first = ok[0]
     assert first["error"] is None and first["id"].startswith("batch_req_")
     assert first["response"]["status_code"] == 200 and first["response"]["request_id"].startswith("req_")
@@ -314,11 +360,34 @@ def test_output_and_error_files_follow_openais_batch_schema_one_line_per_input(t
     assert ok[1]["response"]["body"]["choices"][0]["message"]["content"] == '{"x": "no"}'  # as OpenAI returns it
     completion = ok[2]["response"]["body"]
     assert completion["object"] == "text_completion" and completion["choices"][0]["text"] == " there"
-    assert failed[0]["response"] is None
-    assert failed[0]["error"]["code"] == "malformed_json" and failed[0]["error"]["message"].startswith(
-        "in.jsonl line 2: "
-    )
-    assert failed[1]["error"] == {"code": "engine_error", "message": "line 5: the endpoint failed"}
+    # OpenAI's error file: the request's HTTP answer (400 for a bad request, 500 when the server
+    # failed) with OpenAI's error object as its body; the line's `error` is for non-HTTP failures.
+    malformed, engine, numeric = failed
+    assert malformed["id"].startswith("batch_req_") and malformed["error"] is None
+    assert malformed["response"]["status_code"] == 400 and malformed["response"]["request_id"].startswith("req_")
+    assert malformed["response"]["body"]["error"]["message"].startswith("in.jsonl line 2: ")
+    assert {k: v for k, v in malformed["response"]["body"]["error"].items() if k != "message"} == {
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "malformed_json",
+    }
+    assert engine["response"]["status_code"] == 500 and engine["error"] is None
+    assert engine["response"]["body"] == {
+        "error": {
+            "message": "line 5: the endpoint failed",
+            "type": "server_error",
+            "param": None,
+            "code": "engine_error",
+        }
+    }
+    assert numeric["response"]["status_code"] == 400
+    assert numeric["response"]["body"]["error"] == {
+        "message": "in.jsonl line 6: custom_id is the number 42; it must be a non-empty string",
+        "type": "invalid_request_error",
+        "param": "custom_id",
+        "code": "invalid_custom_id",
+    }
+    assert len({record["id"] for record in ok + failed}) == 6
     assert batch_files(labels, model="the-model", partition_key="in", created=1)[0][0]["id"] == first["id"]
 
 
@@ -389,11 +458,60 @@ def test_run_inference_sends_each_request_once_with_its_own_sampling(tokenizer, 
     frame, stats = run()
     assert frame["generated_text"].to_list() == ["max 5", "max 5", "max 7", "max 6"]
     assert (stats.rows_inferred, stats.rows_deduplicated) == (3, 1)
-    assert [p.sampling.stop for p in seen] == [None, ("x",), None]
-    assert seen[2].output.json_schema == {"type": "object"} and seen[0].output is None
-    assert seen[0].messages == tuple(same)
+    # Sent in shared-prefix order, not line order: look each request up by its max_tokens.
+    by_max_tokens = {p.sampling.max_tokens: p for p in seen}
+    assert sorted(by_max_tokens) == [5, 6, 7]
+    assert [by_max_tokens[n].sampling.stop for n in (5, 7, 6)] == [None, ("x",), None]
+    assert by_max_tokens[6].output.json_schema == {"type": "object"} and by_max_tokens[5].output is None
+    assert by_max_tokens[5].messages == tuple(same)
     # Killed and re-run: every finished request comes back from the checkpoints, none is sent again.
     seen.clear()
     frame2, stats2 = run()
     assert (stats2.rows_from_checkpoint, stats2.rows_inferred, seen) == (3, 0, [])
     assert frame2["generated_text"].to_list() == frame["generated_text"].to_list()
+
+
+def test_error_lines_name_the_body_field_as_openais_param(tokenizer) -> None:
+    data = jsonl(
+        chat_line("mt", max_tokens=0),
+        chat_line("tools", tools=[{"type": "function"}]),
+        chat_line("part", [{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+        chat_line("big", max_tokens=10_000_000),
+    )
+    labels = validate_batch_outputs(
+        format_lines(data, tokenizer).with_columns(
+            generated_text=pl.lit(None, dtype=pl.String),
+            finish_reason=pl.lit(None, dtype=pl.String),
+            num_generated_tokens=pl.lit(None, dtype=pl.Int64),
+        )
+    )
+    ok, failed = batch_files(labels, model="m", partition_key="in", created=1)
+    assert ok == []
+    errors = [record["response"]["body"]["error"] for record in failed]
+    assert [(e["code"], e["param"]) for e in errors] == [
+        ("invalid_field", "max_tokens"),
+        ("unsupported_field", "tools"),
+        ("invalid_message", "messages[0].content[0].text"),
+        ("invalid_field", "max_tokens"),
+    ]
+    assert {record["response"]["status_code"] for record in failed} == {400}
+
+
+def test_refused_custom_ids_are_echoed_as_written_and_the_error_file_stays_strict_json() -> None:
+    body = '"method": "POST", "url": "/v1/chat/completions", "body": {}'
+    given = ["7", "2.5", "true", "null", '{"a": [1]}', '""', "NaN", "-Infinity"]
+    data = "".join(f'{{"custom_id": {value}, {body}}}\n' for value in given).encode()
+    raw = read_batch_requests(data, "in.jsonl")
+    assert {code.split(":")[0] for code in raw["error"]} == {"invalid_custom_id"}
+    labels = validate_batch_outputs(
+        raw.with_columns(
+            generated_text=pl.lit(None, dtype=pl.String),
+            finish_reason=pl.lit(None, dtype=pl.String),
+            num_prompt_tokens=pl.lit(None, dtype=pl.Int64),
+            num_generated_tokens=pl.lit(None, dtype=pl.Int64),
+        )
+    )
+    _, failed = batch_files(labels, model="m", partition_key="in", created=1)
+    assert [record["custom_id"] for record in failed] == [7, 2.5, True, None, {"a": [1]}, "", "NaN", "-Infinity"]
+    for line in jsonl_bytes(failed).decode().splitlines():
+        json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))

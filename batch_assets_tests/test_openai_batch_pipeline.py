@@ -182,13 +182,16 @@ def test_batch_file_through_dagster_matches_vllm_run_batch(data_dir: Path, tmp_p
         by_id = {o["custom_id"]: o for o in outputs}
         answered = [line["custom_id"] for line in lines[:18]] + ["completion"]
         assert list(by_id) == answered  # input order
-        assert {e["error"]["code"]: e["custom_id"] for e in errors} == {
+        # OpenAI's error-file shape: the HTTP answer of each failed request, its error in the body.
+        assert {(e["response"]["status_code"], e["error"]) for e in errors} == {(400, None)}
+        failures = [e["response"]["body"]["error"] for e in errors]
+        assert {f["code"]: e["custom_id"] for f, e in zip(failures, errors, strict=True)} == {
             "malformed_json": None,
             "duplicate_custom_id": "q3",
             "unsupported_field": "tools",
             "prompt_too_long": "too-long",
         }
-        assert [e["error"]["message"].split(": ")[0] for e in errors] == [f"{key} line {n}" for n in (19, 20, 21, 22)]
+        assert [f["message"].split(": ")[0] for f in failures] == [f"{key} line {n}" for n in (19, 20, 21, 22)]
 
         for line in lines[:12]:
             body = by_id[line["custom_id"]]["response"]["body"]
@@ -246,4 +249,4 @@ def test_shipped_sample_has_one_line_out_per_line_in(data_dir: Path, tiny_model:
     errors = read_jsonl(data_dir / "storage" / TASK / "batch_errors" / f"{key}.jsonl")
     total = len(sample.read_text(encoding="utf-8").splitlines())
     assert len(outputs) + len(errors) == total
-    assert [e["error"]["code"] for e in errors] == ["unsupported_url"]
+    assert [e["response"]["body"]["error"]["code"] for e in errors] == ["unsupported_url"]

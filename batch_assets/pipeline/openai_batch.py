@@ -18,13 +18,16 @@ Every line yields exactly one row; a line that cannot be answered is a row with 
     empty_record        a blank line
     malformed_json      the line is not JSON
     not_an_object       the line is JSON but not an object
-    missing_custom_id   no `custom_id`, or one that is not a non-empty string
+    missing_custom_id   no `custom_id`
+    invalid_custom_id   a `custom_id` that is not a non-empty string (kept as given, as JSON text,
+                        in the `custom_id` column; echoed as given in the error line)
     duplicate_custom_id the `custom_id` of an earlier line (that line is answered; this one is not)
     unsupported_method  `method` other than POST
     unsupported_url     `url` other than /v1/chat/completions and /v1/completions
     invalid_body        `body` missing or not an object
     unsupported_field   a body field this pipeline does not honour (tools, logprobs, n > 1, ...)
-    invalid_field       a supported field with a value of the wrong type or range
+    invalid_field       a supported field with a value of the wrong type or range (a max_tokens
+                        that leaves no room for a prompt in the model's context included)
     empty_messages      `messages` missing or empty (chat), `prompt` missing or empty (completions)
     invalid_message     a message without a known role or with content that is not text
     model_mismatch      with `input.require_model_match`: `body.model` is not the task's model
@@ -32,6 +35,8 @@ Every line yields exactly one row; a line that cannot be answered is a row with 
     prompt_too_long     prompt tokens + max_tokens exceed the model's context
 
 Only a file that is not `.jsonl` (or `.jsonl.gz`), or a broken gzip file, raises `DropFileError`.
+Every code above is a bad request (HTTP 400 in the error file); any other code on a row (the
+engine's) is a server failure (500).
 """
 
 from __future__ import annotations
@@ -79,6 +84,29 @@ _DEFAULT_ONLY = {
     "store": (False, True, None),
 }
 MAX_STOP_SEQUENCES = 4
+# The codes of lines the request itself makes unanswerable (see the module docstring).
+REQUEST_ERROR_CODES = frozenset(
+    {
+        "invalid_utf8",
+        "empty_record",
+        "malformed_json",
+        "not_an_object",
+        "missing_custom_id",
+        "invalid_custom_id",
+        "duplicate_custom_id",
+        "unsupported_method",
+        "unsupported_url",
+        "invalid_body",
+        "unsupported_field",
+        "invalid_field",
+        "empty_messages",
+        "invalid_message",
+        "model_mismatch",
+        "chat_template_error",
+        "prompt_too_long",
+    }
+)
+INVALID_CUSTOM_ID = "invalid_custom_id"
 
 RAW_SCHEMA = {
     "row_id": pl.Int64,
@@ -112,6 +140,12 @@ def _error(code: str, file_name: str, line: int, message: str) -> str:
 def _kind(value: object) -> str:
     names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
     return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _json_text(value: object) -> str:
+    """`value` as the line wrote it (NaN and Infinity as JSON spells them), cut for a message."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def read_batch_requests(data: bytes, file_name: str) -> pl.DataFrame:
@@ -167,7 +201,12 @@ def _parse_line(raw_line: bytes, row: dict, first_line_of: dict[str, int]) -> No
     elif "custom_id" not in request:
         raise _LineError("missing_custom_id", "the line has no custom_id")
     else:
-        raise _LineError("missing_custom_id", f"custom_id is {_kind(custom_id)}, not a non-empty string")
+        # Kept as the line gave it, so its error line can echo it for the client to match.
+        row["custom_id"] = json.dumps(custom_id, ensure_ascii=False)
+        given = "an empty string" if custom_id == "" else f"{_kind(custom_id)}"
+        if isinstance(custom_id, int | float) and not isinstance(custom_id, bool):
+            given = f"the number {_json_text(custom_id)}"
+        raise _LineError(INVALID_CUSTOM_ID, f"custom_id is {given}; it must be a non-empty string")
     method, url, body = request.get("method"), request.get("url"), request.get("body")
     row["method"] = method if isinstance(method, str) else None
     row["url"] = url if isinstance(url, str) else None
@@ -225,6 +264,8 @@ def _integer(body: dict, field: str, minimum: int | None) -> int:
     value = body[field]
     if isinstance(value, float) and value.is_integer():
         value = int(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _LineError("invalid_field", f"body.{field} is {_json_text(value)}; it must be an integer")
     if isinstance(value, bool) or not isinstance(value, int):
         raise _LineError("invalid_field", f"body.{field} is {_kind(value)}, not an integer")
     if minimum is not None and value < minimum:
@@ -236,8 +277,10 @@ def _integer(body: dict, field: str, minimum: int | None) -> int:
 
 def _number(body: dict, field: str, low: float, high: float, *, low_open: bool) -> float:
     value = body[field]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _LineError("invalid_field", f"body.{field} is {_kind(value)}, not a number")
+    if not math.isfinite(value):
+        raise _LineError("invalid_field", f"body.{field} is {_json_text(value)}; it must be a finite number")
     if value > high or value < low or (low_open and value == low):
         bound = f"more than {low}" if low_open else f"at least {low}"
         raise _LineError("invalid_field", f"body.{field} is {value}; it must be {bound} and at most {high}")
@@ -307,17 +350,25 @@ def _content(content: object, where: str) -> str:
     """Text content; a list of text parts is joined with newlines, as vLLM does for string templates."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and content:
-        texts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                kind = part.get("type") if isinstance(part, dict) else _kind(part)
-                raise _LineError(
-                    "invalid_message", f"{where}.content has a part of type {kind!r}; only text parts are supported"
-                )
-            texts.append(part["text"])
-        return "\n".join(texts)
+    if content == []:
+        raise _LineError("invalid_message", f"{where}.content is an empty list")
+    if isinstance(content, list):
+        return "\n".join(_text_part(part, f"{where}.content[{index}]") for index, part in enumerate(content))
     raise _LineError("invalid_message", f"{where}.content is {_kind(content)}, not text")
+
+
+def _text_part(part: object, where: str) -> str:
+    if not isinstance(part, dict):
+        raise _LineError("invalid_message", f"{where} is {_kind(part)}, not a content part object")
+    if part.get("type") != "text":
+        raise _LineError(
+            "invalid_message", f"{where} is a part of type {part.get('type')!r}; only text parts are supported"
+        )
+    text = part.get("text")
+    if not isinstance(text, str):
+        given = "missing" if "text" not in part else _kind(text)
+        raise _LineError("invalid_message", f"{where}.text is {given}; the text of a text part must be a string")
+    return text
 
 
 def _completion_prompt(value: object) -> str:
@@ -424,6 +475,14 @@ def _completion_prefix(tokenizer: Tokenizer) -> str:
     return bos if with_special and with_special[0] == bos_id else ""
 
 
+def _max_tokens_problem(value: int, max_model_len: int) -> str:
+    """A line's own max_tokens that no prompt fits beside: its mistake, not its prompt's length."""
+    return (
+        f"body.max_tokens / max_completion_tokens is {value}; it must be less than the model's context "
+        f"(max_model_len {max_model_len}), which holds the prompt and the answer"
+    )
+
+
 def format_batch_prompts(
     raw: pl.DataFrame,
     tokenizer: Tokenizer,
@@ -457,6 +516,8 @@ def format_batch_prompts(
                 f"body.model {row['model']!r} is not the task's model ({', '.join(sorted(accepted_models))}); "
                 "set input.require_model_match: false to answer every line with the task's model",
             )
+        if error is None and row["max_tokens"] is not None and row["max_tokens"] >= max_model_len:
+            error = _error("invalid_field", source_file, line, _max_tokens_problem(row["max_tokens"], max_model_len))
         if error is None:
             spec = request_spec(row, sampling_defaults)
             if row["messages"] is not None:

@@ -11,25 +11,33 @@ and the answer still goes to the output file, as OpenAI returns it with status 2
                    {"id", "custom_id", "response": {"status_code": 200, "request_id",
                     "body": <chat.completion or text_completion>}, "error": null}
     batch_errors   one line per input line that got no answer (bad line, prompt too long,
-                   engine error): {"id", "custom_id" (null when the line has none),
-                   "response": null, "error": {"code", "message" (naming the file and line)}}
+                   engine error), as OpenAI writes a request that failed with an HTTP error:
+                   {"id", "custom_id", "response": {"status_code": 400 (the request's fault) or
+                    500 (the engine's), "request_id", "body": {"error": {"message" (naming the
+                    file and line), "type", "param", "code"}}}, "error": null}
 
-Every input line is in exactly one of the two. Ids are derived from the partition and the line,
-so writing the files again gives the same ids.
+`custom_id` is the line's as given: null when it has none, a number when it wrote one (refused as
+`invalid_custom_id`, echoed so the client can still match it). `error` stays null, as in OpenAI's
+files, where it is kept for failures without an HTTP answer. Every input line is in exactly one of
+the two files. Ids are derived from the partition and the line, so writing the files again gives
+the same ids.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 
 import polars as pl
 
-from batch_assets.pipeline.openai_batch import COMPLETIONS_URL
+from batch_assets.pipeline.openai_batch import COMPLETIONS_URL, INVALID_CUSTOM_ID, REQUEST_ERROR_CODES
 from batch_assets.pipeline.validate_labels import schema_error
 
 _CODE = re.compile(r"^([a-z_]+): (.*)$", re.DOTALL)
+# The first body field a message names (`body.messages[0].content`), as OpenAI's `param`.
+_PARAM = re.compile(r"\bbody\.([A-Za-z_]\w*(?:\[\d+\])*(?:\.[A-Za-z_]\w*(?:\[\d+\])*)*)")
 
 
 def validate_batch_outputs(outputs: pl.DataFrame) -> pl.DataFrame:
@@ -100,12 +108,28 @@ def _response_body(row: dict, *, model: str, created: int, partition_key: str) -
 
 
 def error_object(error: str, line: int) -> dict:
-    """`code: message` as OpenAI's `{"code", "message"}`; the message always names the line."""
+    """`code: message` as the error object of OpenAI's API: `{"message", "type", "param", "code"}`;
+    the message always names the line."""
     match = _CODE.match(error)
     code, message = (match.group(1), match.group(2)) if match else ("error", error)
     if f"line {line}" not in message:
         message = f"line {line}: {message}"
-    return {"code": code, "message": message}
+    param = _PARAM.search(message)
+    return {
+        "message": message,
+        "type": "invalid_request_error" if code in REQUEST_ERROR_CODES else "server_error",
+        "param": param.group(1) if param else ("custom_id" if code == INVALID_CUSTOM_ID else None),
+        "code": code,
+    }
+
+
+def _custom_id_as_given(row: dict, code: str) -> object:
+    """The line's custom_id as the client wrote it (a refused one is kept as its JSON text)."""
+    if code != INVALID_CUSTOM_ID or row["custom_id"] is None:
+        return row["custom_id"]
+    value = json.loads(row["custom_id"])
+    # NaN and Infinity are not JSON: strict readers of the error file would reject the line.
+    return row["custom_id"] if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def batch_files(labels: pl.DataFrame, *, model: str, partition_key: str, created: int) -> tuple[list[dict], list[dict]]:
@@ -118,13 +142,17 @@ def batch_files(labels: pl.DataFrame, *, model: str, partition_key: str, created
     errors: list[dict] = []
     for row in labels.iter_rows(named=True):
         line_id = _short_id("batch_req_", partition_key, row["row_id"])
+        request_id = _short_id("req_", partition_key, row["row_id"])
         if row["generated_text"] is not None:
             body = _response_body(row, model=model, created=created, partition_key=partition_key)
-            response = {"status_code": 200, "request_id": _short_id("req_", partition_key, row["row_id"]), "body": body}
+            response = {"status_code": 200, "request_id": request_id, "body": body}
             outputs.append({"id": line_id, "custom_id": row["custom_id"], "response": response, "error": None})
         else:
             error = error_object(row["error"] or "no_output: the engine returned no text", row["source_line"])
-            errors.append({"id": line_id, "custom_id": row["custom_id"], "response": None, "error": error})
+            status = 400 if error["type"] == "invalid_request_error" else 500
+            response = {"status_code": status, "request_id": request_id, "body": {"error": error}}
+            custom_id = _custom_id_as_given(row, error["code"])
+            errors.append({"id": line_id, "custom_id": custom_id, "response": response, "error": None})
     return outputs, errors
 
 
