@@ -26,6 +26,9 @@ def main() -> None:
     parser.add_argument("source")
     parser.add_argument("target")
     parser.add_argument("--task", default="industry")
+    parser.add_argument(
+        "--logprobs", action="store_true", help="ask for the sampled token's log-probability (as a confidence does)"
+    )
     args = parser.parse_args()
     task = {t.name: t for t in load_task_specs()}[args.task]
     settings = VLLMEngine().settings(task)
@@ -45,7 +48,9 @@ def main() -> None:
     engine_args.pop("disable_log_stats", None)  # LLM's own default is the same
     llm = LLM(**engine_args)
     engine_ready = time.perf_counter()
-    outputs = llm.chat(messages, sampling_params_for(task.sampling, task.output), use_tqdm=False)
+    outputs = llm.chat(
+        messages, sampling_params_for(task.sampling, task.output, logprobs=args.logprobs), use_tqdm=False
+    )
     chat_seconds = time.perf_counter() - engine_ready
     texts = [o.outputs[0].text for o in outputs]
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
