@@ -187,13 +187,30 @@ def _summary_line(task_name: str, partition_key: str, instance) -> str:
             label_text += f" ({'; '.join(notes)})"
     record = latest_materialization(instance, dg.AssetKey([task_name, "inference_outputs"]), partition_key)
     if record is not None and record.asset_materialization is not None:
-        metadata = record.asset_materialization.metadata
-        value = metadata.get("generated_tokens_per_second")
-        rate = f", {value.value:.1f} generated tok/s" if value is not None else ""
+        rate = _inference_text(record.asset_materialization.metadata)
     text = f"{rows} rows, {errors} error rows, labels: {label_text}{rate}"
     if rows and errors == rows:
         text += "; every record is an error (see the `error` column of validated_labels)"
     return text
+
+
+def _inference_text(metadata) -> str:
+    """The generation rate when this run inferred rows; where the rows came from when it inferred
+    none (a rate over no inference would read as a stalled engine)."""
+
+    def count(name: str) -> int:
+        entry = metadata.get(name)
+        return int(entry.value) if entry is not None and entry.value is not None else 0
+
+    rate = metadata.get("generated_tokens_per_second")
+    if count("rows_inferred") and rate is not None:
+        return f", {rate.value:.1f} generated tok/s"
+    sources = [
+        f"{count(name)} rows from {source}"
+        for name, source in (("rows_from_cache", "the result cache"), ("rows_from_checkpoint", "checkpoints"))
+        if count(name)
+    ]
+    return f", nothing inferred: {' and '.join(sources)}" if sources else ""
 
 
 def _outcome(task_name: str, key: str, instance, **fields) -> PartitionOutcome:
@@ -239,22 +256,24 @@ def _read_named_files(files: list[Path]) -> list[NamedFile]:
 
 
 def _last_origin(instance, job_name: str, key: str) -> str | None:
-    """The file a CLI run of this partition was last given (None when unknown)."""
+    """The file the newest CLI run of this partition was given (None when unknown): a run of this
+    file alone tags its origin, a run over several files tags each file's origin in one JSON tag."""
     import dagster as dg
 
-    runs = instance.get_runs(filters=dg.RunsFilter(job_name=job_name, tags={"dagster/partition": key}), limit=20)
-    single = next((run for run in runs if ORIGIN_TAG in run.tags), None)
-    ranges = instance.get_runs(
+    singles = instance.get_run_records(
+        filters=dg.RunsFilter(job_name=job_name, tags={"dagster/partition": key}), limit=20
+    )
+    ranges = instance.get_run_records(
         filters=dg.RunsFilter(job_name=job_name, tags={"batch_assets/launched_by": "cli"}), limit=50
     )
-    grouped = next((run for run in ranges if key in json.loads(run.tags.get(ORIGINS_TAG, "{}"))), None)
-    latest = max(
-        (run for run in (single, grouped) if run is not None), key=lambda run: run.create_timestamp, default=None
-    )
-    if latest is None:
-        return None
-    tags = latest.tags
-    return tags[ORIGIN_TAG] if latest is single else json.loads(tags[ORIGINS_TAG])[key]
+    # (when, origin); the creation time is the run record's, not the run's (DagsterRun has none).
+    candidates = [(record.create_timestamp, record.dagster_run.tags.get(ORIGIN_TAG)) for record in singles]
+    candidates += [
+        (record.create_timestamp, json.loads(record.dagster_run.tags.get(ORIGINS_TAG, "{}")).get(key))
+        for record in ranges
+    ]
+    known = [(when, origin) for when, origin in candidates if origin is not None]
+    return max(known, key=lambda candidate: candidate[0])[1] if known else None
 
 
 def _copy_into_drop_zone(instance, task_name: str, job_name: str, files: list[NamedFile], *, replace: bool) -> None:
@@ -327,16 +346,18 @@ class _ProgressHandler(logging.Handler):
         match = _PROGRESS.search(message)
         if match:
             done, total, percent, rate = int(match[1]), int(match[2]), match[3], float(match[4])
-            left = f", about {_duration((total - done) / rate)} left" if rate > 0 and done < total else ""
+            left = f", {_time_left((total - done) / rate)}" if rate > 0 and done < total else ""
             text = f"  {self.label}: {done}/{total} requests ({percent}%), {rate:.1f} rows/s{left}"
             TERMINAL.update(text)
         elif _STARTING.search(message):
             TERMINAL.say(f"  {self.label}: {message}")
 
 
+def _time_left(seconds: float) -> str:
+    return "under 1 s left" if seconds < 1 else f"about {_duration(seconds)} left"
+
+
 def _duration(seconds: float) -> str:
-    if seconds < 1:
-        return "under 1 s"
     seconds = int(round(seconds))
     return f"{seconds // 60} min {seconds % 60} s" if seconds >= 60 else f"{seconds} s"
 

@@ -157,6 +157,7 @@ def test_run_of_several_files_is_one_run_per_range_with_a_line_per_file(workdir)
     lines = summary_lines(result.stdout)
     assert [line.split(":")[0] for line in lines] == [f"industry/{n}" for n in names]
     assert all(f"{rows} rows, 0 error rows" in line for line, rows in zip(lines, (2, 3, 4), strict=True)), lines
+    assert all(re.search(r", \d+\.\d generated tok/s$", line) for line in lines), lines
     with open_instance(tmp_path / "home") as instance:
         [run] = instance.get_runs()
         assert run.is_success
@@ -176,6 +177,9 @@ def test_run_of_several_files_is_one_run_per_range_with_a_line_per_file(workdir)
     # The same files again: one more run of the range, every row from the result cache.
     again = run_cli(["run", "industry", *(str(tmp_path / n) for n in names)], env, tmp_path)
     assert again.returncode == 0 and len(summary_lines(again.stdout)) == 3
+    # Issue 29.9: these lines said "0.0 generated tok/s"; they say where the rows came from.
+    for line, rows in zip(summary_lines(again.stdout), (2, 3, 4), strict=True):
+        assert line.endswith(f", nothing inferred: {rows} rows from the result cache") and "tok/s" not in line, line
     with open_instance(tmp_path / "home") as instance:
         assert len(instance.get_runs()) == 2
         for name, rows in zip(names, (2, 3, 4), strict=True):
@@ -190,3 +194,48 @@ def test_run_of_several_files_is_one_run_per_range_with_a_line_per_file(workdir)
                 .asset_materialization.metadata
             )
             assert (metadata["rows_inferred"].value, metadata["rows_from_cache"].value) == (0, rows)
+
+
+def metadata_of(**values: int) -> dict[str, dg.MetadataValue]:
+    return {name: dg.MetadataValue.int(value) for name, value in values.items()} | {
+        "generated_tokens_per_second": dg.MetadataValue.float(values.get("generated", 0) / 2)
+    }
+
+
+def test_summary_names_the_rate_of_inferred_rows_and_the_source_of_reused_ones() -> None:
+    """Issue 29.9: a file whose rows all came from the cache or checkpoints said "0.0 generated tok/s"."""
+    from batch_assets.cli import _inference_text
+
+    assert _inference_text(metadata_of(rows_inferred=5, generated=81)) == ", 40.5 generated tok/s"
+    # Some rows reused, some inferred: the rate is of the inferred ones.
+    assert _inference_text(metadata_of(rows_inferred=1, rows_from_cache=4, generated=8)) == ", 4.0 generated tok/s"
+    assert _inference_text(metadata_of(rows_inferred=0, rows_from_cache=7)) == (
+        ", nothing inferred: 7 rows from the result cache"
+    )
+    assert _inference_text(metadata_of(rows_inferred=0, rows_from_cache=2, rows_from_checkpoint=3)) == (
+        ", nothing inferred: 2 rows from the result cache and 3 rows from checkpoints"
+    )
+    # Only error rows: nothing was inferred and nothing reused, so nothing to say.
+    assert _inference_text(metadata_of(rows_inferred=0)) == ""
+
+
+@pytest.mark.parametrize(
+    ("message", "line"),
+    [
+        ("inferred 99/100 requests (99%), 200.0 rows/s", "  t/p: 99/100 requests (99%), 200.0 rows/s, under 1 s left"),
+        ("inferred 10/100 requests (10%), 2.0 rows/s", "  t/p: 10/100 requests (10%), 2.0 rows/s, about 45 s left"),
+        ("inferred 0/1000 requests (0%), 5.0 rows/s", "  t/p: 0/1000 requests (0%), 5.0 rows/s, about 3 min 20 s left"),
+        ("inferred 100/100 requests (100%), 2.0 rows/s", "  t/p: 100/100 requests (100%), 2.0 rows/s"),
+    ],
+)
+def test_progress_line_says_the_time_left_in_plain_words(message: str, line: str, monkeypatch) -> None:
+    """Issue 29.9: the last second showed as "about under 1 s left"."""
+    import io
+    import logging
+
+    from batch_assets.cli import TERMINAL, _ProgressHandler
+
+    out = io.StringIO()  # not a terminal: one line per update
+    monkeypatch.setattr(TERMINAL, "stream", out)
+    _ProgressHandler("t/p").emit(logging.LogRecord("run", logging.INFO, __file__, 1, message, None, None))
+    assert out.getvalue() == line + "\n"

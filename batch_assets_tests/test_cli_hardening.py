@@ -433,3 +433,53 @@ def test_the_cli_frees_its_warm_engine_before_waiting_for_a_slot_another_run_hol
         releaser.join()
         assert freed == ["x"] and time.monotonic() - started >= 2.5
         assert len(said) == 1 and "held by run daemon-r" in said[0]
+
+
+def test_an_edited_file_runs_again_and_a_namesake_is_refused_or_replaced_after_cli_runs(cli_env) -> None:
+    """Issue 29.1: once a file had a CLI run, running it again edited, or a file of the same name from
+    another folder (with or without --replace), crashed with `AttributeError ... create_timestamp`."""
+    tmp_path, env = cli_env
+    for folder in ("r1", "r2"):
+        (tmp_path / folder).mkdir()
+    edited, namesake, other = tmp_path / "r1" / "e.csv", tmp_path / "r2" / "e.csv", tmp_path / "r1" / "f.csv"
+    zone = tmp_path / "data" / "drops" / "industry"
+
+    edited.write_text('Company\n""\n')
+    first = run_cli(["run", "industry", "r1/e.csv"], env, tmp_path)
+    assert first.returncode == 1, first.stdout + first.stderr[-3000:]
+    [line] = summary_lines(first.stdout)
+    assert line.startswith("industry/e.csv: ALL ROWS FAILED") and "1 rows, 1 error rows" in line
+
+    # The tuning loop: edit the file, run it again (here with another file, so one run carries both
+    # files' origins in one tag).
+    edited.write_text("Company\nAcme Holdings LLP\nGlobex Hospital\n")
+    other.write_text("Company\nInitech\n")
+    second = run_cli(["run", "industry", "r1/e.csv", "r1/f.csv"], env, tmp_path)
+    assert second.returncode == 0, second.stdout + second.stderr[-3000:]
+    assert "r1/e.csv: changed since its last run; partition e.csv is run again from the new content" in second.stdout
+    lines = summary_lines(second.stdout)
+    assert [line.split(": ")[0] for line in lines] == ["industry/e.csv", "industry/f.csv"]
+    assert "2 rows, 0 error rows" in lines[0], lines
+
+    # Another folder's e.csv: refused, naming the file the drop came from; nothing copied.
+    namesake.write_text("Company\nUmbrella Pharmacy\n")
+    refused = run_cli(["run", "industry", "r2/e.csv"], env, tmp_path)
+    assert refused.returncode == 2, refused.stdout + refused.stderr[-3000:]
+    assert f"already holds a different e.csv (from {edited})" in refused.stdout and "--replace" in refused.stdout
+    assert (zone / "e.csv").read_bytes() == edited.read_bytes()
+
+    # With --replace it replaces the drop and the partition's outputs, and says what it replaced.
+    replaced = run_cli(["run", "industry", "--replace", "r2/e.csv"], env, tmp_path)
+    assert replaced.returncode == 0, replaced.stdout + replaced.stderr[-3000:]
+    assert f"r2/e.csv: replaces the drop file e.csv (from {edited}) as asked (--replace)" in replaced.stdout
+    [line] = summary_lines(replaced.stdout)
+    assert line.startswith("industry/e.csv: OK run ") and "1 rows, 0 error rows" in line
+    assert (zone / "e.csv").read_bytes() == namesake.read_bytes()
+
+    # The newest run decides where the drop came from: now r2, so r1's file is the namesake.
+    back = run_cli(["run", "industry", "r1/e.csv"], env, tmp_path)
+    assert back.returncode == 2 and f"already holds a different e.csv (from {namesake})" in back.stdout, back.stdout
+    for result in (first, second, refused, replaced, back):
+        assert "AttributeError" not in result.stdout and "Traceback" not in result.stdout + result.stderr
+    with open_instance(tmp_path / "home") as instance:
+        assert len(instance.get_runs()) == 3

@@ -196,45 +196,62 @@ def sampling_params_for(sampling: SamplingSpec, output: OutputSpec | None, *, lo
 
 
 class _Reaper:
-    """Kills the engine's processes when this process dies (see reaper.py); told `done` at shutdown."""
+    """Kills the engine's processes when this process dies, during start-up too (see reaper.py);
+    told `done` at shutdown."""
 
     def __init__(self) -> None:
         import psutil
 
         me = psutil.Process()
         self._before = {child.pid for child in me.children(recursive=True)}
+        # Marks this start's engine processes (inherited through their environment), so the watcher
+        # finds them after this process died and they were handed to init.
+        self.token = uuid.uuid4().hex
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "batch_assets.engines.reaper", str(me.pid), repr(me.create_time())],
+            [sys.executable, "-m", "batch_assets.engines.reaper", str(me.pid), repr(me.create_time()), self.token],
             stdin=subprocess.PIPE,
             text=True,
         )
+
+    @property
+    def environment(self) -> dict[str, str]:
+        """What the engine's processes get in their environment."""
+        from batch_assets.engines.reaper import TOKEN_VARIABLE
+
+        return {TOKEN_VARIABLE: self.token}
 
     def _engine_children(self) -> list:
         """Processes vLLM started since the watcher was (engine cores, a DP coordinator), not
         others this process started meanwhile (e.g. Dagster's log tailers)."""
         import psutil
 
-        found = []
-        for child in psutil.Process().children(recursive=False):
-            if child.pid in self._before or child.pid == self._process.pid:
-                continue
-            with contextlib.suppress(psutil.Error):
-                command = " ".join(child.cmdline())
-                if "VLLM" in command or "multiprocessing" in command:
-                    found.append(child)
-        return found
+        from batch_assets.engines.reaper import is_engine_process
+
+        try:
+            children = psutil.Process().children(recursive=False)
+        except psutil.Error:
+            return []
+        return [
+            child
+            for child in children
+            if child.pid not in self._before and child.pid != self._process.pid and is_engine_process(child)
+        ]
 
     def watch_new_children(self) -> None:
-        """Hand the watcher the engine's processes; their children are found when it kills them."""
+        """Hand the watcher the started engine's processes (their children are found when it kills
+        them) and end its looking for new ones: later children of this process are not the engine's."""
         import psutil
 
         lines = []
         for child in self._engine_children():
             with contextlib.suppress(psutil.Error):
                 lines.append(f"{child.pid} {child.create_time()!r}\n")
+        self._send("".join(lines) + "started\n")
+
+    def _send(self, text: str) -> None:
         assert self._process.stdin is not None  # started with stdin=PIPE
         with contextlib.suppress(OSError, ValueError):
-            self._process.stdin.write("".join(lines))
+            self._process.stdin.write(text)
             self._process.stdin.flush()
 
     def kill_new_children(self) -> None:
@@ -246,9 +263,9 @@ class _Reaper:
                 kill_tree(child.pid, child.create_time())
 
     def stop(self) -> None:
+        self._send("done\n")
         assert self._process.stdin is not None  # started with stdin=PIPE
         with contextlib.suppress(OSError, ValueError):
-            self._process.stdin.write("done\n")
             self._process.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._process.wait(timeout=10)
@@ -313,7 +330,7 @@ class _AsyncEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         # The engine's processes are started here and inherit this environment.
-        with _environment(engine_process_environment(self.settings)):
+        with _environment({**engine_process_environment(self.settings), **self._reaper.environment}):
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**self.settings.engine_args()))
 
     def _call(self, coroutine, timeout: float | None = None):
