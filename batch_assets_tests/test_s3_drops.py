@@ -284,6 +284,14 @@ def test_keys_with_empty_parts_are_read_under_the_name_they_are_listed_under(s3:
     assert s3.read_output("raw_prompts", key)["text"].to_list() == ["double slash after the prefix"]
 
 
+def test_folder_markers_are_not_inputs_whatever_their_names(s3: S3) -> None:
+    for marker in ("reports/", "reports.jsonl/", "reports.jsonl/inner/"):
+        s3.put(marker, b"")
+    s3.put("reports.jsonl/posts.jsonl", POSTS_C)
+    files, skipped = list_drop_files(TASK)
+    assert ([drop.relative_path for drop in files], skipped) == (["reports.jsonl/posts.jsonl"], {})
+
+
 @pytest.mark.parametrize("relative", ["x/../escape.jsonl", "../../outside.jsonl", "./dot.jsonl", "a/./b.jsonl"])
 def test_keys_with_dot_parts_are_skipped_as_unsafe_names(s3: S3, relative: str) -> None:
     s3.put(relative, POSTS_C)

@@ -271,7 +271,9 @@ def _remote_entries(zone: UPath) -> Iterator[_Entry]:
     root = zone.path.rstrip("/")
     # s3fs pages through ListObjectsV2 (1,000 keys a page) until the prefix is exhausted.
     for full_path, info in zone.fs.find(root, detail=True).items():
-        if info.get("type") == "directory" or not full_path.startswith(root + "/"):
+        # A key ending in `/` is a folder marker (the S3 console's "Create folder"), not a file,
+        # whatever its name looks like (`reports.csv/`).
+        if info.get("type") == "directory" or full_path.endswith("/") or not full_path.startswith(root + "/"):
             continue
         # Exactly one separator off: the rest of the key, `/` included, is the name (`//a.jsonl`
         # under the prefix is another object than `a.jsonl`).
