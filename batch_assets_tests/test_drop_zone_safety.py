@@ -199,3 +199,23 @@ def test_a_zone_that_is_itself_a_link_is_the_configured_folder_and_is_read(
     data_dir.symlink_to(real, target_is_directory=True)
     [drop], skipped = list_drop_files(TASK)
     assert (drop.relative_path, drop.read_bytes(), skipped) == ("ok.txt", b"q\n", {})
+
+
+def test_a_partition_whose_file_became_a_link_fails_its_run_without_reading_it(zone: Path, data_dir: Path) -> None:
+    # The case: `ln -s /etc/passwd drops/answers/passwd.txt` had become a partition. Its run
+    # now fails as an unreadable file, naming the reason, and stores nothing of the target.
+    (zone / "passwd.txt").symlink_to("/etc/passwd")
+    defs = build_definitions()
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(f"{TASK}_drops", ["passwd.txt"])
+        result = defs.resolve_job_def(pipeline_job_name(TASK)).execute_in_process(
+            instance=instance,
+            partition_key="passwd.txt",
+            asset_selection=[dg.AssetKey([TASK, "raw_prompts"])],
+            raise_on_error=False,
+        )
+    assert not result.success
+    [failure] = [event for event in result.all_events if event.is_step_failure]
+    message = failure.step_failure_data.error.to_string()
+    assert "passwd.txt: symbolic link" in message and "root:" not in message
+    assert not (data_dir / "storage" / TASK / "raw_prompts" / "passwd.txt.parquet").exists()
