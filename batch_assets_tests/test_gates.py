@@ -233,9 +233,9 @@ def test_no_history_means_no_drift_report() -> None:
 
 def write_task(tmp_path: Path, extra: str) -> Path:
     path = tmp_path / "t.yaml"
-    path.write_text(
-        "input: {text_fields: [text]}\nprompt: {template: '{text}'}\noutput: {kind: choices, choices: [a, b]}\n" + extra
-    )
+    # An `output` in `extra` replaces the default one (a key given twice is refused).
+    output = "" if extra.startswith("output:") or "\noutput:" in extra else "output: {kind: choices, choices: [a, b]}\n"
+    path.write_text("input: {text_fields: [text]}\nprompt: {template: '{text}'}\n" + output + extra)
     return path
 
 

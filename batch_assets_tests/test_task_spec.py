@@ -175,3 +175,242 @@ def test_run_of_a_bad_task_names_its_file_and_error(
     out = capsys.readouterr().out
     assert out.startswith(f"error: task 'bad' cannot be loaded: {bad}") and "placeholder {}" in out
     assert not (tmp_path / "data" / "drops" / "bad").exists()
+
+
+# --- hostile task files: each is refused alone, naming the file, the key and its line -------------
+
+HEAD = 'input: {text_fields: [text]}\nprompt: {system: "Classify.", template: "Text: {text}"}\n'
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        # A regex Python cannot compile (`re.error` is no ValueError: it used to escape every check).
+        (HEAD + 'output: {kind: regex, regex: "[a-"}\n', "output.regex (line 3): not a valid regular expression"),
+        # Regexes that can only match the empty string, or nothing: every label would be invalid.
+        (HEAD + 'output: {kind: regex, regex: "^$"}\n', "output.regex (line 3): '^$' can only match the empty string"),
+        (HEAD + 'output: {kind: regex, regex: "(?!)"}\n', "output.regex (line 3): '(?!)' can only match the empty"),
+        (HEAD + 'output: {kind: regex, regex: "a{0}"}\n', "output.regex (line 3): 'a{0}' can only match the empty"),
+        # JSON schemas are checked against their metaschema, naming the key inside the schema.
+        (
+            HEAD + "output:\n  kind: json_schema\n  json_schema: {type: objekt}\n",
+            "output.json_schema.type (line 5): not a valid JSON schema: 'objekt' is not valid",
+        ),
+        (
+            HEAD + "output:\n  kind: json_schema\n  json_schema:\n    type: object\n    properties:\n"
+            "      label: {type: strin}\n",
+            "output.json_schema.properties.label.type (line 8): not a valid JSON schema",
+        ),
+        # max_tokens that leave no room for a prompt: both keys named, each with its line.
+        (
+            HEAD + "output: {kind: text}\nengine:\n  max_model_len: 1024\nsampling:\n  max_tokens: 5000\n",
+            "line 7: sampling.max_tokens 5000 leaves no room for a prompt in engine.max_model_len (line 5) 1024",
+        ),
+        # Empty, blank and duplicate choices.
+        (HEAD + 'output: {kind: choices, choices: ["", " "]}\n', "output.choices.0 (line 3): '' is empty or blank"),
+        (HEAD + 'output: {kind: choices, choices: [a, " "]}\n', "output.choices.1 (line 3): ' ' is empty or blank"),
+        (
+            HEAD + "output:\n  kind: choices\n  choices:\n    - yes\n    - no\n    - yes\n",
+            "output.choices.2 (line 8): 'yes' repeats choice 0 ('yes'); choices must be distinct",
+        ),
+        (
+            HEAD + 'output: {kind: choices, choices: ["yes", " yes"]}\n',
+            "output.choices.1 (line 3): ' yes' differs only in surrounding spaces from choice 0 ('yes')",
+        ),
+        # Refusals of one setting against another name the offending key's line.
+        (
+            HEAD + "output: {kind: text}\nbudget:\n  max_cost_usd: 5\n",
+            "line 5: budget.max_cost_usd needs engine.price",
+        ),
+        (
+            'input: {text_fields: [text]}\nprompt:\n  template: "Text: {body}"\noutput: {kind: text}\n',
+            "prompt.template (line 3): uses ['body'], not in input.text_fields (line 1) ['text']",
+        ),
+        (
+            HEAD + "output: {kind: choices, choices: [yes, no, a_very_long_choice_name]}\nsampling:\n  max_tokens: 4\n",
+            "line 5: sampling.max_tokens 4 is too small for the choice 'a_very_long_choice_name'",
+        ),
+        (
+            HEAD + "output: {kind: text}\nchecks:\n  gold_field: label\n",
+            "line 5: checks.gold_field needs a closed output",
+        ),
+        (HEAD + "output:\n  kind: choices\n", "output.kind (line 4): output kind 'choices' needs a non-empty"),
+        (HEAD + "output: {kind: text}\nname: other\n", "name (line 4): task name 'other' must equal the file name"),
+        # A run over more partitions than one run can sensibly hold.
+        (
+            HEAD + "output: {kind: text}\nruns:\n  max_partitions_per_run: 100000\n",
+            "runs.max_partitions_per_run (line 5): Input should be less than or equal to 1000",
+        ),
+        # Wrong types, unknown keys, negative and non-finite numbers.
+        (
+            HEAD + "output: {kind: text}\nsampling: {max_tokens: lots}\n",
+            "sampling.max_tokens (line 4): Input should be",
+        ),
+        (HEAD + "output: {kind: text}\nsampling: 5\n", "sampling (line 4): Input should be a valid dictionary"),
+        (HEAD + "output: {kind: text}\nsamplng: {max_tokens: 5}\n", "samplng (line 4): Extra inputs are not permitted"),
+        (
+            HEAD + "output: {kind: choices, choices: [1, 2]}\n",
+            "output.choices.0 (line 3): Input should be a valid string",
+        ),
+        (
+            HEAD + "output: {kind: text}\nsampling: {temperature: -1}\n",
+            "sampling.temperature (line 4): Input should be",
+        ),
+        (
+            HEAD + "output: {kind: text}\nsampling: {temperature: .inf}\n",
+            "sampling.temperature (line 4): Input should be a finite",
+        ),
+        (
+            HEAD + "output: {kind: text}\nengine: {max_model_len: -5}\n",
+            "engine.max_model_len (line 4): Input should be",
+        ),
+        (
+            HEAD + "output: {kind: text}\nsampling: {max_tokens: 99999999999999999999999}\n",
+            "line 4: sampling.max_tokens 99999999999999999999999 leaves no room for a prompt",
+        ),
+    ],
+)
+def test_hostile_task_files_are_refused_naming_file_key_and_line(tmp_path: Path, body: str, expected: str) -> None:
+    path = write(tmp_path, "hostile", body)
+    with pytest.raises(TaskSpecError) as info:
+        load_task_spec(path)
+    assert str(info.value).startswith(f"{path}: ")
+    assert expected in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        # A key given twice: YAML would keep the second silently.
+        (
+            HEAD + "output: {kind: text}\nsampling: {max_tokens: 8}\nsampling: {max_tokens: 9}\n",
+            "duplicate key 'sampling' on line 4 and line 5: keep one",
+        ),
+        (
+            HEAD + "output:\n  kind: text\n  kind: choices\n",
+            "duplicate key 'kind' on line 4 and line 5",
+        ),
+        ("", "empty: a task file is a mapping of settings"),
+        ("# nothing but a comment\n", "empty: a task file is a mapping of settings"),
+        ("- input\n- output\n", "line 1: expected a mapping of settings (input, prompt, output, ...) at the top level"),
+        (
+            "input:\n\ttext_fields: [text]\n",
+            "found character '\\t' that cannot start any token\n  in \"<unicode string>\", line 2",
+        ),
+        ("input: [unclosed\n", "not valid YAML"),
+        ("description: " + "[" * 3000 + "]" * 3000 + "\n", "nested too deeply"),
+        # A few hundred bytes of aliases standing for a million values.
+        (
+            HEAD + "output: {kind: text}\ndescription: [&a [x,x,x,x,x,x,x,x,x,x], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,*a], "
+            "&c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b], &d [*c,*c,*c,*c,*c,*c,*c,*c,*c,*c], "
+            "&e [*d,*d,*d,*d,*d,*d,*d,*d,*d,*d], &f [*e,*e,*e,*e,*e,*e,*e,*e,*e,*e]]\n",
+            "on line 4 expands (through YAML aliases) to more than 100000 values",
+        ),
+    ],
+)
+def test_malformed_yaml_is_refused_naming_file_and_line(tmp_path: Path, body: str, expected: str) -> None:
+    path = write(tmp_path, "hostile", body)
+    with pytest.raises(TaskSpecError) as info:
+        load_task_spec(path)
+    assert str(info.value).startswith(f"{path}: ")
+    assert expected in str(info.value)
+
+
+def test_what_is_not_a_task_file_is_refused_without_reading_it(tmp_path: Path) -> None:
+    import os
+
+    (tmp_path / "folder.yaml").mkdir()
+    os.mkfifo(tmp_path / "fifo.yaml")  # opening it would block the code location's load
+    (tmp_path / "zero.yaml").symlink_to("/dev/zero")  # reading it would never end
+    (tmp_path / "big.yaml").write_text("description: " + "x" * (2 << 20) + "\n")
+    write(tmp_path, "good", GOOD)
+    loaded = load_tasks(tmp_path)
+    assert [task.name for task in loaded.tasks] == ["good"]
+    messages = {error.name: error.message for error in loaded.errors}
+    assert messages["folder"] == f"{tmp_path / 'folder.yaml'}: not a regular file"
+    assert messages["fifo"] == f"{tmp_path / 'fifo.yaml'}: not a regular file"
+    assert messages["zero"] == f"{tmp_path / 'zero.yaml'}: not a regular file"
+    assert messages["big"] == f"{tmp_path / 'big.yaml'}: larger than 1024 KiB; a task file is a few settings"
+
+
+def test_settings_near_the_limits_still_load(tmp_path: Path) -> None:
+    # A regex that may match the empty string but also labels, a valid schema, a merge key that
+    # overrides on purpose, choices with inner spaces, max_tokens just under the context.
+    regex = load_task_spec(write(tmp_path, "regex", HEAD + 'output: {kind: regex, regex: "[A-Z]*"}\n'))
+    assert regex.output.regex == "[A-Z]*"
+    schema = HEAD + "output:\n  kind: json_schema\n  json_schema: {type: object, properties: {a: {type: string}}}\n"
+    assert load_task_spec(write(tmp_path, "schema", schema)).output.json_schema["type"] == "object"
+    merged_body = (
+        HEAD + "output: {kind: choices, choices: [Real Estate, Law Firm]}\n"
+        "engine: {max_model_len: 64}\nsampling:\n  <<: {max_tokens: 8, temperature: 0.5}\n  max_tokens: 63\n"
+    )
+    merged = load_task_spec(write(tmp_path, "merged", merged_body))
+    assert merged.sampling.max_tokens == 63 and merged.sampling.temperature == 0.5
+    assert merged.output.choices == ["Real Estate", "Law Firm"]
+    runs = load_task_spec(
+        write(tmp_path, "runs", HEAD + "output: {kind: text}\nruns: {max_partitions_per_run: 1000}\n")
+    )
+    assert runs.runs.max_partitions_per_run == 1000
+
+
+BAD_REGEX = HEAD + 'output: {kind: regex, regex: "[a-"}\n'
+
+
+def test_a_bad_regex_leaves_the_other_tasks_loaded(tmp_path: Path) -> None:
+    write(tmp_path, "good", GOOD)
+    bad = write(tmp_path, "bad", BAD_REGEX)
+    loaded = load_tasks(tmp_path)
+    assert [task.name for task in loaded.tasks] == ["good"]
+    [error] = loaded.errors
+    assert error.name == "bad" and error.paths == (bad,)
+    assert error.message == (
+        f"{bad}: output.regex (line 3): not a valid regular expression: unterminated character set at position 0"
+    )
+
+
+def test_an_unexpected_error_in_one_file_is_reported_and_logged_not_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from batch_assets.pipeline import task_spec
+
+    real_load = task_spec.load_task_spec
+
+    def load_with_a_bug(path: Path) -> task_spec.TaskSpec:
+        if path.stem == "bad":
+            raise RuntimeError("a bug in a check")
+        return real_load(path)
+
+    monkeypatch.setattr(task_spec, "load_task_spec", load_with_a_bug)
+    write(tmp_path, "good", GOOD)
+    bad = write(tmp_path, "bad", GOOD)
+    loaded = load_tasks(tmp_path)
+    assert [task.name for task in loaded.tasks] == ["good"]
+    [error] = loaded.errors
+    assert error.message == f"{bad}: could not be loaded: RuntimeError: a bug in a check"
+    # Not swallowed: the traceback is logged, naming the file.
+    [record] = [r for r in caplog.records if r.name == task_spec.__name__]
+    assert record.levelname == "ERROR" and str(bad) in record.getMessage() and record.exc_info is not None
+
+
+def test_the_code_location_loads_the_good_task_beside_a_bad_regex(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from batch_assets.definitions import load_project_defs
+
+    write(tmp_path, "good", GOOD)
+    bad = write(tmp_path, "bad", BAD_REGEX)
+    monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(tmp_path))
+    monkeypatch.setenv("BATCH_ASSETS_DATA", str(tmp_path / "data"))
+    # The code location as `dagster dev`, the daemon and `batch-assets` load it (the component tree).
+    defs = load_project_defs()
+    dg.Definitions.validate_loadable(defs)
+    keys = {key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()}
+    assert keys == {f"good/{a}" for a in ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels")}
+    assert defs.resolve_sensor_def("good_drops_sensor") is not None
+    error_sensor = defs.resolve_sensor_def("bad_drops_sensor")
+    assert str(bad) in error_sensor.description and "output.regex (line 3)" in error_sensor.description
+
+    assert cli.main(["tasks"]) == 1
+    out, err = capsys.readouterr()
+    assert out.startswith("good\tchoices") and "bad" not in out
+    assert f"ERROR: task 'bad' not loaded: {bad}: output.regex (line 3): not a valid regular expression" in err

@@ -8,15 +8,21 @@ factory builds for a task (asset group, partitions, drop zone, sensor, checks) c
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 import string
 from dataclasses import dataclass
 from pathlib import Path
+
+# Python's own regex parser (the one `re.compile` uses): it knows the widths a pattern can match.
+from re import _parser as _re_parser  # type: ignore[attr-defined]
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+log = logging.getLogger(__name__)
 
 TASKS_DIR_ENV = "BATCH_ASSETS_TASKS_DIR"
 MODEL_OVERRIDE_ENV = "BATCH_ASSETS_MODEL"
@@ -27,6 +33,20 @@ TASK_NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SettingError(ValueError):
+    """A refused setting that knows its key, so the error can give the key's line in the task file.
+
+    `key` is relative to the model whose validator raises it (pydantic prefixes that model's own
+    location); `related` are other settings the message names, as dotted paths from the top of the
+    file, whose lines are given where the message names them.
+    """
+
+    def __init__(self, message: str, key: tuple[str | int, ...] = (), related: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.key = key
+        self.related = related
 
 
 class InputSpec(_Strict):
@@ -50,16 +70,22 @@ class InputSpec(_Strict):
     def _fields_fit_the_format(self) -> InputSpec:
         if self.format == "openai_batch":
             if self.text_fields:
-                raise ValueError(
-                    "input.text_fields is not used with format openai_batch (each line carries its messages); remove it"
+                raise SettingError(
+                    "input.text_fields is not used with format openai_batch (each line carries its messages); "
+                    "remove it",
+                    ("text_fields",),
                 )
             return self
         if self.require_model_match:
-            raise ValueError("input.require_model_match applies to format openai_batch only")
+            raise SettingError(
+                "input.require_model_match applies to format openai_batch only", ("require_model_match",)
+            )
         if not self.text_fields:
-            raise ValueError("input.text_fields must name at least one input field")
+            raise SettingError("input.text_fields must name at least one input field", ("text_fields",))
         if self.txt_field not in self.text_fields:
-            raise ValueError(f"txt_field {self.txt_field!r} must be one of text_fields {self.text_fields}")
+            raise SettingError(
+                f"txt_field {self.txt_field!r} must be one of text_fields {self.text_fields}", ("txt_field",)
+            )
         return self
 
 
@@ -155,7 +181,7 @@ class EngineSpec(_Strict):
     base_url: str | None = None  # e.g. http://vllm.internal:8000/v1
     api_key_env: str | None = None  # the NAME of the environment variable holding the key
     concurrency: int = Field(default=64, ge=1)  # requests in flight
-    request_timeout_s: float = Field(default=120.0, gt=0)
+    request_timeout_s: float = Field(default=120.0, gt=0, allow_inf_nan=False)
     max_retries: int = Field(default=4, ge=0)  # on 429, 5xx, timeouts and connection errors
     # Local tokenizer (path or cached model id) for prompt rendering and token counts; default:
     # the model itself when it is a local folder, else the embedded model's tokenizer.
@@ -167,7 +193,7 @@ class EngineSpec(_Strict):
     # Engine replicas on one node (vLLM data parallelism); `auto`: visible GPUs / tensor_parallel_size.
     data_parallel_size: int | Literal["auto"] = 1
     # KV cache size in GiB; on a CPU this is what to set (a share of RAM is fragile there).
-    kv_cache_memory_gib: float | None = Field(default=None, gt=0)
+    kv_cache_memory_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     # Rows per checkpoint chunk (and per call to an endpoint).
     batch_size: int = Field(default=1024, ge=1)
     # Cost per token: `formatted_prompts` estimates a partition's cost, `inference_outputs` records it.
@@ -185,7 +211,7 @@ class EngineSpec(_Strict):
         vllm_args = dict(raw.get("vllm_args") or {})
         for name in sorted(LEGACY_VLLM_ARGS & raw.keys()):
             if name in vllm_args:
-                raise ValueError(f"engine.{name} and engine.vllm_args.{name} are both set: keep one")
+                raise SettingError(f"engine.{name} and engine.vllm_args.{name} are both set: keep one", (name,))
             vllm_args[name] = raw.pop(name)
         raw["vllm_args"] = vllm_args
         return raw
@@ -330,14 +356,15 @@ def check_vllm_args(vllm_args: dict[str, Any]) -> None:
         if name not in valid:
             close = difflib.get_close_matches(name, sorted(valid), n=3, cutoff=0.6)
             suggestion = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ValueError(
+            raise SettingError(
                 f"engine.vllm_args.{name} is not an argument of vLLM's engine (vllm.engine.arg_utils.EngineArgs)"
-                f"{suggestion}"
+                f"{suggestion}",
+                (name,),
             )
 
 
 class SamplingSpec(_Strict):
-    temperature: float = Field(default=0.0, ge=0)
+    temperature: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0, le=1)
     max_tokens: int = Field(default=16, ge=1)
     seed: int | None = None
@@ -358,19 +385,38 @@ class OutputSpec(_Strict):
     # saves their cost in the engine (a log-softmax over the vocabulary per generated token).
     confidence: bool = True
 
+    @field_validator("choices")
+    @classmethod
+    def _choices_are_distinct_labels(cls, choices: list[str] | None) -> list[str] | None:
+        if choices is not None:
+            check_choices(choices)
+        return choices
+
+    @field_validator("regex")
+    @classmethod
+    def _regex_can_match_a_label(cls, regex: str | None) -> str | None:
+        if regex is not None:
+            check_label_regex(regex)
+        return regex
+
+    @field_validator("json_schema")
+    @classmethod
+    def _json_schema_is_a_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        if schema is not None:
+            check_json_schema(schema)
+        return schema
+
     @model_validator(mode="after")
     def _matches_kind(self) -> OutputSpec:
         needed = {"choices": self.choices, "json_schema": self.json_schema, "regex": self.regex}
         if self.kind in needed and not needed[self.kind]:
-            raise ValueError(f"output kind {self.kind!r} needs a non-empty `{self.kind}` entry")
-        if self.choices is not None and len(set(self.choices)) != len(self.choices):
-            raise ValueError("choices must be distinct")
-        if self.regex is not None:
-            re.compile(self.regex)
+            # The missing entry has no line; the `kind` that asks for it has.
+            raise SettingError(f"output kind {self.kind!r} needs a non-empty `{self.kind}` entry", ("kind",))
         if "confidence" in self.model_fields_set and self.confidence and self.kind not in ("choices", "regex"):
-            raise ValueError(
+            raise SettingError(
                 "output.confidence applies to `kind: choices` or `regex` only "
-                "(labels of free text and JSON tasks have no confidence)"
+                "(labels of free text and JSON tasks have no confidence)",
+                ("confidence",),
             )
         return self
 
@@ -386,6 +432,65 @@ class OutputSpec(_Strict):
         which tokens are sampled, so `confidence` is left out (checkpoints, cached results and code
         versions stay valid when it is switched)."""
         return self.model_dump(exclude={"confidence"})
+
+
+def check_choices(choices: list[str]) -> None:
+    """Each choice is a label the model must be able to spell and a reader tell apart: no empty or
+    blank choice, no two that are the same once surrounding spaces are stripped."""
+    seen: dict[str, int] = {}
+    for index, choice in enumerate(choices):
+        if not choice.strip():
+            raise SettingError(
+                f"output.choices.{index}: {choice!r} is empty or blank; every choice must be a visible label",
+                (index,),
+            )
+        first = seen.setdefault(choice.strip(), index)
+        if first != index:
+            same = "repeats" if choices[first] == choice else "differs only in surrounding spaces from"
+            raise SettingError(
+                f"output.choices.{index}: {choice!r} {same} choice {first} ({choices[first]!r}); "
+                "choices must be distinct",
+                (index,),
+            )
+
+
+def check_label_regex(regex: str) -> None:
+    """The regex must compile with Python's `re` (labels are checked with `re.fullmatch`) and be able
+    to match a non-empty label.
+
+    Python's own regex parser gives the widths a pattern can match: a maximum of 0 means the
+    regex matches the empty string only, or nothing (`^$`, `()`, `a{0}`, `(?!)`): every label
+    would be empty or invalid. Deciding in general whether a pattern matches any string at all
+    needs an automaton (the ones structured-output libraries build cost time exponential in
+    counted repetitions such as `[a-z]{1,5000}`, and do not model anchors, lookarounds or
+    back-references), which a task load must not pay; width 0 is exact and costs nothing.
+    """
+    try:
+        re.compile(regex)
+    except re.error as exc:
+        raise SettingError(f"output.regex: not a valid regular expression: {exc}") from None
+    _, longest = _re_parser.parse(regex).getwidth()
+    if longest == 0:
+        raise SettingError(
+            f"output.regex: {regex!r} can only match the empty string (or nothing), so every label would be "
+            "empty or invalid; write the pattern of a label, e.g. [A-Z]{3}-[0-9]+"
+        )
+
+
+def check_json_schema(schema: dict[str, Any]) -> None:
+    """The schema must be a valid JSON Schema (checked against its metaschema, the draft its
+    `$schema` names or the latest): a typo such as `type: objekt` would otherwise reach vLLM's
+    grammar compiler and fail every partition there, naming no file or key."""
+    import jsonschema
+
+    validator = jsonschema.validators.validator_for(schema)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "".join(f".{part}" for part in exc.absolute_path)
+        raise SettingError(
+            f"output.json_schema{where}: not a valid JSON schema: {exc.message}", tuple(exc.absolute_path)
+        ) from None
 
 
 class BudgetSpec(_Strict):
@@ -429,13 +534,20 @@ class SensorSpec(_Strict):
     minimum_interval_seconds: int = Field(default=30, ge=5)
 
 
+MAX_PARTITIONS_PER_RUN = 1000
+
+
 class RunsSpec(_Strict):
     """How partitions are grouped into runs. A backfill (`BackfillPolicy.multi_run`), a burst of drops
     picked up by the sensor and `batch-assets run` with several files put up to
     `max_partitions_per_run` partitions in one run, whose rows reach the engine as one stream: one
     engine start per run."""
 
-    max_partitions_per_run: int = Field(default=16, ge=1)
+    # Bounded: a run's partitions are one engine stream and one run's event log (each partition's
+    # four materializations and checks), its outputs are held per partition until the step ends,
+    # and a failed range is re-run whole; a thousand drop files per run already amortize the
+    # engine start (tens of seconds to minutes) to well under a second each.
+    max_partitions_per_run: int = Field(default=16, ge=1, le=MAX_PARTITIONS_PER_RUN)
 
 
 class TaskSpec(_Strict):
@@ -467,11 +579,12 @@ class TaskSpec(_Strict):
     @model_validator(mode="after")
     def _prompt_fits_the_input_format(self) -> TaskSpec:
         if self.input.format == "openai_batch" and self.prompt is not None:
-            raise ValueError(
-                "a task with input.format openai_batch takes no `prompt` section: each line carries its own messages"
+            raise SettingError(
+                "a task with input.format openai_batch takes no `prompt` section: each line carries its own messages",
+                ("prompt",),
             )
         if self.input.format == "records" and self.prompt is None:
-            raise ValueError("the task needs a `prompt` section (system and template)")
+            raise SettingError("the task needs a `prompt` section (system and template)", ("input",))
         return self
 
     @model_validator(mode="after")
@@ -480,8 +593,10 @@ class TaskSpec(_Strict):
             return self
         unknown = self.prompt.placeholders() - set(self.input.text_fields)
         if unknown:
-            raise ValueError(
-                f"prompt template uses {sorted(unknown)}, not in input.text_fields {self.input.text_fields}"
+            raise SettingError(
+                f"prompt.template: uses {sorted(unknown)}, not in input.text_fields {self.input.text_fields}",
+                ("prompt", "template"),
+                ("input.text_fields",),
             )
         return self
 
@@ -492,36 +607,62 @@ class TaskSpec(_Strict):
         if self.output.kind == "choices" and self.output.choices:
             longest = max(self.output.choices, key=len)
             if self.sampling.max_tokens < len(longest) + 1:
-                raise ValueError(
+                raise SettingError(
                     f"sampling.max_tokens {self.sampling.max_tokens} is too small for the choice {longest!r}: "
-                    f"set it to at least {len(longest) + 1} (one token per character plus the end token)"
+                    f"set it to at least {len(longest) + 1} (one token per character plus the end token)",
+                    ("sampling", "max_tokens"),
+                    ("output.choices",),
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _max_tokens_leave_room_for_a_prompt(self) -> TaskSpec:
+        # A row whose prompt plus max_tokens exceeds the context is refused as prompt_too_long, and
+        # every prompt has at least one token: with no room left, every row of every file would fail.
+        if self.sampling.max_tokens >= self.engine.max_model_len:
+            raise SettingError(
+                f"sampling.max_tokens {self.sampling.max_tokens} leaves no room for a prompt in "
+                f"engine.max_model_len {self.engine.max_model_len} (prompt tokens + max_tokens must fit): "
+                "lower sampling.max_tokens or raise engine.max_model_len",
+                ("sampling", "max_tokens"),
+                ("engine.max_model_len",),
+            )
         return self
 
     @model_validator(mode="after")
     def _gold_settings_fit_the_output(self) -> TaskSpec:
         if self.checks.gold_json_field and self.output.kind != "json_schema":
-            raise ValueError("checks.gold_json_field applies to `output.kind: json_schema` only")
+            raise SettingError(
+                "checks.gold_json_field applies to `output.kind: json_schema` only",
+                ("checks", "gold_json_field"),
+            )
         if self.checks.gold_field and self.output.kind == "json_schema" and not self.checks.gold_json_field:
-            raise ValueError(
-                "checks.gold_field on a json_schema task needs checks.gold_json_field: the label field to compare"
+            raise SettingError(
+                "checks.gold_field on a json_schema task needs checks.gold_json_field: the label field to compare",
+                ("checks", "gold_field"),
             )
         if self.checks.gold_field and self.output.kind == "text":
-            raise ValueError("checks.gold_field needs a closed output (choices, regex or json_schema), not free text")
+            raise SettingError(
+                "checks.gold_field needs a closed output (choices, regex or json_schema), not free text",
+                ("checks", "gold_field"),
+            )
         confidence_settings = {"min_confidence", "max_low_confidence_share"} & self.checks.model_fields_set
         if confidence_settings and not self.output.has_confidence:
-            raise ValueError(
-                f"checks.{sorted(confidence_settings)[0]} applies to `output.kind: choices` or `regex` only, "
-                "with `output.confidence` on (labels of free text and JSON tasks have no confidence)"
+            setting = sorted(confidence_settings)[0]
+            raise SettingError(
+                f"checks.{setting} applies to `output.kind: choices` or `regex` only, "
+                "with `output.confidence` on (labels of free text and JSON tasks have no confidence)",
+                ("checks", setting),
             )
         return self
 
     @model_validator(mode="after")
     def _cost_limit_has_a_price(self) -> TaskSpec:
         if self.budget and self.budget.max_cost_usd is not None and self.engine.price is None:
-            raise ValueError(
+            raise SettingError(
                 "budget.max_cost_usd needs engine.price: {input_per_million_tokens, output_per_million_tokens} "
-                "to estimate a cost"
+                "to estimate a cost",
+                ("budget", "max_cost_usd"),
             )
         return self
 
@@ -537,7 +678,32 @@ class TaskSpecError(ValueError):
 
 class _Yaml12Loader(yaml.SafeLoader):
     """YAML 1.2 booleans: only true/false. PyYAML follows YAML 1.1, where `choices: [yes, no]` or a
-    label `off` would silently become booleans."""
+    label `off` would silently become booleans. A key given twice in one mapping is refused: PyYAML
+    would keep the last silently (a second `sampling:` section replacing the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        _refuse_duplicate_keys(self, node)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _refuse_duplicate_keys(loader: yaml.SafeLoader, node: yaml.MappingNode) -> None:
+    first_seen: dict[Any, yaml.Node] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` may be overridden on purpose
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            first = first_seen.setdefault(key, key_node)
+        except TypeError:  # an unhashable key: SafeLoader refuses it itself, with its line
+            continue
+        if first is not key_node:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"duplicate key {key!r} on line {first.start_mark.line + 1} and line {key_node.start_mark.line + 1}: "
+                "keep one (YAML would silently use the last)",
+                key_node.start_mark,
+            )
 
 
 _Yaml12Loader.yaml_implicit_resolvers = {
@@ -548,58 +714,131 @@ _Yaml12Loader.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
 )
 
+# Task files are a few kilobytes; anything far larger is not a task file (or a link to a device).
+MAX_TASK_FILE_BYTES = 1 << 20
+# Values in a task file once YAML aliases are expanded: a few kilobytes of `&a [*b, *b, ...]` can
+# stand for billions of values, which validation, code versions and run metadata would expand.
+MAX_TASK_FILE_VALUES = 100_000
+
+
+def _parse_yaml(text: str) -> tuple[Any, yaml.Node | None]:
+    """The task file's data and its node tree (for the lines of keys), composed once."""
+    loader = _Yaml12Loader(text)
+    try:
+        document = loader.get_single_node()
+        if document is None:
+            return None, None
+        _expanded_size(document, {})
+        return loader.construct_document(document), document
+    finally:
+        loader.dispose()
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """How many values `node` stands for with aliases expanded (an alias is the node it names)."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    children: list[yaml.Node] = []
+    if isinstance(node, yaml.MappingNode):
+        children = [part for pair in node.value for part in pair]
+    elif isinstance(node, yaml.SequenceNode):
+        children = node.value
+    size = 1 + sum(_expanded_size(child, sizes) for child in children)
+    if size > MAX_TASK_FILE_VALUES:
+        raise yaml.constructor.ConstructorError(
+            None,
+            None,
+            f"the value on line {node.start_mark.line + 1} expands (through YAML aliases) to more than "
+            f"{MAX_TASK_FILE_VALUES} values; a task file is a few settings",
+            node.start_mark,
+        )
+    sizes[id(node)] = size
+    return size
+
+
+def _read_task_file(path: Path) -> str:
+    if not path.is_file():
+        raise TaskSpecError(f"{path}: not a regular file")
+    with path.open("rb") as file:
+        data = file.read(MAX_TASK_FILE_BYTES + 1)
+    if len(data) > MAX_TASK_FILE_BYTES:
+        raise TaskSpecError(f"{path}: larger than {MAX_TASK_FILE_BYTES // 1024} KiB; a task file is a few settings")
+    return data.decode("utf-8")
+
 
 def load_task_spec(path: Path) -> TaskSpec:
     try:
-        text = path.read_text(encoding="utf-8")
-        raw = yaml.load(text, Loader=_Yaml12Loader)
+        text = _read_task_file(path)
+        raw, document = _parse_yaml(text)
     except yaml.YAMLError as exc:
         raise TaskSpecError(f"{path}: not valid YAML: {exc}") from exc
+    except RecursionError:
+        raise TaskSpecError(f"{path}: not valid YAML: nested too deeply for a task file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise TaskSpecError(f"{path}: cannot be read: {exc}") from exc
+    if raw is None:
+        raise TaskSpecError(f"{path}: empty: a task file is a mapping of settings (input, prompt, output, ...)")
     if not isinstance(raw, dict):
-        raise TaskSpecError(f"{path}: expected a mapping at the top level")
+        raise TaskSpecError(
+            f"{path}: line 1: expected a mapping of settings (input, prompt, output, ...) at the top level, "
+            f"not a {type(raw).__name__}"
+        )
     raw.setdefault("name", path.stem)
     try:
         spec = TaskSpec.model_validate(raw)
     except ValidationError as exc:
-        raise TaskSpecError(f"{path}: {_problems(exc, yaml.compose(text, Loader=_Yaml12Loader))}") from None
+        raise TaskSpecError(f"{path}: {_problems(exc, document)}") from None
     except ValueError as exc:
         raise TaskSpecError(f"{path}: {exc}") from exc
     if spec.name != path.stem:
-        raise TaskSpecError(f"{path}: task name {spec.name!r} must equal the file name {path.stem!r}")
+        line = _line_of(document, ("name",))
+        raise TaskSpecError(
+            f"{path}: name (line {line}): task name {spec.name!r} must equal the file name {path.stem!r}"
+        )
     return spec
 
 
 def _problems(exc: ValidationError, document: yaml.Node | None) -> str:
     """Pydantic's errors as `field (line N): rule` (no input values, no documentation links)."""
-    lines = []
-    for error in exc.errors(include_url=False, include_input=False):
-        where = ".".join(str(part) for part in error["loc"])
-        message = str(error["msg"]).removeprefix("Value error, ")
-        line = _line_of(document, error["loc"])
-        at = f"{where} (line {line})" if where and line else where
-        # A rule's own message that already names its setting needs the setting only once.
-        if where and message.startswith(where + ": "):
-            message = message[len(where) + 2 :]
-        lines.append(f"{at}: {message}" if at else message)
-    return "; ".join(lines)
+    return "; ".join(_problem(error, document) for error in exc.errors(include_url=False, include_input=False))
 
 
-def _line_of(document: yaml.Node | None, loc: tuple) -> int | None:
-    """The 1-based line of the YAML key (or list item) a validation error's location points at."""
+def _problem(error: Any, document: yaml.Node | None) -> str:
+    cause = (error.get("ctx") or {}).get("error")
+    located = cause if isinstance(cause, SettingError) else SettingError("")
+    loc = (*error["loc"], *located.key)
+    where = ".".join(str(part) for part in loc)
+    message = str(error["msg"]).removeprefix("Value error, ")
+    line = _line_of(document, loc)
+    # A rule's own message that already names its setting needs the setting only once.
+    if where and message.startswith(where + ": "):
+        message = message[len(where) + 2 :]
+    elif where and line and message.startswith(where + " "):
+        where = f"line {line}"
+        line = None
+    for key in located.related:
+        key_line = _line_of(document, tuple(key.split(".")), exact=True)
+        if key_line and key in message:
+            message = message.replace(key, f"{key} (line {key_line})", 1)
+    at = f"{where} (line {line})" if where and line else where
+    return f"{at}: {message}" if at else message
+
+
+def _line_of(document: yaml.Node | None, loc: tuple, *, exact: bool = False) -> int | None:
+    """The 1-based line of the YAML key (or list item) a validation error's location points at;
+    where the key is missing, the line of the nearest enclosing key (none if `exact`)."""
     node, line = document, None
     for part in loc:
         if isinstance(node, yaml.MappingNode):
             match = next(((key, value) for key, value in node.value if key.value == str(part)), None)
             if match is None:
-                break
+                return None if exact else line
             line, node = match[0].start_mark.line + 1, match[1]
         elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
             node = node.value[part]
             line = node.start_mark.line + 1
         else:
-            break
+            return None if exact else line
     return line
 
 
@@ -648,6 +887,13 @@ def load_tasks(directory: Path | None = None) -> TaskLoad:
             tasks.append(load_task_spec(group[0]))
         except TaskSpecError as exc:
             errors.append(TaskFileError(name, (group[0],), str(exc)))
+        except Exception as exc:
+            # A check that fails unexpectedly (a bug, or a library error no check turned into a
+            # message) must not take the other tasks down; it is logged with its traceback and
+            # the file is reported as not loaded, like any other bad file.
+            log.exception("task file %s could not be loaded", group[0])
+            message = f"{group[0]}: could not be loaded: {type(exc).__name__}: {exc}"
+            errors.append(TaskFileError(name, (group[0],), message))
     return TaskLoad(tasks, errors)
 
 
