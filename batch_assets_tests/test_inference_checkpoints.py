@@ -8,6 +8,7 @@ engine is exercised in test_resume_kill.py and test_inference_engine.py.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import polars as pl
@@ -293,6 +294,28 @@ def test_a_chunk_is_written_after_checkpoint_seconds_even_when_short_of_batch_si
     store = RecordingStore(partition_dir)
     infer(formatted_frame([f"post {i}" for i in range(5)]), Engine(), store, batch_size=1024)
     assert [rows for rows, _ in store.writes] == [1, 1, 1, 1, 1]
+
+
+def test_a_slow_engine_start_does_not_count_as_work_time(partition_dir: UPath, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 30 s run from a chunk's first result: an engine start longer than that (minutes for a large
+    model) must not cut the first chunk after one row."""
+    monkeypatch.setattr(run_inference_module, "CHECKPOINT_SECONDS", 0.5)
+
+    class SlowStart(Session):
+        def start(self) -> None:
+            time.sleep(0.6)
+            super().start()
+
+    store = RecordingStore(partition_dir)
+    engine = Engine()
+    infer(
+        formatted_frame([f"post {i}" for i in range(250)]),
+        engine,
+        store,
+        batch_size=100,
+        session=SlowStart(engine, 100),
+    )
+    assert [rows for rows, _ in store.writes] == [100, 100, 50]
 
 
 def test_a_failed_checkpoint_write_fails_the_run_and_keeps_what_was_written(partition_dir: UPath) -> None:

@@ -255,20 +255,24 @@ class _PartitionSink:
     buffer: list[dict] = field(default_factory=list)
     new: list[pl.DataFrame] = field(default_factory=list)  # what this partition adds to the cache
     saved: int = 0
-    last_flush: float = field(default_factory=time.monotonic)
+    buffer_started: float = 0.0  # when the buffer's first result came: a chunk holds at most 30 s of work
 
     def add(self, row: dict, generation: Generation | None) -> None:
+        if not self.buffer:
+            self.buffer_started = time.monotonic()
         self.buffer.append(row)
         if generation is not None:
             stats = self.plan.stats
             stats.rows_inferred += 1
             stats.prompt_tokens += generation.num_prompt_tokens
             stats.generated_tokens += generation.num_generated_tokens
-        if len(self.buffer) >= self.plan.checkpoint_rows or time.monotonic() - self.last_flush >= CHECKPOINT_SECONDS:
+        if (
+            len(self.buffer) >= self.plan.checkpoint_rows
+            or time.monotonic() - self.buffer_started >= CHECKPOINT_SECONDS
+        ):
             self.flush()
 
     def flush(self) -> None:
-        self.last_flush = time.monotonic()
         if self.buffer:
             rows, self.buffer = self.buffer, []
             self.writer.put(self, rows)
