@@ -219,3 +219,27 @@ def test_a_partition_whose_file_became_a_link_fails_its_run_without_reading_it(z
     message = failure.step_failure_data.error.to_string()
     assert "passwd.txt: symbolic link" in message and "root:" not in message
     assert not (data_dir / "storage" / TASK / "raw_prompts" / "passwd.txt.parquet").exists()
+
+
+def test_a_task_folder_below_the_data_folder_that_is_a_link_is_refused(
+    data_dir: Path, outside: Path, tmp_path: Path
+) -> None:
+    # Whoever can write into drops/ could swap drops/answers for a link to any folder of .txt files.
+    (data_dir / "drops").mkdir(parents=True)
+    (data_dir / "drops" / TASK).symlink_to(outside, target_is_directory=True)
+    with pytest.raises(StorageError, match=rf"drops/{TASK} under BATCH_ASSETS_DATA is a symbolic link"):
+        list_drop_files(TASK)
+    with pytest.raises(StorageError, match="symbolic link"):
+        find_drop_file(TASK, "passwd.txt")
+
+    # Listed while the folder was real, swapped for a link before the read: refused when opened.
+    (data_dir / "drops" / TASK).unlink()
+    (data_dir / "drops" / TASK).mkdir()
+    (data_dir / "drops" / TASK / "passwd.txt").write_text("a question\n", encoding="utf-8")
+    [drop], _ = list_drop_files(TASK)
+    shutil.rmtree(data_dir / "drops")
+    (tmp_path / "fake_drops").mkdir()
+    (tmp_path / "fake_drops" / TASK).symlink_to(outside, target_is_directory=True)
+    (data_dir / "drops").symlink_to(tmp_path / "fake_drops", target_is_directory=True)
+    with pytest.raises(DropFileError, match="drop zone folder drops: symbolic link"):
+        drop.read_bytes()

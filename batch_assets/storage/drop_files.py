@@ -21,10 +21,10 @@ listed under (`a//b.jsonl` included).
 A local drop zone reads regular files only, because whoever can write into a shared drop folder
 must not make the pipeline read what only the worker may read: a symbolic link (to a file or a
 folder, inside the zone or not, dangling or not), a FIFO, a socket or a device is skipped with a
-reason, and a folder behind a link is not walked into. The zone's own path (`BATCH_ASSETS_DATA`) may
-go through links: that is whoever configured it. Reading opens every part of the path below the
-zone without following links (`O_NOFOLLOW`), so a file swapped for a link or a FIFO after the
-listing is refused too.
+reason, and a folder behind a link is not walked into. `BATCH_ASSETS_DATA` may go through links
+(that is whoever configured it); the `drops/<task>` folders below it must be real folders. Reading
+opens every part of the path below `BATCH_ASSETS_DATA` without following links (`O_NOFOLLOW`), so a
+file (or folder) swapped for a link or a FIFO after the listing is refused too.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ import dagster as dg
 from upath import UPath
 
 from batch_assets.pipeline.read_prompts import SUPPORTED_SUFFIXES, DropFileError, input_suffix
-from batch_assets.storage.errors import storage_errors
-from batch_assets.storage.locations import drop_zone, is_local
+from batch_assets.storage.errors import StorageError, storage_errors
+from batch_assets.storage.locations import data_root, drop_zone, is_local
 
 MAX_KEY_LENGTH = 150
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -142,13 +142,45 @@ class DropFile:
         url = f"{str(self.zone).rstrip('/')}/{self.relative_path}"
         with storage_errors("reading drop file", url):
             if is_local(self.zone):
-                return _read_local_regular_file(_zone_root(self.zone), self.relative_path)
+                return _read_local_regular_file(self.zone, self.relative_path)
             # The exact key as listed: joining paths would fold `a//b.jsonl` into another key.
             return self.zone.fs.cat_file(_full_path(self.zone, self.relative_path))
 
 
 def _zone_root(zone: UPath) -> str:
     return zone.path.rstrip("/") or "/"
+
+
+def _zone_anchor(zone: UPath) -> tuple[str, list[str]]:
+    """(the folder whose path may go through links, the folders from it down to the zone).
+
+    Links in `BATCH_ASSETS_DATA` are whoever configured it; the `drops/<task>` folders below it
+    may be writable by droppers, so they are real folders or the zone is refused.
+    """
+    root = _zone_root(zone)
+    data = _zone_root(data_root())
+    if is_local(data_root()) and root.startswith(data.rstrip("/") + "/"):
+        return data, root[len(data.rstrip("/")) + 1 :].split("/")
+    return root, []
+
+
+def _check_zone_folders(zone: UPath) -> None:
+    """Refuse a local zone reached through a link below `BATCH_ASSETS_DATA` (see `_zone_anchor`)."""
+    path, folders = _zone_anchor(zone)
+    for depth, folder in enumerate(folders):
+        path = os.path.join(path, folder)
+        try:
+            if stat.S_ISLNK(os.lstat(path).st_mode):
+                raise StorageError(_zone_link_message(zone, folders[: depth + 1]))
+        except FileNotFoundError:
+            return
+
+
+def _zone_link_message(zone: UPath, folders: list[str]) -> str:
+    return (
+        f"drop zone {zone}: {'/'.join(folders)} under BATCH_ASSETS_DATA is a symbolic link; drop zones "
+        "are read through real folders only (point BATCH_ASSETS_DATA at the linked storage instead)"
+    )
 
 
 def _full_path(zone: UPath, relative_path: str) -> str:
@@ -170,16 +202,21 @@ def _not_regular_reason(mode: int) -> str:
     return f"{kind}, not a regular file: the drop zone reads regular files only"
 
 
-def _read_local_regular_file(root: str, relative_path: str) -> bytes:
-    """Read `root/relative_path` without following a link anywhere below `root`, refusing anything
-    but a regular file. A FIFO is opened without waiting for a writer, then refused."""
+def _read_local_regular_file(zone: UPath, relative_path: str) -> bytes:
+    """Read the zone's `relative_path` without following a link anywhere below the zone's anchor
+    (see `_zone_anchor`), refusing anything but a regular file. A FIFO is opened without waiting
+    for a writer, then refused."""
     parts = relative_path.split("/")
     if any(part in ("", ".", "..") for part in parts):
         raise DropFileError(f"{relative_path}: unsafe name; not read")
-    folder = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    anchor, zone_folders = _zone_anchor(zone)
+    # (folder to open, what an error names): the zone's own folders, then the file's.
+    steps = [(part, f"drop zone folder {'/'.join(zone_folders[: n + 1])}") for n, part in enumerate(zone_folders)]
+    steps += [(part, relative_path) for part in parts[:-1]]
+    folder = os.open(anchor, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        for part in parts[:-1]:
-            inner = _open_below(folder, part, os.O_DIRECTORY, relative_path)
+        for part, shown in steps:
+            inner = _open_below(folder, part, os.O_DIRECTORY, shown)
             os.close(folder)
             folder = inner
         handle = _open_below(folder, parts[-1], os.O_NONBLOCK, relative_path)
@@ -192,13 +229,13 @@ def _read_local_regular_file(root: str, relative_path: str) -> bytes:
         return file.read()
 
 
-def _open_below(folder: int, name: str, flags: int, relative_path: str) -> int:
+def _open_below(folder: int, name: str, flags: int, shown: str) -> int:
     try:
         return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | flags, dir_fd=folder)
     except OSError as exc:
         # O_NOFOLLOW refuses a link with ELOOP; O_DIRECTORY a link (or a file) with ENOTDIR.
         if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(folder, name):
-            raise DropFileError(f"{relative_path}: {_LINK_REASON}; not read") from None
+            raise DropFileError(f"{shown}: {_LINK_REASON}; not read") from None
         raise
 
 
@@ -244,6 +281,8 @@ def list_drop_files(
     zone = zone or drop_zone(task)
     local = is_local(zone)
     with storage_errors("listing drop zone", zone):
+        if local:
+            _check_zone_folders(zone)
         entries = list(_local_entries(_zone_root(zone)) if local else _remote_entries(zone))
     now = time.time() if now is None else now
     files: list[DropFile] = []
@@ -352,6 +391,7 @@ def _lookup(zone: UPath, relative: str) -> DropFile | None:
     url = f"{str(zone).rstrip('/')}/{relative}"
     with storage_errors("reading drop file", url):
         if is_local(zone):
+            _check_zone_folders(zone)
             info = _local_info(_zone_root(zone), relative)
         else:
             try:
