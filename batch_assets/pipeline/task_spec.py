@@ -190,8 +190,9 @@ class EngineSpec(_Strict):
     model: str = EMBEDDED_MODEL
     max_model_len: int = Field(default=2048, gt=0)
     tensor_parallel_size: int = Field(default=1, ge=1)
-    # Engine replicas on one node (vLLM data parallelism); `auto`: visible GPUs / tensor_parallel_size.
-    data_parallel_size: int | Literal["auto"] = 1
+    # Engine replicas on one node (vLLM data parallelism); `auto`: visible GPUs / tensor_parallel_size,
+    # so every GPU of a node works by default (one replica on a CPU or a single GPU).
+    data_parallel_size: int | Literal["auto"] = "auto"
     # KV cache size in GiB; on a CPU this is what to set (a share of RAM is fragile there).
     kv_cache_memory_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     # Rows per checkpoint chunk (and per call to an endpoint).
