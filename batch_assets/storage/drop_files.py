@@ -129,8 +129,13 @@ class DropFile:
     modified: float | None = None  # POSIX seconds
 
     @property
+    def url(self) -> str:
+        """The file's URL, joined by hand: `UPath`'s `/` would make `//a.jsonl` absolute."""
+        return f"{str(self.zone).rstrip('/')}/{self.relative_path}"
+
+    @property
     def path(self) -> UPath:
-        return self.zone / self.relative_path
+        return UPath(self.url, **self.zone.storage_options)
 
     @property
     def partition_key(self) -> str:
@@ -139,8 +144,7 @@ class DropFile:
     def read_bytes(self) -> bytes:
         """The file's content; a storage failure raises `StorageError` naming the URL and cause,
         a local file that is no longer a regular file (a link, a FIFO) `DropFileError`."""
-        url = f"{str(self.zone).rstrip('/')}/{self.relative_path}"
-        with storage_errors("reading drop file", url):
+        with storage_errors("reading drop file", self.url):
             if is_local(self.zone):
                 return _read_local_regular_file(self.zone, self.relative_path)
             # The exact key as listed: joining paths would fold `a//b.jsonl` into another key.
