@@ -203,7 +203,7 @@ def _parse_line(raw_line: bytes, row: dict, first_line_of: dict[str, int]) -> No
     else:
         # Kept as the line gave it, so its error line can echo it for the client to match.
         row["custom_id"] = json.dumps(custom_id, ensure_ascii=False)
-        given = "an empty string" if custom_id == "" else f"{_kind(custom_id)}"
+        given = "an empty string" if custom_id == "" else _kind(custom_id)
         if isinstance(custom_id, int | float) and not isinstance(custom_id, bool):
             given = f"the number {_json_text(custom_id)}"
         raise _LineError(INVALID_CUSTOM_ID, f"custom_id is {given}; it must be a non-empty string")
