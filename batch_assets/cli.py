@@ -276,6 +276,23 @@ def _last_origin(instance, job_name: str, key: str) -> str | None:
     return max(known, key=lambda candidate: candidate[0])[1] if known else None
 
 
+# What the drop zone holds under a name that is no regular file (a link, a FIFO): never equal to a file's bytes.
+_NOT_A_REGULAR_FILE = object()
+
+
+def _drop_zone_content(zone: UPath, name: str) -> bytes | object | None:
+    """The bytes of the drop file `name`, None when there is none, read as the pipeline reads drops:
+    a link or FIFO put there is not followed or waited on, and counts as a different file."""
+    from batch_assets.storage.drop_files import DropFile, DropFileError
+
+    if not (zone / name).exists() and not os.path.lexists(str(zone / name)):
+        return None
+    try:
+        return DropFile(name, zone, "").read_bytes()
+    except (DropFileError, FileNotFoundError):
+        return _NOT_A_REGULAR_FILE
+
+
 def _copy_into_drop_zone(instance, task_name: str, job_name: str, files: list[NamedFile], *, replace: bool) -> None:
     """Copy the files into the drop zone; a different file of the same name is refused unless `replace`."""
     from batch_assets.storage.locations import drop_zone, write_bytes_atomically
@@ -285,7 +302,10 @@ def _copy_into_drop_zone(instance, task_name: str, job_name: str, files: list[Na
     note: str | None
     for file in files:
         target = zone / file.path.name
-        if not target.exists() or target.read_bytes() == file.content:
+        existing = _drop_zone_content(zone, file.path.name)
+        if existing == file.content:
+            continue  # re-copying identical bytes would only change the file's version and force a re-run
+        if existing is None:
             plans.append((file, target, None))
             continue
         origin = _last_origin(instance, job_name, file.key)
@@ -306,9 +326,7 @@ def _copy_into_drop_zone(instance, task_name: str, job_name: str, files: list[Na
     for file, target, note in plans:
         if note:
             TERMINAL.say(note)
-        # Re-copying identical bytes would only change the file's version and force a re-run.
-        if not (target.exists() and target.read_bytes() == file.content):
-            write_bytes_atomically(target, file.content)
+        write_bytes_atomically(target, file.content)
 
 
 def add_partitions(instance, partitions_name: str, keys: list[str]) -> None:

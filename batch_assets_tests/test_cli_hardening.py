@@ -250,6 +250,31 @@ def test_same_name_from_another_folder_is_refused_before_anything_is_copied(cli_
     assert (zone / "posts.jsonl").read_bytes() == (tmp_path / "d1" / "posts.jsonl").read_bytes()
 
 
+def test_a_link_or_fifo_in_the_drop_zone_is_neither_followed_nor_waited_on(cli_env) -> None:
+    """A link to a secret or a FIFO planted under a file's name in a shared drop zone: the CLI neither
+    reads through the link nor hangs on the FIFO; it refuses (a different drop file), and --replace
+    replaces the planted entry itself, never the file a link points to."""
+    tmp_path, env = cli_env
+    zone = tmp_path / "data" / "drops" / "sentiment"
+    zone.mkdir(parents=True)
+    secret = tmp_path / "secret.jsonl"
+    secret.write_text('{"text": "secret"}\n')
+    (zone / "posts.jsonl").symlink_to(secret)
+    os.mkfifo(zone / "queue.jsonl")
+    (tmp_path / "posts.jsonl").write_text('{"text": "secret"}\n')  # the link target's very bytes
+    (tmp_path / "queue.jsonl").write_text('{"text": "fine"}\n')
+
+    for name in ("posts.jsonl", "queue.jsonl"):
+        refused = run_cli(["run", "sentiment", name], env, tmp_path)
+        assert refused.returncode == 2 and f"already holds a different {name}" in refused.stdout, refused.stdout
+    replaced = run_cli(["run", "sentiment", "--replace", "posts.jsonl", "queue.jsonl"], env, tmp_path)
+    assert replaced.returncode == 0, replaced.stdout[-3000:]
+    for name in ("posts.jsonl", "queue.jsonl"):
+        assert (zone / name).is_file() and not (zone / name).is_symlink()
+        assert (zone / name).read_bytes() == (tmp_path / name).read_bytes()
+    assert secret.read_text() == '{"text": "secret"}\n'
+
+
 def test_replace_says_so_and_a_file_of_only_errors_fails_quietly(cli_env) -> None:
     """17.3 (--replace), 17.11 (only error rows: exit 1) and 16 defects 2-3 (no engine logs, no traceback)."""
     tmp_path, env = cli_env
