@@ -318,6 +318,38 @@ def test_a_slow_engine_start_does_not_count_as_work_time(partition_dir: UPath, m
     assert [rows for rows, _ in store.writes] == [100, 100, 50]
 
 
+def test_a_partition_whose_requests_are_done_is_checkpointed_while_the_stream_goes_on(tmp_path: Path) -> None:
+    """In shared-prefix order partition a's requests ("A…") all come before b's ("Z…"): a's last chunk
+    is written when its last result comes, not when the whole stream ends (a kill -9 during b
+    would otherwise lose a's rows)."""
+    stores = {name: RecordingStore(UPath(tmp_path / "_checkpoints" / name)) for name in ("a", "b")}
+    a_written_before_b: list[bool] = []
+
+    class WatchingEngine(Engine):
+        def __call__(self, prompts: list[Prompt]) -> list[Generation]:
+            if chr(prompts[0].token_ids[0]) == "Z" and not a_written_before_b:
+                deadline = time.monotonic() + 5
+                while not stores["a"].writes and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                a_written_before_b.append(bool(stores["a"].writes))
+            return super().__call__(prompts)
+
+    engine = WatchingEngine()
+    run_inference(
+        [
+            PartitionInput(formatted_frame([f"Z{i}" for i in range(10)]), encode, stores["b"], "b"),
+            PartitionInput(formatted_frame([f"A{i}" for i in range(10)]), encode, stores["a"], "a"),
+        ],
+        session=Session(engine, batch_size=5),
+        max_model_len=64,
+        max_tokens=8,
+        batch_size=1024,
+        deduplicate=True,
+    )
+    assert a_written_before_b == [True]
+    assert [rows for rows, _ in stores["a"].writes] == [10] and [rows for rows, _ in stores["b"].writes] == [10]
+
+
 def test_a_failed_checkpoint_write_fails_the_run_and_keeps_what_was_written(partition_dir: UPath) -> None:
     store = RecordingStore(partition_dir, fail_at=1)
     frame = formatted_frame([f"post {i}" for i in range(300)])

@@ -499,7 +499,7 @@ def test_error_lines_name_the_body_field_as_openais_param(tokenizer) -> None:
 
 def test_refused_custom_ids_are_echoed_as_written_and_the_error_file_stays_strict_json() -> None:
     body = '"method": "POST", "url": "/v1/chat/completions", "body": {}'
-    given = ["7", "2.5", "true", "null", '{"a": [1]}', '""', "NaN", "-Infinity"]
+    given = ["7", "2.5", "true", "null", '{"a": [1]}', '""', "NaN", "-Infinity", "[NaN]", '{"a": Infinity}']
     data = "".join(f'{{"custom_id": {value}, {body}}}\n' for value in given).encode()
     raw = read_batch_requests(data, "in.jsonl")
     assert {code.split(":")[0] for code in raw["error"]} == {"invalid_custom_id"}
@@ -512,6 +512,9 @@ def test_refused_custom_ids_are_echoed_as_written_and_the_error_file_stays_stric
         )
     )
     _, failed = batch_files(labels, model="m", partition_key="in", created=1)
-    assert [record["custom_id"] for record in failed] == [7, 2.5, True, None, {"a": [1]}, "", "NaN", "-Infinity"]
+    assert [record["custom_id"] for record in failed] == [
+        *(7, 2.5, True, None, {"a": [1]}, ""),
+        *("NaN", "-Infinity", "[NaN]", '{"a": Infinity}'),  # not JSON: kept as the text written
+    ]
     for line in jsonl_bytes(failed).decode().splitlines():
         json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))

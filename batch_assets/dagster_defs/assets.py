@@ -460,7 +460,11 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                     batch_size=task.engine.batch_size,
                     # Batch lines carry their own sampling; their request keys tell deterministic ones apart.
                     deduplicate=task.sampling.deterministic or batch_format,
-                    cache=ResultCache(task_storage_dir(name), fingerprint) if config.use_result_cache else None,
+                    cache=(
+                        ResultCache(task_storage_dir(name), fingerprint, instance=context.instance)
+                        if config.use_result_cache
+                        else None
+                    ),
                     log=context.log.info,
                 )
         except EngineStartError as exc:

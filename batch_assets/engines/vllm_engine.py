@@ -365,7 +365,7 @@ class _AsyncEngine:
         window = 2 * self.settings.max_num_seqs * self.settings.data_parallel_size
         finished: queue.SimpleQueue = queue.SimpleQueue()
         prefix = f"batch-assets-{uuid.uuid4().hex[:12]}-"
-        in_flight: dict[str, int] = {}
+        in_flight: dict[str, tuple[int, int]] = {}  # request id → (position, prompt tokens)
         pending = iter(prompts)
         position, exhausted = 0, False
 
@@ -395,15 +395,20 @@ class _AsyncEngine:
                         exhausted = True
                         break
                     request_id = f"{prefix}{position}"
-                    in_flight[request_id] = position
+                    in_flight[request_id] = (position, len(prompt.token_ids))
                     self._loop.call_soon_threadsafe(submit, request_id, prompt, params_for(prompt))
                     position += 1
                 if not in_flight:
                     return
                 request_id, outcome = finished.get()
-                done_position = in_flight.pop(request_id)
+                done_position, prompt_tokens = in_flight.pop(request_id)
                 if isinstance(outcome, BaseException):
-                    raise outcome
+                    refusal = None if self.dead else refused_request(outcome)
+                    if refusal is None:
+                        raise outcome
+                    # One request the engine will not take (e.g. a grammar its structured-output
+                    # backend cannot compile) is that row's error, not the partition's failure.
+                    outcome = Generation(None, None, prompt_tokens, 0, error=f"invalid_request: {refusal}")
                 yield done_position, outcome
         finally:
             if in_flight and not self.dead:
@@ -523,6 +528,20 @@ def _start_engine(settings: VLLMSettings) -> _AsyncEngine:
                 f"the vLLM engine {cause} at start-up for {settings.model}: {message}\n{memory_hint(settings)}"
             ) from exc
         raise EngineStartError(f"the vLLM engine failed to start for {settings.model}: {message}") from exc
+
+
+def refused_request(exc: BaseException) -> str | None:
+    """vLLM's reason when it refused one request (its client errors, and a `ValueError` from checking
+    the request that `AsyncLLM.generate` wraps in `EngineGenerateError`), else None: an engine
+    failure, which fails the stream."""
+    from vllm.exceptions import VLLMClientError
+    from vllm.v1.engine.exceptions import EngineGenerateError
+
+    if isinstance(exc, VLLMClientError):
+        return f"the engine refused the request: {exc}"
+    if isinstance(exc, EngineGenerateError) and isinstance(exc.__cause__, ValueError):
+        return f"the engine refused the request: {exc.__cause__}"
+    return None
 
 
 def memory_hint(settings: VLLMSettings) -> str:

@@ -104,6 +104,8 @@ REQUEST_ERROR_CODES = frozenset(
         "model_mismatch",
         "chat_template_error",
         "prompt_too_long",
+        # The engine refused the request (e.g. a pattern its structured-output backend cannot compile).
+        "invalid_request",
     }
 )
 INVALID_CUSTOM_ID = "invalid_custom_id"

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 
 import polars as pl
@@ -128,8 +127,13 @@ def _custom_id_as_given(row: dict, code: str) -> object:
     if code != INVALID_CUSTOM_ID or row["custom_id"] is None:
         return row["custom_id"]
     value = json.loads(row["custom_id"])
-    # NaN and Infinity are not JSON: strict readers of the error file would reject the line.
-    return row["custom_id"] if isinstance(value, float) and not math.isfinite(value) else value
+    try:
+        json.dumps(value, allow_nan=False)
+    except ValueError:
+        # NaN or Infinity, alone or inside a list or object, is not JSON: strict readers of the
+        # error file would reject the line, so the value stays the text the client wrote.
+        return row["custom_id"]
+    return value
 
 
 def batch_files(labels: pl.DataFrame, *, model: str, partition_key: str, created: int) -> tuple[list[dict], list[dict]]:

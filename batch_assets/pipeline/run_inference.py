@@ -230,9 +230,9 @@ class _ChunkWriter:
         self._thread.join()
 
     def _raise_error(self) -> None:
+        # Sticky: once a write failed, no later chunk is taken (a re-run infers them again).
         if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+            raise self._error
 
     def _work(self) -> None:
         while (item := self._chunks.get()) is not None:
@@ -248,28 +248,38 @@ class _ChunkWriter:
 
 @dataclass
 class _PartitionSink:
-    """A partition's new results, checkpointed every `checkpoint_rows` results or `CHECKPOINT_SECONDS`."""
+    """A partition's new results, checkpointed every `checkpoint_rows` results, when a chunk's first
+    result is `CHECKPOINT_SECONDS` old (`flush_if_due`, called for every sink as the stream goes on:
+    in shared-prefix order a partition may get no result for a long while), and at its last result."""
 
     plan: _Plan
     writer: _ChunkWriter
     buffer: list[dict] = field(default_factory=list)
     new: list[pl.DataFrame] = field(default_factory=list)  # what this partition adds to the cache
     saved: int = 0
-    buffer_started: float = 0.0  # when the buffer's first result came: a chunk holds at most 30 s of work
+    buffer_started: float = 0.0  # when the buffer's first result came
+    remaining: int = 0  # results this partition still waits for
+
+    def __post_init__(self) -> None:
+        self.remaining = self.plan.pending.height
 
     def add(self, row: dict, generation: Generation | None) -> None:
         if not self.buffer:
             self.buffer_started = time.monotonic()
         self.buffer.append(row)
+        self.remaining -= 1
         if generation is not None:
             stats = self.plan.stats
             stats.rows_inferred += 1
             stats.prompt_tokens += generation.num_prompt_tokens
             stats.generated_tokens += generation.num_generated_tokens
-        if (
-            len(self.buffer) >= self.plan.checkpoint_rows
-            or time.monotonic() - self.buffer_started >= CHECKPOINT_SECONDS
-        ):
+        if len(self.buffer) >= self.plan.checkpoint_rows or self.remaining == 0:
+            self.flush()
+        else:
+            self.flush_if_due(time.monotonic())
+
+    def flush_if_due(self, now: float) -> None:
+        if self.buffer and now - self.buffer_started >= CHECKPOINT_SECONDS:
             self.flush()
 
     def flush(self) -> None:
@@ -446,6 +456,7 @@ def _stream(
 
     progress = _Progress(total, log)
     inferred = 0
+    last_sweep = time.monotonic()
     results = session.stream(prompts())
     try:
         while True:
@@ -462,6 +473,10 @@ def _stream(
                 sinks[owner].add(row, generation)
             inferred += 1
             progress.update(inferred + skipped, inferred)
+            if (now := time.monotonic()) - last_sweep >= 1.0:  # partitions the stream is not serving now
+                last_sweep = now
+                for sink in sinks:
+                    sink.flush_if_due(now)
     finally:
         # Stops an engine stream that did not run to its end (it withdraws its unfinished requests).
         close = getattr(results, "close", None)
@@ -491,10 +506,11 @@ def _encode(batch: list[_Request], plans: list[_Plan]) -> list[Prompt]:
 
 
 def _failure_message(exc: Exception, inferred: int, total: int, sinks: list[_PartitionSink]) -> str:
-    # What was finished before the failure is checkpointed first, so the count below is what a re-run reuses.
-    for sink in sinks:
-        sink.flush()
-    with contextlib.suppress(Exception):  # a failing store is reported by the count it leaves
+    # What was finished before the failure is checkpointed first, so the count below is what a re-run
+    # reuses; a failing store is reported by the count it leaves, not in place of the engine's error.
+    with contextlib.suppress(Exception):
+        for sink in sinks:
+            sink.flush()
         sinks[0].writer.drain()
     if any(sink.plan.part.checkpoints is not None for sink in sinks):
         kept_count = sum(sink.kept for sink in sinks)

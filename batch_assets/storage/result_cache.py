@@ -10,8 +10,9 @@ The cache is a table in a SQL database, so a lookup reads only the keys it asks 
 lookup each) and an add writes only its new rows: their cost grows with the partition, never with
 the cache, however long a backfill runs. Where it lives:
 
-- `BATCH_ASSETS_RESULT_CACHE_URL` (a SQLAlchemy URL) when set: on a cluster the deployment's
-  Postgres (`postgresql+psycopg2://…`), shared by every run pod;
+- `BATCH_ASSETS_RESULT_CACHE_URL` (a SQLAlchemy URL) when set;
+- else, when the Dagster instance keeps its runs in Postgres (deploy/: a cluster, several
+  machines), that database, shared by every run pod with nothing to configure;
 - else, with local storage, SQLite in the task's storage folder,
   `<data>/storage/<task>/_result_cache/results.sqlite3` (delete `_result_cache/` to drop the cache);
 - else (storage on S3 without that URL), SQLite next to the Dagster instance,
@@ -73,14 +74,24 @@ _engines: dict[str, sa.Engine] = {}
 _engines_lock = Lock()
 
 
-def cache_url(task_dir: UPath) -> str:
+def cache_url(task_dir: UPath, instance: object | None = None) -> str:
     """Where the cache of the task stored in `task_dir` lives (see the module docstring)."""
     if url := os.environ.get(URL_ENV):
         return url
+    if postgres := instance_postgres_url(instance):
+        return postgres
     if is_local(task_dir):
         return f"sqlite:///{Path(task_dir.path) / '_result_cache' / SQLITE_NAME}"
     home = Path(os.environ.get("DAGSTER_HOME") or ".dagster_home").expanduser().resolve()
     return f"sqlite:///{home / 'result_cache' / f'{task_dir.name}.sqlite3'}"
+
+
+def instance_postgres_url(instance: object | None) -> str | None:
+    """The Postgres database of a Dagster instance whose runs live there (dagster-postgres' run
+    storage keeps its URL as `postgres_url`), else None."""
+    storage = getattr(instance, "run_storage", None)
+    url = getattr(storage, "postgres_url", None)
+    return url if isinstance(url, str) else None
 
 
 def _engine(url: str) -> sa.Engine:
@@ -125,9 +136,12 @@ def _sqlite_pragmas(connection, _record) -> None:
 class ResultCache:
     """The cached results of one task under one fingerprint."""
 
-    def __init__(self, task_dir: UPath, fingerprint: str, url: str | None = None) -> None:
+    def __init__(
+        self, task_dir: UPath, fingerprint: str, url: str | None = None, instance: object | None = None
+    ) -> None:
+        """`instance`: the run's Dagster instance, whose Postgres (if any) holds the cache."""
         self.fingerprint = fingerprint
-        self.url = url or cache_url(task_dir)
+        self.url = url or cache_url(task_dir, instance)
         # Where earlier versions kept this fingerprint's results as parquet files.
         self.legacy_folder = task_dir / "_result_cache" / fingerprint
         self._imported = False
