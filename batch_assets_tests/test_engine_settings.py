@@ -75,14 +75,17 @@ def test_on_a_cpu_in_eager_mode_the_engine_compiles_nothing_else_torch_is_left_a
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    spawn = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}  # on every device: see the reaper
     settings = VLLMEngine().settings(load_task_spec(task_file(tmp_path, "  max_model_len: 512\n")))
-    assert not settings.on_gpu and engine_process_environment(settings) == {"TORCHDYNAMO_DISABLE": "1"}
+    assert not settings.on_gpu and engine_process_environment(settings) == {**spawn, "TORCHDYNAMO_DISABLE": "1"}
     # A GPU, or a model vLLM compiles on purpose, keeps torch.compile.
-    assert engine_process_environment(dataclasses.replace(settings, on_gpu=True)) == {}
+    assert engine_process_environment(dataclasses.replace(settings, on_gpu=True)) == spawn
     compiled = load_task_spec(task_file(tmp_path / "c", "  vllm_args: {enforce_eager: false}\n"))
-    assert engine_process_environment(VLLMEngine().settings(compiled)) == {}
-    # The user's own choice wins.
+    assert engine_process_environment(VLLMEngine().settings(compiled)) == spawn
+    # The user's own choices win.
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
     assert engine_process_environment(settings) == {}
 
 

@@ -322,3 +322,22 @@ def test_a_warm_engine_is_kept_for_the_next_range_unless_another_run_waits_for_t
                 assert PROCESS_ENGINE.running is not someone_waits
         # The second run found the first one's engine kept for it, and shut it down after.
         assert metadata["engine_started_by_this_run"] is False
+
+
+def test_a_request_the_engine_refuses_is_an_error_row_not_a_failed_partition(data_dir: Path, tiny_model: str) -> None:
+    """A pattern Python accepts but vLLM's structured-output backend cannot compile (a back-reference):
+    vLLM refuses each request, and each row says so; the partition and its range still succeed."""
+    from batch_assets.pipeline.task_spec import OutputSpec
+
+    drop(data_dir, "sentiment", "posts.jsonl", posts(3))
+    task = sentiment().model_copy(update={"output": OutputSpec(kind="regex", regex=r"(pos|neg)\1")})
+    with dg.instance_for_test() as instance:
+        result = run(task, "posts.jsonl", instance)
+    # The step did not fail (nor retry): every row got its result, an error row each.
+    assert not step_errors(result, "STEP_UP_FOR_RETRY")
+    assert inference_metadata(result)["error_rows"] == 3
+    outputs = pl.read_parquet(
+        data_dir / "storage" / "sentiment" / "inference_outputs" / f"{partition_key_for('posts.jsonl')}.parquet"
+    )
+    assert outputs.height == 3 and outputs["generated_text"].null_count() == 3
+    assert all(error.startswith("invalid_request: the engine refused the request") for error in outputs["error"])

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+import sqlalchemy
 import yaml
 
 from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR
@@ -352,3 +353,17 @@ def test_a_burst_of_drops_becomes_grouped_runs_recorded_in_postgres(
     # And all of it is in Postgres itself, not in files under DAGSTER_HOME.
     assert type(instance.run_storage).__name__ == "PostgresRunStorage"
     assert type(instance.event_log_storage).__name__ == "PostgresEventLogStorage"
+    # The result cache too: the four inferred posts are rows of its table in the same database, and
+    # no SQLite cache was made beside the outputs or the instance.
+    from batch_assets.storage.result_cache import RESULTS, instance_postgres_url
+
+    url = instance_postgres_url(instance)
+    assert url is not None
+    engine = sqlalchemy.create_engine(url)
+    try:
+        with engine.connect() as connection:
+            cached = connection.execute(sqlalchemy.select(sqlalchemy.func.count()).select_from(RESULTS)).scalar()
+    finally:
+        engine.dispose()
+    assert cached == 4
+    assert not list(data.rglob("*.sqlite3")) and not list(home.rglob("*.sqlite3"))

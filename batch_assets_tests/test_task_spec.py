@@ -197,6 +197,10 @@ HEAD = 'input: {text_fields: [text]}\nprompt: {system: "Classify.", template: "T
             "output.json_schema.type (line 5): not a valid JSON schema: 'objekt' is not valid",
         ),
         (
+            HEAD + "output:\n  kind: json_schema\n  json_schema: {$schema: 5, type: object}\n",
+            "output.json_schema.$schema (line 5): must be a string",
+        ),
+        (
             HEAD + "output:\n  kind: json_schema\n  json_schema:\n    type: object\n    properties:\n"
             "      label: {type: strin}\n",
             "output.json_schema.properties.label.type (line 8): not a valid JSON schema",

@@ -294,10 +294,15 @@ def engine_process_environment(settings: VLLMSettings) -> dict[str, str]:
     same counter is as fast at CPU batch sizes (BENCHMARKS.md), so dynamo is switched off there.
     On a GPU, or with `enforce_eager: false` (vLLM compiles the model), nothing is changed; nor
     when the user set the variable.
+
+    Workers are spawned, never forked (vLLM forks them on a GPU when CUDA is not yet initialised): a
+    spawned process carries the reaper's token in its environment from its first instruction, so
+    it is found and killed even when the run dies a moment after starting it (reaper.py).
     """
+    environment = {} if "VLLM_WORKER_MULTIPROC_METHOD" in os.environ else {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     if settings.on_gpu or not settings.vllm_args.get("enforce_eager") or "TORCHDYNAMO_DISABLE" in os.environ:
-        return {}
-    return {"TORCHDYNAMO_DISABLE": "1"}
+        return environment
+    return {**environment, "TORCHDYNAMO_DISABLE": "1"}
 
 
 @contextlib.contextmanager

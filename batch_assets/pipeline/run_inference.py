@@ -198,7 +198,8 @@ def shared_prefix_order(request: _Request) -> str:
     prefixes outgrow the cache computes each of them again and again. Sorted, a prefix is computed
     once and reused by the requests right behind it (the idea of SGLang's longest-prefix-first and
     Daft's prefix bucketing; a lexicographic order is a depth-first walk of the prefix tree). Only
-    with deterministic decoding, where the order cannot change an answer; results still land in
+    with deterministic decoding, where each answer is the most likely one whatever the order (in low
+    precision a near-tie can tip with batching, in any order); results still land in
     their rows in input order."""
     return request.prompt_text
 

@@ -484,6 +484,9 @@ def check_json_schema(schema: dict[str, Any]) -> None:
     grammar compiler and fail every partition there, naming no file or key."""
     import jsonschema
 
+    if "$schema" in schema and not isinstance(schema["$schema"], str):
+        # jsonschema looks the dialect up by this URI and fails with an AttributeError on anything else.
+        raise SettingError("output.json_schema.$schema: must be a string (a JSON Schema dialect URI)", ("$schema",))
     validator = jsonschema.validators.validator_for(schema)
     try:
         validator.check_schema(schema)
