@@ -13,12 +13,16 @@ import os
 import shutil
 import signal
 import subprocess
-from collections.abc import Iterator
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 SAMPLES = REPO_ROOT / "batch_assets" / "samples"
 
 
@@ -116,6 +120,43 @@ def stop_process_group(leader: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(leader.pid, signal.SIGKILL)
     leader.wait()
+
+
+class Daemon:
+    """A running `dagster-daemon run` (repo root's workspace), its output in a log file."""
+
+    def __init__(self, process: subprocess.Popen, log: Path) -> None:
+        self.process, self.log = process, log
+
+    def wait_until(self, done: Callable[[], T | None], what: Callable[[], str], timeout: float) -> T:
+        """Polls `done` every 3 s until it returns something (returned); fails with `what()` and the
+        log's tail when the daemon exits or `timeout` seconds pass first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.process.poll() is None, f"dagster-daemon exited:\n{self.log.read_text()[-3000:]}"
+            result = done()
+            if result:
+                return result
+            assert time.monotonic() < deadline, f"{what()} within {timeout} s:\n{self.log.read_text()[-3000:]}"
+            time.sleep(3)
+
+
+@contextlib.contextmanager
+def running_daemon(env: dict[str, str], log: Path) -> Iterator[Daemon]:
+    """`dagster-daemon run` for the block, in its own session, stopped with everything it started."""
+    with log.open("w") as output:
+        process = subprocess.Popen(
+            [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", "workspace.yaml"],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield Daemon(process, log)
+    finally:
+        stop_process_group(process)
 
 
 def drop(data: Path, task: str, name: str, content: bytes | str) -> Path:

@@ -162,6 +162,17 @@ def test_shipped_tasks_load_with_their_engine_settings() -> None:
         assert settings.max_model_len == task.engine.max_model_len and settings.data_parallel_size == 1
 
 
+# On a GPU: CUDA graphs, vLLM's offline budgets for the device (none set here), the KV cache by
+# gpu_memory_utilization.
+GPU_DEFAULTS = {
+    "enforce_eager": False,
+    "max_num_seqs": None,
+    "max_num_batched_tokens": None,
+    "enable_chunked_prefill": None,
+    "kv_cache_memory_bytes": None,
+}
+
+
 @pytest.mark.parametrize(
     ("gpus", "expected"),
     [
@@ -177,31 +188,9 @@ def test_shipped_tasks_load_with_their_engine_settings() -> None:
                 "data_parallel_size": None,
             },
         ),
-        # One GPU: CUDA graphs, vLLM's offline budgets for the device (none set), the KV cache by
-        # gpu_memory_utilization, one replica.
-        (
-            1,
-            {
-                "enforce_eager": False,
-                "max_num_seqs": None,
-                "max_num_batched_tokens": None,
-                "enable_chunked_prefill": None,
-                "kv_cache_memory_bytes": None,
-                "data_parallel_size": None,
-            },
-        ),
-        # Eight GPUs: the same, one replica per GPU (`data_parallel_size: auto` is the default).
-        (
-            8,
-            {
-                "enforce_eager": False,
-                "max_num_seqs": None,
-                "max_num_batched_tokens": None,
-                "enable_chunked_prefill": None,
-                "kv_cache_memory_bytes": None,
-                "data_parallel_size": 8,
-            },
-        ),
+        # One GPU: one replica. Eight: one replica per GPU (`data_parallel_size: auto` is the default).
+        (1, {**GPU_DEFAULTS, "data_parallel_size": None}),
+        (8, {**GPU_DEFAULTS, "data_parallel_size": 8}),
     ],
 )
 def test_engine_defaults_follow_the_device(tmp_path: Path, gpus: int, expected: dict) -> None:

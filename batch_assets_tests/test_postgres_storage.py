@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ import yaml
 
 from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
-from batch_assets_tests.conftest import REPO_ROOT, SAMPLES, stop_process_group
+from batch_assets_tests.conftest import REPO_ROOT, SAMPLES, running_daemon
 
 psycopg2 = pytest.importorskip("psycopg2", reason="dagster-postgres is not installed (pip install -e '.[test]')")
 
@@ -217,53 +216,36 @@ def test_a_burst_of_drops_becomes_grouped_runs_recorded_in_postgres(
 
     instance = dg.DagsterInstance.from_config(str(home))
     log = tmp_path / "daemon.log"
-    daemon = subprocess.Popen(
-        [str(bin_dir / "dagster-daemon"), "run", "-w", "workspace.yaml"],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + RUNS_TIMEOUT_S
-        while True:
-            assert daemon.poll() is None, f"dagster-daemon exited:\n{log.read_text()[-3000:]}"
-            burst = instance.get_runs(filters=dg.RunsFilter(tags={"batch_assets/launched_by": "sensor"}))
-            if len(burst) == 2 and all(run.is_finished for run in burst):
-                break
-            assert time.monotonic() < deadline, f"runs not finished in {RUNS_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
-            time.sleep(3)
+
+    def finished(runs: list[dg.DagsterRun], count: int = 1) -> list[dg.DagsterRun] | None:
+        return runs if len(runs) >= count and all(run.is_finished for run in runs[:count]) else None
+
+    with running_daemon(env, log) as daemon:
+        daemon.wait_until(
+            lambda: finished(instance.get_runs(filters=dg.RunsFilter(tags={"batch_assets/launched_by": "sensor"})), 2),
+            lambda: "the burst's runs not finished",
+            RUNS_TIMEOUT_S,
+        )
         # A single new file later is one run of its partition.
         (zone / "posts-d.jsonl").write_text(empty, encoding="utf-8")
-        deadline = time.monotonic() + RUNS_TIMEOUT_S
-        while True:
-            assert daemon.poll() is None, f"dagster-daemon exited:\n{log.read_text()[-3000:]}"
-            single = instance.get_runs(
-                filters=dg.RunsFilter(tags={"dagster/partition": partition_key_for("posts-d.jsonl")})
-            )
-            if single and single[0].is_finished:
-                break
-            assert time.monotonic() < deadline, (
-                f"single run not finished in {RUNS_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
-            )
-            time.sleep(3)
+        single = daemon.wait_until(
+            lambda: finished(
+                instance.get_runs(filters=dg.RunsFilter(tags={"dagster/partition": partition_key_for("posts-d.jsonl")}))
+            ),
+            lambda: "the single run not finished",
+            RUNS_TIMEOUT_S,
+        )
         # A burst with a bad file (no record has the task's text field): its range run fails, and
         # the range failure sensor runs the good file of that range again on its own.
         (zone / "posts-e.jsonl").write_text('{"post_id": "x1", "body": "no text field"}\n', encoding="utf-8")
         (zone / "posts-f.jsonl").write_text(empty, encoding="utf-8")
-        deadline = time.monotonic() + RUNS_TIMEOUT_S
-        while True:
-            assert daemon.poll() is None, f"dagster-daemon exited:\n{log.read_text()[-3000:]}"
-            rerun = instance.get_runs(filters=dg.RunsFilter(tags={"batch_assets/launched_by": "range_failure_sensor"}))
-            if rerun and rerun[0].is_finished:
-                break
-            assert time.monotonic() < deadline, (
-                f"no re-run of the good file in {RUNS_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
-            )
-            time.sleep(3)
-    finally:
-        stop_process_group(daemon)
+        rerun = daemon.wait_until(
+            lambda: finished(
+                instance.get_runs(filters=dg.RunsFilter(tags={"batch_assets/launched_by": "range_failure_sensor"}))
+            ),
+            lambda: "no re-run of the good file",
+            RUNS_TIMEOUT_S,
+        )
 
     bad_key, good_key = partition_key_for("posts-e.jsonl"), partition_key_for("posts-f.jsonl")
     [bad_range] = [run for run in instance.get_runs() if run.tags.get("dagster/asset_partition_range_start") == bad_key]

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import dagster as dg
 import yaml
 
 from batch_assets.storage.drop_files import partition_key_for
-from batch_assets_tests.conftest import REPO_ROOT, stop_process_group
+from batch_assets_tests.conftest import REPO_ROOT, running_daemon
 
 TASK = "chain"
 RUNS_TIMEOUT_S = 900
@@ -82,30 +80,19 @@ def test_the_daemon_labels_every_good_file_of_a_burst_with_two_kinds_of_bad_file
         "BATCH_ASSETS_TASKS_DIR": str(tasks),
     }
     instance = dg.DagsterInstance.from_config(str(home))
-    log = tmp_path / "daemon.log"
-    daemon = subprocess.Popen(
-        [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", "workspace.yaml"],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + RUNS_TIMEOUT_S
-        while True:
-            assert daemon.poll() is None, f"dagster-daemon exited:\n{log.read_text()[-3000:]}"
-            runs = instance.get_runs()
-            if labelled(instance, small1) and labelled(instance, small2) and all(run.is_finished for run in runs):
-                break
-            assert time.monotonic() < deadline, (
-                f"good files not labelled in {RUNS_TIMEOUT_S} s; runs "
-                f"{[(run.tags.get('batch_assets/launched_by'), run.status.value) for run in runs]}:\n"
-                f"{log.read_text()[-3000:]}"
-            )
-            time.sleep(3)
-    finally:
-        stop_process_group(daemon)
+
+    def good_files_labelled() -> bool:
+        runs = instance.get_runs()
+        return labelled(instance, small1) and labelled(instance, small2) and all(run.is_finished for run in runs)
+
+    def runs_so_far() -> str:
+        runs = instance.get_runs()
+        return (
+            f"good files not labelled; runs {[(r.tags.get('batch_assets/launched_by'), r.status.value) for r in runs]}"
+        )
+
+    with running_daemon(env, tmp_path / "daemon.log") as daemon:
+        daemon.wait_until(good_files_labelled, runs_so_far, RUNS_TIMEOUT_S)
 
     def summary(run: dg.DagsterRun) -> tuple:
         keys = run.tags.get("dagster/partition") or (
