@@ -145,17 +145,21 @@ def latest_materialization(instance, asset_key, partition_key: str):
     return records[0] if records else None
 
 
-def _label_counts(task_name: str, partition_key: str) -> tuple[int, int, str] | None:
-    """(rows, error rows, label text) of a partition's validated_labels, or None when not written."""
+def _label_counts(task_name: str, partition_keys: list[str]) -> tuple[int, int, str] | None:
+    """(rows, error rows, label text) of the partitions' validated_labels together (a file's own
+    partition, or its shards), or None when one is not written."""
     import polars as pl
 
     from batch_assets.storage.locations import output_path
 
-    path = output_path(task_name, "validated_labels", partition_key)
-    if not path.exists():
-        return None
-    with path.open("rb") as handle:
-        labels = pl.read_parquet(handle)
+    frames = []
+    for key in partition_keys:
+        path = output_path(task_name, "validated_labels", key)
+        if not path.exists():
+            return None
+        with path.open("rb") as handle:
+            frames.append(pl.read_parquet(handle, columns=["label", "error"]))
+    labels = pl.concat(frames)
     errors = int(labels["error"].is_not_null().sum())
     counts = labels.filter(pl.col("label").is_not_null()).group_by("label").len().sort("len", descending=True)
     if counts.height and counts.height <= 12:
@@ -165,29 +169,49 @@ def _label_counts(task_name: str, partition_key: str) -> tuple[int, int, str] | 
     return labels.height, errors, label_text
 
 
-def _summary_line(task_name: str, partition_key: str, instance) -> str:
+def _metadata_value(record, name: str):
+    entry = record.asset_materialization.metadata.get(name) if record and record.asset_materialization else None
+    return None if entry is None else entry.value
+
+
+def _quality_notes(task_name: str, partition_keys: list[str], instance) -> list[str]:
+    """Accuracy and low-confidence share over the partitions, each weighted by its rows."""
     import dagster as dg
 
-    counts = _label_counts(task_name, partition_key)
+    records = [
+        latest_materialization(instance, dg.AssetKey([task_name, "validated_labels"]), key) for key in partition_keys
+    ]
+    notes = []
+    gold = [(_metadata_value(r, "accuracy"), _metadata_value(r, "rows_with_gold")) for r in records]
+    gold = [(accuracy, rows) for accuracy, rows in gold if accuracy is not None and rows]
+    if gold:
+        rows_with_gold = sum(rows for _, rows in gold)
+        accuracy = sum(accuracy * rows for accuracy, rows in gold) / rows_with_gold
+        notes.append(f"accuracy {accuracy:.0%} on {rows_with_gold} hand-labelled rows")
+    low = [(_metadata_value(r, "low_confidence_share"), _metadata_value(r, "rows")) for r in records]
+    minimum = _metadata_value(records[0], "min_confidence") if records else None
+    low = [(share, rows) for share, rows in low if share is not None and rows]
+    if low and minimum is not None:
+        share = sum(share * rows for share, rows in low) / sum(rows for _, rows in low)
+        notes.append(f"{share:.0%} of labels with confidence under {minimum}")
+    return notes
+
+
+def _summary_line(task_name: str, partition_keys: list[str], instance) -> str:
+    import dagster as dg
+
+    counts = _label_counts(task_name, partition_keys)
     if counts is None:
         return "no validated_labels written"
     rows, errors, label_text = counts
+    notes = _quality_notes(task_name, partition_keys, instance)
+    if notes:
+        label_text += f" ({'; '.join(notes)})"
     rate = ""
-    labels_record = latest_materialization(instance, dg.AssetKey([task_name, "validated_labels"]), partition_key)
-    if labels_record is not None and labels_record.asset_materialization is not None:
-        labels_metadata = labels_record.asset_materialization.metadata
-        notes = []
-        accuracy, rows_with_gold = labels_metadata.get("accuracy"), labels_metadata.get("rows_with_gold")
-        if accuracy is not None and rows_with_gold is not None:
-            notes.append(f"accuracy {accuracy.value:.0%} on {rows_with_gold.value} hand-labelled rows")
-        low_share, minimum = labels_metadata.get("low_confidence_share"), labels_metadata.get("min_confidence")
-        if low_share is not None and minimum is not None:
-            notes.append(f"{low_share.value:.0%} of labels with confidence under {minimum.value}")
-        if notes:
-            label_text += f" ({'; '.join(notes)})"
-    record = latest_materialization(instance, dg.AssetKey([task_name, "inference_outputs"]), partition_key)
-    if record is not None and record.asset_materialization is not None:
-        rate = _inference_text(record.asset_materialization.metadata)
+    if len(partition_keys) == 1:
+        record = latest_materialization(instance, dg.AssetKey([task_name, "inference_outputs"]), partition_keys[0])
+        if record is not None and record.asset_materialization is not None:
+            rate = _inference_text(record.asset_materialization.metadata)
     text = f"{rows} rows, {errors} error rows, labels: {label_text}{rate}"
     if rows and errors == rows:
         text += "; every record is an error (see the `error` column of validated_labels)"
@@ -214,9 +238,9 @@ def _inference_text(metadata) -> str:
 
 
 def _outcome(task_name: str, key: str, instance, **fields) -> PartitionOutcome:
-    counts = _label_counts(task_name, key) if fields.get("success") else None
+    counts = _label_counts(task_name, [key]) if fields.get("success") else None
     rows, errors = (counts[0], counts[1]) if counts else (None, None)
-    summary = _summary_line(task_name, key, instance) if fields.get("success") else fields.pop("summary")
+    summary = _summary_line(task_name, [key], instance) if fields.get("success") else fields.pop("summary")
     fields.pop("summary", None)
     return PartitionOutcome(task_name, key, summary=summary, rows=rows, error_rows=errors, **fields)
 
@@ -260,8 +284,15 @@ def _last_origin(instance, job_name: str, key: str) -> str | None:
     file alone tags its origin, a run over several files tags each file's origin in one JSON tag."""
     import dagster as dg
 
+    from batch_assets.dagster_defs.sensors import SOURCE_FILE_TAG
+
     singles = instance.get_run_records(
         filters=dg.RunsFilter(job_name=job_name, tags={"dagster/partition": key}), limit=20
+    )
+    # A file run as shards: each shard's run is tagged with the file's key.
+    singles += instance.get_run_records(
+        filters=dg.RunsFilter(job_name=job_name, tags={SOURCE_FILE_TAG: key, "batch_assets/launched_by": "cli"}),
+        limit=20,
     )
     ranges = instance.get_run_records(
         filters=dg.RunsFilter(job_name=job_name, tags={"batch_assets/launched_by": "cli"}), limit=50
@@ -414,8 +445,8 @@ def run_partitions(
         RANGE_START_TAG,
         SOURCE_FILE_TAG,
         SOURCE_VERSION_TAG,
+        file_validated_from_version,
         partition_ranges,
-        validated_from_version,
         version_digest,
     )
     from batch_assets.definitions import build_definitions, pipeline_job_name
@@ -446,9 +477,12 @@ def run_partitions(
         # same name see each other's copy, and never add the same partition twice.
         with home_lock(dagster_home()):
             _copy_into_drop_zone(instance, task_name, job_name, named, replace=replace)
-            keys = [(file, version_digest(find_drop_file(task_name, file.key).version)) for file in named]
-            add_partitions(instance, partitions_def_name(task_name), [file.key for file, _ in keys])
-            lease.claim(task_name, [(file.key, digest) for file, digest in keys])
+            drops = {file.key: find_drop_file(task_name, file.key) for file in named}
+            keys = [(file, version_digest(drops[file.key].version)) for file in named]
+            # A file with more records than input.max_rows_per_partition runs as several shards.
+            partitions_of = {file.key: _file_partitions(instance, task, drops[file.key]) for file in named}
+            add_partitions(instance, partitions_def_name(task_name), [k for ks in partitions_of.values() for k in ks])
+            lease.claim(task_name, [(key, digest) for file, digest in keys for key in partitions_of[file.key]])
         for run_id in fail_runs_of_dead_processes(instance):
             TERMINAL.say(
                 f"run {run_id[:8]}: its batch-assets process died before it finished; marked failed, pool slots freed"
@@ -456,26 +490,29 @@ def run_partitions(
 
         by_key: dict[str, PartitionOutcome] = {}
         to_run: list[str] = []
-        named_by_key = {file.key: (file, digest) for file, digest in keys}
+        named_by_key = {key: (file, digest) for file, digest in keys for key in partitions_of[file.key]}
         for file, _ in keys:
-            if skip_succeeded and validated_from_version(instance, task_name, find_drop_file(task_name, file.key)):
-                done = _outcome(task_name, file.key, instance, success=True, run_id=None, failed_error_checks=[])
-                done.skipped = True
-                by_key[file.key] = done
-            elif file.key not in to_run:
-                to_run.append(file.key)
+            file_keys = partitions_of[file.key]
+            if skip_succeeded and file_validated_from_version(instance, task_name, drops[file.key], file_keys):
+                for key in file_keys:
+                    done = _outcome(task_name, key, instance, success=True, run_id=None, failed_error_checks=[])
+                    done.skipped = True
+                    by_key[key] = done
+            else:
+                to_run += [key for key in file_keys if key not in to_run]
+        shards = [key for key, (file, _) in named_by_key.items() if key != file.key]
         ordered = instance.get_dynamic_partitions(partitions_def_name(task_name))
         pool = engine_kind(task).pool
         with keep_engine_warm(wanted_elsewhere=lambda: others_wait_for_pool(instance, pool)):
             # Grouped as a backfill of these partitions is: one run per range of adjacent partitions,
             # up to the task's `runs.max_partitions_per_run`, one engine stream per run.
-            ranges = list(partition_ranges(ordered, to_run, task.runs.max_partitions_per_run))
+            ranges = list(partition_ranges(ordered, to_run, task.runs.max_partitions_per_run, alone=shards))
             while ranges:
                 run_keys = ranges.pop(0)
                 wait_for_pool_slot(instance, pool, say=TERMINAL.say, before_waiting=PROCESS_ENGINE.shutdown)
                 if len(run_keys) == 1:
                     file, digest = named_by_key[run_keys[0]]
-                    label, selection = f"{task_name}/{file.key}", {"partition_key": file.key}
+                    label, selection = f"{task_name}/{run_keys[0]}", {"partition_key": run_keys[0]}
                     tags = {SOURCE_FILE_TAG: file.key, SOURCE_VERSION_TAG: digest, ORIGIN_TAG: file.origin}
                 else:
                     label, selection = f"{task_name}/{run_keys[0]}..{run_keys[-1]} ({len(run_keys)} files)", {}
@@ -522,10 +559,62 @@ def run_partitions(
                         summary=failure,
                         failed_error_checks=failed_checks,
                     )
-        outcomes = [by_key[key] for key in dict.fromkeys(file.key for file, _ in keys)]
+        outcomes = [
+            _file_outcome(instance, task_name, key, partitions_of[key], by_key)
+            for key in dict.fromkeys(file.key for file, _ in keys)
+        ]
         if TERMINAL.log_path and any(not outcome.ok for outcome in outcomes):
             TERMINAL.say(f"engine and library output of this command: {TERMINAL.log_path}")
     return outcomes
+
+
+def _file_partitions(instance, task, drop) -> list[str]:
+    """The file's partitions (its own, or its shards); partitions of the file that its new version
+    no longer has (split differently) are retired, outputs and all."""
+    from batch_assets.pipeline.read_prompts import DropFileError
+    from batch_assets.storage.drop_files import partitions_def_name
+    from batch_assets.storage.shards import delete_partition_outputs, file_partition_keys, retired_partitions
+
+    try:
+        keys = file_partition_keys(task.name, drop, task.input.max_rows_per_partition)
+    except DropFileError:
+        return [drop.partition_key]  # its run fails with this error, naming the file
+    partitions_name = partitions_def_name(task.name)
+    retired = retired_partitions(instance.get_dynamic_partitions(partitions_name), drop.partition_key, keys)
+    if retired:
+        TERMINAL.say(f"{drop.relative_path}: split differently than before; retiring partitions {', '.join(retired)}")
+        delete_partition_outputs(task.name, retired)
+        for key in retired:
+            instance.delete_dynamic_partition(partitions_name, key)
+    return keys
+
+
+def _file_outcome(
+    instance, task_name: str, file_key: str, keys: list[str], by_key: dict[str, PartitionOutcome]
+) -> PartitionOutcome:
+    """One outcome per file as the user named it: its partition's, or its shards' together."""
+    if keys == [file_key]:
+        return by_key[file_key]
+    parts = [by_key[key] for key in keys]
+    failed = [part for part in parts if not part.success]
+    summary = (
+        "; ".join(f"shard {part.partition_key}: {part.summary}" for part in failed)
+        if failed
+        else f"{_summary_line(task_name, keys, instance)} ({len(keys)} shards)"
+    )
+    rows = [part.rows for part in parts]
+    errors = [part.error_rows for part in parts]
+    return PartitionOutcome(
+        task_name,
+        f"{file_key}~*",
+        success=not failed,
+        run_id=None,
+        summary=summary,
+        failed_error_checks=[f"{part.partition_key}: {check}" for part in parts for check in part.failed_error_checks],
+        skipped=all(part.skipped for part in parts),
+        rows=None if None in rows else sum(r for r in rows if r is not None),
+        error_rows=None if None in errors else sum(e for e in errors if e is not None),
+    )
 
 
 def _failed_before_inference(result) -> bool:

@@ -239,3 +239,29 @@ def test_progress_line_says_the_time_left_in_plain_words(message: str, line: str
     monkeypatch.setattr(TERMINAL, "stream", out)
     _ProgressHandler("t/p").emit(logging.LogRecord("run", logging.INFO, __file__, 1, message, None, None))
     assert out.getvalue() == line + "\n"
+
+
+def test_a_file_over_max_rows_per_partition_runs_as_shards_with_one_line_and_one_dataset(workdir) -> None:
+    """Issue 26.2: each shard is a run of its own; the file gets one summary line; its result is one
+    glob of shards whose rows carry the whole file's row_id and source_line."""
+    tmp_path, env = workdir
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    bundled = (Path(__file__).parent.parent / "batch_assets" / "tasks" / "industry.yaml").read_text()
+    (tasks / "industry.yaml").write_text(bundled.replace("input:\n", "input:\n  max_rows_per_partition: 10\n", 1))
+    big = tmp_path / "big.csv"
+    big.write_text("Name,Company\n" + "".join(f'n{i},"Firm {i}\nLLP"\n' for i in range(25)))
+    env = {**env, "BATCH_ASSETS_TASKS_DIR": str(tasks)}
+    result = run_cli(["run", "industry", str(big)], env, tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    [line] = summary_lines(result.stdout)
+    assert line.startswith("industry/big.csv~*: OK: 25 rows, 0 error rows, labels: ") and line.endswith("(3 shards)")
+    labels = pl.read_parquet(str(tmp_path / "data" / "storage" / "industry" / "validated_labels" / "big.csv~*.parquet"))
+    labels = labels.sort("row_id")
+    assert labels["row_id"].to_list() == list(range(25))
+    assert labels["source_line"].to_list() == list(range(2, 52, 2))  # each record spans two lines
+    assert labels["Company"][24] == "Firm 24\nLLP" and labels["label"].null_count() == 0
+    with open_instance(tmp_path / "home") as instance:
+        runs = instance.get_runs()
+        assert sorted(run.tags["dagster/partition"] for run in runs) == [f"big.csv~0000{n}" for n in (1, 2, 3)]
+        assert all(run.is_success for run in runs)

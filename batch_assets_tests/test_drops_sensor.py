@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import dagster as dg
+import polars as pl
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -148,7 +149,11 @@ def sensor_for(**kwargs) -> dg.SensorDefinition:
 def tick(sensor: dg.SensorDefinition, instance: dg.DagsterInstance, cursor: str | None):
     result = sensor(dg.build_sensor_context(instance=instance, cursor=cursor, definitions=build_definitions()))
     for request in result.dynamic_partitions_requests or []:
-        instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        if isinstance(request, dg.DeleteDynamicPartitionsRequest):
+            for key in request.partition_keys:
+                instance.delete_dynamic_partition(request.partitions_def_name, key)
+        else:
+            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
     return result, result.cursor if result.cursor is not None else cursor
 
 
@@ -472,3 +477,61 @@ def test_a_real_full_file_system_is_reported_as_such(tmp_path: Path) -> None:
         "free space there (or make it writable), or point BATCH_ASSETS_DATA at other storage",
         "left: []",  # no temporary file left behind on the full disk
     ], result.stderr[-2000:]
+
+
+def test_a_file_over_max_rows_per_partition_becomes_shards_each_its_own_run(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 26.2: one big file fans out over runs; a new version that splits differently retires
+    the shards it no longer has (their partitions removed, their outputs deleted)."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    bundled = (Path(__file__).parent.parent / "batch_assets" / "tasks" / f"{TASK}.yaml").read_text()
+    (tasks / f"{TASK}.yaml").write_text(bundled.replace("input:\n", "input:\n  max_rows_per_partition: 10\n", 1))
+    monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(tasks))
+    records = "".join(f'{{"text": "post {n}"}}\n' for n in range(25))
+    settled(drop(data_dir, TASK, "big.jsonl", records), age=200)
+    settled(drop(data_dir, TASK, "a.jsonl", POST), age=100)
+    settled(drop(data_dir, TASK, "b.jsonl", POST), age=90)
+    task = next(task for task in load_task_specs() if task.name == TASK)
+    assert task.input.max_rows_per_partition == 10
+    sensor = build_drops_sensor(task, build_definitions().resolve_job_def(pipeline_job_name(TASK)))
+    shards = ["big.jsonl~00001", "big.jsonl~00002", "big.jsonl~00003"]
+    with dg.instance_for_test() as instance:
+        result, cursor = tick(sensor, instance, None)
+        assert ordered_partitions(instance) == [*shards, "a.jsonl", "b.jsonl"]
+        ordered = ordered_partitions(instance)
+        assert [requested_partitions(request, ordered) for request in result.run_requests] == [
+            [shards[0]],
+            [shards[1]],
+            [shards[2]],
+            ["a.jsonl", "b.jsonl"],
+        ]
+        assert [request.tags.get(SOURCE_FILE_TAG) for request in result.run_requests[:3]] == ["big.jsonl"] * 3
+        assert len({request.run_key for request in result.run_requests}) == 4
+
+        # Shard 2 alone, as its run does: rows 10-19 of the file, lines 11-20.
+        job = build_definitions().resolve_job_def(pipeline_job_name(TASK))
+        raw = [dg.AssetKey([TASK, "raw_prompts"])]
+        assert job.execute_in_process(instance=instance, partition_key=shards[1], asset_selection=raw).success
+        stored = data_dir / "storage" / TASK / "raw_prompts" / f"{shards[1]}.parquet"
+        rows = pl.read_parquet(stored)
+        assert rows["row_id"].to_list() == list(range(10, 20))
+        assert rows["source_line"].to_list() == list(range(11, 21))
+        assert rows["text"][0] == "post 10"
+
+        # The file replaced by 12 records: two shards, both re-run as a replacement; the third is retired.
+        settled(drop(data_dir, TASK, "big.jsonl", records[: records.index('{"text": "post 12"}')]), age=30)
+        replaced, cursor = tick(sensor, instance, cursor)
+        assert [request.partition_key for request in replaced.run_requests] == shards[:2]
+        assert all(request.tags[REPLACED_TAG] == "true" for request in replaced.run_requests)
+        [retire] = [r for r in replaced.dynamic_partitions_requests if isinstance(r, dg.DeleteDynamicPartitionsRequest)]
+        assert list(retire.partition_keys) == [shards[2]]
+
+        # Shrunk under the limit: the file is one partition again and every shard is retired.
+        settled(drop(data_dir, TASK, "big.jsonl", records[:30]), age=20)
+        whole, _ = tick(sensor, instance, cursor)
+        assert [request.partition_key for request in whole.run_requests] == ["big.jsonl"]
+        [retire] = [r for r in whole.dynamic_partitions_requests if isinstance(r, dg.DeleteDynamicPartitionsRequest)]
+        assert sorted(retire.partition_keys) == shards[:2]
+        assert not stored.exists()  # outputs of retired shards are deleted with them

@@ -34,7 +34,7 @@ from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts
 from batch_assets.pipeline.label_quality import accuracy_report, confidence_report
 from batch_assets.pipeline.openai_batch import accepted_model_names, batch_prompt_encoder, format_batch_prompts
 from batch_assets.pipeline.openai_batch_output import batch_files, jsonl_bytes, validate_batch_outputs
-from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions, read_prompts
+from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.pipeline.validate_labels import validate_labels
@@ -42,6 +42,7 @@ from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints,
 from batch_assets.storage.drop_files import drop_partitions, find_drop_file
 from batch_assets.storage.locations import checkpoint_dir, task_storage_dir, write_bytes_atomically
 from batch_assets.storage.result_cache import ResultCache
+from batch_assets.storage.shards import read_partition_rows
 
 IO_MANAGER_KEY = "parquet_storage"
 # The code version Dagster records on each materialization.
@@ -329,7 +330,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
 
     def read_partition(context: dg.AssetExecutionContext, partition_key: str) -> pl.DataFrame:
         drop = find_drop_file(name, partition_key)
-        frame = read_prompts(drop.read_bytes(), drop.relative_path, parse_options)
+        frame = read_partition_rows(name, drop, partition_key, parse_options, task.input.max_rows_per_partition)
         errors = error_code_counts(frame)
         if errors:
             first = frame.filter(pl.col("error").is_not_null()).head(3)["error"].to_list()

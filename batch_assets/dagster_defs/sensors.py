@@ -11,6 +11,9 @@ the same tick adds a dynamic partition for every new input file and requests its
   The sensor requests these range runs itself instead of a backfill: Dagster's backfill daemon looks
   for new backfills every 30 s (a fixed interval), which a burst would wait for on top of the tick;
   a run requested by the sensor is queued in the tick. Backfills from the UI use the same policy.
+A file with more records than the task's `input.max_rows_per_partition` is split into shards
+(storage/shards.py), one partition each, and each shard is a run of its own (a shard is as big as a
+run should hold); the once-per-version rules below hold per file, over all its shards.
 New and replaced files are requested apart (their own runs), so the replaced-file tag below marks
 exactly the runs that re-process replaced files.
 
@@ -47,9 +50,16 @@ from dataclasses import dataclass, field
 import dagster as dg
 
 from batch_assets.dagster_defs.run_recovery import partitions_claimed_by_live_processes
+from batch_assets.pipeline.read_prompts import DropFileError
 from batch_assets.pipeline.task_spec import TaskSpec
-from batch_assets.storage.drop_files import DropFile, list_drop_files, partitions_def_name
+from batch_assets.storage.drop_files import DropFile, file_key_of, list_drop_files, partitions_def_name
 from batch_assets.storage.locations import drop_zone
+from batch_assets.storage.shards import (
+    PIPELINE_ASSETS,
+    delete_partition_outputs,
+    file_partition_keys,
+    retired_partitions,
+)
 
 SOURCE_FILE_TAG = "batch_assets/source_file"
 SOURCE_VERSION_TAG = "batch_assets/source_version"
@@ -58,7 +68,6 @@ LAUNCHED_BY_TAG = "batch_assets/launched_by"
 # How Dagster tags a run over a range of partitions (the partitions' order decides what lies between).
 RANGE_START_TAG = "dagster/asset_partition_range_start"
 RANGE_END_TAG = "dagster/asset_partition_range_end"
-PIPELINE_ASSETS = ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels")
 
 # Files requested per tick at most (one run each, or ranges of them); the daemon creates and queues
 # each run, so this bounds a tick.
@@ -122,10 +131,11 @@ def plan_tick(
 ) -> TickPlan:
     """Pure decision of a tick: which files are new or replaced since the cursor `seen`.
 
-    A file replaces an earlier one when its partition's latest `raw_prompts` read another version of
-    it (`read_version`). A partition alone proves nothing: `batch-assets run` adds it before its run,
+    A file replaces an earlier one when its partition's (or a shard's) latest `raw_prompts` read another
+    version of it (`read_version`). A partition alone proves nothing: `batch-assets run` adds it before its run,
     which may have been killed or failed before the file was read, or after reading this version."""
     plan = TickPlan()
+    existing_files = {file_key_of(key) for key in existing_partitions}
     fresh: list[tuple[bytes, DropFile]] = []
     for drop in files:
         fingerprint = file_fingerprint(drop)
@@ -144,7 +154,7 @@ def plan_tick(
         if max_runs is not None and len(plan.to_run) + plan.already_done >= max_runs:
             plan.waiting += 1
             continue
-        existing = drop.partition_key in existing_partitions
+        existing = drop.partition_key in existing_files
         if existing and already_done(drop):
             plan.already_done += 1
         else:
@@ -154,7 +164,11 @@ def plan_tick(
     return plan
 
 
-def run_request_for(drop: DropFile, replaced: bool, job_tags: Mapping[str, str] | None = None) -> dg.RunRequest:
+def run_request_for(
+    drop: DropFile, replaced: bool, job_tags: Mapping[str, str] | None = None, partition_key: str | None = None
+) -> dg.RunRequest:
+    """The run of one partition of `drop`: the file's own, or `partition_key`, one of its shards."""
+    partition_key = partition_key or drop.partition_key
     digest = version_digest(drop.version)
     tags = {
         **(job_tags or {}),
@@ -164,7 +178,7 @@ def run_request_for(drop: DropFile, replaced: bool, job_tags: Mapping[str, str] 
     }
     if replaced:
         tags[REPLACED_TAG] = "true"
-    return dg.RunRequest(run_key=f"{drop.partition_key}@{digest}", partition_key=drop.partition_key, tags=tags)
+    return dg.RunRequest(run_key=f"{partition_key}@{digest}", partition_key=partition_key, tags=tags)
 
 
 def range_run_request_for(
@@ -199,16 +213,21 @@ def even_chunks(keys: Sequence[str], max_per_run: int) -> list[list[str]]:
     return chunks
 
 
-def partition_ranges(ordered_keys: Sequence[str], wanted: Iterable[str], max_per_run: int) -> list[list[str]]:
+def partition_ranges(
+    ordered_keys: Sequence[str], wanted: Iterable[str], max_per_run: int, alone: Iterable[str] = ()
+) -> list[list[str]]:
     """`wanted` split into runs: ranges of keys adjacent in the partitions' order (dynamic
     partitions: the order they were added), each of at most `max_per_run` keys. A range start..end
     covers every key between, so a key not wanted ends a range; a stretch of adjacent wanted keys
     over the cap becomes as few ranges as the cap allows, of even sizes (a multi-run backfill from
-    the UI fills its runs in order instead: 16 + 4)."""
-    wanted = set(wanted)
+    the UI fills its runs in order instead: 16 + 4). Keys in `alone` (shards of big files, each as
+    large as a run should hold) get a run each."""
+    wanted, alone = set(wanted), set(alone)
     stretches: list[list[str]] = [[]]
     for key in ordered_keys:
-        if key in wanted:
+        if key in alone and key in wanted:
+            stretches += [[key], []]
+        elif key in wanted:
             stretches[-1].append(key)
         elif stretches[-1]:
             stretches.append([])
@@ -238,15 +257,22 @@ def read_version(instance: dg.DagsterInstance, task: str, partition_key: str) ->
     return str(version.value) if version is not None else None
 
 
-def validated_from_version(instance: dg.DagsterInstance, task: str, drop: DropFile) -> bool:
+def validated_from_version(instance: dg.DagsterInstance, task: str, partition_key: str, version: str) -> bool:
     """The partition's latest validated_labels came from exactly this file version: made after the
     latest raw_prompts, which read this version (in a run of its own or of a range)."""
-    labels = _latest_record(instance, task, "validated_labels", drop.partition_key)
-    raw = _latest_record(instance, task, "raw_prompts", drop.partition_key)
+    labels = _latest_record(instance, task, "validated_labels", partition_key)
+    raw = _latest_record(instance, task, "raw_prompts", partition_key)
     if labels is None or raw is None or raw.storage_id > labels.storage_id or raw.asset_materialization is None:
         return False
-    version = raw.asset_materialization.metadata.get("source_version")
-    return version is not None and version.value == drop.version
+    read = raw.asset_materialization.metadata.get("source_version")
+    return read is not None and read.value == version
+
+
+def file_validated_from_version(
+    instance: dg.DagsterInstance, task: str, drop: DropFile, partition_keys: Sequence[str]
+) -> bool:
+    """Every partition of the file (its own, or each shard) has validated_labels from this version."""
+    return all(validated_from_version(instance, task, key, drop.version) for key in partition_keys)
 
 
 def run_requests_for(
@@ -254,20 +280,52 @@ def run_requests_for(
     ordered_keys: Sequence[str],
     max_partitions_per_run: int,
     job_tags: Mapping[str, str] | None = None,
+    keys_of: Callable[[DropFile], list[str]] = lambda drop: [drop.partition_key],
 ) -> list[dg.RunRequest]:
     """New and replaced files apart, each split into ranges of adjacent partitions (`ordered_keys`:
     every partition in order, the tick's new ones included) of up to `max_partitions_per_run`: one
-    run per range, a lone file's run with its own partition key."""
+    run per range, a lone file's run with its own partition key. A file split into shards
+    (`keys_of`) has a run per shard."""
     requests = []
     for replaced in (False, True):
-        drops = {drop.partition_key: drop for drop, is_replaced in to_run if is_replaced == replaced}
-        for keys in partition_ranges(ordered_keys, drops, max_partitions_per_run):
+        drops = {key: drop for drop, is_replaced in to_run if is_replaced == replaced for key in keys_of(drop)}
+        shards = [key for key, drop in drops.items() if key != drop.partition_key]
+        for keys in partition_ranges(ordered_keys, drops, max_partitions_per_run, alone=shards):
             if len(keys) == 1:
-                requests.append(run_request_for(drops[keys[0]], replaced, job_tags))
+                requests.append(run_request_for(drops[keys[0]], replaced, job_tags, partition_key=keys[0]))
             else:
                 versions = {key: drops[key].version for key in keys}
                 requests.append(range_run_request_for(keys, versions, replaced, job_tags))
     return requests
+
+
+def _partition_keys_of(task: TaskSpec, log) -> Callable[[DropFile], list[str]]:
+    """A tick's memo of each file's partitions (one pass over a big file per version, kept in
+    storage too). A file whose records cannot be counted (a corrupt gzip or parquet file, a bad CSV
+    header) is one partition: its run fails with that error, naming the file."""
+    known: dict[tuple[str, str], list[str]] = {}
+
+    def keys_of(drop: DropFile) -> list[str]:
+        file = (drop.relative_path, drop.version)
+        if file not in known:
+            try:
+                known[file] = file_partition_keys(task.name, drop, task.input.max_rows_per_partition)
+            except DropFileError as error:
+                log.warning(f"{drop.relative_path}: cannot be split into shards ({error}); run as one partition")
+                known[file] = [drop.partition_key]
+        return known[file]
+
+    return keys_of
+
+
+def _file_read_version(instance: dg.DagsterInstance, task: str, ordered: Sequence[str], drop: DropFile) -> str | None:
+    """The version the file's partitions (its own or its shards) last read, None when never read."""
+    for key in ordered:
+        if file_key_of(key) == drop.partition_key:
+            version = read_version(instance, task, key)
+            if version is not None:
+                return version
+    return None
 
 
 def _skipped_text(skipped: dict[str, str]) -> str:
@@ -318,14 +376,15 @@ def build_drops_sensor(
         ordered = list(context.instance.get_dynamic_partitions(partitions_name))
         existing = set(ordered)
         claimed = partitions_claimed_by_live_processes(context.instance.root_directory, task.name)
+        keys_of = _partition_keys_of(task, context.log)
         plan = plan_tick(
             files,
             seen,
             existing,
             max_runs=max_runs_per_tick,
-            already_done=lambda drop: validated_from_version(context.instance, task.name, drop),
-            in_progress=lambda drop: (drop.partition_key, version_digest(drop.version)) in claimed,
-            read_version=lambda drop: read_version(context.instance, task.name, drop.partition_key),
+            already_done=lambda drop: file_validated_from_version(context.instance, task.name, drop, keys_of(drop)),
+            in_progress=lambda drop: any((key, version_digest(drop.version)) in claimed for key in keys_of(drop)),
+            read_version=lambda drop: _file_read_version(context.instance, task.name, ordered, drop),
         )
         summary = (
             f"{len(files)} input file(s) in {zone}: {len(plan.to_run)} to run, {plan.known} already requested, "
@@ -345,18 +404,27 @@ def build_drops_sensor(
             return dg.SensorResult(skip_reason=dg.SkipReason(reason), cursor=cursor if cursor_changed else None)
         # Added oldest file first: the partitions' order, which decides the ranges, is arrival order.
         new_partitions = list(
-            dict.fromkeys(drop.partition_key for drop, _ in plan.to_run if drop.partition_key not in existing)
+            dict.fromkeys(key for drop, _ in plan.to_run for key in keys_of(drop) if key not in existing)
         )
+        retired = [
+            key for drop, _ in plan.to_run for key in retired_partitions(ordered, drop.partition_key, keys_of(drop))
+        ]
+        if retired:
+            context.log.info(f"retiring partitions the new file versions split differently: {retired}")
+            delete_partition_outputs(task.name, retired)
         # New partitions are added in this order before the tick's runs are created.
         run_requests = run_requests_for(
-            plan.to_run, ordered + new_partitions, task.runs.max_partitions_per_run, job_tags=job_tags
+            plan.to_run,
+            ordered + new_partitions,
+            task.runs.max_partitions_per_run,
+            job_tags=job_tags,
+            keys_of=keys_of,
         )
-        return dg.SensorResult(
-            run_requests=run_requests,
-            dynamic_partitions_requests=[dg.AddDynamicPartitionsRequest(partitions_name, new_partitions)]
-            if new_partitions
-            else [],
-            cursor=cursor,
-        )
+        partition_requests: list = []
+        if new_partitions:
+            partition_requests.append(dg.AddDynamicPartitionsRequest(partitions_name, new_partitions))
+        if retired:
+            partition_requests.append(dg.DeleteDynamicPartitionsRequest(partitions_name, retired))
+        return dg.SensorResult(run_requests=run_requests, dynamic_partitions_requests=partition_requests, cursor=cursor)
 
     return drops_sensor

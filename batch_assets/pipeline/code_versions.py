@@ -60,7 +60,8 @@ def code_versions(task: TaskSpec) -> dict[str, str]:
     engine.update({k: v for k, v in vllm_args.items() if k not in THROUGHPUT_ONLY_VLLM_ARGS})
     engine["model"] = task.model
     formatting = {
-        "input": task.input.model_dump(),
+        # How rows are grouped into partitions changes no row's prompt.
+        "input": task.input.model_dump(exclude={"max_rows_per_partition"}),
         "prompt": task.prompt.model_dump() if task.prompt is not None else None,
         # The tokenizer renders the chat template and counts tokens; the context decides which rows
         # are too long and max_tokens how much room they need.

@@ -80,6 +80,22 @@ class ParseOptions:
     format: str = "records"  # or "openai_batch": OpenAI Batch API request lines
 
 
+@dataclass(frozen=True)
+class FilePart:
+    """Where the bytes being read sit in their drop file, when they are one shard of it
+    (pipeline/file_shards.py): the `row_id` of their first record, how many lines of the file come
+    before their first line (a CSV shard starts with the header row, so those lines are not counted
+    twice), and whether they are already decompressed. Rows and error messages then number
+    records and lines as in the whole file."""
+
+    first_row: int = 0
+    line_offset: int = 0
+    decompressed: bool = False
+
+
+WHOLE_FILE = FilePart()
+
+
 def input_suffix(file_name: str) -> str | None:
     """The supported suffix a file name ends with (`.jsonl.gz` before `.gz`), any case; else None."""
     name = file_name.rsplit("/", 1)[-1].lower()
@@ -89,8 +105,9 @@ def input_suffix(file_name: str) -> str | None:
     return None
 
 
-def read_prompts(data: bytes, file_name: str, options: ParseOptions) -> pl.DataFrame:
-    """Parse the bytes of one drop file, by its suffix, into the raw_prompts table."""
+def read_prompts(data: bytes, file_name: str, options: ParseOptions, part: FilePart = WHOLE_FILE) -> pl.DataFrame:
+    """Parse the bytes of one drop file (or of one shard of it, see `FilePart`), by its suffix,
+    into the raw_prompts table."""
     if options.format == "openai_batch":
         from batch_assets.pipeline.openai_batch import read_batch_requests
 
@@ -99,18 +116,24 @@ def read_prompts(data: bytes, file_name: str, options: ParseOptions) -> pl.DataF
     if suffix is None:
         raise DropFileError(f"{file_name}: unsupported file type; inputs are {', '.join(SUPPORTED_SUFFIXES)}")
     if suffix.endswith(".gz"):
-        data, suffix = _gunzip(data, file_name), suffix.removesuffix(".gz")
+        data = data if part.decompressed else _gunzip(data, file_name)
+        suffix = suffix.removesuffix(".gz")
     if suffix == ".parquet":
-        return _finish(*_read_parquet(data, file_name, options), options)
+        return read_parquet_frame(_parquet_frame(data, file_name), file_name, options, part)
     if data.startswith(_BOM):
         data = data[len(_BOM) :]
     if not data.strip():
-        return _finish(pl.DataFrame(), [], [], options)
+        return _finish(pl.DataFrame(), [], [], options, part)
     if suffix == ".jsonl":
-        return _finish(*_read_jsonl(data, file_name, options), options)
+        return _finish(*_read_jsonl(data, file_name, options, part.line_offset), options, part)
     if suffix == ".csv":
-        return _finish(*_read_csv(data, file_name, options), options)
-    return _finish(*_read_txt(data, file_name, options), options)
+        return _finish(*_read_csv(data, file_name, options, part.line_offset), options, part)
+    return _finish(*_read_txt(data, file_name, options, part.line_offset), options, part)
+
+
+def read_parquet_frame(frame: pl.DataFrame, file_name: str, options: ParseOptions, part: FilePart) -> pl.DataFrame:
+    """The raw_prompts table of rows read from a parquet file (all of it, or a shard's rows)."""
+    return _finish(*_read_parquet(frame, file_name, options, part.first_row), options, part)
 
 
 def _gunzip(data: bytes, file_name: str) -> bytes:
@@ -126,7 +149,7 @@ def _error(code: str, file_name: str, line: int, message: str) -> str:
     return f"{code}: {file_name} line {line}: {message}"
 
 
-def _lines(data: bytes, file_name: str) -> Iterator[tuple[int, str, str | None]]:
+def _lines(data: bytes, file_name: str, line_offset: int) -> Iterator[tuple[int, str, str | None]]:
     """(line number, text, decoding error) per line; only `\\n` ends a line, a trailing `\\r` is dropped.
 
     A final newline ends the last line; it does not start an empty record.
@@ -139,7 +162,7 @@ def _lines(data: bytes, file_name: str) -> Iterator[tuple[int, str, str | None]]
     if lines and not lines[-1]:
         lines.pop()
     for index, line in enumerate(lines):
-        number = index + 1
+        number = index + 1 + line_offset
         if strict:
             yield number, line[:-1] if line.endswith("\r") else line, None
             continue
@@ -219,13 +242,15 @@ class _ColumnChunks:
         return pl.concat(frames, how="diagonal") if len(frames) > 1 else frames[0]
 
 
-def _read_jsonl(data: bytes, file_name: str, options: ParseOptions) -> tuple[pl.DataFrame, list[int], list[str | None]]:
+def _read_jsonl(
+    data: bytes, file_name: str, options: ParseOptions, line_offset: int
+) -> tuple[pl.DataFrame, list[int], list[str | None]]:
     chunks = _ColumnChunks()
     lines: list[int] = []
     errors: list[str | None] = []
     objects = 0
     keys_seen: dict[str, None] = {}
-    for line_number, text, error in _lines(data, file_name):
+    for line_number, text, error in _lines(data, file_name, line_offset):
         record: dict[str, str | None] = {}
         if not text.strip():
             error = error or _error("empty_record", file_name, line_number, "blank line")
@@ -272,11 +297,13 @@ def _read_jsonl(data: bytes, file_name: str, options: ParseOptions) -> tuple[pl.
     return chunks.frame(), lines, errors
 
 
-def _read_txt(data: bytes, file_name: str, options: ParseOptions) -> tuple[pl.DataFrame, list[int], list[str | None]]:
+def _read_txt(
+    data: bytes, file_name: str, options: ParseOptions, line_offset: int
+) -> tuple[pl.DataFrame, list[int], list[str | None]]:
     texts: list[str] = []
     lines: list[int] = []
     errors: list[str | None] = []
-    for line_number, text, error in _lines(data, file_name):
+    for line_number, text, error in _lines(data, file_name, line_offset):
         texts.append(text)
         lines.append(line_number)
         errors.append(error)
@@ -298,7 +325,9 @@ def _unique_names(names: list[str]) -> list[str]:
     return out
 
 
-def _read_csv(data: bytes, file_name: str, options: ParseOptions) -> tuple[pl.DataFrame, list[int], list[str | None]]:
+def _read_csv(
+    data: bytes, file_name: str, options: ParseOptions, line_offset: int
+) -> tuple[pl.DataFrame, list[int], list[str | None]]:
     # Python's csv module, not polars: it tells records with too few fields from empty cells,
     # and where each record starts, so every bad record gets its own error row and line number.
     try:
@@ -323,7 +352,7 @@ def _read_csv(data: bytes, file_name: str, options: ParseOptions) -> tuple[pl.Da
     lines: list[int] = []
     errors: list[str | None] = []
     width = len(header)
-    line_number = reader.line_num + 1
+    line_number = reader.line_num + 1 + line_offset
     error: str | None
     while True:
         try:
@@ -349,17 +378,20 @@ def _read_csv(data: bytes, file_name: str, options: ParseOptions) -> tuple[pl.Da
         chunks.add_row(cells)
         lines.append(line_number)
         errors.append(error)
-        line_number = reader.line_num + 1
+        line_number = reader.line_num + 1 + line_offset
     return chunks.frame(), lines, errors
 
 
-def _read_parquet(
-    data: bytes, file_name: str, options: ParseOptions
-) -> tuple[pl.DataFrame, list[int], list[str | None]]:
+def _parquet_frame(data: bytes, file_name: str) -> pl.DataFrame:
     try:
-        frame = pl.read_parquet(io.BytesIO(data))
+        return pl.read_parquet(io.BytesIO(data))
     except Exception as exc:  # polars raises several types for a corrupt file
         raise DropFileError(f"{file_name}: not a readable parquet file: {exc}") from exc
+
+
+def _read_parquet(
+    frame: pl.DataFrame, file_name: str, options: ParseOptions, first_row: int
+) -> tuple[pl.DataFrame, list[int], list[str | None]]:
     missing = [field for field in options.text_fields if field not in frame.columns]
     if missing:
         raise DropFileError(f"{file_name}: column(s) {missing} not found; columns found: {frame.columns}")
@@ -377,20 +409,22 @@ def _read_parquet(
                 )
             message = f"field {field!r} is {column.dtype}, not a string"
             errors = [
-                error if value is None else f"non_string_text: {file_name} row {index + 1}: {message}"
+                error if value is None else f"non_string_text: {file_name} row {first_row + index + 1}: {message}"
                 for index, (value, error) in enumerate(zip(column.to_list(), errors, strict=True))
             ]
             frame = frame.with_columns(as_text.alias(field))
         else:
             frame = frame.with_columns(frame[field].cast(pl.String))
         errors = [
-            f"null_text: {file_name} row {index + 1}: field {field!r} is null" if value is None else error
+            f"null_text: {file_name} row {first_row + index + 1}: field {field!r} is null" if value is None else error
             for index, (value, error) in enumerate(zip(frame[field].to_list(), errors, strict=True))
         ]
-    return frame, list(range(1, frame.height + 1)), errors
+    return frame, list(range(first_row + 1, first_row + frame.height + 1)), errors
 
 
-def _finish(inputs: pl.DataFrame, lines: list[int], errors: list[str | None], options: ParseOptions) -> pl.DataFrame:
+def _finish(
+    inputs: pl.DataFrame, lines: list[int], errors: list[str | None], options: ParseOptions, part: FilePart
+) -> pl.DataFrame:
     """Add `row_id`, `source_line` and `error` around the input columns, renaming reserved names."""
     taken = set(inputs.columns)
     renames = {}
@@ -409,7 +443,7 @@ def _finish(inputs: pl.DataFrame, lines: list[int], errors: list[str | None], op
             columns.append(pl.Series(field, [None] * height, dtype=pl.String))
     return pl.DataFrame(
         [
-            pl.Series("row_id", range(height), dtype=pl.Int64),
+            pl.Series("row_id", range(part.first_row, part.first_row + height), dtype=pl.Int64),
             pl.Series("source_line", lines, dtype=pl.Int64),
             *columns,
             pl.Series("error", errors, dtype=pl.String),

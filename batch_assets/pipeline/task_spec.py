@@ -49,6 +49,9 @@ class SettingError(ValueError):
         self.related = related
 
 
+DEFAULT_MAX_ROWS_PER_PARTITION = 1_000_000
+
+
 class InputSpec(_Strict):
     """Which fields of an input record feed the prompt.
 
@@ -65,10 +68,21 @@ class InputSpec(_Strict):
     # openai_batch only: a line whose `body.model` is not the task's model becomes an error line
     # (`model_mismatch`). Off: the task's engine answers every line, whatever model it names.
     require_model_match: bool = False
+    # A file with more records is split into shards of at most this many, one partition each:
+    # a run holds its partitions in memory, so this bounds a run's memory whatever the file's size
+    # (see BENCHMARKS.md for memory per row). Not part of any code version: it decides how rows are
+    # grouped into partitions, never what a row's answer is.
+    max_rows_per_partition: int = Field(default=DEFAULT_MAX_ROWS_PER_PARTITION, ge=1, strict=True)
 
     @model_validator(mode="after")
     def _fields_fit_the_format(self) -> InputSpec:
         if self.format == "openai_batch":
+            if "max_rows_per_partition" in self.model_fields_set:
+                raise SettingError(
+                    "input.max_rows_per_partition applies to format records: OpenAI batch files are not split "
+                    "(the OpenAI Batch API takes at most 50,000 requests a file); remove it",
+                    ("max_rows_per_partition",),
+                )
             if self.text_fields:
                 raise SettingError(
                     "input.text_fields is not used with format openai_batch (each line carries its messages); "

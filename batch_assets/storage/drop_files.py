@@ -36,9 +36,11 @@ import re
 import stat
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import PurePosixPath
+from typing import IO
 
 import dagster as dg
 from upath import UPath
@@ -48,6 +50,8 @@ from batch_assets.storage.errors import StorageError, storage_errors
 from batch_assets.storage.locations import data_root, drop_zone, is_local
 
 MAX_KEY_LENGTH = 150
+# Between a file's key and a shard's number; outside the characters a file's key is made of.
+SHARD_MARK = "~"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _DOT_RUNS = re.compile(r"\.{3,}")
 _HASH_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
@@ -71,6 +75,24 @@ def partition_key_for(relative_path: str) -> str:
         return safe
     digest = hashlib.sha1(relative_path.encode("utf-8")).hexdigest()[:8]
     return f"{safe[: MAX_KEY_LENGTH - 9]}-{digest}"
+
+
+def shard_key(file_key: str, index: int) -> str:
+    """The partition key of shard `index` (0-based) of a file split into shards (storage/shards.py):
+    `posts.csv~00001`, `posts.csv~00002`, ... A file's own key never holds a `~`, so no file's key
+    is a shard's, and `<file key>~*` names exactly the file's shards."""
+    return f"{file_key}{SHARD_MARK}{index + 1:05d}"
+
+
+def file_key_of(partition_key: str) -> str:
+    """The key of the file a partition reads: its own key, or the file's key for a shard."""
+    return partition_key.split(SHARD_MARK, 1)[0]
+
+
+def shard_index_of(partition_key: str) -> int | None:
+    """The 0-based shard a partition key names, None for a whole file."""
+    _, mark, number = partition_key.partition(SHARD_MARK)
+    return int(number) - 1 if mark and number.isdigit() else None
 
 
 def skip_reason(relative_path: str) -> str | None:
@@ -127,6 +149,7 @@ class DropFile:
     zone: UPath
     version: str  # ETag + size on S3, modification time + size locally: changes when the file is replaced
     modified: float | None = None  # POSIX seconds
+    size: int | None = None  # bytes, as listed
 
     @property
     def url(self) -> str:
@@ -146,9 +169,28 @@ class DropFile:
         a local file that is no longer a regular file (a link, a FIFO) `DropFileError`."""
         with storage_errors("reading drop file", self.url):
             if is_local(self.zone):
-                return _read_local_regular_file(self.zone, self.relative_path)
+                with _open_local_regular_file(self.zone, self.relative_path) as file:
+                    return file.read()
             # The exact key as listed: joining paths would fold `a//b.jsonl` into another key.
             return self.zone.fs.cat_file(_full_path(self.zone, self.relative_path))
+
+    @contextmanager
+    def open(self) -> Iterator[IO[bytes]]:
+        """The file as a seekable binary stream, opened as `read_bytes` reads it. Locally the opened
+        file must still be this version (a file replaced since it was listed raises
+        `DropFileError`); on S3 reads are ranged requests of the key as listed."""
+        with storage_errors("reading drop file", self.url):
+            if is_local(self.zone):
+                with _open_local_regular_file(self.zone, self.relative_path) as file:
+                    info = os.fstat(file.fileno())
+                    if _version_of({"mtime": info.st_mtime, "size": info.st_size}) != self.version:
+                        raise DropFileError(
+                            f"{self.relative_path}: replaced since it was listed; the new version is run on its own"
+                        )
+                    yield file
+                return
+            with self.zone.fs.open(_full_path(self.zone, self.relative_path), "rb") as file:
+                yield file
 
 
 def _zone_root(zone: UPath) -> str:
@@ -206,8 +248,8 @@ def _not_regular_reason(mode: int) -> str:
     return f"{kind}, not a regular file: the drop zone reads regular files only"
 
 
-def _read_local_regular_file(zone: UPath, relative_path: str) -> bytes:
-    """Read the zone's `relative_path` without following a link anywhere below the zone's anchor
+def _open_local_regular_file(zone: UPath, relative_path: str) -> IO[bytes]:
+    """Open the zone's `relative_path` without following a link anywhere below the zone's anchor
     (see `_zone_anchor`), refusing anything but a regular file. A FIFO is opened without waiting
     for a writer, then refused."""
     parts = relative_path.split("/")
@@ -226,11 +268,12 @@ def _read_local_regular_file(zone: UPath, relative_path: str) -> bytes:
         handle = _open_below(folder, parts[-1], os.O_NONBLOCK, relative_path)
     finally:
         os.close(folder)
-    with os.fdopen(handle, "rb") as file:
-        mode = os.fstat(file.fileno()).st_mode
-        if not stat.S_ISREG(mode):
-            raise DropFileError(f"{relative_path}: {_not_regular_reason(mode)}; not read")
-        return file.read()
+    file = os.fdopen(handle, "rb")
+    mode = os.fstat(file.fileno()).st_mode
+    if not stat.S_ISREG(mode):
+        file.close()
+        raise DropFileError(f"{relative_path}: {_not_regular_reason(mode)}; not read")
+    return file
 
 
 def _open_below(folder: int, name: str, flags: int, shown: str) -> int:
@@ -257,6 +300,11 @@ def _version_of(info: dict) -> str:
             value = value.isoformat() if hasattr(value, "isoformat") else str(value)
             return f"{key}={value.strip(chr(34))};size={info.get('size')}"
     return f"size={info.get('size')}"
+
+
+def _size_of(info: dict) -> int | None:
+    size = info.get("size")
+    return int(size) if isinstance(size, int | float) else None
 
 
 def _modified_of(info: dict) -> float | None:
@@ -302,7 +350,7 @@ def list_drop_files(
         if reason:
             skipped[relative] = reason
             continue
-        files.append(DropFile(relative_path=relative, zone=zone, version=_version_of(info), modified=modified))
+        files.append(DropFile(relative, zone, _version_of(info), modified, _size_of(info)))
     return files, skipped
 
 
@@ -367,12 +415,14 @@ def _candidate_paths(partition_key: str) -> list[str]:
 
 
 def find_drop_file(task: str, partition_key: str, zone: UPath | None = None) -> DropFile:
-    """The drop file behind a partition: a direct lookup for plain names, a listing otherwise.
+    """The drop file behind a partition (of the whole file or of one of its shards): a direct
+    lookup for plain names, a listing otherwise.
 
     A partition whose name the zone now refuses (a link, a FIFO: e.g. one registered before links
     were refused, or a file swapped for a link) raises `DropFileError` saying why.
     """
     zone = zone or drop_zone(task)
+    partition_key = file_key_of(partition_key)
     for candidate in _candidate_paths(partition_key):
         if partition_key_for(candidate) != partition_key or skip_reason(candidate) is not None:
             continue
@@ -404,7 +454,7 @@ def _lookup(zone: UPath, relative: str) -> DropFile | None:
                 return None
     if info is None or info.get("type") != "file":
         return None
-    return DropFile(relative, zone, _version_of(info), _modified_of(info))
+    return DropFile(relative, zone, _version_of(info), _modified_of(info), _size_of(info))
 
 
 def _local_info(root: str, relative: str) -> dict | None:

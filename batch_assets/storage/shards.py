@@ -1,0 +1,169 @@
+"""A drop file's partitions: the file's own, or one per shard when it holds more records than the
+task's `input.max_rows_per_partition`.
+
+A run holds its partitions whole in memory, so a file of 50 million records would need a machine
+sized for the file and could not be spread over pods. A bigger file is split into shards of at most
+that many records (pipeline/file_shards.py finds them in one streaming pass), each its own
+partition `<file key>~00001`, `~00002`, ...: run, retried and backfilled on its own, read by seeking
+to its bytes (or row groups) so that memory follows the shard, not the file. Rows keep the whole
+file's `row_id` and `source_line`; the file's result is every `<file key>~*.parquet` of an asset.
+
+Each file version's plan is kept at `<storage>/<task>/_shards/<file key>.json`, so the pass runs once
+per version (in the sensor's tick or `batch-assets run`), and the shards of one run read the version
+they were planned for: a file replaced while its shards run fails the shards that meet the new
+version (locally) and is run again, whole, as a new version. When a new version splits differently,
+the partitions it no longer has (the whole-file partition, or shards past its last) are retired:
+their partitions removed and their stored outputs deleted, so `<file key>~*` never mixes versions.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterable
+
+import polars as pl
+import pyarrow.parquet as pq
+
+from batch_assets.pipeline.file_shards import Shard, ShardPlan, may_need_shards, plan_shards
+from batch_assets.pipeline.read_prompts import (
+    DropFileError,
+    FilePart,
+    ParseOptions,
+    input_suffix,
+    read_parquet_frame,
+    read_prompts,
+)
+from batch_assets.storage.drop_files import DropFile, file_key_of, shard_index_of, shard_key
+from batch_assets.storage.errors import storage_errors
+from batch_assets.storage.locations import checkpoint_dir, output_path, task_storage_dir, write_bytes_atomically
+
+PIPELINE_ASSETS = ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels")
+# Discarded a block at a time while skipping to a shard inside a gzip file.
+_SKIP_BLOCK = 8 << 20
+
+
+def _plan_path(task: str, file_key: str):
+    return task_storage_dir(task) / "_shards" / f"{file_key}.json"
+
+
+def shard_plan(task: str, drop: DropFile, max_rows: int) -> ShardPlan:
+    """The plan of this version of `drop` for shards of `max_rows`: kept from an earlier pass, or
+    made by one pass over the file (and kept). A file that cannot hold more than `max_rows` records
+    is not read at all: its plan has no shards (the file is one partition)."""
+    suffix = input_suffix(drop.relative_path) or ""
+    if not may_need_shards(suffix, drop.size, max_rows):
+        return ShardPlan(drop.version, max_rows, ())
+    path = _plan_path(task, drop.partition_key)
+    with storage_errors("reading shard plan", path):
+        if path.exists():
+            try:
+                kept = ShardPlan.from_json(json.loads(path.read_bytes()))
+            except (ValueError, TypeError, KeyError):
+                kept = None  # an unreadable plan is made again
+            if kept is not None and kept.version == drop.version and kept.max_rows == max_rows:
+                return kept
+    with drop.open() as stream:
+        plan = plan_shards(stream, drop.relative_path, drop.version, max_rows)
+    write_bytes_atomically(path, json.dumps(plan.to_json()).encode("utf-8"))
+    return plan
+
+
+def partition_keys(drop: DropFile, plan: ShardPlan) -> list[str]:
+    """The partitions of this file version: its own key, or one per shard."""
+    if len(plan.shards) <= 1:
+        return [drop.partition_key]
+    return [shard_key(drop.partition_key, index) for index in range(len(plan.shards))]
+
+
+def file_partition_keys(task: str, drop: DropFile, max_rows: int) -> list[str]:
+    return partition_keys(drop, shard_plan(task, drop, max_rows))
+
+
+def retired_partitions(existing: Iterable[str], file_key: str, current: Iterable[str]) -> list[str]:
+    """Partitions of the file `file_key` among `existing` that its current version no longer has."""
+    keep = set(current)
+    return [key for key in existing if file_key_of(key) == file_key and key not in keep]
+
+
+def delete_partition_outputs(task: str, keys: Iterable[str]) -> None:
+    """Delete what the pipeline stored for these partitions (outputs and checkpoints), so that a
+    file's `~*` glob holds only its current version."""
+    for key in keys:
+        for asset in PIPELINE_ASSETS:
+            path = output_path(task, asset, key)
+            with storage_errors("deleting retired output", path):
+                if path.exists():
+                    path.unlink()
+        folder = checkpoint_dir(task, key)
+        with storage_errors("deleting retired checkpoints", folder):
+            if folder.exists():
+                folder.fs.rm(folder.path, recursive=True)
+
+
+def read_partition_rows(
+    task: str, drop: DropFile, partition_key: str, options: ParseOptions, max_rows: int
+) -> pl.DataFrame:
+    """The raw_prompts rows of one partition: the whole file, or one shard of it."""
+    index = shard_index_of(partition_key)
+    if index is None:
+        return read_prompts(drop.read_bytes(), drop.relative_path, options)
+    plan = shard_plan(task, drop, max_rows)
+    if index >= len(plan.shards) or len(plan.shards) == 1:
+        raise DropFileError(
+            f"{drop.relative_path}: partition {partition_key} is a shard of an earlier version of the file, "
+            f"which now splits into {max(len(plan.shards), 1)} partition(s) of up to {max_rows} records "
+            "(input.max_rows_per_partition); the current ones are run instead"
+        )
+    shard = plan.shards[index]
+    if input_suffix(drop.relative_path) == ".parquet":
+        return _read_parquet_shard(drop, shard, options)
+    data = _shard_bytes(drop, plan, shard, first=index == 0)
+    part = FilePart(first_row=shard.first_row, line_offset=shard.first_line - 1 - plan.header_lines, decompressed=True)
+    return read_prompts(data, drop.relative_path, options, part)
+
+
+def _shard_bytes(drop: DropFile, plan: ShardPlan, shard: Shard, *, first: bool) -> bytes:
+    """The shard's records, after the CSV header row when the shard is not the first (the first
+    shard is read from the file's start, header included)."""
+    start = 0 if first else shard.start
+    with drop.open() as raw:
+        stream = gzip.GzipFile(fileobj=raw, mode="rb") if drop.relative_path.lower().endswith(".gz") else raw
+        try:
+            header = b"" if first or not plan.header_end else stream.read(plan.header_end)
+            if stream is raw:
+                raw.seek(start)
+            else:
+                _skip(stream, start - len(header))
+            return header + stream.read(shard.end - start)
+        except (EOFError, gzip.BadGzipFile) as exc:
+            raise DropFileError(f"{drop.relative_path}: not a readable gzip file ({exc})") from None
+
+
+def _skip(stream, count: int) -> None:
+    while count > 0:
+        block = stream.read(min(count, _SKIP_BLOCK))
+        if not block:
+            raise EOFError("the file ends before the shard")
+        count -= len(block)
+
+
+def _read_parquet_shard(drop: DropFile, shard: Shard, options: ParseOptions) -> pl.DataFrame:
+    """The shard's rows, reading only the row groups they lie in."""
+    with drop.open() as stream:
+        try:
+            parquet = pq.ParquetFile(stream)
+            groups, first_row_of_groups, row = [], None, 0
+            for index in range(parquet.metadata.num_row_groups):
+                rows = parquet.metadata.row_group(index).num_rows
+                if row + rows > shard.first_row and row < shard.first_row + shard.rows:
+                    groups.append(index)
+                    first_row_of_groups = row if first_row_of_groups is None else first_row_of_groups
+                row += rows
+            table = parquet.read_row_groups(groups)
+        except (OSError, ValueError) as exc:  # pyarrow's errors for a corrupt file are one or the other
+            raise DropFileError(f"{drop.relative_path}: not a readable parquet file: {exc}") from exc
+    offset = shard.first_row - (first_row_of_groups or 0)
+    frame = pl.from_arrow(table.slice(offset, shard.rows))
+    assert isinstance(frame, pl.DataFrame)
+    return read_parquet_frame(frame, drop.relative_path, options, FilePart(first_row=shard.first_row))
