@@ -175,3 +175,18 @@ def test_a_corrupt_gzip_or_bad_csv_header_cannot_be_planned() -> None:
         plan_shards(io.BytesIO(gzip.compress(b"a\n" * 10)[:-6]), "x.jsonl.gz", "v", 3)
     with pytest.raises(DropFileError, match="parquet"):
         plan_shards(io.BytesIO(b"not parquet"), "x.parquet", "v", 3)
+
+
+def test_a_shard_whose_records_cannot_be_read_fails_alone_naming_file_and_lines(data_dir: Path) -> None:
+    # Records 10-19 (lines 11-20) lack the text field the task reads: that shard fails, the others read.
+    records = [{"text": f"post {n}"} if not 10 <= n < 20 else {"body": f"post {n}"} for n in range(25)]
+    drop(data_dir, TASK, "posts.jsonl", "".join(json.dumps(record) + "\n" for record in records))
+    found = find_drop_file(TASK, "posts.jsonl")
+    first, second, third = file_partition_keys(TASK, found, 10)
+    assert read_partition_rows(TASK, found, first, OPTIONS, 10)["row_id"].to_list() == list(range(10))
+    assert read_partition_rows(TASK, found, third, OPTIONS, 10)["source_line"].to_list() == list(range(21, 26))
+    with pytest.raises(DropFileError) as failed:
+        read_partition_rows(TASK, found, second, OPTIONS, 10)
+    assert str(failed.value) == (
+        "posts.jsonl: no record has the field(s) ['text']; fields found: ['body'] (shard 2 of 3: lines 11-20)"
+    )

@@ -19,6 +19,8 @@ from batch_assets.engines.protocol import Generation, Prompt, batched_stream
 from batch_assets.pipeline import run_inference as run_inference_module
 from batch_assets.pipeline.run_inference import InferenceError, PartitionInput, request_keys, run_inference
 from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
+from batch_assets.storage.errors import StorageError
+from batch_assets.storage.result_cache import ResultCache
 
 
 def formatted_frame(texts: list[str | None], extra: dict | None = None) -> pl.DataFrame:
@@ -446,3 +448,23 @@ def test_random_sampling_keeps_input_order() -> None:
     engine = Engine()
     infer(formatted_frame(texts), engine, None, deduplicate=False)
     assert [bytes(c for c in ids if c).decode() for ids in engine.seen] == texts
+
+
+class CacheThatFillsUp(ResultCache):
+    """A real SQLite result cache whose store fails when results are added (the fault a full disk
+    or a Postgres that went away between lookup and add gives)."""
+
+    def add(self, results: pl.DataFrame) -> int:
+        raise StorageError(f"writing result cache {self.url}: No space left on device")
+
+
+def test_a_cache_store_that_fails_at_the_end_loses_no_inferred_row(tmp_path: Path, partition_dir: UPath) -> None:
+    """Issue 26: the step fails with the store's error, and every inferred row is in the
+    checkpoints, so the re-run starts no engine work."""
+    frame = formatted_frame([f"post {i}" for i in range(10)])
+    with pytest.raises(StorageError, match="No space left on device"):
+        infer(frame, Engine(), CheckpointStore(partition_dir, "fp"), cache=CacheThatFillsUp(UPath(tmp_path), "fp"))
+    engine = Engine()
+    out, stats = infer(frame, engine, CheckpointStore(partition_dir, "fp"), cache=ResultCache(UPath(tmp_path), "fp"))
+    assert (stats.rows_from_checkpoint, stats.rows_inferred, len(engine.seen)) == (10, 0, 0)
+    assert out["generated_text"].to_list() == [f"post {i}"[::-1] for i in range(10)]

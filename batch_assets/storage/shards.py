@@ -116,11 +116,18 @@ def read_partition_rows(
             "(input.max_rows_per_partition); the current ones are run instead"
         )
     shard = plan.shards[index]
-    if input_suffix(drop.relative_path) == ".parquet":
-        return _read_parquet_shard(drop, shard, options)
-    data = _shard_bytes(drop, plan, shard, first=index == 0)
-    part = FilePart(first_row=shard.first_row, line_offset=shard.first_line - 1 - plan.header_lines, decompressed=True)
-    return read_prompts(data, drop.relative_path, options, part)
+    try:
+        if input_suffix(drop.relative_path) == ".parquet":
+            return _read_parquet_shard(drop, shard, options)
+        data = _shard_bytes(drop, plan, shard, first=index == 0)
+        offset = shard.first_line - 1 - plan.header_lines
+        return read_prompts(data, drop.relative_path, options, FilePart(shard.first_row, offset, decompressed=True))
+    except DropFileError as error:
+        # Only this shard fails; say which records it holds.
+        where = "rows" if input_suffix(drop.relative_path) == ".parquet" else "lines"
+        following = plan.shards[index + 1].first_line - 1 if index + 1 < len(plan.shards) else None
+        span = f"{shard.first_line}-{following}" if following else f"{shard.first_line} to the end"
+        raise DropFileError(f"{error} (shard {index + 1} of {len(plan.shards)}: {where} {span})") from None
 
 
 def _shard_bytes(drop: DropFile, plan: ShardPlan, shard: Shard, *, first: bool) -> bytes:
