@@ -26,7 +26,7 @@ import pytest
 
 from batch_assets.definitions import build_definitions
 from batch_assets.engines.openai_engine import OpenAIEngine
-from batch_assets.engines.protocol import Prompt
+from batch_assets.pipeline.engine_contract import Prompt
 from batch_assets.pipeline.task_spec import load_task_spec, load_task_specs
 from batch_assets_tests.conftest import REPO_ROOT, SAMPLES, drop
 from batch_assets_tests.test_pipeline_materialize import failure_messages, read_output, run_partition

@@ -44,8 +44,8 @@ import dagster as dg
 from pydantic import Field
 
 from batch_assets.engines.embedded_model import resolve_model
-from batch_assets.engines.protocol import EngineStartError, Generation, Prompt
 from batch_assets.engines.tokenizers import load_tokenizer
+from batch_assets.pipeline.engine_contract import EngineStartError, Generation, Prompt
 from batch_assets.pipeline.task_spec import (
     OUTPUT_VLLM_ARG_DEFAULTS,
     THROUGHPUT_ONLY_VLLM_ARGS,

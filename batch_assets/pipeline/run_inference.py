@@ -1,6 +1,6 @@
 """Send the valid prompts of one or more partitions to an engine as ONE stream; checkpoint; cache; join.
 
-Engine-agnostic: the engine is an `EngineSession` (see engines/protocol.py: `start()` and
+Engine-agnostic: the engine is an `EngineSession` (see engine_contract.py: `start()` and
 `stream(prompts)`), so the logic here (deduplication, checkpoint and cache reuse, errors for prompts
 that do not fit, joining results back to rows) is shared by every engine and tested without one.
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from batch_assets.engines.protocol import EngineSession, Generation, Prompt
+from batch_assets.pipeline.engine_contract import EngineSession, Generation, Prompt
 from batch_assets.storage.checkpoints import CHECKPOINT_SCHEMA, CheckpointStore
 from batch_assets.storage.result_cache import ResultCache
 
@@ -81,7 +81,7 @@ class PartitionInput:
     """One partition's share of a stream."""
 
     formatted: pl.DataFrame  # formatted_prompts: row_id, prompt, error, num_prompt_tokens, inputs
-    # prompt texts → engine prompts (engines/protocol.py); called as encode(texts, request_params)
+    # prompt texts → engine prompts (engine_contract.py); called as encode(texts, request_params)
     # when `formatted` has per-request params (OpenAI batch lines)
     encode: Callable[..., list[Prompt]]
     checkpoints: CheckpointStore | None = None
