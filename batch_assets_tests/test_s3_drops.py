@@ -408,7 +408,7 @@ def test_silent_endpoint_fails_every_call_within_the_timeouts_naming_endpoint_an
 
 
 def test_s3_timeouts_are_settings_with_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
-    from batch_assets.storage.locations import s3_storage_options
+    from batch_assets.storage.s3_settings import s3_storage_options
 
     monkeypatch.setenv("BATCH_ASSETS_S3_READ_TIMEOUT", "2.5")
     config = s3_storage_options()["config_kwargs"]
