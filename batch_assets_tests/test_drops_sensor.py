@@ -27,7 +27,7 @@ from batch_assets.dagster_defs.sensors import (
     encode_cursor,
     requested_partitions,
 )
-from batch_assets.definitions import build_definitions, pipeline_job_name
+from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.drop_files import (
     find_drop_file,

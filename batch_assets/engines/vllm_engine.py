@@ -20,7 +20,7 @@ Engine processes die with the process that started them (a watcher process, reap
 out-of-memory kill of the run does not leave a vLLM engine holding memory or a GPU.
 
 Every field of the resource is optional: unset fields take the task YAML's `engine:` values, so one
-resource serves all tasks, and the launchpad or `definitions.py` can override them.
+resource serves all tasks, and the launchpad or `build_definitions(engine=...)` can override them.
 """
 
 from __future__ import annotations
