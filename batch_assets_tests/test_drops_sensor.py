@@ -248,6 +248,7 @@ def test_a_burst_larger_than_a_run_becomes_ranges_of_max_partitions_per_run(data
         assert len({request.run_key for request in result.run_requests}) == 3
 
 
+@pytest.mark.slow
 def test_sensor_skips_files_already_run_from_the_command_line(data_dir: Path, tiny_model: str, tmp_path: Path) -> None:
     from batch_assets.cli import run_partitions
 

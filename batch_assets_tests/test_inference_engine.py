@@ -17,6 +17,9 @@ from batch_assets.pipeline.task_spec import TaskSpec, load_task_specs
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import drop
 
+# The slow tier (`make test-fast` leaves it out): every test runs the real vLLM engine (tiny model).
+pytestmark = pytest.mark.slow
+
 SENTIMENT = next(task for task in load_task_specs() if task.name == "sentiment")
 
 

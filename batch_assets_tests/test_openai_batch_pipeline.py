@@ -15,6 +15,7 @@ from pathlib import Path
 import dagster as dg
 import jsonschema
 import polars as pl
+import pytest
 import yaml
 
 from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
@@ -241,6 +242,7 @@ def test_batch_file_through_dagster_matches_vllm_run_batch(data_dir: Path, tmp_p
         ]
 
 
+@pytest.mark.slow
 def test_shipped_sample_has_one_line_out_per_line_in(data_dir: Path, tiny_model: str) -> None:
     sample = SAMPLES / TASK / "requests-sample.jsonl"
     with dg.instance_for_test() as instance:

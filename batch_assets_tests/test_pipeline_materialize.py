@@ -14,6 +14,9 @@ from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import SAMPLES, drop
 
+# The slow tier (`make test-fast` leaves it out): every test materializes through Dagster on the engine (tiny model).
+pytestmark = pytest.mark.slow
+
 TASKS = {task.name: task for task in load_task_specs()}
 SAMPLE_FILES = {
     "industry": SAMPLES / "industry" / "customers-sample.csv",

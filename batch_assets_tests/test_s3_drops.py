@@ -39,6 +39,9 @@ from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.drop_files import find_drop_file, list_drop_files, partition_key_for, partitions_def_name
 from batch_assets.storage.errors import StorageError
 
+# The slow tier (`make test-fast` leaves it out): an S3 server (moto) and the engine.
+pytestmark = pytest.mark.slow
+
 BUCKET = "batch-bucket"
 PREFIX = "team/batch"
 DATA_URL = f"s3://{BUCKET}/{PREFIX}"
