@@ -449,8 +449,8 @@ def run_partitions(
         partition_ranges,
         version_digest,
     )
-    from batch_assets.definitions import build_definitions, pipeline_job_name
-    from batch_assets.engines.protocol import engine_kind
+    from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
+    from batch_assets.engines.kinds import engine_kind
     from batch_assets.engines.vllm_engine import PROCESS_ENGINE, keep_engine_warm
     from batch_assets.pipeline.task_spec import load_tasks
     from batch_assets.storage.drop_files import find_drop_file, partitions_def_name

@@ -1,171 +1,24 @@
-"""The code location: one asset group, partitions definition, job, sensor and set of checks per task.
+"""The code location: the component tree under `batch_assets/defs/` (`dg` project layout).
 
-Load with `dg dev` (`make ui`) from the repo root (workspace.yaml points here).
+Load with `dg dev` (`make ui`) from the repo root (workspace.yaml points here). What it builds per
+task is in `dagster_defs/task_definitions.py`; `build_definitions` there makes a code location of
+other tasks or engines.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
 
-from batch_assets.dagster_defs.assets import IO_MANAGER_KEY, build_automation_sensor, build_task_assets
-from batch_assets.dagster_defs.checks import build_task_checks
-from batch_assets.dagster_defs.pool_waits import sleep_between_pool_checks
-from batch_assets.dagster_defs.range_failures import build_range_failure_sensor
-from batch_assets.dagster_defs.run_recovery import build_recovery_sensor
-from batch_assets.dagster_defs.sensors import build_drops_sensor
-from batch_assets.dagster_defs.task_file_errors import build_task_file_error_sensor
-from batch_assets.engines.openai_engine import OpenAIEngine
-from batch_assets.engines.protocol import ENGINE_KINDS
-from batch_assets.engines.vllm_engine import VLLMEngine
-from batch_assets.pipeline.task_spec import TaskFileError, TaskSpec, load_tasks
-from batch_assets.storage.parquet_io_manager import ParquetStorage
-
-# Partitioned asset checks are marked "preview" in Dagster 1.13; they are what lets each check read
-# only its own partition, so we use them and silence the notice.
-warnings.filterwarnings("ignore", message=".*partitions_def on an AssetCheckSpec.*")
 # Dagster's own component loader builds code references and loads modules with beta/preview APIs
 # and warns about each; nothing in this project can act on those notices.
 warnings.filterwarnings("ignore", category=dg.BetaWarning)
 warnings.filterwarnings("ignore", category=dg.PreviewWarning)
 
-
-def pipeline_job_name(task: str) -> str:
-    return f"{task}_pipeline"
-
-
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-K8S_CONFIG_TAG = "dagster-k8s/config"
-
-
-# GPUs of each GPU node, set on the code server (Helm: the user deployment's `env`): a task with
-# `engine.data_parallel_size: auto` then asks for a whole node. One setting for the deployment, read where
-# the job's run tags are built; unset, `auto` means one engine replica (deploy/README.md).
-GPUS_PER_NODE_ENV = "BATCH_ASSETS_GPUS_PER_NODE"
-# Kubernetes CPUs per vLLM process. vLLM asks for one physical core per process, and warns that fewer
-# degrade throughput (its engine core busy-loops): docs "Optimization and Tuning" → "CPU Resources for
-# GPU Deployments". A Kubernetes CPU is one hyperthread on nodes with SMT (cloud GPU nodes have it), so two.
-CPUS_PER_VLLM_PROCESS = 2
-
-
-@dataclass(frozen=True)
-class RunPodResources:
-    """What a run pod asks Kubernetes for: GPUs (limit) and CPUs (request)."""
-
-    gpus: int
-    cpus: int
-
-
-def engine_pod_resources(tensor_parallel_size: int, data_parallel_size: int) -> RunPodResources:
-    """A pod for `data_parallel_size` engine replicas of `tensor_parallel_size` GPUs each.
-
-    vLLM's processes, per its docs: the front end (here the run's own process: tokenization and output
-    processing, as vLLM's API server does), one engine core per replica, one worker per GPU and, with
-    several replicas, a data-parallel coordinator: `1 + DP + N + (1 if DP > 1)`, one physical core each."""
-    gpus = tensor_parallel_size * data_parallel_size
-    processes = 1 + data_parallel_size + gpus + (1 if data_parallel_size > 1 else 0)
-    return RunPodResources(gpus=gpus, cpus=CPUS_PER_VLLM_PROCESS * processes)
-
-
-# The run pod of deploy/k8s/dagster.yaml and deploy/helm/values.yaml (one GPU, its CPUs): tasks that
-# need no more send no tag (batch_assets_tests/test_k8s_deploy.py checks the files agree).
-DEFAULT_RUN_POD = engine_pod_resources(1, 1)
-
-
-def gpus_per_node() -> int | None:
-    """The `BATCH_ASSETS_GPUS_PER_NODE` setting; None when unset. Read for tasks with `auto`, where a
-    bad value stops the code location from loading with this message rather than sending runs to
-    pods that never schedule."""
-    raw = os.environ.get(GPUS_PER_NODE_ENV, "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{GPUS_PER_NODE_ENV}={raw!r}: expected the number of GPUs of each GPU node (1 or more)")
-    return int(raw)
-
-
-def run_tags_for(task: TaskSpec) -> dict[str, object]:
-    """Tags of a task's job runs. An engine on N GPUs (`engine.tensor_parallel_size` ×
-    `engine.data_parallel_size`) asks Dagster's Kubernetes run launcher for N GPUs and the CPUs vLLM
-    needs for them in its run pod (deploy/README.md); other run launchers ignore the tag. With
-    `data_parallel_size: auto` the replicas are those that fit one node (`BATCH_ASSETS_GPUS_PER_NODE`
-    divided by `tensor_parallel_size`), or one when that is unset; the engine in the pod then finds
-    exactly those GPUs."""
-    spec = task.engine
-    if spec.kind != "vllm":
-        return {}
-    if isinstance(spec.data_parallel_size, int):
-        replicas = spec.data_parallel_size
-    else:  # auto
-        node_gpus = gpus_per_node()
-        replicas = max(1, node_gpus // spec.tensor_parallel_size) if node_gpus else 1
-    pod = engine_pod_resources(spec.tensor_parallel_size, replicas)
-    if pod == DEFAULT_RUN_POD:
-        return {}
-    # dagster-k8s merges this into the instance's run pod config key by key: memory, node selector,
-    # volumes and the Hugging Face token stay as the instance sets them.
-    resources = {"limits": {"nvidia.com/gpu": str(pod.gpus)}, "requests": {"cpu": str(pod.cpus)}}
-    return {K8S_CONFIG_TAG: {"container_config": {"resources": resources}}}
-
-
-def build_task_job(task: TaskSpec):
-    return dg.define_asset_job(
-        name=pipeline_job_name(task.name),
-        selection=dg.AssetSelection.groups(task.name),
-        description=(
-            f"Materializes the four `{task.name}` assets and their checks for one drop file, or a range of them."
-        ),
-        tags=run_tags_for(task) or None,
-    )
-
-
-def build_definitions(
-    tasks: list[TaskSpec] | None = None,
-    engine: VLLMEngine | OpenAIEngine | None = None,
-    endpoint: OpenAIEngine | None = None,
-    task_errors: list[TaskFileError] | None = None,
-) -> dg.Definitions:
-    """`engine` serves tasks with `engine.kind: vllm` (default: in-process vLLM; an `OpenAIEngine`
-    here sends those tasks to an endpoint instead); `endpoint` serves tasks with `kind: openai`.
-    With no `tasks`, the tasks folder is loaded; a bad task file becomes a failing sensor naming it
-    (dagster_defs/task_file_errors.py) and the other tasks load as usual. Each engine kind's resource
-    key comes from `ENGINE_KINDS`."""
-    # Whoever builds these definitions executes their runs (a run worker, `batch-assets run`): a step
-    # waiting for the `gpu` pool must sleep, not spin (pool_waits.py).
-    sleep_between_pool_checks()
-    if tasks is None:
-        loaded = load_tasks()
-        tasks, task_errors = loaded.tasks, loaded.errors
-    assets, checks, jobs, sensors = [], [], [], []
-    sensors += [build_task_file_error_sensor(error) for error in task_errors or []]
-    for task in tasks:
-        assets += build_task_assets(task)
-        checks += build_task_checks(task)
-        job = build_task_job(task)
-        jobs.append(job)
-        sensors.append(build_drops_sensor(task, job))
-        sensors += build_automation_sensor(task)
-    range_failures = build_range_failure_sensor([(task, job) for task, job in zip(tasks, jobs, strict=True)])
-    sensors += [range_failures] if range_failures is not None else []
-    return dg.Definitions(
-        assets=assets,
-        asset_checks=checks,
-        jobs=jobs,
-        sensors=[*sensors, build_recovery_sensor()],
-        resources={
-            IO_MANAGER_KEY: ParquetStorage(),
-            ENGINE_KINDS["vllm"].resource_key: engine or VLLMEngine(),
-            ENGINE_KINDS["openai"].resource_key: endpoint or OpenAIEngine(),
-        },
-        # The four steps of a partition run one after another anyway; running them in one process
-        # skips a process start per step and lets the engine stay warm across partitions.
-        executor=dg.in_process_executor,
-    )
 
 
 def load_project_defs() -> dg.Definitions:

@@ -168,23 +168,17 @@ def drop(data: Path, task: str, name: str, content: bytes | str) -> Path:
 
 
 # The fast tier (`make test-fast`): pure functions and the definitions snapshot, no engine, no
-# daemon, no browser, no servers. A test is slow when it needs the model or one of these modules'
-# real services.
-_SLOW_FIXTURES = {"tiny_model", "tiny_model_path", "embedded_model_path"}
-_SLOW_MODULES = {
-    "test_cli",
-    "test_resume_kill",
-    "test_postgres_storage",
-    "test_ui_browser",
-    "test_s3_drops",
-    "test_embedded_model",
-    "test_openai_engine",
-    "test_openai_engine_faults",
-}
+# daemon, no browser, no servers. Slow tests are marked where they are defined (`pytestmark` for a
+# module, `@pytest.mark.slow` for a test). One that asks for a model without the mark would start an
+# engine in the fast tier, so collection refuses it.
+_MODEL_FIXTURES = {"tiny_model", "tiny_model_path", "embedded_model_path"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
-        if module in _SLOW_MODULES or _SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.slow)
+    unmarked = [
+        item.nodeid
+        for item in items
+        if _MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("slow") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError("tests that use a model must be marked `pytest.mark.slow`: " + ", ".join(unmarked))

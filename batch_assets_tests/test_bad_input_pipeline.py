@@ -6,11 +6,15 @@ from pathlib import Path
 
 import dagster as dg
 import polars as pl
+import pytest
 
 from batch_assets.cli import run_partitions
-from batch_assets.definitions import build_definitions, pipeline_job_name
+from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import drop
+
+# The slow tier (`make test-fast` leaves it out): every test runs the pipeline on the engine (tiny model).
+pytestmark = pytest.mark.slow
 
 
 def run(task: str, file_name: str, instance: dg.DagsterInstance):

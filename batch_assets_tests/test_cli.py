@@ -14,6 +14,9 @@ import pytest
 from batch_assets_tests.conftest import REPO_ROOT, SAMPLES
 from batch_assets_tests.test_pipeline_materialize import BAD_POSTS
 
+# The slow tier (`make test-fast` leaves it out): every test runs `batch-assets` in a subprocess, engine included.
+pytestmark = pytest.mark.slow
+
 CLI = str(Path(sys.executable).parent / "batch-assets")
 
 

@@ -35,6 +35,7 @@ def python_env(env: dict[str, str]) -> dict[str, str]:
     return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))}
 
 
+@pytest.mark.slow
 def test_concurrent_first_commands_leave_one_usable_instance_and_one_partition(cli_env) -> None:
     """Issue 17.1 and 17.4: without the setup lock 2-3 of 5 such rounds left two alembic heads."""
     tmp_path, env = cli_env
@@ -62,6 +63,7 @@ def test_concurrent_first_commands_leave_one_usable_instance_and_one_partition(c
             assert instance.get_runs() == []
 
 
+@pytest.mark.slow
 def test_adding_a_partition_that_another_process_just_added_is_success(cli_env, monkeypatch) -> None:
     """Issue 17.4, the interleaving made certain: B inserts the key between A's lookup and A's insert
     inside Dagster's `add_dynamic_partitions` (which raised IntegrityError then)."""
@@ -142,6 +144,7 @@ def kill(process: subprocess.Popen) -> None:
     process.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_run_of_a_killed_process_on_another_host_is_failed_and_its_slot_freed_by_the_sensor(
     cli_env, monkeypatch
 ) -> None:
@@ -164,6 +167,7 @@ def test_run_of_a_killed_process_on_another_host_is_failed_and_its_slot_freed_by
         assert list(run_recovery.leases_dir(tmp_path / "home").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_cli_waiting_for_the_gpu_pool_says_so_and_stops_on_sigterm(cli_env) -> None:
     """Issue 17.2: before, the CLI blocked inside Dagster without a word and ignored SIGTERM."""
     tmp_path, env = cli_env
@@ -194,10 +198,11 @@ def test_cli_waiting_for_the_gpu_pool_says_so_and_stops_on_sigterm(cli_env) -> N
         kill(holder)
 
 
+@pytest.mark.slow
 def test_drop_sensor_leaves_a_file_that_a_live_cli_is_running_to_it(cli_env, monkeypatch) -> None:
     """Issue 17.11: the sensor queued a second run of a file `batch-assets run` was still processing."""
     from batch_assets.dagster_defs.sensors import build_drops_sensor, version_digest
-    from batch_assets.definitions import build_definitions, build_task_job
+    from batch_assets.dagster_defs.task_definitions import build_definitions, build_task_job
     from batch_assets.pipeline.task_spec import load_task_specs
     from batch_assets.storage.drop_files import find_drop_file
 
@@ -224,6 +229,7 @@ def test_drop_sensor_leaves_a_file_that_a_live_cli_is_running_to_it(cli_env, mon
         assert [request.partition_key for request in after.run_requests] == ["posts.jsonl"]
 
 
+@pytest.mark.slow
 def test_same_name_from_another_folder_is_refused_before_anything_is_copied(cli_env) -> None:
     """Issue 17.3 / 16 defect 1: the second file replaced the first's drop and outputs without a word."""
     tmp_path, env = cli_env
@@ -250,6 +256,7 @@ def test_same_name_from_another_folder_is_refused_before_anything_is_copied(cli_
     assert (zone / "posts.jsonl").read_bytes() == (tmp_path / "d1" / "posts.jsonl").read_bytes()
 
 
+@pytest.mark.slow
 def test_a_link_or_fifo_in_the_drop_zone_is_neither_followed_nor_waited_on(cli_env) -> None:
     """A link to a secret or a FIFO planted under a file's name in a shared drop zone: the CLI neither
     reads through the link nor hangs on the FIFO; it refuses (a different drop file), and --replace
@@ -275,6 +282,7 @@ def test_a_link_or_fifo_in_the_drop_zone_is_neither_followed_nor_waited_on(cli_e
     assert secret.read_text() == '{"text": "secret"}\n'
 
 
+@pytest.mark.slow
 def test_replace_says_so_and_a_file_of_only_errors_fails_quietly(cli_env) -> None:
     """17.3 (--replace), 17.11 (only error rows: exit 1) and 16 defects 2-3 (no engine logs, no traceback)."""
     tmp_path, env = cli_env
@@ -299,6 +307,7 @@ def test_replace_says_so_and_a_file_of_only_errors_fails_quietly(cli_env) -> Non
     assert "vLLM" in log or "vllm" in log
 
 
+@pytest.mark.slow
 def test_bad_models_fail_at_once_with_the_setting_to_change(cli_env) -> None:
     """Issue 17.9: a missing folder said "Repo id must be in the form…"; an uncached id failed after a DNS error."""
     tmp_path, env = cli_env
@@ -320,6 +329,7 @@ def test_bad_models_fail_at_once_with_the_setting_to_change(cli_env) -> None:
     assert not (tmp_path / "data" / "drops" / "sentiment" / "posts.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_too_long_max_model_len_names_the_setting_and_the_limit(cli_env) -> None:
     """Issue 17.9: the CLI printed a pydantic documentation link."""
     tmp_path, env = cli_env
@@ -336,6 +346,7 @@ def test_too_long_max_model_len_names_the_setting_and_the_limit(cli_env) -> None
     assert "pydantic" not in result.stdout and "Traceback" not in result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_expected_errors_print_one_line_and_keep_the_traceback_in_the_run_log(cli_env) -> None:
     """Issue 16 defect 2: a missing column printed a whole traceback before the message."""
     tmp_path, env = cli_env
@@ -366,6 +377,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_a_second_ui_on_the_same_home_is_refused(cli_env) -> None:
     """Issue 17.11: `make ui` twice left a second daemon running."""
     tmp_path, env = cli_env
@@ -460,6 +472,7 @@ def test_the_cli_frees_its_warm_engine_before_waiting_for_a_slot_another_run_hol
         assert len(said) == 1 and "held by run daemon-r" in said[0]
 
 
+@pytest.mark.slow
 def test_an_edited_file_runs_again_and_a_namesake_is_refused_or_replaced_after_cli_runs(cli_env) -> None:
     """Issue 29.1: once a file had a CLI run, running it again edited, or a file of the same name from
     another folder (with or without --replace), crashed with `AttributeError ... create_timestamp`."""

@@ -28,7 +28,7 @@ from batch_assets.dagster_defs.sensors import (
     encode_cursor,
     requested_partitions,
 )
-from batch_assets.definitions import build_definitions, pipeline_job_name
+from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.drop_files import (
     find_drop_file,
@@ -253,6 +253,7 @@ def test_a_burst_larger_than_a_run_becomes_ranges_of_max_partitions_per_run(data
         assert len({request.run_key for request in result.run_requests}) == 3
 
 
+@pytest.mark.slow
 def test_sensor_skips_files_already_run_from_the_command_line(data_dir: Path, tiny_model: str, tmp_path: Path) -> None:
     from batch_assets.cli import run_partitions
 

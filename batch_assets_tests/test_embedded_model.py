@@ -19,6 +19,9 @@ from batch_assets.engines.embedded_model import (
 from batch_assets_tests.conftest import SAMPLES, drop
 from batch_assets_tests.test_pipeline_materialize import failure_messages, read_output, run_partition
 
+# The slow tier (`make test-fast` leaves it out): the embedded SmolLM2 model: its conversion and the engine.
+pytestmark = pytest.mark.slow
+
 
 def test_conversion_is_a_complete_safetensors_checkpoint_made_once() -> None:
     path = ensure_embedded_model()

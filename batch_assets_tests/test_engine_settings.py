@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from batch_assets.engines.protocol import EngineStartError
 from batch_assets.engines.vllm_engine import VLLMEngine, engine_process_environment, resolve_data_parallel_size
+from batch_assets.pipeline.engine_contract import EngineStartError
 from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec, load_task_specs
 from batch_assets_tests.conftest import REPO_ROOT
 

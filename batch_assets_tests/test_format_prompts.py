@@ -152,7 +152,7 @@ def test_special_tokens_in_user_text_are_tokenized_as_plain_text(tokenizer) -> N
 
 
 def test_engine_prompt_encoder_keeps_special_tokens_in_user_text_as_text(tokenizer) -> None:
-    from batch_assets.engines.protocol import prompt_encoder
+    from batch_assets.pipeline.format_prompts import prompt_encoder
     from batch_assets.pipeline.task_spec import load_task_specs
 
     task = next(task for task in load_task_specs() if task.name == "sentiment")

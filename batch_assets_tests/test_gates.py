@@ -295,7 +295,7 @@ def test_definitions_carry_the_versions_and_opted_in_tasks_rematerialize_stale_p
 ) -> None:
     import dagster as dg
 
-    from batch_assets.definitions import build_definitions
+    from batch_assets.dagster_defs.task_definitions import build_definitions
     from batch_assets.storage.drop_files import partitions_def_name
 
     monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)

@@ -12,11 +12,14 @@ import pytest
 from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleCauseCategory, StaleStatus
 from dagster._core.loader import LoadingContextForTest
 
-from batch_assets.definitions import build_definitions, pipeline_job_name
+from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.engines.vllm_engine import PROCESS_ENGINE
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import drop
+
+# The slow tier (`make test-fast` leaves it out): every test materializes through Dagster on the engine (tiny model).
+pytestmark = pytest.mark.slow
 
 PRICE = {"input_per_million_tokens": 2.0, "output_per_million_tokens": 8.0}
 

@@ -15,8 +15,8 @@ import polars as pl
 import pytest
 from upath import UPath
 
-from batch_assets.engines.protocol import Generation, Prompt, batched_stream
 from batch_assets.pipeline import run_inference as run_inference_module
+from batch_assets.pipeline.engine_contract import Generation, Prompt, batched_stream
 from batch_assets.pipeline.run_inference import InferenceError, PartitionInput, request_keys, run_inference
 from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
 from batch_assets.storage.errors import StorageError

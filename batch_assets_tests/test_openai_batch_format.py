@@ -413,7 +413,7 @@ def test_shipped_openai_batch_task_and_format_rules(tmp_path) -> None:
 def test_run_inference_sends_each_request_once_with_its_own_sampling(tokenizer, tmp_path) -> None:
     from upath import UPath
 
-    from batch_assets.engines.protocol import Generation, batched_stream
+    from batch_assets.pipeline.engine_contract import Generation, batched_stream
     from batch_assets.pipeline.openai_batch import batch_prompt_encoder
     from batch_assets.pipeline.run_inference import PartitionInput, run_inference
     from batch_assets.storage.checkpoints import CheckpointStore

@@ -15,9 +15,10 @@ from pathlib import Path
 import dagster as dg
 import jsonschema
 import polars as pl
+import pytest
 import yaml
 
-from batch_assets.definitions import build_definitions, pipeline_job_name
+from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.engines.vllm_engine import VLLMEngine
 from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR, load_task_specs
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
@@ -241,6 +242,7 @@ def test_batch_file_through_dagster_matches_vllm_run_batch(data_dir: Path, tmp_p
         ]
 
 
+@pytest.mark.slow
 def test_shipped_sample_has_one_line_out_per_line_in(data_dir: Path, tiny_model: str) -> None:
     sample = SAMPLES / TASK / "requests-sample.jsonl"
     with dg.instance_for_test() as instance:

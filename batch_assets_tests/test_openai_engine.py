@@ -24,12 +24,15 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from batch_assets.definitions import build_definitions
+from batch_assets.dagster_defs.task_definitions import build_definitions
 from batch_assets.engines.openai_engine import OpenAIEngine
-from batch_assets.engines.protocol import Prompt
+from batch_assets.pipeline.engine_contract import Prompt
 from batch_assets.pipeline.task_spec import load_task_spec, load_task_specs
 from batch_assets_tests.conftest import REPO_ROOT, SAMPLES, drop
 from batch_assets_tests.test_pipeline_materialize import failure_messages, read_output, run_partition
+
+# The slow tier (`make test-fast` leaves it out): every test serves the tiny model with `vllm serve`.
+pytestmark = pytest.mark.slow
 
 SERVER_KEY = "vllm-test-key-0c1d2e3f"
 KEY_ENV = "BATCH_ASSETS_TEST_VLLM_KEY"

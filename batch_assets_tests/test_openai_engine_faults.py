@@ -24,12 +24,15 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from batch_assets.definitions import build_definitions
+from batch_assets.dagster_defs.task_definitions import build_definitions
 from batch_assets.engines.openai_engine import EndpointError, OpenAIEngine, chat_request_params
-from batch_assets.engines.protocol import Prompt
+from batch_assets.pipeline.engine_contract import Prompt
 from batch_assets.pipeline.task_spec import load_task_spec
 from batch_assets_tests.conftest import REPO_ROOT, drop
 from batch_assets_tests.test_pipeline_materialize import failure_messages, read_output, run_partition
+
+# The slow tier (`make test-fast` leaves it out): every test uses the tiny model's tokenizer and a local server.
+pytestmark = pytest.mark.slow
 
 API_KEY = "test-key-5f3a9c1e-never-logged"
 MODEL = "fault-model"

@@ -11,9 +11,12 @@ import polars as pl
 import pytest
 from dagster._core.event_api import PartitionKeyFilter
 
-from batch_assets.definitions import build_definitions, pipeline_job_name
+from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import drop
+
+# The slow tier (`make test-fast` leaves it out): every test materializes ranges on the engine (tiny model).
+pytestmark = pytest.mark.slow
 
 TASK = "industry"
 ASSETS = ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels")

@@ -32,6 +32,9 @@ from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import REPO_ROOT, SAMPLES, running_daemon
 
+# The slow tier (`make test-fast` leaves it out): a PostgreSQL server and the real daemon.
+pytestmark = pytest.mark.slow
+
 psycopg2 = pytest.importorskip("psycopg2", reason="dagster-postgres is not installed (pip install -e '.[test]')")
 
 DEPLOY_INSTANCE = REPO_ROOT / "deploy" / "postgres" / "dagster.yaml"

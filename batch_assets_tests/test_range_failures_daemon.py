@@ -15,10 +15,14 @@ import time
 from pathlib import Path
 
 import dagster as dg
+import pytest
 import yaml
 
 from batch_assets.storage.drop_files import partition_key_for
 from batch_assets_tests.conftest import REPO_ROOT, running_daemon
+
+# The slow tier (`make test-fast` leaves it out): the real daemon and the engine (tiny model).
+pytestmark = pytest.mark.slow
 
 TASK = "chain"
 RUNS_TIMEOUT_S = 900

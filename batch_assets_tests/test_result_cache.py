@@ -11,9 +11,10 @@ import polars as pl
 import pytest
 from upath import UPath
 
+from batch_assets.pipeline.result_stores import RESULT_SCHEMA
 from batch_assets.pipeline.run_inference import request_keys
 from batch_assets.storage import result_cache
-from batch_assets.storage.checkpoints import CHECKPOINT_SCHEMA, CheckpointStore
+from batch_assets.storage.checkpoints import CheckpointStore
 from batch_assets.storage.errors import StorageError
 from batch_assets.storage.result_cache import ResultCache
 from batch_assets_tests.test_inference_checkpoints import Engine, Session, formatted_frame
@@ -139,7 +140,7 @@ def test_lookup_returns_only_the_keys_asked_for(task_dir: UPath) -> None:
     asked = pl.Series([f"k{i}" for i in range(0, 5_000, 1_000)] + ["missing", None, "k0"])
     found = cache.lookup(asked)
     assert sorted(found["request_key"].to_list()) == ["k0", "k1000", "k2000", "k3000", "k4000"]
-    assert found.schema == pl.Schema(CHECKPOINT_SCHEMA)
+    assert found.schema == pl.Schema(RESULT_SCHEMA)
     assert found.filter(pl.col("request_key") == "k2000").row(0, named=True) == {
         "request_key": "k2000",
         "generated_text": "text k2000",
@@ -193,5 +194,5 @@ def results_frame(keys: list[str]) -> pl.DataFrame:
             "error": None,
             "cumulative_logprob": -0.25,
         },
-        schema=CHECKPOINT_SCHEMA,
+        schema=RESULT_SCHEMA,
     )

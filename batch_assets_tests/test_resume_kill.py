@@ -21,6 +21,9 @@ import pytest
 
 from batch_assets_tests.conftest import REPO_ROOT
 
+# The slow tier (`make test-fast` leaves it out): kills a run mid-inference on the engine and runs it again.
+pytestmark = pytest.mark.slow
+
 CLI = REPO_ROOT / ".venv" / "bin" / "batch-assets"
 SENTIMENT_YAML = REPO_ROOT / "batch_assets" / "tasks" / "sentiment.yaml"
 

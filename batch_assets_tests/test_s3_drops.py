@@ -33,11 +33,14 @@ from batch_assets.dagster_defs.sensors import (
     build_drops_sensor,
     requested_partitions,
 )
-from batch_assets.definitions import build_definitions, pipeline_job_name
+from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.read_prompts import DropFileError
 from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.drop_files import find_drop_file, list_drop_files, partition_key_for, partitions_def_name
 from batch_assets.storage.errors import StorageError
+
+# The slow tier (`make test-fast` leaves it out): an S3 server (moto) and the engine.
+pytestmark = pytest.mark.slow
 
 BUCKET = "batch-bucket"
 PREFIX = "team/batch"
@@ -408,7 +411,7 @@ def test_silent_endpoint_fails_every_call_within_the_timeouts_naming_endpoint_an
 
 
 def test_s3_timeouts_are_settings_with_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
-    from batch_assets.storage.locations import s3_storage_options
+    from batch_assets.storage.s3_settings import s3_storage_options
 
     monkeypatch.setenv("BATCH_ASSETS_S3_READ_TIMEOUT", "2.5")
     config = s3_storage_options()["config_kwargs"]

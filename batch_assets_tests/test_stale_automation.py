@@ -6,11 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import dagster as dg
+import pytest
 
-from batch_assets.definitions import build_definitions, pipeline_job_name
+from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import drop
+
+# The slow tier (`make test-fast` leaves it out): every test materializes on the engine (tiny model).
+pytestmark = pytest.mark.slow
 
 TASK = "stale"
 FORMATTED = dg.AssetKey([TASK, "formatted_prompts"])

@@ -27,6 +27,9 @@ from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import REPO_ROOT, SAMPLES, stop_process_group
 
+# The slow tier (`make test-fast` leaves it out): a browser, the UI server and the engine.
+pytestmark = pytest.mark.slow
+
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--headless",

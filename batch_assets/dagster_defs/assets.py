@@ -20,17 +20,11 @@ import polars as pl
 from pydantic import Field
 
 from batch_assets.dagster_defs.range_failures import FAILED_PARTITIONS_METADATA
-from batch_assets.engines.protocol import (
-    EngineSession,
-    EngineSettings,
-    EngineStartError,
-    engine_for,
-    engine_kind,
-    prompt_encoder,
-)
+from batch_assets.engines.kinds import engine_for, engine_kind
 from batch_assets.pipeline.budget import actual_cost_metadata, estimate_cost
 from batch_assets.pipeline.code_versions import code_versions
-from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts
+from batch_assets.pipeline.engine_contract import EngineSession, EngineSettings, EngineStartError
+from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts, prompt_encoder
 from batch_assets.pipeline.label_quality import accuracy_report, confidence_report
 from batch_assets.pipeline.openai_batch import accepted_model_names, batch_prompt_encoder, format_batch_prompts
 from batch_assets.pipeline.openai_batch_output import batch_files, jsonl_bytes, validate_batch_outputs

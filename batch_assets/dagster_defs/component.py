@@ -2,7 +2,7 @@
 
 Adding a task is adding a YAML file: the component reads the folder when the code location loads
 and builds, per task, the four partitioned assets, their checks, the task's job and drops sensor
-(`batch_assets.definitions.build_definitions`). Task files keep their own format (YAML 1.2
+(`task_definitions.build_definitions`). Task files keep their own format (YAML 1.2
 booleans, strict keys); errors name the file and, where it can be found, the line.
 """
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
+from batch_assets.dagster_defs.task_definitions import build_definitions
 from batch_assets.pipeline.task_spec import load_tasks, tasks_dir
 
 
@@ -34,9 +35,6 @@ class TaskPipelinesComponent(dg.Component, dg.Model, dg.Resolvable):
         return folder if folder.is_absolute() else (component_path / folder).resolve()
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
-        # Imported here: definitions.py loads this component, so a top-level import would be circular.
-        from batch_assets.definitions import build_definitions
-
         # A bad task file does not hide the good ones: it becomes a failing sensor that names it.
         loaded = load_tasks(self.resolved_tasks_dir(context.path))
         return build_definitions(loaded.tasks, task_errors=loaded.errors)

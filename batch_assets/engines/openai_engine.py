@@ -35,8 +35,8 @@ import dagster as dg
 from pydantic import Field
 
 from batch_assets.engines.embedded_model import resolve_model
-from batch_assets.engines.protocol import Generation, Prompt, batched_stream
 from batch_assets.engines.tokenizers import load_tokenizer
+from batch_assets.pipeline.engine_contract import Generation, Prompt, batched_stream
 from batch_assets.pipeline.task_spec import EMBEDDED_MODEL, OutputSpec, SamplingSpec, TaskSpec, check_base_url
 
 log = logging.getLogger(__name__)
@@ -309,7 +309,7 @@ class OpenAIEngine(dg.ConfigurableResource):
         if any(p.messages is None for p in prompts):
             raise TypeError(
                 "the endpoint engine sends chat messages: build its prompts with "
-                "batch_assets.engines.protocol.prompt_encoder, which fills `Prompt.messages`"
+                "batch_assets.pipeline.format_prompts.prompt_encoder, which fills `Prompt.messages`"
             )
         settings = self.settings(task)
         api_key = self._api_key(task)

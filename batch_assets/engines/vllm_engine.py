@@ -20,7 +20,7 @@ Engine processes die with the process that started them (a watcher process, reap
 out-of-memory kill of the run does not leave a vLLM engine holding memory or a GPU.
 
 Every field of the resource is optional: unset fields take the task YAML's `engine:` values, so one
-resource serves all tasks, and the launchpad or `definitions.py` can override them.
+resource serves all tasks, and the launchpad or `build_definitions(engine=...)` can override them.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ import dagster as dg
 from pydantic import Field
 
 from batch_assets.engines.embedded_model import resolve_model
-from batch_assets.engines.protocol import EngineStartError, Generation, Prompt
 from batch_assets.engines.tokenizers import load_tokenizer
+from batch_assets.pipeline.engine_contract import EngineStartError, Generation, Prompt
 from batch_assets.pipeline.task_spec import (
     OUTPUT_VLLM_ARG_DEFAULTS,
     THROUGHPUT_ONLY_VLLM_ARGS,

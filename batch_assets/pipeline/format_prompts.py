@@ -9,16 +9,22 @@ User text is text: a record containing the model's special tokens (`<|im_start|>
 ...) must not open a chat turn of its own (prompt injection). `PromptEncoder` turns prompts into
 token ids with the user message tokenized with special tokens split into ordinary tokens, and only
 the chat template's own special tokens left special; token counts here follow the same rule.
+`prompt_encoder` wraps those ids as the engine's `Prompt`s (with the chat messages, for an engine
+that sends them).
 """
 
 from __future__ import annotations
 
 import re
 import string
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import polars as pl
+
+from batch_assets.pipeline.engine_contract import Engine, Prompt
+from batch_assets.pipeline.task_spec import TaskSpec
 
 _SENTINEL = "\u2063BATCH_ASSETS_USER_TEXT\u2063"
 
@@ -288,3 +294,35 @@ def _split_special_tokens_in_user_text(frame: pl.DataFrame, encoder: PromptEncod
     return frame.with_columns(
         num_prompt_tokens=pl.Series(counts, dtype=pl.Int64), error=pl.Series(errors, dtype=pl.String)
     )
+
+
+# --- what the engine is sent ------------------------------------------------------------------
+
+
+def prompt_encoder(
+    engine: Engine, task: TaskSpec, tokenizer, formatted: pl.DataFrame
+) -> Callable[[list[str]], list[Prompt]]:
+    """Prompt texts of `formatted` → `Prompt`s for `engine`.
+
+    For an engine that sends chat messages, each prompt also carries the row's messages, rebuilt
+    from the input columns with the task's template (the same messages the prompt was rendered
+    from). The in-process engine gets token ids only: nothing extra is built.
+    """
+    # Special-token text in a record stays text (`PromptEncoder`): no forged chat turns.
+    token_ids = PromptEncoder(PromptFormat.of(task), tokenizer).encode
+    if not engine.sends_chat_messages:
+        return lambda prompts: [Prompt(tuple(ids)) for ids in token_ids(prompts)]
+    prompt_spec = task.prompt
+    assert prompt_spec is not None  # a records task (openai_batch lines go through batch_prompt_encoder)
+    valid = formatted.filter(pl.col("error").is_null())
+    users = valid.select(user_message_expr(prompt_spec.template).alias("user"))["user"]
+    # Identical prompts come from identical user messages, so the prompt text is a safe key.
+    user_by_prompt = dict(zip(valid["prompt"].to_list(), users.to_list(), strict=True))
+
+    def encode(prompts: list[str]) -> list[Prompt]:
+        return [
+            Prompt(tuple(ids), tuple(messages_for(prompt_spec.system, user_by_prompt[prompt])))
+            for prompt, ids in zip(prompts, token_ids(prompts), strict=True)
+        ]
+
+    return encode

@@ -48,6 +48,7 @@ from typing import Any
 
 import polars as pl
 
+from batch_assets.pipeline.engine_contract import Prompt
 from batch_assets.pipeline.format_prompts import Tokenizer, count_tokens
 from batch_assets.pipeline.read_prompts import DropFileError, _gunzip, input_suffix
 from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec
@@ -583,8 +584,6 @@ def batch_prompt_encoder(engine, task, tokenizer: Tokenizer, formatted: pl.DataF
     """`encode(texts, request_params)` for `run_inference`: each request as an engine `Prompt` with
     its own sampling (stop strings included) and output constraint, and, for an engine that sends
     chat messages, the line's messages."""
-    from batch_assets.engines.protocol import Prompt
-
     messages_by_prompt: dict[str, str] = {}
     if engine.sends_chat_messages:
         valid = formatted.filter(pl.col("error").is_null())

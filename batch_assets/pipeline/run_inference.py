@@ -1,6 +1,6 @@
 """Send the valid prompts of one or more partitions to an engine as ONE stream; checkpoint; cache; join.
 
-Engine-agnostic: the engine is an `EngineSession` (see engines/protocol.py: `start()` and
+Engine-agnostic: the engine is an `EngineSession` (see engine_contract.py: `start()` and
 `stream(prompts)`), so the logic here (deduplication, checkpoint and cache reuse, errors for prompts
 that do not fit, joining results back to rows) is shared by every engine and tested without one.
 
@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from batch_assets.engines.protocol import EngineSession, Generation, Prompt
-from batch_assets.storage.checkpoints import CHECKPOINT_SCHEMA, CheckpointStore
-from batch_assets.storage.result_cache import ResultCache
+from batch_assets.pipeline.engine_contract import EngineSession, Generation, Prompt
+from batch_assets.pipeline.result_stores import RESULT_SCHEMA, Checkpoints, ResultLookup
 
 MIN_PROGRESS_BATCH = 64
 # A partition's finished results are checkpointed at least this often (and every `batch_size` results):
@@ -81,10 +80,10 @@ class PartitionInput:
     """One partition's share of a stream."""
 
     formatted: pl.DataFrame  # formatted_prompts: row_id, prompt, error, num_prompt_tokens, inputs
-    # prompt texts → engine prompts (engines/protocol.py); called as encode(texts, request_params)
+    # prompt texts → engine prompts (engine_contract.py); called as encode(texts, request_params)
     # when `formatted` has per-request params (OpenAI batch lines)
     encode: Callable[..., list[Prompt]]
-    checkpoints: CheckpointStore | None = None
+    checkpoints: Checkpoints | None = None
     label: str = ""  # names the partition in log lines when a stream has several
 
 
@@ -117,7 +116,7 @@ class _Plan:
     checkpoint_rows: int = 1024  # results per checkpoint chunk at most (`batch_size`)
 
 
-def _plan(part: PartitionInput, *, deduplicate: bool, cache: ResultCache | None, batch_size: int) -> _Plan:
+def _plan(part: PartitionInput, *, deduplicate: bool, cache: ResultLookup | None, batch_size: int) -> _Plan:
     stats = InferenceStats(rows=part.formatted.height)
     # `request_params`: per-request sampling and output (OpenAI batch lines); absent for task-wide sampling.
     params = ["request_params"] if "request_params" in part.formatted.columns else []
@@ -138,10 +137,10 @@ def _plan(part: PartitionInput, *, deduplicate: bool, cache: ResultCache | None,
     cached = (
         cache.lookup(unique_requests["request_key"])
         if cache is not None and deduplicate
-        else pl.DataFrame(schema=CHECKPOINT_SCHEMA)
+        else pl.DataFrame(schema=RESULT_SCHEMA)
     )
     remaining = unique_requests.join(cached.select("request_key"), on="request_key", how="anti", maintain_order="left")
-    done = part.checkpoints.load() if part.checkpoints is not None else pl.DataFrame(schema=CHECKPOINT_SCHEMA)
+    done = part.checkpoints.load() if part.checkpoints is not None else pl.DataFrame(schema=RESULT_SCHEMA)
     done = done.join(remaining.select("request_key"), on="request_key", how="semi")
     pending = remaining.join(done.select("request_key"), on="request_key", how="anti", maintain_order="left")
     stats.rows_from_cache, stats.rows_from_checkpoint = cached.height, done.height
@@ -290,7 +289,7 @@ class _PartitionSink:
 
     def write(self, rows: list[dict]) -> None:
         """On the writer thread: one chunk into the checkpoints and the partition's new results."""
-        chunk = pl.DataFrame(rows, schema=CHECKPOINT_SCHEMA)
+        chunk = pl.DataFrame(rows, schema=RESULT_SCHEMA)
         if self.plan.part.checkpoints is not None:
             # Only finished requests: a re-run asks again for those the engine gave up on (and
             # re-counts too-long prompts, which costs no engine time).
@@ -367,7 +366,7 @@ def run_inference(
     max_tokens: int,
     batch_size: int,
     deduplicate: bool,
-    cache: ResultCache | None = None,
+    cache: ResultLookup | None = None,
     log: Callable[[str], None] = lambda message: None,
 ) -> list[tuple[pl.DataFrame, InferenceStats]]:
     """formatted_prompts → inference_outputs for each partition, reusing cached and checkpointed results.

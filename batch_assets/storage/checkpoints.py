@@ -25,27 +25,13 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import polars as pl
 from upath import UPath
 
+from batch_assets.pipeline.result_stores import RESULT_SCHEMA
 from batch_assets.storage.locations import write_bytes_atomically
 
-if TYPE_CHECKING:
-    from polars._typing import PolarsDataType
-
-# polars' stubs type DataFrame.cast's mapping keys as `str | selector | dtype`, and a Mapping's key type
-# is invariant, so `.cast(CHECKPOINT_SCHEMA)` needs a type: ignore[arg-type] (it is fine at run time).
-CHECKPOINT_SCHEMA: dict[str, PolarsDataType] = {
-    "request_key": pl.String,
-    "generated_text": pl.String,
-    "finish_reason": pl.String,
-    "num_prompt_tokens": pl.Int64,
-    "num_generated_tokens": pl.Int64,
-    "error": pl.String,
-    "cumulative_logprob": pl.Float64,
-}
 # Columns added after results were first stored: files written before lack them and read as null.
 _LATER_COLUMNS = ("cumulative_logprob",)
 # Files whose change means "other weights" in a local model folder.
@@ -53,7 +39,7 @@ _MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".json", ".model
 
 
 def conform_results(frame: pl.DataFrame) -> pl.DataFrame:
-    """A stored or new results frame in `CHECKPOINT_SCHEMA`: its columns, in order, with their types.
+    """A stored or new results frame in `RESULT_SCHEMA`: its columns, in order, with their types.
 
     Checkpoints and cached results outlive upgrades, so a file without a later column is still
     used (the column is null: e.g. no confidence for results cached before it was measured).
@@ -61,7 +47,7 @@ def conform_results(frame: pl.DataFrame) -> pl.DataFrame:
     missing = [pl.lit(None).alias(name) for name in _LATER_COLUMNS if name not in frame.columns]
     if missing:
         frame = frame.with_columns(missing)
-    return frame.select(list(CHECKPOINT_SCHEMA)).cast(CHECKPOINT_SCHEMA)  # type: ignore[arg-type]  # see CHECKPOINT_SCHEMA
+    return frame.select(list(RESULT_SCHEMA)).cast(RESULT_SCHEMA)  # type: ignore[arg-type]  # see RESULT_SCHEMA
 
 
 def run_fingerprint(parts: dict) -> str:
@@ -103,7 +89,7 @@ class CheckpointStore:
             with chunk.open("rb") as handle:
                 frames.append(conform_results(pl.read_parquet(handle)))
         if not frames:
-            return pl.DataFrame(schema=CHECKPOINT_SCHEMA)
+            return pl.DataFrame(schema=RESULT_SCHEMA)
         return pl.concat(frames).unique("request_key", keep="first", maintain_order=True)
 
     def save(self, chunk: pl.DataFrame) -> None:

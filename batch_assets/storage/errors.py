@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from urllib.parse import urlsplit
 
+from batch_assets.storage.s3_settings import CONNECT_TIMEOUT_ENV, READ_TIMEOUT_ENV, s3_timeouts
+
 _SECRET_ENV_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ACCESS_KEY_ID")
 _URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
 
@@ -135,8 +137,6 @@ _FULL_OR_READ_ONLY = {
 
 
 def _timeout_text(cause: BaseException, *, connecting: bool) -> str:
-    from batch_assets.storage.locations import CONNECT_TIMEOUT_ENV, READ_TIMEOUT_ENV, s3_timeouts
-
     endpoint = _endpoint_of(str(getattr(cause, "kwargs", {}).get("endpoint_url", ""))) or "(unknown)"
     connect_timeout: float | None
     read_timeout: float | None

@@ -43,7 +43,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from upath import UPath
 
-from batch_assets.storage.checkpoints import CHECKPOINT_SCHEMA, conform_results, remove_path
+from batch_assets.pipeline.result_stores import RESULT_SCHEMA
+from batch_assets.storage.checkpoints import conform_results, remove_path
 from batch_assets.storage.errors import StorageError
 from batch_assets.storage.locations import is_local
 
@@ -152,7 +153,7 @@ class ResultCache:
             self._import_legacy()
             with _engine(self.url).connect() as connection:
                 rows = [tuple(row) for query in self._queries(keys) for row in connection.execute(query)]
-        frame = pl.DataFrame(rows, schema=[(name, CHECKPOINT_SCHEMA[name]) for name in _VALUE_COLUMNS], orient="row")
+        frame = pl.DataFrame(rows, schema=[(name, RESULT_SCHEMA[name]) for name in _VALUE_COLUMNS], orient="row")
         return conform_results(frame.with_columns(pl.lit(None, dtype=pl.String).alias("error")))
 
     def add(self, results: pl.DataFrame) -> int:

@@ -1,11 +1,9 @@
-"""The engine interface: what the inference step asks of every engine kind, and which engine a task uses.
+"""The engine contract: what the inference step asks of every engine, owned by the core.
 
-Two kinds implement it, so a task can use either with no other change:
-
-- `vllm` (`VLLMEngine`, resource key `llm_engine`, pool `gpu`): vLLM's async engine inside the
-  run's process (the default).
-- `openai` (`OpenAIEngine`, resource key `llm_endpoint`, pool `llm_endpoint`): any
-  OpenAI-compatible chat-completions server, for tasks whose YAML says `engine.kind: openai`.
+`run_inference` and the OpenAI batch format build `Prompt`s and read `Generation`s; the engines
+(`batch_assets/engines/`) implement `Engine` and `EngineSession`. The contract sits here, below
+both, so the core never imports an engine and an engine never needs more of the core than this
+and the task spec. Which engine serves a task is decided elsewhere (`engines/kinds.py`).
 
 An engine offers (see `Engine`):
 
@@ -16,21 +14,16 @@ An engine offers (see `Engine`):
                           tears down on exit; start failures raise `EngineStartError` with a hint
     session.stream(ps)    `(position, Generation)` for each `Prompt`, in the order they finish; a
                           failed request may come back as a `Generation` with an `error`
-
-The asset never names an engine class: `ENGINE_KINDS[task.engine.kind]` gives the resource key,
-pool and display name, and the resource under that key is the engine.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-import polars as pl
-
-from batch_assets.pipeline.format_prompts import PromptEncoder, PromptFormat, messages_for, user_message_expr
 from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec, TaskSpec
 
 
@@ -104,64 +97,10 @@ class Engine(Protocol):
     def session(self, task: TaskSpec, log: Callable[[str], None]) -> AbstractContextManager[EngineSession]: ...
 
 
-@dataclass(frozen=True)
-class EngineKind:
-    resource_key: str
-    pool: str  # the Dagster pool of the inference step
-    display_name: str
-
-
-# `gpu`: limit = runs per node (one run uses every GPU of its node); `llm_endpoint`: limit = runs the
-# server may take at once.
-ENGINE_KINDS: dict[str, EngineKind] = {
-    "vllm": EngineKind("llm_engine", "gpu", "the vLLM engine"),
-    "openai": EngineKind("llm_endpoint", "llm_endpoint", "an OpenAI-compatible endpoint"),
-}
-
-
-def engine_kind(task: TaskSpec) -> EngineKind:
-    return ENGINE_KINDS[task.engine.kind]
-
-
-def engine_for(resources: Any, task: TaskSpec) -> Engine:
-    """The engine a task's assets run with: the resource registered for its `engine.kind`."""
-    return getattr(resources, engine_kind(task).resource_key)
-
-
-def prompt_encoder(
-    engine: Engine, task: TaskSpec, tokenizer, formatted: pl.DataFrame
-) -> Callable[[list[str]], list[Prompt]]:
-    """Prompt texts of `formatted` → `Prompt`s for `engine`.
-
-    For an engine that sends chat messages, each prompt also carries the row's messages, rebuilt
-    from the input columns with the task's template (the same messages the prompt was rendered
-    from). The in-process engine gets token ids only: nothing extra is built.
-    """
-    # Special-token text in a record stays text (format_prompts.PromptEncoder): no forged chat turns.
-    token_ids = PromptEncoder(PromptFormat.of(task), tokenizer).encode
-    if not engine.sends_chat_messages:
-        return lambda prompts: [Prompt(tuple(ids)) for ids in token_ids(prompts)]
-    prompt_spec = task.prompt
-    assert prompt_spec is not None  # a records task (openai_batch lines go through batch_prompt_encoder)
-    valid = formatted.filter(pl.col("error").is_null())
-    users = valid.select(user_message_expr(prompt_spec.template).alias("user"))["user"]
-    # Identical prompts come from identical user messages, so the prompt text is a safe key.
-    user_by_prompt = dict(zip(valid["prompt"].to_list(), users.to_list(), strict=True))
-
-    def encode(prompts: list[str]) -> list[Prompt]:
-        return [
-            Prompt(tuple(ids), tuple(messages_for(prompt_spec.system, user_by_prompt[prompt])))
-            for prompt, ids in zip(prompts, token_ids(prompts), strict=True)
-        ]
-
-    return encode
-
-
 def batched_stream(
     generate: Callable[[list[Prompt]], list[Generation]], batch_size: int
 ) -> Callable[[Iterable[Prompt]], Iterator[tuple[int, Generation]]]:
     """A stream over a batch `generate` function: up to `batch_size` prompts per call, results in order."""
-    import itertools
 
     def stream(prompts: Iterable[Prompt]) -> Iterator[tuple[int, Generation]]:
         position, pending = 0, iter(prompts)

@@ -1,0 +1,216 @@
+"""No import cycles in batch_assets: not between modules, not between packages.
+
+The graph is read from the source (ast), so it sees every import: at module level, inside
+functions and under `if TYPE_CHECKING:`. An import deferred into a function still ties two
+modules together (it only moves the failure from import time to call time), and deferring is how
+the cycles this test was written for were hidden. Imports by name in strings (`importlib`,
+`type:` in a component's defs.yaml) are not seen.
+
+A package is a folder of modules (`batch_assets.pipeline`, ...); the modules at the top
+(`cli.py`, `definitions.py`) form the package `batch_assets`. A package cycle is a module of
+package A importing one of B while some module of B imports one of A, even when no module cycle
+results: packages are layers (the pure core under storage and the engines, Dagster on top).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from batch_assets_tests.conftest import REPO_ROOT
+
+ROOT_PACKAGE = "batch_assets"
+
+# Known cycles still being mended elsewhere, as the edge (importer, imported) that closes each.
+# read_prompts imports openai_batch inside a function to dispatch batch files, and openai_batch
+# imports read_prompts' private `_gunzip` (and its DropFileError, input_suffix). Being fixed in its
+# own change by the engineer editing read_prompts.py: delete this entry with that fix.
+KNOWN_CYCLE_EDGES = {("batch_assets.pipeline.read_prompts", "batch_assets.pipeline.openai_batch")}
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str
+    imported: str
+    where: str  # path:line of the import statement
+
+
+def module_names(root: Path) -> dict[str, Path]:
+    """Dotted name → file of every module of the package (a package by its `__init__.py`)."""
+    modules = {}
+    for path in sorted((root / ROOT_PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+def package_of(module: str, modules: dict[str, Path]) -> str:
+    return module if modules[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def imports_of(module: str, modules: dict[str, Path], root: Path) -> Iterator[Import]:
+    """Every import of a batch_assets module by `module`, wherever in the file it is."""
+    path = modules[module]
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against the importing module's package
+                anchor = package_of(module, modules).split(".")
+                base = ".".join([*anchor[: len(anchor) - node.level + 1], *([base] if base else [])])
+            # `from package import name`: the submodule when `name` is one, else the package itself.
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # `import a.b.c` where only a.b is ours, or a name in it
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                yield Import(module, target, f"{path.relative_to(root)}:{node.lineno}")
+
+
+def import_graph(root: Path) -> list[Import]:
+    modules = module_names(root)
+    return [found for module in modules for found in imports_of(module, modules, root)]
+
+
+def cycles(edges: dict[tuple[str, str], str]) -> list[list[str]]:
+    """One cycle (a closed list of nodes) per strongly connected component with more than one node:
+    mending it may reveal another in the same component, which the next run names."""
+    successors: dict[str, list[str]] = {}
+    for source, target in sorted(edges):
+        successors.setdefault(source, []).append(target)
+        successors.setdefault(target, [])
+    # Tarjan's algorithm, iteratively (no recursion limit to worry about).
+    index: dict[str, int] = {}
+    lowlink: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    components: list[list[str]] = []
+    for start in successors:
+        if start in index:
+            continue
+        work = [(start, iter(successors[start]))]
+        index[start] = lowlink[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    lowlink[work[-1][0]] = min(lowlink[work[-1][0]], lowlink[node])
+                if lowlink[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        components.append(sorted(component))
+            elif child not in index:
+                index[child] = lowlink[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(successors[child])))
+            elif child in on_stack:
+                lowlink[node] = min(lowlink[node], index[child])
+    return [_shortest_cycle(component[0], set(component), successors) for component in components]
+
+
+def _shortest_cycle(start: str, component: set[str], successors: dict[str, list[str]]) -> list[str]:
+    """The shortest way from `start` back to itself inside its component (breadth first)."""
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for child in successors[node]:
+                if child == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [*reversed(path), start]
+                if child in component and child not in came_from:
+                    came_from[child] = node
+                    following.append(child)
+        frontier = following
+    raise AssertionError(f"{start} is in a strongly connected component but on no cycle")
+
+
+def reaches(edges: dict[tuple[str, str], str], start: str, goal: str) -> bool:
+    seen, pending = {start}, [start]
+    while pending:
+        node = pending.pop()
+        for source, target in edges:
+            if source == node and target not in seen:
+                seen.add(target)
+                pending.append(target)
+    return goal in seen
+
+
+def describe(cycle: list[str], edges: dict[tuple[str, str], str]) -> str:
+    steps = [f"{a} -> {b} ({edges[a, b]})" for a, b in zip(cycle, cycle[1:], strict=False)]
+    return "\n    ".join(steps)
+
+
+def module_edges(graph: list[Import]) -> dict[tuple[str, str], str]:
+    edges: dict[tuple[str, str], str] = {}
+    for found in graph:
+        edges.setdefault((found.importer, found.imported), found.where)
+    return edges
+
+
+def package_edges(graph: list[Import], modules: dict[str, Path]) -> dict[tuple[str, str], str]:
+    """Package A → package B, each named by the first module import that makes it."""
+    edges: dict[tuple[str, str], str] = {}
+    for found in graph:
+        source, target = package_of(found.importer, modules), package_of(found.imported, modules)
+        if source != target:
+            edges.setdefault((source, target), f"{found.importer} -> {found.imported}, {found.where}")
+    return edges
+
+
+def test_the_graph_sees_module_level_function_level_and_relative_imports(tmp_path: Path) -> None:
+    package = tmp_path / ROOT_PACKAGE
+    (package / "core").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "core" / "__init__.py").write_text("")
+    (package / "core" / "a.py").write_text("from . import b\n")
+    (package / "core" / "b.py").write_text("def f():\n    from batch_assets.top import thing\n")
+    (package / "top.py").write_text("import batch_assets.core.a\nthing = 1\n")
+    edges = module_edges(import_graph(tmp_path))
+    assert set(edges) == {
+        ("batch_assets.core.a", "batch_assets.core.b"),
+        ("batch_assets.core.b", "batch_assets.top"),
+        ("batch_assets.top", "batch_assets.core.a"),
+    }
+    assert cycles(edges) == [["batch_assets.core.a", "batch_assets.core.b", "batch_assets.top", "batch_assets.core.a"]]
+    packages = package_edges(import_graph(tmp_path), module_names(tmp_path))
+    assert cycles(packages) == [["batch_assets", "batch_assets.core", "batch_assets"]]
+
+
+def test_no_import_cycle_between_modules() -> None:
+    edges = module_edges(import_graph(REPO_ROOT))
+    for known in KNOWN_CYCLE_EDGES:
+        importer, imported = known
+        assert known in edges and reaches(edges, imported, importer), (
+            f"{importer} -> {imported} no longer closes an import cycle: delete it from KNOWN_CYCLE_EDGES"
+        )
+    found = cycles({edge: where for edge, where in edges.items() if edge not in KNOWN_CYCLE_EDGES})
+    assert not found, "import cycles between modules:\n  " + "\n  ".join(describe(c, edges) for c in found)
+
+
+def test_no_import_cycle_between_packages() -> None:
+    graph = import_graph(REPO_ROOT)
+    edges = package_edges(graph, module_names(REPO_ROOT))
+    found = cycles(edges)
+    assert not found, "import cycles between packages:\n  " + "\n  ".join(describe(c, edges) for c in found)
