@@ -13,6 +13,11 @@ from pathlib import Path
 
 import dagster as dg
 
+# Users' own code locations build theirs with it (README, "Using an OpenAI-compatible endpoint").
+from batch_assets.dagster_defs.task_definitions import build_definitions
+
+__all__ = ["build_definitions", "defs"]
+
 # Dagster's own component loader builds code references and loads modules with beta/preview APIs
 # and warns about each; nothing in this project can act on those notices.
 warnings.filterwarnings("ignore", category=dg.BetaWarning)
