@@ -135,10 +135,11 @@ def prompt_encoder(
 
     For an engine that sends chat messages, each prompt also carries the row's messages, rebuilt
     from the input columns with the task's template (the same messages the prompt was rendered
-    from). The in-process engine gets token ids only: nothing extra is built.
+    from, few-shot examples included). The in-process engine gets token ids only: nothing extra is built.
     """
     # Special-token text in a record stays text (format_prompts.PromptEncoder): no forged chat turns.
-    token_ids = PromptEncoder(PromptFormat.of(task), tokenizer).encode
+    prompt_format = PromptFormat.of(task)
+    token_ids = PromptEncoder(prompt_format, tokenizer).encode
     if not engine.sends_chat_messages:
         return lambda prompts: [Prompt(tuple(ids)) for ids in token_ids(prompts)]
     prompt_spec = task.prompt
@@ -150,7 +151,7 @@ def prompt_encoder(
 
     def encode(prompts: list[str]) -> list[Prompt]:
         return [
-            Prompt(tuple(ids), tuple(messages_for(prompt_spec.system, user_by_prompt[prompt])))
+            Prompt(tuple(ids), tuple(messages_for(prompt_spec.system, user_by_prompt[prompt], prompt_format.examples)))
             for prompt, ids in zip(prompts, token_ids(prompts), strict=True)
         ]
 

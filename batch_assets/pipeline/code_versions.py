@@ -61,7 +61,7 @@ def code_versions(task: TaskSpec) -> dict[str, str]:
     engine["model"] = task.model
     formatting = {
         "input": task.input.model_dump(),
-        "prompt": task.prompt.model_dump() if task.prompt is not None else None,
+        "prompt": task.prompt.decision() if task.prompt is not None else None,
         # The tokenizer renders the chat template and counts tokens; the context decides which rows
         # are too long and max_tokens how much room they need.
         "tokenizer": {key: engine.get(key) for key in ("kind", "model", "tokenizer")},
