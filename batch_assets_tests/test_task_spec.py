@@ -105,8 +105,8 @@ def test_unbalanced_braces_and_unknown_raw_template_fields_are_refused_at_load(t
             'prompt: {template: "Text: {text}", raw_template: "{system} {text}"}',
         ),
     )
-    only_system_and_user = r"prompt.raw_template \(line 3\): use only \{system\} and \{user\}, not \['text'\]"
-    with pytest.raises(TaskSpecError, match=only_system_and_user):
+    known_only = r"prompt.raw_template \(line 3\): use only \{system\}, \{user\} and \{examples\}, not \['text'\]"
+    with pytest.raises(TaskSpecError, match=known_only):
         load_task_spec(raw)
     # Literal braces, escaped, are text.
     fine = write(tmp_path, "fine", GOOD.replace("Text: {text}", 'Reply as {{\\"label\\": ...}}. Text: {text}'))

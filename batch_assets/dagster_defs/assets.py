@@ -211,16 +211,20 @@ def confidence_metadata(labels: pl.DataFrame, task: TaskSpec) -> dict:
 def inference_fingerprint(task: TaskSpec, settings: EngineSettings) -> str:
     """Checkpoints and cached results are reused only by a run that would produce the same outputs;
     the prompt text itself is part of each request's key."""
-    return run_fingerprint(
-        {
-            **settings.identity(),
-            "model_files": model_identity(settings.model),
-            "max_model_len": settings.max_model_len,
-            "structured_outputs": settings.structured_outputs,
-            "sampling": task.sampling.model_dump(),
-            "output": task.output.decision(),
-        }
-    )
+    parts = {
+        **settings.identity(),
+        "model_files": model_identity(settings.model),
+        "max_model_len": settings.max_model_len,
+        "structured_outputs": settings.structured_outputs,
+        "sampling": task.sampling.model_dump(),
+        "output": task.output.decision(),
+    }
+    # The rendered prompt (each request's key) holds the examples already; named here too, so no
+    # answer given without them is reused with them whatever an engine makes of the text (an
+    # endpoint is sent messages, not that text). Absent without examples: existing caches stay valid.
+    if task.prompt is not None and task.prompt.examples:
+        parts["prompt_examples"] = [list(turns) for turns in PromptFormat.of(task).examples]
+    return run_fingerprint(parts)
 
 
 def inference_metadata(
@@ -282,16 +286,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     kind = engine_kind(task)
     versions = code_versions(task)
     automation = stale_partitions_condition() if task.automation.rematerialize_stale else None
-    prompt_format = (
-        None
-        if task.prompt is None
-        else PromptFormat(
-            system=task.prompt.system,
-            template=task.prompt.template,
-            raw_template=task.prompt.raw_template,
-            text_fields=tuple(task.input.text_fields),
-        )
-    )
+    prompt_format = None if task.prompt is None else PromptFormat.of(task)
 
     @dg.asset(
         name="raw_prompts",

@@ -62,7 +62,7 @@ def code_versions(task: TaskSpec) -> dict[str, str]:
     formatting = {
         # How rows are grouped into partitions changes no row's prompt.
         "input": task.input.model_dump(exclude={"max_rows_per_partition"}),
-        "prompt": task.prompt.model_dump() if task.prompt is not None else None,
+        "prompt": task.prompt.decision() if task.prompt is not None else None,
         # The tokenizer renders the chat template and counts tokens; the context decides which rows
         # are too long and max_tokens how much room they need.
         "tokenizer": {key: engine.get(key) for key in ("kind", "model", "tokenizer")},

@@ -2,6 +2,10 @@
 
 The user message comes from the task template over the input fields; system + user messages are
 rendered with the model's own chat template (or the task's `raw_template` for models without one).
+Few-shot examples (`prompt.examples`) come between them as earlier user / assistant turns, their
+user turns made from the same template; they are the same in every prompt, so they are part of the
+fixed text around the row's message, whose tokens are counted once per partition and added to each
+row's (where the template pastes the message verbatim, as chat templates do; else per row).
 Rows whose text is empty, or whose prompt plus `max_tokens` would not fit the model's context,
 get an `error` here so they never reach the engine.
 
@@ -17,14 +21,14 @@ from __future__ import annotations
 
 import re
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import polars as pl
 
 from batch_assets.pipeline.engine_contract import Engine, Prompt
-from batch_assets.pipeline.task_spec import TaskSpec
+from batch_assets.pipeline.task_spec import DEFAULT_RAW_EXAMPLE_TEMPLATE, TaskSpec, example_answer_text
 
 _SENTINEL = "\u2063BATCH_ASSETS_USER_TEXT\u2063"
 
@@ -43,29 +47,59 @@ class PromptFormat:
     template: str
     raw_template: str | None
     text_fields: tuple[str, ...]
+    # Few-shot examples as (user message, answer) turns, in the task's order: the user message is
+    # the task's template over the example's fields, exactly as a row's is.
+    examples: tuple[tuple[str, str], ...] = ()
+    raw_example_template: str = DEFAULT_RAW_EXAMPLE_TEMPLATE
 
     @classmethod
     def of(cls, task) -> PromptFormat:
         """The prompt format of a `TaskSpec`."""
         prompt = task.prompt
-        return cls(prompt.system, prompt.template, prompt.raw_template, tuple(task.input.text_fields))
+        examples = tuple(
+            (fill_template(prompt.template, example.input), example_answer_text(example.answer, task.output))
+            for example in prompt.examples
+        )
+        return cls(
+            prompt.system,
+            prompt.template,
+            prompt.raw_template,
+            tuple(task.input.text_fields),
+            examples,
+            prompt.raw_example_template or DEFAULT_RAW_EXAMPLE_TEMPLATE,
+        )
 
 
-def messages_for(system: str, user: str) -> list[dict[str, str]]:
+def fill_template(template: str, fields: dict[str, str]) -> str:
+    """The template over one record's fields (what `user_message_expr` does column-wise)."""
+    return template.format(**fields)
+
+
+def messages_for(system: str, user: str, examples: Sequence[tuple[str, str]] = ()) -> list[dict[str, str]]:
+    """The chat: the system prompt, each example as a user turn and its answer as the assistant's
+    turn, then the row's message."""
     messages = [{"role": "system", "content": system}] if system else []
+    for example_user, answer in examples:
+        messages += [{"role": "user", "content": example_user}, {"role": "assistant", "content": answer}]
     return [*messages, {"role": "user", "content": user}]
+
+
+def raw_examples(fmt: PromptFormat) -> str:
+    """`{examples}` of a raw template: each example through `raw_example_template`, in order."""
+    return "".join(fmt.raw_example_template.format(user=user, answer=answer) for user, answer in fmt.examples)
 
 
 def render_prompt(fmt: PromptFormat, tokenizer: Tokenizer, user: str) -> str:
     """The full prompt text for one user message (the reference for the vectorized path)."""
     if fmt.raw_template is not None:
-        return fmt.raw_template.format(system=fmt.system, user=user)
+        return fmt.raw_template.format(system=fmt.system, user=user, examples=raw_examples(fmt))
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "the model's tokenizer has no chat template; set `prompt.raw_template` in the task YAML "
             "(e.g. '[INST] <<SYS>>\\n{system}\\n<</SYS>>\\n\\n{user} [/INST]')"
         )
-    return tokenizer.apply_chat_template(messages_for(fmt.system, user), tokenize=False, add_generation_prompt=True)
+    messages = messages_for(fmt.system, user, fmt.examples)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def user_message_expr(template: str) -> pl.Expr:
@@ -214,6 +248,7 @@ def format_prompts(
     source_file: str,
 ) -> pl.DataFrame:
     """raw_prompts → formatted_prompts: adds `prompt` and `num_prompt_tokens`, flags unusable rows."""
+    refuse_special_tokens_in_examples(fmt, tokenizer)
     ok = pl.col("error").is_null()
     empty = pl.any_horizontal([pl.col(f).fill_null("").str.strip_chars().str.len_chars() == 0 for f in fmt.text_fields])
     frame = raw.with_columns(
@@ -245,21 +280,46 @@ def format_prompts(
     frame = _split_special_tokens_in_user_text(frame, PromptEncoder(fmt, tokenizer), source_file)
     budget = max_model_len - max_tokens
     too_long = pl.col("error").is_null() & (pl.col("num_prompt_tokens") > budget)
+    # With examples, a too-long row says how much of it they are: the fix may be fewer of them.
+    note = _examples_share(fmt, tokenizer) if fmt.examples and frame.select(too_long.any()).item() else ""
     frame = frame.with_columns(
         error=pl.when(too_long)
         .then(
             pl.format(
-                "prompt_too_long: {} line {}: {} prompt tokens + {} max_tokens exceed max_model_len {}",
+                "prompt_too_long: {} line {}: {} prompt tokens + {} max_tokens exceed max_model_len {}{}",
                 pl.lit(source_file),
                 pl.col("source_line"),
                 pl.col("num_prompt_tokens"),
                 pl.lit(max_tokens),
                 pl.lit(max_model_len),
+                pl.lit(note),
             )
         )
         .otherwise(pl.col("error"))
     )
     return frame.drop("user_message").with_columns(prompt=pl.when(pl.col("error").is_null()).then(pl.col("prompt")))
+
+
+def _examples_share(fmt: PromptFormat, tokenizer: Tokenizer) -> str:
+    """How much of every prompt the examples take: the note of a too-long row, so the fix (fewer or
+    shorter examples) is found from the error."""
+    plain = PromptFormat(fmt.system, fmt.template, fmt.raw_template, fmt.text_fields)
+    with_examples, without = (render_prompt(f, tokenizer, "") for f in (fmt, plain))
+    tokens = count_tokens(tokenizer, [with_examples])[0] - count_tokens(tokenizer, [without])[0]
+    return f" ({len(fmt.examples)} prompt.examples take {tokens} tokens of every prompt)"
+
+
+def refuse_special_tokens_in_examples(fmt: PromptFormat, tokenizer: Tokenizer) -> None:
+    """An example holding the model's special-token text would open forged chat turns in every
+    prompt (examples are tokenized with the template's own text): refused, naming the example."""
+    specials = special_tokens(tokenizer) if fmt.examples else []
+    for index, (user, answer) in enumerate(fmt.examples):
+        token = next((token for token in specials if token in user or token in answer), None)
+        if token is not None:
+            raise ValueError(
+                f"prompt.examples.{index} contains the model's special token {token!r}; "
+                "remove it from the example's input and answer"
+            )
 
 
 def _split_special_tokens_in_user_text(frame: pl.DataFrame, encoder: PromptEncoder, source_file: str) -> pl.DataFrame:
@@ -306,10 +366,11 @@ def prompt_encoder(
 
     For an engine that sends chat messages, each prompt also carries the row's messages, rebuilt
     from the input columns with the task's template (the same messages the prompt was rendered
-    from). The in-process engine gets token ids only: nothing extra is built.
+    from, few-shot examples included). The in-process engine gets token ids only: nothing extra is built.
     """
     # Special-token text in a record stays text (`PromptEncoder`): no forged chat turns.
-    token_ids = PromptEncoder(PromptFormat.of(task), tokenizer).encode
+    prompt_format = PromptFormat.of(task)
+    token_ids = PromptEncoder(prompt_format, tokenizer).encode
     if not engine.sends_chat_messages:
         return lambda prompts: [Prompt(tuple(ids)) for ids in token_ids(prompts)]
     prompt_spec = task.prompt
@@ -321,7 +382,7 @@ def prompt_encoder(
 
     def encode(prompts: list[str]) -> list[Prompt]:
         return [
-            Prompt(tuple(ids), tuple(messages_for(prompt_spec.system, user_by_prompt[prompt])))
+            Prompt(tuple(ids), tuple(messages_for(prompt_spec.system, user_by_prompt[prompt], prompt_format.examples)))
             for prompt, ids in zip(prompts, token_ids(prompts), strict=True)
         ]
 

@@ -32,7 +32,7 @@ import re
 import polars as pl
 
 from batch_assets.pipeline.openai_batch import COMPLETIONS_URL, INVALID_CUSTOM_ID, REQUEST_ERROR_CODES
-from batch_assets.pipeline.validate_labels import schema_error
+from batch_assets.pipeline.task_spec import schema_error
 
 _CODE = re.compile(r"^([a-z_]+): (.*)$", re.DOTALL)
 # The first body field a message names (`body.messages[0].content`), as OpenAI's `param`.

@@ -12,10 +12,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import jsonschema
 import polars as pl
 
-from batch_assets.pipeline.task_spec import OutputSpec
+from batch_assets.pipeline.task_spec import OutputSpec, schema_error
 
 
 @dataclass(frozen=True)
@@ -48,15 +47,6 @@ def parse_label(text: str | None, finish_reason: str | None, output: OutputSpec)
         return ParsedLabel(None, f"invalid_json: {exc.msg} at column {exc.colno}{hint}")
     error = schema_error(value, output.json_schema or {})
     return ParsedLabel(None, error) if error else ParsedLabel(value, None)
-
-
-def schema_error(value: Any, schema: dict) -> str | None:
-    validator = jsonschema.Draft202012Validator(schema)
-    best = jsonschema.exceptions.best_match(validator.iter_errors(value))
-    if best is None:
-        return None
-    where = "/".join(str(p) for p in best.absolute_path) or "(root)"
-    return f"schema_mismatch: at {where}: {best.message[:160]}"
 
 
 def _choice_labels(outputs: pl.DataFrame, output: OutputSpec) -> tuple[pl.Series, pl.Series]:
