@@ -576,7 +576,7 @@ def _file_partitions(instance, task, drop) -> list[str]:
     from batch_assets.storage.shards import delete_partition_outputs, file_partition_keys, retired_partitions
 
     try:
-        keys = file_partition_keys(task.name, drop, task.input.max_rows_per_partition)
+        keys = file_partition_keys(task.name, drop, task.input.shard_rows)
     except DropFileError:
         return [drop.partition_key]  # its run fails with this error, naming the file
     partitions_name = partitions_def_name(task.name)

@@ -319,7 +319,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
 
     def read_partition(context: dg.AssetExecutionContext, partition_key: str) -> pl.DataFrame:
         drop = find_drop_file(name, partition_key)
-        frame = read_partition_rows(name, drop, partition_key, parse_options, task.input.max_rows_per_partition)
+        frame = read_partition_rows(name, drop, partition_key, parse_options, task.input.shard_rows)
         errors = error_code_counts(frame)
         if errors:
             first = frame.filter(pl.col("error").is_not_null()).head(3)["error"].to_list()

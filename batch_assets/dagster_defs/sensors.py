@@ -309,7 +309,7 @@ def _partition_keys_of(task: TaskSpec, log) -> Callable[[DropFile], list[str]]:
         file = (drop.relative_path, drop.version)
         if file not in known:
             try:
-                known[file] = file_partition_keys(task.name, drop, task.input.max_rows_per_partition)
+                known[file] = file_partition_keys(task.name, drop, task.input.shard_rows)
             except DropFileError as error:
                 log.warning(f"{drop.relative_path}: cannot be split into shards ({error}); run as one partition")
                 known[file] = [drop.partition_key]

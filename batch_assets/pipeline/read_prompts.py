@@ -77,7 +77,7 @@ class DropFileError(ValueError):
 class ParseOptions:
     text_fields: tuple[str, ...]
     txt_field: str = "text"
-    format: str = "records"  # or "openai_batch": OpenAI Batch API request lines
+    format: str = "records"  # or "openai_batch": OpenAI Batch API request lines (openai_batch.py reads them)
 
 
 @dataclass(frozen=True)
@@ -106,12 +106,8 @@ def input_suffix(file_name: str) -> str | None:
 
 
 def read_prompts(data: bytes, file_name: str, options: ParseOptions, part: FilePart = WHOLE_FILE) -> pl.DataFrame:
-    """Parse the bytes of one drop file (or of one shard of it, see `FilePart`), by its suffix,
-    into the raw_prompts table."""
-    if options.format == "openai_batch":
-        from batch_assets.pipeline.openai_batch import read_batch_requests
-
-        return read_batch_requests(data, file_name)
+    """Parse the bytes of one drop file of records (or of one shard of it, see `FilePart`), by its
+    suffix, into the raw_prompts table. (OpenAI batch files: `openai_batch.read_batch_requests`.)"""
     suffix = input_suffix(file_name)
     if suffix is None:
         raise DropFileError(f"{file_name}: unsupported file type; inputs are {', '.join(SUPPORTED_SUFFIXES)}")

@@ -74,6 +74,11 @@ class InputSpec(_Strict):
     # grouped into partitions, never what a row's answer is.
     max_rows_per_partition: int = Field(default=DEFAULT_MAX_ROWS_PER_PARTITION, ge=1, strict=True)
 
+    @property
+    def shard_rows(self) -> int | None:
+        """Records per shard of a bigger file; None: files are never split (OpenAI batch files)."""
+        return self.max_rows_per_partition if self.format == "records" else None
+
     @model_validator(mode="after")
     def _fields_fit_the_format(self) -> InputSpec:
         if self.format == "openai_batch":

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import polars as pl
 import pyarrow.parquet as pq
 
 from batch_assets.pipeline.file_shards import Shard, ShardPlan, may_need_shards, plan_shards
+from batch_assets.pipeline.openai_batch import read_batch_requests
 from batch_assets.pipeline.read_prompts import (
     DropFileError,
     FilePart,
@@ -38,6 +39,11 @@ from batch_assets.storage.drop_files import DropFile, file_key_of, shard_index_o
 from batch_assets.storage.errors import storage_errors
 from batch_assets.storage.locations import checkpoint_dir, output_path, task_storage_dir, write_bytes_atomically
 
+# The reader of a whole file, by the task's input format.
+WHOLE_FILE_READERS: dict[str, Callable[[bytes, str, ParseOptions], pl.DataFrame]] = {
+    "records": read_prompts,
+    "openai_batch": lambda data, file_name, _options: read_batch_requests(data, file_name),
+}
 PIPELINE_ASSETS = ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels")
 # Discarded a block at a time while skipping to a shard inside a gzip file.
 _SKIP_BLOCK = 8 << 20
@@ -47,13 +53,14 @@ def _plan_path(task: str, file_key: str):
     return task_storage_dir(task) / "_shards" / f"{file_key}.json"
 
 
-def shard_plan(task: str, drop: DropFile, max_rows: int) -> ShardPlan:
+def shard_plan(task: str, drop: DropFile, max_rows: int | None) -> ShardPlan:
     """The plan of this version of `drop` for shards of `max_rows`: kept from an earlier pass, or
     made by one pass over the file (and kept). A file that cannot hold more than `max_rows` records
-    is not read at all: its plan has no shards (the file is one partition)."""
+    is not read at all, nor is any file of a task whose files are not split (`max_rows` None): its
+    plan has no shards (the file is one partition)."""
     suffix = input_suffix(drop.relative_path) or ""
-    if not may_need_shards(suffix, drop.size, max_rows):
-        return ShardPlan(drop.version, max_rows, ())
+    if max_rows is None or not may_need_shards(suffix, drop.size, max_rows):
+        return ShardPlan(drop.version, max_rows or 0, ())
     path = _plan_path(task, drop.partition_key)
     with storage_errors("reading shard plan", path):
         if path.exists():
@@ -76,7 +83,7 @@ def partition_keys(drop: DropFile, plan: ShardPlan) -> list[str]:
     return [shard_key(drop.partition_key, index) for index in range(len(plan.shards))]
 
 
-def file_partition_keys(task: str, drop: DropFile, max_rows: int) -> list[str]:
+def file_partition_keys(task: str, drop: DropFile, max_rows: int | None) -> list[str]:
     return partition_keys(drop, shard_plan(task, drop, max_rows))
 
 
@@ -102,12 +109,16 @@ def delete_partition_outputs(task: str, keys: Iterable[str]) -> None:
 
 
 def read_partition_rows(
-    task: str, drop: DropFile, partition_key: str, options: ParseOptions, max_rows: int
+    task: str, drop: DropFile, partition_key: str, options: ParseOptions, max_rows: int | None
 ) -> pl.DataFrame:
     """The raw_prompts rows of one partition: the whole file, or one shard of it."""
     index = shard_index_of(partition_key)
     if index is None:
-        return read_prompts(drop.read_bytes(), drop.relative_path, options)
+        return WHOLE_FILE_READERS[options.format](drop.read_bytes(), drop.relative_path, options)
+    if max_rows is None:
+        raise DropFileError(
+            f"{drop.relative_path}: partition {partition_key} is a shard, but this task's files are not split"
+        )
     plan = shard_plan(task, drop, max_rows)
     if index >= len(plan.shards) or len(plan.shards) == 1:
         raise DropFileError(
