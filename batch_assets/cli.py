@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from batch_assets.dagster_defs.instance import dagster_home, home_lock, open_instance, prepare_instance
+from batch_assets.runtime.instance import dagster_home, home_lock, open_instance, prepare_instance
 
 if TYPE_CHECKING:
     from upath import UPath
@@ -434,12 +434,6 @@ def run_partitions(
 ) -> list[PartitionOutcome]:
     import dagster as dg
 
-    from batch_assets.dagster_defs.run_recovery import (
-        ProcessLease,
-        fail_runs_of_dead_processes,
-        others_wait_for_pool,
-        wait_for_pool_slot,
-    )
     from batch_assets.dagster_defs.sensors import (
         RANGE_END_TAG,
         RANGE_START_TAG,
@@ -453,6 +447,12 @@ def run_partitions(
     from batch_assets.engines.kinds import engine_kind
     from batch_assets.engines.vllm_engine import PROCESS_ENGINE, keep_engine_warm
     from batch_assets.pipeline.task_spec import load_tasks
+    from batch_assets.runtime.run_recovery import (
+        ProcessLease,
+        fail_runs_of_dead_processes,
+        others_wait_for_pool,
+        wait_for_pool_slot,
+    )
     from batch_assets.storage.drop_files import find_drop_file, partitions_def_name
 
     loaded = load_tasks()

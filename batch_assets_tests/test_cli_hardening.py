@@ -16,8 +16,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from batch_assets.dagster_defs import run_recovery
-from batch_assets.dagster_defs.instance import prepare_instance
+from batch_assets.runtime import run_recovery
+from batch_assets.runtime.instance import prepare_instance
 from batch_assets_tests.conftest import REPO_ROOT
 from batch_assets_tests.test_cli import open_instance, run_cli, summary_lines
 
@@ -42,7 +42,7 @@ def test_concurrent_first_commands_leave_one_usable_instance_and_one_partition(c
     script = textwrap.dedent(
         """
         from batch_assets.cli import add_partitions
-        from batch_assets.dagster_defs.instance import open_instance
+        from batch_assets.runtime.instance import open_instance
         instance = open_instance()
         add_partitions(instance, "sentiment_drops", ["posts.jsonl"])
         """
@@ -107,8 +107,8 @@ LEASE_HOLDER = textwrap.dedent(
     """
     import sys, time, uuid
     import dagster as dg
-    from batch_assets.dagster_defs.instance import open_instance
-    from batch_assets.dagster_defs.run_recovery import HOST_TAG, ProcessLease
+    from batch_assets.runtime.instance import open_instance
+    from batch_assets.runtime.run_recovery import HOST_TAG, ProcessLease
     instance = open_instance()
     lease = ProcessLease(instance.root_directory)
     lease.claim("sentiment", [("posts.jsonl", sys.argv[1])])

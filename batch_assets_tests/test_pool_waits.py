@@ -13,7 +13,7 @@ import dagster as dg
 import psutil
 import pytest
 
-from batch_assets.dagster_defs.pool_waits import POOL_CHECK_SECONDS, sleep_between_pool_checks
+from batch_assets.runtime.pool_waits import POOL_CHECK_SECONDS, sleep_between_pool_checks
 
 
 def test_a_waiting_step_sleeps_until_its_next_look_and_looks_at_least_every_two_seconds() -> None:
@@ -51,7 +51,7 @@ def _graph():
 WAITING_RUN = textwrap.dedent(
     """
     import dagster as dg
-    from batch_assets.dagster_defs.pool_waits import sleep_between_pool_checks
+    from batch_assets.runtime.pool_waits import sleep_between_pool_checks
 
     sleep_between_pool_checks()
 

@@ -34,7 +34,7 @@ NOT_SOURCE = shutil.ignore_patterns(
 LOAD_DEFINITIONS = """
 import json, batch_assets
 from batch_assets.definitions import defs
-from batch_assets.dagster_defs.instance import prepare_instance
+from batch_assets.runtime.instance import prepare_instance
 home = prepare_instance()
 graph = defs.resolve_asset_graph()
 print(json.dumps({

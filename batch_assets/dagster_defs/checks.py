@@ -29,15 +29,13 @@ from typing import Any, cast
 
 import dagster as dg
 import polars as pl
-from dagster._core.definitions.asset_checks.asset_check_evaluation import (
-    AssetCheckEvaluationTargetMaterializationData,
-)
 
 from batch_assets.dagster_defs.assets import asset_key, error_code_counts, markdown_table
 from batch_assets.pipeline.budget import budget_overruns, estimate_cost
 from batch_assets.pipeline.label_quality import accuracy_report, confidence_report, label_drift
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.pipeline.validate_labels import constraint_violations, parse_label
+from batch_assets.runtime.dagster_private import AssetCheckEvaluationTargetMaterializationData
 from batch_assets.storage.drop_files import drop_partitions
 from batch_assets.storage.locations import output_path
 

@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 
 import dagster as dg
 
-from batch_assets.dagster_defs.run_recovery import partitions_claimed_by_live_processes
 from batch_assets.pipeline.read_prompts import DropFileError
 from batch_assets.pipeline.task_spec import TaskSpec
+from batch_assets.runtime.run_recovery import partitions_claimed_by_live_processes
 from batch_assets.storage.drop_files import DropFile, file_key_of, list_drop_files, partitions_def_name
 from batch_assets.storage.locations import drop_zone
 from batch_assets.storage.shards import (

@@ -16,15 +16,15 @@ import dagster as dg
 
 from batch_assets.dagster_defs.assets import IO_MANAGER_KEY, build_automation_sensor, build_task_assets
 from batch_assets.dagster_defs.checks import build_task_checks
-from batch_assets.dagster_defs.pool_waits import sleep_between_pool_checks
 from batch_assets.dagster_defs.range_failures import build_range_failure_sensor
-from batch_assets.dagster_defs.run_recovery import build_recovery_sensor
 from batch_assets.dagster_defs.sensors import build_drops_sensor
 from batch_assets.dagster_defs.task_file_errors import build_task_file_error_sensor
 from batch_assets.engines.kinds import ENGINE_KINDS
 from batch_assets.engines.openai_engine import OpenAIEngine
 from batch_assets.engines.vllm_engine import VLLMEngine
 from batch_assets.pipeline.task_spec import TaskFileError, TaskSpec, load_tasks
+from batch_assets.runtime.pool_waits import sleep_between_pool_checks
+from batch_assets.runtime.run_recovery import build_recovery_sensor
 from batch_assets.storage.parquet_io_manager import ParquetStorage
 
 # Partitioned asset checks are marked "preview" in Dagster 1.13; they are what lets each check read

@@ -343,9 +343,10 @@ class _AsyncEngine:
         self._reaper.watch_new_children()
 
     async def _create(self):
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm import AsyncEngineArgs
+        from vllm import AsyncLLMEngine as AsyncLLM  # vLLM's public name of its v1 `AsyncLLM`
+
+        from batch_assets.runtime.vllm_private import UsageContext
 
         # The engine's processes are started here and inherit this environment. The `LLM` class's
         # usage context: an offline batch, so vLLM's offline step budgets for the device (see
@@ -365,7 +366,7 @@ class _AsyncEngine:
     def stream(
         self, prompts: Iterable[Prompt], params_for: Callable[[Prompt], Any]
     ) -> Iterator[tuple[int, Generation]]:
-        from vllm.inputs import TokensPrompt
+        from vllm import TokensPrompt
 
         window = 2 * self.settings.max_num_seqs * self.settings.data_parallel_size
         finished: queue.SimpleQueue = queue.SimpleQueue()
@@ -539,8 +540,7 @@ def refused_request(exc: BaseException) -> str | None:
     """vLLM's reason when it refused one request (its client errors, and a `ValueError` from checking
     the request that `AsyncLLM.generate` wraps in `EngineGenerateError`), else None: an engine
     failure, which fails the stream."""
-    from vllm.exceptions import VLLMClientError
-    from vllm.v1.engine.exceptions import EngineGenerateError
+    from batch_assets.runtime.vllm_private import EngineGenerateError, VLLMClientError
 
     if isinstance(exc, VLLMClientError):
         return f"the engine refused the request: {exc}"

@@ -509,7 +509,7 @@ def vllm_engine_argument_names() -> frozenset[str]:
     if not names:  # another layout: ask the dataclass itself
         import dataclasses
 
-        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm import AsyncEngineArgs
 
         names = {field.name for field in dataclasses.fields(AsyncEngineArgs)}
     return frozenset(names)

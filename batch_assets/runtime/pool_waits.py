@@ -32,7 +32,7 @@ def sleep_between_pool_checks() -> None:
     global _applied
     if _applied:
         return
-    from dagster._core.execution.plan import instance_concurrency_context as module
+    from batch_assets.runtime.dagster_private import instance_concurrency_context as module
 
     context_class = module.InstanceConcurrencyContext
     dagster_backoff = module._calculate_timeout_interval

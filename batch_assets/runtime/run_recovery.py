@@ -185,7 +185,7 @@ def assign_stranded_pool_steps(instance: dg.DagsterInstance) -> list[str]:
     `Step still blocked by limit for pool gpu` for minutes, no slot claimed). Done here, by the
     recovery sensor every 30 s and by `batch-assets run` while it waits for a slot.
     """
-    from dagster._core.storage.event_log import SqlEventLogStorage
+    from batch_assets.runtime.dagster_private import SqlEventLogStorage
 
     storage = instance.event_log_storage
     if not isinstance(storage, SqlEventLogStorage) or not storage.supports_global_concurrency_limits:

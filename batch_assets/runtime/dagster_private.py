@@ -1,0 +1,23 @@
+"""Dagster 1.13 internals batch_assets uses, each for a reason Dagster's public API does not cover.
+
+- `InstanceConcurrencyContext` and `_calculate_timeout_interval` (the in-process executor's wait for
+  a pool slot): replaced in `pool_waits.py` so a waiting step sleeps and looks again within 2 s.
+  Relied on: the context's `_pending_claims` and `_pending_timeouts` (step key → when it may look
+  again), its `interval_to_next_pending_claim_check()`, and `_calculate_timeout_interval(sleep_interval,
+  pending_claim_count)` returning seconds.
+- `SqlEventLogStorage` and its `assign_pending_steps(concurrency_keys)`: `run_recovery.py` gives a
+  free slot to a step left waiting by a race in Dagster's slot hand-over.
+- `AssetCheckEvaluationTargetMaterializationData(run_id, storage_id, timestamp)`: what a check result
+  is about; `checks.py` records per-partition evaluations against that materialization, as Dagster
+  does for an `AssetCheckResult` (there is no public constructor for it).
+"""
+
+from __future__ import annotations
+
+from dagster._core.definitions.asset_checks.asset_check_evaluation import (
+    AssetCheckEvaluationTargetMaterializationData,
+)
+from dagster._core.execution.plan import instance_concurrency_context
+from dagster._core.storage.event_log import SqlEventLogStorage
+
+__all__ = ["AssetCheckEvaluationTargetMaterializationData", "SqlEventLogStorage", "instance_concurrency_context"]

@@ -1,0 +1,90 @@
+"""What batch_assets relies on in Dagster's and vLLM's internals (batch_assets/runtime/): only there,
+and still shaped as relied on. A Dagster or vLLM upgrade that changes one fails here, by name."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import dagster as dg
+
+PACKAGE = Path(__file__).resolve().parent.parent / "batch_assets"
+FENCE = PACKAGE / "runtime"
+# vLLM's public surface as used here: what `vllm` exports, and the documented home of
+# SamplingParams' option types.
+PUBLIC_VLLM_MODULES = {"vllm", "vllm.sampling_params"}
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def is_private(module: str) -> bool:
+    if module == "dagster" or module.startswith("dagster."):
+        return module.startswith("dagster._")
+    if module == "vllm" or module.startswith("vllm."):
+        return module not in PUBLIC_VLLM_MODULES
+    return False
+
+
+def test_private_dagster_and_vllm_imports_live_only_in_the_runtime_package() -> None:
+    outside = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {module}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if FENCE not in path.parents
+        for line, module in imported_modules(path)
+        if is_private(module)
+    ]
+    assert not outside, "private imports outside batch_assets/runtime/: " + "; ".join(outside)
+    inside = {module for path in FENCE.glob("*_private.py") for _, module in imported_modules(path)}
+    assert {module for module in inside if is_private(module)}, "the fence names what it imports"
+
+
+def test_dagster_internals_keep_the_shapes_relied_on() -> None:
+    from batch_assets.runtime.dagster_private import (
+        AssetCheckEvaluationTargetMaterializationData,
+        SqlEventLogStorage,
+        instance_concurrency_context,
+    )
+
+    assert dg.__version__.startswith("1.13."), "re-check runtime/dagster_private.py for this Dagster version"
+    backoff = inspect.signature(instance_concurrency_context._calculate_timeout_interval)
+    assert list(backoff.parameters) == ["sleep_interval", "pending_claim_count"]
+    context_class = instance_concurrency_context.InstanceConcurrencyContext
+    assert callable(context_class.interval_to_next_pending_claim_check)
+    with dg.instance_for_test() as instance:
+        run = instance.create_run_for_job(job_def=dg.define_asset_job("j").resolve(asset_graph=_graph()))
+        with context_class(instance, run) as context:
+            assert isinstance(context._pending_claims, set) and isinstance(context._pending_timeouts, dict)
+        assert isinstance(instance.event_log_storage, SqlEventLogStorage)
+    assert list(inspect.signature(SqlEventLogStorage.assign_pending_steps).parameters) == ["self", "concurrency_keys"]
+    target = AssetCheckEvaluationTargetMaterializationData(run_id="r", storage_id=7, timestamp=1.5)
+    assert (target.run_id, target.storage_id, target.timestamp) == ("r", 7, 1.5)
+
+
+def test_vllm_internals_keep_the_shapes_relied_on() -> None:
+    import vllm
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from batch_assets.runtime.vllm_private import EngineGenerateError, UsageContext, VLLMClientError
+
+    assert vllm.__version__.startswith("0.32."), "re-check runtime/vllm_private.py for this vLLM version"
+    assert vllm.AsyncLLMEngine is AsyncLLM  # the public name the engine is created by
+    assert "usage_context" in inspect.signature(AsyncLLM.from_engine_args).parameters
+    assert isinstance(UsageContext.LLM_CLASS, UsageContext)
+    assert issubclass(EngineGenerateError, Exception) and issubclass(VLLMClientError, Exception)
+    assert isinstance(inspect.getattr_static(AsyncLLM, "errored"), property)
+
+
+def _graph():
+    @dg.asset
+    def a() -> None: ...
+
+    return dg.Definitions(assets=[a]).resolve_asset_graph()
