@@ -318,13 +318,14 @@ def _partition_keys_of(task: TaskSpec, log) -> Callable[[DropFile], list[str]]:
     return keys_of
 
 
-def _file_read_version(instance: dg.DagsterInstance, task: str, ordered: Sequence[str], drop: DropFile) -> str | None:
+def _file_read_version(
+    instance: dg.DagsterInstance, task: str, partitions_by_file: Mapping[str, list[str]], drop: DropFile
+) -> str | None:
     """The version the file's partitions (its own or its shards) last read, None when never read."""
-    for key in ordered:
-        if file_key_of(key) == drop.partition_key:
-            version = read_version(instance, task, key)
-            if version is not None:
-                return version
+    for key in partitions_by_file.get(drop.partition_key, []):
+        version = read_version(instance, task, key)
+        if version is not None:
+            return version
     return None
 
 
@@ -377,6 +378,9 @@ def build_drops_sensor(
         existing = set(ordered)
         claimed = partitions_claimed_by_live_processes(context.instance.root_directory, task.name)
         keys_of = _partition_keys_of(task, context.log)
+        partitions_by_file: dict[str, list[str]] = {}
+        for key in ordered:
+            partitions_by_file.setdefault(file_key_of(key), []).append(key)
         plan = plan_tick(
             files,
             seen,
@@ -384,7 +388,7 @@ def build_drops_sensor(
             max_runs=max_runs_per_tick,
             already_done=lambda drop: file_validated_from_version(context.instance, task.name, drop, keys_of(drop)),
             in_progress=lambda drop: any((key, version_digest(drop.version)) in claimed for key in keys_of(drop)),
-            read_version=lambda drop: _file_read_version(context.instance, task.name, ordered, drop),
+            read_version=lambda drop: _file_read_version(context.instance, task.name, partitions_by_file, drop),
         )
         summary = (
             f"{len(files)} input file(s) in {zone}: {len(plan.to_run)} to run, {plan.known} already requested, "
