@@ -603,3 +603,34 @@ def test_persistent_throttling_fails_the_run_naming_url_with_nothing_materialize
         assert not materialized(instance, "raw_prompts")
     assert throttling.throttled > 2  # retried before giving up
     assert s3.keys("storage/") == []
+
+
+@pytest.mark.parametrize("name", ["big.csv", "big.csv.gz", "big.parquet"])
+def test_a_big_file_in_s3_is_split_and_each_shard_reads_its_own_rows_over_the_wire(s3: S3, name: str) -> None:
+    """Issue 26.2 on S3: the planning pass streams the object, a shard reads its byte range (or row
+    groups); rows match the whole file's."""
+    import gzip
+
+    from batch_assets.pipeline.read_prompts import ParseOptions, read_prompts
+    from batch_assets.storage.shards import file_partition_keys, read_partition_rows
+
+    frame = pl.DataFrame({"text": [f'post {n}, "quoted"\nsecond line' for n in range(2500)], "n": range(2500)})
+    if name.endswith(".parquet"):
+        sink = io.BytesIO()
+        frame.write_parquet(sink, row_group_size=600)
+        body = sink.getvalue()
+    else:
+        body = frame.write_csv().encode()
+        body = gzip.compress(body) if name.endswith(".gz") else body
+    s3.put(name, body)
+    options = ParseOptions(text_fields=("text",))
+    drop = find_drop_file(TASK, name)
+    keys = file_partition_keys(TASK, drop, 1000)
+    # Parquet splits between row groups of 600 (600, 600, 600, 700); text files every 1,000 records.
+    shards = 4 if name.endswith(".parquet") else 3
+    assert keys == [f"{name}~{index:05d}" for index in range(1, shards + 1)]
+    assert s3.keys(f"storage/{TASK}/_shards/") == [f"{PREFIX}/storage/{TASK}/_shards/{name}.json"]
+    rows = pl.concat([read_partition_rows(TASK, drop, key, options, 1000) for key in keys])
+    whole = read_prompts(body, name, options)
+    assert rows.equals(whole) and rows.height == 2500
+    assert rows["row_id"][1000] == 1000 and rows["text"][2499] == 'post 2499, "quoted"\nsecond line'
