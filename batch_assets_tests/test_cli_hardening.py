@@ -41,7 +41,7 @@ def test_concurrent_first_commands_leave_one_usable_instance_and_one_partition(c
     tmp_path, env = cli_env
     script = textwrap.dedent(
         """
-        from batch_assets.cli import add_partitions
+        from batch_assets.storage.partition_registration import add_partitions
         from batch_assets.runtime.instance import open_instance
         instance = open_instance()
         add_partitions(instance, "sentiment_drops", ["posts.jsonl"])
@@ -69,7 +69,7 @@ def test_adding_a_partition_that_another_process_just_added_is_success(cli_env, 
     inside Dagster's `add_dynamic_partitions` (which raised IntegrityError then)."""
     from contextlib import contextmanager
 
-    from batch_assets.cli import add_partitions
+    from batch_assets.storage.partition_registration import add_partitions
 
     tmp_path, env = cli_env
     monkeypatch.setenv("DAGSTER_HOME", env["DAGSTER_HOME"])

@@ -116,7 +116,8 @@ def test_installed_cli_lists_tasks_and_ships_samples(
         [
             python,
             "-c",
-            "from batch_assets.cli import SAMPLES_DIR; print(sorted(p.name for p in SAMPLES_DIR.iterdir()))",
+            "from batch_assets.dagster_defs.runner import SAMPLES_DIR; "
+            "print(sorted(p.name for p in SAMPLES_DIR.iterdir()))",
         ],
         cwd=tmp_path,
         env=env,

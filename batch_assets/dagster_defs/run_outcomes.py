@@ -1,0 +1,279 @@
+"""What became of each file a command ran: one outcome and one summary line per file.
+
+The summary is read back from what the run recorded (validated_labels' rows and labels, the
+materialization metadata of inference_outputs and validated_labels), so it says the same as the UI.
+A failure is one line saying what is wrong: Dagster wraps the user's exception, so the innermost
+message is shown, or, for known failures, what to set instead. A file run as shards gets one
+outcome for all its shards together.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import dagster as dg
+import polars as pl
+
+from batch_assets.storage.locations import output_path
+
+
+@dataclass
+class PartitionOutcome:
+    task: str
+    partition_key: str
+    success: bool
+    run_id: str | None
+    summary: str
+    failed_error_checks: list[str] = field(default_factory=list)
+    skipped: bool = False  # already validated from this file version: not run again
+    rows: int | None = None
+    error_rows: int | None = None
+
+    @property
+    def all_rows_failed(self) -> bool:
+        return bool(self.rows) and self.error_rows == self.rows
+
+    @property
+    def ok(self) -> bool:
+        return self.success and not self.failed_error_checks and not self.all_rows_failed
+
+    @property
+    def status(self) -> str:
+        if self.skipped:
+            return "UP TO DATE"
+        if not self.success:
+            return "FAILED"
+        if self.failed_error_checks:
+            return "CHECKS FAILED (" + ", ".join(self.failed_error_checks) + ")"
+        if self.all_rows_failed:
+            return "ALL ROWS FAILED"
+        return "OK"
+
+    def line(self) -> str:
+        """`task/partition: STATUS run <id>: summary`, the line the command prints for the file."""
+        run = f" run {self.run_id[:8]}" if self.run_id else ""
+        return f"{self.task}/{self.partition_key}: {self.status}{run}: {self.summary}"
+
+
+def partition_outcome(
+    task_name: str,
+    key: str,
+    instance: dg.DagsterInstance,
+    *,
+    run_id: str | None,
+    failure: str | None = None,
+    failed_error_checks: list[str] | None = None,
+    skipped: bool = False,
+) -> PartitionOutcome:
+    """The outcome of one partition; `failure` says why its run failed (None: the run succeeded)."""
+    checks = failed_error_checks or []
+    if failure is not None:
+        return PartitionOutcome(task_name, key, False, run_id, failure, checks, skipped)
+    counts = _label_counts(task_name, [key])
+    rows, errors = (counts[0], counts[1]) if counts else (None, None)
+    summary = summary_line(task_name, [key], instance)
+    return PartitionOutcome(task_name, key, True, run_id, summary, checks, skipped, rows, errors)
+
+
+def run_outcomes(
+    task_name: str, keys: Sequence[str], result: dg.ExecuteInProcessResult, instance: dg.DagsterInstance
+) -> list[PartitionOutcome]:
+    """The outcome of each partition of a finished run: its failed ERROR checks, and why the run failed."""
+    evaluations = result.get_asset_check_evaluations()
+    outcomes = []
+    for key in keys:
+        failed = [
+            evaluation
+            for evaluation in evaluations
+            if evaluation.partition == key
+            and not evaluation.passed
+            and evaluation.severity == dg.AssetCheckSeverity.ERROR
+        ]
+        failed_checks = [f"{e.asset_key.to_user_string()}:{e.check_name}" for e in failed]
+        # A blocking check that stopped the run says why in its description (e.g. over budget).
+        stopped_by = [f"stopped by {e.check_name}: {e.description}" for e in failed if e.description]
+        failure = None if result.success else (stopped_by[0] if stopped_by else failure_text(result))
+        outcomes.append(
+            partition_outcome(
+                task_name, key, instance, run_id=result.run_id, failure=failure, failed_error_checks=failed_checks
+            )
+        )
+    return outcomes
+
+
+def file_outcome(
+    instance: dg.DagsterInstance, task_name: str, file_key: str, keys: list[str], by_key: dict[str, PartitionOutcome]
+) -> PartitionOutcome:
+    """One outcome per file as the user named it: its partition's, or its shards' together."""
+    if keys == [file_key]:
+        return by_key[file_key]
+    parts = [by_key[key] for key in keys]
+    failed = [part for part in parts if not part.success]
+    summary = (
+        "; ".join(f"shard {part.partition_key}: {part.summary}" for part in failed)
+        if failed
+        else f"{summary_line(task_name, keys, instance)} ({len(keys)} shards)"
+    )
+    rows = [part.rows for part in parts]
+    errors = [part.error_rows for part in parts]
+    return PartitionOutcome(
+        task_name,
+        f"{file_key}~*",
+        success=not failed,
+        run_id=None,
+        summary=summary,
+        failed_error_checks=[f"{part.partition_key}: {check}" for part in parts for check in part.failed_error_checks],
+        skipped=all(part.skipped for part in parts),
+        rows=None if None in rows else sum(r for r in rows if r is not None),
+        error_rows=None if None in errors else sum(e for e in errors if e is not None),
+    )
+
+
+def latest_materialization(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partition_key: str):
+    """The newest materialization event record of one partition of an asset, or None."""
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[partition_key]), limit=1
+    ).records
+    return records[0] if records else None
+
+
+def _label_counts(task_name: str, partition_keys: list[str]) -> tuple[int, int, str] | None:
+    """(rows, error rows, label text) of the partitions' validated_labels together (a file's own
+    partition, or its shards), or None when one is not written."""
+    frames = []
+    for key in partition_keys:
+        path = output_path(task_name, "validated_labels", key)
+        if not path.exists():
+            return None
+        with path.open("rb") as handle:
+            frames.append(pl.read_parquet(handle, columns=["label", "error"]))
+    labels = pl.concat(frames)
+    errors = int(labels["error"].is_not_null().sum())
+    counts = labels.filter(pl.col("label").is_not_null()).group_by("label").len().sort("len", descending=True)
+    if counts.height and counts.height <= 12:
+        label_text = ", ".join(f"{row['label']}={row['len']}" for row in counts.to_dicts())
+    else:
+        label_text = f"{int(labels['label'].is_not_null().sum())} labelled"
+    return labels.height, errors, label_text
+
+
+def _metadata_value(record, name: str):
+    entry = record.asset_materialization.metadata.get(name) if record and record.asset_materialization else None
+    return None if entry is None else entry.value
+
+
+def _quality_notes(task_name: str, partition_keys: list[str], instance: dg.DagsterInstance) -> list[str]:
+    """Accuracy and low-confidence share over the partitions, each weighted by its rows."""
+    records = [
+        latest_materialization(instance, dg.AssetKey([task_name, "validated_labels"]), key) for key in partition_keys
+    ]
+    notes = []
+    gold = [(_metadata_value(r, "accuracy"), _metadata_value(r, "rows_with_gold")) for r in records]
+    gold = [(accuracy, rows) for accuracy, rows in gold if accuracy is not None and rows]
+    if gold:
+        rows_with_gold = sum(rows for _, rows in gold)
+        accuracy = sum(accuracy * rows for accuracy, rows in gold) / rows_with_gold
+        notes.append(f"accuracy {accuracy:.0%} on {rows_with_gold} hand-labelled rows")
+    low = [(_metadata_value(r, "low_confidence_share"), _metadata_value(r, "rows")) for r in records]
+    minimum = _metadata_value(records[0], "min_confidence") if records else None
+    low = [(share, rows) for share, rows in low if share is not None and rows]
+    if low and minimum is not None:
+        share = sum(share * rows for share, rows in low) / sum(rows for _, rows in low)
+        notes.append(f"{share:.0%} of labels with confidence under {minimum}")
+    return notes
+
+
+def summary_line(task_name: str, partition_keys: list[str], instance: dg.DagsterInstance) -> str:
+    """Rows, error rows, labels (with accuracy and confidence notes) and, for one partition, the
+    generation rate or where its rows came from."""
+    counts = _label_counts(task_name, partition_keys)
+    if counts is None:
+        return "no validated_labels written"
+    rows, errors, label_text = counts
+    notes = _quality_notes(task_name, partition_keys, instance)
+    if notes:
+        label_text += f" ({'; '.join(notes)})"
+    rate = ""
+    if len(partition_keys) == 1:
+        record = latest_materialization(instance, dg.AssetKey([task_name, "inference_outputs"]), partition_keys[0])
+        if record is not None and record.asset_materialization is not None:
+            rate = _inference_text(record.asset_materialization.metadata)
+    text = f"{rows} rows, {errors} error rows, labels: {label_text}{rate}"
+    if rows and errors == rows:
+        text += "; every record is an error (see the `error` column of validated_labels)"
+    return text
+
+
+def _inference_text(metadata) -> str:
+    """The generation rate when this run inferred rows; where the rows came from when it inferred
+    none (a rate over no inference would read as a stalled engine)."""
+
+    def count(name: str) -> int:
+        entry = metadata.get(name)
+        return int(entry.value) if entry is not None and entry.value is not None else 0
+
+    rate = metadata.get("generated_tokens_per_second")
+    if count("rows_inferred") and rate is not None:
+        return f", {rate.value:.1f} generated tok/s"
+    sources = [
+        f"{count(name)} rows from {source}"
+        for name, source in (("rows_from_cache", "the result cache"), ("rows_from_checkpoint", "checkpoints"))
+        if count(name)
+    ]
+    return f", nothing inferred: {' and '.join(sources)}" if sources else ""
+
+
+# Known failures, recognised in the error text, and what to set instead.
+_HINTS = [
+    (
+        re.compile(r"max_model_len \((\d+)\) is greater than the derived max_model_len \(\w+=(\d+)"),
+        "engine.max_model_len {0} is more than the model's context length ({1} tokens): set `engine.max_model_len` "
+        "in the task file to at most {1}, or leave it out",
+    ),
+    (
+        re.compile(r"Repo id must be in the form|is not a local folder and is not a valid model identifier"),
+        "the model is neither an existing folder nor a Hugging Face id: set `engine.model` in the task file "
+        "(or BATCH_ASSETS_MODEL)",
+    ),
+]
+
+
+def failure_text(result: dg.ExecuteInProcessResult) -> str:
+    """Why the run failed, in one line: the first failed step and its innermost error, or a hint."""
+    for event in result.all_events:
+        failure = event.step_failure_data if event.is_step_failure else None
+        if failure is None or failure.error is None:
+            continue
+        chain = [failure.error]
+        while (cause := chain[-1].cause) is not None:  # Dagster wraps the user's exception; show the user's
+            chain.append(cause)
+        full = "\n".join(error.message for error in chain)
+        for pattern, advice in _HINTS:
+            match = pattern.search(full)
+            if match:
+                return f"failed in {event.step_key}: {advice.format(*match.groups())}"
+        return f"failed in {event.step_key}: {meaningful_line(chain[-1].message)}"
+    return "run failed"
+
+
+def meaningful_line(message: str) -> str:
+    """The line of an error message that says what is wrong (not a documentation link)."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("For further information visit")]
+    for line in lines:
+        if line.startswith("Value error, "):
+            return line.removeprefix("Value error, ")
+    return lines[-1] if lines else "unknown error"
+
+
+def failed_before_inference(result: dg.ExecuteInProcessResult) -> bool:
+    """A failed run whose failure lies in one file's input (reading, formatting, a blocking check of
+    its outputs), not in the engine: worth running file by file. An engine that cannot start or died
+    would fail each file again, so those failures are reported as they are."""
+    if result.success:
+        return False
+    failed_steps = [event.step_key or "" for event in result.all_events if event.is_step_failure]
+    # The step itself, not its check `<task>__inference_outputs_outputs_satisfy_constraint`.
+    return not any(step.endswith("__inference_outputs") for step in failed_steps)

@@ -1,0 +1,116 @@
+"""Copying a user's files into a task's drop zone (`batch-assets run`), every file checked first.
+
+A drop file is named after the user's file, so two files of the same name from different folders
+would be one partition, the second silently replacing the first's outputs. Before anything is
+copied, each named file must exist and be an input the drop zone reads, no two named files may share
+a name with different content, and a drop file of that name with other content is refused unless it
+came from the same file (an edit) or the user asked to replace it. Identical bytes are not copied
+again: that would only change the file's version and force a re-run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from batch_assets.storage.drop_files import DropFile, DropFileError, input_file_problem, partition_key_for
+from batch_assets.storage.locations import drop_zone, write_bytes_atomically
+
+if TYPE_CHECKING:
+    from upath import UPath
+
+
+class CopyRefused(Exception):
+    """A named file the drop zone must not get (missing, not an input, a name clash); nothing was copied."""
+
+
+@dataclass
+class NamedFile:
+    path: Path  # as the user named it
+    content: bytes
+    key: str  # its partition key in the task's drop zone
+
+    @property
+    def origin(self) -> str:
+        return str(self.path.resolve())
+
+
+def read_named_files(files: list[Path]) -> list[NamedFile]:
+    """Every named file, checked before anything is copied: exists, is an input, no two share a name."""
+    named: dict[str, NamedFile] = {}
+    for file in files:
+        if not file.is_file():
+            raise CopyRefused(f"{file}: no such file")
+        problem = input_file_problem(file.name)
+        if problem is not None:
+            raise CopyRefused(f"{file}: not an input file: {problem}")
+        entry = NamedFile(file, file.read_bytes(), partition_key_for(file.name))
+        earlier = named.get(file.name)
+        if earlier is not None and earlier.content != entry.content:
+            raise CopyRefused(
+                f"{earlier.path} and {file} are different files with the same name, so both would be the drop "
+                f"file {file.name!r} (partition {entry.key}); nothing was copied. Rename one, or run them in "
+                "separate commands (the second with --replace to replace the first)"
+            )
+        named.setdefault(file.name, entry)
+    return list(named.values())
+
+
+# What the drop zone holds under a name that is no regular file (a link, a FIFO): never equal to a file's bytes.
+_NOT_A_REGULAR_FILE = object()
+
+
+def _drop_zone_content(zone: UPath, name: str) -> bytes | object | None:
+    """The bytes of the drop file `name`, None when there is none, read as the pipeline reads drops:
+    a link or FIFO put there is not followed or waited on, and counts as a different file."""
+    if not (zone / name).exists() and not os.path.lexists(str(zone / name)):
+        return None
+    try:
+        return DropFile(name, zone, "").read_bytes()
+    except (DropFileError, FileNotFoundError):
+        return _NOT_A_REGULAR_FILE
+
+
+def copy_into_drop_zone(
+    task_name: str,
+    files: list[NamedFile],
+    *,
+    last_origin: Callable[[NamedFile], str | None],
+    replace: bool,
+    say: Callable[[str], None],
+) -> None:
+    """Copy the files into the drop zone; a different file of the same name is refused unless `replace`.
+    `last_origin` is the path of the file the drop file's partition was last run from (None: unknown)."""
+    zone = drop_zone(task_name)
+    plans: list[tuple[NamedFile, UPath, str | None]] = []
+    note: str | None
+    for file in files:
+        target = zone / file.path.name
+        existing = _drop_zone_content(zone, file.path.name)
+        if existing == file.content:
+            continue  # re-copying identical bytes would only change the file's version and force a re-run
+        if existing is None:
+            plans.append((file, target, None))
+            continue
+        origin = last_origin(file)
+        if origin == file.origin:
+            note = f"{file.path}: changed since its last run; partition {file.key} is run again from the new content"
+        elif replace:
+            note = (
+                f"{file.path}: replaces the drop file {file.path.name} (from {origin or 'elsewhere'}) as asked "
+                f"(--replace); partition {file.key} and its outputs are replaced"
+            )
+        else:
+            raise CopyRefused(
+                f"{file.path}: the {task_name} drop zone already holds a different {file.path.name} "
+                f"(from {origin or 'an earlier drop'}), whose outputs running this file would replace; nothing was "
+                "copied. Rename the file, or pass --replace to replace it"
+            )
+        plans.append((file, target, note))
+    for file, target, note in plans:
+        if note:
+            say(note)
+        write_bytes_atomically(target, file.content)

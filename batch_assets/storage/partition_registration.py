@@ -1,0 +1,58 @@
+"""A drop file's partitions in the Dagster instance, registered by `batch-assets run`.
+
+The sensor asks Dagster to add and delete partitions in its tick's result; a command that runs files
+itself registers them directly, and may meet a sensor or another command adding the same key at the
+same moment. A file with more records than `input.max_rows_per_partition` is several shard
+partitions, and a new version that splits differently retires the partitions it no longer has,
+outputs and all (storage/shards.py).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from sqlalchemy.exc import IntegrityError
+
+from batch_assets.pipeline.read_prompts import DropFileError
+from batch_assets.storage.drop_files import DropFile, partitions_def_name
+from batch_assets.storage.shards import delete_partition_outputs, file_partition_keys, retired_partitions
+
+if TYPE_CHECKING:
+    import dagster as dg
+
+    from batch_assets.pipeline.task_spec import TaskSpec
+
+
+def add_partitions(instance: dg.DagsterInstance, partitions_name: str, keys: list[str]) -> None:
+    """Register the partitions; one that another process (CLI, sensor) added meanwhile is fine too."""
+    missing = [key for key in dict.fromkeys(keys) if not instance.has_dynamic_partition(partitions_name, key)]
+    if not missing:
+        return
+    try:
+        instance.add_dynamic_partitions(partitions_name, missing)
+    except (IntegrityError, sqlite3.IntegrityError):
+        # Dagster's check-then-insert races with a concurrent add of the same key; one insert wins.
+        still = [key for key in missing if not instance.has_dynamic_partition(partitions_name, key)]
+        if still:
+            instance.add_dynamic_partitions(partitions_name, still)
+
+
+def file_partitions(
+    instance: dg.DagsterInstance, task: TaskSpec, drop: DropFile, *, say: Callable[[str], None]
+) -> list[str]:
+    """The file's partitions (its own, or its shards); partitions of the file that its new version
+    no longer has (split differently) are retired, outputs and all."""
+    try:
+        keys = file_partition_keys(task.name, drop, task.input.shard_rows)
+    except DropFileError:
+        return [drop.partition_key]  # its run fails with this error, naming the file
+    partitions_name = partitions_def_name(task.name)
+    retired = retired_partitions(instance.get_dynamic_partitions(partitions_name), drop.partition_key, keys)
+    if retired:
+        say(f"{drop.relative_path}: split differently than before; retiring partitions {', '.join(retired)}")
+        delete_partition_outputs(task.name, retired)
+        for key in retired:
+            instance.delete_dynamic_partition(partitions_name, key)
+    return keys
