@@ -158,15 +158,29 @@ def _label_counts(task_name: str, partition_keys: list[str]) -> tuple[int, int, 
         if not path.exists():
             return None
         with path.open("rb") as handle:
-            frames.append(pl.read_parquet(handle, columns=["label", "error"]))
-    labels = pl.concat(frames)
+            frame = pl.read_parquet(handle)
+        frames.append(frame.select("error", label=_label_or_embedding(frame)))
+    labels = pl.concat(frames, how="vertical_relaxed")
     errors = int(labels["error"].is_not_null().sum())
+    if labels.schema["label"] == pl.UInt32:  # an embedding task: the vectors' dimension
+        dimensions = labels["label"].drop_nulls().unique().sort().to_list()
+        shown = "/".join(map(str, dimensions)) or "-"
+        return labels.height, errors, f"{int(labels['label'].is_not_null().sum())} embedded (dimension {shown})"
     counts = labels.filter(pl.col("label").is_not_null()).group_by("label").len().sort("len", descending=True)
     if counts.height and counts.height <= 12:
         label_text = ", ".join(f"{row['label']}={row['len']}" for row in counts.to_dicts())
     else:
         label_text = f"{int(labels['label'].is_not_null().sum())} labelled"
     return labels.height, errors, label_text
+
+
+def _label_or_embedding(frame):
+    """The `label` of a labelled table; an embedding table's vector sizes (null for error rows)."""
+    import polars as pl
+
+    if "label" in frame.columns or "embedding" not in frame.columns:
+        return pl.col("label")
+    return pl.col("embedding").cast(pl.List(pl.Float32)).list.len()
 
 
 def _metadata_value(record, name: str):
@@ -227,6 +241,9 @@ def _inference_text(metadata) -> str:
         return int(entry.value) if entry is not None and entry.value is not None else 0
 
     rate = metadata.get("generated_tokens_per_second")
+    rows_rate = metadata.get("rows_per_second")
+    if count("rows_inferred") and "dimension" in metadata and rows_rate is not None:  # embeddings
+        return f", {rows_rate.value:.1f} rows/s embedded"
     if count("rows_inferred") and rate is not None:
         return f", {rate.value:.1f} generated tok/s"
     sources = [
@@ -451,7 +468,7 @@ def run_partitions(
     )
     from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
     from batch_assets.engines.kinds import engine_kind
-    from batch_assets.engines.vllm_engine import PROCESS_ENGINE, keep_engine_warm
+    from batch_assets.engines.vllm_engine import keep_engine_warm, shutdown_engines
     from batch_assets.pipeline.task_spec import load_tasks
     from batch_assets.storage.drop_files import find_drop_file, partitions_def_name
 
@@ -509,7 +526,7 @@ def run_partitions(
             ranges = list(partition_ranges(ordered, to_run, task.runs.max_partitions_per_run, alone=shards))
             while ranges:
                 run_keys = ranges.pop(0)
-                wait_for_pool_slot(instance, pool, say=TERMINAL.say, before_waiting=PROCESS_ENGINE.shutdown)
+                wait_for_pool_slot(instance, pool, say=TERMINAL.say, before_waiting=shutdown_engines)
                 if len(run_keys) == 1:
                     file, digest = named_by_key[run_keys[0]]
                     label, selection = f"{task_name}/{run_keys[0]}", {"partition_key": run_keys[0]}
