@@ -533,7 +533,9 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                         log=context.log.info,
                     )
 
-                results = embed_with_choices(task, parts, tokenizer, settings.max_model_len, run) if pooling else run(parts)
+                results = (
+                    embed_with_choices(task, parts, tokenizer, settings.max_model_len, run) if pooling else run(parts)
+                )
         except EngineStartError as exc:
             # Settings that do not fit will not fit five seconds later either: fail now, with the
             # hint of what to change, instead of retrying a start-up that can take minutes.

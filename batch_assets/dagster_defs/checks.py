@@ -251,9 +251,7 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
     gates = [*_budget_checks(task), *_drift_checks(task), *_accuracy_checks(task), *_confidence_checks(task)]
     # What a row's output must be: an embedding task's vectors, or any other task's labels.
     output_checks = (
-        _embedding_checks(task)
-        if task.output.kind == "embedding"
-        else [outputs_satisfy_constraint, labels_are_valid]
+        _embedding_checks(task) if task.output.kind == "embedding" else [outputs_satisfy_constraint, labels_are_valid]
     )
     return [*output_checks, one_row_per_record, error_share_below_threshold, *gates]
 

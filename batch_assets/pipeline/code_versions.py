@@ -61,9 +61,9 @@ def code_versions(task: TaskSpec) -> dict[str, str]:
     engine["model"] = task.model
     formatting = {
         # How rows are grouped into partitions changes no row's prompt.
-        # `truncate` only when set: tasks written before it keep their versions.
+        # `truncate` only when on: tasks written before it keep their versions.
         "input": task.input.model_dump(
-            exclude={"max_rows_per_partition", *({"truncate"} - task.input.model_fields_set)}
+            exclude={"max_rows_per_partition", *(set() if task.input.truncate else {"truncate"})}
         ),
         "prompt": task.prompt.model_dump() if task.prompt is not None else None,
         # The tokenizer renders the chat template and counts tokens; the context decides which rows

@@ -100,9 +100,7 @@ def count_text_tokens(tokenizer: Tokenizer, column: pl.Series) -> pl.Series:
             counts.extend(len(encoding) for encoding in backend.encode_batch_fast(chunk, add_special_tokens=True))
         else:
             counts.extend(len(ids) for ids in tokenizer(chunk, add_special_tokens=True)["input_ids"])
-    lengths = pl.DataFrame(
-        {"text": pl.Series(distinct, dtype=pl.String), "tokens": pl.Series(counts, dtype=pl.Int64)}
-    )
+    lengths = pl.DataFrame({"text": pl.Series(distinct, dtype=pl.String), "tokens": pl.Series(counts, dtype=pl.Int64)})
     return column.to_frame("text").join(lengths, on="text", how="left", maintain_order="left")["tokens"]
 
 

@@ -476,8 +476,9 @@ class OutputSpec(_Strict):
         which tokens are sampled, so `confidence` is left out (checkpoints, cached results and code
         versions stay valid when it is switched). `method` and `descriptions` are left out at their
         defaults, so tasks written before them keep their code versions."""
-        unset = {name for name in ("method", "descriptions") if name not in self.model_fields_set}
-        return self.model_dump(exclude={"confidence", *unset})
+        defaults = {"method"} if self.method == "generate" else set()
+        defaults |= {"descriptions"} if self.descriptions is None else set()
+        return self.model_dump(exclude={"confidence", *defaults})
 
 
 def check_descriptions(descriptions: dict[str, str], choices: list[str], method: str) -> None:
@@ -652,7 +653,9 @@ class TaskSpec(_Strict):
     def _embedding_model_by_default(cls, raw: Any) -> Any:
         # Embedding and similarity tasks run on an embedding model: the embedded one unless named.
         output = raw.get("output") if isinstance(raw, dict) else None
-        if not isinstance(output, dict) or not (output.get("kind") == "embedding" or output.get("method") == "similarity"):
+        if not isinstance(output, dict) or not (
+            output.get("kind") == "embedding" or output.get("method") == "similarity"
+        ):
             return raw
         engine = raw.get("engine", {})
         if isinstance(engine, dict) and "model" not in engine:
