@@ -277,3 +277,18 @@ def test_similarity_outputs_are_a_choices_tasks_outputs() -> None:
         "num_generated_tokens",
         "error",
     ]
+
+
+def test_engine_settings_of_an_embedding_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from batch_assets.engines.embedded_model import embedding_model_dir
+    from batch_assets.engines.vllm_engine import VLLMEngine
+
+    monkeypatch.delenv("BATCH_ASSETS_EMBEDDING_MODEL", raising=False)
+    # The resource's chat model is for chat tasks; an embedding task keeps its embedding model.
+    settings = VLLMEngine(model="/models/chat").settings(load_task_spec(write(tmp_path, EMBED)), gpus=0)
+    assert settings.model == str(embedding_model_dir())
+    # Left out of the task, the context is the model's own limit (all-MiniLM-L6-v2: 256 tokens).
+    assert settings.max_model_len == 256
+    assert settings.runner == "pooling" and settings.engine_args()["runner"] == "pooling"
+    assert settings.vllm_args["enable_prefix_caching"] is False and not settings.structured_outputs
+    assert settings.identity()["runner"] == "pooling"
