@@ -787,10 +787,55 @@ def command_demo() -> int:
     # One engine for every task that shares its settings (the shipped ones all do).
     with keep_engine_warm():
         all_ok = _demo_tasks(loaded.tasks)
+    side_by_side = accuracy_side_by_side(_sample_accuracies(loaded.tasks))
+    if side_by_side:
+        TERMINAL.say(side_by_side)
     note = demo_note(loaded.tasks)
     if note:
         TERMINAL.say(note)
     return 0 if all_ok and not loaded.errors else 1
+
+
+def _sample_accuracies(tasks) -> list[tuple[str, str, float, int]]:
+    """(task, how it labels, accuracy, rows with a gold label) of each task whose bundled samples
+    carry hand-made labels, from the latest materialization of each sample partition."""
+    import dagster as dg
+
+    from batch_assets.storage.drop_files import partition_key_for
+
+    found = []
+    with open_instance() as instance:
+        for task in tasks:
+            folder = SAMPLES_DIR / task.name
+            if not task.checks.gold_field or not folder.exists():
+                continue
+            key = dg.AssetKey([task.name, "validated_labels"])
+            records = [
+                latest_materialization(instance, key, partition_key_for(p.name)) for p in sorted(folder.glob("*"))
+            ]
+            gold = [(_metadata_value(r, "accuracy"), _metadata_value(r, "rows_with_gold")) for r in records]
+            gold = [(accuracy, rows) for accuracy, rows in gold if accuracy is not None and rows]
+            if gold:
+                rows = sum(rows for _, rows in gold)
+                how = (
+                    f"embedding similarity, {task.model}"
+                    if task.output.method == "similarity"
+                    else f"chat model {task.model}, structured outputs"
+                )
+                found.append((task.name, how, sum(a * r for a, r in gold) / rows, rows))
+    return found
+
+
+def accuracy_side_by_side(accuracies: list[tuple[str, str, float, int]]) -> str | None:
+    """The demo's accuracies on the hand-labelled samples, one line per task, aligned."""
+    if not accuracies:
+        return None
+    width = max(len(name) for name, *_ in accuracies)
+    lines = [f"  {name:<{width}}  {accuracy:4.0%} of {rows} rows  ({how})" for name, how, accuracy, rows in accuracies]
+    return (
+        "\nAccuracy on the hand-labelled samples (a few dozen invented rows; measure on your own data):\n"
+        + "\n".join(lines)
+    )
 
 
 def demo_note(tasks) -> str | None:

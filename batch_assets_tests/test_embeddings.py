@@ -292,3 +292,20 @@ def test_engine_settings_of_an_embedding_task(tmp_path: Path, monkeypatch: pytes
     assert settings.runner == "pooling" and settings.engine_args()["runner"] == "pooling"
     assert settings.vllm_args["enable_prefix_caching"] is False and not settings.structured_outputs
     assert settings.identity()["runner"] == "pooling"
+
+
+def test_the_demo_prints_both_ways_of_labelling_side_by_side() -> None:
+    from batch_assets.cli import accuracy_side_by_side
+
+    text = accuracy_side_by_side(
+        [
+            ("industry", "chat model embedded:SmolLM2-135M-Instruct, structured outputs", 0.025, 40),
+            ("industry_similarity", "embedding similarity, embedded:all-MiniLM-L6-v2", 0.75, 40),
+        ]
+    )
+    assert text is not None
+    chat, similarity = text.splitlines()[-2:]
+    assert chat.split()[:5] == ["industry", "2%", "of", "40", "rows"] and "structured outputs" in chat
+    assert similarity.split()[:5] == ["industry_similarity", "75%", "of", "40", "rows"] and "similarity" in similarity
+    assert chat.index("% of") == similarity.index("% of")  # aligned
+    assert accuracy_side_by_side([]) is None
