@@ -309,3 +309,21 @@ def test_the_demo_prints_both_ways_of_labelling_side_by_side() -> None:
     assert similarity.split()[:5] == ["industry_similarity", "75%", "of", "40", "rows"] and "similarity" in similarity
     assert chat.index("% of") == similarity.index("% of")  # aligned
     assert accuracy_side_by_side([]) is None
+
+
+def test_local_model_folders_of_the_wrong_kind_are_refused_at_load(tmp_path: Path) -> None:
+    import json
+
+    chat_model, embedder = tmp_path / "chat-model", tmp_path / "embedder"
+    chat_model.mkdir()
+    (chat_model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (chat_model / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    embedder.mkdir()
+    (embedder / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
+    (embedder / "modules.json").write_text("[]")
+    with pytest.raises(TaskSpecError, match=r"engine.model \(line 5\): .*chat-model is a chat model"):
+        load_task_spec(write(tmp_path, EMBED + f"engine: {{model: '{chat_model}'}}\n"))
+    chat = "input: {text_fields: [text]}\nprompt: {template: '{text}'}\noutput: {kind: text}\n"
+    with pytest.raises(TaskSpecError, match="embedder is an embedding model"):
+        load_task_spec(write(tmp_path, chat + f"engine: {{model: '{embedder}'}}\n", "chat"))
+    assert load_task_spec(write(tmp_path, EMBED + f"engine: {{model: '{embedder}'}}\n", "ok")).output.pooling

@@ -674,7 +674,15 @@ class TaskSpec(_Strict):
                 "output.method: similarity); a chat prompt too long for the model is an error row",
                 ("input", "truncate"),
             )
+        folder_kind = model_folder_kind(self.engine.model)
         if not pooling:
+            if folder_kind == "embedding":
+                raise SettingError(
+                    f"engine.model: {self.engine.model} is an embedding model (a sentence-transformers folder): it "
+                    "writes no text. Name a chat model, or use it through output.kind: embedding or "
+                    "output.method: similarity",
+                    ("engine", "model"),
+                )
             if self.engine.model == EMBEDDED_EMBEDDING_MODEL:
                 raise SettingError(
                     f"engine.model: {EMBEDDED_EMBEDDING_MODEL} is an embedding model: it writes no text. Name a chat "
@@ -691,9 +699,9 @@ class TaskSpec(_Strict):
                 "sends chat completions)",
                 ("engine", "kind"),
             )
-        if self.engine.model == EMBEDDED_MODEL:
+        if self.engine.model == EMBEDDED_MODEL or folder_kind == "chat":
             raise SettingError(
-                f"engine.model: {EMBEDDED_MODEL} is a chat model; {what} needs an embedding model: set engine.model "
+                f"engine.model: {self.engine.model} is a chat model; {what} needs an embedding model: set engine.model "
                 f"to {EMBEDDED_EMBEDDING_MODEL} (or remove it: that is the default) or another embedding model",
                 ("engine", "model"),
             )
@@ -803,6 +811,30 @@ class TaskSpec(_Strict):
         `BATCH_ASSETS_EMBEDDING_MODEL` that of every embedding and similarity task."""
         override = EMBEDDING_MODEL_OVERRIDE_ENV if self.output.pooling else MODEL_OVERRIDE_ENV
         return os.environ.get(override) or self.engine.model
+
+
+def model_folder_kind(model: str) -> Literal["chat", "embedding"] | None:
+    """What a local model folder holds, from its files: `embedding` (a sentence-transformers folder:
+    modules.json or sentence_bert_config.json), `chat` (a causal language model with a chat template),
+    None when neither is clear (a model id, another layout): vLLM then decides."""
+    import json
+
+    folder = Path(os.path.expanduser(model))
+    if not folder.is_dir():
+        return None
+    if (folder / "modules.json").is_file() or (folder / "sentence_bert_config.json").is_file():
+        return "embedding"
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        tokenizer_config = folder / "tokenizer_config.json"
+        template = (folder / "chat_template.jinja").is_file() or (
+            tokenizer_config.is_file() and "chat_template" in json.loads(tokenizer_config.read_text(encoding="utf-8"))
+        )
+    except (OSError, ValueError):
+        return None
+    architectures = (config.get("architectures") or []) if isinstance(config, dict) else []
+    causal = any(str(name).endswith(("ForCausalLM", "ForConditionalGeneration")) for name in architectures)
+    return "chat" if causal and template else None
 
 
 class TaskSpecError(ValueError):
