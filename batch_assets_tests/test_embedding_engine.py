@@ -34,7 +34,7 @@ TEXTS = [
     "Quarterly revenue grew 12 percent.",
     "Ünïcödé text, emoji 🙂 and <b>markup</b> [SEP] stay text.",
     "a",
-    "word " * 200,
+    "word " * 300,
 ]
 
 

@@ -312,6 +312,20 @@ def embed_with_choices(
     return [(similarity_outputs(frame, vectors, task.output.choices or []), stats) for frame, stats in results]
 
 
+def inference_summary(task: TaskSpec, engine_name: str) -> str:
+    """What `inference_outputs` holds, by the kind of task (the start of its description)."""
+    if task.output.method == "similarity":
+        return (
+            f"Embeddings of each `{task.name}` row from vLLM's pooling runner, and its label by cosine "
+            "similarity to each choice's embedding."
+        )
+    if task.output.kind == "embedding":
+        return f"Embeddings of each `{task.name}` row from vLLM's pooling runner."
+    return (
+        f"Model outputs for each `{task.name}` prompt from {engine_name}, constrained by the task's structured outputs."
+    )
+
+
 def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     name = task.name
     partitions = drop_partitions(name)
@@ -404,7 +418,11 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     @dg.asset(
         name="formatted_prompts",
         description=(
-            f"The exact prompt the model sees for each `{name}` row: the task's system prompt and "
+            f"The text the embedding model embeds for each `{name}` row: the task's template over its "
+            "fields (no chat template), with `num_prompt_tokens`. Rows with empty text or too long for "
+            "the model get an `error` (or, with `input.truncate`, are cut: `truncated`)."
+            if pooling
+            else f"The exact prompt the model sees for each `{name}` row: the task's system prompt and "
             "template rendered with the model's chat template, with `num_prompt_tokens`. Rows with "
             "empty text or too long for the model's context get an `error` and skip the engine."
         ),
@@ -477,8 +495,8 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     @dg.asset(
         name="inference_outputs",
         description=(
-            f"Model outputs for each `{name}` prompt from {kind.display_name}, constrained by the task's "
-            "structured outputs. Results are checkpointed in chunks, so a re-run after a crash infers "
+            inference_summary(task, kind.display_name)
+            + " Results are checkpointed in chunks, so a re-run after a crash infers "
             "only the rows not done yet. With deterministic decoding, identical prompts are inferred once "
             "and results are reused from the task's result cache across partitions and re-runs."
         ),
@@ -550,7 +568,11 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     @dg.asset(
         name="validated_labels",
         description=(
-            f"The `{name}` result table: every input column, `label` (parsed and checked against the "
+            f"The `{name}` result table: every input column, `embedding` (fixed-size float32, unit length), "
+            "`num_prompt_tokens` and `error` (null when the row is fine). Exactly one row per input record, "
+            "in input order."
+            if task.output.kind == "embedding"
+            else f"The `{name}` result table: every input column, `label` (parsed and checked against the "
             "task's output constraint; choices and regex tasks also give its `confidence`, 0-1), the "
             "generated text, token counts and `error` (null when the row is fine). Exactly one row per "
             "input record, in input order."
