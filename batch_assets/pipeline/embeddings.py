@@ -64,9 +64,14 @@ def vectors_column(texts: pl.Series, name: str = "embedding") -> pl.Series:
     decoded = [None if text is None else decode_vector(text) for text in texts.to_list()]
     sizes = {len(vector) for vector in decoded if vector is not None}
     if len(sizes) == 1:
+        # One matrix, no Python float per value (a million rows × 384 values stay in numpy).
         (size,) = sizes
-        values = [None if vector is None else vector.tolist() for vector in decoded]
-        return pl.Series(name, values, dtype=pl.Array(pl.Float32, size))
+        present = np.array([vector is not None for vector in decoded], dtype=bool)
+        matrix = np.zeros((len(decoded), size), dtype=np.float32)
+        if present.any():
+            matrix[present] = np.stack([vector for vector in decoded if vector is not None])
+        full = pl.Series(name, matrix, dtype=pl.Array(pl.Float32, size))
+        return pl.select(pl.when(pl.Series(present)).then(full).alias(name)).to_series()
     return pl.Series(name, [None if v is None else v.tolist() for v in decoded], dtype=pl.List(pl.Float32))
 
 
