@@ -327,3 +327,31 @@ def test_local_model_folders_of_the_wrong_kind_are_refused_at_load(tmp_path: Pat
     with pytest.raises(TaskSpecError, match="embedder is an embedding model"):
         load_task_spec(write(tmp_path, chat + f"engine: {{model: '{embedder}'}}\n", "chat"))
     assert load_task_spec(write(tmp_path, EMBED + f"engine: {{model: '{embedder}'}}\n", "ok")).output.pooling
+
+
+def test_a_run_over_several_partitions_embeds_the_choices_once_in_the_same_stream(tmp_path: Path) -> None:
+    from batch_assets.dagster_defs.assets import embed_with_choices
+    from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput
+
+    task = load_task_spec(write(tmp_path, SIMILARITY, "topics"))
+    streams: list[list[str]] = []
+
+    def run(parts: list[PartitionInput]) -> list:
+        streams.append([part.label for part in parts])
+        choices = parts[-1]
+        assert choices.formatted["prompt"].to_list() == ["sports", "recipes and kitchens"]
+        assert [len(p) for p in choices.encode(["recipes and kitchens"])] == [5]  # [CLS] 3 words [SEP]
+        chosen = pl.DataFrame(
+            {
+                "row_id": [0, 1],
+                "generated_text": [encode_vector([1.0, 0.0]), encode_vector([0.0, 1.0])],
+                "error": pl.Series([None, None], dtype=pl.String),
+            }
+        )
+        rows = [(results_frame([[0.8, 0.6], [0.1, 0.9]]), InferenceStats()) for _ in parts[:-1]]
+        return [*rows, (chosen, InferenceStats())]
+
+    parts = [PartitionInput(pl.DataFrame(), lambda texts: [], label=label) for label in ("a.csv", "b.csv")]
+    results = embed_with_choices(task, parts, WordTokenizer(), 256, run)
+    assert streams == [["a.csv", "b.csv", "choices"]]  # one stream, the choices once at its end
+    assert [frame["generated_text"].to_list() for frame, _ in results] == [["sports", "cooking"]] * 2
