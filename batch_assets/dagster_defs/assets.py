@@ -13,6 +13,7 @@ is the Dagster glue: reading the drop, calling them, and reporting metadata.
 """
 
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import dagster as dg
@@ -23,6 +24,17 @@ from batch_assets.dagster_defs.range_failures import FAILED_PARTITIONS_METADATA
 from batch_assets.engines.kinds import engine_for, engine_kind
 from batch_assets.pipeline.budget import actual_cost_metadata, estimate_cost
 from batch_assets.pipeline.code_versions import code_versions
+from batch_assets.pipeline.embeddings import (
+    choice_texts,
+    choice_vectors,
+    choices_frame,
+    embedding_encoder,
+    embedding_outputs,
+    embedding_report,
+    format_embedding_prompts,
+    similarity_outputs,
+    validate_embeddings,
+)
 from batch_assets.pipeline.engine_contract import EngineSession, EngineSettings, EngineStartError
 from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts, prompt_encoder
 from batch_assets.pipeline.label_quality import accuracy_report, confidence_report
@@ -210,7 +222,17 @@ def confidence_metadata(labels: pl.DataFrame, task: TaskSpec) -> dict:
 
 def inference_fingerprint(task: TaskSpec, settings: EngineSettings) -> str:
     """Checkpoints and cached results are reused only by a run that would produce the same outputs;
-    the prompt text itself is part of each request's key."""
+    the prompt text itself is part of each request's key. An embedding depends on the model and the
+    text alone: a similarity task's choices and descriptions, or sampling, do not change it."""
+    if task.output.pooling:
+        return run_fingerprint(
+            {
+                **settings.identity(),
+                "model_files": model_identity(settings.model),
+                "max_model_len": settings.max_model_len,
+                "output": "embedding",
+            }
+        )
     parts = {
         **settings.identity(),
         "model_files": model_identity(settings.model),
@@ -251,6 +273,7 @@ def inference_metadata(
         "inference_seconds": round(stats.inference_seconds, 3),
         "generated_tokens_per_second": round(stats.generated_tokens_per_second, 2),
         "rows_per_second": round(stats.rows_per_second, 2),
+        **embedding_inference_metadata(frame),
         "model": settings.model,
         "engine_settings": settings.metadata(),
         "sampling_params": task.sampling.model_dump(),
@@ -263,6 +286,48 @@ def inference_metadata(
         "dagster/row_count": frame.height,
         "dagster/column_schema": column_schema(frame),
     }
+
+
+def embedding_inference_metadata(frame: pl.DataFrame) -> dict:
+    """Embedding and similarity tasks: the vectors' dimension and how many rows were cut to fit."""
+    if "embedding" not in frame.columns:
+        return {}
+    dtype = frame.schema["embedding"]
+    metadata: dict = {"dimension": dtype.size if isinstance(dtype, pl.Array) else None}
+    if "truncated" in frame.columns:
+        metadata["truncated_rows"] = int(frame["truncated"].sum() or 0)
+    return metadata
+
+
+def embed_with_choices(
+    task: TaskSpec, parts: list[PartitionInput], tokenizer, max_model_len: int, run: Callable
+) -> list[tuple[pl.DataFrame, InferenceStats]]:
+    """Run the partitions of an embedding or similarity task and turn their results into
+    inference_outputs. A similarity task's choices go into the same stream as one more partition, so
+    their embeddings are computed once per run (or come from the result cache) by the same model."""
+    if task.output.method != "similarity":
+        return [(embedding_outputs(frame), stats) for frame, stats in run(parts)]
+    texts = choice_texts(task.output)
+    choices_part = PartitionInput(
+        choices_frame(texts, tokenizer), embedding_encoder(tokenizer, max_model_len, True), label="choices"
+    )
+    *results, (choice_results, _) = run([*parts, choices_part])
+    vectors = choice_vectors(choice_results, task.output.choices or [], texts)
+    return [(similarity_outputs(frame, vectors, task.output.choices or []), stats) for frame, stats in results]
+
+
+def inference_summary(task: TaskSpec, engine_name: str) -> str:
+    """What `inference_outputs` holds, by the kind of task (the start of its description)."""
+    if task.output.method == "similarity":
+        return (
+            f"Embeddings of each `{task.name}` row from vLLM's pooling runner, and its label by cosine "
+            "similarity to each choice's embedding."
+        )
+    if task.output.kind == "embedding":
+        return f"Embeddings of each `{task.name}` row from vLLM's pooling runner."
+    return (
+        f"Model outputs for each `{task.name}` prompt from {engine_name}, constrained by the task's structured outputs."
+    )
 
 
 def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
@@ -282,6 +347,8 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     )
     # OpenAI Batch API files: each line brings its own messages and sampling (pipeline/openai_batch.py).
     batch_format = task.input.format == "openai_batch"
+    # Embedding and similarity tasks: texts to an embedding model, vectors back (pipeline/embeddings.py).
+    pooling = task.output.pooling
     # The task's engine kind names its resource (in-process vLLM or an endpoint), pool and display name.
     kind = engine_kind(task)
     versions = code_versions(task)
@@ -346,7 +413,11 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     @dg.asset(
         name="formatted_prompts",
         description=(
-            f"The exact prompt the model sees for each `{name}` row: the task's system prompt and "
+            f"The text the embedding model embeds for each `{name}` row: the task's template over its "
+            "fields (no chat template), with `num_prompt_tokens`. Rows with empty text or too long for "
+            "the model get an `error` (or, with `input.truncate`, are cut: `truncated`)."
+            if pooling
+            else f"The exact prompt the model sees for each `{name}` row: the task's system prompt and "
             "template rendered with the model's chat template, with `num_prompt_tokens`. Rows with "
             "empty text or too long for the model's context get an `error` and skip the engine."
         ),
@@ -375,6 +446,16 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                     chat_only=llm_engine.sends_chat_messages,
                 )
             assert prompt_format is not None  # a records task always has a prompt section (TaskSpec)
+            if pooling:
+                return format_embedding_prompts(
+                    raw,
+                    prompt_format.template,
+                    prompt_format.text_fields,
+                    tokenizer,
+                    max_model_len=settings.max_model_len,
+                    truncate=task.input.truncate,
+                    source_file=partition_key,
+                )
             return format_prompts(
                 raw,
                 prompt_format,
@@ -409,8 +490,8 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     @dg.asset(
         name="inference_outputs",
         description=(
-            f"Model outputs for each `{name}` prompt from {kind.display_name}, constrained by the task's "
-            "structured outputs. Results are checkpointed in chunks, so a re-run after a crash infers "
+            inference_summary(task, kind.display_name)
+            + " Results are checkpointed in chunks, so a re-run after a crash infers "
             "only the rows not done yet. With deterministic decoding, identical prompts are inferred once "
             "and results are reused from the task's result cache across partitions and re-runs."
         ),
@@ -436,26 +517,37 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
                 context.log.info(
                     f"{partition_key}: removed checkpoints made with other model/sampling settings: {stale}"
                 )
-            encode = (batch_prompt_encoder if batch_format else prompt_encoder)(engine, task, tokenizer, frame)
+            if pooling:
+                encode = embedding_encoder(tokenizer, settings.max_model_len, task.input.truncate)
+            else:
+                encode = (batch_prompt_encoder if batch_format else prompt_encoder)(engine, task, tokenizer, frame)
             parts.append(PartitionInput(frame, encode, checkpoints, label=partition_key))
         try:
             # One session and one stream for every partition of the run; the engine starts with the
             # first request that needs it: not for cached, empty or all-error files.
             with engine.session(task, context.log.info) as session:
-                results = run_inference(
-                    parts,
-                    session=session,
-                    max_model_len=settings.max_model_len,
-                    max_tokens=task.sampling.max_tokens,
-                    batch_size=task.engine.batch_size,
-                    # Batch lines carry their own sampling; their request keys tell deterministic ones apart.
-                    deduplicate=task.sampling.deterministic or batch_format,
-                    cache=(
-                        ResultCache(task_storage_dir(name), fingerprint, instance=context.instance)
-                        if config.use_result_cache
-                        else None
-                    ),
-                    log=context.log.info,
+
+                def run(partitions: list[PartitionInput]) -> list[tuple[pl.DataFrame, InferenceStats]]:
+                    return run_inference(
+                        partitions,
+                        session=session,
+                        max_model_len=settings.max_model_len,
+                        # An embedding generates nothing: the whole context is the text's.
+                        max_tokens=0 if pooling else task.sampling.max_tokens,
+                        batch_size=task.engine.batch_size,
+                        # Batch lines carry their own sampling; their request keys tell deterministic ones
+                        # apart. An embedding is deterministic.
+                        deduplicate=task.sampling.deterministic or batch_format or pooling,
+                        cache=(
+                            ResultCache(task_storage_dir(name), fingerprint, instance=context.instance)
+                            if config.use_result_cache
+                            else None
+                        ),
+                        log=context.log.info,
+                    )
+
+                results = (
+                    embed_with_choices(task, parts, tokenizer, settings.max_model_len, run) if pooling else run(parts)
                 )
         except EngineStartError as exc:
             # Settings that do not fit will not fit five seconds later either: fail now, with the
@@ -471,7 +563,11 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     @dg.asset(
         name="validated_labels",
         description=(
-            f"The `{name}` result table: every input column, `label` (parsed and checked against the "
+            f"The `{name}` result table: every input column, `embedding` (fixed-size float32, unit length), "
+            "`num_prompt_tokens` and `error` (null when the row is fine). Exactly one row per input record, "
+            "in input order."
+            if task.output.kind == "embedding"
+            else f"The `{name}` result table: every input column, `label` (parsed and checked against the "
             "task's output constraint; choices and regex tasks also give its `confidence`, 0-1), the "
             "generated text, token counts and `error` (null when the row is fine). Exactly one row per "
             "input record, in input order."
@@ -491,21 +587,30 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
     ) -> pl.DataFrame:
         # inference_outputs is stored by now, so its checkpoints have served their purpose.
         clear_checkpoints(checkpoint_dir(name, partition_key))
-        labels = (
-            validate_batch_outputs(inference_outputs)
-            if batch_format
-            else validate_labels(inference_outputs, task.output)
-        )
+        embeddings = task.output.kind == "embedding"
+        if batch_format:
+            labels = validate_batch_outputs(inference_outputs)
+        elif embeddings:
+            labels = validate_embeddings(inference_outputs)
+        else:
+            labels = validate_labels(inference_outputs, task.output)
         counts = label_counts(labels) if task.output.kind in ("choices", "regex") else {}
         errors = error_code_counts(labels)
-        shown = ["confidence"] if "confidence" in labels.columns else []
-        preview_columns = (
-            ["custom_id", "label", "error"] if batch_format else [*task.input.text_fields, "label", *shown, "error"]
-        )
+        shown = [c for c in ("similarity", "confidence") if c in labels.columns]
+        if batch_format:
+            preview_columns = ["custom_id", "label", "error"]
+        elif embeddings:
+            preview_columns = [*task.input.text_fields, "num_prompt_tokens", "error"]
+        else:
+            preview_columns = [*task.input.text_fields, "label", *shown, "error"]
         metadata: dict = write_batch_files(labels, partition_key) if batch_format else {}
+        if embeddings:
+            metadata |= embedding_report(labels).metadata()
+            metadata["prompt_tokens"] = int(labels["num_prompt_tokens"].sum() or 0)
+        else:
+            metadata["labelled_rows"] = int(labels["label"].is_not_null().sum())
         metadata |= {
             "rows": labels.height,
-            "labelled_rows": int(labels["label"].is_not_null().sum()),
             "error_rows": sum(errors.values()),
             "errors_by_code": errors,
             "preview": dg.MetadataValue.md(markdown_table(labels.head(PREVIEW_ROWS).to_dicts(), preview_columns)),

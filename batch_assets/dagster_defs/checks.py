@@ -16,6 +16,10 @@
   the known labels is at least `checks.min_accuracy`.
 - `confidence_at_least` on validated_labels (WARN; choices and regex tasks): at most
   `checks.max_low_confidence_share` of the labels have a `confidence` under `checks.min_confidence`.
+- `embeddings_are_valid` on inference_outputs (ERROR, blocking; embedding tasks, in place of the two
+  label checks above): one dimension for every vector, every value finite, every vector of unit L2
+  norm (vLLM's embed normalizes, as the model's own Normalize module does), and no row without an
+  embedding or an error.
 
 In a run over a range of partitions (a backfill, a burst from the sensor), each check reads every
 partition of the range and records one evaluation per partition (`evaluate_per_partition`): Dagster 1.13 gives an
@@ -32,6 +36,7 @@ import polars as pl
 
 from batch_assets.dagster_defs.assets import asset_key, error_code_counts, markdown_table
 from batch_assets.pipeline.budget import budget_overruns, estimate_cost
+from batch_assets.pipeline.embeddings import NORM_TOLERANCE, embedding_report
 from batch_assets.pipeline.label_quality import accuracy_report, confidence_report, label_drift
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.pipeline.validate_labels import constraint_violations, parse_label
@@ -242,7 +247,58 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         )
 
     gates = [*_budget_checks(task), *_drift_checks(task), *_accuracy_checks(task), *_confidence_checks(task)]
-    return [outputs_satisfy_constraint, labels_are_valid, one_row_per_record, error_share_below_threshold, *gates]
+    # What a row's output must be: an embedding task's vectors, or any other task's labels.
+    output_checks = (
+        _embedding_checks(task) if task.output.kind == "embedding" else [outputs_satisfy_constraint, labels_are_valid]
+    )
+    return [*output_checks, one_row_per_record, error_share_below_threshold, *gates]
+
+
+def embedding_check_result(outputs: pl.DataFrame, task: str, partition_key: str) -> dg.AssetCheckResult:
+    """One partition's vectors: one dimension, finite values, unit norm; every row embedded or an error."""
+    report = embedding_report(outputs)
+    unexplained = outputs.filter(pl.col("embedding").is_null() & pl.col("error").is_null())
+    problems = []
+    if len(report.dimensions) > 1:
+        problems.append(f"vectors of {len(report.dimensions)} sizes {report.dimensions}")
+    if report.non_finite_rows:
+        problems.append(f"{len(report.non_finite_rows)} vectors with NaN or infinite values")
+    if report.off_norm_rows:
+        problems.append(f"{len(report.off_norm_rows)} vectors whose L2 norm is not 1 (± {NORM_TOLERANCE})")
+    if unexplained.height:
+        problems.append(f"{unexplained.height} rows with neither an embedding nor an error")
+    metadata: dict[str, Any] = {"checked_rows": outputs.height, **report.metadata()}
+    bad_ids = sorted({*report.non_finite_rows, *report.off_norm_rows, *unexplained["row_id"].to_list()})
+    if bad_ids:
+        bad = outputs.filter(pl.col("row_id").is_in(bad_ids))
+        metadata |= _failed_rows_metadata(
+            bad, ["row_id", "source_line", "num_prompt_tokens", "error"], task, "inference_outputs", partition_key
+        )
+    return dg.AssetCheckResult(
+        passed=not problems,
+        severity=dg.AssetCheckSeverity.ERROR,
+        description="; ".join(problems) or None,
+        metadata=metadata,
+    )
+
+
+def _embedding_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
+    @dg.asset_check(
+        asset=asset_key(task.name, "inference_outputs"),
+        name="embeddings_are_valid",
+        blocking=True,
+        partitions_def=drop_partitions(task.name),
+        description=(
+            "Every embedding has the partition's one dimension, only finite values and unit L2 norm; "
+            "every row without one carries an error."
+        ),
+    )
+    def embeddings_are_valid(context: dg.AssetCheckExecutionContext, inference_outputs: dict[str, pl.DataFrame]):
+        yield from evaluate_per_partition(
+            context, lambda key: embedding_check_result(inference_outputs[key], task.name, key)
+        )
+
+    return [embeddings_are_valid]
 
 
 def _budget_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:

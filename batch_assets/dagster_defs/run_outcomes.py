@@ -12,10 +12,12 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import dagster as dg
 import polars as pl
 
+from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.locations import output_path
 
 
@@ -148,15 +150,66 @@ def _label_counts(task_name: str, partition_keys: list[str]) -> tuple[int, int, 
         if not path.exists():
             return None
         with path.open("rb") as handle:
-            frames.append(pl.read_parquet(handle, columns=["label", "error"]))
-    labels = pl.concat(frames)
+            frame = pl.read_parquet(handle)
+        frames.append(frame.select("error", label=_label_or_embedding(frame)))
+    labels = pl.concat(frames, how="vertical_relaxed")
     errors = int(labels["error"].is_not_null().sum())
+    if labels.schema["label"] == pl.UInt32:  # an embedding task: the vectors' dimension
+        dimensions = labels["label"].drop_nulls().unique().sort().to_list()
+        shown = "/".join(map(str, dimensions)) or "-"
+        return labels.height, errors, f"{int(labels['label'].is_not_null().sum())} embedded (dimension {shown})"
     counts = labels.filter(pl.col("label").is_not_null()).group_by("label").len().sort("len", descending=True)
     if counts.height and counts.height <= 12:
         label_text = ", ".join(f"{row['label']}={row['len']}" for row in counts.to_dicts())
     else:
         label_text = f"{int(labels['label'].is_not_null().sum())} labelled"
     return labels.height, errors, label_text
+
+
+def sample_accuracies(
+    instance: dg.DagsterInstance, tasks: Sequence[TaskSpec], samples_dir: Path
+) -> list[tuple[str, str, float, int]]:
+    """(task, how it labels, accuracy, rows with a gold label) of each task whose bundled samples
+    carry hand-made labels, from the latest materialization of each sample partition."""
+    from batch_assets.storage.drop_files import partition_key_for
+
+    found = []
+    for task in tasks:
+        folder = samples_dir / task.name
+        if not task.checks.gold_field or not folder.exists():
+            continue
+        key = dg.AssetKey([task.name, "validated_labels"])
+        records = [latest_materialization(instance, key, partition_key_for(p.name)) for p in sorted(folder.glob("*"))]
+        gold = [(_metadata_value(r, "accuracy"), _metadata_value(r, "rows_with_gold")) for r in records]
+        gold = [(accuracy, rows) for accuracy, rows in gold if accuracy is not None and rows]
+        if gold:
+            rows = sum(rows for _, rows in gold)
+            how = (
+                f"embedding similarity, {task.model}"
+                if task.output.method == "similarity"
+                else f"chat model {task.model}, structured outputs"
+            )
+            found.append((task.name, how, sum(a * r for a, r in gold) / rows, rows))
+    return found
+
+
+def accuracy_side_by_side(accuracies: list[tuple[str, str, float, int]]) -> str | None:
+    """The demo's accuracies on the hand-labelled samples, one line per task, aligned."""
+    if not accuracies:
+        return None
+    width = max(len(name) for name, *_ in accuracies)
+    lines = [f"  {name:<{width}}  {accuracy:4.0%} of {rows} rows  ({how})" for name, how, accuracy, rows in accuracies]
+    return (
+        "\nAccuracy on the hand-labelled samples (a few dozen invented rows; measure on your own data):\n"
+        + "\n".join(lines)
+    )
+
+
+def _label_or_embedding(frame: pl.DataFrame) -> pl.Expr:
+    """The `label` of a labelled table; an embedding table's vector sizes (null for error rows)."""
+    if "label" in frame.columns or "embedding" not in frame.columns:
+        return pl.col("label")
+    return pl.col("embedding").cast(pl.List(pl.Float32)).list.len()
 
 
 def _metadata_value(record, name: str):
@@ -215,6 +268,9 @@ def _inference_text(metadata) -> str:
         return int(entry.value) if entry is not None and entry.value is not None else 0
 
     rate = metadata.get("generated_tokens_per_second")
+    rows_rate = metadata.get("rows_per_second")
+    if count("rows_inferred") and "dimension" in metadata and rows_rate is not None:  # embeddings
+        return f", {rows_rate.value:.1f} rows/s embedded"
     if count("rows_inferred") and rate is not None:
         return f", {rate.value:.1f} generated tok/s"
     sources = [

@@ -26,10 +26,12 @@ import dagster as dg
 
 from batch_assets.dagster_defs.run_outcomes import (
     PartitionOutcome,
+    accuracy_side_by_side,
     failed_before_inference,
     file_outcome,
     partition_outcome,
     run_outcomes,
+    sample_accuracies,
 )
 from batch_assets.dagster_defs.sensors import (
     LAUNCHED_BY_TAG,
@@ -43,7 +45,7 @@ from batch_assets.dagster_defs.sensors import (
 )
 from batch_assets.engines.kinds import engine_kind
 from batch_assets.engines.model_check import ModelNotFound, check_model
-from batch_assets.engines.vllm_engine import PROCESS_ENGINE, keep_engine_warm
+from batch_assets.engines.vllm_engine import keep_engine_warm, shutdown_engines
 from batch_assets.pipeline.task_spec import EMBEDDED_MODEL, TaskSpec, load_tasks
 from batch_assets.runtime.instance import dagster_home, home_lock, open_instance
 from batch_assets.runtime.run_recovery import (
@@ -162,6 +164,10 @@ def run_demo(tasks: Sequence[TaskSpec], reporter: RunReporter) -> bool:
                 continue
             outcomes = run_partitions(task.name, files, skip_succeeded=True, reporter=reporter)
             all_ok = all_ok and all(outcome.ok for outcome in outcomes)
+    with open_instance() as instance:
+        side_by_side = accuracy_side_by_side(sample_accuracies(instance, tasks, SAMPLES_DIR))
+    if side_by_side:
+        reporter.say(side_by_side)
     return all_ok
 
 
@@ -175,7 +181,7 @@ Note: these labels come from the embedded SmolLM2-135M-Instruct, a 135-million-p
 demonstrates the plumbing (assets, checks, storage, resumable runs); it is not a labeler, and the
 accuracy figures above show it. For real labels, point a task at a real model: `engine.model` in its
 YAML (a local folder or a Hugging Face model id, run by vLLM on a GPU), `engine.kind: openai` with
-`engine.base_url` for an OpenAI-compatible endpoint, or BATCH_ASSETS_MODEL=<model> for every task.
+`engine.base_url` for an OpenAI-compatible endpoint, or BATCH_ASSETS_MODEL=<model> for every chat task.
 Measure it first on a hand-labelled sample (`checks.gold_field`, README "Accuracy on a labelled sample")."""
 
 
@@ -264,7 +270,7 @@ def _run_in_ranges(context: _RunContext, files: list[_RegisteredFile], keys: lis
         ranges = list(partition_ranges(ordered, keys, task.runs.max_partitions_per_run, alone=shards))
         while ranges:
             run_keys = ranges.pop(0)
-            wait_for_pool_slot(instance, pool, say=say, before_waiting=PROCESS_ENGINE.shutdown)
+            wait_for_pool_slot(instance, pool, say=say, before_waiting=shutdown_engines)
             result = _execute(context, run_keys, file_of)
             if len(run_keys) > 1 and failed_before_inference(result):
                 # Dagster fails a step for every partition of its range: a bad file (unreadable,

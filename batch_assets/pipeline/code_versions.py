@@ -61,7 +61,10 @@ def code_versions(task: TaskSpec) -> dict[str, str]:
     engine["model"] = task.model
     formatting = {
         # How rows are grouped into partitions changes no row's prompt.
-        "input": task.input.model_dump(exclude={"max_rows_per_partition"}),
+        # `truncate` only when on: tasks written before it keep their versions.
+        "input": task.input.model_dump(
+            exclude={"max_rows_per_partition", *(set() if task.input.truncate else {"truncate"})}
+        ),
         "prompt": task.prompt.decision() if task.prompt is not None else None,
         # The tokenizer renders the chat template and counts tokens; the context decides which rows
         # are too long and max_tokens how much room they need.

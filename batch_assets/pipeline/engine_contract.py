@@ -29,6 +29,7 @@ from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec, TaskSpec
 
 @dataclass(frozen=True)
 class Generation:
+    # An embedding engine's vector travels here too, as text (`pipeline/embeddings.encode_vector`).
     text: str | None
     finish_reason: str | None
     num_prompt_tokens: int

