@@ -62,8 +62,11 @@ def jsonl(texts: list[str]) -> str:
     return "".join(json.dumps({"text": text}) + "\n" for text in texts)
 
 
+# vLLM's `LLM` can abort in its own teardown at interpreter exit ("terminate called without an
+# active exception", seen with engines of other tests alive in the parent): the vectors are saved and
+# flushed by then, so the script leaves without that teardown.
 PLAIN_EMBED = """
-import json, sys
+import json, os, sys
 import numpy as np
 from vllm import LLM
 
@@ -72,6 +75,8 @@ if __name__ == "__main__":
     llm = LLM(model=model, runner="pooling", dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 30)
     outputs = llm.embed(texts, use_tqdm=False)
     np.save(out, np.array([o.outputs.embedding for o in outputs], dtype=np.float32))
+    sys.stdout.flush()
+    os._exit(0)
 """
 
 

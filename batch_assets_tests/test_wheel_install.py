@@ -88,7 +88,15 @@ def test_wheel_loads_every_shipped_task(installed_wheel: tuple[Path, dict[str, s
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
 
     assert not loaded["package"].startswith(str(REPO_ROOT)), loaded["package"]
-    assert SHIPPED_TASKS == ["answers", "document_qa", "industry", "openai_batch", "sentiment"]
+    assert SHIPPED_TASKS == [
+        "answers",
+        "document_qa",
+        "embeddings",
+        "industry",
+        "industry_similarity",
+        "openai_batch",
+        "sentiment",
+    ]
     expected_assets = sorted(
         f"{task}/{asset}"
         for task in SHIPPED_TASKS

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 if __name__ == "__main__":  # vLLM spawns processes
@@ -40,4 +41,7 @@ if __name__ == "__main__":  # vLLM spawns processes
     pl.DataFrame(
         {"text": texts, "embedding": vectors}, schema={"text": pl.String, "embedding": pl.List(pl.Float32)}
     ).write_parquet(args.out)
-    print(json.dumps({"rows": len(texts), "embed_seconds": seconds}))
+    print(json.dumps({"rows": len(texts), "embed_seconds": seconds}), flush=True)
+    # vLLM's `LLM` can abort in its own teardown at interpreter exit ("terminate called without an
+    # active exception"); everything is written by now.
+    os._exit(0)
