@@ -18,6 +18,7 @@ from polars.testing import assert_frame_equal
 
 from batch_assets.pipeline.file_shards import may_need_shards, plan_shards
 from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions, read_prompts
+from batch_assets.storage import shards as shards_module
 from batch_assets.storage.drop_files import file_key_of, find_drop_file, shard_index_of, shard_key
 from batch_assets.storage.shards import (
     delete_partition_outputs,
@@ -127,13 +128,18 @@ def test_a_file_within_the_limit_stays_one_partition_and_is_not_read_to_plan(dat
     assert may_need_shards(".jsonl.gz", 10, 10_000) and may_need_shards(".parquet", 10, 10_000)
 
 
-def test_plan_is_kept_per_version_and_a_replaced_file_retires_the_shards_it_no_longer_has(data_dir: Path) -> None:
+def test_plan_is_kept_per_version_and_a_replaced_file_retires_the_shards_it_no_longer_has(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = drop(data_dir, TASK, "posts.jsonl", jsonl_with_bad_lines(11))
     first = find_drop_file(TASK, "posts.jsonl")
     assert file_partition_keys(TASK, first, 3) == [f"posts.jsonl~0000{n}" for n in (1, 2, 3, 4)]
     kept = data_dir / "storage" / TASK / "_shards" / "posts.jsonl.json"
     assert json.loads(kept.read_text())["version"] == first.version
-    assert shard_plan(TASK, first, 3) == shard_plan(TASK, first, 3)
+    planned = shard_plan(TASK, first, 3)
+    with monkeypatch.context() as no_second_pass:
+        no_second_pass.setattr(shards_module, "plan_shards", lambda *args: pytest.fail("the file was read again"))
+        assert shard_plan(TASK, first, 3) == planned  # the same version: the kept plan, no pass
 
     path.write_bytes(jsonl_with_bad_lines(9))
     os.utime(path, (1_900_000_000, 1_900_000_000))

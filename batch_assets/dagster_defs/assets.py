@@ -20,6 +20,7 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
+from batch_assets.dagster_defs.materializations import latest_materialization
 from batch_assets.dagster_defs.range_failures import FAILED_PARTITIONS_METADATA
 from batch_assets.engines.kinds import engine_for, engine_kind
 from batch_assets.pipeline.budget import actual_cost_metadata, estimate_cost
@@ -107,8 +108,8 @@ def column_schema(frame: pl.DataFrame) -> dg.TableSchema:
 
 def materialized_code_version(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str) -> str | None:
     """The code version the partition's latest materialization recorded (None: none recorded)."""
-    records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key, asset_partitions=[partition]), 1)
-    materialization = records.records[0].asset_materialization if records.records else None
+    record = latest_materialization(instance, key, partition)
+    materialization = record.asset_materialization if record else None
     return materialization.tags.get(CODE_VERSION_TAG) if materialization and materialization.tags else None
 
 

@@ -35,6 +35,7 @@ import dagster as dg
 import polars as pl
 
 from batch_assets.dagster_defs.assets import asset_key, error_code_counts, markdown_table
+from batch_assets.dagster_defs.materializations import latest_materialization
 from batch_assets.pipeline.budget import budget_overruns, estimate_cost
 from batch_assets.pipeline.embeddings import NORM_TOLERANCE, embedding_report
 from batch_assets.pipeline.label_quality import accuracy_report, confidence_report, label_drift
@@ -66,12 +67,9 @@ def _target_materialization(
 ) -> AssetCheckEvaluationTargetMaterializationData | None:
     """The partition's latest materialization, which the evaluation is about (what Dagster itself
     attaches to an `AssetCheckResult`), so the UI shows the check against that materialization."""
-    records = context.instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=asset, asset_partitions=[partition_key]), limit=1
-    ).records
-    if not records:
+    record = latest_materialization(context.instance, asset, partition_key)
+    if record is None:
         return None
-    record = records[0]
     return AssetCheckEvaluationTargetMaterializationData(
         run_id=record.run_id, storage_id=record.storage_id, timestamp=record.timestamp
     )

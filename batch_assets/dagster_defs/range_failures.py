@@ -39,6 +39,7 @@ from typing import Any
 
 import dagster as dg
 
+from batch_assets.dagster_defs.materializations import latest_materialization
 from batch_assets.dagster_defs.sensors import LAUNCHED_BY_TAG, RANGE_END_TAG, RANGE_START_TAG, partition_ranges
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.drop_files import partitions_def_name
@@ -134,10 +135,8 @@ def labelled_by(instance: dg.DagsterInstance, task: str, run_id: str, partitions
     """Partitions whose latest `validated_labels` the run stored."""
     labelled = set()
     for key in partitions:
-        records = instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=dg.AssetKey([task, "validated_labels"]), asset_partitions=[key]), limit=1
-        ).records
-        if records and records[0].run_id == run_id:
+        record = latest_materialization(instance, dg.AssetKey([task, "validated_labels"]), key)
+        if record is not None and record.run_id == run_id:
             labelled.add(key)
     return labelled
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import dagster as dg
 import polars as pl
 
+from batch_assets.dagster_defs.materializations import latest_materialization
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.locations import output_path
 
@@ -133,14 +134,6 @@ def file_outcome(
     )
 
 
-def latest_materialization(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partition_key: str):
-    """The newest materialization event record of one partition of an asset, or None."""
-    records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[partition_key]), limit=1
-    ).records
-    return records[0] if records else None
-
-
 def _label_counts(task_name: str, partition_keys: list[str]) -> tuple[int, int, str] | None:
     """(rows, error rows, label text) of the partitions' validated_labels together (a file's own
     partition, or its shards), or None when one is not written."""
@@ -150,7 +143,10 @@ def _label_counts(task_name: str, partition_keys: list[str]) -> tuple[int, int, 
         if not path.exists():
             return None
         with path.open("rb") as handle:
-            frame = pl.read_parquet(handle)
+            # Two columns of what may be a million-row table of many columns.
+            column = "label" if "label" in pl.read_parquet_schema(handle) else "embedding"
+            handle.seek(0)
+            frame = pl.read_parquet(handle, columns=["error", column])
         frames.append(frame.select("error", label=_label_or_embedding(frame)))
     labels = pl.concat(frames, how="vertical_relaxed")
     errors = int(labels["error"].is_not_null().sum())

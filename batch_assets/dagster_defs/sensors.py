@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 import dagster as dg
 
+from batch_assets.dagster_defs.materializations import latest_materialization
 from batch_assets.pipeline.read_prompts import DropFileError
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.runtime.run_recovery import partitions_claimed_by_live_processes
@@ -244,10 +245,7 @@ def requested_partitions(request: dg.RunRequest, ordered_keys: Sequence[str]) ->
 
 
 def _latest_record(instance: dg.DagsterInstance, task: str, asset: str, partition_key: str):
-    records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=dg.AssetKey([task, asset]), asset_partitions=[partition_key]), limit=1
-    ).records
-    return records[0] if records else None
+    return latest_materialization(instance, dg.AssetKey([task, asset]), partition_key)
 
 
 def read_version(instance: dg.DagsterInstance, task: str, partition_key: str) -> str | None:
@@ -387,7 +385,10 @@ def build_drops_sensor(
             existing,
             max_runs=max_runs_per_tick,
             already_done=lambda drop: file_validated_from_version(context.instance, task.name, drop, keys_of(drop)),
-            in_progress=lambda drop: any((key, version_digest(drop.version)) in claimed for key in keys_of(drop)),
+            # Only when a command claims files: a file's partitions may take a pass over a big file.
+            in_progress=lambda drop: (
+                bool(claimed) and any((key, version_digest(drop.version)) in claimed for key in keys_of(drop))
+            ),
             read_version=lambda drop: _file_read_version(context.instance, task.name, partitions_by_file, drop),
         )
         summary = (

@@ -35,6 +35,7 @@ from batch_assets.pipeline.read_prompts import (
     read_parquet_frame,
     read_prompts,
 )
+from batch_assets.storage.checkpoints import clear_checkpoints
 from batch_assets.storage.drop_files import DropFile, file_key_of, shard_index_of, shard_key
 from batch_assets.storage.errors import storage_errors
 from batch_assets.storage.locations import checkpoint_dir, output_path, task_storage_dir, write_bytes_atomically
@@ -104,8 +105,7 @@ def delete_partition_outputs(task: str, keys: Iterable[str]) -> None:
                     path.unlink()
         folder = checkpoint_dir(task, key)
         with storage_errors("deleting retired checkpoints", folder):
-            if folder.exists():
-                folder.fs.rm(folder.path, recursive=True)
+            clear_checkpoints(folder)
 
 
 def read_partition_rows(
