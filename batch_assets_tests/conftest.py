@@ -171,7 +171,7 @@ def drop(data: Path, task: str, name: str, content: bytes | str) -> Path:
 # daemon, no browser, no servers. Slow tests are marked where they are defined (`pytestmark` for a
 # module, `@pytest.mark.slow` for a test). One that asks for a model without the mark would start an
 # engine in the fast tier, so collection refuses it.
-_MODEL_FIXTURES = {"tiny_model", "tiny_model_path", "embedded_model_path"}
+_MODEL_FIXTURES = {"tiny_model", "tiny_model_path"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -20,7 +20,7 @@ from batch_assets.dagster_defs.task_definitions import build_definitions, pipeli
 from batch_assets.pipeline.embeddings import vectors_matrix
 from batch_assets.pipeline.task_spec import TaskSpec, load_task_specs
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
-from batch_assets_tests.conftest import SAMPLES, drop
+from batch_assets_tests.conftest import REPO_ROOT, SAMPLES, drop
 
 # The slow tier: every test runs vLLM's pooling runner (the embedded embedding model).
 pytestmark = pytest.mark.slow
@@ -62,33 +62,15 @@ def jsonl(texts: list[str]) -> str:
     return "".join(json.dumps({"text": text}) + "\n" for text in texts)
 
 
-# vLLM's `LLM` can abort in its own teardown at interpreter exit ("terminate called without an
-# active exception", seen with engines of other tests alive in the parent): the vectors are saved and
-# flushed by then, so the script leaves without that teardown.
-PLAIN_EMBED = """
-import json, os, sys
-import numpy as np
-from vllm import LLM
-
-if __name__ == "__main__":
-    model, texts, out = sys.argv[1], json.load(open(sys.argv[2])), sys.argv[3]
-    llm = LLM(model=model, runner="pooling", dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 30)
-    outputs = llm.embed(texts, use_tqdm=False)
-    np.save(out, np.array([o.outputs.embedding for o in outputs], dtype=np.float32))
-    sys.stdout.flush()
-    os._exit(0)
-"""
-
-
 def plain_llm_embed(tmp_path: Path, texts: list[str]) -> np.ndarray:
-    """vLLM's own offline `LLM.embed` on the same model and texts, in a process of its own."""
-    from batch_assets.engines.embedded_model import embedding_model_dir
-
-    script, inputs, out = tmp_path / "plain_embed.py", tmp_path / "texts.json", tmp_path / "plain.npy"
-    script.write_text(PLAIN_EMBED)
-    inputs.write_text(json.dumps(texts))
-    subprocess.run([sys.executable, str(script), str(embedding_model_dir()), str(inputs), str(out)], check=True)
-    return np.load(out)
+    """vLLM's own offline `LLM.embed` on the same model and texts, in a process of its own (the
+    benchmark's plain side, bench/plain_embed_script.py)."""
+    inputs, out = tmp_path / "texts.jsonl", tmp_path / "plain.parquet"
+    inputs.write_text(jsonl(texts))
+    subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench" / "plain_embed_script.py"), str(inputs), str(out)], check=True
+    )
+    return vectors_matrix(pl.read_parquet(out)["embedding"])
 
 
 def reference_embeddings(texts: list[str]) -> np.ndarray:

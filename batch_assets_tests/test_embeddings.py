@@ -90,6 +90,13 @@ def test_model_overrides_keep_chat_and_embedding_models_apart(tmp_path: Path, mo
         ),
         # a chat prompt's system message on an embedding task
         (EMBED.replace('{template: "{text}"}', '{system: "Be nice.", template: "{text}"}'), "prompt.system"),
+        # few-shot examples (chat turns) on a similarity task
+        (
+            SIMILARITY.replace(
+                '{template: "{text}"}', '{template: "{text}", examples: [{input: {text: "goal!"}, answer: sports}]}'
+            ),
+            "prompt.examples",
+        ),
         # truncate on a chat task
         (
             "input: {text_fields: [text], truncate: true}\nprompt: {template: '{text}'}\noutput: {kind: text}\n",

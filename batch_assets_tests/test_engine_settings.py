@@ -226,3 +226,33 @@ def test_the_fingerprint_of_a_cpu_task_does_not_change_with_device_defaults(tmp_
     only what decides outputs."""
     task = load_task_spec(task_file(tmp_path, "  max_model_len: 1024\n"))
     assert VLLMEngine().settings(task, gpus=0).identity() == VLLMEngine().settings(task, gpus=1).identity()
+
+
+class _WarmEngine:
+    """Stands for a started engine in the process's slot: only whether it was shut down matters here."""
+
+    dead = False
+
+    def __init__(self) -> None:
+        self.shut_down = False
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_a_gpu_holds_one_warm_engine_a_cpu_one_of_each_runner(tmp_path: Path, gpus: int) -> None:
+    """Chat and embedding engines each take `gpu_memory_utilization` of a GPU: starting one shuts
+    the other down there; on a CPU both stay warm."""
+    from batch_assets.engines.vllm_engine import POOLING_ENGINE, PROCESS_ENGINE, process_engine_for
+
+    settings = VLLMEngine().settings(load_task_spec(task_file(tmp_path, "  max_model_len: 1024\n")), gpus=gpus)
+    assert settings.runner == "generate"
+    warm = _WarmEngine()
+    POOLING_ENGINE._engine = warm  # type: ignore[assignment]
+    try:
+        assert process_engine_for(settings) is PROCESS_ENGINE
+        assert warm.shut_down is bool(gpus)
+        assert POOLING_ENGINE.running is not bool(gpus)
+    finally:
+        POOLING_ENGINE._engine = None

@@ -23,9 +23,6 @@ from batch_assets_tests.conftest import REPO_ROOT
 
 ROOT_PACKAGE = "batch_assets"
 
-# Known cycles, as the edge (importer, imported) that closes each: none. An entry here must say why.
-KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
-
 
 @dataclass(frozen=True)
 class Import:
@@ -143,17 +140,6 @@ def _shortest_cycle(start: str, component: set[str], successors: dict[str, list[
     raise AssertionError(f"{start} is in a strongly connected component but on no cycle")
 
 
-def reaches(edges: dict[tuple[str, str], str], start: str, goal: str) -> bool:
-    seen, pending = {start}, [start]
-    while pending:
-        node = pending.pop()
-        for source, target in edges:
-            if source == node and target not in seen:
-                seen.add(target)
-                pending.append(target)
-    return goal in seen
-
-
 def describe(cycle: list[str], edges: dict[tuple[str, str], str]) -> str:
     steps = [f"{a} -> {b} ({edges[a, b]})" for a, b in zip(cycle, cycle[1:], strict=False)]
     return "\n    ".join(steps)
@@ -197,12 +183,7 @@ def test_the_graph_sees_module_level_function_level_and_relative_imports(tmp_pat
 
 def test_no_import_cycle_between_modules() -> None:
     edges = module_edges(import_graph(REPO_ROOT))
-    for known in KNOWN_CYCLE_EDGES:
-        importer, imported = known
-        assert known in edges and reaches(edges, imported, importer), (
-            f"{importer} -> {imported} no longer closes an import cycle: delete it from KNOWN_CYCLE_EDGES"
-        )
-    found = cycles({edge: where for edge, where in edges.items() if edge not in KNOWN_CYCLE_EDGES})
+    found = cycles(edges)
     assert not found, "import cycles between modules:\n  " + "\n  ".join(describe(c, edges) for c in found)
 
 

@@ -109,6 +109,10 @@ def test_jsonl_columns_named_like_pipeline_columns_are_kept_under_input_prefix()
     data = b'{"text": "t", "confidence": "high", "cumulative_logprob": "n/a"}\n'
     row = read_prompts(data, "r.jsonl", TEXT).to_dicts()[0]
     assert row["input.confidence"] == "high" and row["input.cumulative_logprob"] == "n/a"
+    # And those of embedding and similarity tasks.
+    data = b'{"text": "t", "embedding": "[0.1]", "similarity": "0.9", "truncated": "no"}\n'
+    row = read_prompts(data, "r.jsonl", TEXT).to_dicts()[0]
+    assert (row["input.embedding"], row["input.similarity"], row["input.truncated"]) == ("[0.1]", "0.9", "no")
 
 
 def test_jsonl_very_deep_nesting_is_an_error_row() -> None:

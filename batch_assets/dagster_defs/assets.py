@@ -225,19 +225,15 @@ def inference_fingerprint(task: TaskSpec, settings: EngineSettings) -> str:
     """Checkpoints and cached results are reused only by a run that would produce the same outputs;
     the prompt text itself is part of each request's key. An embedding depends on the model and the
     text alone: a similarity task's choices and descriptions, or sampling, do not change it."""
-    if task.output.pooling:
-        return run_fingerprint(
-            {
-                **settings.identity(),
-                "model_files": model_identity(settings.model),
-                "max_model_len": settings.max_model_len,
-                "output": "embedding",
-            }
-        )
-    parts = {
+    model = {
         **settings.identity(),
         "model_files": model_identity(settings.model),
         "max_model_len": settings.max_model_len,
+    }
+    if task.output.pooling:
+        return run_fingerprint({**model, "output": "embedding"})
+    parts = {
+        **model,
         "structured_outputs": settings.structured_outputs,
         "sampling": task.sampling.model_dump(),
         "output": task.output.decision(),

@@ -76,7 +76,7 @@ def partition_outcome(
         return PartitionOutcome(task_name, key, False, run_id, failure, checks, skipped)
     counts = _label_counts(task_name, [key])
     rows, errors = (counts[0], counts[1]) if counts else (None, None)
-    summary = summary_line(task_name, [key], instance)
+    summary = summary_line(task_name, [key], instance, counts=counts)
     return PartitionOutcome(task_name, key, True, run_id, summary, checks, skipped, rows, errors)
 
 
@@ -176,16 +176,15 @@ def sample_accuracies(
             continue
         key = dg.AssetKey([task.name, "validated_labels"])
         records = [latest_materialization(instance, key, partition_key_for(p.name)) for p in sorted(folder.glob("*"))]
-        gold = [(_metadata_value(r, "accuracy"), _metadata_value(r, "rows_with_gold")) for r in records]
-        gold = [(accuracy, rows) for accuracy, rows in gold if accuracy is not None and rows]
+        gold = _gold_accuracy(records)
         if gold:
-            rows = sum(rows for _, rows in gold)
+            accuracy, rows = gold
             how = (
                 f"embedding similarity, {task.model}"
                 if task.output.method == "similarity"
                 else f"chat model {task.model}, structured outputs"
             )
-            found.append((task.name, how, sum(a * r for a, r in gold) / rows, rows))
+            found.append((task.name, how, accuracy, rows))
     return found
 
 
@@ -213,18 +212,26 @@ def _metadata_value(record, name: str):
     return None if entry is None else entry.value
 
 
+def _gold_accuracy(records: Sequence[dg.EventLogRecord | None]) -> tuple[float, int] | None:
+    """(accuracy, rows with a gold label) over validated_labels materializations, each weighted by
+    its rows with a gold label; None when none has an accuracy."""
+    gold = [(_metadata_value(r, "accuracy"), _metadata_value(r, "rows_with_gold")) for r in records]
+    gold = [(accuracy, rows) for accuracy, rows in gold if accuracy is not None and rows]
+    if not gold:
+        return None
+    rows = sum(rows for _, rows in gold)
+    return sum(accuracy * count for accuracy, count in gold) / rows, rows
+
+
 def _quality_notes(task_name: str, partition_keys: list[str], instance: dg.DagsterInstance) -> list[str]:
     """Accuracy and low-confidence share over the partitions, each weighted by its rows."""
     records = [
         latest_materialization(instance, dg.AssetKey([task_name, "validated_labels"]), key) for key in partition_keys
     ]
     notes = []
-    gold = [(_metadata_value(r, "accuracy"), _metadata_value(r, "rows_with_gold")) for r in records]
-    gold = [(accuracy, rows) for accuracy, rows in gold if accuracy is not None and rows]
+    gold = _gold_accuracy(records)
     if gold:
-        rows_with_gold = sum(rows for _, rows in gold)
-        accuracy = sum(accuracy * rows for accuracy, rows in gold) / rows_with_gold
-        notes.append(f"accuracy {accuracy:.0%} on {rows_with_gold} hand-labelled rows")
+        notes.append(f"accuracy {gold[0]:.0%} on {gold[1]} hand-labelled rows")
     low = [(_metadata_value(r, "low_confidence_share"), _metadata_value(r, "rows")) for r in records]
     minimum = _metadata_value(records[0], "min_confidence") if records else None
     low = [(share, rows) for share, rows in low if share is not None and rows]
@@ -234,10 +241,16 @@ def _quality_notes(task_name: str, partition_keys: list[str], instance: dg.Dagst
     return notes
 
 
-def summary_line(task_name: str, partition_keys: list[str], instance: dg.DagsterInstance) -> str:
+def summary_line(
+    task_name: str,
+    partition_keys: list[str],
+    instance: dg.DagsterInstance,
+    counts: tuple[int, int, str] | None = None,
+) -> str:
     """Rows, error rows, labels (with accuracy and confidence notes) and, for one partition, the
-    generation rate or where its rows came from."""
-    counts = _label_counts(task_name, partition_keys)
+    generation rate or where its rows came from. `counts`: the partitions' `_label_counts`, when
+    the caller has them already."""
+    counts = counts or _label_counts(task_name, partition_keys)
     if counts is None:
         return "no validated_labels written"
     rows, errors, label_text = counts

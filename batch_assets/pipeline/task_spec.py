@@ -8,6 +8,7 @@ factory builds for a task (asset group, partitions, drop zone, sensor, checks) c
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import re
@@ -296,13 +297,20 @@ def example_answer_text(answer: Any, output: OutputSpec) -> str:
     return answer
 
 
+@functools.lru_cache(maxsize=32)
+def _schema_validator(schema_json: str):
+    """One validator per schema: labels are checked row by row against the same one."""
+    import jsonschema
+
+    return jsonschema.Draft202012Validator(json.loads(schema_json))
+
+
 def schema_error(value: Any, schema: dict) -> str | None:
     """Why `value` does not fit the task's JSON schema (None when it does): for generated labels and
     for few-shot answers alike."""
     import jsonschema
 
-    validator = jsonschema.Draft202012Validator(schema)
-    best = jsonschema.exceptions.best_match(validator.iter_errors(value))
+    best = jsonschema.exceptions.best_match(_schema_validator(json.dumps(schema, sort_keys=True)).iter_errors(value))
     if best is None:
         return None
     where = "/".join(str(p) for p in best.absolute_path) or "(root)"
@@ -310,8 +318,6 @@ def schema_error(value: Any, schema: dict) -> str | None:
 
 
 def _json_answer_text(answer: Any, schema: dict[str, Any]) -> str:
-    import json
-
     value = answer
     if isinstance(answer, str):
         try:
@@ -868,7 +874,8 @@ class TaskSpec(_Strict):
                 ("engine", "model"),
             )
         assert self.prompt is not None  # a records task has one (above)
-        for key in ("system", "raw_template"):
+        # Few-shot examples are chat turns: an embedding has no conversation to put them in.
+        for key in ("system", "raw_template", "examples", "raw_example_template"):
             if getattr(self.prompt, key):
                 raise SettingError(
                     f"prompt.{key}: {what} embeds the template's text as it is (no chat prompt); remove prompt.{key}",
