@@ -43,5 +43,7 @@ if __name__ == "__main__":  # vLLM spawns processes
     ).write_parquet(args.out)
     print(json.dumps({"rows": len(texts), "embed_seconds": seconds}), flush=True)
     # vLLM's `LLM` can abort in its own teardown at interpreter exit ("terminate called without an
-    # active exception"); everything is written by now.
+    # active exception"), so leave without it once everything is written; but stop the engine core
+    # process first: `os._exit` skips the finalizer that would, and an orphaned core keeps its memory.
+    llm.llm_engine.engine_core.shutdown()
     os._exit(0)
