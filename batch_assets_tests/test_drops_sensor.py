@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batch_assets.dagster_defs.sensors import (
+from batch_assets.dagster_defs.drops_sensor import (
     LAUNCHED_BY_TAG,
     RANGE_END_TAG,
     RANGE_START_TAG,
@@ -350,7 +350,7 @@ def test_credentials_never_appear_in_urls_or_messages(monkeypatch: pytest.Monkey
 
 
 def test_partitions_are_grouped_into_ranges_of_adjacent_keys() -> None:
-    from batch_assets.dagster_defs.sensors import partition_ranges
+    from batch_assets.dagster_defs.drops_sensor import partition_ranges
 
     order = ["a", "b", "c", "d", "e", "f", "g"]
     assert partition_ranges(order, ["a", "b", "c", "d", "e"], 2) == [["a", "b"], ["c", "d"], ["e"]]

@@ -27,7 +27,7 @@ import pytest
 import s3fs
 from moto.server import ThreadedMotoServer
 
-from batch_assets.dagster_defs.sensors import (
+from batch_assets.dagster_defs.drops_sensor import (
     REPLACED_TAG,
     SOURCE_FILE_TAG,
     build_drops_sensor,

@@ -34,13 +34,14 @@ from typing import Any, cast
 import dagster as dg
 import polars as pl
 
-from batch_assets.dagster_defs.assets import asset_key, error_code_counts, markdown_table
+from batch_assets.dagster_defs.asset_metadata import asset_key, error_code_counts, markdown_table
 from batch_assets.dagster_defs.materializations import latest_materialization
 from batch_assets.pipeline.budget import budget_overruns, estimate_cost
 from batch_assets.pipeline.embeddings import NORM_TOLERANCE, embedding_report
-from batch_assets.pipeline.label_quality import accuracy_report, confidence_report, label_drift
+from batch_assets.pipeline.label_quality import accuracy_report, confidence_report, label_counts, label_drift
+from batch_assets.pipeline.task_formats import TaskFormat, task_format
 from batch_assets.pipeline.task_spec import TaskSpec
-from batch_assets.pipeline.validate_labels import constraint_violations, parse_label
+from batch_assets.pipeline.validate_labels import constraint_violations, invalid_labels
 from batch_assets.runtime.dagster_private import AssetCheckEvaluationTargetMaterializationData
 from batch_assets.storage.drop_files import drop_partitions
 from batch_assets.storage.locations import output_path
@@ -117,13 +118,20 @@ def recent_label_counts(
 
 
 def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
+    """The task's checks: those of its outputs (labels or vectors, by its format's `result`), one row
+    per record, the error share, and the gates its settings ask for."""
+    fmt = task_format(task)
+    gates = [*_budget_checks(task), *_drift_checks(task, fmt), *_accuracy_checks(task), *_confidence_checks(task, fmt)]
+    return [*OUTPUT_CHECKS[fmt.result](task), *_row_checks(task), *gates]
+
+
+def _label_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
+    """A row's label: the engine's output satisfies the constraint, and the parsed label is valid."""
     name = task.name
     partitions = drop_partitions(name)
-    outputs_key = asset_key(name, "inference_outputs")
-    labels_key = asset_key(name, "validated_labels")
 
     @dg.asset_check(
-        asset=outputs_key,
+        asset=asset_key(name, "inference_outputs"),
         name="outputs_satisfy_constraint",
         blocking=True,
         partitions_def=partitions,
@@ -147,7 +155,7 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         yield from evaluate_per_partition(context, evaluate)
 
     @dg.asset_check(
-        asset=labels_key,
+        asset=asset_key(name, "validated_labels"),
         name="labels_are_valid",
         blocking=True,
         partitions_def=partitions,
@@ -157,29 +165,33 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         ),
     )
     def labels_are_valid(context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame]):
-        yield from evaluate_per_partition(context, lambda key: labels_valid_result(validated_labels[key], key))
+        yield from evaluate_per_partition(context, lambda key: labels_valid_result(validated_labels[key], task, key))
 
-    def labels_valid_result(validated_labels: pl.DataFrame, partition_key: str) -> dg.AssetCheckResult:
-        unexplained = validated_labels.filter(pl.col("label").is_null() & pl.col("error").is_null())
-        labelled = validated_labels.filter(pl.col("label").is_not_null())
-        if task.output.kind == "choices":
-            invalid = labelled.filter(~pl.col("label").is_in(task.output.choices or []))
-        elif task.output.kind in ("json_schema", "regex"):
-            invalid_mask = [parse_label(text, "stop", task.output).error is not None for text in labelled["label"]]
-            invalid = labelled.filter(pl.Series(invalid_mask, dtype=pl.Boolean))
-        else:
-            invalid = labelled.head(0)
-        bad = pl.concat([invalid, unexplained]).sort("row_id")
-        metadata = {
-            "labelled_rows": labelled.height,
-            "invalid_labels": invalid.height,
-            "null_labels_without_error": unexplained.height,
-        }
-        if bad.height:
-            metadata |= _failed_rows_metadata(
-                bad, ["row_id", "source_line", "label", "error"], name, "validated_labels", partition_key
-            )
-        return dg.AssetCheckResult(passed=bad.height == 0, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata)
+    return [outputs_satisfy_constraint, labels_are_valid]
+
+
+def labels_valid_result(validated_labels: pl.DataFrame, task: TaskSpec, partition_key: str) -> dg.AssetCheckResult:
+    unexplained = validated_labels.filter(pl.col("label").is_null() & pl.col("error").is_null())
+    labelled = validated_labels.filter(pl.col("label").is_not_null())
+    invalid = invalid_labels(labelled, task.output)
+    bad = pl.concat([invalid, unexplained]).sort("row_id")
+    metadata = {
+        "labelled_rows": labelled.height,
+        "invalid_labels": invalid.height,
+        "null_labels_without_error": unexplained.height,
+    }
+    if bad.height:
+        metadata |= _failed_rows_metadata(
+            bad, ["row_id", "source_line", "label", "error"], task.name, "validated_labels", partition_key
+        )
+    return dg.AssetCheckResult(passed=bad.height == 0, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata)
+
+
+def _row_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
+    """Every task's: one result row per input record, and few enough error rows."""
+    name = task.name
+    partitions = drop_partitions(name)
+    labels_key = asset_key(name, "validated_labels")
 
     @dg.asset_check(
         asset=labels_key,
@@ -195,25 +207,6 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
     ):
         yield from evaluate_per_partition(context, lambda key: one_row_result(validated_labels[key], raw_prompts[key]))
 
-    def one_row_result(validated_labels: pl.DataFrame, raw_prompts: pl.DataFrame) -> dg.AssetCheckResult:
-        row_ids = validated_labels["row_id"]
-        expected = raw_prompts["row_id"]
-        duplicates = int(row_ids.is_duplicated().sum())
-        missing = expected.filter(~expected.is_in(row_ids.implode()))
-        in_order = row_ids.to_list() == expected.to_list()
-        passed = validated_labels.height == raw_prompts.height and duplicates == 0 and missing.len() == 0 and in_order
-        return dg.AssetCheckResult(
-            passed=passed,
-            severity=dg.AssetCheckSeverity.ERROR,
-            metadata={
-                "input_records": raw_prompts.height,
-                "output_rows": validated_labels.height,
-                "duplicate_row_ids": duplicates,
-                "missing_row_ids": missing.head(50).to_list(),
-                "in_input_order": in_order,
-            },
-        )
-
     @dg.asset_check(
         asset=labels_key,
         name="error_share_below_threshold",
@@ -224,32 +217,48 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         ),
     )
     def error_share_below_threshold(context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame]):
-        yield from evaluate_per_partition(context, lambda key: error_share_result(validated_labels[key], key))
+        yield from evaluate_per_partition(context, lambda key: error_share_result(validated_labels[key], task, key))
 
-    def error_share_result(validated_labels: pl.DataFrame, partition_key: str) -> dg.AssetCheckResult:
-        errors = validated_labels.filter(pl.col("error").is_not_null())
-        share = errors.height / validated_labels.height if validated_labels.height else 0.0
-        metadata: dict[str, Any] = {
-            "error_rows": errors.height,
-            "rows": validated_labels.height,
-            "error_share": round(share, 4),
-            "threshold": task.checks.max_error_share,
-            "errors_by_code": error_code_counts(validated_labels),
-        }
-        if errors.height:
-            metadata |= _failed_rows_metadata(
-                errors, ["row_id", "source_line", "error"], name, "validated_labels", partition_key
-            )
-        return dg.AssetCheckResult(
-            passed=share <= task.checks.max_error_share, severity=dg.AssetCheckSeverity.WARN, metadata=metadata
-        )
+    return [one_row_per_record, error_share_below_threshold]
 
-    gates = [*_budget_checks(task), *_drift_checks(task), *_accuracy_checks(task), *_confidence_checks(task)]
-    # What a row's output must be: an embedding task's vectors, or any other task's labels.
-    output_checks = (
-        _embedding_checks(task) if task.output.kind == "embedding" else [outputs_satisfy_constraint, labels_are_valid]
+
+def one_row_result(validated_labels: pl.DataFrame, raw_prompts: pl.DataFrame) -> dg.AssetCheckResult:
+    row_ids = validated_labels["row_id"]
+    expected = raw_prompts["row_id"]
+    duplicates = int(row_ids.is_duplicated().sum())
+    missing = expected.filter(~expected.is_in(row_ids.implode()))
+    in_order = row_ids.to_list() == expected.to_list()
+    passed = validated_labels.height == raw_prompts.height and duplicates == 0 and missing.len() == 0 and in_order
+    return dg.AssetCheckResult(
+        passed=passed,
+        severity=dg.AssetCheckSeverity.ERROR,
+        metadata={
+            "input_records": raw_prompts.height,
+            "output_rows": validated_labels.height,
+            "duplicate_row_ids": duplicates,
+            "missing_row_ids": missing.head(50).to_list(),
+            "in_input_order": in_order,
+        },
     )
-    return [*output_checks, one_row_per_record, error_share_below_threshold, *gates]
+
+
+def error_share_result(validated_labels: pl.DataFrame, task: TaskSpec, partition_key: str) -> dg.AssetCheckResult:
+    errors = validated_labels.filter(pl.col("error").is_not_null())
+    share = errors.height / validated_labels.height if validated_labels.height else 0.0
+    metadata: dict[str, Any] = {
+        "error_rows": errors.height,
+        "rows": validated_labels.height,
+        "error_share": round(share, 4),
+        "threshold": task.checks.max_error_share,
+        "errors_by_code": error_code_counts(validated_labels),
+    }
+    if errors.height:
+        metadata |= _failed_rows_metadata(
+            errors, ["row_id", "source_line", "error"], task.name, "validated_labels", partition_key
+        )
+    return dg.AssetCheckResult(
+        passed=share <= task.checks.max_error_share, severity=dg.AssetCheckSeverity.WARN, metadata=metadata
+    )
 
 
 def embedding_check_result(outputs: pl.DataFrame, task: str, partition_key: str) -> dg.AssetCheckResult:
@@ -299,6 +308,13 @@ def _embedding_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
     return [embeddings_are_valid]
 
 
+# What a validated row carries (`TaskFormat.result`) → the checks of a task's outputs.
+OUTPUT_CHECKS: dict[str, Callable[[TaskSpec], list[dg.AssetChecksDefinition]]] = {
+    "labels": _label_checks,
+    "embeddings": _embedding_checks,
+}
+
+
 def _budget_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
     if task.budget is None:
         return []
@@ -336,8 +352,8 @@ def _budget_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
     return [within_budget]
 
 
-def _drift_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
-    if task.output.kind not in ("choices", "regex"):
+def _drift_checks(task: TaskSpec, fmt: TaskFormat) -> list[dg.AssetChecksDefinition]:
+    if not fmt.counts_labels:
         return []
     labels_key = asset_key(task.name, "validated_labels")
     threshold, partitions = task.checks.max_label_drift, task.checks.drift_history
@@ -357,10 +373,7 @@ def _drift_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
     def drift_result(
         context: dg.AssetCheckExecutionContext, partition_key: str, validated_labels: pl.DataFrame
     ) -> dg.AssetCheckResult:
-        counts = {
-            str(row["label"]): int(row["n"])
-            for row in validated_labels.filter(pl.col("label").is_not_null()).group_by("label").len(name="n").to_dicts()
-        }
+        counts = label_counts(validated_labels)
         history = recent_label_counts(context.instance, labels_key, partition_key, partitions)
         report = label_drift(counts, history)
         if report is None:
@@ -427,8 +440,8 @@ def _accuracy_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
     return [accuracy_at_least]
 
 
-def _confidence_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
-    if not task.output.has_confidence or task.input.format == "openai_batch":  # batch lines: text or JSON
+def _confidence_checks(task: TaskSpec, fmt: TaskFormat) -> list[dg.AssetChecksDefinition]:
+    if not fmt.measures_confidence:
         return []
     minimum, max_share = task.checks.min_confidence, task.checks.max_low_confidence_share
 

@@ -24,16 +24,7 @@ from typing import Any
 
 import dagster as dg
 
-from batch_assets.dagster_defs.run_outcomes import (
-    PartitionOutcome,
-    accuracy_side_by_side,
-    failed_before_inference,
-    file_outcome,
-    partition_outcome,
-    run_outcomes,
-    sample_accuracies,
-)
-from batch_assets.dagster_defs.sensors import (
+from batch_assets.dagster_defs.drops_sensor import (
     LAUNCHED_BY_TAG,
     RANGE_END_TAG,
     RANGE_START_TAG,
@@ -42,6 +33,15 @@ from batch_assets.dagster_defs.sensors import (
     file_validated_from_version,
     partition_ranges,
     version_digest,
+)
+from batch_assets.dagster_defs.run_outcomes import (
+    PartitionOutcome,
+    accuracy_side_by_side,
+    failed_before_inference,
+    file_outcome,
+    partition_outcome,
+    run_outcomes,
+    sample_accuracies,
 )
 from batch_assets.engines.kinds import engine_kind
 from batch_assets.engines.model_check import ModelNotFound, check_model

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import dagster as dg
 
-from batch_assets.dagster_defs.assets import IO_MANAGER_KEY, build_automation_sensor, build_task_assets
+from batch_assets.dagster_defs.assets import IO_MANAGER_KEY, build_task_assets
+from batch_assets.dagster_defs.automation import build_automation_sensor
 from batch_assets.dagster_defs.checks import build_task_checks
+from batch_assets.dagster_defs.drops_sensor import build_drops_sensor
 from batch_assets.dagster_defs.range_failures import build_range_failure_sensor
-from batch_assets.dagster_defs.sensors import build_drops_sensor
 from batch_assets.dagster_defs.task_file_errors import build_task_file_error_sensor
 from batch_assets.engines.kinds import ENGINE_KINDS
 from batch_assets.engines.openai_engine import OpenAIEngine

@@ -734,8 +734,7 @@ class VLLMEngine(dg.ConfigurableResource):
         pooling = task.output.pooling
         runner_defaults = POOLING_VLLM_ARG_DEFAULTS if pooling else {}
         vllm_args = {**VLLM_ARG_DEFAULTS, **device_defaults, **runner_defaults, **spec.vllm_args, **self.vllm_args}
-        # The resource's `model` is a chat model for every chat task; an embedding task keeps its own.
-        model = resolve_model(task.model if pooling else self.model or task.model)
+        model = self.model_for(task)
         max_model_len = self.max_model_len or spec.max_model_len
         if pooling and "max_model_len" not in spec.model_fields_set and not self.max_model_len:
             # An embedding model takes what it was trained with (256 tokens for all-MiniLM-L6-v2).
@@ -759,9 +758,15 @@ class VLLMEngine(dg.ConfigurableResource):
             runner="pooling" if pooling else "generate",
         )
 
+    def model_for(self, task: TaskSpec) -> str:
+        """The model the task runs: the resource's `model` is a chat model for every chat task; an
+        embedding task keeps its own."""
+        return resolve_model(task.model if task.output.pooling else self.model or task.model)
+
     def tokenizer(self, task: TaskSpec):
-        """The model's tokenizer, loaded once per process without starting the engine."""
-        return load_tokenizer(self.settings(task).model)
+        """The model's tokenizer, loaded once per process without starting the engine (nor working
+        out the rest of its settings)."""
+        return load_tokenizer(self.model_for(task))
 
     @contextlib.contextmanager
     def session(self, task: TaskSpec, log: Callable[[str], None] = lambda message: None) -> Iterator[VLLMSession]:

@@ -362,28 +362,45 @@ def _split_special_tokens_in_user_text(frame: pl.DataFrame, encoder: PromptEncod
 def prompt_encoder(
     engine: Engine, task: TaskSpec, tokenizer, formatted: pl.DataFrame
 ) -> Callable[[list[str]], list[Prompt]]:
-    """Prompt texts of `formatted` → `Prompt`s for `engine`.
+    """Prompt texts of `formatted` → `Prompt`s for `engine` (see `prompt_encoders`)."""
+    return prompt_encoders(engine, PromptFormat.of(task), tokenizer)(formatted)
+
+
+def prompt_encoders(
+    engine: Engine, prompt_format: PromptFormat, tokenizer
+) -> Callable[[pl.DataFrame], Callable[[list[str]], list[Prompt]]]:
+    """For each partition's formatted prompts, the encoder of its prompt texts → `Prompt`s for
+    `engine`; what does not depend on the partition (the tokenizer's special tokens, the chat
+    template's text around the message) is worked out once, here.
 
     For an engine that sends chat messages, each prompt also carries the row's messages, rebuilt
     from the input columns with the task's template (the same messages the prompt was rendered
     from, few-shot examples included). The in-process engine gets token ids only: nothing extra is built.
     """
     # Special-token text in a record stays text (`PromptEncoder`): no forged chat turns.
-    prompt_format = PromptFormat.of(task)
     token_ids = PromptEncoder(prompt_format, tokenizer).encode
     if not engine.sends_chat_messages:
-        return lambda prompts: [Prompt(tuple(ids)) for ids in token_ids(prompts)]
-    prompt_spec = task.prompt
-    assert prompt_spec is not None  # a records task (openai_batch lines go through batch_prompt_encoder)
-    valid = formatted.filter(pl.col("error").is_null())
-    users = valid.select(user_message_expr(prompt_spec.template).alias("user"))["user"]
-    # Identical prompts come from identical user messages, so the prompt text is a safe key.
-    user_by_prompt = dict(zip(valid["prompt"].to_list(), users.to_list(), strict=True))
 
-    def encode(prompts: list[str]) -> list[Prompt]:
-        return [
-            Prompt(tuple(ids), tuple(messages_for(prompt_spec.system, user_by_prompt[prompt], prompt_format.examples)))
-            for prompt, ids in zip(prompts, token_ids(prompts), strict=True)
-        ]
+        def encode_ids(prompts: list[str]) -> list[Prompt]:
+            return [Prompt(tuple(ids)) for ids in token_ids(prompts)]
 
-    return encode
+        return lambda formatted: encode_ids
+
+    def for_partition(formatted: pl.DataFrame) -> Callable[[list[str]], list[Prompt]]:
+        valid = formatted.filter(pl.col("error").is_null())
+        users = valid.select(user_message_expr(prompt_format.template).alias("user"))["user"]
+        # Identical prompts come from identical user messages, so the prompt text is a safe key.
+        user_by_prompt = dict(zip(valid["prompt"].to_list(), users.to_list(), strict=True))
+
+        def encode(prompts: list[str]) -> list[Prompt]:
+            return [
+                Prompt(
+                    tuple(ids),
+                    tuple(messages_for(prompt_format.system, user_by_prompt[prompt], prompt_format.examples)),
+                )
+                for prompt, ids in zip(prompts, token_ids(prompts), strict=True)
+            ]
+
+        return encode
+
+    return for_partition

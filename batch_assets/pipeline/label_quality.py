@@ -198,3 +198,11 @@ def label_drift(counts: dict[str, int], history: list[dict[str, int]]) -> DriftR
         key=lambda label: (-abs(changes[label]), label),
     )
     return DriftReport(round(distance, 4), len(history), shares, reference, moved)
+
+
+def label_counts(labels: pl.DataFrame) -> dict[str, int]:
+    """Rows per label (null labels left out), the most frequent first."""
+    counts = (
+        labels.filter(pl.col("label").is_not_null()).group_by("label").len(name="count").sort("count", descending=True)
+    )
+    return {str(row["label"]): int(row["count"]) for row in counts.to_dicts()}

@@ -486,6 +486,27 @@ def _max_tokens_problem(value: int, max_model_len: int) -> str:
     )
 
 
+NO_CHAT_TEMPLATE = "the model's tokenizer has no chat template; use /v1/completions lines"
+COMPLETIONS_NEED_VLLM = "/v1/completions lines need the in-process engine (engine.kind: vllm)"
+
+
+@dataclass(frozen=True)
+class _LineFormat:
+    """What formatting a line needs besides the line: the tokenizer and the task's settings."""
+
+    tokenizer: Tokenizer
+    sampling_defaults: SamplingSpec
+    max_model_len: int
+    source_file: str
+    accepted_models: set[str] | None
+    chat_only: bool
+    chat_template: str | None
+    completion_prefix: str
+
+    def error(self, code: str, line: int, message: str) -> str:
+        return _error(code, self.source_file, line, message)
+
+
 def format_batch_prompts(
     raw: pl.DataFrame,
     tokenizer: Tokenizer,
@@ -502,51 +523,22 @@ def format_batch_prompts(
     `accepted_models`: when given, a line naming another `body.model` becomes a `model_mismatch` row.
     `chat_only`: the engine sends chat messages (an endpoint), so `/v1/completions` lines are error rows.
     """
-    chat_template = getattr(tokenizer, "chat_template", None)
-    prefix = _completion_prefix(tokenizer)
+    how = _LineFormat(
+        tokenizer,
+        sampling_defaults,
+        max_model_len,
+        source_file,
+        accepted_models,
+        chat_only,
+        getattr(tokenizer, "chat_template", None),
+        _completion_prefix(tokenizer),
+    )
     errors: list[str | None] = []
     prompts: list[str | None] = []
     params: list[str | None] = []
     max_tokens: list[int | None] = []
     for row in raw.iter_rows(named=True):
-        error, prompt, spec = row["error"], None, None
-        line = row["source_line"]
-        if error is None and accepted_models is not None and not model_matches(row["model"], accepted_models):
-            error = _error(
-                "model_mismatch",
-                source_file,
-                line,
-                f"body.model {row['model']!r} is not the task's model ({', '.join(sorted(accepted_models))}); "
-                "set input.require_model_match: false to answer every line with the task's model",
-            )
-        if error is None and row["max_tokens"] is not None and row["max_tokens"] >= max_model_len:
-            error = _error("invalid_field", source_file, line, _max_tokens_problem(row["max_tokens"], max_model_len))
-        if error is None:
-            spec = request_spec(row, sampling_defaults)
-            if row["messages"] is not None:
-                if not chat_template:
-                    error = _error(
-                        "chat_template_error",
-                        source_file,
-                        line,
-                        "the model's tokenizer has no chat template; use /v1/completions lines",
-                    )
-                else:
-                    try:
-                        prompt = tokenizer.apply_chat_template(
-                            json.loads(row["messages"]), tokenize=False, add_generation_prompt=True
-                        )
-                    except Exception as exc:  # a template may raise on roles it does not accept
-                        error = _error("chat_template_error", source_file, line, f"{type(exc).__name__}: {exc}")
-            elif chat_only:
-                error = _error(
-                    "unsupported_url",
-                    source_file,
-                    line,
-                    "/v1/completions lines need the in-process engine (engine.kind: vllm)",
-                )
-            else:
-                prompt = prefix + row["completion_prompt"]
+        error, prompt, spec = _format_line(row, how)
         sample_id = None
         if spec is not None and not spec.sampling.deterministic:
             sample_id = f"{source_file}#{row['row_id']}"
@@ -557,24 +549,68 @@ def format_batch_prompts(
     valid = [p for p in prompts if p is not None]
     counts = iter(count_tokens(tokenizer, valid) if valid else [])
     num_tokens = [next(counts) if p is not None else None for p in prompts]
-    for index, (tokens, limit) in enumerate(zip(num_tokens, max_tokens, strict=True)):
-        if tokens is None:
-            continue
-        assert limit is not None  # a line gets a prompt only after its request spec (and max_tokens)
-        if tokens + limit > max_model_len:
-            errors[index] = _error(
-                "prompt_too_long",
-                source_file,
-                raw["source_line"][index],
-                f"{tokens} prompt tokens + {limit} max_tokens exceed max_model_len {max_model_len}",
-            )
-            prompts[index] = params[index] = None
+    _refuse_too_long(raw["source_line"], num_tokens, max_tokens, how, errors, prompts, params)
     return raw.with_columns(
         pl.Series("error", errors, dtype=pl.String),
         pl.Series("prompt", prompts, dtype=pl.String),
         pl.Series("num_prompt_tokens", num_tokens, dtype=pl.Int64),
         pl.Series("request_params", params, dtype=pl.String),
     )
+
+
+def _format_line(row: dict, how: _LineFormat) -> tuple[str | None, str | None, RequestSpec | None]:
+    """One line's error (its own from parsing, or found here), prompt text and resolved request."""
+    error, prompt, spec = row["error"], None, None
+    line = row["source_line"]
+    if error is None and how.accepted_models is not None and not model_matches(row["model"], how.accepted_models):
+        error = how.error(
+            "model_mismatch",
+            line,
+            f"body.model {row['model']!r} is not the task's model ({', '.join(sorted(how.accepted_models))}); "
+            "set input.require_model_match: false to answer every line with the task's model",
+        )
+    if error is None and row["max_tokens"] is not None and row["max_tokens"] >= how.max_model_len:
+        error = how.error("invalid_field", line, _max_tokens_problem(row["max_tokens"], how.max_model_len))
+    if error is not None:
+        return error, None, None
+    spec = request_spec(row, how.sampling_defaults)
+    if row["messages"] is not None:
+        if not how.chat_template:
+            return how.error("chat_template_error", line, NO_CHAT_TEMPLATE), None, spec
+        try:
+            prompt = how.tokenizer.apply_chat_template(
+                json.loads(row["messages"]), tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # a template may raise on roles it does not accept
+            return how.error("chat_template_error", line, f"{type(exc).__name__}: {exc}"), None, spec
+    elif how.chat_only:
+        return how.error("unsupported_url", line, COMPLETIONS_NEED_VLLM), None, spec
+    else:
+        prompt = how.completion_prefix + row["completion_prompt"]
+    return None, prompt, spec
+
+
+def _refuse_too_long(
+    source_lines: pl.Series,
+    num_tokens: list[int | None],
+    max_tokens: list[int | None],
+    how: _LineFormat,
+    errors: list[str | None],
+    prompts: list[str | None],
+    params: list[str | None],
+) -> None:
+    """Lines whose prompt tokens and max_tokens exceed the context become `prompt_too_long` rows (in place)."""
+    for index, (tokens, limit) in enumerate(zip(num_tokens, max_tokens, strict=True)):
+        if tokens is None:
+            continue
+        assert limit is not None  # a line gets a prompt only after its request spec (and max_tokens)
+        if tokens + limit > how.max_model_len:
+            errors[index] = how.error(
+                "prompt_too_long",
+                source_lines[index],
+                f"{tokens} prompt tokens + {limit} max_tokens exceed max_model_len {how.max_model_len}",
+            )
+            prompts[index] = params[index] = None
 
 
 # --- what the engine is sent -------------------------------------------------------------------

@@ -140,3 +140,14 @@ def constraint_violations(outputs: pl.DataFrame, output: OutputSpec) -> pl.DataF
         for text, reason in zip(finished["generated_text"], finished["finish_reason"], strict=True)
     ]
     return finished.filter(pl.Series(bad, dtype=pl.Boolean))
+
+
+def invalid_labels(labelled: pl.DataFrame, output: OutputSpec) -> pl.DataFrame:
+    """Rows of `validated_labels` (with a label) whose label the constraint does not allow: not one of
+    the choices, or not valid against the schema / the regex. Free text is always valid."""
+    if output.kind == "choices":
+        return labelled.filter(~pl.col("label").is_in(output.choices or []))
+    if output.kind in ("json_schema", "regex"):
+        invalid = [parse_label(text, "stop", output).error is not None for text in labelled["label"]]
+        return labelled.filter(pl.Series(invalid, dtype=pl.Boolean))
+    return labelled.head(0)

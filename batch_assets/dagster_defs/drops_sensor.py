@@ -340,8 +340,6 @@ def build_drops_sensor(
     max_runs_per_tick: int | None = MAX_RUNS_PER_TICK,
     settle_seconds: float = LOCAL_SETTLE_SECONDS,
 ) -> dg.SensorDefinition:
-    partitions_name = partitions_def_name(task.name)
-
     # The sensor targets the task's assets (their checks come with them); its runs are Dagster's asset
     # job runs, so they get the task job's tags (a GPU count for the Kubernetes run launcher) here.
     job_tags = {key: value if isinstance(value, str) else json.dumps(value) for key, value in (job.tags or {}).items()}
@@ -361,75 +359,113 @@ def build_drops_sensor(
         ),
     )
     def drops_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
-        started = time.monotonic()
-        zone = drop_zone(task.name)
-        # A listing failure (no bucket, access denied, endpoint down) fails the tick with a StorageError
-        # naming the URL and cause; the cursor stays as it was.
-        files, skipped = list_drop_files(task.name, zone, settle_seconds=settle_seconds)
-        try:
-            seen = decode_cursor(context.cursor)
-        except ValueError as error:
-            # Run keys still prevent repeated runs for files requested before.
-            context.log.warning(f"ignoring the sensor cursor ({error}); every file is checked again")
-            seen = set()
-        ordered = list(context.instance.get_dynamic_partitions(partitions_name))
-        existing = set(ordered)
-        claimed = partitions_claimed_by_live_processes(context.instance.root_directory, task.name)
-        keys_of = _partition_keys_of(task, context.log)
-        partitions_by_file: dict[str, list[str]] = {}
-        for key in ordered:
-            partitions_by_file.setdefault(file_key_of(key), []).append(key)
-        plan = plan_tick(
-            files,
-            seen,
-            existing,
-            max_runs=max_runs_per_tick,
-            already_done=lambda drop: file_validated_from_version(context.instance, task.name, drop, keys_of(drop)),
-            # Only when a command claims files: a file's partitions may take a pass over a big file.
-            in_progress=lambda drop: (
-                bool(claimed) and any((key, version_digest(drop.version)) in claimed for key in keys_of(drop))
-            ),
-            read_version=lambda drop: _file_read_version(context.instance, task.name, partitions_by_file, drop),
-        )
-        summary = (
-            f"{len(files)} input file(s) in {zone}: {len(plan.to_run)} to run, {plan.known} already requested, "
-            f"{plan.already_done} already done, {plan.in_progress} being run by batch-assets, "
-            f"{plan.waiting} waiting for the next tick "
-            f"({time.monotonic() - started:.2f} s)"
-        )
-        context.log.info(summary)
-        if skipped:
-            context.log.info(_skipped_text(skipped))
-        cursor = encode_cursor(plan.seen)
-        cursor_changed = plan.seen != seen
-        if not plan.to_run:
-            reason = f"no new or replaced files ({len(files)} known)"
-            if skipped:
-                reason += "; " + _skipped_text(skipped)
-            return dg.SensorResult(skip_reason=dg.SkipReason(reason), cursor=cursor if cursor_changed else None)
-        # Added oldest file first: the partitions' order, which decides the ranges, is arrival order.
-        new_partitions = list(
-            dict.fromkeys(key for drop, _ in plan.to_run for key in keys_of(drop) if key not in existing)
-        )
-        retired = [
-            key for drop, _ in plan.to_run for key in retired_partitions(ordered, drop.partition_key, keys_of(drop))
-        ]
-        if retired:
-            context.log.info(f"retiring partitions the new file versions split differently: {retired}")
-            delete_partition_outputs(task.name, retired)
-        # New partitions are added in this order before the tick's runs are created.
-        run_requests = run_requests_for(
-            plan.to_run,
-            ordered + new_partitions,
-            task.runs.max_partitions_per_run,
-            job_tags=job_tags,
-            keys_of=keys_of,
-        )
-        partition_requests: list = []
-        if new_partitions:
-            partition_requests.append(dg.AddDynamicPartitionsRequest(partitions_name, new_partitions))
-        if retired:
-            partition_requests.append(dg.DeleteDynamicPartitionsRequest(partitions_name, retired))
-        return dg.SensorResult(run_requests=run_requests, dynamic_partitions_requests=partition_requests, cursor=cursor)
+        return drops_tick(context, task, job_tags, max_runs_per_tick=max_runs_per_tick, settle_seconds=settle_seconds)
 
     return drops_sensor
+
+
+def _cursor_fingerprints(context: dg.SensorEvaluationContext) -> set[bytes]:
+    """The files the sensor requested before; all of them checked again when the cursor is unreadable."""
+    try:
+        return decode_cursor(context.cursor)
+    except ValueError as error:
+        # Run keys still prevent repeated runs for files requested before.
+        context.log.warning(f"ignoring the sensor cursor ({error}); every file is checked again")
+        return set()
+
+
+def plan_drops_tick(
+    context: dg.SensorEvaluationContext,
+    task: TaskSpec,
+    files: list[DropFile],
+    seen: set[bytes],
+    ordered: list[str],
+    keys_of: Callable[[DropFile], list[str]],
+    max_runs_per_tick: int | None,
+) -> TickPlan:
+    """`plan_tick` with what the instance and the live `batch-assets` processes say about each file."""
+    claimed = partitions_claimed_by_live_processes(context.instance.root_directory, task.name)
+    partitions_by_file: dict[str, list[str]] = {}
+    for key in ordered:
+        partitions_by_file.setdefault(file_key_of(key), []).append(key)
+    return plan_tick(
+        files,
+        seen,
+        set(ordered),
+        max_runs=max_runs_per_tick,
+        already_done=lambda drop: file_validated_from_version(context.instance, task.name, drop, keys_of(drop)),
+        # Only when a command claims files: a file's partitions may take a pass over a big file.
+        in_progress=lambda drop: (
+            bool(claimed) and any((key, version_digest(drop.version)) in claimed for key in keys_of(drop))
+        ),
+        read_version=lambda drop: _file_read_version(context.instance, task.name, partitions_by_file, drop),
+    )
+
+
+def drops_tick(
+    context: dg.SensorEvaluationContext,
+    task: TaskSpec,
+    job_tags: Mapping[str, str],
+    *,
+    max_runs_per_tick: int | None,
+    settle_seconds: float,
+) -> dg.SensorResult:
+    """One tick of the drops sensor: list the drop zone, plan, and request the runs."""
+    started = time.monotonic()
+    zone = drop_zone(task.name)
+    # A listing failure (no bucket, access denied, endpoint down) fails the tick with a StorageError
+    # naming the URL and cause; the cursor stays as it was.
+    files, skipped = list_drop_files(task.name, zone, settle_seconds=settle_seconds)
+    seen = _cursor_fingerprints(context)
+    ordered = list(context.instance.get_dynamic_partitions(partitions_def_name(task.name)))
+    keys_of = _partition_keys_of(task, context.log)
+    plan = plan_drops_tick(context, task, files, seen, ordered, keys_of, max_runs_per_tick)
+    context.log.info(
+        f"{len(files)} input file(s) in {zone}: {len(plan.to_run)} to run, {plan.known} already requested, "
+        f"{plan.already_done} already done, {plan.in_progress} being run by batch-assets, "
+        f"{plan.waiting} waiting for the next tick "
+        f"({time.monotonic() - started:.2f} s)"
+    )
+    if skipped:
+        context.log.info(_skipped_text(skipped))
+    cursor = encode_cursor(plan.seen)
+    if not plan.to_run:
+        reason = f"no new or replaced files ({len(files)} known)"
+        if skipped:
+            reason += "; " + _skipped_text(skipped)
+        return dg.SensorResult(skip_reason=dg.SkipReason(reason), cursor=cursor if plan.seen != seen else None)
+    return _tick_requests(context, task, plan, ordered, keys_of, job_tags, cursor)
+
+
+def _tick_requests(
+    context: dg.SensorEvaluationContext,
+    task: TaskSpec,
+    plan: TickPlan,
+    ordered: list[str],
+    keys_of: Callable[[DropFile], list[str]],
+    job_tags: Mapping[str, str],
+    cursor: str,
+) -> dg.SensorResult:
+    """The tick's new partitions (and those the new file versions retire) and its runs."""
+    partitions_name = partitions_def_name(task.name)
+    existing = set(ordered)
+    # Added oldest file first: the partitions' order, which decides the ranges, is arrival order.
+    new_partitions = list(dict.fromkeys(key for drop, _ in plan.to_run for key in keys_of(drop) if key not in existing))
+    retired = [key for drop, _ in plan.to_run for key in retired_partitions(ordered, drop.partition_key, keys_of(drop))]
+    if retired:
+        context.log.info(f"retiring partitions the new file versions split differently: {retired}")
+        delete_partition_outputs(task.name, retired)
+    # New partitions are added in this order before the tick's runs are created.
+    run_requests = run_requests_for(
+        plan.to_run,
+        ordered + new_partitions,
+        task.runs.max_partitions_per_run,
+        job_tags=job_tags,
+        keys_of=keys_of,
+    )
+    partition_requests: list = []
+    if new_partitions:
+        partition_requests.append(dg.AddDynamicPartitionsRequest(partitions_name, new_partitions))
+    if retired:
+        partition_requests.append(dg.DeleteDynamicPartitionsRequest(partitions_name, retired))
+    return dg.SensorResult(run_requests=run_requests, dynamic_partitions_requests=partition_requests, cursor=cursor)

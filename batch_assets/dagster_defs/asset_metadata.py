@@ -1,0 +1,177 @@
+"""The keys of a task's assets and what their materializations and checks record: shared by the
+asset factory (assets.py) and the checks (checks.py), which import it and not each other.
+
+Each helper turns a partition's frame (and the run's figures) into Dagster metadata; what a kind
+of task adds (its label metadata, preview columns, files) comes from its format object
+(pipeline/task_formats.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import dagster as dg
+import polars as pl
+
+from batch_assets.pipeline.budget import actual_cost_metadata, estimate_cost
+from batch_assets.pipeline.engine_contract import EngineSession, EngineSettings
+from batch_assets.pipeline.label_quality import accuracy_report, confidence_report
+from batch_assets.pipeline.run_inference import InferenceStats
+from batch_assets.pipeline.task_formats import TaskFormat
+from batch_assets.pipeline.task_spec import TaskSpec
+
+PREVIEW_ROWS = 5
+# Engine-neutral: resources can route a task to an engine other than its YAML's `engine.kind`.
+NO_CONFIDENCE_REASONS = (
+    "their results were reused from checkpoints or the result cache stored before confidence was measured "
+    "(materialize inference_outputs with `use_result_cache: false` to measure it), the endpoint returned no "
+    "log-probabilities (or `logprobs=False` on the `llm_endpoint` resource), or structured outputs are off"
+)
+
+
+def asset_key(task: str, asset: str) -> dg.AssetKey:
+    return dg.AssetKey([task, asset])
+
+
+def error_code_counts(frame: pl.DataFrame) -> dict[str, int]:
+    codes = frame.filter(pl.col("error").is_not_null()).select(
+        pl.col("error").str.extract(r"^([a-z_]+):", 1).alias("code")
+    )
+    return {
+        row["code"] or "other": row["count"] for row in codes.group_by("code").len(name="count").sort("code").to_dicts()
+    }
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    def cell(value: object) -> str:
+        text = "" if value is None else str(value)
+        text = text.replace("|", "\\|").replace("\n", " ")
+        return text if len(text) <= 80 else text[:77] + "..."
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def column_schema(frame: pl.DataFrame) -> dg.TableSchema:
+    """`dagster/column_schema`: the catalog shows an asset's columns and their types."""
+    return dg.TableSchema(columns=[dg.TableColumn(name, str(dtype)) for name, dtype in frame.schema.items()])
+
+
+def prompt_tokens(frame: pl.DataFrame) -> int:
+    return int(frame["num_prompt_tokens"].sum() or 0)
+
+
+def formatted_metadata(frame: pl.DataFrame, task: TaskSpec, seconds: float) -> dict[str, Any]:
+    """A partition of formatted_prompts: its rows, errors, prompt tokens and worst-case cost."""
+    errors = error_code_counts(frame)
+    return {
+        "rows": frame.height,
+        "error_rows": sum(errors.values()),
+        "errors_by_code": errors,
+        "prompt_tokens": prompt_tokens(frame),
+        # polars types Series.max() as any literal; an Int64 column gives an int or None
+        "max_prompt_tokens": int(cast("int | None", frame["num_prompt_tokens"].max()) or 0),
+        "seconds": round(seconds, 3),
+        **estimate_cost(frame, task).metadata(),
+        "dagster/row_count": frame.height,
+        "dagster/column_schema": column_schema(frame),
+    }
+
+
+def inference_metadata(
+    task: TaskSpec,
+    fmt: TaskFormat,
+    settings: EngineSettings,
+    session: EngineSession,
+    frame: pl.DataFrame,
+    stats: InferenceStats,
+    fingerprint: str,
+) -> dict[str, Any]:
+    """A partition of inference_outputs: where its rows came from, tokens, speed, model and settings."""
+    generated = int(frame["num_generated_tokens"].sum() or 0)
+    return {
+        "rows": stats.rows,
+        "rows_inferred": stats.rows_inferred,
+        "rows_from_checkpoint": stats.rows_from_checkpoint,
+        "rows_from_cache": stats.rows_from_cache,
+        "rows_added_to_cache": stats.rows_cached,
+        "rows_deduplicated": stats.rows_deduplicated,
+        "error_rows": stats.error_rows,
+        "errors_by_code": error_code_counts(frame),
+        "prompt_tokens": prompt_tokens(frame),
+        "generated_tokens": generated,
+        "engine_seconds": round(stats.engine_seconds, 3),
+        "engine_start_seconds": round(session.start_seconds, 3),
+        "inference_seconds": round(stats.inference_seconds, 3),
+        "generated_tokens_per_second": round(stats.generated_tokens_per_second, 2),
+        "rows_per_second": round(stats.rows_per_second, 2),
+        **fmt.inference_metadata(frame),
+        "model": settings.model,
+        "engine_settings": settings.metadata(),
+        "sampling_params": task.sampling.model_dump(),
+        "output_constraint": task.output.kind,
+        **session.metadata,
+        "checkpoint_fingerprint": fingerprint,
+        **actual_cost_metadata(prompt_tokens(frame), generated, task.engine.price),
+        "dagster/row_count": frame.height,
+        "dagster/column_schema": column_schema(frame),
+    }
+
+
+def accuracy_metadata(labels: pl.DataFrame, task: TaskSpec) -> dict[str, Any]:
+    """Accuracy against the task's `checks.gold_field`, when the partition carries one."""
+    if not task.checks.gold_field:
+        return {}
+    report = accuracy_report(labels, task.checks.gold_field, task.checks.gold_json_field)
+    if report is None:
+        note = f"no row has a value in the gold column {task.checks.gold_field!r}: accuracy not measured"
+        return {"accuracy_note": note}
+    return {
+        "accuracy": round(report.accuracy, 4),
+        "rows_with_gold": report.rows_with_gold,
+        "correct_rows": report.correct,
+        "per_label": report.per_label_metadata(),
+        "confusion": dg.MetadataValue.md(report.confusion_markdown()),
+    }
+
+
+def confidence_metadata(labels: pl.DataFrame, task: TaskSpec) -> dict[str, Any]:
+    """The labels' confidence: its median and the share under the task's `checks.min_confidence`."""
+    report = confidence_report(labels, task.checks.min_confidence)
+    if report is None:
+        return {}
+    metadata: dict[str, Any] = {"min_confidence": task.checks.min_confidence, **report.metadata()}
+    if report.unmeasured_rows:
+        metadata["confidence_note"] = (
+            f"{report.unmeasured_rows} of {report.labelled_rows} labels have no confidence: {NO_CONFIDENCE_REASONS}"
+        )
+    return metadata
+
+
+def label_distribution(counts: dict[str, int], rows: int) -> dg.MetadataValue:
+    """Rows and share per label, as a table."""
+    shares = [{"label": k, "rows": v, "share": f"{100 * v / max(rows, 1):.1f}%"} for k, v in counts.items()]
+    return dg.MetadataValue.md(markdown_table(shares, ["label", "rows", "share"]))
+
+
+def labels_metadata(labels: pl.DataFrame, task: TaskSpec, fmt: TaskFormat) -> dict[str, Any]:
+    """A partition of validated_labels: what its kind reports, rows, errors, a preview, accuracy,
+    confidence and, for labels from a closed set, their counts."""
+    errors = error_code_counts(labels)
+    preview = markdown_table(labels.head(PREVIEW_ROWS).to_dicts(), fmt.preview_columns(labels))
+    metadata: dict[str, Any] = {
+        **fmt.label_metadata(labels),
+        "rows": labels.height,
+        "error_rows": sum(errors.values()),
+        "errors_by_code": errors,
+        "preview": dg.MetadataValue.md(preview),
+        "dagster/row_count": labels.height,
+        "dagster/column_schema": column_schema(labels),
+        **accuracy_metadata(labels, task),
+        **confidence_metadata(labels, task),
+    }
+    if counts := fmt.label_counts(labels):
+        metadata["label_counts"] = counts
+        metadata["label_distribution"] = label_distribution(counts, labels.height)
+    return metadata

@@ -1,0 +1,409 @@
+"""What a task's rows are, from the drop file to the result table: one object per kind of task.
+
+    registry key (input.format, what the model does)   object
+    ("records", "generate")     ChatRecords        input fields → the task's template → the chat template;
+                                                   a chat model writes each row's label (choices, JSON
+                                                   schema, regex or free text)
+    ("records", "embed")        EmbeddingRecords   input fields → the template, no chat template; an
+                                                   embedding model's vector per row (`output.kind: embedding`)
+    ("records", "similarity")   SimilarityRecords  formatted and embedded as EmbeddingRecords, labelled by
+                                                   the most similar choice (`output.method: similarity`)
+    ("openai_batch", "generate") OpenAIBatchLines  each line of an OpenAI Batch API file, with its own
+                                                   messages and sampling; output and error files besides
+
+Each object answers, for its kind, everything the assets and checks ask of a task's rows: the
+descriptions of formatted_prompts, inference_outputs and validated_labels; how a raw partition is
+formatted; the encoder of its prompts for the engine (built once per run); how inference is run (the
+tokens a request may generate, whether identical requests share a result, how the engine's results
+become inference_outputs, what besides the model decides them); validation; the preview columns; the
+label metadata and any files written beside the result table; which output checks apply. The
+assets call `task_format(task)` once and never ask which kind a task is.
+
+A new kind is one class (here, or in a module of its own) and one entry in `TASK_FORMATS`. Pure: no
+Dagster and no storage (what Dagster shows and where files go is the assets' business), in the
+manner of the stages of Ray Data LLM (`ray.llm._internal.batch`): one small contract, chosen from a
+registry.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import polars as pl
+
+from batch_assets.pipeline.embeddings import (
+    choice_texts,
+    choice_vectors,
+    choices_frame,
+    embedding_encoder,
+    embedding_outputs,
+    embedding_report,
+    format_embedding_prompts,
+    similarity_outputs,
+    validate_embeddings,
+)
+from batch_assets.pipeline.engine_contract import Engine, EngineSettings, Prompt
+from batch_assets.pipeline.format_prompts import PromptFormat, Tokenizer, format_prompts, prompt_encoders
+from batch_assets.pipeline.label_quality import label_counts
+from batch_assets.pipeline.openai_batch import accepted_model_names, batch_prompt_encoder, format_batch_prompts
+from batch_assets.pipeline.openai_batch_output import batch_files, jsonl_bytes, validate_batch_outputs
+from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput
+from batch_assets.pipeline.task_spec import TaskSpec
+from batch_assets.pipeline.validate_labels import validate_labels
+
+# A partition's prompt texts (and, for OpenAI batch lines, their request params) → engine prompts.
+Encode = Callable[..., list[Prompt]]
+# formatted_prompts of one partition → its `Encode` (what is the same for every partition built once).
+PartitionEncoders = Callable[[pl.DataFrame], Encode]
+# `run_inference` over the given partitions with the run's session, cache and settings.
+RunInference = Callable[[list[PartitionInput]], list[tuple[pl.DataFrame, InferenceStats]]]
+
+
+@dataclass(frozen=True)
+class OutputFiles:
+    """Files a kind writes beside its result table (an OpenAI batch's output and error files)."""
+
+    metadata: dict[str, Any] = field(default_factory=dict)  # what to record about them
+    # metadata key of the file's path -> (path under the task's storage folder, contents)
+    files: dict[str, tuple[str, bytes]] = field(default_factory=dict)
+
+
+class TaskFormat(ABC):
+    """The contract every kind implements. The defaults are those of labels a chat model generates
+    (a kind that embeds, or brings its own requests, overrides them)."""
+
+    key: ClassVar[tuple[str, str]]
+    # What a validated row carries, which names its output checks (dagster_defs/checks.py):
+    # "labels" (a label parsed and checked against the constraint) or "embeddings" (a vector).
+    result: ClassVar[str] = "labels"
+
+    def __init__(self, task: TaskSpec) -> None:
+        self.task = task
+
+    # --- descriptions of the assets ---------------------------------------------------------------
+
+    def formatted_description(self) -> str:
+        return (
+            f"The exact prompt the model sees for each `{self.task.name}` row: the task's system prompt and "
+            "template rendered with the model's chat template, with `num_prompt_tokens`. Rows with "
+            "empty text or too long for the model's context get an `error` and skip the engine."
+        )
+
+    def inference_description(self, engine_name: str) -> str:
+        """The start of inference_outputs' description: what it holds."""
+        return (
+            f"Model outputs for each `{self.task.name}` prompt from {engine_name}, constrained by the task's "
+            "structured outputs."
+        )
+
+    def validated_description(self) -> str:
+        return (
+            f"The `{self.task.name}` result table: every input column, `label` (parsed and checked against the "
+            "task's output constraint; choices and regex tasks also give its `confidence`, 0-1), the "
+            "generated text, token counts and `error` (null when the row is fine). Exactly one row per "
+            "input record, in input order."
+        )
+
+    # --- formatted_prompts ------------------------------------------------------------------------
+
+    @abstractmethod
+    def format(
+        self, raw: pl.DataFrame, engine: Engine, tokenizer: Tokenizer, *, max_model_len: int, source_file: str
+    ) -> pl.DataFrame:
+        """raw_prompts → formatted_prompts of one partition: `prompt`, `num_prompt_tokens`, errors."""
+
+    # --- inference_outputs ------------------------------------------------------------------------
+
+    @abstractmethod
+    def encoders(self, engine: Engine, tokenizer: Tokenizer, max_model_len: int) -> PartitionEncoders:
+        """The encoder of each partition's prompts for `engine`, for one run."""
+
+    @property
+    def max_tokens(self) -> int:
+        """The tokens a request may generate (the rest of the context is the prompt's)."""
+        return self.task.sampling.max_tokens
+
+    @property
+    def deduplicate(self) -> bool:
+        """Identical requests share one result (and the result cache): deterministic decoding only."""
+        return self.task.sampling.deterministic
+
+    def infer(
+        self, parts: list[PartitionInput], run: RunInference, tokenizer: Tokenizer, max_model_len: int
+    ) -> list[tuple[pl.DataFrame, InferenceStats]]:
+        """The run's partitions through `run` (one stream), as inference_outputs with their stats."""
+        return run(parts)
+
+    def output_identity(self, settings: EngineSettings) -> dict[str, Any]:
+        """What decides the outputs besides the model and its context (checkpoint and cache fingerprint)."""
+        return {
+            "structured_outputs": settings.structured_outputs,
+            "sampling": self.task.sampling.model_dump(),
+            "output": self.task.output.decision(),
+        }
+
+    def inference_metadata(self, outputs: pl.DataFrame) -> dict[str, Any]:
+        """What inference_outputs' metadata adds for this kind."""
+        return {}
+
+    # --- validated_labels -------------------------------------------------------------------------
+
+    def validate(self, outputs: pl.DataFrame) -> pl.DataFrame:
+        """inference_outputs → validated_labels of one partition."""
+        return validate_labels(outputs, self.task.output)
+
+    def preview_columns(self, labels: pl.DataFrame) -> list[str]:
+        """The columns of the preview in validated_labels' metadata."""
+        shown = [c for c in ("similarity", "confidence") if c in labels.columns]
+        return [*self.task.input.text_fields, "label", *shown, "error"]
+
+    def label_metadata(self, labels: pl.DataFrame) -> dict[str, Any]:
+        """What validated_labels' metadata adds for this kind (besides rows, errors and the preview)."""
+        return {"labelled_rows": int(labels["label"].is_not_null().sum())}
+
+    @property
+    def counts_labels(self) -> bool:
+        """Labels from a closed set (choices, a regex): counted per partition, and their drift checked."""
+        return self.task.output.kind in ("choices", "regex")
+
+    def label_counts(self, labels: pl.DataFrame) -> dict[str, int]:
+        return label_counts(labels) if self.counts_labels else {}
+
+    @property
+    def measures_confidence(self) -> bool:
+        """Labels get a `confidence`, which a check holds to `checks.min_confidence`."""
+        return self.task.output.has_confidence
+
+    def output_files(self, labels: pl.DataFrame, partition_key: str, created: int) -> OutputFiles:
+        """Files to write beside the result table (none for most kinds)."""
+        return OutputFiles()
+
+
+class ChatRecords(TaskFormat):
+    """Records whose fields fill the task's template, rendered with the model's chat template; the
+    chat model writes each row's label (pipeline/format_prompts.py)."""
+
+    key = ("records", "generate")
+
+    def __init__(self, task: TaskSpec) -> None:
+        super().__init__(task)
+        # Worked out once per task: the few-shot examples' turns and the template's fields.
+        self.prompt_format = PromptFormat.of(task)
+
+    def format(
+        self, raw: pl.DataFrame, engine: Engine, tokenizer: Tokenizer, *, max_model_len: int, source_file: str
+    ) -> pl.DataFrame:
+        return format_prompts(
+            raw,
+            self.prompt_format,
+            tokenizer,
+            max_model_len=max_model_len,
+            max_tokens=self.task.sampling.max_tokens,
+            source_file=source_file,
+        )
+
+    def encoders(self, engine: Engine, tokenizer: Tokenizer, max_model_len: int) -> PartitionEncoders:
+        return prompt_encoders(engine, self.prompt_format, tokenizer)
+
+    def output_identity(self, settings: EngineSettings) -> dict[str, Any]:
+        parts = super().output_identity(settings)
+        # The rendered prompt (each request's key) holds the examples already; named here too, so no
+        # answer given without them is reused with them whatever an engine makes of the text (an
+        # endpoint is sent messages, not that text). Absent without examples: existing caches stay valid.
+        if self.prompt_format.examples:
+            parts["prompt_examples"] = [list(turns) for turns in self.prompt_format.examples]
+        return parts
+
+
+class OpenAIBatchLines(TaskFormat):
+    """Lines of an OpenAI Batch API request file, each with its own messages, sampling and
+    `response_format` (pipeline/openai_batch.py); the answers also go to the partition's batch
+    output and error files (pipeline/openai_batch_output.py)."""
+
+    key = ("openai_batch", "generate")
+
+    def format(
+        self, raw: pl.DataFrame, engine: Engine, tokenizer: Tokenizer, *, max_model_len: int, source_file: str
+    ) -> pl.DataFrame:
+        task = self.task
+        return format_batch_prompts(
+            raw,
+            tokenizer,
+            sampling_defaults=task.sampling,
+            max_model_len=max_model_len,
+            source_file=source_file,
+            accepted_models=accepted_model_names(task.model) if task.input.require_model_match else None,
+            chat_only=engine.sends_chat_messages,
+        )
+
+    def encoders(self, engine: Engine, tokenizer: Tokenizer, max_model_len: int) -> PartitionEncoders:
+        return lambda formatted: batch_prompt_encoder(engine, self.task, tokenizer, formatted)
+
+    @property
+    def deduplicate(self) -> bool:
+        # Lines carry their own sampling; their request keys tell deterministic ones apart.
+        return True
+
+    def validate(self, outputs: pl.DataFrame) -> pl.DataFrame:
+        return validate_batch_outputs(outputs)
+
+    def preview_columns(self, labels: pl.DataFrame) -> list[str]:
+        return ["custom_id", "label", "error"]
+
+    @property
+    def measures_confidence(self) -> bool:
+        return False  # a line's answer is text or JSON
+
+    def output_files(self, labels: pl.DataFrame, partition_key: str, created: int) -> OutputFiles:
+        """The partition's OpenAI batch output and error files."""
+        outputs, failed = batch_files(labels, model=self.task.model, partition_key=partition_key, created=created)
+        return OutputFiles(
+            metadata={"batch_output_lines": len(outputs), "batch_error_lines": len(failed)},
+            files={
+                f"{folder}_file": (f"{folder}/{partition_key}.jsonl", jsonl_bytes(records))
+                for folder, records in (("batch_output", outputs), ("batch_errors", failed))
+            },
+        )
+
+
+class _EmbeddedRecords(TaskFormat):
+    """Records whose template text (no chat template) goes to an embedding model on vLLM's pooling
+    runner (pipeline/embeddings.py): what embedding and similarity tasks share."""
+
+    def formatted_description(self) -> str:
+        return (
+            f"The text the embedding model embeds for each `{self.task.name}` row: the task's template over its "
+            "fields (no chat template), with `num_prompt_tokens`. Rows with empty text or too long for "
+            "the model get an `error` (or, with `input.truncate`, are cut: `truncated`)."
+        )
+
+    def format(
+        self, raw: pl.DataFrame, engine: Engine, tokenizer: Tokenizer, *, max_model_len: int, source_file: str
+    ) -> pl.DataFrame:
+        prompt = self.task.prompt
+        assert prompt is not None  # a records task always has a prompt section (TaskSpec)
+        return format_embedding_prompts(
+            raw,
+            prompt.template,
+            self.task.input.text_fields,
+            tokenizer,
+            max_model_len=max_model_len,
+            truncate=self.task.input.truncate,
+            source_file=source_file,
+        )
+
+    def encoders(self, engine: Engine, tokenizer: Tokenizer, max_model_len: int) -> PartitionEncoders:
+        encode = embedding_encoder(tokenizer, max_model_len, self.task.input.truncate)
+        return lambda formatted: encode
+
+    @property
+    def max_tokens(self) -> int:
+        return 0  # an embedding generates nothing: the whole context is the text's
+
+    @property
+    def deduplicate(self) -> bool:
+        return True  # an embedding is deterministic
+
+    def output_identity(self, settings: EngineSettings) -> dict[str, Any]:
+        # An embedding depends on the model and the text alone: a similarity task's choices and
+        # descriptions, or sampling, do not change it.
+        return {"output": "embedding"}
+
+    def inference_metadata(self, outputs: pl.DataFrame) -> dict[str, Any]:
+        """The vectors' dimension and how many rows were cut to fit."""
+        dtype = outputs.schema["embedding"]
+        metadata: dict[str, Any] = {"dimension": dtype.size if isinstance(dtype, pl.Array) else None}
+        if "truncated" in outputs.columns:
+            metadata["truncated_rows"] = int(outputs["truncated"].sum() or 0)
+        return metadata
+
+
+class EmbeddingRecords(_EmbeddedRecords):
+    """`output.kind: embedding`: an `embedding` column per row instead of a label."""
+
+    key = ("records", "embed")
+    result = "embeddings"
+
+    def inference_description(self, engine_name: str) -> str:
+        return f"Embeddings of each `{self.task.name}` row from vLLM's pooling runner."
+
+    def validated_description(self) -> str:
+        return (
+            f"The `{self.task.name}` result table: every input column, `embedding` (fixed-size float32, unit "
+            "length), `num_prompt_tokens` and `error` (null when the row is fine). Exactly one row per input "
+            "record, in input order."
+        )
+
+    def infer(
+        self, parts: list[PartitionInput], run: RunInference, tokenizer: Tokenizer, max_model_len: int
+    ) -> list[tuple[pl.DataFrame, InferenceStats]]:
+        return [(embedding_outputs(frame), stats) for frame, stats in run(parts)]
+
+    def validate(self, outputs: pl.DataFrame) -> pl.DataFrame:
+        return validate_embeddings(outputs)
+
+    def preview_columns(self, labels: pl.DataFrame) -> list[str]:
+        return [*self.task.input.text_fields, "num_prompt_tokens", "error"]
+
+    def label_metadata(self, labels: pl.DataFrame) -> dict[str, Any]:
+        return {**embedding_report(labels).metadata(), "prompt_tokens": int(labels["num_prompt_tokens"].sum() or 0)}
+
+    @property
+    def counts_labels(self) -> bool:
+        return False
+
+    @property
+    def measures_confidence(self) -> bool:
+        return False
+
+
+class SimilarityRecords(_EmbeddedRecords):
+    """`output.method: similarity` on a choices task: rows embedded as EmbeddingRecords, each labelled
+    by the choice whose embedding is the most similar, with its `confidence`; the labels are then
+    those of a choices task (validation, metadata, checks)."""
+
+    key = ("records", "similarity")
+
+    def inference_description(self, engine_name: str) -> str:
+        return (
+            f"Embeddings of each `{self.task.name}` row from vLLM's pooling runner, and its label by cosine "
+            "similarity to each choice's embedding."
+        )
+
+    def infer(
+        self, parts: list[PartitionInput], run: RunInference, tokenizer: Tokenizer, max_model_len: int
+    ) -> list[tuple[pl.DataFrame, InferenceStats]]:
+        """The choices go into the same stream as one more partition, so their embeddings are
+        computed once per run (or come from the result cache) by the same model."""
+        output = self.task.output
+        texts = choice_texts(output)
+        choices_part = PartitionInput(
+            choices_frame(texts, tokenizer), embedding_encoder(tokenizer, max_model_len, True), label="choices"
+        )
+        *results, (choice_results, _) = run([*parts, choices_part])
+        vectors = choice_vectors(choice_results, output.choices or [], texts)
+        return [(similarity_outputs(frame, vectors, output.choices or []), stats) for frame, stats in results]
+
+
+# The kinds of task, by `task_format_key`: a new kind is a new entry.
+TASK_FORMATS: dict[tuple[str, str], type[TaskFormat]] = {
+    kind.key: kind for kind in (ChatRecords, EmbeddingRecords, SimilarityRecords, OpenAIBatchLines)
+}
+
+
+def task_format_key(task: TaskSpec) -> tuple[str, str]:
+    """(input.format, what the model does: `generate`, `embed` or `similarity`)."""
+    does = "embed" if task.output.kind == "embedding" else task.output.method
+    return (task.input.format, does)
+
+
+def task_format(task: TaskSpec) -> TaskFormat:
+    """The task's format object, chosen once from the registry."""
+    key = task_format_key(task)
+    if key not in TASK_FORMATS:
+        known = ", ".join(f"{fmt}/{does}" for fmt, does in TASK_FORMATS)
+        raise ValueError(f"task {task.name!r}: no task format for input.format {key[0]} with {key[1]} (known: {known})")
+    return TASK_FORMATS[key](task)
