@@ -154,7 +154,8 @@ def format_embedding_prompts(
 def embedding_encoder(tokenizer: Tokenizer, max_model_len: int, truncate: bool) -> Callable[[list[str]], list[Prompt]]:
     """Texts → the token ids the pooling runner embeds: the model's special tokens added, as
     sentence-transformers and vLLM's `LLM.embed` tokenize; cut to `max_model_len` with `truncate`
-    (too-long texts never get here otherwise: they are error rows)."""
+    (too-long texts never get here otherwise: they are error rows). Each prompt keeps its text too:
+    an endpoint is sent the text, and its server tokenizes it the same way."""
     options: dict[str, Any] = {"add_special_tokens": True}
     if truncate:
         options |= {"truncation": True, "max_length": max_model_len}
@@ -162,7 +163,8 @@ def embedding_encoder(tokenizer: Tokenizer, max_model_len: int, truncate: bool) 
     def encode(texts: list[str]) -> list[Prompt]:
         if not texts:
             return []
-        return [Prompt(tuple(ids)) for ids in tokenizer(texts, **options)["input_ids"]]
+        ids = tokenizer(texts, **options)["input_ids"]
+        return [Prompt(tuple(token_ids), text=text) for token_ids, text in zip(ids, texts, strict=True)]
 
     return encode
 
