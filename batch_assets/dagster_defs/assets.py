@@ -39,8 +39,18 @@ from batch_assets.pipeline.embeddings import (
 from batch_assets.pipeline.engine_contract import EngineSession, EngineSettings, EngineStartError
 from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts, prompt_encoder
 from batch_assets.pipeline.label_quality import accuracy_report, confidence_report
-from batch_assets.pipeline.openai_batch import accepted_model_names, batch_prompt_encoder, format_batch_prompts
-from batch_assets.pipeline.openai_batch_output import batch_files, jsonl_bytes, validate_batch_outputs
+from batch_assets.pipeline.openai_batch import (
+    accepted_model_names,
+    batch_prompt_encoder,
+    format_batch_embedding_prompts,
+    format_batch_prompts,
+)
+from batch_assets.pipeline.openai_batch_output import (
+    batch_files,
+    jsonl_bytes,
+    validate_batch_embeddings,
+    validate_batch_outputs,
+)
 from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
 from batch_assets.pipeline.task_spec import TaskSpec
@@ -315,13 +325,14 @@ def embed_with_choices(
 
 def inference_summary(task: TaskSpec, engine_name: str) -> str:
     """What `inference_outputs` holds, by the kind of task (the start of its description)."""
+    source = "vLLM's pooling runner" if task.engine.kind == "vllm" else f"{engine_name} (/v1/embeddings)"
     if task.output.method == "similarity":
         return (
-            f"Embeddings of each `{task.name}` row from vLLM's pooling runner, and its label by cosine "
+            f"Embeddings of each `{task.name}` row from {source}, and its label by cosine "
             "similarity to each choice's embedding."
         )
     if task.output.kind == "embedding":
-        return f"Embeddings of each `{task.name}` row from vLLM's pooling runner."
+        return f"Embeddings of each `{task.name}` row from {source}."
     return (
         f"Model outputs for each `{task.name}` prompt from {engine_name}, constrained by the task's structured outputs."
     )
@@ -432,6 +443,15 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         tokenizer = llm_engine.tokenizer(task)
 
         def format_partition(raw: pl.DataFrame, partition_key: str) -> pl.DataFrame:
+            if batch_format and pooling:  # `/v1/embeddings` lines
+                return format_batch_embedding_prompts(
+                    raw,
+                    tokenizer,
+                    max_model_len=settings.max_model_len,
+                    truncate=task.input.truncate,
+                    source_file=partition_key,
+                    accepted_models=accepted_model_names(task.model) if task.input.require_model_match else None,
+                )
             if batch_format:
                 return format_batch_prompts(
                     raw,
@@ -586,7 +606,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         clear_checkpoints(checkpoint_dir(name, partition_key))
         embeddings = task.output.kind == "embedding"
         if batch_format:
-            labels = validate_batch_outputs(inference_outputs)
+            labels = (validate_batch_embeddings if embeddings else validate_batch_outputs)(inference_outputs)
         elif embeddings:
             labels = validate_embeddings(inference_outputs)
         else:
@@ -595,7 +615,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         errors = error_code_counts(labels)
         shown = [c for c in ("similarity", "confidence") if c in labels.columns]
         if batch_format:
-            preview_columns = ["custom_id", "label", "error"]
+            preview_columns = ["custom_id", "input" if embeddings else "label", "error"]
         elif embeddings:
             preview_columns = [*task.input.text_fields, "num_prompt_tokens", "error"]
         else:
