@@ -61,6 +61,14 @@ def test_embedding_and_similarity_tasks_default_to_the_embedded_embedding_model(
     assert choice_texts(similarity.output) == ["sports", "recipes and kitchens"]
 
 
+def test_embedding_and_similarity_tasks_may_use_an_endpoint(tmp_path: Path) -> None:
+    endpoint = "engine: {kind: openai, base_url: 'http://127.0.0.1:8000/v1'}\n"
+    for body, name in ((EMBED, "vectors"), (SIMILARITY, "topics")):
+        task = load_task_spec(write(tmp_path, body + endpoint, name))
+        assert task.engine.kind == "openai" and task.output.pooling
+        assert task.engine.model == "embedded:all-MiniLM-L6-v2"  # the endpoint's only model, asked for
+
+
 def test_model_overrides_keep_chat_and_embedding_models_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BATCH_ASSETS_MODEL", "/models/chat")
     monkeypatch.setenv("BATCH_ASSETS_EMBEDDING_MODEL", "/models/embedder")
@@ -106,8 +114,11 @@ def test_model_overrides_keep_chat_and_embedding_models_apart(tmp_path: Path, mo
         (SIMILARITY.replace("{cooking:", "{baking:"), "output.descriptions.baking"),
         (SIMILARITY.replace("  method: similarity\n", ""), "output.descriptions is used by output.method: similarity"),
         (SIMILARITY.replace("recipes and kitchens", "' '"), "output.descriptions.cooking"),
-        # an endpoint engine cannot embed
-        (EMBED + "engine: {kind: openai}\n", "engine.kind (line 5)"),
+        # similarity labels need records (an OpenAI batch file has embeddings lines, not labels)
+        (
+            "input: {format: openai_batch}\noutput: {kind: choices, method: similarity, choices: [a, b]}\n",
+            "output.method: similarity needs input.format: records",
+        ),
         # accuracy needs labels
         (EMBED + "checks: {gold_field: topic}\n", "not embeddings"),
     ],

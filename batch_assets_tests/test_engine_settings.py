@@ -256,3 +256,52 @@ def test_a_gpu_holds_one_warm_engine_a_cpu_one_of_each_runner(tmp_path: Path, gp
         assert POOLING_ENGINE.running is not bool(gpus)
     finally:
         POOLING_ENGINE._engine = None
+
+
+def test_an_embedding_task_on_an_endpoint_takes_the_embedding_models_limit_and_tokenizer(tmp_path: Path) -> None:
+    from batch_assets.engines.embedded_model import embedding_model_dir
+    from batch_assets.engines.openai_engine import OpenAIEngine
+
+    path = tmp_path / "vectors.yaml"
+    path.write_text(
+        "input: {text_fields: [text]}\nprompt: {template: '{text}'}\noutput: {kind: embedding}\n"
+        "engine: {kind: openai, base_url: 'http://127.0.0.1:9/v1', model: minilm}\n"
+    )
+    settings = OpenAIEngine().settings(load_task_spec(path))
+    # No tokenizer named and the served model is no local folder: the embedded embedding model's, and
+    # its limit (256 tokens), not the chat default of 2048.
+    assert settings.tokenizer == str(embedding_model_dir())
+    assert (settings.model, settings.max_model_len) == ("minilm", 256)
+    path.write_text(path.read_text().replace("model: minilm}", "model: minilm, max_model_len: 128}"))
+    assert OpenAIEngine().settings(load_task_spec(path)).max_model_len == 128
+
+
+def test_embedding_texts_are_grouped_into_requests_that_fill_the_concurrency() -> None:
+    from batch_assets.engines.openai_engine import EmbeddingRequest, embedding_requests
+
+    # 10 texts, 4 requests in flight: 3 texts a request; the two cut to the 256-token limit go apart,
+    # with the length the server is to cut them to.
+    lengths = [5, 6, 256, 7, 8, 9, 256, 10, 11, 12]
+    assert embedding_requests(lengths, concurrency=4, max_model_len=256) == [
+        EmbeddingRequest((0, 1, 3)),
+        EmbeddingRequest((4, 5, 7)),
+        EmbeddingRequest((8, 9)),
+        EmbeddingRequest((2, 6), 256),
+    ]
+    assert embedding_requests([5] * 1000, concurrency=2, max_model_len=256, most=64)[0].positions == tuple(range(64))
+    assert embedding_requests([], concurrency=2, max_model_len=256) == []
+
+
+def test_an_embeddings_response_is_read_in_input_order_and_a_short_one_is_refused() -> None:
+    from types import SimpleNamespace
+
+    from batch_assets.engines.openai_engine import response_vectors
+
+    def response(*entries: tuple[int, object]) -> SimpleNamespace:
+        return SimpleNamespace(data=[SimpleNamespace(index=i, embedding=v) for i, v in entries])
+
+    assert response_vectors(response((1, [0.0, 1.0]), (0, [1.0, 0.0])), 2) == [[1.0, 0.0], [0.0, 1.0]]
+    with pytest.raises(ValueError, match="not 0..2"):
+        response_vectors(response((0, [1.0]), (1, [1.0])), 3)
+    with pytest.raises(ValueError, match="not a list of numbers"):
+        response_vectors(response((0, "AAAAAA==")), 1)

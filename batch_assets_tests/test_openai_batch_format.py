@@ -107,7 +107,9 @@ def test_valid_lines_keep_custom_id_model_messages_and_sampling() -> None:
         ),
         (chat_line("ok"), "duplicate_custom_id", "used first on line 1"),
         ({**chat_line("g"), "method": "GET"}, "unsupported_method", "'GET'"),
-        ({**chat_line("e"), "url": "/v1/embeddings"}, "unsupported_url", "/v1/embeddings"),
+        # a chat body sent to /v1/embeddings (an embeddings line is a task's of output.kind embedding)
+        ({**chat_line("e"), "url": "/v1/embeddings"}, "unsupported_field", "body.messages"),
+        ({**chat_line("e"), "url": "/v1/moderations"}, "unsupported_url", "/v1/moderations"),
         ({"custom_id": "nb", "method": "POST", "url": "/v1/chat/completions"}, "invalid_body", "no body"),
         (chat_line("n", n=2), "unsupported_field", "body.n = 2"),
         (chat_line("t", tools=[{"type": "function"}]), "unsupported_field", "body.tools"),

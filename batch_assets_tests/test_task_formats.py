@@ -7,12 +7,14 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import polars as pl
 import pytest
 
 from batch_assets.pipeline.task_formats import (
     TASK_FORMATS,
     ChatRecords,
     EmbeddingRecords,
+    OpenAIBatchEmbeddings,
     OpenAIBatchLines,
     SimilarityRecords,
     TaskFormat,
@@ -28,6 +30,7 @@ EXPECTED = {
     "industry": ChatRecords,
     "industry_similarity": SimilarityRecords,
     "openai_batch": OpenAIBatchLines,
+    "openai_batch_embeddings": OpenAIBatchEmbeddings,
     "sentiment": ChatRecords,
     "industry_fewshot": ChatRecords,
 }
@@ -62,11 +65,15 @@ def test_what_each_kind_asks_of_inference() -> None:
     assert (by_name["embeddings"].max_tokens, by_name["embeddings"].deduplicate) == (0, True)
     assert (by_name["industry_similarity"].max_tokens, by_name["industry_similarity"].deduplicate) == (0, True)
     assert by_name["openai_batch"].deduplicate is True
+    assert (by_name["openai_batch_embeddings"].max_tokens, by_name["openai_batch_embeddings"].deduplicate) == (0, True)
     industry = by_name["industry"]
     assert industry.max_tokens == industry.task.sampling.max_tokens
     assert industry.deduplicate == industry.task.sampling.deterministic
     # What a validated row carries names its output checks; only closed label sets are counted.
-    assert {name for name, fmt in by_name.items() if fmt.result == "embeddings"} == {"embeddings"}
+    assert {name for name, fmt in by_name.items() if fmt.result == "embeddings"} == {
+        "embeddings",
+        "openai_batch_embeddings",
+    }
     assert {name for name, fmt in by_name.items() if fmt.counts_labels} == {
         "industry",
         "industry_similarity",
@@ -74,6 +81,8 @@ def test_what_each_kind_asks_of_inference() -> None:
         "industry_fewshot",
     }
     assert not by_name["openai_batch"].measures_confidence
+    assert not by_name["openai_batch_embeddings"].measures_confidence
+    assert by_name["openai_batch_embeddings"].preview_columns(pl.DataFrame()) == ["custom_id", "input", "error"]
 
 
 def test_an_unknown_kind_is_refused_by_name() -> None:

@@ -95,6 +95,7 @@ def test_wheel_loads_every_shipped_task(installed_wheel: tuple[Path, dict[str, s
         "industry",
         "industry_similarity",
         "openai_batch",
+        "openai_batch_embeddings",
         "sentiment",
     ]
     expected_assets = sorted(

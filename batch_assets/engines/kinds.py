@@ -6,7 +6,8 @@ with no other change:
 - `vllm` (`VLLMEngine`, resource key `llm_engine`, pool `gpu`): vLLM's async engine inside the
   run's process (the default).
 - `openai` (`OpenAIEngine`, resource key `llm_endpoint`, pool `llm_endpoint`): any
-  OpenAI-compatible chat-completions server, for tasks whose YAML says `engine.kind: openai`.
+  OpenAI-compatible server (chat completions; `/v1/embeddings` for embedding and similarity tasks),
+  for tasks whose YAML says `engine.kind: openai`.
 
 The asset never names an engine class: `ENGINE_KINDS[task.engine.kind]` gives the resource key,
 pool and display name, and the resource under that key is the engine.

@@ -1,4 +1,4 @@
-"""The endpoint engine: prompts sent to an OpenAI-compatible chat-completions server.
+"""The endpoint engine: prompts sent to an OpenAI-compatible server (chat completions, embeddings).
 
 For teams that score against a shared `vllm serve` deployment or a managed (provisioned-throughput)
 endpoint instead of running vLLM inside the job. A task opts in with `engine.kind: openai` in its
@@ -15,6 +15,12 @@ same as with the in-process engine: only `generate` differs.
 - Structured outputs the way vLLM's server takes them: choices and regex as vLLM's
   `structured_outputs` request field, JSON schemas as the standard `response_format`.
 - Token counts come from the server's `usage`.
+- Embedding and similarity tasks (`output.kind: embedding`, `output.method: similarity`) call
+  `/v1/embeddings` instead: several texts per request (enough to keep `concurrency` requests
+  busy), the vectors as the server returns them (vLLM's server pools and normalizes as its
+  `LLM.embed` does, so they equal the in-process engine's). A text the local tokenizer cut
+  (`input.truncate`) is sent with vLLM's `truncate_prompt_tokens`. A request the server refuses
+  (HTTP 400) is sent again text by text, so only the text at fault becomes an error row.
 - The API key is read from `api_key` (use `dg.EnvVar`) or the environment variable named by
   `engine.api_key_env`. It is never logged and never put in metadata or error messages.
 """
@@ -25,19 +31,27 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import math
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 import dagster as dg
 from pydantic import Field
 
-from batch_assets.engines.embedded_model import resolve_model
+from batch_assets.engines.embedded_model import model_token_limit, resolve_model
 from batch_assets.engines.tokenizers import load_tokenizer
 from batch_assets.pipeline.engine_contract import Generation, Prompt, batched_stream
-from batch_assets.pipeline.task_spec import EMBEDDED_MODEL, OutputSpec, SamplingSpec, TaskSpec, check_base_url
+from batch_assets.pipeline.task_spec import (
+    EMBEDDED_EMBEDDING_MODEL,
+    EMBEDDED_MODEL,
+    OutputSpec,
+    SamplingSpec,
+    TaskSpec,
+    check_base_url,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +59,9 @@ log = logging.getLogger(__name__)
 NO_KEY = "EMPTY"
 # Statuses the client retries (see `openai._base_client._should_retry`); others fail at once.
 RETRIED_STATUSES = frozenset({408, 409, 429})
+# Texts per `/v1/embeddings` request at most (OpenAI takes 2048); fewer when a batch is small, so
+# that it still fills `concurrency` requests.
+MAX_TEXTS_PER_EMBEDDING_REQUEST = 64
 
 
 class EndpointError(RuntimeError):
@@ -81,6 +98,46 @@ class EndpointSettings:
 class _Failure:
     error: str  # the error row's text: "<code>: <message>"
     fatal: str | None = None  # set when the whole endpoint is at fault: fail the run with this
+    status: int | None = None  # the HTTP status the server answered, if it answered
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """One `/v1/embeddings` request: the positions of its texts in the batch, and the token count
+    the server is to cut them to (vLLM's `truncate_prompt_tokens`), for texts cut locally."""
+
+    positions: tuple[int, ...]
+    truncate_to: int | None = None
+
+
+def embedding_requests(
+    lengths: Sequence[int], concurrency: int, max_model_len: int, most: int = MAX_TEXTS_PER_EMBEDDING_REQUEST
+) -> list[EmbeddingRequest]:
+    """A batch of texts (their local token counts) grouped into `/v1/embeddings` requests: as many
+    texts per request as keep `concurrency` requests busy, at most `most`. Texts of `max_model_len`
+    tokens (cut to it by `input.truncate`, or exactly that long) go in requests of their own that ask
+    the server to cut them the same way; the others are sent as they are, which any server takes."""
+    whole = [i for i, n in enumerate(lengths) if n < max_model_len]
+    cut = [i for i, n in enumerate(lengths) if n >= max_model_len]
+    size = max(1, min(most, math.ceil(len(lengths) / concurrency)))
+    return [
+        EmbeddingRequest(tuple(positions[start : start + size]), truncate_to)
+        for positions, truncate_to in ((whole, None), (cut, max_model_len))
+        for start in range(0, len(positions), size)
+    ]
+
+
+def response_vectors(response, count: int) -> list[list[float]]:
+    """The vectors of an embeddings response in input order (by each entry's `index`); a response
+    that does not hold exactly one vector of numbers per text raises ValueError."""
+    data = sorted(response.data, key=lambda entry: entry.index)
+    if [entry.index for entry in data] != list(range(count)):
+        raise ValueError(f"the response has embeddings for indices {[e.index for e in data][:10]}, not 0..{count - 1}")
+    vectors = [entry.embedding for entry in data]
+    for vector in vectors:
+        if not isinstance(vector, list) or not vector or not all(isinstance(v, int | float) for v in vector):
+            raise ValueError("an embedding in the response is not a list of numbers")
+    return vectors
 
 
 def chat_request_params(
@@ -151,9 +208,17 @@ def _cause_names(exc: BaseException) -> set[str]:
 
 
 def classify_failure(
-    exc: Exception, *, base_url: str, model: str, timeout_s: float, max_retries: int, api_key: str | None
+    exc: Exception,
+    *,
+    base_url: str,
+    model: str,
+    timeout_s: float,
+    max_retries: int,
+    api_key: str | None,
+    embeddings: bool = False,
 ) -> _Failure:
-    """Turn the client's final exception (after its retries) into an error row or a run failure."""
+    """Turn the client's final exception (after its retries) into an error row or a run failure
+    (`embeddings`: the request went to `/embeddings`, not `/chat/completions`)."""
     import openai
 
     where = f"{base_url} (model {model!r})"
@@ -180,19 +245,27 @@ def classify_failure(
                 "(`engine.api_key_env` names its environment variable, or the `llm_endpoint` resource's api_key)",
             )
         if status == 404:
+            served = (
+                "an embedding model served for embeddings (`vllm serve MODEL --runner pooling`; a chat model's "
+                "server has no /embeddings)"
+                if embeddings
+                else "a chat model (an embedding model's server has no /chat/completions)"
+            )
             return _Failure(
                 "endpoint_not_found: HTTP 404",
                 fatal=f"the endpoint {where} answered HTTP 404 ({message}): check that base_url ends with the API "
-                "prefix (usually /v1) and that `engine.model` is a model the server serves",
+                f"prefix (usually /v1) and that `engine.model` is a model the server serves, {served}",
+                status=status,
             )
         attempts = retried if status in RETRIED_STATUSES or status >= 500 else "not retried"
-        if status == 400 and "logprob" in message.lower():
+        if status == 400 and "logprob" in message.lower() and not embeddings:
             return _Failure(
                 f"endpoint_error: HTTP 400: {message}",
                 fatal=f"the endpoint {where} refuses `logprobs` ({message}): set `logprobs=False` on the "
                 "`llm_endpoint` resource (labels then come without a confidence)",
+                status=status,
             )
-        return _Failure(f"endpoint_error: HTTP {status}: {message}; {attempts}")
+        return _Failure(f"endpoint_error: HTTP {status}: {message}; {attempts}", status=status)
     return _Failure(f"endpoint_error: {type(exc).__name__}: {_redact(str(exc), api_key)[:200]}")
 
 
@@ -287,10 +360,15 @@ class OpenAIEngine(dg.ConfigurableResource):
             "batch_size": spec.batch_size,
         }
         # BATCH_ASSETS_MODEL is for the in-process engine: an endpoint's model is the server's name.
-        model = self.model or (spec.model if spec.model != EMBEDDED_MODEL else None)
+        model = self.model or (spec.model if spec.model not in (EMBEDDED_MODEL, EMBEDDED_EMBEDDING_MODEL) else None)
         if model is None:
             model = self._served_model(task, base_url, settings["request_timeout_s"], settings["max_retries"])
-        return EndpointSettings(model=model, tokenizer=self._tokenizer_source(task, model), **settings)
+        tokenizer = self._tokenizer_source(task, model)
+        if task.output.pooling and not self.max_model_len and "max_model_len" not in spec.model_fields_set:
+            # As in process: an embedding model takes what it was trained with (its tokenizer's folder
+            # says so: 256 tokens for all-MiniLM-L6-v2), not the chat default.
+            settings["max_model_len"] = model_token_limit(tokenizer) or settings["max_model_len"]
+        return EndpointSettings(model=model, tokenizer=tokenizer, **settings)
 
     def tokenizer(self, task: TaskSpec):
         """A local tokenizer (no server call) for the prompt text and token counts."""
@@ -302,17 +380,26 @@ class OpenAIEngine(dg.ConfigurableResource):
         yield EndpointSession(self, task)
 
     def generate(self, task: TaskSpec, prompts: Sequence[Prompt]) -> list[Generation]:
-        """One chat completion per prompt, `concurrency` at a time; failed requests become error rows."""
+        """One chat completion per prompt (an embedding task: one vector per prompt, several texts
+        per request), `concurrency` requests at a time; failed requests become error rows."""
         prompts = list(prompts)
         if not prompts:
             return []
-        if any(p.messages is None for p in prompts):
+        # What the engine sends: a chat task's messages, an embedding task's texts.
+        sent, encoder = (
+            ("text", "embeddings.embedding_encoder")
+            if task.output.pooling
+            else ("messages", "format_prompts.prompt_encoder")
+        )
+        if any(getattr(p, sent) is None for p in prompts):
             raise TypeError(
-                "the endpoint engine sends chat messages: build its prompts with "
-                "batch_assets.pipeline.format_prompts.prompt_encoder, which fills `Prompt.messages`"
+                f"the endpoint engine sends each prompt's {sent}: build its prompts with "
+                f"batch_assets.pipeline.{encoder}, which fills `Prompt.{sent}`"
             )
         settings = self.settings(task)
         api_key = self._api_key(task)
+        if task.output.pooling:
+            return self._embed(settings, api_key, prompts)
         default = chat_request_params(task, settings.model, settings.structured_outputs, logprobs=settings.logprobs)
         params = [
             default
@@ -322,24 +409,9 @@ class OpenAIEngine(dg.ConfigurableResource):
             )
             for p in prompts
         ]
-        outcomes = _run_coroutine(self._send_all(settings, api_key, params, prompts))
-        fatal = next((o.fatal for o in outcomes if isinstance(o, _Failure) and o.fatal), None)
-        if fatal:
-            raise EndpointError(fatal)
-        failures = [o for o in outcomes if isinstance(o, _Failure)]
-        if len(failures) == len(outcomes):
-            raise EndpointError(
-                f"all {len(outcomes)} requests of this batch to {settings.base_url} failed; the server is not "
-                f"serving (first error: {failures[0].error}). Finished batches are checkpointed: re-run to resume."
-            )
-        if failures:
-            log.warning(
-                "%d of %d requests to %s failed after retries, e.g. %s",
-                len(failures),
-                len(outcomes),
-                settings.base_url,
-                failures[0].error,
-            )
+        calls = [_chat_call(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+        outcomes = _run_coroutine(self._gather(settings, api_key, calls))
+        _check_outcomes(settings, outcomes)
         tokenizer = None
         results = []
         for prompt, outcome in zip(prompts, outcomes, strict=True):
@@ -371,9 +443,50 @@ class OpenAIEngine(dg.ConfigurableResource):
             )
         return results
 
-    async def _send_all(
-        self, settings: EndpointSettings, api_key: str, params: list[dict], prompts: list[Prompt]
+    def _embed(self, settings: EndpointSettings, api_key: str, prompts: list[Prompt]) -> list[Generation]:
+        """`/v1/embeddings` for an embedding or similarity task: the prompts' texts, several per request
+        (`embedding_requests`); a request the server refused (HTTP 400) is sent again text by text."""
+        from batch_assets.pipeline.embeddings import encode_vector
+
+        texts = [p.text for p in prompts]
+
+        def send(requests: list[EmbeddingRequest]) -> list[tuple[EmbeddingRequest, Any]]:
+            calls = [_embedding_call(settings.model, [texts[i] for i in r.positions], r) for r in requests]
+            return list(zip(requests, _run_coroutine(self._gather(settings, api_key, calls, True)), strict=True))
+
+        results = send(embedding_requests([len(p) for p in prompts], settings.concurrency, settings.max_model_len))
+        refused = [r for r, o in results if isinstance(o, _Failure) and o.status == 400 and len(r.positions) > 1]
+        if refused:  # one text at fault fails its whole request: find it
+            alone = [EmbeddingRequest((i,), r.truncate_to) for r in refused for i in r.positions]
+            results = [(r, o) for r, o in results if r not in refused] + send(alone)
+        outcomes: list = [None] * len(prompts)
+        for request, outcome in results:
+            vectors = [outcome] * len(request.positions) if isinstance(outcome, _Failure) else outcome
+            for position, vector in zip(request.positions, vectors, strict=True):
+                outcomes[position] = vector
+        _check_outcomes(settings, outcomes)
+        return [
+            Generation(
+                text=None, finish_reason=None, num_prompt_tokens=len(prompt), num_generated_tokens=0, error=o.error
+            )
+            if isinstance(o, _Failure)
+            # The local count, the model's special tokens included, as in process: a request's `usage`
+            # counts all of its texts together.
+            else Generation(
+                text=encode_vector(o), finish_reason=None, num_prompt_tokens=len(prompt), num_generated_tokens=0
+            )
+            for prompt, o in zip(prompts, outcomes, strict=True)
+        ]
+
+    async def _gather(
+        self,
+        settings: EndpointSettings,
+        api_key: str,
+        calls: list[Callable[[Any], Awaitable[Any]]],
+        embeddings: bool = False,
     ) -> list:
+        """Each call's outcome (or the `_Failure` it raised), `concurrency` calls in flight; once the
+        endpoint as a whole has failed, what is left is not sent."""
         # The official `openai` client (installed with vLLM, kept in step with the API): typed
         # responses, auth, and a tested retry policy (exponential backoff with jitter, Retry-After,
         # one idempotency key across attempts) that we would otherwise re-implement.
@@ -389,17 +502,12 @@ class OpenAIEngine(dg.ConfigurableResource):
             max_retries=settings.max_retries,
         ) as client:
 
-            async def one(prompt: Prompt, params: dict):
+            async def one(call: Callable[[Any], Awaitable[Any]]):
                 async with gate:
                     if stop.is_set():
                         return _Failure("endpoint_error: not sent, the endpoint failed", fatal=None)
-                    assert prompt.messages is not None  # generate() refuses prompts without messages
                     try:
-                        response = await client.chat.completions.create(
-                            # plain role/content dicts: the client's message TypedDicts are stricter
-                            messages=list(prompt.messages),  # type: ignore[arg-type]
-                            **params,
-                        )
+                        return await call(client)
                     except openai.APIError as exc:
                         failure = classify_failure(
                             exc,
@@ -408,21 +516,18 @@ class OpenAIEngine(dg.ConfigurableResource):
                             timeout_s=settings.request_timeout_s,
                             max_retries=settings.max_retries,
                             api_key=api_key,
+                            embeddings=embeddings,
                         )
                         if failure.fatal:
                             stop.set()
                         return failure
-                    except Exception as exc:  # e.g. a reply that is not a chat completion: this row only
+                    except Exception as exc:  # e.g. a reply that is not a chat completion: this request only
                         return _Failure(
                             f"endpoint_error: unreadable response ({type(exc).__name__}): "
                             f"{_redact(str(exc), api_key)[:200]}"
                         )
-                    if not response.choices or response.choices[0].message.content is None:
-                        return _Failure("endpoint_error: the response has no message content")
-                    choice = response.choices[0]
-                    return (choice.message.content, choice.finish_reason, response.usage, _cumulative_logprob(choice))
 
-            return await asyncio.gather(*(one(prompt, p) for prompt, p in zip(prompts, params, strict=True)))
+            return await asyncio.gather(*(one(call) for call in calls))
 
     def _api_key(self, task: TaskSpec) -> str:
         if self.api_key:
@@ -480,16 +585,68 @@ class OpenAIEngine(dg.ConfigurableResource):
         local = os.path.expanduser(model)
         if os.path.isdir(local):
             return os.path.abspath(local)
+        # An embedding task's texts are counted with the embedded embedding model's tokenizer.
+        fallback = EMBEDDED_EMBEDDING_MODEL if task.output.pooling else EMBEDDED_MODEL
         if (task.name, model) not in _tokenizer_notes:
             _tokenizer_notes.add((task.name, model))
             log.warning(
                 "task %s: no local tokenizer for the endpoint's model %r; rendering prompts and counting tokens with "
-                "the embedded SmolLM2 tokenizer, so `prompt` and the too-long check are approximate (the server "
-                "applies its own chat template; its token counts are reported). Set `engine.tokenizer` to fix.",
+                "the tokenizer of %s, so `prompt`, the token counts and the too-long check are approximate (the "
+                "server applies its own tokenizer%s). Set `engine.tokenizer` to fix.",
                 task.name,
                 model,
+                fallback,
+                "" if task.output.pooling else " and chat template; its token counts are reported",
             )
-        return resolve_model(EMBEDDED_MODEL)
+        return resolve_model(fallback)
+
+
+def _chat_call(prompt: Prompt, params: dict) -> Callable[[Any], Awaitable[Any]]:
+    async def call(client):
+        assert prompt.messages is not None  # generate() refuses prompts without messages
+        response = await client.chat.completions.create(
+            # plain role/content dicts: the client's message TypedDicts are stricter
+            messages=list(prompt.messages),
+            **params,
+        )
+        if not response.choices or response.choices[0].message.content is None:
+            return _Failure("endpoint_error: the response has no message content")
+        choice = response.choices[0]
+        return (choice.message.content, choice.finish_reason, response.usage, _cumulative_logprob(choice))
+
+    return call
+
+
+def _embedding_call(model: str, texts: list, request: EmbeddingRequest) -> Callable[[Any], Awaitable[Any]]:
+    async def call(client):
+        # vLLM's own field: sent only for texts cut locally, so other servers get plain requests.
+        extra = {"extra_body": {"truncate_prompt_tokens": request.truncate_to}} if request.truncate_to else {}
+        response = await client.embeddings.create(model=model, input=texts, encoding_format="float", **extra)
+        return response_vectors(response, len(texts))
+
+    return call
+
+
+def _check_outcomes(settings: EndpointSettings, outcomes: list) -> None:
+    """Fail the run when the endpoint as a whole failed (a fatal error, or every request of the
+    batch); else log how many requests became error rows."""
+    fatal = next((o.fatal for o in outcomes if isinstance(o, _Failure) and o.fatal), None)
+    if fatal:
+        raise EndpointError(fatal)
+    failures = [o for o in outcomes if isinstance(o, _Failure)]
+    if len(failures) == len(outcomes):
+        raise EndpointError(
+            f"all {len(outcomes)} requests of this batch to {settings.base_url} failed; the server is not "
+            f"serving (first error: {failures[0].error}). Finished batches are checkpointed: re-run to resume."
+        )
+    if failures:
+        log.warning(
+            "%d of %d requests to %s failed after retries, e.g. %s",
+            len(failures),
+            len(outcomes),
+            settings.base_url,
+            failures[0].error,
+        )
 
 
 class EndpointSession:

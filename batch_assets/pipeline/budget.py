@@ -50,7 +50,9 @@ def estimate_cost(formatted: pl.DataFrame, task: TaskSpec) -> CostEstimate:
     to_infer = formatted.filter(pl.col("error").is_null())
     prompt_tokens = int(to_infer["num_prompt_tokens"].sum() or 0)
     generated = to_infer.height * task.sampling.max_tokens
-    if task.input.format == "openai_batch":  # each line's own max_tokens, the task's where it has none
+    if task.output.pooling:  # an embedding generates no tokens
+        generated = 0
+    elif task.input.format == "openai_batch":  # each line's own max_tokens, the task's where it has none
         generated = int(to_infer["max_tokens"].fill_null(task.sampling.max_tokens).sum() or 0)
     return CostEstimate(
         to_infer.height, prompt_tokens, generated, cost_usd(prompt_tokens, generated, task.engine.price)

@@ -86,9 +86,10 @@ def count_text_tokens(tokenizer: Tokenizer, column: pl.Series) -> pl.Series:
     """Tokens of each text as the model gets it (its special tokens included, [CLS] and [SEP] for BERT
     models), never cut: the count says whether the text fits. Each distinct text is tokenized once.
 
-    The Rust tokenizer is used directly where there is one, with its truncation switched off: a
-    tokenizer.json may carry a truncation setting of its own (all-MiniLM-L6-v2's cuts at 128 tokens),
-    which transformers switches on or off at each call, so it depends on the call before.
+    The Rust tokenizer is used directly where there is one, with its truncation and padding switched
+    off: a tokenizer.json may carry settings of its own (all-MiniLM-L6-v2's cuts and pads to 128
+    tokens), which transformers switches on or off at each call, so they depend on the call before
+    (on a fresh tokenizer every short text counted 128 tokens).
     """
     distinct = column.drop_nulls().unique().to_list()
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -97,6 +98,7 @@ def count_text_tokens(tokenizer: Tokenizer, column: pl.Series) -> pl.Series:
         chunk = distinct[start : start + TOKENIZE_CHUNK]
         if backend is not None and hasattr(backend, "encode_batch_fast"):
             backend.no_truncation()
+            backend.no_padding()  # likewise a padding setting (all-MiniLM-L6-v2's pads to 128 tokens)
             counts.extend(len(encoding) for encoding in backend.encode_batch_fast(chunk, add_special_tokens=True))
         else:
             counts.extend(len(ids) for ids in tokenizer(chunk, add_special_tokens=True)["input_ids"])
@@ -154,7 +156,8 @@ def format_embedding_prompts(
 def embedding_encoder(tokenizer: Tokenizer, max_model_len: int, truncate: bool) -> Callable[[list[str]], list[Prompt]]:
     """Texts → the token ids the pooling runner embeds: the model's special tokens added, as
     sentence-transformers and vLLM's `LLM.embed` tokenize; cut to `max_model_len` with `truncate`
-    (too-long texts never get here otherwise: they are error rows)."""
+    (too-long texts never get here otherwise: they are error rows). Each prompt keeps its text too:
+    an endpoint is sent the text, and its server tokenizes it the same way."""
     options: dict[str, Any] = {"add_special_tokens": True}
     if truncate:
         options |= {"truncation": True, "max_length": max_model_len}
@@ -162,7 +165,8 @@ def embedding_encoder(tokenizer: Tokenizer, max_model_len: int, truncate: bool) 
     def encode(texts: list[str]) -> list[Prompt]:
         if not texts:
             return []
-        return [Prompt(tuple(ids)) for ids in tokenizer(texts, **options)["input_ids"]]
+        ids = tokenizer(texts, **options)["input_ids"]
+        return [Prompt(tuple(token_ids), text=text) for token_ids, text in zip(ids, texts, strict=True)]
 
     return encode
 

@@ -46,12 +46,14 @@ class Generation:
 class Prompt:
     """One request: the rendered prompt's token ids (what an in-process engine runs), the chat
     messages it was rendered from (what an endpoint is sent; None when the engine does not need
-    them), and optional per-request overrides of the task's sampling and output constraint."""
+    them), optional per-request overrides of the task's sampling and output constraint, and, for
+    an embedding, the text itself (what an endpoint's `/v1/embeddings` is sent)."""
 
     token_ids: tuple[int, ...]
     messages: tuple[dict[str, str], ...] | None = None
     sampling: SamplingSpec | None = None
     output: OutputSpec | None = None
+    text: str | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

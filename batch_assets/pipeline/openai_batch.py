@@ -6,10 +6,13 @@ Pure functions, no Dagster, no storage. A drop of a task with `input.format: ope
     {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions",
      "body": {"model": "...", "messages": [...], "max_tokens": 64, "temperature": 0, ...}}
 
-(`/v1/completions` lines carry `body.prompt` instead of `messages`). `read_batch_requests` turns
-the file into raw_prompts rows; `format_batch_prompts` renders each request's own messages with
-the model's chat template, resolves its sampling (the task's `sampling:` fills what a line leaves
-out) and its output constraint (`response_format`), and counts its tokens.
+(`/v1/completions` lines carry `body.prompt` instead of `messages`; `/v1/embeddings` lines carry
+`body.input`, a text or a list of texts, for a task whose `output.kind` is `embedding`).
+`read_batch_requests` turns the file into raw_prompts rows (an embeddings line: one row per text,
+`input_index` its place in `body.input`); `format_batch_prompts` renders each request's own
+messages with the model's chat template, resolves its sampling (the task's `sampling:` fills what a
+line leaves out) and its output constraint (`response_format`), and counts its tokens;
+`format_batch_embedding_prompts` does what an embedding task's formatting does to each text.
 
 Every line yields exactly one row; a line that cannot be answered is a row with an `error`
 (`code: file line N: message`), which ends up in the partition's batch_errors file:
@@ -23,16 +26,21 @@ Every line yields exactly one row; a line that cannot be answered is a row with 
                         in the `custom_id` column; echoed as given in the error line)
     duplicate_custom_id the `custom_id` of an earlier line (that line is answered; this one is not)
     unsupported_method  `method` other than POST
-    unsupported_url     `url` other than /v1/chat/completions and /v1/completions
+    unsupported_url     `url` other than /v1/chat/completions, /v1/completions and /v1/embeddings,
+                        or a url the task does not serve (/v1/embeddings lines need a task whose
+                        output.kind is embedding; chat and completion lines one whose output is text)
     invalid_body        `body` missing or not an object
     unsupported_field   a body field this pipeline does not honour (tools, logprobs, n > 1, ...)
     invalid_field       a supported field with a value of the wrong type or range (a max_tokens
                         that leaves no room for a prompt in the model's context included)
     empty_messages      `messages` missing or empty (chat), `prompt` missing or empty (completions)
+    empty_input         `input` missing, empty or blank (embeddings), or a blank text in its list
     invalid_message     a message without a known role or with content that is not text
     model_mismatch      with `input.require_model_match`: `body.model` is not the task's model
     chat_template_error the model's chat template refused the messages (e.g. roles not alternating)
     prompt_too_long     prompt tokens + max_tokens exceed the model's context
+    input_too_long      an embeddings text longer than the model takes (`input.truncate: true` in the
+                        task cuts it instead, as sentence-transformers does)
 
 Only a file that is not `.jsonl` (or `.jsonl.gz`), or a broken gzip file, raises `DropFileError`.
 Every code above is a bad request (HTTP 400 in the error file); any other code on a row (the
@@ -48,6 +56,7 @@ from typing import Any
 
 import polars as pl
 
+from batch_assets.pipeline.embeddings import format_embedding_prompts
 from batch_assets.pipeline.engine_contract import Prompt
 from batch_assets.pipeline.format_prompts import Tokenizer, count_tokens
 from batch_assets.pipeline.read_prompts import DropFileError, _gunzip, input_suffix
@@ -55,7 +64,10 @@ from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL)
+EMBEDDINGS_URL = "/v1/embeddings"
+SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
+# OpenAI's limit of texts in one embeddings request.
+MAX_EMBEDDING_INPUTS = 2048
 MESSAGE_ROLES = ("system", "developer", "user", "assistant")
 # Body fields honoured (or harmless: `user`, `metadata`, `store` are recorded by OpenAI, not used
 # for generation). `n`, `stream`, `logprobs` and `echo` are accepted at their default values only.
@@ -76,6 +88,8 @@ _COMMON_FIELDS = {
 BODY_FIELDS = {
     CHAT_URL: frozenset(_COMMON_FIELDS | {"messages", "max_completion_tokens", "response_format"}),
     COMPLETIONS_URL: frozenset(_COMMON_FIELDS | {"prompt", "echo"}),
+    # `dimensions` (shortened vectors) is left out: only some models are trained for it.
+    EMBEDDINGS_URL: frozenset({"model", "input", "encoding_format", "user"}),
 }
 _DEFAULT_ONLY = {
     "n": (1, None),
@@ -105,6 +119,9 @@ REQUEST_ERROR_CODES = frozenset(
         "model_mismatch",
         "chat_template_error",
         "prompt_too_long",
+        "empty_input",
+        "input_too_long",
+        "empty_text",
         # The engine refused the request (e.g. a pattern its structured-output backend cannot compile).
         "invalid_request",
     }
@@ -126,8 +143,25 @@ RAW_SCHEMA = {
     "seed": pl.Int64,
     "stop": pl.String,  # JSON list of stop strings
     "response_format": pl.String,  # JSON object as written
+    "input": pl.String,  # embeddings: one text of body.input (a line with a list of texts has a row each)
+    "input_index": pl.Int64,  # embeddings: the text's place in body.input (the `index` of its vector)
+    "encoding_format": pl.String,  # embeddings: "float" or "base64", how the vectors are written out
     "error": pl.String,
 }
+# The columns that only chat and completion lines fill, and those only embeddings lines fill.
+GENERATION_COLUMNS = (
+    "messages",
+    "completion_prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "response_format",
+)
+EMBEDDING_COLUMNS = ("input", "input_index", "encoding_format")
+# Where `_parse_body` leaves an embeddings line's texts for `read_batch_requests` to spread over rows.
+_TEXTS = "_texts"
 
 
 class _LineError(Exception):
@@ -173,8 +207,15 @@ def read_batch_requests(data: bytes, file_name: str) -> pl.DataFrame:
         try:
             _parse_line(raw_line.removesuffix(b"\r"), row, first_line_of)
         except _LineError as exc:
+            row.pop(_TEXTS, None)
             row["error"] = _error(exc.code, file_name, number, str(exc))
-        rows.append(row)
+        texts = row.pop(_TEXTS, None)
+        if texts is None:
+            rows.append(row)
+            continue
+        # An embeddings line: one row per text (its own vector, deduplicated and cached as any text).
+        for position, text in enumerate(texts):
+            rows.append({**row, "row_id": len(rows), "input": text, "input_index": position})
     return pl.DataFrame(rows, schema=RAW_SCHEMA)
 
 
@@ -259,6 +300,14 @@ def _parse_body(body: dict, url: str, row: dict) -> None:
         if body.get("response_format") is not None:
             row["response_format"] = json.dumps(_response_format(body["response_format"]), ensure_ascii=False)
         row["messages"] = json.dumps(_messages(body.get("messages")), ensure_ascii=False)
+    elif url == EMBEDDINGS_URL:
+        encoding = body.get("encoding_format", "float")
+        if encoding not in ("float", "base64"):
+            raise _LineError(
+                "invalid_field", f'body.encoding_format is {_json_text(encoding)}; use "float" or "base64"'
+            )
+        row["encoding_format"] = encoding
+        row[_TEXTS] = _embedding_texts(body.get("input"))
     else:
         row["completion_prompt"] = _completion_prompt(body.get("prompt"))
 
@@ -386,6 +435,30 @@ def _completion_prompt(value: object) -> str:
     return value
 
 
+def _embedding_texts(value: object) -> list[str]:
+    """`body.input` of an embeddings line as its texts: a text, or a list of up to 2048 texts."""
+    texts = [value] if isinstance(value, str) else value
+    if value is None or value == "" or value == []:
+        raise _LineError("empty_input", "body.input is missing or empty")
+    if not isinstance(texts, list):
+        raise _LineError("invalid_field", f"body.input is {_kind(value)}; it must be a text or a list of texts")
+    if all(isinstance(item, int) and not isinstance(item, bool) for item in texts) or all(
+        isinstance(item, list) for item in texts
+    ):
+        raise _LineError(
+            "unsupported_field", "body.input holds token ids; this pipeline embeds text: send the text itself"
+        )
+    if len(texts) > MAX_EMBEDDING_INPUTS:
+        raise _LineError("invalid_field", f"body.input holds {len(texts)} texts; at most {MAX_EMBEDDING_INPUTS} a line")
+    for position, text in enumerate(texts):
+        where = "body.input" if isinstance(value, str) else f"body.input[{position}]"
+        if not isinstance(text, str):
+            raise _LineError("invalid_field", f"{where} is {_kind(text)}, not a text")
+        if not text.strip():
+            raise _LineError("empty_input", f"{where} is {'empty' if not text else 'blank'}")
+    return texts
+
+
 # --- formatting -------------------------------------------------------------------------------
 
 
@@ -507,6 +580,57 @@ class _LineFormat:
         return _error(code, self.source_file, line, message)
 
 
+_NOT_AN_EMBEDDING_TASK = (
+    "url /v1/embeddings asks for vectors, and this task's output.kind is text (its model writes answers): "
+    "send embeddings lines to a task with output.kind: embedding (such as openai_batch_embeddings)"
+)
+_NOT_A_CHAT_TASK = (
+    "url {url} asks for an answer, and this task's output.kind is embedding (its model returns vectors): "
+    "send chat and completion lines to a task with output.kind: text (such as openai_batch)"
+)
+
+
+def _model_mismatch(requested: str | None, accepted: set[str]) -> str:
+    return (
+        f"body.model {requested!r} is not the task's model ({', '.join(sorted(accepted))}); "
+        "set input.require_model_match: false to answer every line with the task's model"
+    )
+
+
+def format_batch_embedding_prompts(
+    raw: pl.DataFrame,
+    tokenizer: Tokenizer,
+    *,
+    max_model_len: int,
+    truncate: bool,
+    source_file: str,
+    accepted_models: set[str] | None = None,
+) -> pl.DataFrame:
+    """raw_prompts → formatted_prompts for the lines of a task whose `output.kind` is embedding: each
+    `/v1/embeddings` text formatted as an embedding task's text is (`prompt` = the text, its token
+    count with the model's special tokens; too long: an `input_too_long` row naming the file, the
+    line and `input.truncate`, or cut with it); a chat or completion line, or (with
+    `accepted_models`) a line naming another model, is an error row naming the setting to change."""
+    errors: list[str | None] = []
+    for row in raw.select("error", "url", "model", "source_line").iter_rows(named=True):
+        error, line = row["error"], row["source_line"]
+        if error is None and row["url"] != EMBEDDINGS_URL:
+            error = _error("unsupported_url", source_file, line, _NOT_A_CHAT_TASK.format(url=row["url"]))
+        if error is None and accepted_models is not None and not model_matches(row["model"], accepted_models):
+            error = _error("model_mismatch", source_file, line, _model_mismatch(row["model"], accepted_models))
+        errors.append(error)
+    frame = raw.with_columns(pl.Series("error", errors, dtype=pl.String))
+    return format_embedding_prompts(
+        frame,
+        "{input}",
+        ["input"],
+        tokenizer,
+        max_model_len=max_model_len,
+        truncate=truncate,
+        source_file=source_file,
+    )
+
+
 def format_batch_prompts(
     raw: pl.DataFrame,
     tokenizer: Tokenizer,
@@ -562,13 +686,10 @@ def _format_line(row: dict, how: _LineFormat) -> tuple[str | None, str | None, R
     """One line's error (its own from parsing, or found here), prompt text and resolved request."""
     error, prompt, spec = row["error"], None, None
     line = row["source_line"]
+    if error is None and row["url"] == EMBEDDINGS_URL:
+        error = how.error("unsupported_url", line, _NOT_AN_EMBEDDING_TASK)
     if error is None and how.accepted_models is not None and not model_matches(row["model"], how.accepted_models):
-        error = how.error(
-            "model_mismatch",
-            line,
-            f"body.model {row['model']!r} is not the task's model ({', '.join(sorted(how.accepted_models))}); "
-            "set input.require_model_match: false to answer every line with the task's model",
-        )
+        error = how.error("model_mismatch", line, _model_mismatch(row["model"], how.accepted_models))
     if error is None and row["max_tokens"] is not None and row["max_tokens"] >= how.max_model_len:
         error = how.error("invalid_field", line, _max_tokens_problem(row["max_tokens"], how.max_model_len))
     if error is not None:

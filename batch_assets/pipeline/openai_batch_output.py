@@ -5,11 +5,18 @@ Pure functions, no storage. `validate_batch_outputs` is validated_labels for bat
 must parse and match its schema; a miss is an `invalid_json` / `schema_mismatch` error on the row,
 and the answer still goes to the output file, as OpenAI returns it with status 200).
 
+`validate_batch_embeddings` is the same for a task whose `output.kind` is embedding (one row per
+text of a `/v1/embeddings` line, with its `embedding`).
+
 `batch_files` splits the rows into the two files of OpenAI's batch API:
 
     batch_output   one line per answered request, in input order:
                    {"id", "custom_id", "response": {"status_code": 200, "request_id",
                     "body": <chat.completion or text_completion>}, "error": null}
+                   (embeddings: "body": {"object": "list", "data": [{"object": "embedding",
+                    "index", "embedding"}, ...], "model", "usage": {"prompt_tokens",
+                    "total_tokens"}}, one `data` entry per text of the line, the vectors as
+                    floats or, with `encoding_format: base64`, base64 of little-endian float32)
     batch_errors   one line per input line that got no answer (bad line, prompt too long,
                    engine error), as OpenAI writes a request that failed with an HTTP error:
                    {"id", "custom_id", "response": {"status_code": 400 (the request's fault) or
@@ -26,12 +33,20 @@ the same ids.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 
 import polars as pl
 
-from batch_assets.pipeline.openai_batch import COMPLETIONS_URL, INVALID_CUSTOM_ID, REQUEST_ERROR_CODES
+from batch_assets.pipeline.embeddings import encode_vector, validate_embeddings
+from batch_assets.pipeline.openai_batch import (
+    COMPLETIONS_URL,
+    EMBEDDING_COLUMNS,
+    GENERATION_COLUMNS,
+    INVALID_CUSTOM_ID,
+    REQUEST_ERROR_CODES,
+)
 from batch_assets.pipeline.task_spec import schema_error
 
 _CODE = re.compile(r"^([a-z_]+): (.*)$", re.DOTALL)
@@ -71,9 +86,18 @@ def validate_batch_outputs(outputs: pl.DataFrame) -> pl.DataFrame:
         pl.Series("label", labels, dtype=pl.String), pl.Series("error", errors, dtype=pl.String)
     )
     trailing = ["label", "generated_text", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "error"]
-    dropped = {"prompt", "request_params", "cumulative_logprob"}  # batch lines do not ask for logprobs
+    # Batch lines do not ask for logprobs; embeddings lines have no place in a task that writes text.
+    dropped = {"prompt", "request_params", "cumulative_logprob", *EMBEDDING_COLUMNS}
     middle = [c for c in frame.columns if c not in trailing and c not in dropped and c not in ("row_id", "source_line")]
     return frame.select("row_id", "source_line", *middle, *trailing)
+
+
+def validate_batch_embeddings(outputs: pl.DataFrame) -> pl.DataFrame:
+    """inference_outputs → validated_labels for the `/v1/embeddings` lines of an embedding task: an
+    embedding task's table (`embedding`, `num_prompt_tokens`, `error`, every other column kept)
+    without the columns only chat and completion lines fill."""
+    labels = validate_embeddings(outputs)
+    return labels.drop([c for c in GENERATION_COLUMNS if c in labels.columns])
 
 
 def _short_id(prefix: str, *parts: object) -> str:
@@ -142,9 +166,15 @@ def batch_files(labels: pl.DataFrame, *, model: str, partition_key: str, created
     A row with an answer goes to the output file (its `error`, if any, is about the answer's
     format and stays in the parquet); a row without one goes to the error file.
     """
+    if "embedding" in labels.columns:
+        return _embedding_batch_files(labels, model=model, partition_key=partition_key)
     outputs: list[dict] = []
     errors: list[dict] = []
+    previous_line = None
     for row in labels.iter_rows(named=True):
+        if row["source_line"] == previous_line:
+            continue  # another text of an embeddings line (an error line here), reported with its first
+        previous_line = row["source_line"]
         line_id = _short_id("batch_req_", partition_key, row["row_id"])
         request_id = _short_id("req_", partition_key, row["row_id"])
         if row["generated_text"] is not None:
@@ -153,10 +183,54 @@ def batch_files(labels: pl.DataFrame, *, model: str, partition_key: str, created
             outputs.append({"id": line_id, "custom_id": row["custom_id"], "response": response, "error": None})
         else:
             error = error_object(row["error"] or "no_output: the engine returned no text", row["source_line"])
-            status = 400 if error["type"] == "invalid_request_error" else 500
-            response = {"status_code": status, "request_id": request_id, "body": {"error": error}}
-            custom_id = _custom_id_as_given(row, error["code"])
-            errors.append({"id": line_id, "custom_id": custom_id, "response": response, "error": None})
+            errors.append(_error_line(row, error, line_id, request_id))
+    return outputs, errors
+
+
+def _error_line(row: dict, error: dict, line_id: str, request_id: str) -> dict:
+    """The error file's line for an input line: the HTTP answer of a failed request (400: the
+    request's fault, 500: the engine's), its error in the body."""
+    status = 400 if error["type"] == "invalid_request_error" else 500
+    response = {"status_code": status, "request_id": request_id, "body": {"error": error}}
+    return {"id": line_id, "custom_id": _custom_id_as_given(row, error["code"]), "response": response, "error": None}
+
+
+def _embedding_batch_files(labels: pl.DataFrame, *, model: str, partition_key: str) -> tuple[list[dict], list[dict]]:
+    """The batch files of an embedding task: one line per input line (its rows, one per text of
+    `body.input`, share its `source_line`); a line with a text that got no vector is an error line,
+    as OpenAI fails a request with one bad input."""
+    outputs: list[dict] = []
+    errors: list[dict] = []
+    for _, group in itertools.groupby(labels.iter_rows(named=True), key=lambda row: row["source_line"]):
+        rows = list(group)
+        first = rows[0]
+        line_id = _short_id("batch_req_", partition_key, first["row_id"])
+        request_id = _short_id("req_", partition_key, first["row_id"])
+        failed = next((row for row in rows if row["embedding"] is None), None)
+        if failed is not None:
+            error = error_object(failed["error"] or "no_output: the engine returned no embedding", first["source_line"])
+            if error["param"] is None and error["code"] in ("input_too_long", "empty_text"):
+                error["param"] = "input" if len(rows) == 1 else f"input[{failed['input_index']}]"
+            errors.append(_error_line(failed, error, line_id, request_id))
+            continue
+        tokens = sum(row["num_prompt_tokens"] or 0 for row in rows)
+        body = {
+            "object": "list",
+            "data": [
+                {
+                    "object": "embedding",
+                    "index": row["input_index"],
+                    "embedding": encode_vector(row["embedding"])
+                    if row["encoding_format"] == "base64"
+                    else row["embedding"],
+                }
+                for row in rows
+            ],
+            "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+        response = {"status_code": 200, "request_id": request_id, "body": body}
+        outputs.append({"id": line_id, "custom_id": first["custom_id"], "response": response, "error": None})
     return outputs, errors
 
 

@@ -10,6 +10,8 @@
                                                    the most similar choice (`output.method: similarity`)
     ("openai_batch", "generate") OpenAIBatchLines  each line of an OpenAI Batch API file, with its own
                                                    messages and sampling; output and error files besides
+    ("openai_batch", "embed")   OpenAIBatchEmbeddings  each `/v1/embeddings` line's text (or texts), embedded;
+                                                   output and error files besides
 
 Each object answers, for its kind, everything the assets and checks ask of a task's rows: the
 descriptions of formatted_prompts, inference_outputs and validated_labels; how a raw partition is
@@ -48,8 +50,18 @@ from batch_assets.pipeline.embeddings import (
 from batch_assets.pipeline.engine_contract import Engine, EngineSettings, Prompt
 from batch_assets.pipeline.format_prompts import PromptFormat, Tokenizer, format_prompts, prompt_encoders
 from batch_assets.pipeline.label_quality import label_counts
-from batch_assets.pipeline.openai_batch import accepted_model_names, batch_prompt_encoder, format_batch_prompts
-from batch_assets.pipeline.openai_batch_output import batch_files, jsonl_bytes, validate_batch_outputs
+from batch_assets.pipeline.openai_batch import (
+    accepted_model_names,
+    batch_prompt_encoder,
+    format_batch_embedding_prompts,
+    format_batch_prompts,
+)
+from batch_assets.pipeline.openai_batch_output import (
+    batch_files,
+    jsonl_bytes,
+    validate_batch_embeddings,
+    validate_batch_outputs,
+)
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.pipeline.validate_labels import validate_labels
@@ -258,15 +270,19 @@ class OpenAIBatchLines(TaskFormat):
         return False  # a line's answer is text or JSON
 
     def output_files(self, labels: pl.DataFrame, partition_key: str, created: int) -> OutputFiles:
-        """The partition's OpenAI batch output and error files."""
-        outputs, failed = batch_files(labels, model=self.task.model, partition_key=partition_key, created=created)
-        return OutputFiles(
-            metadata={"batch_output_lines": len(outputs), "batch_error_lines": len(failed)},
-            files={
-                f"{folder}_file": (f"{folder}/{partition_key}.jsonl", jsonl_bytes(records))
-                for folder, records in (("batch_output", outputs), ("batch_errors", failed))
-            },
-        )
+        return batch_output_files(self.task, labels, partition_key, created)
+
+
+def batch_output_files(task: TaskSpec, labels: pl.DataFrame, partition_key: str, created: int) -> OutputFiles:
+    """A partition's OpenAI batch output and error files (answers or embeddings, by the table)."""
+    outputs, failed = batch_files(labels, model=task.model, partition_key=partition_key, created=created)
+    return OutputFiles(
+        metadata={"batch_output_lines": len(outputs), "batch_error_lines": len(failed)},
+        files={
+            f"{folder}_file": (f"{folder}/{partition_key}.jsonl", jsonl_bytes(records))
+            for folder, records in (("batch_output", outputs), ("batch_errors", failed))
+        },
+    )
 
 
 class _EmbeddedRecords(TaskFormat):
@@ -279,6 +295,10 @@ class _EmbeddedRecords(TaskFormat):
             "fields (no chat template), with `num_prompt_tokens`. Rows with empty text or too long for "
             "the model get an `error` (or, with `input.truncate`, are cut: `truncated`)."
         )
+
+    def embedder(self, engine_name: str) -> str:
+        """Where the vectors come from, for the descriptions."""
+        return "vLLM's pooling runner" if self.task.engine.kind == "vllm" else f"{engine_name} (/v1/embeddings)"
 
     def format(
         self, raw: pl.DataFrame, engine: Engine, tokenizer: Tokenizer, *, max_model_len: int, source_file: str
@@ -328,7 +348,7 @@ class EmbeddingRecords(_EmbeddedRecords):
     result = "embeddings"
 
     def inference_description(self, engine_name: str) -> str:
-        return f"Embeddings of each `{self.task.name}` row from vLLM's pooling runner."
+        return f"Embeddings of each `{self.task.name}` row from {self.embedder(engine_name)}."
 
     def validated_description(self) -> str:
         return (
@@ -369,7 +389,7 @@ class SimilarityRecords(_EmbeddedRecords):
 
     def inference_description(self, engine_name: str) -> str:
         return (
-            f"Embeddings of each `{self.task.name}` row from vLLM's pooling runner, and its label by cosine "
+            f"Embeddings of each `{self.task.name}` row from {self.embedder(engine_name)}, and its label by cosine "
             "similarity to each choice's embedding."
         )
 
@@ -388,9 +408,54 @@ class SimilarityRecords(_EmbeddedRecords):
         return [(similarity_outputs(frame, vectors, output.choices or []), stats) for frame, stats in results]
 
 
+class OpenAIBatchEmbeddings(EmbeddingRecords):
+    """The `/v1/embeddings` lines of an OpenAI Batch API file (`input.format: openai_batch` with
+    `output.kind: embedding`): each text embedded as an embedding task's row is; a line of several
+    texts answered by one output line (pipeline/openai_batch.py, openai_batch_output.py)."""
+
+    key = ("openai_batch", "embed")
+
+    def formatted_description(self) -> str:
+        return (
+            f"The text of each `/v1/embeddings` line of a `{self.task.name}` batch file (one row per text of "
+            "`body.input`), with `num_prompt_tokens`. Chat and completion lines, empty texts and texts too "
+            "long for the model get an `error` (or, with `input.truncate`, are cut: `truncated`)."
+        )
+
+    def validated_description(self) -> str:
+        return (
+            f"The `{self.task.name}` result table: one row per text of each line, with `custom_id`, `embedding` "
+            "(fixed-size float32, unit length), `num_prompt_tokens` and `error` (null when the row is fine). "
+            "The batch output and error files, one line per request line, are written beside it."
+        )
+
+    def format(
+        self, raw: pl.DataFrame, engine: Engine, tokenizer: Tokenizer, *, max_model_len: int, source_file: str
+    ) -> pl.DataFrame:
+        task = self.task
+        return format_batch_embedding_prompts(
+            raw,
+            tokenizer,
+            max_model_len=max_model_len,
+            truncate=task.input.truncate,
+            source_file=source_file,
+            accepted_models=accepted_model_names(task.model) if task.input.require_model_match else None,
+        )
+
+    def validate(self, outputs: pl.DataFrame) -> pl.DataFrame:
+        return validate_batch_embeddings(outputs)
+
+    def preview_columns(self, labels: pl.DataFrame) -> list[str]:
+        return ["custom_id", "input", "error"]
+
+    def output_files(self, labels: pl.DataFrame, partition_key: str, created: int) -> OutputFiles:
+        return batch_output_files(self.task, labels, partition_key, created)
+
+
 # The kinds of task, by `task_format_key`: a new kind is a new entry.
 TASK_FORMATS: dict[tuple[str, str], type[TaskFormat]] = {
-    kind.key: kind for kind in (ChatRecords, EmbeddingRecords, SimilarityRecords, OpenAIBatchLines)
+    kind.key: kind
+    for kind in (ChatRecords, EmbeddingRecords, SimilarityRecords, OpenAIBatchLines, OpenAIBatchEmbeddings)
 }
 
 

@@ -355,7 +355,8 @@ class EngineSpec(_Strict):
     """Model and engine settings. `model` is a local path, a model id, or the embedded model.
 
     `kind: vllm` (default) runs vLLM inside the job's process. `kind: openai` sends the prompts to
-    an OpenAI-compatible chat-completions server (a shared `vllm serve`, a managed endpoint); then
+    an OpenAI-compatible server (a shared `vllm serve`, a managed endpoint): chat completions, or
+    `/v1/embeddings` for embedding and similarity tasks; then
     `model` is the name the server knows (left at the default: the server's only model) and the
     `base_url` … `tokenizer` fields below apply. The vLLM-only fields are ignored for endpoints,
     except `max_model_len` (the server's context, for the too-long check) and `batch_size`.
@@ -859,21 +860,17 @@ class TaskSpec(_Strict):
                     ("engine", "model"),
                 )
             return self
-        if self.input.format != "records":
+        if self.input.format != "records" and self.output.kind != "embedding":
+            # OpenAI batch files have `/v1/embeddings` lines (output.kind: embedding), no similarity labels.
             raise SettingError(f"{what} needs input.format: records (text fields and a template)", ("input", "format"))
-        if self.engine.kind != "vllm":
-            raise SettingError(
-                f"{what} runs on vLLM's pooling runner in process: set engine.kind: vllm (an endpoint engine "
-                "sends chat completions)",
-                ("engine", "kind"),
-            )
         if self.engine.model == EMBEDDED_MODEL or folder_kind == "chat":
             raise SettingError(
                 f"engine.model: {self.engine.model} is a chat model; {what} needs an embedding model: set engine.model "
                 f"to {EMBEDDED_EMBEDDING_MODEL} (or remove it: that is the default) or another embedding model",
                 ("engine", "model"),
             )
-        assert self.prompt is not None  # a records task has one (above)
+        if self.prompt is None:  # an openai_batch task: each line carries its text
+            return self
         # Few-shot examples are chat turns: an embedding has no conversation to put them in.
         for key in ("system", "raw_template", "examples", "raw_example_template"):
             if getattr(self.prompt, key):
