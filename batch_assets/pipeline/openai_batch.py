@@ -1,4 +1,4 @@
-"""OpenAI Batch API request files in: one row per line, each line its own messages and sampling.
+"""OpenAI Batch API request files in: one row per line (an embeddings line: one per text), each line its own request.
 
 Pure functions, no Dagster, no storage. A drop of a task with `input.format: openai_batch` is a
 `.jsonl` file whose lines are
@@ -14,8 +14,8 @@ messages with the model's chat template, resolves its sampling (the task's `samp
 line leaves out) and its output constraint (`response_format`), and counts its tokens;
 `format_batch_embedding_prompts` does what an embedding task's formatting does to each text.
 
-Every line yields exactly one row; a line that cannot be answered is a row with an `error`
-(`code: file line N: message`), which ends up in the partition's batch_errors file:
+Every line yields its rows (one, or one per text of an embeddings line); a line that cannot be
+answered is a row with an `error` (`code: file line N: message`), which ends up in the partition's batch_errors file:
 
     invalid_utf8        the line holds bytes that are not UTF-8
     empty_record        a blank line
