@@ -25,15 +25,15 @@ from batch_assets_tests.conftest import REPO_ROOT
 pytestmark = pytest.mark.slow
 
 CLI = REPO_ROOT / ".venv" / "bin" / "batch-assets"
-SENTIMENT_YAML = REPO_ROOT / "batch_assets" / "tasks" / "sentiment.yaml"
+SHIPPED_TASKS = REPO_ROOT / "batch_assets" / "tasks"
 
 
-def small_batch_tasks(folder: Path, batch_size: int) -> Path:
-    """The shipped sentiment task with a small engine batch, so checkpoint chunks appear quickly."""
+def small_batch_tasks(folder: Path, batch_size: int, task: str = "sentiment") -> Path:
+    """A shipped task with a small engine batch, so checkpoint chunks appear quickly."""
     folder.mkdir(parents=True, exist_ok=True)
-    text = SENTIMENT_YAML.read_text()
+    text = (SHIPPED_TASKS / f"{task}.yaml").read_text()
     assert "\nengine:\n" in text
-    (folder / "sentiment.yaml").write_text(text.replace("\nengine:\n", f"\nengine:\n  batch_size: {batch_size}\n"))
+    (folder / f"{task}.yaml").write_text(text.replace("\nengine:\n", f"\nengine:\n  batch_size: {batch_size}\n"))
     return folder
 
 
@@ -46,8 +46,8 @@ def write_posts(path: Path, n: int, tag: str) -> Path:
     return path
 
 
-def chunks_of(data: Path, partition: str) -> list[Path]:
-    return sorted((data / "storage" / "sentiment" / "_checkpoints" / partition).glob("*/chunk-*.parquet"))
+def chunks_of(data: Path, partition: str, task: str = "sentiment") -> list[Path]:
+    return sorted((data / "storage" / task / "_checkpoints" / partition).glob("*/chunk-*.parquet"))
 
 
 def group_alive(pgid: int) -> list[int]:
@@ -69,10 +69,10 @@ def child_env(data_dir: Path, tiny_model: str, tmp_path: Path) -> dict[str, str]
     return env
 
 
-def run_cli(env: dict[str, str], cwd: Path, *files: str, log: Path) -> subprocess.Popen:
+def run_cli(env: dict[str, str], cwd: Path, *files: str, log: Path, task: str = "sentiment") -> subprocess.Popen:
     with log.open("ab") as out:
         return subprocess.Popen(
-            [str(CLI), "run", "sentiment", *files],
+            [str(CLI), "run", task, *files],
             cwd=cwd,
             env=env,
             stdout=out,
@@ -189,3 +189,59 @@ def test_engine_processes_die_with_a_run_whose_main_process_alone_is_killed(
             break
         time.sleep(0.1)
     assert group_alive(child.pid) == []
+
+
+def test_kill_9_mid_embedding_then_rerun_embeds_each_row_once_and_reuses_checkpointed_vectors(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    """The same for an embedding task: the vectors checkpointed before the kill are the ones in the
+    result table after the re-run, which embeds only the rest."""
+    from batch_assets.pipeline.embeddings import encode_vector
+
+    env = {**os.environ, "BATCH_ASSETS_TASKS_DIR": str(small_batch_tasks(tmp_path / "tasks", 100, "embeddings"))}
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    write_posts(inputs / "texts.jsonl", 5000, "t")
+    log = tmp_path / "cli.log"
+    child = run_cli(env, inputs, "texts.jsonl", log=log, task="embeddings")
+    deadline = time.monotonic() + 600
+    while not chunks_of(data_dir, "texts.jsonl", "embeddings"):
+        assert child.poll() is None, f"the run ended before it could be killed:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait(timeout=30)
+    for _ in range(100):
+        if not group_alive(child.pid):
+            break
+        time.sleep(0.1)
+    assert group_alive(child.pid) == []
+    checkpointed = pl.concat([pl.read_parquet(c) for c in chunks_of(data_dir, "texts.jsonl", "embeddings")])
+    assert 0 < checkpointed.height < 5000
+    assert checkpointed["error"].null_count() == checkpointed.height
+
+    rerun = run_cli(env, inputs, "texts.jsonl", log=log, task="embeddings")
+    assert rerun.wait(timeout=900) == 0, log.read_text()[-5000:]
+
+    labels = pl.read_parquet(data_dir / "storage" / "embeddings" / "validated_labels" / "texts.jsonl.parquet")
+    assert labels["row_id"].to_list() == list(range(5000))
+    assert labels["id"].to_list() == [f"t-{i}" for i in range(5000)]
+    assert labels["error"].null_count() == 5000
+    assert labels.schema["embedding"] == pl.Array(pl.Float32, 384)
+    # Every checkpointed vector is in the result table as it was saved (the texts are distinct, so
+    # their vectors are too).
+    table_vectors = {encode_vector(vector) for vector in labels["embedding"].to_numpy()}
+    assert len(table_vectors) == 5000
+    assert set(checkpointed["generated_text"].to_list()) <= table_vectors
+    instance = dg.DagsterInstance.get()
+    record = instance.fetch_materializations(
+        dg.AssetRecordsFilter(
+            asset_key=dg.AssetKey(["embeddings", "inference_outputs"]), asset_partitions=["texts.jsonl"]
+        ),
+        limit=1,
+    ).records[0]
+    metadata = record.asset_materialization.metadata
+    reused, inferred = metadata["rows_from_checkpoint"].value, metadata["rows_inferred"].value
+    assert reused >= checkpointed.height
+    assert reused + inferred == 5000
+    assert not (data_dir / "storage" / "embeddings" / "_checkpoints" / "texts.jsonl").exists()
