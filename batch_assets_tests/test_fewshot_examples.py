@@ -214,13 +214,15 @@ def test_raw_template_gets_the_examples_through_its_placeholder(tokenizer) -> No
 
 
 def test_endpoint_messages_carry_the_examples(tokenizer) -> None:
-    from batch_assets.pipeline.format_prompts import prompt_encoder
+    from batch_assets.pipeline.format_prompts import PromptFormat, prompt_encoders
 
     task = spec(EXAMPLES)
     out = format_prompts(
         rows(["meh"]), PromptFormat.of(task), tokenizer, max_model_len=512, max_tokens=8, source_file="a"
     )
-    [prompt] = prompt_encoder(SimpleNamespace(sends_chat_messages=True), task, tokenizer, out)(out["prompt"].to_list())
+    [prompt] = prompt_encoders(SimpleNamespace(sends_chat_messages=True), PromptFormat.of(task), tokenizer)(out)(
+        out["prompt"].to_list()
+    )
     assert [message["role"] for message in prompt.messages] == [
         "system",
         "user",
@@ -321,15 +323,16 @@ def test_examples_change_the_code_versions_and_a_task_without_them_keeps_its_own
 def test_examples_change_the_fingerprint_of_checkpoints_and_cached_results(monkeypatch: pytest.MonkeyPatch) -> None:
     from batch_assets.dagster_defs.assets import inference_fingerprint
     from batch_assets.engines.vllm_engine import VLLMEngine
+    from batch_assets.pipeline.task_formats import task_format
 
     monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
     settings = VLLMEngine().settings(spec())
     # Unchanged without examples: results cached before examples existed are still found.
-    assert inference_fingerprint(spec(), settings) == "810609a07e801e9e"
-    assert inference_fingerprint(spec(EXAMPLES), settings) == "897b8249d7889c96"
+    assert inference_fingerprint(task_format(spec()), settings) == "810609a07e801e9e"
+    assert inference_fingerprint(task_format(spec(EXAMPLES)), settings) == "897b8249d7889c96"
     # Another answer is another fingerprint (how turns are laid out in the text is in each request's key).
     changed = [EXAMPLES[0], {**EXAMPLES[1], "answer": "neutral"}]
-    assert inference_fingerprint(spec(changed), settings) not in ("810609a07e801e9e", "897b8249d7889c96")
+    assert inference_fingerprint(task_format(spec(changed)), settings) not in ("810609a07e801e9e", "897b8249d7889c96")
 
 
 # --- the measured variant of the industry task ----------------------------------------------------

@@ -152,13 +152,15 @@ def test_special_tokens_in_user_text_are_tokenized_as_plain_text(tokenizer) -> N
 
 
 def test_engine_prompt_encoder_keeps_special_tokens_in_user_text_as_text(tokenizer) -> None:
-    from batch_assets.pipeline.format_prompts import prompt_encoder
+    from batch_assets.pipeline.format_prompts import PromptFormat, prompt_encoders
     from batch_assets.pipeline.task_spec import load_task_specs
 
     task = next(task for task in load_task_specs() if task.name == "sentiment")
     fmt = PromptFormat.of(task)
     out = format_prompts(raw([INJECTION]), fmt, tokenizer, max_model_len=2048, max_tokens=8, source_file="a.jsonl")
-    [prompt] = prompt_encoder(SimpleNamespace(sends_chat_messages=False), task, tokenizer, out)(out["prompt"].to_list())
+    [prompt] = prompt_encoders(SimpleNamespace(sends_chat_messages=False), PromptFormat.of(task), tokenizer)(out)(
+        out["prompt"].to_list()
+    )
     ids = prompt.token_ids
     assert sum(token in special_ids(tokenizer) for token in ids) == 5  # system, user and assistant turns only
 

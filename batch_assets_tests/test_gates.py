@@ -342,6 +342,7 @@ def test_definitions_carry_the_versions_and_opted_in_tasks_rematerialize_stale_p
 def test_confidence_can_be_switched_off_without_re_inferring_anything(monkeypatch: pytest.MonkeyPatch) -> None:
     from batch_assets.dagster_defs.assets import inference_fingerprint
     from batch_assets.engines.vllm_engine import VLLMEngine, VLLMSession
+    from batch_assets.pipeline.task_formats import task_format
     from batch_assets.pipeline.validate_labels import validate_labels
 
     monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
@@ -350,7 +351,7 @@ def test_confidence_can_be_switched_off_without_re_inferring_anything(monkeypatc
     # The generated text does not depend on it: same checkpoints, cache and inference version; the
     # labels lose a column, so their version changes.
     settings = VLLMEngine().settings(on)
-    assert inference_fingerprint(on, settings) == inference_fingerprint(off, settings)
+    assert inference_fingerprint(task_format(on), settings) == inference_fingerprint(task_format(off), settings)
     versions_on, versions_off = code_versions(on), code_versions(off)
     assert versions_on["inference_outputs"] == versions_off["inference_outputs"]
     assert versions_on["validated_labels"] != versions_off["validated_labels"]

@@ -35,7 +35,7 @@ MAX_NUM_SEQS = 256
 
 def prompts_and_task(rows: int, model: str):
     from batch_assets.engines.openai_engine import OpenAIEngine
-    from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts, prompt_encoder
+    from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts, prompt_encoders
     from batch_assets.pipeline.read_prompts import ParseOptions, read_prompts
     from batch_assets.pipeline.task_spec import load_task_specs
 
@@ -49,15 +49,13 @@ def prompts_and_task(rows: int, model: str):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    fmt = PromptFormat(
-        task.prompt.system, task.prompt.template, task.prompt.raw_template, tuple(task.input.text_fields)
-    )
+    fmt = PromptFormat.of(task)
     formatted = format_prompts(
         raw, fmt, tokenizer, max_model_len=1024, max_tokens=task.sampling.max_tokens, source_file="bench"
     )
     assert formatted["error"].null_count() == formatted.height
     # Token ids carrying chat messages: the in-process engine reads the ids, the endpoint the messages.
-    encode = prompt_encoder(OpenAIEngine(), task, tokenizer, formatted)
+    encode = prompt_encoders(OpenAIEngine(), fmt, tokenizer)(formatted)
     return task, encode(formatted["prompt"].to_list())
 
 

@@ -63,7 +63,7 @@ class InferenceConfig(dg.Config):
     )
 
 
-def inference_fingerprint(task: TaskSpec, settings: EngineSettings, fmt: TaskFormat | None = None) -> str:
+def inference_fingerprint(fmt: TaskFormat, settings: EngineSettings) -> str:
     """Checkpoints and cached results are reused only by a run that would produce the same outputs:
     the model, its context and what the task's kind says decides them (`TaskFormat.output_identity`);
     the prompt text itself is part of each request's key."""
@@ -72,7 +72,7 @@ def inference_fingerprint(task: TaskSpec, settings: EngineSettings, fmt: TaskFor
         "model_files": model_identity(settings.model),
         "max_model_len": settings.max_model_len,
     }
-    return run_fingerprint({**model, **(fmt or task_format(task)).output_identity(settings)})
+    return run_fingerprint({**model, **fmt.output_identity(settings)})
 
 
 def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
@@ -224,7 +224,7 @@ def inference_outputs_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs) ->
     ) -> dict[str, pl.DataFrame]:
         engine = engine_for(context.resources, task)
         settings = engine.settings(task)
-        fingerprint = inference_fingerprint(task, settings, fmt)
+        fingerprint = inference_fingerprint(fmt, settings)
         tokenizer = engine.tokenizer(task)
         encoders = fmt.encoders(engine, tokenizer, settings.max_model_len)
         parts = [

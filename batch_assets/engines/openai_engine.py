@@ -389,7 +389,7 @@ class OpenAIEngine(dg.ConfigurableResource):
         sent, encoder = (
             ("text", "embeddings.embedding_encoder")
             if task.output.pooling
-            else ("messages", "format_prompts.prompt_encoder")
+            else ("messages", "format_prompts.prompt_encoders")
         )
         if any(getattr(p, sent) is None for p in prompts):
             raise TypeError(

@@ -28,7 +28,7 @@ from typing import Protocol
 import polars as pl
 
 from batch_assets.pipeline.engine_contract import Engine, Prompt
-from batch_assets.pipeline.task_spec import DEFAULT_RAW_EXAMPLE_TEMPLATE, TaskSpec, example_answer_text
+from batch_assets.pipeline.task_spec import DEFAULT_RAW_EXAMPLE_TEMPLATE, example_answer_text
 
 _SENTINEL = "\u2063BATCH_ASSETS_USER_TEXT\u2063"
 
@@ -357,13 +357,6 @@ def _split_special_tokens_in_user_text(frame: pl.DataFrame, encoder: PromptEncod
 
 
 # --- what the engine is sent ------------------------------------------------------------------
-
-
-def prompt_encoder(
-    engine: Engine, task: TaskSpec, tokenizer, formatted: pl.DataFrame
-) -> Callable[[list[str]], list[Prompt]]:
-    """Prompt texts of `formatted` → `Prompt`s for `engine` (see `prompt_encoders`)."""
-    return prompt_encoders(engine, PromptFormat.of(task), tokenizer)(formatted)
 
 
 def prompt_encoders(
