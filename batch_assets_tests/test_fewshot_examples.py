@@ -16,6 +16,7 @@ from batch_assets.engines.embedded_model import ensure_embedded_model
 from batch_assets.pipeline.budget import estimate_cost
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts, messages_for, render_prompt
+from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import TaskSpec, TaskSpecError, load_task_spec
 
 BASE = {
@@ -282,7 +283,11 @@ def test_each_prompt_counts_the_examples_measured_once(tokenizer) -> None:
     assert sum("Broke after a day" in text for text in counting.texts) == 1
     # The budget estimate adds them up per row: 3 rows x 37 more tokens.
     task = spec(EXAMPLES)
-    assert estimate_cost(fewshot, task).prompt_tokens == estimate_cost(plain, task).prompt_tokens + 3 * 37 == 176
+    assert (
+        estimate_cost(fewshot, task_format(task)).prompt_tokens
+        == estimate_cost(plain, task_format(task)).prompt_tokens + 3 * 37
+        == 176
+    )
 
 
 def test_a_row_too_long_with_the_examples_says_how_much_they_take(tokenizer) -> None:

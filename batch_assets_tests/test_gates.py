@@ -15,6 +15,7 @@ import pytest
 from batch_assets.pipeline.budget import actual_cost_metadata, budget_overruns, estimate_cost
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.label_quality import NO_LABEL, accuracy_report, confidence_report, label_drift
+from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import BudgetSpec, TaskSpec, TaskSpecError, load_task_spec
 
 BASE = {
@@ -111,7 +112,7 @@ def formatted(tokens: list[int | None], errors: list[str | None]) -> pl.DataFram
 def test_estimate_counts_rows_sent_to_the_engine_at_worst_case() -> None:
     task = spec(engine__price={"input_per_million_tokens": 2.0, "output_per_million_tokens": 10.0})
     # The third row is too long: it never reaches the engine, so it costs nothing.
-    estimate = estimate_cost(formatted([100, 300, 5000], [None, None, "too_long: 5000 tokens"]), task)
+    estimate = estimate_cost(formatted([100, 300, 5000], [None, None, "too_long: 5000 tokens"]), task_format(task))
     assert (estimate.rows_to_infer, estimate.prompt_tokens, estimate.max_generated_tokens) == (2, 400, 20)
     assert estimate.cost_usd == pytest.approx(400 * 2 / 1e6 + 20 * 10 / 1e6)
     assert estimate.metadata() == {
@@ -119,12 +120,12 @@ def test_estimate_counts_rows_sent_to_the_engine_at_worst_case() -> None:
         "estimated_max_generated_tokens": 20,
         "estimated_max_cost_usd": 0.001,
     }
-    assert "estimated_max_cost_usd" not in estimate_cost(formatted([1], [None]), spec()).metadata()
+    assert "estimated_max_cost_usd" not in estimate_cost(formatted([1], [None]), task_format(spec())).metadata()
 
 
 def test_overruns_name_estimate_and_limit() -> None:
     task = spec(engine__price={"input_per_million_tokens": 1000.0, "output_per_million_tokens": 0.0})
-    estimate = estimate_cost(formatted([600, 600], [None, None]), task)  # 1,200 prompt tokens, $1.20
+    estimate = estimate_cost(formatted([600, 600], [None, None]), task_format(task))  # 1,200 prompt tokens, $1.20
     assert budget_overruns(estimate, None) == []
     assert (
         budget_overruns(estimate, BudgetSpec(max_prompt_tokens=1200, max_generated_tokens=20, max_cost_usd=1.2)) == []

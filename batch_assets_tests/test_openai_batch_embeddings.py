@@ -220,9 +220,10 @@ def test_shipped_task_loads_and_a_chat_model_is_refused_for_it(tmp_path: Path) -
 
 def test_the_cost_estimate_counts_no_generated_tokens(tokenizer) -> None:
     from batch_assets.pipeline.budget import estimate_cost
+    from batch_assets.pipeline.task_formats import task_format
 
     formatted = format_embeddings(jsonl(embed_line("one", "A ferry."), embed_line("two", ["a", "b"])), tokenizer)
-    estimate = estimate_cost(formatted, load_task_spec(BUNDLED_TASKS_DIR / f"{TASK}.yaml"))
+    estimate = estimate_cost(formatted, task_format(load_task_spec(BUNDLED_TASKS_DIR / f"{TASK}.yaml")))
     assert (estimate.rows_to_infer, estimate.prompt_tokens, estimate.max_generated_tokens) == (3, 11, 0)
 
 

@@ -128,3 +128,17 @@ def test_the_guard_sees_a_kind_test(tmp_path: Path) -> None:
         "labels = task.output.kind in ('choices', 'regex')\n"
     )
     assert len(_kind_tests(probe)) == 6
+
+
+def test_the_tokens_a_partition_may_generate_are_its_kinds() -> None:
+    by_name = {task.name: task_format(task) for task in shipped_tasks()}
+    rows = pl.DataFrame({"max_tokens": [5, None, 7]}, schema={"max_tokens": pl.Int64})
+    # A chat task: every row may write sampling.max_tokens.
+    industry = by_name["industry"]
+    assert industry.max_generated_tokens(rows) == 3 * industry.task.sampling.max_tokens
+    # Batch lines: each line's own max_tokens, the task's where a line has none.
+    batch = by_name["openai_batch"]
+    assert batch.max_generated_tokens(rows) == 5 + batch.task.sampling.max_tokens + 7
+    # Embeddings generate nothing.
+    assert by_name["embeddings"].max_generated_tokens(rows) == 0
+    assert by_name["openai_batch_embeddings"].max_generated_tokens(rows) == 0

@@ -62,7 +62,7 @@ def prompt_tokens(frame: pl.DataFrame) -> int:
     return int(frame["num_prompt_tokens"].sum() or 0)
 
 
-def formatted_metadata(frame: pl.DataFrame, task: TaskSpec, seconds: float) -> dict[str, Any]:
+def formatted_metadata(frame: pl.DataFrame, fmt: TaskFormat, seconds: float) -> dict[str, Any]:
     """A partition of formatted_prompts: its rows, errors, prompt tokens and worst-case cost."""
     errors = error_code_counts(frame)
     return {
@@ -73,7 +73,7 @@ def formatted_metadata(frame: pl.DataFrame, task: TaskSpec, seconds: float) -> d
         # polars types Series.max() as any literal; an Int64 column gives an int or None
         "max_prompt_tokens": int(cast("int | None", frame["num_prompt_tokens"].max()) or 0),
         "seconds": round(seconds, 3),
-        **estimate_cost(frame, task).metadata(),
+        **estimate_cost(frame, fmt).metadata(),
         "dagster/row_count": frame.height,
         "dagster/column_schema": column_schema(frame),
     }

@@ -196,7 +196,7 @@ def formatted_prompts_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs) ->
             frame = frames[partition_key] = fmt.format(
                 raw, engine, tokenizer, max_model_len=settings.max_model_len, source_file=partition_key
             )
-            metadata = formatted_metadata(frame, task, seconds=time.monotonic() - started)
+            metadata = formatted_metadata(frame, fmt, seconds=time.monotonic() - started)
             context.add_asset_metadata(partition_key=partition_key, metadata=metadata)
         return frames
 

@@ -121,7 +121,12 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
     """The task's checks: those of its outputs (labels or vectors, by its format's `result`), one row
     per record, the error share, and the gates its settings ask for."""
     fmt = task_format(task)
-    gates = [*_budget_checks(task), *_drift_checks(task, fmt), *_accuracy_checks(task), *_confidence_checks(task, fmt)]
+    gates = [
+        *_budget_checks(task, fmt),
+        *_drift_checks(task, fmt),
+        *_accuracy_checks(task),
+        *_confidence_checks(task, fmt),
+    ]
     return [*OUTPUT_CHECKS[fmt.result](task), *_row_checks(task), *gates]
 
 
@@ -315,7 +320,7 @@ OUTPUT_CHECKS: dict[str, Callable[[TaskSpec], list[dg.AssetChecksDefinition]]] =
 }
 
 
-def _budget_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
+def _budget_checks(task: TaskSpec, fmt: TaskFormat) -> list[dg.AssetChecksDefinition]:
     if task.budget is None:
         return []
     limits = {k: v for k, v in task.budget.model_dump().items() if v is not None}
@@ -336,7 +341,7 @@ def _budget_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
     def budget_result(
         context: dg.AssetCheckExecutionContext, partition_key: str, formatted_prompts: pl.DataFrame
     ) -> dg.AssetCheckResult:
-        estimate = estimate_cost(formatted_prompts, task)
+        estimate = estimate_cost(formatted_prompts, fmt)
         overruns = budget_overruns(estimate, task.budget)
         metadata: dict = {**estimate.metadata(), "rows_to_infer": estimate.rows_to_infer, "budget": limits}
         if overruns:

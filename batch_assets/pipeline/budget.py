@@ -9,10 +9,14 @@ partition within its budget by this estimate stays within it. Pure functions, no
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import polars as pl
 
-from batch_assets.pipeline.task_spec import BudgetSpec, PriceSpec, TaskSpec
+from batch_assets.pipeline.task_spec import BudgetSpec, PriceSpec
+
+if TYPE_CHECKING:  # a type only: task_formats imports the pipeline's stages, budget none of them
+    from batch_assets.pipeline.task_formats import TaskFormat
 
 MILLION = 1_000_000
 
@@ -45,15 +49,13 @@ class CostEstimate:
         return values
 
 
-def estimate_cost(formatted: pl.DataFrame, task: TaskSpec) -> CostEstimate:
-    """The worst-case cost of inferring a partition of `formatted_prompts`."""
+def estimate_cost(formatted: pl.DataFrame, fmt: TaskFormat) -> CostEstimate:
+    """The worst-case cost of inferring a partition of `formatted_prompts` (the tokens it may
+    generate are its kind's: `TaskFormat.max_generated_tokens`)."""
+    task = fmt.task
     to_infer = formatted.filter(pl.col("error").is_null())
     prompt_tokens = int(to_infer["num_prompt_tokens"].sum() or 0)
-    generated = to_infer.height * task.sampling.max_tokens
-    if task.output.pooling:  # an embedding generates no tokens
-        generated = 0
-    elif task.input.format == "openai_batch":  # each line's own max_tokens, the task's where it has none
-        generated = int(to_infer["max_tokens"].fill_null(task.sampling.max_tokens).sum() or 0)
+    generated = fmt.max_generated_tokens(to_infer)
     return CostEstimate(
         to_infer.height, prompt_tokens, generated, cost_usd(prompt_tokens, generated, task.engine.price)
     )

@@ -149,6 +149,10 @@ class TaskFormat(ABC):
         """The run's partitions through `run` (one stream), as inference_outputs with their stats."""
         return run(parts)
 
+    def max_generated_tokens(self, to_infer: pl.DataFrame) -> int:
+        """The most tokens the requests of `to_infer` (formatted rows without an error) may generate."""
+        return to_infer.height * self.max_tokens
+
     def output_identity(self, settings: EngineSettings) -> dict[str, Any]:
         """What decides the outputs besides the model and its context (checkpoint and cache fingerprint)."""
         return {
@@ -258,6 +262,10 @@ class OpenAIBatchLines(TaskFormat):
     def deduplicate(self) -> bool:
         # Lines carry their own sampling; their request keys tell deterministic ones apart.
         return True
+
+    def max_generated_tokens(self, to_infer: pl.DataFrame) -> int:
+        # Each line's own max_tokens, the task's where it has none.
+        return int(to_infer["max_tokens"].fill_null(self.max_tokens).sum() or 0)
 
     def validate(self, outputs: pl.DataFrame) -> pl.DataFrame:
         return validate_batch_outputs(outputs)
