@@ -9,7 +9,7 @@
 
 The terminal shows one line per file and progress lines; the engine's and libraries' output goes to
 the run's log (and `$DAGSTER_HOME/logs/`), tracebacks too (`--verbose` shows everything). The work of
-`run` and `demo` is dagster_defs/runner.py's, imported when needed so that `--help` stays quick.
+`run` and `demo` is lib/runner.py's, imported when needed so that `--help` stays quick.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, TextIO
 from batch_assets.runtime.instance import dagster_home, prepare_instance
 
 if TYPE_CHECKING:
-    from batch_assets.dagster_defs.run_outcomes import PartitionOutcome
-    from batch_assets.dagster_defs.runner import RunReporter
+    from batch_assets.lib.run_outcomes import PartitionOutcome
+    from batch_assets.lib.runner import RunReporter
 
 
 class CliError(Exception):
@@ -140,7 +140,7 @@ def command_tasks() -> int:
 
 def _reporter() -> RunReporter:
     """Runs report here: notes and progress lines on the terminal, each call's outcomes as summary lines."""
-    from batch_assets.dagster_defs.runner import RunReporter
+    from batch_assets.lib.runner import RunReporter
 
     return RunReporter(
         say=TERMINAL.say, files_done=_print_outcomes, run_log_handler=_ProgressHandler, console_log=TERMINAL.verbose
@@ -155,14 +155,14 @@ def _print_outcomes(outcomes: list[PartitionOutcome]) -> None:
 
 
 def command_run(task_name: str, files: list[str], *, replace: bool = False) -> int:
-    from batch_assets.dagster_defs.runner import run_partitions
+    from batch_assets.lib.runner import run_partitions
 
     outcomes = run_partitions(task_name, [Path(f) for f in files], replace=replace, reporter=_reporter())
     return 0 if all(outcome.ok for outcome in outcomes) else 1
 
 
 def command_demo() -> int:
-    from batch_assets.dagster_defs.runner import demo_note, run_demo
+    from batch_assets.lib.runner import demo_note, run_demo
     from batch_assets.pipeline.task_spec import load_tasks
 
     loaded = load_tasks()
@@ -273,12 +273,12 @@ def main(argv: list[str] | None = None) -> int:
 def _is_refusal(error: Exception) -> bool:
     """A problem the user can fix, found before anything ran (exit status 2). Refusals come from here or
     the runner; when it raised one it is imported already (so other commands' errors do not import it)."""
-    runner = sys.modules.get("batch_assets.dagster_defs.runner")
+    runner = sys.modules.get("batch_assets.lib.runner")
     return isinstance(error, CliError) or (runner is not None and isinstance(error, runner.REFUSALS))
 
 
 def _unexpected(error: BaseException) -> int:
-    from batch_assets.dagster_defs.run_outcomes import meaningful_line
+    from batch_assets.lib.run_outcomes import meaningful_line
     from batch_assets.storage.errors import StorageError
 
     if TERMINAL.verbose:

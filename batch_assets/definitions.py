@@ -1,7 +1,7 @@
 """The code location: the component tree under `batch_assets/defs/` (`dg` project layout).
 
 Load with `dg dev` (`make ui`) from the repo root (workspace.yaml points here). What it builds per
-task is in `dagster_defs/task_definitions.py`; `build_definitions` there makes a code location of
+task is in `lib/task_definitions.py`; `build_definitions` there makes a code location of
 other tasks or engines.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import dagster as dg
 
 # Users' own code locations build theirs with it (README, "Using an OpenAI-compatible endpoint").
-from batch_assets.dagster_defs.task_definitions import build_definitions
+from batch_assets.lib.task_definitions import build_definitions
 
 __all__ = ["build_definitions", "defs"]
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batch_assets.dagster_defs.drops_sensor import (
+from batch_assets.lib.drops_sensor import (
     LAUNCHED_BY_TAG,
     RANGE_END_TAG,
     RANGE_START_TAG,
@@ -28,7 +28,7 @@ from batch_assets.dagster_defs.drops_sensor import (
     encode_cursor,
     requested_partitions,
 )
-from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
+from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.drop_files import (
     find_drop_file,
@@ -255,7 +255,7 @@ def test_a_burst_larger_than_a_run_becomes_ranges_of_max_partitions_per_run(data
 
 @pytest.mark.slow
 def test_sensor_skips_files_already_run_from_the_command_line(data_dir: Path, tiny_model: str, tmp_path: Path) -> None:
-    from batch_assets.dagster_defs.runner import run_partitions
+    from batch_assets.lib.runner import run_partitions
 
     source = tmp_path / "posts.jsonl"
     source.write_text(POST * 3)
@@ -350,7 +350,7 @@ def test_credentials_never_appear_in_urls_or_messages(monkeypatch: pytest.Monkey
 
 
 def test_partitions_are_grouped_into_ranges_of_adjacent_keys() -> None:
-    from batch_assets.dagster_defs.drops_sensor import partition_ranges
+    from batch_assets.lib.drops_sensor import partition_ranges
 
     order = ["a", "b", "c", "d", "e", "f", "g"]
     assert partition_ranges(order, ["a", "b", "c", "d", "e"], 2) == [["a", "b"], ["c", "d"], ["e"]]

@@ -16,7 +16,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
+from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.embeddings import vectors_matrix
 from batch_assets.pipeline.task_spec import TaskSpec, load_task_specs
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name

@@ -326,8 +326,8 @@ def test_examples_change_the_code_versions_and_a_task_without_them_keeps_its_own
 
 
 def test_examples_change_the_fingerprint_of_checkpoints_and_cached_results(monkeypatch: pytest.MonkeyPatch) -> None:
-    from batch_assets.dagster_defs.assets import inference_fingerprint
     from batch_assets.engines.vllm_engine import VLLMEngine
+    from batch_assets.lib.assets import inference_fingerprint
     from batch_assets.pipeline.task_formats import task_format
 
     monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)

@@ -296,7 +296,7 @@ def test_definitions_carry_the_versions_and_opted_in_tasks_rematerialize_stale_p
 ) -> None:
     import dagster as dg
 
-    from batch_assets.dagster_defs.task_definitions import build_definitions
+    from batch_assets.lib.task_definitions import build_definitions
     from batch_assets.storage.drop_files import partitions_def_name
 
     monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
@@ -341,8 +341,8 @@ def test_definitions_carry_the_versions_and_opted_in_tasks_rematerialize_stale_p
 
 
 def test_confidence_can_be_switched_off_without_re_inferring_anything(monkeypatch: pytest.MonkeyPatch) -> None:
-    from batch_assets.dagster_defs.assets import inference_fingerprint
     from batch_assets.engines.vllm_engine import VLLMEngine, VLLMSession
+    from batch_assets.lib.assets import inference_fingerprint
     from batch_assets.pipeline.task_formats import task_format
     from batch_assets.pipeline.validate_labels import validate_labels
 

@@ -19,7 +19,7 @@ import dagster as dg
 import pytest
 import yaml
 
-from batch_assets.dagster_defs.task_definitions import (
+from batch_assets.lib.task_definitions import (
     DEFAULT_RUN_POD,
     GPUS_PER_NODE_ENV,
     K8S_CONFIG_TAG,
@@ -384,7 +384,7 @@ def test_a_burst_of_drops_for_a_four_gpu_task_asks_for_four_gpus_per_range_run(k
     """The sensor's runs use Dagster's implicit asset job; the sensor passes the task job's GPU tag on."""
     from upath import UPath
 
-    from batch_assets.dagster_defs.drops_sensor import run_requests_for
+    from batch_assets.lib.drops_sensor import run_requests_for
     from batch_assets.storage.drop_files import DropFile
 
     task = load_task_spec(DEPLOY / "examples" / "tasks" / "industry_large.yaml")

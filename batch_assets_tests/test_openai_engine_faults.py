@@ -24,8 +24,8 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from batch_assets.dagster_defs.task_definitions import build_definitions
 from batch_assets.engines.openai_engine import EndpointError, OpenAIEngine, chat_request_params
+from batch_assets.lib.task_definitions import build_definitions
 from batch_assets.pipeline.engine_contract import Prompt
 from batch_assets.pipeline.task_spec import load_task_spec
 from batch_assets_tests.conftest import REPO_ROOT, drop

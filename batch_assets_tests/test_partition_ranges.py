@@ -11,7 +11,7 @@ import polars as pl
 import pytest
 from dagster._core.event_api import PartitionKeyFilter
 
-from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
+from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import drop
 

@@ -8,8 +8,8 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.engines.vllm_engine import VLLMEngine
+from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import SAMPLES, drop

@@ -7,8 +7,8 @@ from collections import Counter
 import dagster as dg
 import pytest
 
-from batch_assets.dagster_defs.drops_sensor import RANGE_END_TAG, RANGE_START_TAG, partition_ranges
-from batch_assets.dagster_defs.range_failures import (
+from batch_assets.lib.drops_sensor import RANGE_END_TAG, RANGE_START_TAG, partition_ranges
+from batch_assets.lib.range_failures import (
     LEFT_OUT_TAG,
     RangeFailure,
     left_out_text,

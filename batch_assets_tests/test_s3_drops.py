@@ -27,13 +27,13 @@ import pytest
 import s3fs
 from moto.server import ThreadedMotoServer
 
-from batch_assets.dagster_defs.drops_sensor import (
+from batch_assets.lib.drops_sensor import (
     REPLACED_TAG,
     SOURCE_FILE_TAG,
     build_drops_sensor,
     requested_partitions,
 )
-from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
+from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.read_prompts import DropFileError
 from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.drop_files import find_drop_file, list_drop_files, partition_key_for, partitions_def_name

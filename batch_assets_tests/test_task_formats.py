@@ -35,7 +35,7 @@ EXPECTED = {
     "industry_fewshot": ChatRecords,
 }
 # The Dagster modules that build a task's assets and checks: they call the task's format object.
-FACTORIES = ("batch_assets/dagster_defs/assets.py", "batch_assets/dagster_defs/checks.py")
+FACTORIES = ("batch_assets/lib/assets.py", "batch_assets/lib/checks.py")
 KIND_NAMES = ("records", "openai_batch", "embedding", "similarity", "generate", "choices", "regex", "json_schema")
 
 

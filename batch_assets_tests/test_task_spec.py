@@ -8,7 +8,7 @@ import dagster as dg
 import pytest
 
 from batch_assets import cli
-from batch_assets.dagster_defs.task_definitions import build_definitions
+from batch_assets.lib.task_definitions import build_definitions
 from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec, load_task_specs, load_tasks
 
 GOOD = """

@@ -106,7 +106,7 @@ def test_wheel_loads_every_shipped_task(installed_wheel: tuple[Path, dict[str, s
     assert loaded["assets"] == expected_assets
     assert {f"{task}_drops_sensor" for task in SHIPPED_TASKS} <= set(loaded["sensors"])
     # The instance the installed package sets up is the one a checkout sets up (pools, run monitoring).
-    template = (REPO_ROOT / "batch_assets" / "dagster_defs" / "dagster.yaml").read_text()
+    template = (REPO_ROOT / "batch_assets" / "lib" / "dagster.yaml").read_text()
     assert loaded["instance_config"] == template
     assert "granularity: op" in loaded["instance_config"]
 
@@ -125,8 +125,7 @@ def test_installed_cli_lists_tasks_and_ships_samples(
         [
             python,
             "-c",
-            "from batch_assets.dagster_defs.runner import SAMPLES_DIR; "
-            "print(sorted(p.name for p in SAMPLES_DIR.iterdir()))",
+            "from batch_assets.lib.runner import SAMPLES_DIR; print(sorted(p.name for p in SAMPLES_DIR.iterdir()))",
         ],
         cwd=tmp_path,
         env=env,

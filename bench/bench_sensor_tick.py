@@ -89,8 +89,8 @@ def measure(label: str, repeats: int, setup, action) -> dict:
 def run_scenarios(where: str, keys: int, repeats: int, data_url: str) -> list[dict]:
     import dagster as dg
 
-    from batch_assets.dagster_defs.drops_sensor import build_drops_sensor
-    from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
+    from batch_assets.lib.drops_sensor import build_drops_sensor
+    from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
     from batch_assets.pipeline.task_spec import load_task_specs
     from batch_assets.storage.drop_files import list_drop_files
 

@@ -88,7 +88,7 @@ class TaskFormat(ABC):
     (a kind that embeds, or brings its own requests, overrides them)."""
 
     key: ClassVar[tuple[str, str]]
-    # What a validated row carries, which names its output checks (dagster_defs/checks.py):
+    # What a validated row carries, which names its output checks (lib/checks.py):
     # "labels" (a label parsed and checked against the constraint) or "embeddings" (a vector).
     result: ClassVar[str] = "labels"
 

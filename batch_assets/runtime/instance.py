@@ -21,7 +21,7 @@ import dagster as dg
 
 # The instance settings for one machine; the repo root's dagster.yaml links here, and the wheel
 # carries it, so an installed `batch-assets` sets up the same instance as a checkout.
-INSTANCE_TEMPLATE = Path(__file__).resolve().parent.parent / "dagster_defs" / "dagster.yaml"
+INSTANCE_TEMPLATE = Path(__file__).resolve().parent.parent / "lib" / "dagster.yaml"
 DEFAULT_DAGSTER_HOME = ".dagster_home"
 SETUP_LOCK_NAME = ".batch_assets_setup.lock"
 

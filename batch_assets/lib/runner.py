@@ -24,7 +24,10 @@ from typing import Any
 
 import dagster as dg
 
-from batch_assets.dagster_defs.drops_sensor import (
+from batch_assets.engines.kinds import engine_kind
+from batch_assets.engines.model_check import ModelNotFound, check_model
+from batch_assets.engines.vllm_engine import keep_engine_warm, shutdown_engines
+from batch_assets.lib.drops_sensor import (
     LAUNCHED_BY_TAG,
     RANGE_END_TAG,
     RANGE_START_TAG,
@@ -34,7 +37,7 @@ from batch_assets.dagster_defs.drops_sensor import (
     partition_ranges,
     version_digest,
 )
-from batch_assets.dagster_defs.run_outcomes import (
+from batch_assets.lib.run_outcomes import (
     PartitionOutcome,
     accuracy_side_by_side,
     failed_before_inference,
@@ -43,9 +46,6 @@ from batch_assets.dagster_defs.run_outcomes import (
     run_outcomes,
     sample_accuracies,
 )
-from batch_assets.engines.kinds import engine_kind
-from batch_assets.engines.model_check import ModelNotFound, check_model
-from batch_assets.engines.vllm_engine import keep_engine_warm, shutdown_engines
 from batch_assets.pipeline.task_spec import EMBEDDED_MODEL, TaskSpec, load_tasks
 from batch_assets.runtime.instance import dagster_home, home_lock, open_instance
 from batch_assets.runtime.run_recovery import (
@@ -129,7 +129,7 @@ def run_partitions(
     `skip_succeeded`, a file already validated from the same content is not run again.
     `definitions`: the code location's, when the caller built them already (the demo, for every task)."""
     # Imported here: importing the code location builds its definitions.
-    from batch_assets.dagster_defs.task_definitions import build_definitions, pipeline_job_name
+    from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 
     task = _loaded_task(task_name)
     named = read_named_files(files)
@@ -164,7 +164,7 @@ def _run_files(
 def run_demo(tasks: Sequence[TaskSpec], reporter: RunReporter) -> bool:
     """The bundled sample drops of every task, skipping files already validated from the same
     content; whether every file came out OK."""
-    from batch_assets.dagster_defs.task_definitions import build_definitions
+    from batch_assets.lib.task_definitions import build_definitions
 
     all_ok = True
     definitions = build_definitions()

@@ -14,15 +14,15 @@ from dataclasses import dataclass
 
 import dagster as dg
 
-from batch_assets.dagster_defs.assets import IO_MANAGER_KEY, build_task_assets
-from batch_assets.dagster_defs.automation import build_automation_sensor
-from batch_assets.dagster_defs.checks import build_task_checks
-from batch_assets.dagster_defs.drops_sensor import build_drops_sensor
-from batch_assets.dagster_defs.range_failures import build_range_failure_sensor
-from batch_assets.dagster_defs.task_file_errors import build_task_file_error_sensor
 from batch_assets.engines.kinds import ENGINE_KINDS
 from batch_assets.engines.openai_engine import OpenAIEngine
 from batch_assets.engines.vllm_engine import VLLMEngine
+from batch_assets.lib.assets import IO_MANAGER_KEY, build_task_assets
+from batch_assets.lib.automation import build_automation_sensor
+from batch_assets.lib.checks import build_task_checks
+from batch_assets.lib.drops_sensor import build_drops_sensor
+from batch_assets.lib.range_failures import build_range_failure_sensor
+from batch_assets.lib.task_file_errors import build_task_file_error_sensor
 from batch_assets.pipeline.task_spec import TaskFileError, TaskSpec, load_tasks
 from batch_assets.runtime.pool_waits import sleep_between_pool_checks
 from batch_assets.runtime.run_recovery import build_recovery_sensor
@@ -130,7 +130,7 @@ def build_definitions(
     """`engine` serves tasks with `engine.kind: vllm` (default: in-process vLLM; an `OpenAIEngine`
     here sends those tasks to an endpoint instead); `endpoint` serves tasks with `kind: openai`.
     With no `tasks`, the tasks folder is loaded; a bad task file becomes a failing sensor naming it
-    (dagster_defs/task_file_errors.py) and the other tasks load as usual. Each engine kind's resource
+    (lib/task_file_errors.py) and the other tasks load as usual. Each engine kind's resource
     key comes from `ENGINE_KINDS`."""
     # Whoever builds these definitions executes their runs (a run worker, `batch-assets run`): a step
     # waiting for the `gpu` pool must sleep, not spin (pool_waits.py).

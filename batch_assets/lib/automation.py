@@ -3,7 +3,7 @@
 
 import dagster as dg
 
-from batch_assets.dagster_defs.materializations import latest_materialization
+from batch_assets.lib.materializations import latest_materialization
 from batch_assets.pipeline.task_spec import TaskSpec
 
 # The code version Dagster records on each materialization.

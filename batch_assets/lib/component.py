@@ -13,7 +13,7 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
-from batch_assets.dagster_defs.task_definitions import build_definitions
+from batch_assets.lib.task_definitions import build_definitions
 from batch_assets.pipeline.task_spec import load_tasks, tasks_dir
 
 

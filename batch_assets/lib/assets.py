@@ -22,7 +22,8 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
-from batch_assets.dagster_defs.asset_metadata import (
+from batch_assets.engines.kinds import engine_for, engine_kind
+from batch_assets.lib.asset_metadata import (
     asset_key,
     column_schema,
     error_code_counts,
@@ -30,9 +31,8 @@ from batch_assets.dagster_defs.asset_metadata import (
     inference_metadata,
     labels_metadata,
 )
-from batch_assets.dagster_defs.automation import stale_partitions_condition
-from batch_assets.dagster_defs.range_failures import FAILED_PARTITIONS_METADATA
-from batch_assets.engines.kinds import engine_for, engine_kind
+from batch_assets.lib.automation import stale_partitions_condition
+from batch_assets.lib.range_failures import FAILED_PARTITIONS_METADATA
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.engine_contract import EngineSettings, EngineStartError
 from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions

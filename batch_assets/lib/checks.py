@@ -34,8 +34,8 @@ from typing import Any, cast
 import dagster as dg
 import polars as pl
 
-from batch_assets.dagster_defs.asset_metadata import asset_key, error_code_counts, markdown_table
-from batch_assets.dagster_defs.materializations import latest_materialization
+from batch_assets.lib.asset_metadata import asset_key, error_code_counts, markdown_table
+from batch_assets.lib.materializations import latest_materialization
 from batch_assets.pipeline.budget import budget_overruns, estimate_cost
 from batch_assets.pipeline.embeddings import NORM_TOLERANCE, embedding_report
 from batch_assets.pipeline.label_quality import accuracy_report, confidence_report, label_counts, label_drift

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import dagster as dg
 
-from batch_assets.dagster_defs.materializations import latest_materialization
+from batch_assets.lib.materializations import latest_materialization
 from batch_assets.pipeline.read_prompts import DropFileError
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.runtime.run_recovery import partitions_claimed_by_live_processes

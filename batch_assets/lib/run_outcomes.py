@@ -17,7 +17,7 @@ from pathlib import Path
 import dagster as dg
 import polars as pl
 
-from batch_assets.dagster_defs.materializations import latest_materialization
+from batch_assets.lib.materializations import latest_materialization
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.locations import output_path
 
