@@ -7,9 +7,12 @@
 1. A fresh DAGSTER_HOME (the repo's dagster.yaml, its `concurrency.pools.granularity` set by
    `--pool-granularity`: `op`, the shipped setting, a run claims the `gpu` slot only while
    `inference_outputs` runs; `run`, the run queue keeps a run QUEUED until the pools of all its
-   steps have a free slot, held for the whole run) and data folder; `industry_drops_sensor` started
-   with a 5 s interval; `dagster-daemon run` started and its first tick awaited, as on a machine
-   where the daemon is already up.
+   steps have a free slot, held for the whole run) and data folder; the `gpu` pool's limit set to
+   its default up front (under run granularity Dagster 1.13 sets it on the first dequeue pass that
+   meets the pool but does not enforce it in that pass: on a fresh home the first two runs of a
+   burst would both be launched, two engines at once); `industry_drops_sensor` started with a 5 s
+   interval; `dagster-daemon run` started and its first tick awaited, as on a machine where the
+   daemon is already up.
 2. Burst: the 20 customers files (distinct seeds: little for the result cache) land in the drop
    zone at once. Wall = from the drop to the last partition's validated_labels materialization
    (engine starts, the sensor's settle time and tick interval included). Runs are counted from the
@@ -43,6 +46,7 @@ HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
 VENV_BIN = Path(sys.executable).parent
 TASK = "industry"
+POOL = "gpu"  # the pool of the task's inference step (a vLLM task)
 TIMEOUT_S = 3600
 
 
@@ -271,6 +275,9 @@ def daemon_side(files: list[Path], work: Path, max_partitions_per_run: int | Non
     home, data = work / "home", work / "data"
     home.mkdir(parents=True)
     write_instance_config(home, pool_granularity)
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        # What Dagster does itself when a run first meets the pool, done before any run is queued.
+        instance.event_log_storage.initialize_concurrency_limit_to_default(POOL)
     env = {
         **os.environ,
         "DAGSTER_HOME": str(home),
