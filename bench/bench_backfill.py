@@ -2,10 +2,17 @@
 `runs.max_partitions_per_run` partitions, vs the plain one-call vLLM script over the same rows.
 
     .venv/bin/python bench/bench_backfill.py --partitions 20 --rows 50 [--max-partitions-per-run 20]
+        [--pool-granularity {op,run}] [--skip-plain]
 
-1. A fresh DAGSTER_HOME (the repo's dagster.yaml) and data folder; `industry_drops_sensor` started
-   with a 5 s interval; `dagster-daemon run` started and its first tick awaited, as on a machine
-   where the daemon is already up.
+1. A fresh DAGSTER_HOME (the repo's dagster.yaml, its `concurrency.pools.granularity` set by
+   `--pool-granularity`: `op`, the shipped setting, a run claims the `gpu` slot only while
+   `inference_outputs` runs; `run`, the run queue keeps a run QUEUED until the pools of all its
+   steps have a free slot, held for the whole run) and data folder; the `gpu` pool's limit set to
+   its default up front (under run granularity Dagster 1.13 sets it on the first dequeue pass that
+   meets the pool but does not enforce it in that pass: on a fresh home the first two runs of a
+   burst would both be launched, two engines at once); `industry_drops_sensor` started with a 5 s
+   interval; `dagster-daemon run` started and its first tick awaited, as on a machine where the
+   daemon is already up.
 2. Burst: the 20 customers files (distinct seeds: little for the result cache) land in the drop
    zone at once. Wall = from the drop to the last partition's validated_labels materialization
    (engine starts, the sensor's settle time and tick interval included). Runs are counted from the
@@ -16,7 +23,8 @@
    20 partitions in the UI does); every row comes from the result cache. Wall = submission to the
    last validated_labels; it includes the 0-30 s until Dagster's backfill daemon (a fixed 30 s
    loop) picks the backfill up.
-4. The plain script (bench/plain_vllm_script.py) over the same 1,000 rows in one file, one process.
+4. The plain script (bench/plain_vllm_script.py) over the same 1,000 rows in one file, one process
+   (left out with `--skip-plain`, e.g. to compare the two granularities side by side).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
 VENV_BIN = Path(sys.executable).parent
 TASK = "industry"
+POOL = "gpu"  # the pool of the task's inference step (a vLLM task)
 TIMEOUT_S = 3600
 
 
@@ -212,6 +221,7 @@ def run_timelines(instance, after: float) -> list[dict]:
         timelines.append(
             {
                 "range": [run.tags.get(f"dagster/asset_partition_range_{end}") for end in ("start", "end")],
+                "partition": run.tags.get("dagster/partition"),
                 "created": round(created - after, 1),
                 "started": round(run_start - after, 1) if run_start else None,
                 "ended": round(run_end - after, 1) if run_end else None,
@@ -250,14 +260,24 @@ def submit_backfill(instance, keys: list[str]) -> None:
     )
 
 
-def daemon_side(files: list[Path], work: Path, max_partitions_per_run: int | None) -> dict:
+def write_instance_config(home: Path, pool_granularity: str) -> None:
+    """The repo's dagster.yaml with `concurrency.pools.granularity` set (comments are not kept)."""
+    config = yaml.safe_load((REPO_ROOT / "dagster.yaml").read_text(encoding="utf-8"))
+    config.setdefault("concurrency", {}).setdefault("pools", {})["granularity"] = pool_granularity
+    (home / "dagster.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+
+
+def daemon_side(files: list[Path], work: Path, max_partitions_per_run: int | None, pool_granularity: str) -> dict:
     import dagster as dg
 
     from batch_assets.storage.drop_files import partition_key_for
 
     home, data = work / "home", work / "data"
     home.mkdir(parents=True)
-    shutil.copyfile(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
+    write_instance_config(home, pool_granularity)
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        # What Dagster does itself when a run first meets the pool, done before any run is queued.
+        instance.event_log_storage.initialize_concurrency_limit_to_default(POOL)
     env = {
         **os.environ,
         "DAGSTER_HOME": str(home),
@@ -350,27 +370,51 @@ def main() -> None:
     parser.add_argument(
         "--max-partitions-per-run", type=int, default=None, help="the task's runs.max_partitions_per_run (default: 16)"
     )
+    parser.add_argument(
+        "--pool-granularity",
+        choices=["op", "run"],
+        default="op",
+        help="concurrency.pools.granularity of the fresh instance (default: op, as shipped)",
+    )
+    parser.add_argument("--skip-plain", action="store_true", help="leave out the plain vLLM script")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         files = make_files(Path(tmp) / "inputs", args.partitions, args.rows)
-        daemon = daemon_side(files, Path(tmp) / "daemon", args.max_partitions_per_run)
-        plain = plain_side(files, Path(tmp) / "plain")
-    print(json.dumps({"daemon": daemon, "plain": plain}), flush=True)
+        daemon = daemon_side(files, Path(tmp) / "daemon", args.max_partitions_per_run, args.pool_granularity)
+        plain = None if args.skip_plain else plain_side(files, Path(tmp) / "plain")
+    print(json.dumps({"pool_granularity": args.pool_granularity, "daemon": daemon, "plain": plain}), flush=True)
     burst, rerun = daemon["burst"], daemon["rerun"]
-    print(f"\n{args.partitions} drop files x {args.rows} rows:")
+    print(f"\n{args.partitions} drop files x {args.rows} rows, pool granularity {args.pool_granularity}:")
     print(
         f"  burst through the sensor and daemon: {burst['wall']:7.1f} s in {burst['runs']} run(s), "
         f"{burst['backfills']} backfill(s), {burst['rows_inferred']} rows inferred"
     )
-    print(
-        f"  plain one-call vLLM script:          {plain['wall']:7.1f} s "
-        f"(engine start {plain['engine_start_seconds']:.1f} s)"
-    )
-    print(f"  ratio burst / plain:                 {burst['wall'] / plain['wall']:7.3f}")
+    print_timelines(burst["timelines"])
+    if plain is not None:
+        print(
+            f"  plain one-call vLLM script:          {plain['wall']:7.1f} s "
+            f"(engine start {plain['engine_start_seconds']:.1f} s)"
+        )
+        print(f"  ratio burst / plain:                 {burst['wall'] / plain['wall']:7.3f}")
     print(
         f"  re-run of every partition (cached):  {rerun['wall']:7.1f} s in {rerun['runs']} run(s), "
         f"{rerun['rows_from_cache']} rows from cache, {rerun['rows_inferred']} inferred"
     )
+    print_timelines(rerun["timelines"])
+
+
+def print_timelines(timelines: list[dict]) -> None:
+    """Per run: seconds after the drop (or submission) it was created, started and ended, and when its
+    inference step started and how long it took: under run granularity a run waiting for the `gpu`
+    pool stays QUEUED (created, not started) until the run holding the slot ends."""
+    for timeline in timelines:
+        inference = timeline["steps"].get(f"{TASK}__inference_outputs")
+        partitions = timeline.get("partition") or "..".join(map(str, timeline["range"]))
+        print(
+            f"    run {partitions}: created {timeline['created']}, started {timeline['started']}, "
+            f"ended {timeline['ended']}; inference_outputs "
+            + (f"at {inference[0]} for {inference[1]} s" if inference else "not run")
+        )
 
 
 if __name__ == "__main__":
