@@ -23,6 +23,7 @@ from batch_assets.storage.drop_files import file_key_of, find_drop_file, shard_i
 from batch_assets.storage.shards import (
     delete_partition_outputs,
     file_partition_keys,
+    partitions_by_file,
     read_partition_rows,
     retired_partitions,
     shard_plan,
@@ -148,6 +149,18 @@ def test_plan_is_kept_per_version_and_a_replaced_file_retires_the_shards_it_no_l
     assert keys == ["posts.jsonl~00001", "posts.jsonl~00002", "posts.jsonl~00003"]
     existing = ["other.csv", "posts.jsonl~00001", "posts.jsonl~00002", "posts.jsonl~00003", "posts.jsonl~00004"]
     assert retired_partitions(existing, "posts.jsonl", keys) == ["posts.jsonl~00004"]
+    by_file = partitions_by_file(existing + ["posts.jsonl"])
+    assert by_file == {
+        "other.csv": ["other.csv"],
+        "posts.jsonl": [
+            "posts.jsonl~00001",
+            "posts.jsonl~00002",
+            "posts.jsonl~00003",
+            "posts.jsonl~00004",
+            "posts.jsonl",
+        ],
+    }
+    assert retired_partitions(by_file["posts.jsonl"], "posts.jsonl", keys) == ["posts.jsonl~00004", "posts.jsonl"]
     assert retired_partitions(["posts.jsonl", "posts.jsonl~00001"], "posts.jsonl", ["posts.jsonl"]) == [
         "posts.jsonl~00001"
     ]

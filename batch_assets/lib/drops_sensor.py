@@ -59,6 +59,7 @@ from batch_assets.storage.shards import (
     PIPELINE_ASSETS,
     delete_partition_outputs,
     file_partition_keys,
+    partitions_by_file,
     retired_partitions,
 )
 
@@ -451,7 +452,12 @@ def _tick_requests(
     existing = set(ordered)
     # Added oldest file first: the partitions' order, which decides the ranges, is arrival order.
     new_partitions = list(dict.fromkeys(key for drop, _ in plan.to_run for key in keys_of(drop) if key not in existing))
-    retired = [key for drop, _ in plan.to_run for key in retired_partitions(ordered, drop.partition_key, keys_of(drop))]
+    by_file = partitions_by_file(ordered)
+    retired = [
+        key
+        for drop, _ in plan.to_run
+        for key in retired_partitions(by_file.get(drop.partition_key, []), drop.partition_key, keys_of(drop))
+    ]
     if retired:
         context.log.info(f"retiring partitions the new file versions split differently: {retired}")
         delete_partition_outputs(task.name, retired)

@@ -57,6 +57,7 @@ from batch_assets.runtime.run_recovery import (
 from batch_assets.storage.drop_files import DropFile, find_drop_file, partitions_def_name
 from batch_assets.storage.drop_zone_copies import CopyRefused, NamedFile, copy_into_drop_zone, read_named_files
 from batch_assets.storage.partition_registration import add_partitions, file_partitions
+from batch_assets.storage.shards import partitions_by_file
 
 SAMPLES_DIR = Path(__file__).resolve().parent.parent / "samples"
 # The absolute path of the file a CLI run was given, so a later file of the same name from another
@@ -227,7 +228,11 @@ def _register_files(context: _RunContext, named: list[NamedFile], *, replace: bo
         drops = {file.key: find_drop_file(task.name, file.key) for file in named}
         digests = {file.key: version_digest(drops[file.key].version) for file in named}
         # A file with more records than input.max_rows_per_partition runs as several shards.
-        keys = {file.key: file_partitions(instance, task, drops[file.key], say=say) for file in named}
+        registered_keys = partitions_by_file(instance.get_dynamic_partitions(partitions_def_name(task.name)))
+        keys = {
+            file.key: file_partitions(instance, task, drops[file.key], registered_keys.get(file.key, []), say=say)
+            for file in named
+        }
         registered = [_RegisteredFile(file, drops[file.key], digests[file.key], keys[file.key]) for file in named]
         add_partitions(instance, partitions_def_name(task.name), _partition_keys(registered))
         context.lease.claim(task.name, [(key, file.digest) for file in registered for key in file.partition_keys])

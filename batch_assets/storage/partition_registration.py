@@ -10,7 +10,7 @@ outputs and all (storage/shards.py).
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from sqlalchemy.exc import IntegrityError
@@ -27,29 +27,41 @@ if TYPE_CHECKING:
 
 def add_partitions(instance: dg.DagsterInstance, partitions_name: str, keys: list[str]) -> None:
     """Register the partitions; one that another process (CLI, sensor) added meanwhile is fine too."""
-    missing = [key for key in dict.fromkeys(keys) if not instance.has_dynamic_partition(partitions_name, key)]
+    missing = _unregistered(instance, partitions_name, keys)
     if not missing:
         return
     try:
         instance.add_dynamic_partitions(partitions_name, missing)
     except (IntegrityError, sqlite3.IntegrityError):
         # Dagster's check-then-insert races with a concurrent add of the same key; one insert wins.
-        still = [key for key in missing if not instance.has_dynamic_partition(partitions_name, key)]
+        still = _unregistered(instance, partitions_name, missing)
         if still:
             instance.add_dynamic_partitions(partitions_name, still)
 
 
+def _unregistered(instance: dg.DagsterInstance, partitions_name: str, keys: list[str]) -> list[str]:
+    # One query for the whole list: a drop zone of thousands of files is not thousands of lookups.
+    registered = set(instance.get_dynamic_partitions(partitions_name))
+    return [key for key in dict.fromkeys(keys) if key not in registered]
+
+
 def file_partitions(
-    instance: dg.DagsterInstance, task: TaskSpec, drop: DropFile, *, say: Callable[[str], None]
+    instance: dg.DagsterInstance,
+    task: TaskSpec,
+    drop: DropFile,
+    registered: Sequence[str],
+    *,
+    say: Callable[[str], None],
 ) -> list[str]:
     """The file's partitions (its own, or its shards); partitions of the file that its new version
-    no longer has (split differently) are retired, outputs and all."""
+    no longer has (split differently) are retired, outputs and all. `registered`: the file's
+    partitions in the instance (`partitions_by_file`)."""
     try:
         keys = file_partition_keys(task.name, drop, task.input.shard_rows)
     except DropFileError:
         return [drop.partition_key]  # its run fails with this error, naming the file
     partitions_name = partitions_def_name(task.name)
-    retired = retired_partitions(instance.get_dynamic_partitions(partitions_name), drop.partition_key, keys)
+    retired = retired_partitions(registered, drop.partition_key, keys)
     if retired:
         say(f"{drop.relative_path}: split differently than before; retiring partitions {', '.join(retired)}")
         delete_partition_outputs(task.name, retired)

@@ -88,6 +88,15 @@ def file_partition_keys(task: str, drop: DropFile, max_rows: int | None) -> list
     return partition_keys(drop, shard_plan(task, drop, max_rows))
 
 
+def partitions_by_file(existing: Iterable[str]) -> dict[str, list[str]]:
+    """Registered partitions grouped by their file's key, so that finding one file's among tens of
+    thousands is a lookup, not a scan per file."""
+    grouped: dict[str, list[str]] = {}
+    for key in existing:
+        grouped.setdefault(file_key_of(key), []).append(key)
+    return grouped
+
+
 def retired_partitions(existing: Iterable[str], file_key: str, current: Iterable[str]) -> list[str]:
     """Partitions of the file `file_key` among `existing` that its current version no longer has."""
     keep = set(current)
