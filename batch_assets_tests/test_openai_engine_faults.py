@@ -41,8 +41,8 @@ MODEL = "fault-model"
 class FaultServer:
     """Chat completions with scripted faults: `plan[word]` lists what successive requests whose
     user message contains `word` get: "429", "500", "slow", "drop", "401", "garbage" (a 200 that
-    is not JSON), "400-logprobs" (a server refusing the `logprobs` field) or "ok". The last step
-    repeats. Prompts matching no word get "ok"."""
+    is not JSON), "400" (this request refused), "400-logprobs" (a server refusing the `logprobs`
+    field) or "ok". The last step repeats. Prompts matching no word get "ok"."""
 
     def __init__(self, slow_seconds: float = 1.5, ok_delay: float = 0.0) -> None:
         self.plan: dict[str, list[str]] = {}
@@ -86,6 +86,8 @@ class FaultServer:
                 if action == "drop":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
+                elif action == "400":
+                    self._json(400, {"error": {"message": "This model's maximum context length is 2048 tokens"}})
                 elif action == "400-logprobs":
                     self._json(400, {"error": {"message": "logprobs is not supported for this model"}})
                 elif action == "429":
@@ -407,6 +409,24 @@ def test_a_refused_key_fails_the_run_without_revealing_it(
         message = "\n".join(failure_messages(result))
         assert "HTTP 401" in message and "API key" in message
         assert API_KEY not in all_run_text(instance, result.run_id)
+
+
+def test_a_batch_whose_every_request_the_server_refuses_becomes_error_rows_not_a_failed_run(
+    tmp_path: Path, data_dir: Path, tiny_model_path: str, fault_server: FaultServer, endpoint_key: str
+) -> None:
+    # Batches of 2: the server answers both requests of [charlie, delta] with a 400 of their own.
+    fault_server.plan = {"charlie": ["400"], "delta": ["400"]}
+    task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path, batch_size=2, max_retries=0)
+    drop(data_dir, "sentiment", "posts.jsonl", posts_jsonl(POSTS))
+    with dg.instance_for_test() as instance:
+        key, result = run_partition("sentiment", "posts.jsonl", instance, build_definitions(tasks=[task]))
+        assert result.success, failure_messages(result)
+    labels = read_output(data_dir, "sentiment", "validated_labels", key)
+    errors = dict(zip(labels["text"], labels["error"], strict=True))
+    assert errors["charlie meeting at noon"].startswith("endpoint_error: HTTP 400: This model's maximum context")
+    assert errors["delta is fine"].startswith("endpoint_error: HTTP 400")
+    assert sum(error is not None for error in errors.values()) == 2 and labels.height == len(POSTS)
+    assert fault_server.attempts["charlie"] == 1  # a refusal is not retried
 
 
 def test_a_failed_batch_fails_the_run_and_a_rerun_resumes_from_checkpoints(

@@ -629,12 +629,15 @@ def _embedding_call(model: str, texts: list, request: EmbeddingRequest) -> Calla
 
 def _check_outcomes(settings: EndpointSettings, outcomes: list) -> None:
     """Fail the run when the endpoint as a whole failed (a fatal error, or every request of the
-    batch); else log how many requests became error rows."""
+    batch failed without the server refusing it); else log how many requests became error rows."""
     fatal = next((o.fatal for o in outcomes if isinstance(o, _Failure) and o.fatal), None)
     if fatal:
         raise EndpointError(fatal)
     failures = [o for o in outcomes if isinstance(o, _Failure)]
-    if len(failures) == len(outcomes):
+    # A request the server answered with a refusal of that request (400 bad text, 413, 422) is
+    # the row's fault, even when every row of a batch is refused: a serving server, error rows.
+    refused = all(f.status is not None and 400 <= f.status < 500 and f.status not in RETRIED_STATUSES for f in failures)
+    if len(failures) == len(outcomes) and not refused:
         raise EndpointError(
             f"all {len(outcomes)} requests of this batch to {settings.base_url} failed; the server is not "
             f"serving (first error: {failures[0].error}). Finished batches are checkpointed: re-run to resume."
