@@ -18,6 +18,7 @@ import dagster as dg
 import polars as pl
 
 from batch_assets.lib.materializations import latest_materialization
+from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.locations import output_path
 
@@ -179,12 +180,7 @@ def sample_accuracies(
         gold = _gold_accuracy(records)
         if gold:
             accuracy, rows = gold
-            how = (
-                f"embedding similarity, {task.model}"
-                if task.output.method == "similarity"
-                else f"chat model {task.model}, structured outputs"
-            )
-            found.append((task.name, how, accuracy, rows))
+            found.append((task.name, task_format(task).labelled_by(), accuracy, rows))
     return found
 
 

@@ -119,6 +119,10 @@ class TaskFormat(ABC):
             "input record, in input order."
         )
 
+    def labelled_by(self) -> str:
+        """How the labels come about, for the demo's side-by-side accuracies."""
+        return f"chat model {self.task.model}, structured outputs"
+
     # --- formatted_prompts ------------------------------------------------------------------------
 
     @abstractmethod
@@ -400,6 +404,9 @@ class SimilarityRecords(_EmbeddedRecords):
             f"Embeddings of each `{self.task.name}` row from {self.embedder(engine_name)}, and its label by cosine "
             "similarity to each choice's embedding."
         )
+
+    def labelled_by(self) -> str:
+        return f"embedding similarity, {self.task.model}"
 
     def infer(
         self, parts: list[PartitionInput], run: RunInference, tokenizer: Tokenizer, max_model_len: int
