@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from batch_assets.runtime.instance import dagster_home, prepare_instance
+from batch_assets.runtime.process_exit import exit_without_teardown
 
 if TYPE_CHECKING:
     from batch_assets.lib.run_outcomes import PartitionOutcome
@@ -257,9 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         # Until the command ends (the engine stops last), library output goes to the log file.
         log_path = dagster_home() / "logs" / f"batch-assets-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
         with TERMINAL.library_output_to(log_path):
-            if args.command == "run":
-                return command_run(args.task, args.files, replace=args.replace)
-            return command_demo()
+            code = command_run(args.task, args.files, replace=args.replace) if args.command == "run" else command_demo()
+        # The console script (no argv given) leaves without the interpreter's teardown (~2 s once vLLM is in).
+        return exit_without_teardown(code) if argv is None else code
     except KeyboardInterrupt:
         TERMINAL.say("stopped (interrupted)")
         return 130

@@ -521,3 +521,36 @@ def test_an_edited_file_runs_again_and_a_namesake_is_refused_or_replaced_after_c
         assert "AttributeError" not in result.stdout and "Traceback" not in result.stdout + result.stderr
     with open_instance(tmp_path / "home") as instance:
         assert len(instance.get_runs()) == 3
+
+
+def test_the_console_script_leaves_without_the_interpreters_teardown_once_its_atexit_handlers_ran(
+    tmp_path: Path,
+) -> None:
+    """`batch-assets run` skips the ~2 s Python spends tearing its modules down once vLLM is imported;
+    exit status, atexit handlers and buffered output are as at a normal exit. While a thread that a
+    normal exit waits for still runs, it exits the normal way."""
+    script = tmp_path / "leave.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import atexit, sys, threading, time
+            from batch_assets.runtime.process_exit import exit_without_teardown
+
+            class TornDown:
+                def __del__(self):
+                    sys.__stderr__.write("torn down")
+
+            kept = TornDown()
+            atexit.register(lambda: print("atexit handler ran"))
+            print("buffered ", end="")
+            if sys.argv[1] == "thread":
+                threading.Thread(target=time.sleep, args=(0.5,)).start()
+            sys.exit(exit_without_teardown(3))
+            """
+        )
+    )
+    env = python_env(dict(os.environ))
+    for thread, torn_down in (("none", False), ("thread", True)):
+        done = subprocess.run([PYTHON, str(script), thread], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 3 and done.stdout == "buffered atexit handler ran\n", done
+        assert ("torn down" in done.stderr) is torn_down, done.stderr

@@ -7,12 +7,14 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
 
 from batch_assets.engines.vllm_engine import VLLMEngine, engine_process_environment, resolve_data_parallel_size
-from batch_assets.pipeline.engine_contract import EngineStartError
+from batch_assets.pipeline.engine_contract import EngineStartError, Generation, Prompt
 from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec, load_task_specs
 from batch_assets_tests.conftest import REPO_ROOT
 
@@ -256,6 +258,52 @@ def test_a_gpu_holds_one_warm_engine_a_cpu_one_of_each_runner(tmp_path: Path, gp
         assert POOLING_ENGINE.running is not bool(gpus)
     finally:
         POOLING_ENGINE._engine = None
+
+
+class _StreamingEngine:
+    """Stands for a started engine: answers every prompt, and records the thread that shut it down."""
+
+    dead = False
+
+    def __init__(self, settings: object) -> None:
+        self.settings = settings
+        self.shut_down_on: str | None = None
+
+    def stream(self, prompts: Iterable[Prompt], params_for: object) -> Iterator[tuple[int, Generation]]:
+        for position, prompt in enumerate(prompts):
+            yield position, Generation("yes", "stop", len(prompt), 1)
+
+    def shutdown(self) -> None:
+        self.shut_down_on = threading.current_thread().name
+
+
+@pytest.mark.parametrize("wanted_later", [False, True])
+def test_the_engine_of_a_blocks_last_stream_shuts_down_in_the_background_as_the_stream_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wanted_later: bool
+) -> None:
+    """`batch-assets run`'s last range of files: its engine starts shutting down on a thread of its own
+    the moment its stream has ended (the run stores, validates and checks meanwhile) and the block's
+    end waits for it; a stream closed early, or a block that wants the engine later, keeps it warm."""
+    from batch_assets.engines.vllm_engine import PROCESS_ENGINE, keep_engine_warm
+
+    task = load_task_spec(task_file(tmp_path, "  max_model_len: 1024\n"))
+    engine = VLLMEngine()
+    warm = _StreamingEngine(engine.settings(task))
+    # As at the top level of a process (the test session keeps a block of its own around every test).
+    monkeypatch.setattr(PROCESS_ENGINE, "wanted_later", lambda: False)
+    monkeypatch.setattr(PROCESS_ENGINE, "_engine", warm)
+    try:
+        with keep_engine_warm(wanted_later=lambda: wanted_later), engine.session(task) as session:
+            early = session.stream([Prompt((1, 2)), Prompt((3,))])
+            next(early)
+            early.close()
+            assert PROCESS_ENGINE.running
+            assert [position for position, _ in session.stream([Prompt((1, 2)), Prompt((3,))])] == [0, 1]
+            assert PROCESS_ENGINE.running is wanted_later
+        PROCESS_ENGINE.shutdown()  # what the outermost block's end does: waits for a shutdown under way
+        assert warm.shut_down_on == ("MainThread" if wanted_later else "vllm-engine-shutdown")
+    finally:
+        PROCESS_ENGINE._engine = None
 
 
 def test_an_embedding_task_on_an_endpoint_takes_the_embedding_models_limit_and_tokenizer(tmp_path: Path) -> None:

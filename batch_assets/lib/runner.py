@@ -285,8 +285,11 @@ def _run_in_ranges(context: _RunContext, files: list[_RegisteredFile], keys: lis
     ordered = instance.get_dynamic_partitions(partitions_def_name(task.name))
     pool = engine_kind(task).pool
     by_key: dict[str, PartitionOutcome] = {}
-    with keep_engine_warm(wanted_elsewhere=lambda: others_wait_for_pool(instance, pool)):
-        ranges = list(partition_ranges(ordered, keys, task.runs.max_partitions_per_run, alone=shards))
+    ranges = list(partition_ranges(ordered, keys, task.runs.max_partitions_per_run, alone=shards))
+    # No range left to run: the last one's engine shuts down while its run validates and checks.
+    with keep_engine_warm(
+        wanted_elsewhere=lambda: others_wait_for_pool(instance, pool), wanted_later=lambda: bool(ranges)
+    ):
         while ranges:
             run_keys = ranges.pop(0)
             wait_for_pool_slot(instance, pool, say=say, before_waiting=shutdown_engines)
