@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 from pathlib import Path
 
 import dagster as dg
@@ -60,6 +61,7 @@ def test_dagster_internals_keep_the_shapes_relied_on() -> None:
         AssetCheckEvaluationTargetMaterializationData,
         SqlEventLogStorage,
         instance_concurrency_context,
+        sqlite_event_log_storages,
     )
 
     assert dg.__version__.startswith("1.13."), "re-check runtime/dagster_private.py for this Dagster version"
@@ -72,6 +74,12 @@ def test_dagster_internals_keep_the_shapes_relied_on() -> None:
         with context_class(instance, run) as context:
             assert isinstance(context._pending_claims, set) and isinstance(context._pending_timeouts, dict)
         assert isinstance(instance.event_log_storage, SqlEventLogStorage)
+        # pool_waits.serialize_pool_claims: the slot methods it wraps, and the folder of the database.
+        storage = instance.event_log_storage
+        assert isinstance(storage, sqlite_event_log_storages()) and os.path.isdir(storage._base_dir)
+    for storage_class in sqlite_event_log_storages():
+        for name in ("claim_concurrency_slot", "free_concurrency_slot_for_step", "free_concurrency_slots_for_run"):
+            assert callable(getattr(storage_class, name))
     assert list(inspect.signature(SqlEventLogStorage.assign_pending_steps).parameters) == ["self", "concurrency_keys"]
     target = AssetCheckEvaluationTargetMaterializationData(run_id="r", storage_id=7, timestamp=1.5)
     assert (target.run_id, target.storage_id, target.timestamp) == ("r", 7, 1.5)

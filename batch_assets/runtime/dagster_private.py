@@ -7,6 +7,10 @@
   pending_claim_count)` returning seconds.
 - `SqlEventLogStorage` and its `assign_pending_steps(concurrency_keys)`: `run_recovery.py` gives a
   free slot to a step left waiting by a race in Dagster's slot hand-over.
+- `SqliteEventLogStorage` and `ConsolidatedSqliteEventLogStorage` (the single-machine instance's
+  event logs): `pool_waits.py` wraps their slot methods (`claim_concurrency_slot`,
+  `free_concurrency_slot_for_step`, `free_concurrency_slots_for_run`, `assign_pending_steps`) in a
+  file lock in their folder (`_base_dir`), since SQLite has no row lock between a claim's read and write.
 - `AssetCheckEvaluationTargetMaterializationData(run_id, storage_id, timestamp)`: what a check result
   is about; `checks.py` records per-partition evaluations against that materialization, as Dagster
   does for an `AssetCheckResult` (there is no public constructor for it).
@@ -18,6 +22,19 @@ from dagster._core.definitions.asset_checks.asset_check_evaluation import (
     AssetCheckEvaluationTargetMaterializationData,
 )
 from dagster._core.execution.plan import instance_concurrency_context
-from dagster._core.storage.event_log import SqlEventLogStorage
+from dagster._core.storage.event_log import (
+    ConsolidatedSqliteEventLogStorage,
+    SqlEventLogStorage,
+    SqliteEventLogStorage,
+)
 
-__all__ = ["AssetCheckEvaluationTargetMaterializationData", "SqlEventLogStorage", "instance_concurrency_context"]
+__all__ = [
+    "AssetCheckEvaluationTargetMaterializationData",
+    "SqlEventLogStorage",
+    "instance_concurrency_context",
+    "sqlite_event_log_storages",
+]
+
+
+def sqlite_event_log_storages() -> tuple[type[SqlEventLogStorage], ...]:
+    return (SqliteEventLogStorage, ConsolidatedSqliteEventLogStorage)

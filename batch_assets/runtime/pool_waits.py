@@ -15,11 +15,27 @@ and every run that waits behind another pays them:
 looks at `POOL_CHECK_SECONDS` (a look is one small query of the instance's database). It replaces
 two private members of Dagster's module (there is no setting for either); the test of this module
 fails if a Dagster upgrade renames them or changes what they mean.
+
+A third defect gives one slot to two steps: on SQLite storage (the single-machine instance) a
+claim reads "is a slot free?" and then writes, with no row lock between (`FOR UPDATE SKIP LOCKED`
+is a no-op there), so two runs whose inference steps ask within the same few milliseconds (both
+runs of a burst, formatted side by side) both get the `gpu` slot and start two engines at once,
+measured with bench/bench_backfill.py (both steps started 22.7 s after the drop, each at half
+speed; on a GPU the second engine would not fit). `serialize_pool_claims()` makes each claim and
+release of a pool slot hold an exclusive lock on a file beside the database, so they happen one
+after another across processes; Postgres storage locks its rows itself and is left alone.
 """
 
 from __future__ import annotations
 
+import fcntl
+import functools
+import os
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 # How late a waiting step may notice a freed slot, at most: one database query per waiting run per period.
 POOL_CHECK_SECONDS = 2.0
@@ -50,3 +66,61 @@ def sleep_between_pool_checks() -> None:
     context_class.interval_to_next_pending_claim_check = next_check_in  # type: ignore[method-assign]
     module._calculate_timeout_interval = capped_backoff
     _applied = True
+
+
+# The storage methods that read and then change who holds a slot (or is next for one).
+_SLOT_CHANGES = (
+    "claim_concurrency_slot",
+    "free_concurrency_slot_for_step",
+    "free_concurrency_slots_for_run",
+    "assign_pending_steps",
+)
+POOL_CLAIMS_LOCK = ".batch_assets_pool_claims.lock"
+_serialized = False
+
+
+def serialize_pool_claims() -> None:
+    """Idempotent; every SQLite event log storage in this process claims and frees pool slots under
+    an exclusive lock on `POOL_CLAIMS_LOCK` in its folder (one instance's processes share it)."""
+    global _serialized
+    if _serialized:
+        return
+    from batch_assets.runtime.dagster_private import sqlite_event_log_storages
+
+    for storage_class in sqlite_event_log_storages():
+        for name in _SLOT_CHANGES:
+            setattr(storage_class, name, _under_claims_lock(getattr(storage_class, name)))
+    _serialized = True
+
+
+def _under_claims_lock(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def locked(storage: Any, *args: Any, **kwargs: Any) -> Any:
+        with _claims_lock(storage._base_dir):
+            return method(storage, *args, **kwargs)
+
+    return locked
+
+
+_held = threading.local()  # how deep this thread is in locked methods (freeing a slot assigns it)
+
+
+@contextmanager
+def _claims_lock(folder: str) -> Iterator[None]:
+    depth = getattr(_held, "depth", 0)
+    if depth:  # re-entered (free → assign_pending_steps): this thread holds the lock already
+        _held.depth = depth + 1
+        try:
+            yield
+        finally:
+            _held.depth = depth
+        return
+    # flock belongs to the open file, so other threads of this process, with files of their own, wait too.
+    descriptor = os.open(os.path.join(folder, POOL_CLAIMS_LOCK), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        _held.depth = 1
+        yield
+    finally:
+        _held.depth = 0
+        os.close(descriptor)  # closing drops the lock
