@@ -381,12 +381,13 @@ def plan_drops_tick(
     files: list[DropFile],
     seen: set[bytes],
     ordered: list[str],
+    registered: Mapping[str, list[str]],
     keys_of: Callable[[DropFile], list[str]],
     max_runs_per_tick: int | None,
 ) -> TickPlan:
-    """`plan_tick` with what the instance and the live `batch-assets` processes say about each file."""
+    """`plan_tick` with what the instance and the live `batch-assets` processes say about each file
+    (`registered`: the partitions in `ordered`, by file)."""
     claimed = partitions_claimed_by_live_processes(context.instance.root_directory, task.name)
-    registered = partitions_by_file(ordered)
     return plan_tick(
         files,
         seen,
@@ -418,7 +419,8 @@ def drops_tick(
     seen = _cursor_fingerprints(context)
     ordered = list(context.instance.get_dynamic_partitions(partitions_def_name(task.name)))
     keys_of = _partition_keys_of(task, context.log)
-    plan = plan_drops_tick(context, task, files, seen, ordered, keys_of, max_runs_per_tick)
+    registered = partitions_by_file(ordered)
+    plan = plan_drops_tick(context, task, files, seen, ordered, registered, keys_of, max_runs_per_tick)
     context.log.info(
         f"{len(files)} input file(s) in {zone}: {len(plan.to_run)} to run, {plan.known} already requested, "
         f"{plan.already_done} already done, {plan.in_progress} being run by batch-assets, "
@@ -433,7 +435,7 @@ def drops_tick(
         if skipped:
             reason += "; " + _skipped_text(skipped)
         return dg.SensorResult(skip_reason=dg.SkipReason(reason), cursor=cursor if plan.seen != seen else None)
-    return _tick_requests(context, task, plan, ordered, keys_of, job_tags, cursor)
+    return _tick_requests(context, task, plan, ordered, registered, keys_of, job_tags, cursor)
 
 
 def _tick_requests(
@@ -441,6 +443,7 @@ def _tick_requests(
     task: TaskSpec,
     plan: TickPlan,
     ordered: list[str],
+    registered: Mapping[str, list[str]],
     keys_of: Callable[[DropFile], list[str]],
     job_tags: Mapping[str, str],
     cursor: str,
@@ -450,11 +453,10 @@ def _tick_requests(
     existing = set(ordered)
     # Added oldest file first: the partitions' order, which decides the ranges, is arrival order.
     new_partitions = list(dict.fromkeys(key for drop, _ in plan.to_run for key in keys_of(drop) if key not in existing))
-    by_file = partitions_by_file(ordered)
     retired = [
         key
         for drop, _ in plan.to_run
-        for key in retired_partitions(by_file.get(drop.partition_key, []), drop.partition_key, keys_of(drop))
+        for key in retired_partitions(registered.get(drop.partition_key, []), drop.partition_key, keys_of(drop))
     ]
     if retired:
         context.log.info(f"retiring partitions the new file versions split differently: {retired}")

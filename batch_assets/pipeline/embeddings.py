@@ -86,19 +86,17 @@ def count_text_tokens(tokenizer: Tokenizer, column: pl.Series) -> pl.Series:
     """Tokens of each text as the model gets it (its special tokens included, [CLS] and [SEP] for BERT
     models), never cut: the count says whether the text fits. Each distinct text is tokenized once.
 
-    The Rust tokenizer is used directly where there is one, with its truncation and padding switched
-    off: a tokenizer.json may carry settings of its own (all-MiniLM-L6-v2's cuts and pads to 128
-    tokens), which transformers switches on or off at each call, so they depend on the call before
-    (on a fresh tokenizer every short text counted 128 tokens).
+    A copy of the Rust tokenizer is used where there is one, with truncation and padding off
+    (`_encoding_backend`): a tokenizer.json may carry settings of its own (all-MiniLM-L6-v2's cuts
+    and pads to 128 tokens), which transformers switches on or off at each call, so they depend on the
+    call before (on a fresh tokenizer every short text counted 128 tokens).
     """
     distinct = column.drop_nulls().unique().to_list()
-    backend = getattr(tokenizer, "backend_tokenizer", None)
+    backend = _encoding_backend(tokenizer, None)
     counts: list[int] = []
     for start in range(0, len(distinct), TOKENIZE_CHUNK):
         chunk = distinct[start : start + TOKENIZE_CHUNK]
-        if backend is not None and hasattr(backend, "encode_batch_fast"):
-            backend.no_truncation()
-            backend.no_padding()  # likewise a padding setting (all-MiniLM-L6-v2's pads to 128 tokens)
+        if backend is not None:
             counts.extend(len(encoding) for encoding in backend.encode_batch_fast(chunk, add_special_tokens=True))
         else:
             counts.extend(len(ids) for ids in tokenizer(chunk, add_special_tokens=True)["input_ids"])
@@ -179,8 +177,8 @@ def _encoding_backend(tokenizer: Tokenizer, max_length: int | None) -> Any:
     """A copy of the tokenizer's Rust tokenizer that encodes as `tokenizer(texts, truncation=...,
     max_length=max_length)` does (the same ids), without the Python layer of that call (a third of
     its time, spent on the thread that feeds the engine); None without a Rust tokenizer. A copy of
-    its own, set once: the tokenizer's own one has its truncation and padding switched at each call
-    (see `count_text_tokens`), and its tokenizer.json may pad or cut of its own accord."""
+    its own, set once: the tokenizer's own one has its truncation and padding switched at each call,
+    and its tokenizer.json may pad or cut of its own accord."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "encode_batch_fast"):
         return None

@@ -10,6 +10,7 @@ first one creates the tables, the others wait a moment and then find them.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -27,14 +28,24 @@ SETUP_LOCK_NAME = ".batch_assets_setup.lock"
 
 
 @contextmanager
-def home_lock(home: Path) -> Iterator[None]:
-    """Exclusive lock on the Dagster home's setup, released when the block (or the process) ends."""
-    with (home / SETUP_LOCK_NAME).open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def exclusive_file_lock(path: Path) -> Iterator[None]:
+    """An exclusive `flock` on `path` (created if missing), released when the block (or the process)
+    ends. flock belongs to the open file, so other threads of this process wait for it too."""
+    try:
+        # Writable for everyone the umask allows: a home shared by a daemon's user and a person's.
+        descriptor = os.open(path, os.O_CREAT | os.O_RDWR, 0o666)
+    except PermissionError:  # created by another user: flock works on a read-only descriptor too
+        descriptor = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # closing drops the lock
+
+
+def home_lock(home: Path) -> contextlib.AbstractContextManager[None]:
+    """Exclusive lock on the Dagster home's setup."""
+    return exclusive_file_lock(home / SETUP_LOCK_NAME)
 
 
 def dagster_home() -> Path:

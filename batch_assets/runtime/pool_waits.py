@@ -28,14 +28,15 @@ after another across processes; Postgres storage locks its rows itself and is le
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+
+from batch_assets.runtime.instance import exclusive_file_lock
 
 # How late a waiting step may notice a freed slot, at most: one database query per waiting run per period.
 POOL_CHECK_SECONDS = 2.0
@@ -102,30 +103,17 @@ def _under_claims_lock(method: Callable[..., Any]) -> Callable[..., Any]:
     return locked
 
 
-_held = threading.local()  # how deep this thread is in locked methods (freeing a slot assigns it)
+_held = threading.local()  # inside a locked method: freeing a slot calls assign_pending_steps
 
 
 @contextmanager
 def _claims_lock(folder: str) -> Iterator[None]:
-    depth = getattr(_held, "depth", 0)
-    if depth:  # re-entered (free → assign_pending_steps): this thread holds the lock already
-        _held.depth = depth + 1
+    if getattr(_held, "inside", False):  # this thread holds the lock already
+        yield
+        return
+    with exclusive_file_lock(Path(folder).resolve() / POOL_CLAIMS_LOCK):
+        _held.inside = True
         try:
             yield
         finally:
-            _held.depth = depth
-        return
-    # flock belongs to the open file, so other threads of this process, with files of their own, wait too.
-    path = os.path.join(os.path.abspath(folder), POOL_CLAIMS_LOCK)
-    try:
-        # Writable for everyone the umask allows: a home shared by a daemon's user and a person's.
-        descriptor = os.open(path, os.O_CREAT | os.O_RDWR, 0o666)
-    except PermissionError:  # created by another user: flock works on a read-only descriptor too
-        descriptor = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX)
-        _held.depth = 1
-        yield
-    finally:
-        _held.depth = 0
-        os.close(descriptor)  # closing drops the lock
+            _held.inside = False
