@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from batch_assets.runtime.instance import dagster_home, prepare_instance
+from batch_assets.runtime.interrupts import watch_stop_signals
 from batch_assets.runtime.process_exit import exit_without_teardown
 
 if TYPE_CHECKING:
@@ -255,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             return command_tasks()
         if args.command == "ui":
             return command_ui(args.host, args.port, args.workspace)
+        watch_stop_signals(TERMINAL.say)
         # Until the command ends (the engine stops last), library output goes to the log file.
         log_path = dagster_home() / "logs" / f"batch-assets-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
         with TERMINAL.library_output_to(log_path):

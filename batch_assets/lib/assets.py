@@ -15,6 +15,7 @@ of the task's format object (`pipeline/task_formats.py`), never tested here; the
 by `asset_metadata.py`, which the checks share.
 """
 
+import json
 import time
 from typing import Any
 
@@ -32,6 +33,7 @@ from batch_assets.lib.asset_metadata import (
     labels_metadata,
 )
 from batch_assets.lib.automation import stale_partitions_condition
+from batch_assets.lib.drops_sensor import SOURCE_VERSION_TAG
 from batch_assets.lib.range_failures import FAILED_PARTITIONS_METADATA
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.engine_contract import EngineSettings, EngineStartError
@@ -39,11 +41,17 @@ from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
 from batch_assets.pipeline.task_formats import OutputFiles, TaskFormat, task_format
 from batch_assets.pipeline.task_spec import TaskSpec
+from batch_assets.runtime.interrupts import stop_instead_of
 from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
-from batch_assets.storage.drop_files import drop_partitions, find_drop_file
+from batch_assets.storage.drop_files import DropFile, drop_partitions, find_drop_file, shard_index_of, version_digest
 from batch_assets.storage.locations import checkpoint_dir, task_storage_dir, write_bytes_atomically
 from batch_assets.storage.result_cache import ResultCache
-from batch_assets.storage.shards import read_partition_rows
+from batch_assets.storage.shards import (
+    SHARD_VERSIONS_TAG,
+    outdated_shards,
+    outdated_shards_message,
+    read_partition_rows,
+)
 
 IO_MANAGER_KEY = "parquet_storage"
 # The asset decorator's keyword arguments (`Any`: dg.asset's overloads type each one).
@@ -125,13 +133,20 @@ def raw_prompts_asset(task: TaskSpec, args: AssetArgs) -> dg.AssetsDefinition:
     def raw_prompts(context: dg.AssetExecutionContext) -> dict[str, pl.DataFrame]:
         frames: dict[str, pl.DataFrame] = {}
         unreadable: dict[str, str] = {}
+        shard_versions: dict[str, str] = {}
         for partition_key in context.partition_keys:
             try:
-                frames[partition_key] = read_partition(context, task, options, partition_key)
+                frames[partition_key], drop = read_partition(context, task, options, partition_key)
             except DropFileError as exc:
                 # Read every file of the range first, so one failure names every bad file in it.
                 unreadable[partition_key] = str(exc)
                 context.log.error(str(exc))
+                continue
+            if shard_index_of(partition_key) is not None:
+                shard_versions[partition_key] = version_digest(drop.version)
+        if shard_versions:
+            # The version each shard read, for the check after each of the run's outputs is written.
+            context.instance.add_run_tags(context.run_id, {SHARD_VERSIONS_TAG: json.dumps(shard_versions)})
         if unreadable:
             raise dg.Failure(
                 description=f"{len(unreadable)} of {len(context.partition_keys)} drop file(s) cannot be read: "
@@ -146,9 +161,15 @@ def raw_prompts_asset(task: TaskSpec, args: AssetArgs) -> dg.AssetsDefinition:
 
 def read_partition(
     context: dg.AssetExecutionContext, task: TaskSpec, options: ParseOptions, partition_key: str
-) -> pl.DataFrame:
+) -> tuple[pl.DataFrame, DropFile]:
     """One partition's records from its drop file, with what was read recorded as metadata."""
     drop = find_drop_file(task.name, partition_key)
+    requested = context.run.tags.get(SOURCE_VERSION_TAG) if len(context.partition_keys) == 1 else None
+    if shard_index_of(partition_key) is not None and requested not in (None, version_digest(drop.version)):
+        raise DropFileError(
+            f"{drop.relative_path}: replaced since this run of shard {partition_key} was requested; the shard is "
+            "not run on another version than its siblings. The new version's shards are run instead"
+        )
     frame = read_partition_rows(task.name, drop, partition_key, options, task.input.shard_rows)
     errors = error_code_counts(frame)
     if errors:
@@ -171,7 +192,7 @@ def read_partition(
             "dagster/column_schema": column_schema(frame),
         },
     )
-    return frame
+    return frame, drop
 
 
 def formatted_prompts_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs) -> dg.AssetsDefinition:
@@ -222,6 +243,7 @@ def inference_outputs_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs) ->
     def inference_outputs(
         context: dg.AssetExecutionContext, config: InferenceConfig, formatted_prompts: dict[str, pl.DataFrame]
     ) -> dict[str, pl.DataFrame]:
+        fail_if_outdated_shards(context, task, list(formatted_prompts))
         engine = engine_for(context.resources, task)
         settings = engine.settings(task)
         fingerprint = inference_fingerprint(fmt, settings)
@@ -255,12 +277,26 @@ def inference_outputs_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs) ->
             # Settings that do not fit will not fit five seconds later either: fail now, with the
             # hint of what to change, instead of retrying a start-up that can take minutes.
             raise dg.Failure(description=str(exc), allow_retries=False) from exc
+        except BaseException as exc:
+            # Ctrl-C or SIGTERM (the engine's process may die of it first): stopped, not retried with
+            # a fresh engine (runtime/interrupts.py).
+            if stop_instead_of(exc):
+                raise dg.Failure(description="stopped (interrupted)", allow_retries=False) from exc
+            raise
         for partition_key, (frame, stats) in zip(formatted_prompts, results, strict=True):
             metadata = inference_metadata(task, fmt, settings, session, frame, stats, fingerprint)
             context.add_asset_metadata(metadata, partition_key=partition_key)
         return {key: frame for key, (frame, _) in zip(formatted_prompts, results, strict=True)}
 
     return inference_outputs
+
+
+def fail_if_outdated_shards(context: dg.AssetExecutionContext, task: TaskSpec, partition_keys: list[str]) -> None:
+    """Before the engine starts: shards whose file got a new version since this run read it are not
+    inferred (their outputs could not be stored), and not retried."""
+    run = context.instance.get_run_by_id(context.run.run_id)
+    if outdated := outdated_shards(task.name, partition_keys, run.tags if run else {}):
+        raise dg.Failure(description=outdated_shards_message(task.name, outdated), allow_retries=False)
 
 
 def checkpoints_for(

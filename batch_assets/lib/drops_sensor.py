@@ -53,7 +53,13 @@ from batch_assets.lib.materializations import latest_materialization
 from batch_assets.pipeline.read_prompts import DropFileError
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.runtime.run_recovery import partitions_claimed_by_live_processes
-from batch_assets.storage.drop_files import DropFile, file_key_of, list_drop_files, partitions_def_name
+from batch_assets.storage.drop_files import (
+    DropFile,
+    file_key_of,
+    list_drop_files,
+    partitions_def_name,
+    version_digest,
+)
 from batch_assets.storage.locations import drop_zone
 from batch_assets.storage.shards import (
     PIPELINE_ASSETS,
@@ -79,11 +85,6 @@ LOCAL_SETTLE_SECONDS = 5.0
 CURSOR_VERSION = "v2:"
 FINGERPRINT_BYTES = 8
 SKIPPED_NAMES_SHOWN = 20
-
-
-def version_digest(version: str) -> str:
-    """A short, stable digest of a file version, used in run keys and the source-version tag."""
-    return hashlib.sha1(version.encode("utf-8")).hexdigest()[:12]
 
 
 def file_fingerprint(drop: DropFile) -> bytes:

@@ -35,7 +35,6 @@ from batch_assets.lib.drops_sensor import (
     SOURCE_VERSION_TAG,
     file_validated_from_version,
     partition_ranges,
-    version_digest,
 )
 from batch_assets.lib.run_outcomes import (
     PartitionOutcome,
@@ -46,15 +45,17 @@ from batch_assets.lib.run_outcomes import (
     run_outcomes,
     sample_accuracies,
 )
+from batch_assets.pipeline.read_prompts import DropFileError
 from batch_assets.pipeline.task_spec import EMBEDDED_MODEL, TaskSpec, load_tasks
 from batch_assets.runtime.instance import dagster_home, home_lock, open_instance
+from batch_assets.runtime.interrupts import Stopped, raise_if_stopped, stop_requested
 from batch_assets.runtime.run_recovery import (
     ProcessLease,
     fail_runs_of_dead_processes,
     others_wait_for_pool,
     wait_for_pool_slot,
 )
-from batch_assets.storage.drop_files import DropFile, find_drop_file, partitions_def_name
+from batch_assets.storage.drop_files import DropFile, find_drop_file, partitions_def_name, version_digest
 from batch_assets.storage.drop_zone_copies import CopyRefused, NamedFile, copy_into_drop_zone, read_named_files
 from batch_assets.storage.partition_registration import add_partitions, file_partitions
 from batch_assets.storage.shards import partitions_by_file
@@ -157,6 +158,7 @@ def _run_files(
         by_key = _up_to_date(context, registered) if skip_succeeded else {}
         to_run = [key for key in _partition_keys(registered) if key not in by_key]
         by_key |= _run_in_ranges(context, registered, to_run)
+        registered = _run_replaced_files(context, registered, by_key)
         outcomes = [file_outcome(instance, task_name, f.named.key, f.partition_keys, by_key) for f in registered]
         reporter.files_done(outcomes)
     return outcomes
@@ -225,18 +227,59 @@ def _register_files(context: _RunContext, named: list[NamedFile], *, replace: bo
             replace=replace,
             say=say,
         )
-        drops = {file.key: find_drop_file(task.name, file.key) for file in named}
-        digests = {file.key: version_digest(drops[file.key].version) for file in named}
-        # A file with more records than input.max_rows_per_partition runs as several shards.
-        registered_keys = partitions_by_file(instance.get_dynamic_partitions(partitions_def_name(task.name)))
-        keys = {
-            file.key: file_partitions(instance, task, drops[file.key], registered_keys.get(file.key, []), say=say)
-            for file in named
-        }
-        registered = [_RegisteredFile(file, drops[file.key], digests[file.key], keys[file.key]) for file in named]
-        add_partitions(instance, partitions_def_name(task.name), _partition_keys(registered))
-        context.lease.claim(task.name, [(key, file.digest) for file in registered for key in file.partition_keys])
+        return _register_drops(context, named)
+
+
+def _register_drops(context: _RunContext, named: list[NamedFile]) -> list[_RegisteredFile]:
+    """Register the partitions of the files' copies as they are in the drop zone now (the caller
+    holds the home's lock)."""
+    task, instance = context.task, context.instance
+    drops = {file.key: find_drop_file(task.name, file.key) for file in named}
+    # A file with more records than input.max_rows_per_partition runs as several shards.
+    registered_keys = partitions_by_file(instance.get_dynamic_partitions(partitions_def_name(task.name)))
+    say = context.reporter.say
+    registered = [
+        _RegisteredFile(
+            file,
+            drops[file.key],
+            version_digest(drops[file.key].version),
+            file_partitions(instance, task, drops[file.key], registered_keys.get(file.key, []), say=say),
+        )
+        for file in named
+    ]
+    add_partitions(instance, partitions_def_name(task.name), _partition_keys(registered))
+    context.lease.claim(task.name, [(key, file.digest) for file in registered for key in file.partition_keys])
     return registered
+
+
+# Rounds of "the drop file was replaced while it ran: run its new version" before the command gives up.
+_REPLACED_ROUNDS = 3
+
+
+def _run_replaced_files(
+    context: _RunContext, files: list[_RegisteredFile], by_key: dict[str, PartitionOutcome]
+) -> list[_RegisteredFile]:
+    """Files replaced in the drop zone while they ran are split again and run whole at their new
+    version, so that the command ends with each file labelled at one version (`by_key` gets the new
+    outcomes); the files as finally run."""
+    for _ in range(_REPLACED_ROUNDS):
+        replaced = [file for file in files if _replaced_since(context.task.name, file)]
+        if not replaced:
+            break
+        for file in replaced:
+            context.reporter.say(f"{file.named.key}: replaced in the drop zone while it ran; running its new version")
+        with home_lock(dagster_home()):
+            again = {file.named.key: file for file in _register_drops(context, [f.named for f in replaced])}
+        files = [again.get(file.named.key, file) for file in files]
+        by_key |= _run_in_ranges(context, list(again.values()), _partition_keys(list(again.values())))
+    return files
+
+
+def _replaced_since(task_name: str, file: _RegisteredFile) -> bool:
+    try:
+        return find_drop_file(task_name, file.named.key).version != file.drop.version
+    except (FileNotFoundError, DropFileError):
+        return False  # removed or refused: its outcome says what its run met
 
 
 def _partition_keys(files: list[_RegisteredFile]) -> list[str]:
@@ -291,9 +334,16 @@ def _run_in_ranges(context: _RunContext, files: list[_RegisteredFile], keys: lis
         wanted_elsewhere=lambda: others_wait_for_pool(instance, pool), wanted_later=lambda: bool(ranges)
     ):
         while ranges:
+            raise_if_stopped()
             run_keys = ranges.pop(0)
             wait_for_pool_slot(instance, pool, say=say, before_waiting=shutdown_engines)
-            result = _execute(context, run_keys, file_of)
+            try:
+                result = _execute(context, run_keys, file_of)
+            except BaseException:  # Dagster's own interrupt error (not a KeyboardInterrupt) after Ctrl-C
+                if stop_requested(wait_for_signal=True):
+                    raise Stopped() from None
+                raise
+            raise_if_stopped()
             if len(run_keys) > 1 and failed_before_inference(result):
                 # Dagster fails a step for every partition of its range: a bad file (unreadable,
                 # missing column) or a failed blocking check of one file would fail the others too.

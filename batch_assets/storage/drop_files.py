@@ -77,6 +77,11 @@ def partition_key_for(relative_path: str) -> str:
     return f"{safe[: MAX_KEY_LENGTH - 9]}-{digest}"
 
 
+def version_digest(version: str) -> str:
+    """A short, stable digest of a file version, used in run keys and the tags that pin a version."""
+    return hashlib.sha1(version.encode("utf-8")).hexdigest()[:12]
+
+
 def shard_key(file_key: str, index: int) -> str:
     """The partition key of shard `index` (0-based) of a file split into shards (storage/shards.py):
     `posts.csv~00001`, `posts.csv~00002`, ... A file's own key never holds a `~`, so no file's key
@@ -87,6 +92,44 @@ def shard_key(file_key: str, index: int) -> str:
 def file_key_of(partition_key: str) -> str:
     """The key of the file a partition reads: its own key, or the file's key for a shard."""
     return partition_key.split(SHARD_MARK, 1)[0]
+
+
+class InvalidPartitionKey(DropFileError):
+    """A partition key this package never makes: refused before anything is read, written or deleted."""
+
+
+_FILE_KEY = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_KEY_LENGTH}}}")
+_SHARD_NUMBER = re.compile(r"[0-9]{5,}")
+
+
+def partition_key_problem(partition_key: str) -> str | None:
+    """Why a key is not one `partition_key_for` or `shard_key` makes (None when it is one).
+
+    Dagster accepts nearly any dynamic partition key (the UI's "Add partition", GraphQL, the Python
+    API), and every storage path of a partition is built from its key: a key with `/` or `..` in it
+    would read, write or delete outside the data folder."""
+    file_key, mark, number = partition_key.partition(SHARD_MARK)
+    if not _FILE_KEY.fullmatch(file_key) or file_key in (".", "..") or _DOT_RUNS.search(file_key):
+        return (
+            f"partition key {partition_key!r} is not a drop file's key (letters, digits, '.', '_' and '-', "
+            f"at most {MAX_KEY_LENGTH} characters)"
+        )
+    canonical = _SHARD_NUMBER.fullmatch(number) and shard_key(file_key, int(number) - 1) == partition_key
+    if mark and not (canonical and int(number) >= 1):
+        return f"partition key {partition_key!r} is not a shard's key ('<file key>~' and a 5-digit number from 00001)"
+    return None
+
+
+def checked_partition_key(partition_key: str) -> str:
+    """The key itself, or `InvalidPartitionKey` saying why it is refused and what to do."""
+    problem = partition_key_problem(partition_key)
+    if problem:
+        raise InvalidPartitionKey(
+            f"{problem}; batch_assets makes every key itself from a drop file's name, so this one was added by "
+            "hand (the UI's 'Add partition', GraphQL or the Python API) and nothing is read, written or deleted "
+            "for it: delete that partition, and drop the file into the task's drop zone instead"
+        )
+    return partition_key
 
 
 def shard_index_of(partition_key: str) -> int | None:
@@ -422,7 +465,7 @@ def find_drop_file(task: str, partition_key: str, zone: UPath | None = None) -> 
     were refused, or a file swapped for a link) raises `DropFileError` saying why.
     """
     zone = zone or drop_zone(task)
-    partition_key = file_key_of(partition_key)
+    partition_key = file_key_of(checked_partition_key(partition_key))
     for candidate in _candidate_paths(partition_key):
         if partition_key_for(candidate) != partition_key or skip_reason(candidate) is not None:
             continue

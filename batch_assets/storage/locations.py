@@ -58,15 +58,25 @@ def storage_root() -> UPath:
 
 
 def output_path(task: str, asset: str, partition_key: str) -> UPath:
-    return storage_root() / task / asset / f"{partition_key}.parquet"
+    return task_storage_dir(task) / one_name(asset) / f"{one_name(partition_key)}.parquet"
 
 
 def checkpoint_dir(task: str, partition_key: str) -> UPath:
-    return storage_root() / task / "_checkpoints" / partition_key
+    return task_storage_dir(task) / "_checkpoints" / one_name(partition_key)
 
 
 def task_storage_dir(task: str) -> UPath:
-    return storage_root() / task
+    return storage_root() / one_name(task)
+
+
+def one_name(name: str) -> str:
+    """`name` when it is a single name inside a folder, so a path joined from it stays under that
+    folder; anything that would leave it (`/`, `..`) raises `ValueError` before a path is made.
+    Partition keys come from outside (Dagster accepts nearly any), and paths built from them are
+    read, written and deleted."""
+    if name in ("", ".", "..") or any(sign in name for sign in ("/", "\\", "\0")):
+        raise ValueError(f"{name!r} is not a name inside a folder; refused (nothing read, written or deleted)")
+    return name
 
 
 def is_local(path: UPath) -> bool:
@@ -108,6 +118,7 @@ __all__ = [
     "data_root",
     "drop_zone",
     "is_local",
+    "one_name",
     "output_path",
     "storage_path",
     "storage_root",

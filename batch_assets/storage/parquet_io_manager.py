@@ -19,8 +19,11 @@ import dagster as dg
 import polars as pl
 from upath import UPath
 
+from batch_assets.storage.checkpoints import remove_path
+from batch_assets.storage.drop_files import checked_partition_key, shard_index_of
 from batch_assets.storage.errors import storage_errors
 from batch_assets.storage.locations import is_local, storage_path, storage_root, write_bytes_atomically
+from batch_assets.storage.shards import outdated_shards, outdated_shards_message
 
 
 def _wants_dict(context: dg.InputContext) -> bool:
@@ -54,6 +57,13 @@ class PolarsParquetIOManager(dg.UPathIOManager):
             for partition_key, path in paths.items():
                 self.make_directory(path.parent)
                 self.dump_to_path(context=context, obj=obj[partition_key], path=path)
+            _remove_outdated_shard_outputs(context, paths)
+
+    def _get_paths_for_partitions(self, context: dg.InputContext | dg.OutputContext) -> dict[str, UPath]:
+        # Every path below is built from a partition key, which Dagster takes from outside nearly unchecked.
+        for key in context.asset_partition_keys if context.has_asset_partitions else ():
+            checked_partition_key(key)
+        return super()._get_paths_for_partitions(context)
 
     def load_input(self, context: dg.InputContext) -> pl.DataFrame | dict[str, pl.DataFrame]:
         with storage_errors("reading", self._asset_url(context)):
@@ -71,6 +81,19 @@ class PolarsParquetIOManager(dg.UPathIOManager):
         with storage_errors("reading", path):
             data = path.read_bytes()
         return pl.read_parquet(io.BytesIO(data))
+
+
+def _remove_outdated_shard_outputs(context: dg.OutputContext, paths: dict[str, UPath]) -> None:
+    """Checked after writing: a shard whose file got a new version while this run read the earlier one
+    removes what it just wrote (the new version's registration deletes the outputs it finds first, so
+    whichever comes second removes the old shard's output) and fails without a retry."""
+    task = context.asset_key.path[0]
+    run = context.step_context.instance.get_run_by_id(context.run_id)
+    outdated = outdated_shards(task, [key for key in paths if shard_index_of(key) is not None], run.tags if run else {})
+    for key in outdated:
+        remove_path(paths[key])
+    if outdated:
+        raise dg.Failure(description=outdated_shards_message(task, outdated), allow_retries=False)
 
 
 class ParquetStorage(dg.ConfigurableIOManagerFactory):

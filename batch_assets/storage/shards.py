@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import polars as pl
 import pyarrow.parquet as pq
@@ -36,44 +36,73 @@ from batch_assets.pipeline.read_prompts import (
     read_prompts,
 )
 from batch_assets.storage.checkpoints import clear_checkpoints
-from batch_assets.storage.drop_files import DropFile, file_key_of, shard_index_of, shard_key
+from batch_assets.storage.drop_files import (
+    DropFile,
+    file_key_of,
+    partition_key_problem,
+    shard_index_of,
+    shard_key,
+    version_digest,
+)
 from batch_assets.storage.errors import storage_errors
-from batch_assets.storage.locations import checkpoint_dir, output_path, task_storage_dir, write_bytes_atomically
+from batch_assets.storage.locations import (
+    checkpoint_dir,
+    one_name,
+    output_path,
+    task_storage_dir,
+    write_bytes_atomically,
+)
 
 # The reader of a whole file, by the task's input format.
 WHOLE_FILE_READERS: dict[str, Callable[[bytes, str, ParseOptions], pl.DataFrame]] = {
     "records": read_prompts,
     "openai_batch": lambda data, file_name, _options: read_batch_requests(data, file_name),
 }
+# Run tag: JSON {shard key: digest of the file version it read}, set by raw_prompts (lib/assets.py).
+SHARD_VERSIONS_TAG = "batch_assets/shard_versions"
 PIPELINE_ASSETS = ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels")
 # Discarded a block at a time while skipping to a shard inside a gzip file.
 _SKIP_BLOCK = 8 << 20
 
 
 def _plan_path(task: str, file_key: str):
-    return task_storage_dir(task) / "_shards" / f"{file_key}.json"
+    return task_storage_dir(task) / "_shards" / f"{one_name(file_key)}.json"
+
+
+def kept_shard_plan(task: str, file_key: str) -> ShardPlan | None:
+    """The plan the file was last split by (None when it never was, or the plan is unreadable)."""
+    path = _plan_path(task, file_key)
+    with storage_errors("reading shard plan", path):
+        if not path.exists():
+            return None
+        try:
+            return ShardPlan.from_json(json.loads(path.read_bytes()))
+        except (ValueError, TypeError, KeyError):
+            return None  # an unreadable plan is made again
 
 
 def shard_plan(task: str, drop: DropFile, max_rows: int | None) -> ShardPlan:
     """The plan of this version of `drop` for shards of `max_rows`: kept from an earlier pass, or
     made by one pass over the file (and kept). A file that cannot hold more than `max_rows` records
     is not read at all, nor is any file of a task whose files are not split (`max_rows` None): its
-    plan has no shards (the file is one partition)."""
+    plan has no shards (the file is one partition).
+
+    Only registration (`batch-assets run`, the drops sensor) makes a plan; reading a shard uses the
+    kept one (`read_partition_rows`). A new plan replacing one of another version (or size) deletes
+    the outputs of the old shards after it is kept, so `<file key>~*` never mixes versions: a shard
+    of the old version still running notices the new plan once it has written, and removes its own
+    output (`shard_output_is_current`)."""
     suffix = input_suffix(drop.relative_path) or ""
     if max_rows is None or not may_need_shards(suffix, drop.size, max_rows):
         return ShardPlan(drop.version, max_rows or 0, ())
-    path = _plan_path(task, drop.partition_key)
-    with storage_errors("reading shard plan", path):
-        if path.exists():
-            try:
-                kept = ShardPlan.from_json(json.loads(path.read_bytes()))
-            except (ValueError, TypeError, KeyError):
-                kept = None  # an unreadable plan is made again
-            if kept is not None and kept.version == drop.version and kept.max_rows == max_rows:
-                return kept
+    kept = kept_shard_plan(task, drop.partition_key)
+    if kept is not None and kept.version == drop.version and kept.max_rows == max_rows:
+        return kept
     with drop.open() as stream:
         plan = plan_shards(stream, drop.relative_path, drop.version, max_rows)
-    write_bytes_atomically(path, json.dumps(plan.to_json()).encode("utf-8"))
+    write_bytes_atomically(_plan_path(task, drop.partition_key), json.dumps(plan.to_json()).encode("utf-8"))
+    if kept is not None and len(kept.shards) > 1:
+        delete_partition_outputs(task, partition_keys(drop, kept))
     return plan
 
 
@@ -98,15 +127,19 @@ def partitions_by_file(existing: Iterable[str]) -> dict[str, list[str]]:
 
 
 def retired_partitions(existing: Iterable[str], file_key: str, current: Iterable[str]) -> list[str]:
-    """Partitions of the file `file_key` among `existing` that its current version no longer has."""
+    """Partitions of the file `file_key` among `existing` that its current version no longer has
+    (a key the package never makes among them too: it is deregistered, nothing of it deleted)."""
     keep = set(current)
     return [key for key in existing if file_key_of(key) == file_key and key not in keep]
 
 
 def delete_partition_outputs(task: str, keys: Iterable[str]) -> None:
     """Delete what the pipeline stored for these partitions (outputs and checkpoints), so that a
-    file's `~*` glob holds only its current version."""
+    file's `~*` glob holds only its current version. A key the package never makes (added by hand,
+    e.g. `a.jsonl~/../x`) names no output of ours: nothing is deleted for it."""
     for key in keys:
+        if partition_key_problem(key):
+            continue
         for asset in PIPELINE_ASSETS:
             path = output_path(task, asset, key)
             with storage_errors("deleting retired output", path):
@@ -128,13 +161,7 @@ def read_partition_rows(
         raise DropFileError(
             f"{drop.relative_path}: partition {partition_key} is a shard, but this task's files are not split"
         )
-    plan = shard_plan(task, drop, max_rows)
-    if index >= len(plan.shards) or len(plan.shards) == 1:
-        raise DropFileError(
-            f"{drop.relative_path}: partition {partition_key} is a shard of an earlier version of the file, "
-            f"which now splits into {max(len(plan.shards), 1)} partition(s) of up to {max_rows} records "
-            "(input.max_rows_per_partition); the current ones are run instead"
-        )
+    plan = _plan_to_read(task, drop, partition_key, max_rows)
     shard = plan.shards[index]
     try:
         if input_suffix(drop.relative_path) == ".parquet":
@@ -148,6 +175,49 @@ def read_partition_rows(
         following = plan.shards[index + 1].first_line - 1 if index + 1 < len(plan.shards) else None
         span = f"{shard.first_line}-{following}" if following else f"{shard.first_line} to the end"
         raise DropFileError(f"{error} (shard {index + 1} of {len(plan.shards)}: {where} {span})") from None
+
+
+def _plan_to_read(task: str, drop: DropFile, partition_key: str, max_rows: int) -> ShardPlan:
+    """The kept plan that the shard `partition_key` belongs to, when it is the plan of the file as it
+    is now; else `DropFileError`. A shard never splits the file again: a file replaced since it was
+    split is split (and all its shards run) by whoever registers the new version."""
+    plan, index = kept_shard_plan(task, drop.partition_key), shard_index_of(partition_key)
+    assert index is not None
+    if plan is None or plan.version != drop.version or plan.max_rows != max_rows:
+        raise DropFileError(
+            f"{drop.relative_path}: replaced (or input.max_rows_per_partition changed) since it was split into "
+            f"shards; shard {partition_key} of the earlier split is not run, so that no output mixes versions. "
+            "The drops sensor, or `batch-assets run` with the file, splits the new version and runs all its shards"
+        )
+    if index >= len(plan.shards) or len(plan.shards) == 1:
+        raise DropFileError(
+            f"{drop.relative_path}: partition {partition_key} is a shard of an earlier version of the file, "
+            f"which now splits into {max(len(plan.shards), 1)} partition(s) of up to {max_rows} records "
+            "(input.max_rows_per_partition); the current ones are run instead"
+        )
+    return plan
+
+
+def outdated_shards(task: str, partition_keys: Iterable[str], run_tags: Mapping[str, str]) -> list[str]:
+    """The shards among `partition_keys` whose file is no longer split from the version their run
+    read (`SHARD_VERSIONS_TAG` of the run's tags): a new version was registered meanwhile, and their
+    outputs must not be stored (see `shard_plan`)."""
+    read = json.loads(run_tags.get(SHARD_VERSIONS_TAG, "{}"))
+    outdated = []
+    for key in partition_keys:
+        if key in read:
+            plan = kept_shard_plan(task, file_key_of(key))
+            if plan is None or version_digest(plan.version) != read[key]:
+                outdated.append(key)
+    return outdated
+
+
+def outdated_shards_message(task: str, keys: list[str]) -> str:
+    return (
+        f"{task}: the drop file of shard(s) {', '.join(keys)} was replaced while this run read its earlier "
+        "version; their outputs are not stored, so that a file's shards never mix versions. The new version's "
+        "shards are run instead (by the drops sensor, or `batch-assets run` with the file)"
+    )
 
 
 def _shard_bytes(drop: DropFile, plan: ShardPlan, shard: Shard, *, first: bool) -> bytes:
