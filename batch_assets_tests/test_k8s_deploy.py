@@ -34,12 +34,21 @@ from batch_assets_tests.conftest import REPO_ROOT
 dagster_k8s = pytest.importorskip("dagster_k8s", reason="dagster-k8s is not installed (pip install -e '.[test]')")
 from dagster._config import process_config, resolve_to_config_type  # noqa: E402
 from dagster._core.instance.config import dagster_instance_config  # noqa: E402
-from dagster._core.utils import make_new_run_id  # noqa: E402
 from dagster._serdes.config_class import ConfigurableClassData  # noqa: E402
-from dagster_k8s.job import construct_dagster_k8s_job, get_job_name_from_run_id  # noqa: E402
 
-DEPLOY = REPO_ROOT / "deploy"
-IMAGE = "registry.example.com/batch-assets:0.1.0"
+from batch_assets_tests.k8s_pods import (  # noqa: E402
+    DEPLOY,
+    IMAGE,
+    build_launcher,
+    helm_run_launcher_config,
+    helm_values,
+    job_tags,
+    large_task,
+    launcher_config,
+    run_pod_job,
+    write_kubeconfig,
+)
+
 ENV = {
     "DAGSTER_PG_HOST": "postgres.example.internal",
     "DAGSTER_PG_PORT": "5432",
@@ -48,15 +57,6 @@ ENV = {
     "DAGSTER_PG_DB": "dagster",
     "DAGSTER_K8S_JOB_NAMESPACE": "batch-assets",
 }
-# What the Helm chart's run launcher template does with `runK8sConfig`.
-HELM_RUN_K8S_KEYS = {
-    "containerConfig": "container_config",
-    "podSpecConfig": "pod_spec_config",
-    "podTemplateSpecMetadata": "pod_template_spec_metadata",
-    "jobSpecConfig": "job_spec_config",
-    "jobMetadata": "job_metadata",
-}
-
 
 CACHE_PVC = yaml.safe_load((DEPLOY / "k8s" / "cache-pvc.yaml").read_text())
 
@@ -71,71 +71,12 @@ def k8s_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def kubeconfig(tmp_path: Path) -> Path:
-    """A kubeconfig for a cluster that is never contacted: building a run pod needs no API call."""
-    path = tmp_path / "kubeconfig"
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "none", "cluster": {"server": "https://127.0.0.1:9"}}],
-                "users": [{"name": "none", "user": {"token": "unused"}}],
-                "contexts": [{"name": "none", "context": {"cluster": "none", "user": "none"}}],
-                "current-context": "none",
-            }
-        )
-    )
-    return path
-
-
-def launcher_config() -> dict:
-    return yaml.safe_load((DEPLOY / "k8s" / "dagster.yaml").read_text())["run_launcher"]
-
-
-def build_launcher(kubeconfig: Path, run_k8s_config: dict | None = None):
-    """The deploy file's K8sRunLauncher, told to read our kubeconfig instead of the in-cluster one."""
-    section = launcher_config()
-    config = {**section["config"], "load_incluster_config": False, "kubeconfig_file": str(kubeconfig)}
-    if run_k8s_config is not None:
-        config["run_k8s_config"] = run_k8s_config
-    data = ConfigurableClassData(section["module"], section["class"], yaml.safe_dump(config))
-    return data.rehydrate(as_type=dagster_k8s.K8sRunLauncher)
-
-
-def run_pod_job(launcher, tags: dict[str, str]):
-    """The Kubernetes Job the launcher would create for a run with these tags."""
-    run = dg.DagsterRun(job_name="sentiment_pipeline", run_id=make_new_run_id(), tags=tags)
-    context = launcher.get_container_context_for_run(run)
-    job_name = get_job_name_from_run_id(run.run_id)
-    return construct_dagster_k8s_job(
-        job_config=context.get_k8s_job_config(job_image=IMAGE, run_launcher=launcher),
-        args=["dagster", "api", "execute_run", "{}"],
-        job_name=job_name,
-        pod_name=job_name,
-        component="run_worker",
-        user_defined_k8s_config=context.run_k8s_config,
-        labels={"dagster/run-id": run.run_id},
-    )
-
-
-def large_task(tmp_path: Path, tensor_parallel_size: int, data_parallel_size: int | str):
-    """deploy/examples/tasks/industry_large.yaml (a 70B model) with other parallel sizes."""
-    text = (DEPLOY / "examples" / "tasks" / "industry_large.yaml").read_text()
-    path = tmp_path / f"industry_tp{tensor_parallel_size}_dp{data_parallel_size}.yaml"
-    engine = f"tensor_parallel_size: {tensor_parallel_size}\n  data_parallel_size: {data_parallel_size}"
-    path.write_text(text.replace("tensor_parallel_size: 4", engine))
-    task = load_task_spec(path)
-    assert (task.engine.tensor_parallel_size, task.engine.data_parallel_size) == (
-        tensor_parallel_size,
-        data_parallel_size,
-    )
-    return task
+    return write_kubeconfig(tmp_path / "kubeconfig")
 
 
 def job_pod(kubeconfig: Path, task):
     """The run pod of a run of the task's job, as the deploy file's launcher builds it."""
-    tags = dict(build_definitions(tasks=[task]).resolve_job_def(pipeline_job_name(task.name)).tags)
-    return run_pod_job(build_launcher(kubeconfig), tags=tags).spec.template.spec
+    return run_pod_job(build_launcher(kubeconfig), tags=job_tags(task)).spec.template.spec
 
 
 def gpus_and_cpus(pod) -> tuple[str, str]:
@@ -170,7 +111,8 @@ def test_each_run_is_one_pod_with_one_gpu_on_a_gpu_node(kubeconfig: Path) -> Non
     assert container.resources.limits["nvidia.com/gpu"] == "1"
     # One GPU: vLLM's three processes (the run's, the engine core, the GPU worker), 2 CPUs each.
     assert container.resources.requests["cpu"] == "6"
-    assert pod.node_selector == {"nvidia.com/gpu.present": "true"}
+    # The GPU limit places the pod on a GPU node; no node label is needed (NVIDIA's GPU operator sets one).
+    assert pod.node_selector is None
     assert any(t.key == "nvidia.com/gpu" and t.effect == "NoSchedule" for t in pod.tolerations)
     shm = next(v for v in pod.volumes if v.name == "dshm")
     assert shm.empty_dir.medium == "Memory"
@@ -221,7 +163,7 @@ def test_a_task_split_over_four_gpus_gets_a_four_gpu_pod(kubeconfig: Path) -> No
     assert limits["nvidia.com/gpu"] == "4"
     assert limits["memory"] == "48Gi"
     assert pod.containers[0].resources.requests == {"cpu": "12", "memory": "32Gi"}
-    assert pod.node_selector == {"nvidia.com/gpu.present": "true"}
+    assert any(t.key == "nvidia.com/gpu" for t in pod.tolerations)
     assert any(v.name == "dshm" for v in pod.volumes)
 
 
@@ -292,18 +234,18 @@ def test_every_run_pod_mounts_the_cache_volume_and_gets_the_hf_token(kubeconfig:
 
 
 def test_helm_values_describe_the_same_run_pod(kubeconfig: Path) -> None:
-    values = yaml.safe_load((DEPLOY / "helm" / "values.yaml").read_text())
-    launcher_values = values["runLauncher"]["config"]["k8sRunLauncher"]
+    values = helm_values()
     assert values["runLauncher"]["type"] == "K8sRunLauncher"
-    helm_run_k8s_config = {HELM_RUN_K8S_KEYS[key]: value for key, value in launcher_values["runK8sConfig"].items()}
+    helm_run_k8s_config = helm_run_launcher_config(values)["run_k8s_config"]
 
     from_file = run_pod_job(build_launcher(kubeconfig), tags={}).spec.template.spec
     from_helm = run_pod_job(build_launcher(kubeconfig, helm_run_k8s_config), tags={}).spec.template.spec
-    for field in ("node_selector", "tolerations", "volumes"):
+    for field in ("node_selector", "tolerations", "volumes", "security_context"):
         assert getattr(from_helm, field) == getattr(from_file, field), field
     assert from_helm.containers[0].resources == from_file.containers[0].resources
     assert from_helm.containers[0].volume_mounts == from_file.containers[0].volume_mounts
     assert from_helm.containers[0].env == from_file.containers[0].env
+    assert from_helm.containers[0].security_context == from_file.containers[0].security_context
 
     # The rest of the instance settings agree too.
     instance = yaml.safe_load((DEPLOY / "k8s" / "dagster.yaml").read_text())
@@ -435,6 +377,8 @@ def test_the_image_build_lints_clean() -> None:
         ("Dockerfile", '".[gpu,deploy]"', '".[gpu,deploy]" vllm', "`pip install vllm`"),
         ("Dockerfile", '".[gpu,deploy]"', '".[deploy]" "torch==2.13.0"', "must take the `gpu` extra"),
         ("Dockerfile", "ENTRYPOINT []", "", "ENTRYPOINT []"),
+        ("Dockerfile", "USER 10001:10001", "USER root", "fixed non-root numeric UID"),
+        ("Dockerfile", "USER 10001:10001", "USER 10002", "run_as_user: 10002"),
     ],
 )
 def test_the_image_lint_finds_each_inconsistency(tmp_path: Path, file: str, old: str, new: str, problem: str) -> None:

@@ -13,14 +13,10 @@ range failure sensor runs the good file of that range again on its own.
 from __future__ import annotations
 
 import os
-import pwd
 import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
@@ -31,6 +27,7 @@ import yaml
 from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import REPO_ROOT, SAMPLES, running_daemon
+from batch_assets_tests.postgres_server import PostgresServer, running_postgres
 
 # The slow tier (`make test-fast` leaves it out): a PostgreSQL server and the real daemon.
 pytestmark = pytest.mark.slow
@@ -42,122 +39,10 @@ SENSOR = "sentiment_drops_sensor"
 RUNS_TIMEOUT_S = 900
 
 
-def postgres_bin_dir() -> Path | None:
-    """Debian keeps the server binaries in /usr/lib/postgresql/<version>/bin, off the PATH."""
-    versions = sorted(
-        Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0
-    )
-    for candidate in reversed(versions):
-        if (candidate / "initdb").exists() and (candidate / "pg_ctl").exists():
-            return candidate
-    initdb = shutil.which("initdb")
-    return Path(initdb).resolve().parent if initdb else None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass(frozen=True)
-class PostgresServer:
-    host: str
-    port: int
-    username: str
-    password: str
-    db_name: str
-
-    def env(self) -> dict[str, str]:
-        """The variables deploy/postgres/dagster.yaml reads."""
-        return {
-            "DAGSTER_PG_HOST": self.host,
-            "DAGSTER_PG_PORT": str(self.port),
-            "DAGSTER_PG_USERNAME": self.username,
-            "DAGSTER_PG_PASSWORD": self.password,
-            "DAGSTER_PG_DB": self.db_name,
-        }
-
-    def query(self, sql: str) -> list[tuple]:
-        with (
-            psycopg2.connect(
-                host=self.host, port=self.port, user=self.username, password=self.password, dbname=self.db_name
-            ) as connection,
-            connection.cursor() as cursor,
-        ):
-            cursor.execute(sql)
-            return cursor.fetchall()
-
-
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[PostgresServer]:
-    bin_dir = postgres_bin_dir()
-    if bin_dir is None:
-        pytest.skip(
-            "PostgreSQL server binaries not found: install Debian's postgresql "
-            "(scripts/install_system_deps.sh does it as root)"
-        )
-    # initdb refuses to run as root: run the server as the `postgres` user the Debian package creates.
-    run_as: list[str] = []
-    owner = None
-    if os.geteuid() == 0:
-        try:
-            owner = pwd.getpwnam("postgres")
-        except KeyError:
-            pytest.skip("running as root and there is no `postgres` user to run the PostgreSQL server as")
-        run_as = ["runuser", "-u", "postgres", "--"]
-    # Under /tmp (not pytest's root-only tmp_path) so the `postgres` user can reach it.
-    root = Path(tempfile.mkdtemp(prefix="batch_assets_pg_"))
-    password = "batch-assets-test"
-    (root / "pwfile").write_text(password + "\n")
-    if owner is not None:
-        for path in (root, root / "pwfile"):
-            os.chown(path, owner.pw_uid, owner.pw_gid)
-    data = root / "data"
-    port = free_port()
-
-    def pg(*args: str, **kwargs) -> subprocess.CompletedProcess:
-        return subprocess.run([*run_as, *args], capture_output=True, text=True, timeout=120, **kwargs)
-
-    initdb = pg(
-        str(bin_dir / "initdb"),
-        "-D",
-        str(data),
-        "-U",
-        "dagster",
-        f"--pwfile={root / 'pwfile'}",
-        "--auth-host=scram-sha-256",
-        "--auth-local=trust",
-        "-E",
-        "UTF8",
-        "--locale=C",
-    )
-    assert initdb.returncode == 0, initdb.stderr
-    options = f"-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories={root} -c fsync=off"
-    started = pg(
-        str(bin_dir / "pg_ctl"),
-        "-D",
-        str(data),
-        "-l",
-        str(root / "server.log"),
-        "-w",
-        "-t",
-        "60",
-        "-o",
-        options,
-        "start",
-    )
-    assert started.returncode == 0, started.stderr + started.stdout
-    try:
-        connection = psycopg2.connect(host="127.0.0.1", port=port, user="dagster", password=password, dbname="postgres")
-        connection.autocommit = True
-        with connection.cursor() as cursor:
-            cursor.execute("CREATE DATABASE batch_assets")
-        connection.close()
-        yield PostgresServer("127.0.0.1", port, "dagster", password, "batch_assets")
-    finally:
-        pg(str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop")
-        shutil.rmtree(root, ignore_errors=True)
+    with running_postgres() as server:
+        yield server
 
 
 def sensor_ticks(instance: dg.DagsterInstance, name: str) -> list:

