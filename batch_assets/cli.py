@@ -14,7 +14,6 @@ the run's log (and `$DAGSTER_HOME/logs/`), tracebacks too (`--verbose` shows eve
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import re
@@ -26,11 +25,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from batch_assets.cli_parser import build_parser
 from batch_assets.runtime.instance import dagster_home, prepare_instance
 from batch_assets.runtime.interrupts import watch_stop_signals
 from batch_assets.runtime.process_exit import exit_without_teardown
 
 if TYPE_CHECKING:
+    import argparse
+
     from batch_assets.lib.run_outcomes import PartitionOutcome
     from batch_assets.lib.runner import RunReporter
 
@@ -99,10 +101,13 @@ TERMINAL = Terminal()
 
 _PROGRESS = re.compile(r"inferred (\d+)/(\d+) requests \((\d+)%\), ([\d.]+) rows/s")
 _STARTING = re.compile(r"^(\d+) requests to infer|^reusing .*requests left to infer")
+# Warnings the user must see without opening the run's log.
+_NOTICES = re.compile(r"^the result cache .* is damaged")
 
 
 class _ProgressHandler(logging.Handler):
-    """Turns run_inference's progress lines into one short line per update on the terminal."""
+    """Turns run_inference's progress lines into one short line per update on the terminal, and shows
+    the few warnings that change what a run does (a damaged result cache set aside)."""
 
     def __init__(self, label: str):
         super().__init__(logging.INFO)
@@ -119,6 +124,8 @@ class _ProgressHandler(logging.Handler):
             TERMINAL.update(text)
         elif _STARTING.search(message):
             TERMINAL.say(f"  {self.label}: {message}")
+        elif _NOTICES.search(message):
+            TERMINAL.say(f"  {self.label}: warning: {message}")
 
 
 def _time_left(seconds: float) -> str:
@@ -156,25 +163,33 @@ def _print_outcomes(outcomes: list[PartitionOutcome]) -> None:
         TERMINAL.say(outcome.line())
 
 
-def command_run(task_name: str, files: list[str], *, replace: bool = False) -> int:
+def command_run(task_name: str, files: list[str], *, replace: bool = False, use_result_cache: bool = True) -> int:
     from batch_assets.lib.runner import run_partitions
 
-    outcomes = run_partitions(task_name, [Path(f) for f in files], replace=replace, reporter=_reporter())
+    outcomes = run_partitions(
+        task_name, [Path(f) for f in files], replace=replace, reporter=_reporter(), use_result_cache=use_result_cache
+    )
     return 0 if all(outcome.ok for outcome in outcomes) else 1
 
 
-def command_demo() -> int:
+def command_demo(*, use_result_cache: bool = True) -> int:
     from batch_assets.lib.runner import demo_note, run_demo
     from batch_assets.pipeline.task_spec import load_tasks
 
     loaded = load_tasks()
     for error in loaded.errors:
         print(f"ERROR: task {error.name!r} not loaded: {error.message}", file=sys.stderr)
-    all_ok = run_demo(loaded.tasks, _reporter())
+    all_ok = run_demo(loaded.tasks, _reporter(), use_result_cache=use_result_cache)
     note = demo_note(loaded.tasks)
     if note:
         TERMINAL.say(note)
     return 0 if all_ok and not loaded.errors else 1
+
+
+def _command_run_or_demo(args: argparse.Namespace) -> int:
+    if args.command == "run":
+        return command_run(args.task, args.files, replace=args.replace, use_result_cache=args.use_result_cache)
+    return command_demo(use_result_cache=args.use_result_cache)
 
 
 UI_LOCK_NAME = ".batch_assets_ui.lock"
@@ -206,46 +221,6 @@ def command_ui(host: str, port: int, workspace: str) -> int:
     return 1  # not reached
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from batch_assets.pipeline.read_prompts import SUPPORTED_SUFFIXES
-
-    parser = argparse.ArgumentParser(prog="batch-assets", description="Offline LLM batch inference as Dagster assets.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser(
-        "run",
-        help="run files through a task's pipeline",
-        description=(
-            "Copy each file into the task's drop zone, register it as a partition and materialize its assets "
-            "and checks in this process (one engine start for all files); prints one summary line per file. "
-            "Exit status: 0 when every file succeeded, 1 when one failed, failed a blocking check or had only "
-            "error rows, 2 for a usage error (nothing run), 130 when interrupted."
-        ),
-    )
-    run.add_argument("task", help="the task to run (its name as `batch-assets tasks` lists it)")
-    run.add_argument(
-        "files",
-        nargs="+",
-        help=f"input files ({', '.join(SUPPORTED_SUFFIXES)}); each is copied into the task's drop zone and becomes "
-        "one partition named after the file",
-    )
-    run.add_argument(
-        "--replace",
-        action="store_true",
-        help="let a file replace a different drop file of the same name (from another folder), with its outputs",
-    )
-    commands.add_parser("tasks", help="list the tasks and their drop zones")
-    demo = commands.add_parser("demo", help="run the bundled sample drops of every task")
-    for command in (run, demo):
-        command.add_argument(
-            "--verbose", action="store_true", help="show Dagster's and the engine's logs and full tracebacks here too"
-        )
-    ui = commands.add_parser("ui", help="start the Dagster UI and daemon (`dg dev`) on this DAGSTER_HOME; one per home")
-    ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    ui.add_argument("--port", type=int, default=3000, help="port to listen on (default 3000)")
-    ui.add_argument("--workspace", default="workspace.yaml", help="Dagster workspace file (default workspace.yaml)")
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     TERMINAL.verbose = getattr(args, "verbose", False)
@@ -260,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         # Until the command ends (the engine stops last), library output goes to the log file.
         log_path = dagster_home() / "logs" / f"batch-assets-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
         with TERMINAL.library_output_to(log_path):
-            code = command_run(args.task, args.files, replace=args.replace) if args.command == "run" else command_demo()
+            code = _command_run_or_demo(args)
         # The console script (no argv given) leaves without the interpreter's teardown (~2 s once vLLM is in).
         return exit_without_teardown(code) if argv is None else code
     except KeyboardInterrupt:
@@ -281,8 +256,7 @@ def _is_refusal(error: Exception) -> bool:
 
 
 def _unexpected(error: BaseException) -> int:
-    from batch_assets.lib.run_outcomes import meaningful_line
-    from batch_assets.storage.errors import StorageError
+    from batch_assets.lib.error_causes import error_line
 
     if TERMINAL.verbose:
         traceback.print_exc()
@@ -290,10 +264,8 @@ def _unexpected(error: BaseException) -> int:
         log = dagster_home() / "logs" / f"batch-assets-error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(traceback.format_exc())
-    kind = "" if isinstance(error, StorageError | OSError) else f"{type(error).__name__}: "
-    text = meaningful_line(str(error)) if str(error) else type(error).__name__
     where = "" if TERMINAL.verbose else f" (traceback: {log}; or run with --verbose)"
-    TERMINAL.say(f"error: {kind}{text}{where}")
+    TERMINAL.say(f"error: {error_line(error)}{where}")
     return 1
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+import sqlalchemy as sa
 from upath import UPath
 
 from batch_assets.pipeline.result_stores import RESULT_SCHEMA
@@ -181,6 +184,76 @@ def test_a_store_that_cannot_be_reached_names_itself_and_the_setting(
     assert "postgresql+psycopg2://batch:***@127.0.0.1:9/cache" in message
     assert "secret" not in message
     assert result_cache.URL_ENV in message and "use_result_cache: false" in message
+    assert "--no-result-cache" in message
+    # The driver's first line (what failed), not its guess that reads as if the LLM server were down.
+    assert "Connection refused" in message and "Is the server running" not in message
+    assert "\n" not in message
+
+
+def write_garbage_cache(task_dir: UPath) -> Path:
+    path = Path(task_dir.path) / "_result_cache" / result_cache.SQLITE_NAME
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a database, " * 512)
+    return path
+
+
+def write_damaged_cache(task_dir: UPath) -> Path:
+    """A real cache of 3,000 results whose pages after the first (the schema) were overwritten."""
+    path = Path(task_dir.path) / "_result_cache" / result_cache.SQLITE_NAME
+    path.parent.mkdir(parents=True)
+    engine = sa.create_engine(f"sqlite:///{path}")
+    result_cache.RESULTS.create(engine)
+    with engine.begin() as connection:
+        rows = [{"fingerprint": "fp", "request_key": f"k{i}", "generated_text": "x" * 40} for i in range(3_000)]
+        connection.execute(result_cache.RESULTS.insert(), rows)
+    engine.dispose()
+    with contextlib.closing(sqlite3.connect(path)) as database:
+        database.execute("PRAGMA journal_mode=WAL")  # as the cache sets it: the header says so
+    with path.open("r+b") as handle:
+        handle.seek(4096)
+        handle.write(b"\xff" * (path.stat().st_size - 4096))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [(write_garbage_cache, "file is not a database"), (write_damaged_cache, "database disk image is malformed")],
+)
+def test_a_damaged_sqlite_cache_is_set_aside_with_a_warning_and_replaced_by_a_fresh_one(
+    task_dir: UPath, damage, reason: str
+) -> None:
+    path = damage(task_dir)
+    damaged_bytes = path.read_bytes()
+    warnings: list[str] = []
+    cache = ResultCache(task_dir, "fp", warn=warnings.append)
+
+    assert cache.lookup(pl.Series(["k1", "k2"])).height == 0  # nothing to reuse, but no failure
+    [aside] = path.parent.glob(f"{result_cache.SQLITE_NAME}.corrupt-*")
+    assert aside.read_bytes() == damaged_bytes
+    [warning] = warnings
+    assert f"the result cache {path} is damaged ({reason})" in warning and aside.name in warning
+    # A fresh cache in its place, written and read as before.
+    assert cache.add(results_frame(["a", "b"])) == 2
+    assert ResultCache(task_dir, "fp").lookup()["request_key"].sort().to_list() == ["a", "b"]
+    assert sqlite3.connect(path).execute("PRAGMA quick_check").fetchone() == ("ok",)
+
+
+def test_a_damaged_cache_met_by_a_write_is_set_aside_too(task_dir: UPath) -> None:
+    path = write_garbage_cache(task_dir)
+    warnings: list[str] = []
+    assert ResultCache(task_dir, "fp", warn=warnings.append).add(results_frame(["a"])) == 1
+    assert len(warnings) == 1 and str(path) in warnings[0]
+    assert ResultCache(task_dir, "fp").lookup()["request_key"].to_list() == ["a"]
+
+
+def test_a_cache_another_run_set_aside_already_is_not_set_aside_again(task_dir: UPath) -> None:
+    """Two runs meet the same damage: the second finds the fresh cache the first made and keeps it."""
+    path = write_garbage_cache(task_dir)
+    assert result_cache.set_aside(path) is not None
+    ResultCache(task_dir, "fp").add(results_frame(["a"]))
+    assert result_cache.set_aside(path) is None
+    assert len(list(path.parent.glob("*.corrupt-*"))) == 1
+    assert ResultCache(task_dir, "fp").lookup()["request_key"].to_list() == ["a"]
 
 
 def results_frame(keys: list[str]) -> pl.DataFrame:

@@ -266,7 +266,12 @@ def inference_outputs_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs) ->
                         max_tokens=fmt.max_tokens,
                         batch_size=task.engine.batch_size,
                         deduplicate=fmt.deduplicate,
-                        cache=ResultCache(task_storage_dir(task.name), fingerprint, instance=context.instance)
+                        cache=ResultCache(
+                            task_storage_dir(task.name),
+                            fingerprint,
+                            instance=context.instance,
+                            warn=context.log.warning,
+                        )
                         if config.use_result_cache
                         else None,
                         log=context.log.info,

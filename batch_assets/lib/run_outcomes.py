@@ -2,8 +2,8 @@
 
 The summary is read back from what the run recorded (validated_labels' rows and labels, the
 materialization metadata of inference_outputs and validated_labels), so it says the same as the UI.
-A failure is one line saying what is wrong: Dagster wraps the user's exception, so the innermost
-message is shown, or, for known failures, what to set instead. A file run as shards gets one
+A failure is one line saying what is wrong: for known failures what to set instead, else the
+outermost error batch_assets raised (lib/error_causes.py). A file run as shards gets one
 outcome for all its shards together.
 """
 
@@ -17,6 +17,7 @@ from pathlib import Path
 import dagster as dg
 import polars as pl
 
+from batch_assets.lib.error_causes import error_info_chain, error_info_line
 from batch_assets.lib.materializations import latest_materialization
 from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import TaskSpec
@@ -302,31 +303,19 @@ _HINTS = [
 
 
 def failure_text(result: dg.ExecuteInProcessResult) -> str:
-    """Why the run failed, in one line: the first failed step and its innermost error, or a hint."""
+    """Why the run failed, in one line: the first failed step and a hint for a known failure, else
+    the outermost error batch_assets raised (it names the setting), else the innermost error."""
     for event in result.all_events:
         failure = event.step_failure_data if event.is_step_failure else None
         if failure is None or failure.error is None:
             continue
-        chain = [failure.error]
-        while (cause := chain[-1].cause) is not None:  # Dagster wraps the user's exception; show the user's
-            chain.append(cause)
-        full = "\n".join(error.message for error in chain)
+        full = "\n".join(error.message for error in error_info_chain(failure.error))
         for pattern, advice in _HINTS:
             match = pattern.search(full)
             if match:
                 return f"failed in {event.step_key}: {advice.format(*match.groups())}"
-        return f"failed in {event.step_key}: {meaningful_line(chain[-1].message)}"
+        return f"failed in {event.step_key}: {error_info_line(failure.error)}"
     return "run failed"
-
-
-def meaningful_line(message: str) -> str:
-    """The line of an error message that says what is wrong (not a documentation link)."""
-    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
-    lines = [line for line in lines if not line.startswith("For further information visit")]
-    for line in lines:
-        if line.startswith("Value error, "):
-            return line.removeprefix("Value error, ")
-    return lines[-1] if lines else "unknown error"
 
 
 def failed_before_inference(result: dg.ExecuteInProcessResult) -> bool:

@@ -116,6 +116,7 @@ class _RunContext:
     job: dg.JobDefinition
     lease: ProcessLease
     reporter: RunReporter
+    use_result_cache: bool = True  # False: `inference_outputs` neither reads nor writes the result cache
 
 
 def run_partitions(
@@ -126,10 +127,12 @@ def run_partitions(
     replace: bool = False,
     reporter: RunReporter = QUIET,
     definitions: dg.Definitions | None = None,
+    use_result_cache: bool = True,
 ) -> list[PartitionOutcome]:
     """Run the files through the task's job: one outcome per file, in the order named. With
     `skip_succeeded`, a file already validated from the same content is not run again.
-    `definitions`: the code location's, when the caller built them already (the demo, for every task)."""
+    `definitions`: the code location's, when the caller built them already (the demo, for every task).
+    `use_result_cache=False`: the runs neither read nor write the task's result cache."""
     # Imported here: importing the code location builds its definitions.
     from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 
@@ -139,9 +142,8 @@ def run_partitions(
     # One process runs every named file, so the in-process engine is started once.
     job = (definitions or build_definitions()).resolve_job_def(pipeline_job_name(task_name))
     with open_instance() as instance:
-        return _run_files(
-            _RunContext(task, instance, job, ProcessLease(dagster_home()), reporter), named, replace, skip_succeeded
-        )
+        context = _RunContext(task, instance, job, ProcessLease(dagster_home()), reporter, use_result_cache)
+        return _run_files(context, named, replace, skip_succeeded)
 
 
 def _run_files(
@@ -164,7 +166,7 @@ def _run_files(
     return outcomes
 
 
-def run_demo(tasks: Sequence[TaskSpec], reporter: RunReporter) -> bool:
+def run_demo(tasks: Sequence[TaskSpec], reporter: RunReporter, *, use_result_cache: bool = True) -> bool:
     """The bundled sample drops of every task, skipping files already validated from the same
     content; whether every file came out OK."""
     from batch_assets.lib.task_definitions import build_definitions
@@ -179,7 +181,14 @@ def run_demo(tasks: Sequence[TaskSpec], reporter: RunReporter) -> bool:
             if not files:
                 reporter.say(f"{task.name}: no bundled samples in {folder}")
                 continue
-            outcomes = run_partitions(task.name, files, skip_succeeded=True, reporter=reporter, definitions=definitions)
+            outcomes = run_partitions(
+                task.name,
+                files,
+                skip_succeeded=True,
+                reporter=reporter,
+                definitions=definitions,
+                use_result_cache=use_result_cache,
+            )
             all_ok = all_ok and all(outcome.ok for outcome in outcomes)
     with open_instance() as instance:
         side_by_side = accuracy_side_by_side(sample_accuracies(instance, tasks, SAMPLES_DIR))
@@ -382,6 +391,10 @@ def _execute(
             ORIGINS_TAG: json.dumps({key: file_of[key].named.origin for key in run_keys}),
         }
     run_job, run_config = _job_reporting_to(context.reporter, context.job, _run_label(context.task.name, run_keys))
+    if not context.use_result_cache:
+        # `inference_outputs`' launch config, as the launchpad sets it; its op is named by its asset key.
+        op_name = dg.AssetKey([context.task.name, "inference_outputs"]).to_python_identifier()
+        run_config["ops"] = {op_name: {"config": {"use_result_cache": False}}}
     return run_job.execute_in_process(
         run_config=run_config,
         instance=context.instance,

@@ -61,7 +61,8 @@ def scrub(text: str) -> str:
     return text
 
 
-def _causes(exc: BaseException) -> Iterator[BaseException]:
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """The exception, then what it was raised from or while handling, outermost first."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
@@ -85,7 +86,7 @@ def describe(exc: BaseException) -> str:
         ReadTimeoutError,
     )
 
-    for cause in _causes(exc):
+    for cause in exception_chain(exc):
         if isinstance(cause, ClientError):
             error = cause.response.get("Error", {})
             code = str(error.get("Code") or "")
@@ -114,7 +115,7 @@ def describe(exc: BaseException) -> str:
             )
         if isinstance(cause, NoCredentialsError):
             return "no AWS credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"
-    for cause in _causes(exc):
+    for cause in exception_chain(exc):
         if isinstance(cause, OSError) and cause.errno in _FULL_OR_READ_ONLY:
             return _FULL_OR_READ_ONLY[cause.errno]
     if isinstance(exc, PermissionError):
@@ -158,7 +159,7 @@ def _timeout_text(cause: BaseException, *, connecting: bool) -> str:
 def is_storage_exception(exc: BaseException) -> bool:
     """Errors of the storage layer (I/O, S3, HTTP), as opposed to bugs or bad data."""
     return isinstance(exc, OSError | TimeoutError) or any(
-        type(cause).__module__.split(".")[0] in _STORAGE_EXCEPTION_MODULES for cause in _causes(exc)
+        type(cause).__module__.split(".")[0] in _STORAGE_EXCEPTION_MODULES for cause in exception_chain(exc)
     )
 
 

@@ -21,22 +21,29 @@ the cache, however long a backfill runs. Where it lives:
 Many writers at once are safe: rows are only ever inserted, a key already present is left as it is
 (`ON CONFLICT DO NOTHING`, the same result under the same fingerprint), and SQLite runs in WAL mode
 with a busy timeout so concurrent runs on one machine wait for each other's short transactions.
-A store that is down or full fails the step with a `StorageError` naming it; the partition's
-checkpoints still hold every row inferred, so a re-run infers nothing again.
+A store that is down or full fails the step with a `StorageError` naming it and the setting to
+change; the partition's checkpoints still hold every row inferred, so a re-run infers nothing again.
+A SQLite file that is not a database or is damaged is set aside as `<name>.corrupt-<time>` (its
+WAL with it), with a warning naming both, and the run goes on with a fresh, empty cache there.
 
 Caches of earlier versions (`_result_cache/<fingerprint>/part-*.parquet`) are imported into the
 table the first time their fingerprint is used, then removed.
 
-Materialize `inference_outputs` with `use_result_cache: false` to bypass the cache once.
+Materialize `inference_outputs` with `use_result_cache: false` (`batch-assets run --no-result-cache`)
+to bypass the cache once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-from collections.abc import Iterator
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from threading import Lock
+from typing import TypeVar
 
 import polars as pl
 import sqlalchemy as sa
@@ -44,8 +51,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from upath import UPath
 
 from batch_assets.pipeline.result_stores import RESULT_SCHEMA
+from batch_assets.runtime.instance import exclusive_file_lock
 from batch_assets.storage.checkpoints import conform_results, remove_path
-from batch_assets.storage.errors import StorageError
+from batch_assets.storage.errors import StorageError, scrub
 from batch_assets.storage.locations import is_local
 
 URL_ENV = "BATCH_ASSETS_RESULT_CACHE_URL"
@@ -73,6 +81,10 @@ _VALUE_COLUMNS = [column.name for column in RESULTS.columns if column.name != "f
 
 _engines: dict[str, sa.Engine] = {}
 _engines_lock = Lock()
+# SQLite's primary result codes of a damaged file: SQLITE_CORRUPT, SQLITE_NOTADB.
+_CORRUPT_CODES = {11, 26}
+_CORRUPT_TEXTS = ("database disk image is malformed", "file is not a database")
+T = TypeVar("T")
 
 
 def cache_url(task_dir: UPath, instance: object | None = None) -> str:
@@ -101,6 +113,13 @@ def _engine(url: str) -> sa.Engine:
         if engine is None:
             engine = _engines[url] = _create_engine(url)
         return engine
+
+
+def _forget_engine(url: str) -> None:
+    with _engines_lock:
+        engine = _engines.pop(url, None)
+    if engine is not None:
+        engine.dispose()
 
 
 def _create_engine(url: str) -> sa.Engine:
@@ -134,25 +153,70 @@ def _sqlite_pragmas(connection, _record) -> None:
     cursor.close()
 
 
+def corrupt_sqlite_file(url: str, exc: sa.exc.SQLAlchemyError) -> Path | None:
+    """The SQLite file of `url` when `exc` says it is not a database or is damaged, else None."""
+    parsed = sa.make_url(url)
+    orig = getattr(exc, "orig", None)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return Path(parsed.database) if isinstance(orig, sqlite3.DatabaseError) and _is_corruption(orig) else None
+
+
+def _is_corruption(exc: sqlite3.Error) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in _CORRUPT_CODES
+    return any(text in str(exc) for text in _CORRUPT_TEXTS)
+
+
+def _still_corrupt(path: Path) -> bool:
+    """Whether the file at `path` is (still) damaged: another run may have set it aside already."""
+    if not path.exists():
+        return False
+    try:
+        with contextlib.closing(sqlite3.connect(path, timeout=120)) as database:
+            return database.execute("PRAGMA quick_check").fetchone() != ("ok",)
+    except sqlite3.DatabaseError as exc:
+        return _is_corruption(exc)
+
+
+def set_aside(path: Path) -> Path | None:
+    """Rename a damaged SQLite file (and its WAL and shared-memory files, so they stay a pair) to
+    `<name>.corrupt-<time>`; None when another process did so first. Under a lock beside it: two
+    runs that meet the same damage rename it once, and never rename the fresh cache made after."""
+    with exclusive_file_lock(path.with_name(f"{path.name}.lock")):
+        if not _still_corrupt(path):
+            return None
+        aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(f"{path}{suffix}", f"{aside}{suffix}")
+        return aside
+
+
 class ResultCache:
     """The cached results of one task under one fingerprint."""
 
     def __init__(
-        self, task_dir: UPath, fingerprint: str, url: str | None = None, instance: object | None = None
+        self,
+        task_dir: UPath,
+        fingerprint: str,
+        url: str | None = None,
+        instance: object | None = None,
+        warn: Callable[[str], None] | None = None,
     ) -> None:
-        """`instance`: the run's Dagster instance, whose Postgres (if any) holds the cache."""
+        """`instance`: the run's Dagster instance, whose Postgres (if any) holds the cache. `warn`:
+        where to say that a damaged cache was set aside (the run's log; else this module's logger)."""
         self.fingerprint = fingerprint
         self.url = url or cache_url(task_dir, instance)
+        self.warn = warn or logging.getLogger(__name__).warning
         # Where earlier versions kept this fingerprint's results as parquet files.
         self.legacy_folder = task_dir / "_result_cache" / fingerprint
         self._imported = False
 
     def lookup(self, keys: pl.Series | None = None) -> pl.DataFrame:
         """Cached results for `keys` (all cached results when None), each key once."""
-        with self._store("read from"):
-            self._import_legacy()
-            with _engine(self.url).connect() as connection:
-                rows = [tuple(row) for query in self._queries(keys) for row in connection.execute(query)]
+        rows = self._use_store("read from", lambda: self._read(keys))
         frame = pl.DataFrame(rows, schema=[(name, RESULT_SCHEMA[name]) for name in _VALUE_COLUMNS], orient="row")
         return conform_results(frame.with_columns(pl.lit(None, dtype=pl.String).alias("error")))
 
@@ -161,9 +225,13 @@ class ResultCache:
         finished = conform_results(results.filter(pl.col("error").is_null())).unique("request_key")
         if finished.height == 0:
             return 0
-        with self._store("write to"):
-            self._insert(finished)
+        self._use_store("write to", lambda: self._insert(finished))
         return finished.height
+
+    def _read(self, keys: pl.Series | None) -> list[tuple]:
+        self._import_legacy()
+        with _engine(self.url).connect() as connection:
+            return [tuple(row) for query in self._queries(keys) for row in connection.execute(query)]
 
     def _queries(self, keys: pl.Series | None) -> Iterator[sa.Select]:
         columns = [RESULTS.c[name] for name in _VALUE_COLUMNS]
@@ -208,15 +276,39 @@ class ResultCache:
         with contextlib.suppress(OSError, NotImplementedError):  # S3 has no folders to remove
             self.legacy_folder.rmdir()
 
-    @contextlib.contextmanager
-    def _store(self, action: str) -> Iterator[None]:
-        """Failures of the database as a `StorageError` naming it (password hidden) and what to set."""
+    def _use_store(self, action: str, work: Callable[[], T]) -> T:
+        """`work` on the database. A damaged SQLite file is set aside and `work` runs once more on a
+        fresh one; any other failure is a `StorageError` naming the store (password hidden) and what
+        to set."""
         try:
-            yield
+            try:
+                return work()
+            except sa.exc.DatabaseError as exc:
+                damaged = corrupt_sqlite_file(self.url, exc)
+                if damaged is None:
+                    raise
+                self._set_aside(damaged, exc)
+                return work()
         except sa.exc.SQLAlchemyError as exc:
-            where = sa.make_url(self.url).render_as_string(hide_password=True)
-            raise StorageError(
-                f"{action} the result cache {where} failed: {getattr(exc, 'orig', None) or exc} "
-                f"(point {URL_ENV} at a working database, or materialize inference_outputs with "
-                "use_result_cache: false to run without the cache)"
-            ) from exc
+            raise self._storage_error(action, exc) from exc
+
+    def _set_aside(self, path: Path, exc: sa.exc.DatabaseError) -> None:
+        _forget_engine(self.url)
+        aside = set_aside(path)
+        if aside is not None:
+            self.warn(
+                f"the result cache {path} is damaged ({exc.orig}): set aside as {aside.name} and replaced by an "
+                "empty cache, so this run infers the rows it would have reused (delete the old file when it is "
+                "not needed)"
+            )
+
+    def _storage_error(self, action: str, exc: sa.exc.SQLAlchemyError) -> StorageError:
+        where = sa.make_url(self.url).render_as_string(hide_password=True)
+        # The driver's first line says what failed; its further lines are its guesses (e.g. "Is the
+        # server running on that host...?", read as being about the LLM server) and SQLAlchemy's link.
+        reason = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0]
+        return StorageError(
+            f"{action} the result cache {where} failed: {scrub(reason)} (point {URL_ENV} at a working database, "
+            "or run without the cache: `batch-assets run --no-result-cache`, or materialize inference_outputs "
+            "with use_result_cache: false)"
+        )

@@ -1,0 +1,51 @@
+"""The arguments of `batch-assets` (cli.py): its commands, their options and their help."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from batch_assets.pipeline.read_prompts import SUPPORTED_SUFFIXES
+
+    parser = argparse.ArgumentParser(prog="batch-assets", description="Offline LLM batch inference as Dagster assets.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser(
+        "run",
+        help="run files through a task's pipeline",
+        description=(
+            "Copy each file into the task's drop zone, register it as a partition and materialize its assets "
+            "and checks in this process (one engine start for all files); prints one summary line per file. "
+            "Exit status: 0 when every file succeeded, 1 when one failed, failed a blocking check or had only "
+            "error rows, 2 for a usage error (nothing run), 130 when interrupted."
+        ),
+    )
+    run.add_argument("task", help="the task to run (its name as `batch-assets tasks` lists it)")
+    run.add_argument(
+        "files",
+        nargs="+",
+        help=f"input files ({', '.join(SUPPORTED_SUFFIXES)}); each is copied into the task's drop zone and becomes "
+        "one partition named after the file",
+    )
+    run.add_argument(
+        "--replace",
+        action="store_true",
+        help="let a file replace a different drop file of the same name (from another folder), with its outputs",
+    )
+    commands.add_parser("tasks", help="list the tasks and their drop zones")
+    demo = commands.add_parser("demo", help="run the bundled sample drops of every task")
+    for command in (run, demo):
+        command.add_argument(
+            "--verbose", action="store_true", help="show Dagster's and the engine's logs and full tracebacks here too"
+        )
+        command.add_argument(
+            "--no-result-cache",
+            dest="use_result_cache",
+            action="store_false",
+            help="neither read nor write the task's result cache: infer every row (checkpoints still resume a run)",
+        )
+    ui = commands.add_parser("ui", help="start the Dagster UI and daemon (`dg dev`) on this DAGSTER_HOME; one per home")
+    ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    ui.add_argument("--port", type=int, default=3000, help="port to listen on (default 3000)")
+    ui.add_argument("--workspace", default="workspace.yaml", help="Dagster workspace file (default workspace.yaml)")
+    return parser
