@@ -13,10 +13,9 @@ from pathlib import Path
 
 import dagster as dg
 
-# Users' own code locations build theirs with it (README, "Using an OpenAI-compatible endpoint").
-from batch_assets.lib.task_definitions import build_definitions
+from batch_assets.runtime.pool_waits import install_pool_workarounds
 
-__all__ = ["build_definitions", "defs"]
+__all__ = ["defs"]
 
 # Dagster's own component loader builds code references and loads modules with beta/preview APIs
 # and warns about each; nothing in this project can act on those notices.
@@ -34,4 +33,8 @@ def load_project_defs() -> dg.Definitions:
     return dg.ComponentTree.from_module(defs_module=defs_module, project_root=PROJECT_ROOT).build_defs()
 
 
+# This module is our code location's entry point (code servers and run workers load it): the runs it
+# executes wait for the `gpu` pool asleep and never share its slot (runtime/pool_waits.py). Users'
+# own code locations import `batch_assets.lib.task_definitions.build_definitions`, which patches nothing.
+install_pool_workarounds()
 defs = load_project_defs()

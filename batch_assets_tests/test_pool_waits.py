@@ -138,3 +138,36 @@ def test_two_runs_asking_for_the_one_gpu_slot_at_the_same_instant_never_both_get
     assert all(claimer.returncode == 0 for claimer in claimers)
     first, second = (json.loads(output.strip().splitlines()[-1]) for output in outputs)
     assert [a + b for a, b in zip(first, second, strict=True)] == [1] * rounds
+
+
+# What the pool workarounds replace in Dagster, and the signal handlers, as seen by a fresh process.
+_DAGSTER_AS_IT_IS = """
+import json, signal
+from batch_assets.runtime.dagster_private import instance_concurrency_context as module, sqlite_event_log_storages
+from batch_assets.runtime.pool_waits import _SLOT_CHANGES
+
+def snapshot():
+    context = module.InstanceConcurrencyContext
+    methods = [context.interval_to_next_pending_claim_check, module._calculate_timeout_interval]
+    methods += [getattr(storage, name) for storage in sqlite_event_log_storages() for name in _SLOT_CHANGES]
+    return [id(method) for method in methods] + [id(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM)]
+
+before = snapshot()
+from batch_assets.lib.task_definitions import build_definitions
+from batch_assets.lib.component import TaskPipelinesComponent
+build_definitions()
+after_building = snapshot()
+import batch_assets.definitions  # our own code location: its entry point installs them
+print(json.dumps({"unchanged_by_building": before == after_building, "installed_by_entry_point": snapshot() != before}))
+"""
+
+
+def test_importing_batch_assets_into_another_code_location_changes_nothing_in_dagster() -> None:
+    """Before, `build_definitions` replaced Dagster's pool wait and claim methods process-wide: every
+    other asset of a user's code location that imported it ran under our workarounds."""
+    result = subprocess.run([sys.executable, "-c", _DAGSTER_AS_IT_IS], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {
+        "unchanged_by_building": True,
+        "installed_by_entry_point": True,
+    }

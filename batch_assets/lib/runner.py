@@ -49,6 +49,7 @@ from batch_assets.pipeline.read_prompts import DropFileError
 from batch_assets.pipeline.task_spec import EMBEDDED_MODEL, TaskSpec, load_tasks
 from batch_assets.runtime.instance import dagster_home, home_lock, open_instance
 from batch_assets.runtime.interrupts import Stopped, raise_if_stopped, stop_requested
+from batch_assets.runtime.pool_waits import install_pool_workarounds
 from batch_assets.runtime.run_recovery import (
     ProcessLease,
     fail_runs_of_dead_processes,
@@ -136,6 +137,7 @@ def run_partitions(
     # Imported here: importing the code location builds its definitions.
     from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 
+    install_pool_workarounds()  # this process executes the runs (runtime/pool_waits.py)
     task = _loaded_task(task_name)
     named = read_named_files(files)
     check_model(task)

@@ -24,7 +24,6 @@ from batch_assets.lib.drops_sensor import build_drops_sensor
 from batch_assets.lib.range_failures import build_range_failure_sensor
 from batch_assets.lib.task_file_errors import build_task_file_error_sensor
 from batch_assets.pipeline.task_spec import TaskFileError, TaskSpec, load_tasks
-from batch_assets.runtime.pool_waits import serialize_pool_claims, sleep_between_pool_checks
 from batch_assets.runtime.run_recovery import build_recovery_sensor
 from batch_assets.storage.parquet_io_manager import ParquetStorage
 
@@ -162,11 +161,6 @@ def build_definitions(
     With no `tasks`, the tasks folder is loaded; a bad task file becomes a failing sensor naming it
     (lib/task_file_errors.py) and the other tasks load as usual. Each engine kind's resource
     key comes from `ENGINE_KINDS`."""
-    # Whoever builds these definitions executes their runs (a run worker, `batch-assets run`): a step
-    # waiting for the `gpu` pool must sleep, not spin, and two steps must never share its one slot
-    # (pool_waits.py).
-    sleep_between_pool_checks()
-    serialize_pool_claims()
     if tasks is None:
         loaded = load_tasks()
         tasks, task_errors = loaded.tasks, loaded.errors

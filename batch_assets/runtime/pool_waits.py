@@ -38,6 +38,17 @@ from typing import Any
 
 from batch_assets.runtime.instance import exclusive_file_lock
 
+
+def install_pool_workarounds() -> None:
+    """Both workarounds below, for every run this process executes. Called by our own entry points
+    only (the code location module `batch_assets.definitions`, which code servers and run workers
+    load, and `batch-assets run`/`demo`), never as a side effect of importing or building definitions:
+    a user's own code location that imports batch_assets keeps Dagster as it is, and calls this
+    itself to get them (README, "Pools")."""
+    sleep_between_pool_checks()
+    serialize_pool_claims()
+
+
 # How late a waiting step may notice a freed slot, at most: one database query per waiting run per period.
 POOL_CHECK_SECONDS = 2.0
 _applied = False
