@@ -35,7 +35,10 @@ class Stopped(KeyboardInterrupt):
 
 def watch_stop_signals(say: Callable[[str], None]) -> None:
     """From the main thread of our command line: the first SIGINT/SIGTERM sets `STOP`, the second ends
-    the process with 130 (engines are ended by their reaper when this process is gone)."""
+    the process with 130 (engines are ended by their reaper when this process is gone). Once per
+    process: a second call (tests call `main` more than once) keeps the first watcher."""
+    if _watching.is_set():
+        return
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)

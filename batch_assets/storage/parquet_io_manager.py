@@ -87,9 +87,12 @@ def _remove_outdated_shard_outputs(context: dg.OutputContext, paths: dict[str, U
     """Checked after writing: a shard whose file got a new version while this run read the earlier one
     removes what it just wrote (the new version's registration deletes the outputs it finds first, so
     whichever comes second removes the old shard's output) and fails without a retry."""
+    shards = [key for key in paths if shard_index_of(key) is not None]
+    if not shards:
+        return
     task = context.asset_key.path[0]
     run = context.step_context.instance.get_run_by_id(context.run_id)
-    outdated = outdated_shards(task, [key for key in paths if shard_index_of(key) is not None], run.tags if run else {})
+    outdated = outdated_shards(task, shards, run.tags if run else {})
     for key in outdated:
         remove_path(paths[key])
     if outdated:
