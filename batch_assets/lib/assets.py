@@ -146,7 +146,7 @@ def raw_prompts_asset(task: TaskSpec, args: AssetArgs) -> dg.AssetsDefinition:
                 shard_versions[partition_key] = version_digest(drop.version)
         if shard_versions:
             # The version each shard read, for the check after each of the run's outputs is written.
-            context.instance.add_run_tags(context.run_id, {SHARD_VERSIONS_TAG: json.dumps(shard_versions)})
+            context.instance.add_run_tags(context.run.run_id, {SHARD_VERSIONS_TAG: json.dumps(shard_versions)})
         if unreadable:
             raise dg.Failure(
                 description=f"{len(unreadable)} of {len(context.partition_keys)} drop file(s) cannot be read: "
