@@ -396,6 +396,12 @@ def test_max_model_len_is_checked_against_a_local_model_folders_config(
     default = HEAD + f"output: {{kind: text}}\nengine:\n  model: {model}\n"
     with pytest.raises(TaskSpecError, match=r"engine.max_model_len 2048 \(the default\) exceeds the 1024 tokens"):
         load_task_spec(write(tmp_path, "default", default))
+    # The model that runs is checked: an override names itself.
+    monkeypatch.setenv("BATCH_ASSETS_MODEL", str(model))
+    with pytest.raises(
+        TaskSpecError, match=r"the model .*/model \(BATCH_ASSETS_MODEL\) takes; set engine.max_model_len"
+    ):
+        load_task_spec(write(tmp_path, "overridden", HEAD + "output: {kind: text}\n"))
     # vLLM's own switch to go past the trained length turns the check off.
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     assert load_task_spec(write(tmp_path, "allowed", body.replace("LENGTH", "8192"))).engine.max_model_len == 8192

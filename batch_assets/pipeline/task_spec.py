@@ -983,9 +983,10 @@ class TaskSpec(_Strict):
         limit = model_context_limit(self.model)
         if limit is not None and self.engine.max_model_len > limit:
             default = "" if "max_model_len" in self.engine.model_fields_set else " (the default)"
+            source = self.model_override_env if os.environ.get(self.model_override_env) else "engine.model"
             raise SettingError(
                 f"engine.max_model_len {self.engine.max_model_len}{default} exceeds the {limit} tokens the model "
-                f"{self.model} (engine.model) takes; set engine.max_model_len to at most {limit}",
+                f"{self.model} ({source}) takes; set engine.max_model_len to at most {limit}",
                 ("engine", "max_model_len"),
                 ("engine.model",),
             )
@@ -1033,8 +1034,12 @@ class TaskSpec(_Strict):
     def model(self) -> str:
         """The model to use: `BATCH_ASSETS_MODEL` overrides the model of every chat task,
         `BATCH_ASSETS_EMBEDDING_MODEL` that of every embedding and similarity task."""
-        override = EMBEDDING_MODEL_OVERRIDE_ENV if self.output.pooling else MODEL_OVERRIDE_ENV
-        return os.environ.get(override) or self.engine.model
+        return os.environ.get(self.model_override_env) or self.engine.model
+
+    @property
+    def model_override_env(self) -> str:
+        """The environment variable that overrides this task's model."""
+        return EMBEDDING_MODEL_OVERRIDE_ENV if self.output.pooling else MODEL_OVERRIDE_ENV
 
 
 # config.json keys that hold a model's trained length; vLLM takes the smallest it finds, this check the
