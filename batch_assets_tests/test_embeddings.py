@@ -4,6 +4,7 @@ labels and their confidence with concrete values, and the embedding checks' pure
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -197,6 +198,60 @@ def test_truncate_cuts_too_long_texts_and_says_so() -> None:
     assert formatted["num_prompt_tokens"].to_list()[:2] == [4, 6]
     assert formatted["error"].to_list()[:2] == [None, None]
     assert formatted["error"][2].startswith("empty_text")
+
+
+def test_texts_the_tokenizer_reads_as_mostly_unknown_tokens_are_marked_counted_and_logged() -> None:
+    """all-MiniLM-L6-v2 reads a word over 100 characters, or emoji, as one [UNK]: a vector that says
+    nothing about the text. Such rows are embedded, but marked, counted and named with their lines."""
+    from batch_assets.engines.embedded_model import embedding_model_dir
+    from batch_assets.engines.tokenizers import load_tokenizer
+    from batch_assets.pipeline.embeddings import UNKNOWN_TOKENS_COLUMN, unknown_token_rows, unknown_token_warning
+    from batch_assets.pipeline.task_spec import OutputSpec
+
+    tokenizer = load_tokenizer(str(embedding_model_dir()))
+    word = "x" * 101
+    texts = [word, f"hello {word}", f"hello world {word}", "\U0001f600\U0001f600", "a plain sentence", "  "]
+    formatted = format_embedding_prompts(
+        raw_rows(texts), "{text}", ["text"], tokenizer, max_model_len=256, truncate=False, source_file="posts.jsonl"
+    )
+    # [CLS] [UNK] [SEP]: one token of one; 1 of 2 is half; 1 of 3 is not; the empty text is an error row.
+    assert formatted["num_prompt_tokens"].to_list() == [3, 4, 5, 3, 5, None]
+    assert formatted[UNKNOWN_TOKENS_COLUMN].to_list() == [True, True, False, True, False, None]
+    assert formatted["error"].to_list()[:5] == [None] * 5
+    assert unknown_token_rows(formatted) == 3
+    assert unknown_token_warning(formatted, "posts.jsonl") == (
+        "posts.jsonl: 3 row(s) are mostly the tokenizer's unknown token (at least 50% of their tokens; line 1, 2, 4): "
+        "their embeddings say little about their text (a word over 100 characters, emoji, a script missing from "
+        "the model's vocabulary). They are embedded anyway; formatted_prompts counts them in unknown_token_rows"
+    )
+    # The mark stays out of the result table, whose columns are fixed.
+    results = formatted.with_columns(
+        generated_text=pl.lit(encode_vector([0.6, 0.8])),
+        finish_reason=pl.lit(None, dtype=pl.String),
+        num_generated_tokens=pl.lit(0),
+        cumulative_logprob=pl.lit(None, dtype=pl.Float64),
+    )
+    labels = validate_embeddings(embedding_outputs(results))
+    assert labels.columns == ["row_id", "source_line", "text", "embedding", "num_prompt_tokens", "error"]
+    output = OutputSpec(kind="choices", method="similarity", choices=["a", "b"])
+    similar = validate_labels(similarity_outputs(results, np.array([[1.0, 0.0], [0.0, 1.0]]), ["a", "b"]), output)
+    assert UNKNOWN_TOKENS_COLUMN not in similar.columns and similar.columns[:3] == ["row_id", "source_line", "text"]
+
+
+def test_a_tokenizer_without_an_unknown_token_marks_nothing() -> None:
+    from batch_assets.pipeline.embeddings import unknown_token_rows, unknown_token_warning
+
+    formatted = format_embedding_prompts(
+        raw_rows(["two words", "x" * 101]),
+        "{text}",
+        ["text"],
+        WordTokenizer(),
+        max_model_len=6,
+        truncate=False,
+        source_file="posts.jsonl",
+    )
+    assert formatted["mostly_unknown_tokens"].to_list() == [None, None]
+    assert unknown_token_rows(formatted) == 0 and unknown_token_warning(formatted, "posts.jsonl") is None
 
 
 # --- vectors and results ------------------------------------------------------------------------
@@ -397,3 +452,38 @@ def test_the_encoder_sends_the_token_ids_the_models_tokenizer_gives(truncate: bo
     assert [list(prompt.token_ids) for prompt in prompts] == [list(ids) for ids in expected]
     assert [prompt.text for prompt in prompts] == texts
     assert (len(prompts[-1].token_ids) == 256) is truncate
+
+
+def test_formatted_prompts_counts_and_logs_rows_of_unknown_tokens(data_dir: Path) -> None:
+    """Through Dagster, no engine: formatted_prompts of the shipped embeddings task (the model's
+    tokenizer only) records `unknown_token_rows` and logs a warning naming file and lines."""
+    import dagster as dg
+
+    from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
+    from batch_assets.pipeline.task_spec import load_task_specs
+    from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
+    from batch_assets_tests.conftest import drop
+
+    task = next(task for task in load_task_specs() if task.name == "embeddings")
+    lines = ["A plain sentence.", "y" * 150, "Another plain one.", "\U0001f600\U0001f600\U0001f600"]
+    drop(data_dir, "embeddings", "odd.jsonl", "".join(f'{{"text": "{text}"}}\n' for text in lines))
+    key = partition_key_for("odd.jsonl")
+    job = build_definitions(tasks=[task]).resolve_job_def(pipeline_job_name(task.name))
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(partitions_def_name(task.name), [key])
+        result = job.execute_in_process(
+            instance=instance,
+            partition_key=key,
+            asset_selection=[
+                dg.AssetKey(["embeddings", "raw_prompts"]),
+                dg.AssetKey(["embeddings", "formatted_prompts"]),
+            ],
+        )
+        warnings = [entry.user_message for entry in instance.all_logs(result.run_id) if entry.level == logging.WARNING]
+    metadata = result.asset_materializations_for_node("embeddings__formatted_prompts")[0].metadata
+    assert metadata["unknown_token_rows"].value == 2
+    assert [w for w in warnings if "unknown token" in w] == [
+        f"{key}: 2 row(s) are mostly the tokenizer's unknown token (at least 50% of their tokens; line 2, 4): "
+        "their embeddings say little about their text (a word over 100 characters, emoji, a script missing from "
+        "the model's vocabulary). They are embedded anyway; formatted_prompts counts them in unknown_token_rows"
+    ]

@@ -298,6 +298,54 @@ def test_a_chunk_is_written_after_checkpoint_seconds_even_when_short_of_batch_si
     assert [rows for rows, _ in store.writes] == [1, 1, 1, 1, 1]
 
 
+def test_a_due_chunk_is_written_while_the_engine_stalls_before_its_next_result(partition_dir: UPath) -> None:
+    """One result, then the engine works on for a long while (a long request): the chunk is written on
+    time by the checkpoint timer, not when the next result comes (a kill in the stall lost it)."""
+    release = threading.Event()
+
+    class StallingSession(Session):
+        def stream(self, prompts):
+            sent = list(prompts)
+            yield 0, Generation("first", "stop", 3, 1)
+            release.wait(30)
+            for position in range(1, len(sent)):
+                yield position, Generation("later", "stop", 3, 1)
+
+    store = RecordingStore(partition_dir)
+    frame = formatted_frame([f"post {i}" for i in range(5)])
+    done: list[pl.DataFrame] = []
+
+    def run() -> None:
+        [(out, _)] = run_inference(
+            [PartitionInput(frame, encode, store, "posts.jsonl")],
+            session=StallingSession(Engine(), 1024),
+            max_model_len=64,
+            max_tokens=8,
+            batch_size=1024,
+            deduplicate=True,
+            checkpoint_seconds=0.2,
+        )
+        done.append(out)
+
+    feeder = threading.Thread(target=run)
+    started = time.monotonic()
+    feeder.start()
+    try:
+        on_disk = CheckpointStore(partition_dir, "fp")
+        while on_disk.load().is_empty() and time.monotonic() - started < 5:
+            time.sleep(0.01)
+        waited = time.monotonic() - started
+        assert on_disk.load()["generated_text"].to_list() == ["first"], f"no chunk after {waited:.1f} s of stall"
+        assert waited < 2.5  # the interval, the timer's tick and a write, on a busy machine
+        assert store.writes == [(1, "checkpoint-writer")]
+        assert not done  # the stream is still stalled
+    finally:
+        release.set()
+        feeder.join(10)
+    assert done[0]["generated_text"].to_list()[0] == "first"
+    assert [rows for rows, _ in store.writes] == [1, 4]
+
+
 def test_a_slow_engine_start_does_not_count_as_work_time(partition_dir: UPath, monkeypatch: pytest.MonkeyPatch) -> None:
     """The 30 s run from a chunk's first result: an engine start longer than that (minutes for a large
     model) must not cut the first chunk after one row."""

@@ -270,7 +270,31 @@ HEAD = 'input: {text_fields: [text]}\nprompt: {system: "Classify.", template: "T
         ),
         (
             HEAD + "output: {kind: text}\nsampling: {max_tokens: 99999999999999999999999}\n",
-            "line 4: sampling.max_tokens 99999999999999999999999 leaves no room for a prompt",
+            "sampling.max_tokens (line 4): Input should be less than or equal to 2147483647",
+        ),
+        # Numbers no model or machine takes: refused at load, not when the engine starts.
+        (
+            HEAD + "output: {kind: text}\nengine: {max_model_len: 99999999999}\n",
+            "engine.max_model_len (line 4): Input should be less than or equal to 2147483647",
+        ),
+        (
+            HEAD + "output: {kind: text}\nengine: {batch_size: 99999999999}\n",
+            "engine.batch_size (line 4): Input should be less than or equal to 2147483647",
+        ),
+        (
+            HEAD + "output: {kind: text}\nengine: {kv_cache_memory_gib: 1.0e+12}\n",
+            "engine.kv_cache_memory_gib (line 4): Input should be less than or equal to 1048576",
+        ),
+        # More context than the (embedded) model was trained for: vLLM would refuse it at start-up.
+        (
+            HEAD + "output: {kind: text}\nengine:\n  max_model_len: 100000\n",
+            "line 5: engine.max_model_len 100000 exceeds the 8192 tokens the model "
+            "embedded:SmolLM2-135M-Instruct (engine.model) takes; set engine.max_model_len to at most 8192",
+        ),
+        (
+            'input: {text_fields: [text]}\nprompt: {template: "{text}"}\noutput: {kind: embedding}\n'
+            "engine:\n  max_model_len: 512\n",
+            "line 5: engine.max_model_len 512 exceeds the 256 tokens the model embedded:all-MiniLM-L6-v2",
         ),
     ],
 )
@@ -355,6 +379,64 @@ def test_settings_near_the_limits_still_load(tmp_path: Path) -> None:
         write(tmp_path, "runs", HEAD + "output: {kind: text}\nruns: {max_partitions_per_run: 1000}\n")
     )
     assert runs.runs.max_partitions_per_run == 1000
+
+
+def test_max_model_len_is_checked_against_a_local_model_folders_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 1024, "rope_scaling": {"factor": 4.0}}')
+    body = HEAD + f"output: {{kind: text}}\nengine:\n  model: {model}\n  max_model_len: LENGTH\n"
+    assert load_task_spec(write(tmp_path, "fits", body.replace("LENGTH", "4096"))).engine.max_model_len == 4096
+    with pytest.raises(TaskSpecError, match=r"line 6: engine.max_model_len 4097 exceeds the 4096"):
+        load_task_spec(write(tmp_path, "over", body.replace("LENGTH", "4097")))
+    # The default counts too: it is what vLLM would be asked for.
+    (model / "config.json").write_text('{"max_position_embeddings": 1024}')
+    default = HEAD + f"output: {{kind: text}}\nengine:\n  model: {model}\n"
+    with pytest.raises(TaskSpecError, match=r"engine.max_model_len 2048 \(the default\) exceeds the 1024 tokens"):
+        load_task_spec(write(tmp_path, "default", default))
+    # The model that runs is checked: an override names itself.
+    monkeypatch.setenv("BATCH_ASSETS_MODEL", str(model))
+    with pytest.raises(
+        TaskSpecError, match=r"the model .*/model \(BATCH_ASSETS_MODEL\) takes; set engine.max_model_len"
+    ):
+        load_task_spec(write(tmp_path, "overridden", HEAD + "output: {kind: text}\n"))
+    # vLLM's own switch to go past the trained length turns the check off.
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert load_task_spec(write(tmp_path, "allowed", body.replace("LENGTH", "8192"))).engine.max_model_len == 8192
+
+
+def test_the_embedded_models_limits_are_what_their_files_say() -> None:
+    import gguf
+
+    from batch_assets.engines.embedded_model import embedding_model_dir, gguf_path, model_token_limit
+    from batch_assets.pipeline.task_spec import EMBEDDED_EMBEDDING_MODEL, EMBEDDED_MODEL, EMBEDDED_MODEL_LIMITS
+
+    field = gguf.GGUFReader(str(gguf_path())).fields["llama.context_length"]
+    assert EMBEDDED_MODEL_LIMITS[EMBEDDED_MODEL] == int(field.parts[field.data[0]][0])
+    assert EMBEDDED_MODEL_LIMITS[EMBEDDED_EMBEDDING_MODEL] == model_token_limit(str(embedding_model_dir())) == 256
+
+
+def test_txt_field_is_only_needed_where_txt_files_are_read(tmp_path: Path) -> None:
+    from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions, read_prompts
+
+    # One text field: `.txt` lines fill it, whatever its name (it was refused for `txt_field 'text'`).
+    one = 'input: {text_fields: [body]}\nprompt: {system: "Classify.", template: "{body}"}\noutput: {kind: text}\n'
+    assert load_task_spec(write(tmp_path, "one", one)).input.txt_field == "body"
+    two = one.replace("[body]", "[subject, body]").replace('"{body}"', '"{subject}: {body}"')
+    task = load_task_spec(write(tmp_path, "two", two))
+    options = ParseOptions(tuple(task.input.text_fields), task.input.txt_field)
+    assert read_prompts(b"subject,body\nHi,there\n", "t.csv", options)["body"].to_list() == ["there"]
+    with pytest.raises(DropFileError) as info:
+        read_prompts(b"a line\n", "notes.txt", options)
+    assert str(info.value) == (
+        "notes.txt: a .txt file has one text a line, and the task does not say which field it fills: "
+        "set input.txt_field in the task file to one of input.text_fields ['subject', 'body']"
+    )
+    # A txt_field the task sets is still checked at load.
+    with pytest.raises(TaskSpecError, match=r"txt_field 'title' must be one of text_fields"):
+        load_task_spec(write(tmp_path, "bad", two.replace("[subject, body]}", "[subject, body], txt_field: title}")))
 
 
 BAD_REGEX = HEAD + 'output: {kind: regex, regex: "[a-"}\n'

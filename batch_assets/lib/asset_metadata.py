@@ -73,6 +73,7 @@ def formatted_metadata(frame: pl.DataFrame, fmt: TaskFormat, seconds: float) -> 
         # polars types Series.max() as any literal; an Int64 column gives an int or None
         "max_prompt_tokens": int(cast("int | None", frame["num_prompt_tokens"].max()) or 0),
         "seconds": round(seconds, 3),
+        **fmt.formatting_metadata(frame),
         **estimate_cost(frame, fmt).metadata(),
         "dagster/row_count": frame.height,
         "dagster/column_schema": column_schema(frame),

@@ -219,6 +219,8 @@ def formatted_prompts_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs) ->
             )
             metadata = formatted_metadata(frame, fmt, seconds=time.monotonic() - started)
             context.add_asset_metadata(partition_key=partition_key, metadata=metadata)
+            for warning in fmt.formatting_warnings(frame, partition_key):
+                context.log.warning(warning)
         return frames
 
     return formatted_prompts

@@ -17,7 +17,12 @@ What can go wrong with a row, and what it becomes:
   the file is read: `non_string_text`);
 - a text longer than the model takes (`engine.max_model_len`, by default the model's own limit): an
   `input_too_long` error row naming file, line and `input.truncate`, or, with `input.truncate: true`,
-  cut to the limit (`truncated` is true for that row), as sentence-transformers does.
+  cut to the limit (`truncated` is true for that row), as sentence-transformers does;
+- a text the tokenizer reads as mostly its unknown token (`[UNK]` for all-MiniLM-L6-v2: a word over
+  100 characters, emoji, a script missing from its vocabulary): still embedded, but the vector says
+  little about the text, so formatted_prompts marks the row (`mostly_unknown_tokens`), counts such
+  rows in its metadata (`unknown_token_rows`) and logs a warning naming file and lines
+  (`unknown_token_warning`).
 """
 
 from __future__ import annotations
@@ -44,6 +49,12 @@ SIMILARITY_SCALE = 20.0
 NORM_TOLERANCE = 1e-3
 _VECTOR_DTYPE = np.dtype("<f4")
 _DROPPED_FROM_RESULTS = ("generated_text", "finish_reason", "cumulative_logprob")
+# A row is marked when at least this share of its text's tokens (the model's special tokens aside)
+# is the tokenizer's unknown token: half a text unread leaves a vector about the other half at best.
+UNKNOWN_TOKEN_SHARE = 0.5
+# formatted_prompts' mark of such rows (kept out of the result table, whose columns are fixed).
+UNKNOWN_TOKENS_COLUMN = "mostly_unknown_tokens"
+_LINES_SHOWN = 10
 
 
 # --- vectors through the result stores --------------------------------------------------------
@@ -84,7 +95,13 @@ def vectors_matrix(column: pl.Series) -> np.ndarray:
 
 def count_text_tokens(tokenizer: Tokenizer, column: pl.Series) -> pl.Series:
     """Tokens of each text as the model gets it (its special tokens included, [CLS] and [SEP] for BERT
-    models), never cut: the count says whether the text fits. Each distinct text is tokenized once.
+    models), never cut: the count says whether the text fits. Each distinct text is tokenized once."""
+    return text_token_counts(tokenizer, column)["tokens"]
+
+
+def text_token_counts(tokenizer: Tokenizer, column: pl.Series) -> pl.DataFrame:
+    """Per text: `tokens` (as `count_text_tokens`) and `unknown_tokens`, how many of them are the
+    tokenizer's unknown token (null for a tokenizer without one, as byte-level ones are).
 
     A copy of the Rust tokenizer is used where there is one, with truncation and padding off
     (`_encoding_backend`): a tokenizer.json may carry settings of its own (all-MiniLM-L6-v2's cuts
@@ -93,15 +110,65 @@ def count_text_tokens(tokenizer: Tokenizer, column: pl.Series) -> pl.Series:
     """
     distinct = column.drop_nulls().unique().to_list()
     backend = _encoding_backend(tokenizer, None)
+    unk = getattr(tokenizer, "unk_token_id", None)
     counts: list[int] = []
+    unknown: list[int | None] = []
     for start in range(0, len(distinct), TOKENIZE_CHUNK):
         chunk = distinct[start : start + TOKENIZE_CHUNK]
         if backend is not None:
-            counts.extend(len(encoding) for encoding in backend.encode_batch_fast(chunk, add_special_tokens=True))
+            encodings = backend.encode_batch_fast(chunk, add_special_tokens=True)
+            counts.extend(len(encoding) for encoding in encodings)
+            # `.ids` builds a list per text: only for tokenizers that have an unknown token at all.
+            unknown.extend(encoding.ids.count(unk) if unk is not None else None for encoding in encodings)
         else:
-            counts.extend(len(ids) for ids in tokenizer(chunk, add_special_tokens=True)["input_ids"])
-    lengths = pl.DataFrame({"text": pl.Series(distinct, dtype=pl.String), "tokens": pl.Series(counts, dtype=pl.Int64)})
-    return column.to_frame("text").join(lengths, on="text", how="left", maintain_order="left")["tokens"]
+            ids = tokenizer(chunk, add_special_tokens=True)["input_ids"]
+            counts.extend(len(token_ids) for token_ids in ids)
+            unknown.extend(token_ids.count(unk) if unk is not None else None for token_ids in ids)
+    lengths = pl.DataFrame(
+        {
+            "text": pl.Series(distinct, dtype=pl.String),
+            "tokens": pl.Series(counts, dtype=pl.Int64),
+            "unknown_tokens": pl.Series(unknown, dtype=pl.Int64),
+        }
+    )
+    return column.to_frame("text").join(lengths, on="text", how="left", maintain_order="left").drop("text")
+
+
+def mostly_unknown(tokenizer: Tokenizer, counts: pl.DataFrame) -> pl.Series:
+    """Whether at least `UNKNOWN_TOKEN_SHARE` of each text's own tokens (`text_token_counts`, the
+    special tokens the tokenizer adds left out) are its unknown token; null where not counted."""
+    special = _special_tokens_added(tokenizer)
+    own = (pl.col("tokens") - special).clip(lower_bound=1)
+    unknown = pl.col("unknown_tokens")
+    return counts.select(((unknown > 0) & (unknown >= own * UNKNOWN_TOKEN_SHARE)).alias(UNKNOWN_TOKENS_COLUMN))[
+        UNKNOWN_TOKENS_COLUMN
+    ]
+
+
+def _special_tokens_added(tokenizer: Tokenizer) -> int:
+    count = getattr(tokenizer, "num_special_tokens_to_add", None)
+    return int(count(pair=False)) if callable(count) else 0
+
+
+def unknown_token_rows(formatted: pl.DataFrame) -> int:
+    """How many rows of a formatted partition are marked `mostly_unknown_tokens`."""
+    return int(formatted[UNKNOWN_TOKENS_COLUMN].sum() or 0) if UNKNOWN_TOKENS_COLUMN in formatted.columns else 0
+
+
+def unknown_token_warning(formatted: pl.DataFrame, source_file: str) -> str | None:
+    """The log line for a partition's rows marked `mostly_unknown_tokens`, naming file and lines."""
+    if not unknown_token_rows(formatted):
+        return None
+    lines = formatted.filter(pl.col(UNKNOWN_TOKENS_COLUMN).fill_null(False))["source_line"].to_list()
+    if not lines:
+        return None
+    shown = ", ".join(str(line) for line in lines[:_LINES_SHOWN]) + (", ..." if len(lines) > _LINES_SHOWN else "")
+    return (
+        f"{source_file}: {len(lines)} row(s) are mostly the tokenizer's unknown token (at least "
+        f"{UNKNOWN_TOKEN_SHARE:.0%} of their tokens; line {shown}): their embeddings say little about their text "
+        "(a word over 100 characters, emoji, a script missing from the model's vocabulary). They are embedded "
+        "anyway; formatted_prompts counts them in unknown_token_rows"
+    )
 
 
 def format_embedding_prompts(
@@ -126,7 +193,10 @@ def format_embedding_prompts(
     )
     ok = pl.col("error").is_null()
     frame = frame.with_columns(prompt=pl.when(ok).then(user_message_expr(template)))
-    frame = frame.with_columns(num_prompt_tokens=count_text_tokens(tokenizer, frame["prompt"]))
+    counts = text_token_counts(tokenizer, frame["prompt"])
+    frame = frame.with_columns(
+        num_prompt_tokens=counts["tokens"], **{UNKNOWN_TOKENS_COLUMN: mostly_unknown(tokenizer, counts)}
+    )
     over = ok & (pl.col("num_prompt_tokens") > max_model_len)
     if truncate:
         return frame.with_columns(
@@ -215,7 +285,15 @@ def validate_embeddings(outputs: pl.DataFrame) -> pl.DataFrame:
         error=pl.when(missing).then(pl.lit("no_output: the engine returned no embedding")).otherwise("error")
     )
     trailing = [*(["truncated"] if "truncated" in frame.columns else []), "embedding", "num_prompt_tokens", "error"]
-    dropped = {"row_id", "source_line", "prompt", "num_generated_tokens", *_DROPPED_FROM_RESULTS, *trailing}
+    dropped = {
+        "row_id",
+        "source_line",
+        "prompt",
+        "num_generated_tokens",
+        UNKNOWN_TOKENS_COLUMN,
+        *_DROPPED_FROM_RESULTS,
+        *trailing,
+    }
     middle = [c for c in frame.columns if c not in dropped]
     return frame.select("row_id", "source_line", *middle, *trailing)
 

@@ -299,6 +299,11 @@ def _read_jsonl(
 def _read_txt(
     data: bytes, file_name: str, options: ParseOptions, line_offset: int
 ) -> tuple[pl.DataFrame, list[int], list[str | None]]:
+    if options.txt_field not in options.text_fields:
+        raise DropFileError(
+            f"{file_name}: a .txt file has one text a line, and the task does not say which field it fills: "
+            f"set input.txt_field in the task file to one of input.text_fields {list(options.text_fields)}"
+        )
     texts: list[str] = []
     lines: list[int] = []
     errors: list[str | None] = []

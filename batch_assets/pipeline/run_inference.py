@@ -10,8 +10,9 @@ The work reads in four parts:
   checkpoints) and which are left; across partitions, one list of requests to send;
 - the stream (`run_inference`): prompts encoded lazily as the engine asks for more, results
   handed to their partitions as they finish;
-- chunk writing (`_PartitionSink`, `_ChunkWriter`): each partition checkpoints its finished results
-  every `batch_size` results or 30 s, whichever comes first, on a writer thread;
+- chunk writing (`_PartitionSink`, `_ChunkWriter`, `_checkpoint_timer`): each partition checkpoints
+  its finished results every `batch_size` results or 30 s, whichever comes first, on a writer thread;
+  a timer thread writes a chunk that is due while the engine has no result to hand over;
 - joining (`_join`): every row of each partition gets its result, in input order.
 """
 
@@ -249,11 +250,15 @@ class _ChunkWriter:
 @dataclass
 class _PartitionSink:
     """A partition's new results, checkpointed every `checkpoint_rows` results, when a chunk's first
-    result is `CHECKPOINT_SECONDS` old (`flush_if_due`, called for every sink as the stream goes on:
-    in shared-prefix order a partition may get no result for a long while), and at its last result."""
+    result is `checkpoint_seconds` old (`flush_if_due`, called by the checkpoint timer: in
+    shared-prefix order a partition may get no result for a long while, and a long request may hold
+    up the whole stream), and at its last result. The feeding thread adds and the timer flushes:
+    the buffer changes hands under `lock`."""
 
     plan: _Plan
     writer: _ChunkWriter
+    checkpoint_seconds: float = CHECKPOINT_SECONDS
+    lock: threading.Lock = field(default_factory=threading.Lock)
     buffer: list[dict] = field(default_factory=list)
     new: list[pl.DataFrame] = field(default_factory=list)  # what this partition adds to the cache
     saved: int = 0
@@ -264,25 +269,30 @@ class _PartitionSink:
         self.remaining = self.plan.pending.height
 
     def add(self, row: dict, generation: Generation | None) -> None:
-        if not self.buffer:
-            self.buffer_started = time.monotonic()
-        self.buffer.append(row)
-        self.remaining -= 1
         if generation is not None:
             stats = self.plan.stats
             stats.rows_inferred += 1
             stats.prompt_tokens += generation.num_prompt_tokens
             stats.generated_tokens += generation.num_generated_tokens
-        if len(self.buffer) >= self.plan.checkpoint_rows or self.remaining == 0:
-            self.flush()
-        else:
-            self.flush_if_due(time.monotonic())
+        with self.lock:
+            if not self.buffer:
+                self.buffer_started = time.monotonic()
+            self.buffer.append(row)
+            self.remaining -= 1
+            full = len(self.buffer) >= self.plan.checkpoint_rows or self.remaining == 0
+            if full or time.monotonic() - self.buffer_started >= self.checkpoint_seconds:
+                self._flush()
 
     def flush_if_due(self, now: float) -> None:
-        if self.buffer and now - self.buffer_started >= CHECKPOINT_SECONDS:
-            self.flush()
+        with self.lock:
+            if self.buffer and now - self.buffer_started >= self.checkpoint_seconds:
+                self._flush()
 
     def flush(self) -> None:
+        with self.lock:
+            self._flush()
+
+    def _flush(self) -> None:
         if self.buffer:
             rows, self.buffer = self.buffer, []
             self.writer.put(self, rows)
@@ -301,6 +311,30 @@ class _PartitionSink:
     @property
     def kept(self) -> int:
         return self.plan.stats.rows_from_checkpoint + self.saved
+
+
+@contextlib.contextmanager
+def _checkpoint_timer(sinks: list[_PartitionSink], seconds: float) -> Iterator[None]:
+    """Writes each partition's chunk once it is due, on a thread of its own: the feeding thread
+    waits inside the engine's stream for the next result, which a long request may hold up for
+    minutes (a kill then would lose every result of the chunk)."""
+    stop = threading.Event()
+
+    def sweep() -> None:
+        while not stop.wait(max(0.01, min(1.0, seconds / 4))):
+            now = time.monotonic()
+            for sink in sinks:
+                # A failed write is the writer's sticky error: the feeding thread raises it.
+                with contextlib.suppress(Exception):
+                    sink.flush_if_due(now)
+
+    thread = threading.Thread(target=sweep, name="checkpoint-timer", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _result_row(key: str, g: Generation) -> dict:
@@ -368,18 +402,21 @@ def run_inference(
     deduplicate: bool,
     cache: ResultLookup | None = None,
     log: Callable[[str], None] = lambda message: None,
+    checkpoint_seconds: float | None = None,
 ) -> list[tuple[pl.DataFrame, InferenceStats]]:
     """formatted_prompts → inference_outputs for each partition, reusing cached and checkpointed results.
 
     Requests already in the result `cache` (deterministic decoding only) or in a partition's
     checkpoints are not inferred again. The rest of every partition go to the engine as one stream
     (prompts encoded lazily, results back as they finish, so the engine never idles between chunks
-    or partitions). Each partition checkpoints its results every `batch_size` results or 30 s, off
-    the feeding thread; progress is logged; at the end new results are added to the cache. The
-    engine is started (`session.start`) only when a request needs it, and timed apart from
+    or partitions). Each partition checkpoints its results every `batch_size` results or
+    `checkpoint_seconds` (default `CHECKPOINT_SECONDS`), off the feeding thread, on time also while
+    the engine has no result to give; progress is logged; at the end new results are added to the
+    cache. The engine is started (`session.start`) only when a request needs it, and timed apart from
     inference. Returns `(frame, stats)` per partition, in the order given.
     """
     plans = [_plan(part, deduplicate=deduplicate, cache=cache, batch_size=batch_size) for part in partitions]
+    checkpoint_seconds = CHECKPOINT_SECONDS if checkpoint_seconds is None else checkpoint_seconds
     many = len(plans) > 1
     for plan in plans:
         reused = plan.stats.rows_from_cache + plan.stats.rows_from_checkpoint
@@ -392,18 +429,19 @@ def run_inference(
             log(
                 f"{_prefix(plan, many)}{plan.pending.height} requests to infer "
                 f"({plan.stats.rows_deduplicated} duplicate prompts share a request); checkpoint every "
-                f"{plan.checkpoint_rows} results or {CHECKPOINT_SECONDS:g} s"
+                f"{plan.checkpoint_rows} results or {checkpoint_seconds:g} s"
             )
     requests = _requests(plans, deduplicate)
     writer = _ChunkWriter()
-    sinks = [_PartitionSink(plan, writer) for plan in plans]
+    sinks = [_PartitionSink(plan, writer, checkpoint_seconds) for plan in plans]
     engine_seconds, start_seconds = 0.0, 0.0
     try:
         if requests:
             started = time.monotonic()
             session.start()
             start_seconds = time.monotonic() - started
-            engine_seconds = _stream(requests, plans, sinks, session, max_model_len, max_tokens, log)
+            with _checkpoint_timer(sinks, checkpoint_seconds):
+                engine_seconds = _stream(requests, plans, sinks, session, max_model_len, max_tokens, log)
         for sink in sinks:
             sink.flush()
         writer.drain()
@@ -456,7 +494,6 @@ def _stream(
 
     progress = _Progress(total, log)
     inferred = 0
-    last_sweep = time.monotonic()
     results = session.stream(prompts())
     try:
         while True:
@@ -473,10 +510,6 @@ def _stream(
                 sinks[owner].add(row, generation)
             inferred += 1
             progress.update(inferred + skipped, inferred)
-            if (now := time.monotonic()) - last_sweep >= 1.0:  # partitions the stream is not serving now
-                last_sweep = now
-                for sink in sinks:
-                    sink.flush_if_due(now)
     finally:
         # Stops an engine stream that did not run to its end (it withdraws its unfinished requests).
         close = getattr(results, "close", None)

@@ -45,6 +45,8 @@ from batch_assets.pipeline.embeddings import (
     embedding_report,
     format_embedding_prompts,
     similarity_outputs,
+    unknown_token_rows,
+    unknown_token_warning,
     validate_embeddings,
 )
 from batch_assets.pipeline.engine_contract import Engine, EngineSettings, Prompt
@@ -130,6 +132,14 @@ class TaskFormat(ABC):
         self, raw: pl.DataFrame, engine: Engine, tokenizer: Tokenizer, *, max_model_len: int, source_file: str
     ) -> pl.DataFrame:
         """raw_prompts → formatted_prompts of one partition: `prompt`, `num_prompt_tokens`, errors."""
+
+    def formatting_metadata(self, formatted: pl.DataFrame) -> dict[str, Any]:
+        """What formatted_prompts' metadata adds for this kind."""
+        return {}
+
+    def formatting_warnings(self, formatted: pl.DataFrame, source_file: str) -> list[str]:
+        """Log warnings about rows that are formatted but may not give a useful answer."""
+        return []
 
     # --- inference_outputs ------------------------------------------------------------------------
 
@@ -326,6 +336,13 @@ class _EmbeddedRecords(TaskFormat):
             truncate=self.task.input.truncate,
             source_file=source_file,
         )
+
+    def formatting_metadata(self, formatted: pl.DataFrame) -> dict[str, Any]:
+        return {"unknown_token_rows": unknown_token_rows(formatted)}
+
+    def formatting_warnings(self, formatted: pl.DataFrame, source_file: str) -> list[str]:
+        warning = unknown_token_warning(formatted, source_file)
+        return [warning] if warning else []
 
     def encoders(self, engine: Engine, tokenizer: Tokenizer, max_model_len: int) -> PartitionEncoders:
         encode = embedding_encoder(tokenizer, max_model_len, self.task.input.truncate)

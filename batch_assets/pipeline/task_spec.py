@@ -35,6 +35,15 @@ EMBEDDED_EMBEDDING_MODEL = "embedded:all-MiniLM-L6-v2"
 # Overrides the model of every embedding and similarity task, as BATCH_ASSETS_MODEL does for the others.
 EMBEDDING_MODEL_OVERRIDE_ENV = "BATCH_ASSETS_EMBEDDING_MODEL"
 TASK_NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
+# The largest count a setting may hold: vLLM and torch keep token counts and positions as int32,
+# so anything beyond is a typo that would fail only at inference.
+MAX_COUNT = 2**31 - 1
+# The embedded models' own limits (tokens), so a task's max_model_len is checked at load without
+# converting or opening them: SmolLM2's GGUF `llama.context_length`, all-MiniLM-L6-v2's
+# sentence-transformers `max_seq_length` (what vLLM's pooling runner takes; tests read both files).
+EMBEDDED_MODEL_LIMITS = {EMBEDDED_MODEL: 8192, EMBEDDED_EMBEDDING_MODEL: 256}
+# vLLM's own switch to run a model past its trained length; with it the check at load is off too.
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 
 
 class _Strict(BaseModel):
@@ -69,7 +78,8 @@ class InputSpec(_Strict):
 
     format: Literal["records", "openai_batch"] = "records"
     text_fields: list[str] = Field(default_factory=list)
-    # `.txt` drops have one prompt a line; that line is read into this field.
+    # `.txt` drops have one prompt a line; that line is read into this field. Unset: the only text
+    # field, or `text`; a `.txt` drop of a task whose text_fields have neither is refused when read.
     txt_field: str = "text"
     # openai_batch only: a line whose `body.model` is not the task's model becomes an error line
     # (`model_mismatch`). Off: the task's engine answers every line, whatever model it names.
@@ -82,6 +92,15 @@ class InputSpec(_Strict):
     # Embedding and similarity tasks: a text longer than the model's limit is cut to it (the row's
     # `truncated` is true) instead of becoming an `input_too_long` error row.
     truncate: bool = Field(default=False, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _txt_field_defaults_to_the_only_text_field(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and "txt_field" not in raw:
+            fields = raw.get("text_fields")
+            if isinstance(fields, list) and len(fields) == 1 and isinstance(fields[0], str):
+                return {**raw, "txt_field": fields[0]}
+        return raw
 
     @property
     def shard_rows(self) -> int | None:
@@ -110,7 +129,8 @@ class InputSpec(_Strict):
             )
         if not self.text_fields:
             raise SettingError("input.text_fields must name at least one input field", ("text_fields",))
-        if self.txt_field not in self.text_fields:
+        # Only a txt_field the task sets must be a text field: the default matters for .txt drops alone.
+        if "txt_field" in self.model_fields_set and self.txt_field not in self.text_fields:
             raise SettingError(
                 f"txt_field {self.txt_field!r} must be one of text_fields {self.text_fields}", ("txt_field",)
             )
@@ -371,23 +391,25 @@ class EngineSpec(_Strict):
     # Endpoint settings (kind: openai); the `llm_endpoint` resource may set or override them.
     base_url: str | None = None  # e.g. http://vllm.internal:8000/v1
     api_key_env: str | None = None  # the NAME of the environment variable holding the key
-    concurrency: int = Field(default=64, ge=1)  # requests in flight
+    concurrency: int = Field(default=64, ge=1, le=MAX_COUNT)  # requests in flight
     request_timeout_s: float = Field(default=120.0, gt=0, allow_inf_nan=False)
-    max_retries: int = Field(default=4, ge=0)  # on 429, 5xx, timeouts and connection errors
+    max_retries: int = Field(default=4, ge=0, le=MAX_COUNT)  # on 429, 5xx, timeouts and connection errors
     # Local tokenizer (path or cached model id) for prompt rendering and token counts; default:
     # the model itself when it is a local folder, else the embedded model's tokenizer.
     tokenizer: str | None = None
 
     model: str = EMBEDDED_MODEL
-    max_model_len: int = Field(default=2048, gt=0)
-    tensor_parallel_size: int = Field(default=1, ge=1)
+    # At most the model's own limit (checked at load for a local folder and the embedded models).
+    max_model_len: int = Field(default=2048, gt=0, le=MAX_COUNT)
+    tensor_parallel_size: int = Field(default=1, ge=1, le=MAX_COUNT)
     # Engine replicas on one node (vLLM data parallelism); `auto`: visible GPUs / tensor_parallel_size,
     # so every GPU of a node works by default (one replica on a CPU or a single GPU).
     data_parallel_size: int | Literal["auto"] = "auto"
     # KV cache size in GiB; on a CPU this is what to set (a share of RAM is fragile there).
-    kv_cache_memory_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    # (Checked against the RAM available before a CPU engine starts; 1 PiB at most here.)
+    kv_cache_memory_gib: float | None = Field(default=None, gt=0, le=2**20, allow_inf_nan=False)
     # Rows per checkpoint chunk (and per call to an endpoint).
-    batch_size: int = Field(default=1024, ge=1)
+    batch_size: int = Field(default=1024, ge=1, le=MAX_COUNT)
     # Cost per token: `formatted_prompts` estimates a partition's cost, `inference_outputs` records it.
     price: PriceSpec | None = None
     # Any other argument of vLLM's engine (`vllm.engine.arg_utils.EngineArgs`), e.g. max_num_seqs.
@@ -411,7 +433,7 @@ class EngineSpec(_Strict):
     @field_validator("data_parallel_size")
     @classmethod
     def _data_parallel_size_positive(cls, size: int | str) -> int | str:
-        if isinstance(size, int) and size < 1:
+        if isinstance(size, int) and not 1 <= size <= MAX_COUNT:
             raise ValueError("data_parallel_size must be at least 1, or `auto` (every visible GPU)")
         return size
 
@@ -558,7 +580,7 @@ def check_vllm_args(vllm_args: dict[str, Any]) -> None:
 class SamplingSpec(_Strict):
     temperature: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    max_tokens: int = Field(default=16, ge=1)
+    max_tokens: int = Field(default=16, ge=1, le=MAX_COUNT)
     seed: int | None = None
 
     @property
@@ -948,6 +970,29 @@ class TaskSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _max_model_len_fits_the_model(self) -> TaskSpec:
+        # vLLM refuses a context longer than the model's own only when the engine starts, after the
+        # files were read and formatted; an endpoint's model is the server's business.
+        if self.engine.kind != "vllm" or os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "0").strip().lower() in (
+            "1",
+            "true",
+        ):
+            return self
+        if self.output.pooling and "max_model_len" not in self.engine.model_fields_set:
+            return self  # an embedding task's default is the model's own limit
+        limit = model_context_limit(self.model)
+        if limit is not None and self.engine.max_model_len > limit:
+            default = "" if "max_model_len" in self.engine.model_fields_set else " (the default)"
+            source = self.model_override_env if os.environ.get(self.model_override_env) else "engine.model"
+            raise SettingError(
+                f"engine.max_model_len {self.engine.max_model_len}{default} exceeds the {limit} tokens the model "
+                f"{self.model} ({source}) takes; set engine.max_model_len to at most {limit}",
+                ("engine", "max_model_len"),
+                ("engine.model",),
+            )
+        return self
+
+    @model_validator(mode="after")
     def _gold_settings_fit_the_output(self) -> TaskSpec:
         if self.checks.gold_json_field and self.output.kind != "json_schema":
             raise SettingError(
@@ -989,8 +1034,68 @@ class TaskSpec(_Strict):
     def model(self) -> str:
         """The model to use: `BATCH_ASSETS_MODEL` overrides the model of every chat task,
         `BATCH_ASSETS_EMBEDDING_MODEL` that of every embedding and similarity task."""
-        override = EMBEDDING_MODEL_OVERRIDE_ENV if self.output.pooling else MODEL_OVERRIDE_ENV
-        return os.environ.get(override) or self.engine.model
+        return os.environ.get(self.model_override_env) or self.engine.model
+
+    @property
+    def model_override_env(self) -> str:
+        """The environment variable that overrides this task's model."""
+        return EMBEDDING_MODEL_OVERRIDE_ENV if self.output.pooling else MODEL_OVERRIDE_ENV
+
+
+# config.json keys that hold a model's trained length; vLLM takes the smallest it finds, this check the
+# largest (and RoPE scaling's factor on top), so it never refuses what vLLM would start.
+_CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "model_max_length",
+    "n_ctx",
+)
+
+
+def model_context_limit(model: str) -> int | None:
+    """The most tokens vLLM runs `model` with: the embedded models' known limits, a local folder's
+    sentence-transformers `max_seq_length`, else its config.json's trained length (RoPE scaling
+    included); None for a model id or a folder that says none of these."""
+    if model in EMBEDDED_MODEL_LIMITS:
+        return EMBEDDED_MODEL_LIMITS[model]
+    folder = Path(os.path.expanduser(model))
+    if not folder.is_dir():
+        return None
+    sentence_length = _json_file(folder / "sentence_bert_config.json").get("max_seq_length")
+    if isinstance(sentence_length, int) and sentence_length > 0:
+        return sentence_length
+    config = _json_file(folder / "config.json")
+    sections = [config, *[config[key] for key in ("text_config", "llm_config") if isinstance(config.get(key), dict)]]
+    lengths = [
+        value
+        for section in sections
+        for key in _CONTEXT_KEYS
+        if isinstance(value := section.get(key), int) and not isinstance(value, bool) and value > 0
+    ]
+    if not lengths:
+        return None
+    factors = [
+        factor
+        for section in sections
+        for key in ("rope_scaling", "rope_parameters")
+        if isinstance(scaling := section.get(key), dict)
+        and isinstance(factor := scaling.get("factor"), int | float)
+        and factor > 1
+    ]
+    return int(max(lengths) * max(factors, default=1))
+
+
+def _json_file(path: Path) -> dict[str, Any]:
+    """A JSON object file's content; {} when it is missing or not a JSON object."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def model_folder_kind(model: str) -> Literal["chat", "embedding"] | None:
