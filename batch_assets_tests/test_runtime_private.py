@@ -50,6 +50,7 @@ def test_private_dagster_and_vllm_imports_live_only_in_the_runtime_package() -> 
         "dagster._core.definitions.asset_checks.asset_check_evaluation",
         "dagster._core.execution.plan",
         "dagster._core.storage.event_log",
+        "dagster._utils.error",
         "vllm.exceptions",
         "vllm.usage.usage_lib",
         "vllm.v1.engine.exceptions",
@@ -65,6 +66,9 @@ def test_dagster_internals_keep_the_shapes_relied_on() -> None:
     )
 
     assert dg.__version__.startswith("1.13."), "re-check runtime/dagster_private.py for this Dagster version"
+    from batch_assets.runtime.dagster_private import SerializableErrorInfo
+
+    assert {"message", "cause", "context", "cls_name"} <= set(SerializableErrorInfo._fields)
     backoff = inspect.signature(instance_concurrency_context._calculate_timeout_interval)
     assert list(backoff.parameters) == ["sleep_interval", "pending_claim_count"]
     context_class = instance_concurrency_context.InstanceConcurrencyContext

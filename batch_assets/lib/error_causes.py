@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from batch_assets.storage.errors import exception_chain, scrub
 
 if TYPE_CHECKING:
-    from dagster._utils.error import SerializableErrorInfo
+    from batch_assets.runtime.dagster_private import SerializableErrorInfo
 
 PACKAGE = "batch_assets"
 # Dagster keeps an exception as `traceback.format_exception_only` wrote it: `module.Class: message`.

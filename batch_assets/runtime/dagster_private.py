@@ -14,6 +14,8 @@
 - `AssetCheckEvaluationTargetMaterializationData(run_id, storage_id, timestamp)`: what a check result
   is about; `checks.py` records per-partition evaluations against that materialization, as Dagster
   does for an `AssetCheckResult` (there is no public constructor for it).
+- `SerializableErrorInfo` (a step failure's error, with `.message`, `.cause` and `.context`): only
+  its type, for `lib/error_causes.py`, which walks a failed run's error chain.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from dagster._core.storage.event_log import (
     SqlEventLogStorage,
     SqliteEventLogStorage,
 )
+from dagster._utils.error import SerializableErrorInfo
 
 __all__ = [
     "AssetCheckEvaluationTargetMaterializationData",
+    "SerializableErrorInfo",
     "SqlEventLogStorage",
     "instance_concurrency_context",
     "sqlite_event_log_storages",
