@@ -279,3 +279,22 @@ def test_sigterm_during_an_asset_check_is_stopped_not_failed(workdir) -> None:
     )
     assert result.returncode == 130, result.stdout[-3000:] + result.stderr[-3000:]
     assert "stopped (interrupted)" in result.stdout and "FAILED" not in result.stdout
+
+
+def test_a_gzip_file_split_into_many_shards_says_what_it_costs(data_dir: Path) -> None:
+    import gzip
+
+    from batch_assets.pipeline.task_spec import load_tasks
+    from batch_assets.storage.partition_registration import file_partitions
+
+    task = next(task for task in load_tasks().tasks if task.name == TASK)
+    task = task.model_copy(update={"input": task.input.model_copy(update={"max_rows_per_partition": 3})})
+    drop(data_dir, TASK, "posts.jsonl.gz", gzip.compress(jsonl_with_bad_lines(11)))
+    notes: list[str] = []
+    with dg.instance_for_test() as instance:
+        keys = file_partitions(instance, task, find_drop_file(TASK, "posts.jsonl.gz"), [], say=notes.append)
+    assert keys == [f"posts.jsonl.gz~0000{n}" for n in (1, 2, 3, 4)]
+    assert notes == [
+        "posts.jsonl.gz: 4 shards of a gzip file; each decompresses the file from its start (shard N reads N "
+        "shards' worth), so a big file is better dropped uncompressed or as parquet"
+    ]

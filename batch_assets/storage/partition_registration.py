@@ -60,6 +60,11 @@ def file_partitions(
         keys = file_partition_keys(task.name, drop, task.input.shard_rows)
     except DropFileError:
         return [drop.partition_key]  # its run fails with this error, naming the file
+    if len(keys) > 2 and drop.relative_path.lower().endswith(".gz"):
+        say(
+            f"{drop.relative_path}: {len(keys)} shards of a gzip file; each decompresses the file from its start "
+            "(shard N reads N shards' worth), so a big file is better dropped uncompressed or as parquet"
+        )
     partitions_name = partitions_def_name(task.name)
     retired = retired_partitions(registered, drop.partition_key, keys)
     if retired:
