@@ -178,10 +178,13 @@ def refused_pins(output: str, pinned: Iterable[str], dists: dict[str, tuple[str,
 
 
 def install(
-    args: argparse.Namespace, protected: dict[str, str], kept: dict[str, str], dists: dict[str, tuple[str, str]]
+    args: argparse.Namespace,
+    protected: dict[str, str],
+    kept: dict[str, str],
+    dists: dict[str, tuple[str, str]],
+    folder: Path,
 ) -> int:
-    """Installs the targets under the constraints; 0 or the installer's exit status."""
-    folder = Path(tempfile.mkdtemp(prefix="install_into_image-"))
+    """Installs the targets under the constraints (files in `folder`); 0 or the installer's exit status."""
     pinned = [name for name in protected if name not in args.allow]
     constraints = folder / "constraints.txt"
     constraints.write_text("".join(f"{dists[name][0]}=={dists[name][1]}\n" for name in sorted(pinned)))
@@ -249,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     for problem in sorted(problems_before):
         say(f"pip check, in the base image already (not ours to fix): {problem}")
 
-    status = install(args, protected, kept, before)
+    with tempfile.TemporaryDirectory(prefix="install_into_image-") as folder:
+        status = install(args, protected, kept, before, Path(folder))
     if status != 0:
         return status
     changed = changes(before, installed())
