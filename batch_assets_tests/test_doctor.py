@@ -245,6 +245,14 @@ A100S = ("NVIDIA A100-SXM4-80GB",) * 8
             "OK",
             "8 GPU(s) (NVIDIA A100-SXM4-80GB ×8), driver 580.65.06 (CUDA 13.0), enough for CUDA 13",
         ),
+        # Recorded with nvidia-ml-py on an H100 machine (the calls probe_nvml makes, their types as returned).
+        (
+            NvmlProbe(driver="580.159.04", cuda=13000, devices=("NVIDIA H100 80GB HBM3",)),
+            13,
+            True,
+            "OK",
+            "1 GPU(s) (NVIDIA H100 80GB HBM3 ×1), driver 580.159.04 (CUDA 13.0), enough for CUDA 13",
+        ),
         (NvmlProbe(driver="580.65.06", cuda=13000, devices=A100S), None, False, "WARN", "torch is a CPU build"),
         (NvmlProbe(driver="580.65.06", cuda=13000, devices=()), 13, True, "FAIL", "NVML sees no GPU"),
     ],
