@@ -6,6 +6,7 @@
     batch-assets demo               the bundled sample drops of every task, skipping partitions
                                     that already succeeded with the same file
     batch-assets ui                 the Dagster UI and daemon (`dg dev`) on DAGSTER_HOME, one per home
+    batch-assets doctor             what a first run needs, one line per check with the setting to change
 
 The terminal shows one line per file and progress lines; the engine's and libraries' output goes to
 the run's log (and `$DAGSTER_HOME/logs/`), tracebacks too (`--verbose` shows everything). The work of
@@ -231,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
             return command_tasks()
         if args.command == "ui":
             return command_ui(args.host, args.port, args.workspace)
+        if args.command == "doctor":
+            from batch_assets.doctor.run import run_doctor
+
+            return run_doctor(TERMINAL.say, verbose=TERMINAL.verbose)
         watch_stop_signals(TERMINAL.say)
         # Until the command ends (the engine stops last), library output goes to the log file.
         log_path = dagster_home() / "logs" / f"batch-assets-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"

@@ -44,6 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_false",
             help="neither read nor write the task's result cache: infer every row (checkpoints still resume a run)",
         )
+    doctor = commands.add_parser(
+        "doctor",
+        help="check what a first run needs here (instance, GPUs, models, storage, cluster), one line each",
+        description=(
+            "One line per check: OK, WARN, FAIL or SKIP, what was found and, for a problem, the setting to change. "
+            "Run it on a laptop, in the code server's pod or in a run pod. Exit status: 0 when nothing a first run "
+            "needs failed (WARN lines do not count), 1 otherwise."
+        ),
+    )
+    doctor.add_argument("--verbose", action="store_true", help="print the traceback of a check that could not run")
     ui = commands.add_parser("ui", help="start the Dagster UI and daemon (`dg dev`) on this DAGSTER_HOME; one per home")
     ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ui.add_argument("--port", type=int, default=3000, help="port to listen on (default 3000)")
