@@ -29,17 +29,12 @@ from upath import UPath
 from batch_assets.cli import main
 from batch_assets.doctor.cluster import AccessAnswer, access_decision, check_service_account
 from batch_assets.doctor.context import DoctorContext, env_references
-from batch_assets.doctor.gpus import (
-    NVML_ERROR_DRIVER_NOT_LOADED,
-    NVML_ERROR_LIBRARY_NOT_FOUND,
-    NvmlProbe,
-    gpu_decision,
-    gpu_expected,
-)
+from batch_assets.doctor.gpus import gpu_decision, gpu_expected
 from batch_assets.doctor.instance_checks import check_instance_storage, check_run_pod_env, run_pod_env_check
 from batch_assets.doctor.models import model_check
 from batch_assets.doctor.pools import PoolFacts, check_gpu_pool, pool_decision
 from batch_assets.doctor.storage_checks import MARKER_PREFIX, check_locations, check_result_cache
+from batch_assets.engines.gpu_probe import NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIBRARY_NOT_FOUND, NvmlProbe
 from batch_assets.pipeline.result_stores import RESULT_SCHEMA
 from batch_assets.pipeline.task_spec import load_task_spec, tasks_dir
 from batch_assets.runtime.instance import prepare_instance
@@ -337,7 +332,9 @@ def test_model_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     missing = model_check(sentiment(monkeypatch, str(tmp_path / "nowhere")))
     assert missing.status == "FAIL" and "does not exist" in missing.detail
     assert missing.setting == "engine.model in the task file of 'sentiment' (or BATCH_ASSETS_MODEL)"
-    short = model_folder(tmp_path, {"max_position_embeddings": 512})
+    # Loads (the load-time bound takes the largest length a config names, so that a task never fails
+    # to load for a length vLLM would take); doctor applies vLLM's rule, the smallest one.
+    short = model_folder(tmp_path, {"max_position_embeddings": 512, "n_positions": 4096})
     too_long = model_check(sentiment(monkeypatch, str(short)))
     assert too_long.status == "FAIL"
     assert too_long.detail.startswith("engine.max_model_len 1024 is more than the 512 tokens")
@@ -523,3 +520,24 @@ def test_a_good_local_setup_exits_0(workdir: tuple[Path, dict[str, str]]) -> Non
     assert "max_model_len 1024 fits its 2048" in status_of(lines, "model sentiment")[0]
     assert status_of(lines, "drops location")[0].startswith("OK")
     assert lines[-1].startswith("ready for a first run")
+
+
+def test_a_run_meeting_a_driver_too_old_fails_with_doctors_words(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, `_cuda_device_count` swallowed it: torch saw no GPU and the run got the CPU defaults with
+    a misleading hint. Recorded NVML answers (no GPU here); a CUDA build of torch is simulated."""
+    import torch
+
+    from batch_assets.engines import vllm_engine
+    from batch_assets.pipeline.engine_contract import EngineStartError
+
+    old = NvmlProbe(driver="535.104", cuda=12020, devices=A100S)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(vllm_engine, "probe_nvml", lambda: old)
+    with pytest.raises(EngineStartError) as raised:
+        vllm_engine._cuda_device_count()
+    line = gpu_decision(old, 13, True)
+    assert str(raised.value) == f"{line.detail}; set: {line.setting}"
+    assert "driver 535.104 (CUDA 12.2) is too old for CUDA 13 (vLLM 0.32 needs >= 580)" in str(raised.value)
+    # No NVIDIA driver at all: a CPU machine with a CUDA build of torch still runs on the CPU.
+    monkeypatch.setattr(vllm_engine, "probe_nvml", lambda: NvmlProbe(error_code=NVML_ERROR_LIBRARY_NOT_FOUND))
+    assert vllm_engine._cuda_device_count() == 0

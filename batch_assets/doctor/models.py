@@ -1,7 +1,10 @@
 """Each task's model, decided offline: a local folder with a config.json, a Hugging Face id in the
 local cache, or one the first run downloads (a token present for gated ids); and whether the task's
-`engine.max_model_len` fits the context the model's config.json declares. Nothing here opens a
-network connection (engines/model_check.py does that before a run)."""
+`engine.max_model_len` fits the context the model's config.json declares, by vLLM's own rule (the
+smallest length key, RoPE factors as vLLM applies them). That is stricter than the bound a task file
+is refused by at load (`task_spec.model_context_limit`, lenient so that a task never fails to load
+for a length vLLM would take): doctor names what would fail at the engine's start. Nothing here
+opens a network connection (engines/model_check.py does that before a run)."""
 
 from __future__ import annotations
 

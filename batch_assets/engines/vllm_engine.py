@@ -53,6 +53,7 @@ import dagster as dg
 from pydantic import Field
 
 from batch_assets.engines.embedded_model import model_token_limit, resolve_model
+from batch_assets.engines.gpu_probe import NvmlProbe, driver_problem, probe_nvml, torch_cuda_major
 from batch_assets.engines.tokenizers import load_tokenizer
 from batch_assets.pipeline.engine_contract import EngineStartError, Generation, Prompt
 from batch_assets.pipeline.task_spec import (
@@ -93,12 +94,26 @@ GPU_MAX_NUM_SEQS_BOUND = 1024
 
 
 def _cuda_device_count() -> int:
+    """The GPUs torch can use. A CUDA build of torch that sees none where NVML sees NVIDIA hardware
+    (a driver too old, not loaded, or updated without a reboot) fails the run with the reason and the
+    setting, the words of `batch-assets doctor`, instead of starting on the CPU defaults."""
     try:
         import torch
 
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+        cuda_build = torch.version.cuda is not None
     except Exception:  # torch missing or broken: treat as CPU
         return 0
+    problem = gpu_unusable(probe_nvml(), torch_cuda_major()) if cuda_build else None
+    if problem:
+        raise EngineStartError(problem)
+    return 0
+
+
+def gpu_unusable(probe: NvmlProbe, cuda_major: int | None) -> str | None:
+    problem = driver_problem(probe, cuda_major)
+    return f"{problem[0]}; set: {problem[1]}" if problem else None
 
 
 def resolve_data_parallel_size(requested: int | Literal["auto"], tensor_parallel_size: int, gpus: int) -> int:
