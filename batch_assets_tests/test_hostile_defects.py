@@ -65,6 +65,7 @@ def test_keys_the_package_makes_are_accepted(key: str) -> None:
         "x.jsonl~00000",
         "x.jsonl~0000a",
         "x.jsonl~00001~00002",
+        "x.jsonl~" + "1" * 5000,  # a number too long for int(): refused, not an exception
         "a...jsonl",
         "x" * 151,
         "posts.jsonl\x00",

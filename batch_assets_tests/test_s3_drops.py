@@ -634,3 +634,15 @@ def test_a_big_file_in_s3_is_split_and_each_shard_reads_its_own_rows_over_the_wi
     whole = read_prompts(body, name, options)
     assert rows.equals(whole) and rows.height == 2500
     assert rows["row_id"][1000] == 1000 and rows["text"][2499] == 'post 2499, "quoted"\nsecond line'
+
+
+def test_an_s3_object_replaced_since_it_was_listed_is_not_read_as_the_listed_version(s3: S3) -> None:
+    """Before, only a local file was checked on opening: a shard of an S3 file replaced between the
+    listing and the read read the new bytes at the old version's offsets, tagged as the old version."""
+    s3.put("posts.jsonl", b'{"text": "version one"}\n')
+    listed = find_drop_file(TASK, "posts.jsonl")
+    s3.put("posts.jsonl", b'{"text": "version two, longer"}\n')
+    with pytest.raises(DropFileError, match="replaced since it was listed"), listed.open():
+        pass
+    with find_drop_file(TASK, "posts.jsonl").open() as current:
+        assert current.read() == b'{"text": "version two, longer"}\n'

@@ -99,7 +99,8 @@ class InvalidPartitionKey(DropFileError):
 
 
 _FILE_KEY = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_KEY_LENGTH}}}")
-_SHARD_NUMBER = re.compile(r"[0-9]{5,}")
+# A shard number as `shard_key` writes it; nine digits at most, so no key makes a number too big to read.
+_SHARD_NUMBER = re.compile(r"[0-9]{5,9}")
 
 
 def partition_key_problem(partition_key: str) -> str | None:
@@ -233,6 +234,12 @@ class DropFile:
                     yield file
                 return
             with self.zone.fs.open(_full_path(self.zone, self.relative_path), "rb") as file:
+                # s3fs reads the object it looked up on opening (its ETag); that must be this version.
+                details = getattr(file, "details", None)
+                if isinstance(details, dict) and _version_of(details) != self.version:
+                    raise DropFileError(
+                        f"{self.relative_path}: replaced since it was listed; the new version is run on its own"
+                    )
                 yield file
 
 
