@@ -56,6 +56,25 @@ def test_a_failed_run_is_named_by_our_outermost_error_on_one_line_without_its_pa
     )
 
 
+def test_a_failure_our_step_raised_over_a_library_error_is_named_by_its_description() -> None:
+    """Before, a step stopped by Ctrl-C read `failed in ...: EngineDeadError ...`, the engine error
+    the interrupt caused, instead of the step's own `stopped (interrupted)`."""
+    from batch_assets.lib.run_outcomes import failure_text
+
+    @dg.op
+    def infer() -> None:
+        try:
+            raise RuntimeError("EngineCore encountered an issue. See stack trace for the root cause.")
+        except RuntimeError as exc:
+            raise dg.Failure(description="stopped (interrupted)", allow_retries=False) from exc
+
+    @dg.job
+    def job() -> None:
+        infer()
+
+    assert failure_text(job.execute_in_process(raise_on_error=False)) == "failed in infer: stopped (interrupted)"
+
+
 def test_a_failed_run_without_an_error_of_ours_shows_the_innermost_line() -> None:
     from batch_assets.lib.run_outcomes import failure_text
 

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import textwrap
+import threading
 from pathlib import Path
 
 import dagster as dg
@@ -299,3 +300,38 @@ def test_a_gzip_file_split_into_many_shards_says_what_it_costs(data_dir: Path) -
         "posts.jsonl.gz: 4 shards of a gzip file; each decompresses the file from its start (shard N reads N "
         "shards' worth), so a big file is better dropped uncompressed or as parquet"
     ]
+
+
+def test_an_interrupt_anywhere_in_the_inference_step_stops_it_without_the_retry_policy() -> None:
+    """Dagster retries an interrupted step that has a retry policy; before, only the engine session of
+    `inference_outputs` was guarded, so a Ctrl-C while it loaded the tokenizer or listed checkpoints
+    started the step again with a fresh engine."""
+    from batch_assets.lib.assets import stopped_without_retry
+
+    attempts: list[int] = []
+
+    @dg.op(retry_policy=dg.RetryPolicy(max_retries=1))
+    def inference_like() -> None:
+        with stopped_without_retry():
+            attempts.append(1)
+            raise dg.DagsterExecutionInterruptedError()  # what Dagster's SIGINT/SIGTERM handler raises
+
+    @dg.job
+    def job() -> None:
+        inference_like()
+
+    result = job.execute_in_process(raise_on_error=False)
+    kinds = [event.event_type_value for event in result.all_events]
+    assert attempts == [1] and "STEP_UP_FOR_RETRY" not in kinds
+    [failure] = [event for event in result.all_events if event.is_step_failure]
+    assert failure.step_failure_data.error.message.endswith("Failure: stopped (interrupted)\n")
+
+
+def test_a_step_that_starts_after_a_stop_was_asked_for_does_not_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from batch_assets.lib.assets import stopped_without_retry
+    from batch_assets.runtime import interrupts
+
+    monkeypatch.setattr(interrupts, "STOP", threading.Event())
+    interrupts.STOP.set()
+    with pytest.raises(dg.Failure, match="stopped"), stopped_without_retry():
+        pytest.fail("the step's work ran after the stop")

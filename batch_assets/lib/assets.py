@@ -17,6 +17,8 @@ by `asset_metadata.py`, which the checks share.
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import dagster as dg
@@ -41,7 +43,7 @@ from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
 from batch_assets.pipeline.task_formats import OutputFiles, TaskFormat, task_format
 from batch_assets.pipeline.task_spec import TaskSpec
-from batch_assets.runtime.interrupts import stop_instead_of
+from batch_assets.runtime.interrupts import STOPPED, stop_instead_of, stop_requested
 from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
 from batch_assets.storage.drop_files import DropFile, drop_partitions, find_drop_file, shard_index_of, version_digest
 from batch_assets.storage.locations import checkpoint_dir, task_storage_dir, write_bytes_atomically
@@ -245,57 +247,78 @@ def inference_outputs_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs) ->
     def inference_outputs(
         context: dg.AssetExecutionContext, config: InferenceConfig, formatted_prompts: dict[str, pl.DataFrame]
     ) -> dict[str, pl.DataFrame]:
-        fail_if_outdated_shards(context, task, list(formatted_prompts))
-        engine = engine_for(context.resources, task)
-        settings = engine.settings(task)
-        fingerprint = inference_fingerprint(fmt, settings)
-        tokenizer = engine.tokenizer(task)
-        encoders = fmt.encoders(engine, tokenizer, settings.max_model_len)
-        parts = [
-            PartitionInput(frame, encoders(frame), checkpoints_for(context, task, key, fingerprint), label=key)
-            for key, frame in formatted_prompts.items()
-        ]
-        try:
-            # One session and one stream for every partition of the run; the engine starts with the
-            # first request that needs it: not for cached, empty or all-error files.
-            with engine.session(task, context.log.info) as session:
-
-                def run(partitions: list[PartitionInput]) -> list[tuple[pl.DataFrame, InferenceStats]]:
-                    return run_inference(
-                        partitions,
-                        session=session,
-                        max_model_len=settings.max_model_len,
-                        max_tokens=fmt.max_tokens,
-                        batch_size=task.engine.batch_size,
-                        deduplicate=fmt.deduplicate,
-                        cache=ResultCache(
-                            task_storage_dir(task.name),
-                            fingerprint,
-                            instance=context.instance,
-                            warn=context.log.warning,
-                        )
-                        if config.use_result_cache
-                        else None,
-                        log=context.log.info,
-                    )
-
-                results = fmt.infer(parts, run, tokenizer, settings.max_model_len)
-        except EngineStartError as exc:
-            # Settings that do not fit will not fit five seconds later either: fail now, with the
-            # hint of what to change, instead of retrying a start-up that can take minutes.
-            raise dg.Failure(description=str(exc), allow_retries=False) from exc
-        except BaseException as exc:
-            # Ctrl-C or SIGTERM (the engine's process may die of it first): stopped, not retried with
-            # a fresh engine (runtime/interrupts.py).
-            if stop_instead_of(exc):
-                raise dg.Failure(description="stopped (interrupted)", allow_retries=False) from exc
-            raise
-        for partition_key, (frame, stats) in zip(formatted_prompts, results, strict=True):
-            metadata = inference_metadata(task, fmt, settings, session, frame, stats, fingerprint)
-            context.add_asset_metadata(metadata, partition_key=partition_key)
-        return {key: frame for key, (frame, _) in zip(formatted_prompts, results, strict=True)}
+        with stopped_without_retry():
+            return infer_partitions(context, config, task, fmt, formatted_prompts)
 
     return inference_outputs
+
+
+def infer_partitions(
+    context: dg.AssetExecutionContext,
+    config: InferenceConfig,
+    task: TaskSpec,
+    fmt: TaskFormat,
+    formatted_prompts: dict[str, pl.DataFrame],
+) -> dict[str, pl.DataFrame]:
+    """The body of `inference_outputs`: every partition of the run through one engine stream."""
+    fail_if_outdated_shards(context, task, list(formatted_prompts))
+    engine = engine_for(context.resources, task)
+    settings = engine.settings(task)
+    fingerprint = inference_fingerprint(fmt, settings)
+    tokenizer = engine.tokenizer(task)
+    encoders = fmt.encoders(engine, tokenizer, settings.max_model_len)
+    parts = [
+        PartitionInput(frame, encoders(frame), checkpoints_for(context, task, key, fingerprint), label=key)
+        for key, frame in formatted_prompts.items()
+    ]
+    cache = (
+        ResultCache(task_storage_dir(task.name), fingerprint, instance=context.instance, warn=context.log.warning)
+        if config.use_result_cache
+        else None
+    )
+    try:
+        # One session and one stream for every partition of the run; the engine starts with the
+        # first request that needs it: not for cached, empty or all-error files.
+        with engine.session(task, context.log.info) as session:
+
+            def run(partitions: list[PartitionInput]) -> list[tuple[pl.DataFrame, InferenceStats]]:
+                return run_inference(
+                    partitions,
+                    session=session,
+                    max_model_len=settings.max_model_len,
+                    max_tokens=fmt.max_tokens,
+                    batch_size=task.engine.batch_size,
+                    deduplicate=fmt.deduplicate,
+                    cache=cache,
+                    log=context.log.info,
+                )
+
+            results = fmt.infer(parts, run, tokenizer, settings.max_model_len)
+    except EngineStartError as exc:
+        # Settings that do not fit will not fit five seconds later either: fail now, with the
+        # hint of what to change, instead of retrying a start-up that can take minutes.
+        raise dg.Failure(description=str(exc), allow_retries=False) from exc
+    for partition_key, (frame, stats) in zip(formatted_prompts, results, strict=True):
+        metadata = inference_metadata(task, fmt, settings, session, frame, stats, fingerprint)
+        context.add_asset_metadata(metadata, partition_key=partition_key)
+    return {key: frame for key, (frame, _) in zip(formatted_prompts, results, strict=True)}
+
+
+@contextmanager
+def stopped_without_retry() -> Iterator[None]:
+    """Ctrl-C or SIGTERM anywhere in the step (the engine's process may die of it first) ends it as
+    stopped: Dagster would retry an interrupted step that has a retry policy, with a fresh engine
+    (runtime/interrupts.py). A stop that came before the step: it does not start."""
+    if stop_requested():
+        raise dg.Failure(description=STOPPED, allow_retries=False)
+    try:
+        yield
+    except dg.Failure:
+        raise
+    except BaseException as exc:
+        if isinstance(exc, dg.DagsterExecutionInterruptedError) or stop_instead_of(exc):
+            raise dg.Failure(description=STOPPED, allow_retries=False) from exc
+        raise
 
 
 def fail_if_outdated_shards(context: dg.AssetExecutionContext, task: TaskSpec, partition_keys: list[str]) -> None:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 PACKAGE = "batch_assets"
 # Dagster keeps an exception as `traceback.format_exception_only` wrote it: `module.Class: message`.
 _OURS_PREFIX = re.compile(rf"^{PACKAGE}(?:\.[A-Za-z_]\w*)+(?::[ \t]?|\n|$)")
+_FAILURE_PREFIX = re.compile(r"^(?:[A-Za-z_]\w*\.)*Failure: ?")
 _DOCS_LINK = "For further information visit"
 
 
@@ -47,7 +48,11 @@ def error_info_line(error: SerializableErrorInfo) -> str:
     meaningful line."""
     chain = list(error_info_chain(error))
     for info in chain:
-        prefix = _OURS_PREFIX.match(info.message)
+        # A `dg.Failure` of this code location is ours too: its description says what happened
+        # ("stopped (interrupted)" over the engine error the interrupt caused).
+        prefix = _OURS_PREFIX.match(info.message) or (
+            info.cls_name == "Failure" and _FAILURE_PREFIX.match(info.message)
+        )
         if prefix:
             return scrub(one_line(info.message[prefix.end() :]) or info.cls_name or "error")
     return scrub(meaningful_line(chain[-1].message))

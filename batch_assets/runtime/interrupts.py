@@ -16,16 +16,22 @@ changes no signal handling.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 STOP = threading.Event()
+STOPPED = "stopped (interrupted)"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # How long a step that failed waits for a stop signal that may be on its way: Ctrl-C reaches the
 # engine's process and this one at the same moment, and the engine's death can surface first.
 _SIGNAL_GRACE_SECONDS = 1.0
+# Signals this close together are one Ctrl-C: a terminal's signal seen by this process and by forked
+# children that share the wake-up fd (VLLM_WORKER_MULTIPROC_METHOD=fork).
+_SAME_SIGNAL_SECONDS = 0.5
 _watching = threading.Event()
 
 
@@ -47,18 +53,24 @@ def watch_stop_signals(say: Callable[[str], None]) -> None:
 
 
 def _watch(read_end: int, say: Callable[[str], None]) -> None:
-    received = 0
+    first: float | None = None
     while data := os.read(read_end, 64):
-        for number in data:
-            if number not in STOP_SIGNALS:
-                continue
-            received += 1
-            STOP.set()
-            if received == 1:
-                say("stopping (interrupted): the running step ends without a retry; interrupt again to stop at once")
-            else:
-                say("stopped at once (interrupted twice)")
-                os._exit(130)
+        if not any(number in STOP_SIGNALS for number in data):
+            continue
+        STOP.set()
+        now = time.monotonic()
+        if first is None:
+            first = now
+            _say(say, "stopping (interrupted): the running step ends without a retry; interrupt again to stop at once")
+        elif now - first > _SAME_SIGNAL_SECONDS:
+            _say(say, "stopped at once (interrupted twice)")
+            os._exit(130)
+
+
+def _say(say: Callable[[str], None], text: str) -> None:
+    # The watcher must outlive a closed terminal, or a second Ctrl-C would no longer end the process.
+    with contextlib.suppress(Exception):
+        say(text)
 
 
 def stop_requested(*, wait_for_signal: bool = False) -> bool:
