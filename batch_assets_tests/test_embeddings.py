@@ -254,6 +254,20 @@ def test_a_tokenizer_without_an_unknown_token_marks_nothing() -> None:
     assert unknown_token_rows(formatted) == 0 and unknown_token_warning(formatted, "posts.jsonl") is None
 
 
+class EndOfTextTokenizer(WordTokenizer):
+    """GPT-2-like: its unknown, start and end token are one id, which it adds to every text."""
+
+    unk_token_id = bos_token_id = eos_token_id = 101
+
+
+def test_a_tokenizer_whose_unknown_token_is_also_the_one_it_adds_marks_nothing() -> None:
+    """Before, every short text of such a tokenizer counted its own added token as unknown."""
+    formatted = format_embedding_prompts(
+        raw_rows(["hi"]), "{text}", ["text"], EndOfTextTokenizer(), max_model_len=6, truncate=False, source_file="p"
+    )
+    assert formatted["mostly_unknown_tokens"].to_list() == [None]
+
+
 # --- vectors and results ------------------------------------------------------------------------
 
 

@@ -111,6 +111,8 @@ def text_token_counts(tokenizer: Tokenizer, column: pl.Series) -> pl.DataFrame:
     distinct = column.drop_nulls().unique().to_list()
     backend = _encoding_backend(tokenizer, None)
     unk = getattr(tokenizer, "unk_token_id", None)
+    if unk in {getattr(tokenizer, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}:
+        unk = None  # GPT-2-like tokenizers: the "unknown" id is the one they add to every text
     counts: list[int] = []
     unknown: list[int | None] = []
     for start in range(0, len(distinct), TOKENIZE_CHUNK):
