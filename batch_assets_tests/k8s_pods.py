@@ -3,7 +3,9 @@ for the deploy tests (test_k8s_deploy.py, test_k8s_first_run.py). Nothing here t
 
 The Helm functions reproduce the chart's templates (dagster-io/dagster, helm/dagster, chart 1.13.x)
 for the values this repo sets; each cites the template it follows. The chart itself is not vendored
-and `helm` is not run here.
+and `helm` is not run here, so the Helm half of the deploy tests checks values.yaml against this model
+of the chart (which leaves out what does not bear on them, e.g. the `<release>-pipeline-env` ConfigMap
+the chart adds to every run), not against a rendering by Helm.
 """
 
 from __future__ import annotations
