@@ -6,10 +6,12 @@
     batch-assets demo               the bundled sample drops of every task, skipping partitions
                                     that already succeeded with the same file
     batch-assets ui                 the Dagster UI and daemon (`dg dev`) on DAGSTER_HOME, one per home
+    batch-assets cache prune        prune the result caches by age and task version
 
 The terminal shows one line per file and progress lines; the engine's and libraries' output goes to
 the run's log (and `$DAGSTER_HOME/logs/`), tracebacks too (`--verbose` shows everything). The work of
-`run` and `demo` is lib/runner.py's, imported when needed so that `--help` stays quick.
+`run` and `demo` is lib/runner.py's, imported when needed so that `--help` stays quick; that of
+`tasks` and `cache` is lib/commands.py's.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from batch_assets.lib.commands import add_cache_parser, command_cache, command_tasks
 from batch_assets.runtime.instance import dagster_home, prepare_instance
 from batch_assets.runtime.interrupts import watch_stop_signals
 from batch_assets.runtime.process_exit import exit_without_teardown
@@ -125,19 +128,6 @@ def _time_left(seconds: float) -> str:
     whole = int(round(seconds))
     duration = f"{whole // 60} min {whole % 60} s" if whole >= 60 else f"{whole} s"
     return "under 1 s left" if seconds < 1 else f"about {duration} left"
-
-
-def command_tasks() -> int:
-    """The loaded tasks; each task file that failed to load is named on stderr, and the exit is 1."""
-    from batch_assets.pipeline.task_spec import load_tasks
-    from batch_assets.storage.locations import drop_zone
-
-    loaded = load_tasks()
-    for task in loaded.tasks:
-        print(f"{task.name}\t{task.output.kind}\t{task.model}\tdrop zone: {drop_zone(task.name)}")
-    for error in loaded.errors:
-        print(f"ERROR: task {error.name!r} not loaded: {error.message}", file=sys.stderr)
-    return 1 if loaded.errors else 0
 
 
 def _reporter() -> RunReporter:
@@ -243,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ui.add_argument("--port", type=int, default=3000, help="port to listen on (default 3000)")
     ui.add_argument("--workspace", default="workspace.yaml", help="Dagster workspace file (default workspace.yaml)")
+    add_cache_parser(commands)
     return parser
 
 
@@ -256,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             return command_tasks()
         if args.command == "ui":
             return command_ui(args.host, args.port, args.workspace)
+        if args.command == "cache":
+            return command_cache(args, TERMINAL.say)
         watch_stop_signals(TERMINAL.say)
         # Until the command ends (the engine stops last), library output goes to the log file.
         log_path = dagster_home() / "logs" / f"batch-assets-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
