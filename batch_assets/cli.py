@@ -7,10 +7,12 @@
                                     that already succeeded with the same file
     batch-assets ui                 the Dagster UI and daemon (`dg dev`) on DAGSTER_HOME, one per home
     batch-assets doctor             what a first run needs, one line per check with the setting to change
+    batch-assets cache prune        prune the result caches by age and task version
 
 The terminal shows one line per file and progress lines; the engine's and libraries' output goes to
 the run's log (and `$DAGSTER_HOME/logs/`), tracebacks too (`--verbose` shows everything). The work of
-`run` and `demo` is lib/runner.py's, imported when needed so that `--help` stays quick.
+`run` and `demo` is lib/runner.py's, imported when needed so that `--help` stays quick; that of
+`tasks` and `cache` is lib/commands.py's.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from batch_assets.cli_parser import build_parser
+from batch_assets.lib.commands import command_cache, command_tasks
 from batch_assets.runtime.instance import dagster_home, prepare_instance
 from batch_assets.runtime.interrupts import watch_stop_signals
 from batch_assets.runtime.process_exit import exit_without_teardown
@@ -135,19 +138,6 @@ def _time_left(seconds: float) -> str:
     return "under 1 s left" if seconds < 1 else f"about {duration} left"
 
 
-def command_tasks() -> int:
-    """The loaded tasks; each task file that failed to load is named on stderr, and the exit is 1."""
-    from batch_assets.pipeline.task_spec import load_tasks
-    from batch_assets.storage.locations import drop_zone
-
-    loaded = load_tasks()
-    for task in loaded.tasks:
-        print(f"{task.name}\t{task.output.kind}\t{task.model}\tdrop zone: {drop_zone(task.name)}")
-    for error in loaded.errors:
-        print(f"ERROR: task {error.name!r} not loaded: {error.message}", file=sys.stderr)
-    return 1 if loaded.errors else 0
-
-
 def _reporter() -> RunReporter:
     """Runs report here: notes and progress lines on the terminal, each call's outcomes as summary lines."""
     from batch_assets.lib.runner import RunReporter
@@ -236,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             from batch_assets.doctor.run import run_doctor
 
             return run_doctor(TERMINAL.say, verbose=TERMINAL.verbose)
+        if args.command == "cache":
+            return command_cache(args, TERMINAL.say)
         watch_stop_signals(TERMINAL.say)
         # Until the command ends (the engine stops last), library output goes to the log file.
         log_path = dagster_home() / "logs" / f"batch-assets-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"

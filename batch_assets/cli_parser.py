@@ -58,4 +58,21 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ui.add_argument("--port", type=int, default=3000, help="port to listen on (default 3000)")
     ui.add_argument("--workspace", default="workspace.yaml", help="Dagster workspace file (default workspace.yaml)")
+    add_cache_parser(commands)
     return parser
+
+
+def add_cache_parser(commands) -> None:
+    """`cache prune` under the CLI's subcommands."""
+    cache = commands.add_parser("cache", help="look after the tasks' result caches")
+    actions = cache.add_subparsers(dest="cache_action", required=True)
+    pruning = actions.add_parser(
+        "prune",
+        help="remove cached results by age and by task version (each task's `cache:` settings)",
+        description="Remove cached results stored more than `cache.max_age_days` ago and those of fingerprints "
+        "beyond a task's `cache.keep_fingerprints` latest; prints what was removed and each task's cache after.",
+    )
+    pruning.add_argument("--task", help="only this task (default: every task)")
+    pruning.add_argument(
+        "--older-than", type=float, metavar="DAYS", help="remove results older than this, whatever max_age_days says"
+    )

@@ -322,7 +322,7 @@ def test_the_shared_vllm_serve_deployment_matches_the_task_that_uses_it() -> Non
 
 
 def test_a_burst_of_drops_for_a_four_gpu_task_asks_for_four_gpus_per_range_run(kubeconfig: Path) -> None:
-    """The sensor's runs use Dagster's implicit asset job; the sensor passes the task job's GPU tag on."""
+    """The sensor's runs are of the task's job, and each request carries the job's GPU tag too."""
     from upath import UPath
 
     from batch_assets.lib.drops_sensor import run_requests_for

@@ -174,6 +174,19 @@ def test_an_endpoint_run_pod_takes_no_gpu_and_gets_its_api_key(kubeconfig: Path)
     assert "VLLM_API_KEY" not in pod_environment(container, {k: v for k, v in SECRETS.items() if k != "vllm-api-key"})
 
 
+def test_a_split_run_pod_takes_no_gpu_and_little_memory(kubeconfig: Path) -> None:
+    """Issue 36 item 2: a big file is split by a run of `<task>_split_file`, which streams the file."""
+    from batch_assets.lib.split_job import split_job_name
+    from batch_assets.lib.task_definitions import build_definitions
+
+    task = large_task(kubeconfig.parent, 4, 1)  # a GPU task: its split runs still take none
+    tags = dict(build_definitions(tasks=[task]).resolve_job_def(split_job_name(task.name)).tags)
+    pod = run_pod_job(build_launcher(kubeconfig), tags).spec.template.spec
+    assert resources_of(pod) == ("0", "1", "1Gi", "2Gi")
+    assert pod_environment(pod.containers[0], SECRETS)["NVIDIA_VISIBLE_DEVICES"] == "void"
+    assert helm_run_pod(kubeconfig, tags).containers[0].resources == pod.containers[0].resources
+
+
 # --- Without Helm: the run pod's environment and the service account ------------------------------
 
 

@@ -13,7 +13,11 @@ the same tick adds a dynamic partition for every new input file and requests its
   a run requested by the sensor is queued in the tick. Backfills from the UI use the same policy.
 A file with more records than the task's `input.max_rows_per_partition` is split into shards
 (storage/shards.py), one partition each, and each shard is a run of its own (a shard is as big as a
-run should hold); the once-per-version rules below hold per file, over all its shards.
+run should hold); the once-per-version rules below hold per file, over all its shards. Splitting
+reads the file, so a tick reads at most `TICK_SPLIT_BYTES` of files: a bigger file is split by a
+run of `<task>_split_file` (lib/split_job.py, which says why) and its shards are added and
+requested by the first tick after that run; files that would overrun what is left of the tick's
+bytes wait for the next tick.
 New and replaced files are requested apart (their own runs), so the replaced-file tag below marks
 exactly the runs that re-process replaced files.
 
@@ -50,6 +54,7 @@ from dataclasses import dataclass, field
 import dagster as dg
 
 from batch_assets.lib.materializations import latest_materialization
+from batch_assets.lib.split_job import build_split_job, failed_split_runs, split_run_config
 from batch_assets.pipeline.read_prompts import DropFileError
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.runtime.run_recovery import partitions_claimed_by_live_processes
@@ -62,11 +67,11 @@ from batch_assets.storage.drop_files import (
 )
 from batch_assets.storage.locations import drop_zone
 from batch_assets.storage.shards import (
-    PIPELINE_ASSETS,
     delete_partition_outputs,
     file_partition_keys,
     partitions_by_file,
     retired_partitions,
+    split_cost,
 )
 
 SOURCE_FILE_TAG = "batch_assets/source_file"
@@ -80,6 +85,9 @@ RANGE_END_TAG = "dagster/asset_partition_range_end"
 # Files requested per tick at most (one run each, or ranges of them); the daemon creates and queues
 # each run, so this bounds a tick.
 MAX_RUNS_PER_TICK = 500
+# Bytes of drop files one tick may read to split them into shards (a CSV this size takes ~0.2 s to
+# scan locally); a file over it alone is split by a run (lib/split_job.py).
+TICK_SPLIT_BYTES = 16 << 20
 # A local file must be unchanged this long before it counts as fully copied in.
 LOCAL_SETTLE_SECONDS = 5.0
 CURSOR_VERSION = "v2:"
@@ -115,6 +123,7 @@ class TickPlan:
     """What one tick does: files to run (with whether each replaces an earlier version) and the next cursor."""
 
     to_run: list[tuple[DropFile, bool]] = field(default_factory=list)
+    to_split: list[DropFile] = field(default_factory=list)  # too big to split in a tick: a split run each
     seen: set[bytes] = field(default_factory=set)
     known: int = 0
     already_done: int = 0
@@ -131,8 +140,14 @@ def plan_tick(
     already_done: Callable[[DropFile], bool] = lambda drop: False,
     in_progress: Callable[[DropFile], bool] = lambda drop: False,
     read_version: Callable[[DropFile], str | None] = lambda drop: None,
+    split_cost: Callable[[DropFile], int | None] = lambda drop: 0,
+    split_budget: int | None = None,
 ) -> TickPlan:
     """Pure decision of a tick: which files are new or replaced since the cursor `seen`.
+
+    Finding a file's partitions may read it (`split_cost`: bytes, None when unknown): the tick reads
+    at most `split_budget` bytes (None: no limit); a file over it alone is left to a split run, one
+    over what is left of it waits for the next tick (neither is in the cursor yet).
 
     A file replaces an earlier one when its partition's (or a shard's) latest `raw_prompts` read another
     version of it (`read_version`). A partition alone proves nothing: `batch-assets run` adds it before its run,
@@ -149,14 +164,24 @@ def plan_tick(
             fresh.append((fingerprint, drop))
     # Oldest first, so a burst of files is worked through in the order it arrived.
     fresh.sort(key=lambda item: (item[1].modified or 0.0, item[1].relative_path))
+    spent = 0  # bytes read to split files
     for fingerprint, drop in fresh:
         if in_progress(drop):
             plan.in_progress += 1  # not in the cursor: looked at again next tick
             continue
         # Files found already done count too: each costs an instance lookup.
-        if max_runs is not None and len(plan.to_run) + plan.already_done >= max_runs:
+        if max_runs is not None and len(plan.to_run) + plan.already_done + len(plan.to_split) >= max_runs:
             plan.waiting += 1
             continue
+        cost = split_cost(drop)
+        if split_budget is not None:
+            if cost is None or cost > split_budget:
+                plan.to_split.append(drop)
+                continue
+            if cost > split_budget - spent:
+                plan.waiting += 1
+                continue
+            spent += cost
         existing = drop.partition_key in existing_files
         if existing and already_done(drop):
             plan.already_done += 1
@@ -168,7 +193,11 @@ def plan_tick(
 
 
 def run_request_for(
-    drop: DropFile, replaced: bool, job_tags: Mapping[str, str] | None = None, partition_key: str | None = None
+    drop: DropFile,
+    replaced: bool,
+    job_tags: Mapping[str, str] | None = None,
+    partition_key: str | None = None,
+    job_name: str | None = None,
 ) -> dg.RunRequest:
     """The run of one partition of `drop`: the file's own, or `partition_key`, one of its shards."""
     partition_key = partition_key or drop.partition_key
@@ -181,11 +210,15 @@ def run_request_for(
     }
     if replaced:
         tags[REPLACED_TAG] = "true"
-    return dg.RunRequest(run_key=f"{partition_key}@{digest}", partition_key=partition_key, tags=tags)
+    return dg.RunRequest(run_key=f"{partition_key}@{digest}", job_name=job_name, partition_key=partition_key, tags=tags)
 
 
 def range_run_request_for(
-    keys: list[str], versions: Mapping[str, str], replaced: bool, job_tags: Mapping[str, str] | None = None
+    keys: list[str],
+    versions: Mapping[str, str],
+    replaced: bool,
+    job_tags: Mapping[str, str] | None = None,
+    job_name: str | None = None,
 ) -> dg.RunRequest:
     """One run over the partitions `keys` (adjacent in the partitions' order, first to last), tagged
     the way Dagster tags a range run of a backfill. Its run key names the range and a digest of every
@@ -200,7 +233,18 @@ def range_run_request_for(
     }
     if replaced:
         tags[REPLACED_TAG] = "true"
-    return dg.RunRequest(run_key=f"{keys[0]}..{keys[-1]}@{digest}", tags=tags)
+    return dg.RunRequest(run_key=f"{keys[0]}..{keys[-1]}@{digest}", job_name=job_name, tags=tags)
+
+
+def split_run_request(drop: DropFile, task: str, job_name: str) -> dg.RunRequest:
+    """The run that splits this version of `drop` off the tick (lib/split_job.py)."""
+    tags = {SOURCE_FILE_TAG: drop.relative_path, SOURCE_VERSION_TAG: version_digest(drop.version)}
+    return dg.RunRequest(
+        run_key=f"split:{drop.partition_key}@{version_digest(drop.version)}",
+        job_name=job_name,
+        run_config=split_run_config(task, drop.partition_key),
+        tags={**tags, LAUNCHED_BY_TAG: "sensor"},
+    )
 
 
 def even_chunks(keys: Sequence[str], max_per_run: int) -> list[list[str]]:
@@ -281,6 +325,7 @@ def run_requests_for(
     max_partitions_per_run: int,
     job_tags: Mapping[str, str] | None = None,
     keys_of: Callable[[DropFile], list[str]] = lambda drop: [drop.partition_key],
+    job_name: str | None = None,
 ) -> list[dg.RunRequest]:
     """New and replaced files apart, each split into ranges of adjacent partitions (`ordered_keys`:
     every partition in order, the tick's new ones included) of up to `max_partitions_per_run`: one
@@ -292,10 +337,11 @@ def run_requests_for(
         shards = [key for key, drop in drops.items() if key != drop.partition_key]
         for keys in partition_ranges(ordered_keys, drops, max_partitions_per_run, alone=shards):
             if len(keys) == 1:
-                requests.append(run_request_for(drops[keys[0]], replaced, job_tags, partition_key=keys[0]))
+                drop = drops[keys[0]]
+                requests.append(run_request_for(drop, replaced, job_tags, partition_key=keys[0], job_name=job_name))
             else:
                 versions = {key: drops[key].version for key in keys}
-                requests.append(range_run_request_for(keys, versions, replaced, job_tags))
+                requests.append(range_run_request_for(keys, versions, replaced, job_tags, job_name=job_name))
     return requests
 
 
@@ -339,16 +385,24 @@ def build_drops_sensor(
     task: TaskSpec,
     job,
     *,
+    split_job: dg.JobDefinition | None = None,
     max_runs_per_tick: int | None = MAX_RUNS_PER_TICK,
     settle_seconds: float = LOCAL_SETTLE_SECONDS,
 ) -> dg.SensorDefinition:
-    # The sensor targets the task's assets (their checks come with them); its runs are Dagster's asset
-    # job runs, so they get the task job's tags (a GPU count for the Kubernetes run launcher) here.
+    """The sensor over the task's drop zone; its runs are of `job` (the task's four assets and their
+    checks) and, for a task whose files are split into shards, of `split_job` (the task's
+    `build_split_job`, made here when not given)."""
+    # The job's tags (a GPU count for the Kubernetes run launcher) are on each request too, so that
+    # they show in the tick.
     job_tags = {key: value if isinstance(value, str) else json.dumps(value) for key, value in (job.tags or {}).items()}
+    if task.input.shard_rows is not None:
+        split_job = split_job or build_split_job(task)
+    targets = [job, split_job] if split_job else [job]
+    jobs = Jobs(job.name, split_job.name if split_job else "")
 
     @dg.sensor(
         name=f"{task.name}_drops_sensor",
-        asset_selection=dg.AssetSelection.assets(*(dg.AssetKey([task.name, asset]) for asset in PIPELINE_ASSETS)),
+        jobs=targets,
         minimum_interval_seconds=task.sensor.minimum_interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING
         if task.sensor.running_by_default
@@ -361,9 +415,19 @@ def build_drops_sensor(
         ),
     )
     def drops_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
-        return drops_tick(context, task, job_tags, max_runs_per_tick=max_runs_per_tick, settle_seconds=settle_seconds)
+        return drops_tick(
+            context, task, job_tags, jobs, max_runs_per_tick=max_runs_per_tick, settle_seconds=settle_seconds
+        )
 
     return drops_sensor
+
+
+@dataclass(frozen=True)
+class Jobs:
+    """The names of the jobs the drops sensor requests runs of."""
+
+    pipeline: str
+    split: str  # "" for a task whose files are not split (no file is ever over `split_cost` 0)
 
 
 def _cursor_fingerprints(context: dg.SensorEvaluationContext) -> set[bytes]:
@@ -386,20 +450,23 @@ def plan_drops_tick(
     keys_of: Callable[[DropFile], list[str]],
     max_runs_per_tick: int | None,
 ) -> TickPlan:
-    """`plan_tick` with what the instance and the live `batch-assets` processes say about each file
-    (`registered`: the partitions in `ordered`, by file)."""
-    claimed = partitions_claimed_by_live_processes(context.instance.root_directory, task.name)
+    """`plan_tick` with what the instance, the kept shard plans and the live `batch-assets` processes
+    say about each file (`registered`: the partitions in `ordered`, by file)."""
+    # By file, not by partition: a file's partitions may take a pass over it to know.
+    claimed = {
+        (file_key_of(key), digest)
+        for key, digest in partitions_claimed_by_live_processes(context.instance.root_directory, task.name)
+    }
     return plan_tick(
         files,
         seen,
         set(ordered),
         max_runs=max_runs_per_tick,
         already_done=lambda drop: file_validated_from_version(context.instance, task.name, drop, keys_of(drop)),
-        # Only when a command claims files: a file's partitions may take a pass over a big file.
-        in_progress=lambda drop: (
-            bool(claimed) and any((key, version_digest(drop.version)) in claimed for key in keys_of(drop))
-        ),
+        in_progress=lambda drop: (drop.partition_key, version_digest(drop.version)) in claimed,
         read_version=lambda drop: _file_read_version(context.instance, task.name, registered, drop),
+        split_cost=lambda drop: split_cost(task.name, drop, task.input.shard_rows),
+        split_budget=TICK_SPLIT_BYTES,
     )
 
 
@@ -407,6 +474,7 @@ def drops_tick(
     context: dg.SensorEvaluationContext,
     task: TaskSpec,
     job_tags: Mapping[str, str],
+    jobs: Jobs,
     *,
     max_runs_per_tick: int | None,
     settle_seconds: float,
@@ -425,18 +493,29 @@ def drops_tick(
     context.log.info(
         f"{len(files)} input file(s) in {zone}: {len(plan.to_run)} to run, {plan.known} already requested, "
         f"{plan.already_done} already done, {plan.in_progress} being run by batch-assets, "
-        f"{plan.waiting} waiting for the next tick "
+        f"{len(plan.to_split)} being split by {jobs.split} runs, {plan.waiting} waiting for the next tick "
         f"({time.monotonic() - started:.2f} s)"
     )
     if skipped:
         context.log.info(_skipped_text(skipped))
     cursor = encode_cursor(plan.seen)
-    if not plan.to_run:
+    if not plan.to_run and not plan.to_split:
         reason = f"no new or replaced files ({len(files)} known)"
         if skipped:
             reason += "; " + _skipped_text(skipped)
         return dg.SensorResult(skip_reason=dg.SkipReason(reason), cursor=cursor if plan.seen != seen else None)
-    return _tick_requests(context, task, plan, ordered, registered, keys_of, job_tags, cursor)
+    return _tick_requests(context, task, plan, ordered, registered, keys_of, job_tags, jobs, cursor)
+
+
+def _warn_of_failed_splits(context: dg.SensorEvaluationContext, task: str, split_requests: list[dg.RunRequest]) -> None:
+    """Name the files whose split run failed: Dagster does not launch a run key twice, so they wait
+    for a new version of the file or a re-execution of the run."""
+    by_key = {request.run_key: request.tags[SOURCE_FILE_TAG] for request in split_requests if request.run_key}
+    for key, run_id in failed_split_runs(context.instance, task, list(by_key)).items():
+        context.log.warning(
+            f"{by_key[key]}: its split run {run_id} failed (its log says why); the file waits until it is "
+            "replaced, or until that run is re-executed"
+        )
 
 
 def _tick_requests(
@@ -447,9 +526,11 @@ def _tick_requests(
     registered: Mapping[str, list[str]],
     keys_of: Callable[[DropFile], list[str]],
     job_tags: Mapping[str, str],
+    jobs: Jobs,
     cursor: str,
 ) -> dg.SensorResult:
-    """The tick's new partitions (and those the new file versions retire) and its runs."""
+    """The tick's new partitions (and those the new file versions retire) and its runs: of the files
+    to run, and a split run of each file too big to split in the tick."""
     partitions_name = partitions_def_name(task.name)
     existing = set(ordered)
     # Added oldest file first: the partitions' order, which decides the ranges, is arrival order.
@@ -469,10 +550,15 @@ def _tick_requests(
         task.runs.max_partitions_per_run,
         job_tags=job_tags,
         keys_of=keys_of,
+        job_name=jobs.pipeline,
     )
+    split_requests = [split_run_request(drop, task.name, jobs.split) for drop in plan.to_split]
+    _warn_of_failed_splits(context, task.name, split_requests)
     partition_requests: list = []
     if new_partitions:
         partition_requests.append(dg.AddDynamicPartitionsRequest(partitions_name, new_partitions))
     if retired:
         partition_requests.append(dg.DeleteDynamicPartitionsRequest(partitions_name, retired))
-    return dg.SensorResult(run_requests=run_requests, dynamic_partitions_requests=partition_requests, cursor=cursor)
+    return dg.SensorResult(
+        run_requests=run_requests + split_requests, dynamic_partitions_requests=partition_requests, cursor=cursor
+    )

@@ -22,6 +22,7 @@ from batch_assets.lib.automation import build_automation_sensor
 from batch_assets.lib.checks import build_task_checks
 from batch_assets.lib.drops_sensor import build_drops_sensor
 from batch_assets.lib.range_failures import build_range_failure_sensor
+from batch_assets.lib.split_job import build_split_job
 from batch_assets.lib.task_file_errors import build_task_file_error_sensor
 from batch_assets.pipeline.task_spec import TaskFileError, TaskSpec, load_tasks
 from batch_assets.runtime.run_recovery import build_recovery_sensor
@@ -78,6 +79,15 @@ DEFAULT_RUN_POD = engine_pod_resources(1, 1)
 ENDPOINT_POD_RESOURCES = {
     "limits": {"nvidia.com/gpu": "0", "memory": "16Gi"},
     "requests": {"cpu": "2", "memory": "8Gi"},
+}
+
+
+# A split run (lib/split_job.py) streams one drop file: a CPU and little memory, no GPU.
+SPLIT_POD_CONFIG = {
+    "container_config": {
+        "resources": {"limits": {"nvidia.com/gpu": "0", "memory": "2Gi"}, "requests": {"cpu": "1", "memory": "1Gi"}},
+        "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}],
+    }
 }
 
 
@@ -165,15 +175,18 @@ def build_definitions(
         loaded = load_tasks()
         tasks, task_errors = loaded.tasks, loaded.errors
     assets, checks, jobs, sensors = [], [], [], []
+    task_jobs = []
     sensors += [build_task_file_error_sensor(error) for error in task_errors or []]
     for task in tasks:
         assets += build_task_assets(task)
         checks += build_task_checks(task)
         job = build_task_job(task)
-        jobs.append(job)
-        sensors.append(build_drops_sensor(task, job))
+        split_job = build_split_job(task, tags={K8S_CONFIG_TAG: SPLIT_POD_CONFIG}) if task.input.shard_rows else None
+        jobs += [job, split_job] if split_job else [job]
+        task_jobs.append((task, job))
+        sensors.append(build_drops_sensor(task, job, split_job=split_job))
         sensors += build_automation_sensor(task)
-    range_failures = build_range_failure_sensor([(task, job) for task, job in zip(tasks, jobs, strict=True)])
+    range_failures = build_range_failure_sensor(task_jobs)
     sensors += [range_failures] if range_failures is not None else []
     return dg.Definitions(
         assets=assets,

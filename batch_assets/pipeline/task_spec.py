@@ -813,6 +813,16 @@ class RunsSpec(_Strict):
     max_partitions_per_run: int = Field(default=16, ge=1, le=MAX_PARTITIONS_PER_RUN)
 
 
+class CacheSpec(_Strict):
+    """How long the task's result cache keeps results, applied by `batch-assets cache prune`: a
+    result is removed once stored more than `max_age_days` ago, and every result of a fingerprint
+    (a version of the task's settings) once the task has used `keep_fingerprints` newer ones. A
+    removed result is inferred again if a prompt asks for it. None keeps everything on that count."""
+
+    max_age_days: float | None = Field(default=90, gt=0, allow_inf_nan=False)
+    keep_fingerprints: int | None = Field(default=3, ge=1, strict=True)
+
+
 class TaskSpec(_Strict):
     # Validation errors name the field and the rule but do not echo values: an API key pasted
     # into the YAML by mistake must not reach logs.
@@ -831,6 +841,7 @@ class TaskSpec(_Strict):
     budget: BudgetSpec | None = None
     automation: AutomationSpec = AutomationSpec()
     runs: RunsSpec = RunsSpec()
+    cache: CacheSpec = CacheSpec()
 
     @field_validator("name")
     @classmethod

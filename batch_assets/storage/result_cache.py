@@ -31,6 +31,11 @@ table the first time their fingerprint is used, then removed.
 
 Materialize `inference_outputs` with `use_result_cache: false` (`batch-assets run --no-result-cache`)
 to bypass the cache once.
+
+Each row records when it was stored (`created_at`), and each task the fingerprints it used and when
+it last used each (`batch_assets_result_cache_versions`), so that storage/cache_retention.py can
+remove rows by age and fingerprints a task no longer uses (`batch-assets cache prune`). A table made
+before those existed gets the column on first use, its rows dated then.
 """
 
 from __future__ import annotations
@@ -74,10 +79,20 @@ RESULTS = sa.Table(
     sa.Column("num_prompt_tokens", sa.BigInteger),
     sa.Column("num_generated_tokens", sa.BigInteger),
     sa.Column("cumulative_logprob", sa.Float),
+    sa.Column("created_at", sa.BigInteger),  # POSIX seconds
     # The key is the row: no separate rowid b-tree in SQLite (half the size, one lookup per key).
     sqlite_with_rowid=False,
 )
-_VALUE_COLUMNS = [column.name for column in RESULTS.columns if column.name != "fingerprint"]
+# Which task used which fingerprint, last when: what `keep_fingerprints` counts (one database may
+# hold several tasks' caches, and two tasks with the same settings share a fingerprint).
+VERSIONS = sa.Table(
+    "batch_assets_result_cache_versions",
+    _METADATA,
+    sa.Column("task", sa.String(200), primary_key=True),
+    sa.Column("fingerprint", sa.String(64), primary_key=True),
+    sa.Column("last_used", sa.BigInteger, nullable=False),
+)
+_VALUE_COLUMNS = [column.name for column in RESULTS.columns if column.name not in ("fingerprint", "created_at")]
 
 _engines: dict[str, sa.Engine] = {}
 _engines_lock = Lock()
@@ -99,12 +114,22 @@ def cache_url(task_dir: UPath, instance: object | None = None) -> str:
     return f"sqlite:///{home / 'result_cache' / f'{task_dir.name}.sqlite3'}"
 
 
+def shown_url(url: str) -> str:
+    """The URL with its password hidden."""
+    return sa.make_url(url).render_as_string(hide_password=True)
+
+
 def instance_postgres_url(instance: object | None) -> str | None:
     """The Postgres database of a Dagster instance whose runs live there (dagster-postgres' run
     storage keeps its URL as `postgres_url`), else None."""
     storage = getattr(instance, "run_storage", None)
     url = getattr(storage, "postgres_url", None)
     return url if isinstance(url, str) else None
+
+
+def cache_engine(url: str) -> sa.Engine:
+    """The engine of the cache at `url`, its tables made (one per URL and process)."""
+    return _engine(url)
 
 
 def _engine(url: str) -> sa.Engine:
@@ -132,13 +157,31 @@ def _create_engine(url: str) -> sa.Engine:
         # A writer holds SQLite's lock for one short insert; another run waits for it, not fails.
         engine = sa.create_engine(url, connect_args={"timeout": 120})
         sa.event.listen(engine, "connect", _sqlite_pragmas)
-    try:
-        RESULTS.create(engine, checkfirst=True)
-    except sa.exc.SQLAlchemyError:
-        # Two processes creating the table at once: one wins, and the other finds it made.
-        if not sa.inspect(engine).has_table(RESULTS.name):
-            raise
+    for table in (RESULTS, VERSIONS):
+        try:
+            table.create(engine, checkfirst=True)
+        except sa.exc.SQLAlchemyError:
+            # Two processes creating the table at once: one wins, and the other finds it made.
+            if not sa.inspect(engine).has_table(table.name):
+                raise
+    _add_created_at(engine)
     return engine
+
+
+def _add_created_at(engine: sa.Engine) -> None:
+    """Give a table made before rows were dated its `created_at` column, dating its rows now (a
+    constant default: SQLite and Postgres add it without rewriting the table)."""
+    if "created_at" in {column["name"] for column in sa.inspect(engine).get_columns(RESULTS.name)}:
+        return
+    try:
+        with engine.begin() as connection:
+            connection.execute(
+                sa.text(f"ALTER TABLE {RESULTS.name} ADD COLUMN created_at BIGINT DEFAULT {int(time.time())}")
+            )
+    except sa.exc.SQLAlchemyError:
+        # Another process added it meanwhile.
+        if "created_at" not in {column["name"] for column in sa.inspect(engine).get_columns(RESULTS.name)}:
+            raise
 
 
 def _sqlite_pragmas(connection, _record) -> None:
@@ -208,11 +251,13 @@ class ResultCache:
         """`instance`: the run's Dagster instance, whose Postgres (if any) holds the cache. `warn`:
         where to say that a damaged cache was set aside (the run's log; else this module's logger)."""
         self.fingerprint = fingerprint
+        self.task = task_dir.name
         self.url = url or cache_url(task_dir, instance)
         self.warn = warn or logging.getLogger(__name__).warning
         # Where earlier versions kept this fingerprint's results as parquet files.
         self.legacy_folder = task_dir / "_result_cache" / fingerprint
         self._imported = False
+        self._recorded = False
 
     def lookup(self, keys: pl.Series | None = None) -> pl.DataFrame:
         """Cached results for `keys` (all cached results when None), each key once."""
@@ -225,13 +270,34 @@ class ResultCache:
         finished = conform_results(results.filter(pl.col("error").is_null())).unique("request_key")
         if finished.height == 0:
             return 0
-        self._use_store("write to", lambda: self._insert(finished))
+        self._use_store("write to", lambda: self._write(finished))
         return finished.height
 
     def _read(self, keys: pl.Series | None) -> list[tuple]:
         self._import_legacy()
+        self._record_use()
         with _engine(self.url).connect() as connection:
             return [tuple(row) for query in self._queries(keys) for row in connection.execute(query)]
+
+    def _write(self, finished: pl.DataFrame) -> None:
+        self._record_use()
+        self._insert(finished)
+
+    def _record_use(self) -> None:
+        """Note that the task uses this fingerprint now (once per cache object: a step's)."""
+        if self._recorded:
+            return
+        engine = _engine(self.url)
+        dialect = postgresql if engine.dialect.name == "postgresql" else sqlite
+        row = {"task": self.task, "fingerprint": self.fingerprint, "last_used": int(time.time())}
+        statement = dialect.insert(VERSIONS).values(row)
+        with engine.begin() as connection:
+            connection.execute(
+                statement.on_conflict_do_update(
+                    index_elements=["task", "fingerprint"], set_={"last_used": row["last_used"]}
+                )
+            )
+        self._recorded = True
 
     def _queries(self, keys: pl.Series | None) -> Iterator[sa.Select]:
         columns = [RESULTS.c[name] for name in _VALUE_COLUMNS]
@@ -248,7 +314,9 @@ class ResultCache:
         # `INSERT … ON CONFLICT DO NOTHING` is dialect syntax: SQLAlchemy spells it per database.
         dialect = postgresql if engine.dialect.name == "postgresql" else sqlite
         statement = dialect.insert(RESULTS).on_conflict_do_nothing()
-        rows = frame.select(_VALUE_COLUMNS).with_columns(pl.lit(self.fingerprint).alias("fingerprint"))
+        rows = frame.select(_VALUE_COLUMNS).with_columns(
+            pl.lit(self.fingerprint).alias("fingerprint"), pl.lit(int(time.time())).alias("created_at")
+        )
         for start in range(0, rows.height, ROWS_PER_INSERT):
             with engine.begin() as connection:
                 connection.execute(statement, rows.slice(start, ROWS_PER_INSERT).to_dicts())
@@ -294,6 +362,7 @@ class ResultCache:
 
     def _set_aside(self, path: Path, exc: sa.exc.DatabaseError) -> None:
         _forget_engine(self.url)
+        self._recorded = False  # the fresh database records this task's use of the fingerprint again
         aside = set_aside(path)
         if aside is not None:
             self.warn(

@@ -9,7 +9,8 @@ to its bytes (or row groups) so that memory follows the shard, not the file. Row
 file's `row_id` and `source_line`; the file's result is every `<file key>~*.parquet` of an asset.
 
 Each file version's plan is kept at `<storage>/<task>/_shards/<file key>.json`, so the pass runs once
-per version (in the sensor's tick or `batch-assets run`), and the shards of one run read the version
+per version (in the sensor's tick for a small file, in a split run for a big one: lib/split_job.py,
+or in `batch-assets run`), and the shards of one run read the version
 they were planned for: a file replaced while its shards run fails the shards that meet the new
 version (locally) and is run again, whole, as a new version. When a new version splits differently,
 the partitions it no longer has (the whole-file partition, or shards past its last) are retired:
@@ -61,6 +62,8 @@ WHOLE_FILE_READERS: dict[str, Callable[[bytes, str, ParseOptions], pl.DataFrame]
 # Run tag: JSON {shard key: digest of the file version it read}, set by raw_prompts (lib/assets.py).
 SHARD_VERSIONS_TAG = "batch_assets/shard_versions"
 PIPELINE_ASSETS = ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels")
+# Text compresses about this much: a gzip file's split decompresses and scans that many bytes per stored byte.
+GZIP_SPLIT_COST = 8
 # Discarded a block at a time while skipping to a shard inside a gzip file.
 _SKIP_BLOCK = 8 << 20
 
@@ -92,18 +95,43 @@ def shard_plan(task: str, drop: DropFile, max_rows: int | None) -> ShardPlan:
     the outputs of the old shards after it is kept, so `<file key>~*` never mixes versions: a shard
     of the old version still running notices the new plan once it has written, and removes its own
     output (`shard_output_is_current`)."""
-    suffix = input_suffix(drop.relative_path) or ""
-    if max_rows is None or not may_need_shards(suffix, drop.size, max_rows):
+    if max_rows is None or not _needs_a_pass(drop, max_rows):
         return ShardPlan(drop.version, max_rows or 0, ())
     kept = kept_shard_plan(task, drop.partition_key)
-    if kept is not None and kept.version == drop.version and kept.max_rows == max_rows:
+    if _plan_is_current(kept, drop, max_rows):
+        assert kept is not None
         return kept
     with drop.open() as stream:
         plan = plan_shards(stream, drop.relative_path, drop.version, max_rows)
+    # Another process (a split run, `batch-assets run`) may have split this version during the pass,
+    # and its shards may be running already: their outputs are this version's, not the old ones.
+    if _plan_is_current(kept_shard_plan(task, drop.partition_key), drop, max_rows):
+        return plan
     write_bytes_atomically(_plan_path(task, drop.partition_key), json.dumps(plan.to_json()).encode("utf-8"))
     if kept is not None and len(kept.shards) > 1:
         delete_partition_outputs(task, partition_keys(drop, kept))
     return plan
+
+
+def _needs_a_pass(drop: DropFile, max_rows: int) -> bool:
+    return may_need_shards(input_suffix(drop.relative_path) or "", drop.size, max_rows)
+
+
+def _plan_is_current(plan: ShardPlan | None, drop: DropFile, max_rows: int) -> bool:
+    return plan is not None and plan.version == drop.version and plan.max_rows == max_rows
+
+
+def split_cost(task: str, drop: DropFile, max_rows: int | None) -> int | None:
+    """Bytes `shard_plan` would read to find this file version's partitions, a gzip file's stored
+    bytes counted `GZIP_SPLIT_COST` times (decompressing and scanning them is that much work): 0 when
+    it reads nothing (the plan is kept, or the file cannot need shards), None when the size is unknown."""
+    if max_rows is None or not _needs_a_pass(drop, max_rows):
+        return 0
+    if _plan_is_current(kept_shard_plan(task, drop.partition_key), drop, max_rows):
+        return 0
+    if drop.size is None:
+        return None
+    return drop.size * (GZIP_SPLIT_COST if drop.relative_path.lower().endswith(".gz") else 1)
 
 
 def partition_keys(drop: DropFile, plan: ShardPlan) -> list[str]:

@@ -1,0 +1,144 @@
+"""Issue 36 item 5: the result cache does not grow without bound. Rows go by age and by task
+version (fingerprint), on real SQLite and PostgreSQL, and a pruned cache still serves what it kept."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import polars as pl
+import pytest
+import sqlalchemy as sa
+from upath import UPath
+
+from batch_assets.cli import main
+from batch_assets.pipeline.task_spec import CacheSpec, load_task_specs
+from batch_assets.storage.cache_retention import DAY, prune, sizes
+from batch_assets.storage.locations import task_storage_dir
+from batch_assets.storage.result_cache import RESULTS, VERSIONS, ResultCache, cache_engine
+
+NOW = time.time()
+
+
+def results(*keys: str) -> pl.DataFrame:
+    return pl.DataFrame(
+        {
+            "request_key": list(keys),
+            "generated_text": [f"label of {key}" for key in keys],
+            "finish_reason": ["stop"] * len(keys),
+            "num_prompt_tokens": [5] * len(keys),
+            "num_generated_tokens": [2] * len(keys),
+            "error": [None] * len(keys),
+            "cumulative_logprob": [-0.5] * len(keys),
+        },
+        schema_overrides={"error": pl.String},
+    )
+
+
+def store(url: str, task: str, fingerprint: str, keys: list[str], when: float, monkeypatch) -> ResultCache:
+    """Add results under `fingerprint` for `task`, as a run at `when` would."""
+    with monkeypatch.context() as patch:
+        patch.setattr(time, "time", lambda: when)
+        cache = ResultCache(UPath(f"/unused/{task}"), fingerprint, url=url)
+        cache.add(results(*keys))
+    return cache
+
+
+def served(url: str, fingerprint: str, task: str = "sentiment") -> list[str]:
+    """What a run of `task` under `fingerprint` finds in the cache (a lookup records that use)."""
+    frame = ResultCache(UPath(f"/unused/{task}"), fingerprint, url=url).lookup()
+    assert frame["generated_text"].to_list() == [f"label of {key}" for key in frame["request_key"]]
+    return sorted(frame["request_key"].to_list())
+
+
+def stored(url: str, fingerprint: str) -> int:
+    """Rows under `fingerprint`, counted without using the cache."""
+    with cache_engine(url).connect() as connection:
+        query = sa.select(sa.func.count()).select_from(RESULTS).where(RESULTS.c.fingerprint == fingerprint)
+        return int(connection.execute(query).scalar_one())
+
+
+@pytest.fixture(scope="module")
+def postgres_url() -> Iterator[str]:
+    from batch_assets_tests.postgres_server import running_postgres
+
+    with running_postgres() as server:
+        yield f"postgresql+psycopg2://{server.username}:{server.password}@{server.host}:{server.port}/{server.db_name}"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'results.sqlite3'}"
+    found = request.getfixturevalue("postgres_url")
+    with cache_engine(found).begin() as connection:  # one database for the module: start empty
+        connection.execute(sa.delete(RESULTS))
+        connection.execute(sa.delete(VERSIONS))
+    return found
+
+
+def test_results_older_than_max_age_days_go_and_the_rest_are_served(url: str, monkeypatch) -> None:
+    store(url, "sentiment", "f1", ["old-1", "old-2", "old-3"], NOW - 100 * DAY, monkeypatch)
+    store(url, "sentiment", "f1", ["new-1", "new-2"], NOW - 10 * DAY, monkeypatch)
+    report = prune(url, {"sentiment": CacheSpec(max_age_days=90)}, now=NOW)
+    assert (report.by_age.rows, report.by_fingerprint.rows) == (3, 0)
+    assert report.by_age.text_bytes == 3 * len("label of old-1")
+    assert served(url, "f1") == ["new-1", "new-2"]
+    # --older-than overrides the setting for one prune.
+    assert prune(url, {"sentiment": CacheSpec(max_age_days=90)}, older_than_days=5, now=NOW).by_age.rows == 2
+    assert served(url, "f1") == []
+
+
+def test_fingerprints_beyond_keep_fingerprints_go_unless_another_task_keeps_them(url: str, monkeypatch) -> None:
+    for age, fingerprint in enumerate(["f4", "f3", "f2", "f1"]):  # f1 used longest ago
+        store(url, "sentiment", fingerprint, [f"{fingerprint}-a", f"{fingerprint}-b"], NOW - age * DAY, monkeypatch)
+    store(url, "industry", "f1", ["f1-c"], NOW - 5 * DAY, monkeypatch)  # same settings: a shared fingerprint
+    retention = {"sentiment": CacheSpec(keep_fingerprints=2), "industry": CacheSpec(keep_fingerprints=3)}
+    report = prune(url, retention, tasks={"sentiment"}, now=NOW)
+    assert report.fingerprints == ["f2"]  # f1 is industry's
+    assert (report.by_fingerprint.rows, report.by_age.rows) == (2, 0)
+    assert [stored(url, fp) for fp in ("f1", "f2", "f3", "f4")] == [3, 0, 2, 2]
+    assert {task: (s.fingerprints, s.rows) for task, s in sizes(url).items()} == {
+        "industry": (1, 3),
+        "sentiment": (2, 4),  # f3 and f4: f1 and f2 left its record (f1 stays, as industry's)
+    }
+    assert served(url, "f3") == ["f3-a", "f3-b"] and served(url, "f4") == ["f4-a", "f4-b"]
+    assert served(url, "f1", task="industry") == ["f1-a", "f1-b", "f1-c"]
+    # Once industry is gone from the tasks, nobody keeps f1.
+    assert prune(url, {"sentiment": CacheSpec(keep_fingerprints=2)}, now=NOW).fingerprints == ["f1"]
+    assert stored(url, "f1") == 0 and served(url, "f3") == ["f3-a", "f3-b"]
+
+
+def test_a_cache_made_before_rows_were_dated_is_served_and_its_rows_age_from_the_upgrade(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite3"
+    with sqlite3.connect(path) as old:
+        old.execute(
+            "CREATE TABLE batch_assets_result_cache (fingerprint VARCHAR(64), request_key VARCHAR(64), "
+            "generated_text TEXT, finish_reason VARCHAR(32), num_prompt_tokens BIGINT, num_generated_tokens BIGINT, "
+            "cumulative_logprob FLOAT, PRIMARY KEY (fingerprint, request_key)) WITHOUT ROWID"
+        )
+        old.execute("INSERT INTO batch_assets_result_cache VALUES ('f1', 'k', 'label of k', 'stop', 5, 2, -0.5)")
+    url = f"sqlite:///{path}"
+    assert served(url, "f1", task="reader") == ["k"]
+    assert prune(url, {"reader": CacheSpec(max_age_days=90)}, now=time.time()).by_age.rows == 0
+    assert prune(url, {"reader": CacheSpec(max_age_days=90)}, now=time.time() + 91 * DAY).by_age.rows == 1
+
+
+def test_cache_prune_command_prints_what_it_removed_and_what_is_left(
+    data_dir: Path, monkeypatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    task = next(task for task in load_task_specs() if task.name == "sentiment")
+    assert (task.cache.max_age_days, task.cache.keep_fingerprints) == (90, 3)  # the documented defaults
+    url = ResultCache(task_storage_dir("sentiment"), "f1").url
+    assert url.startswith("sqlite:///") and str(data_dir) in url
+    store(url, "sentiment", "f1", ["a", "b"], NOW - 40 * DAY, monkeypatch)
+    store(url, "sentiment", "f1", ["c"], NOW, monkeypatch)
+    assert main(["cache", "prune", "--task", "sentiment", "--older-than", "30"]) == 0
+    out = capsys.readouterr().out
+    assert "removed 2 results (20 bytes of text) by age" in out, out
+    assert "  sentiment: 1 results, 1 fingerprint(s), 10 text bytes" in out, out
+    assert served(url, "f1") == ["c"]
+    assert main(["cache", "prune", "--task", "nope"]) == 2
+    assert "unknown task 'nope'" in capsys.readouterr().out
