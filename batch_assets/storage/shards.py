@@ -94,9 +94,11 @@ def shard_plan(task: str, drop: DropFile, max_rows: int | None) -> ShardPlan:
     kept one (`read_partition_rows`). A new plan replacing one of another version (or size) deletes
     the outputs of the old shards after it is kept, so `<file key>~*` never mixes versions: a shard
     of the old version still running notices the new plan once it has written, and removes its own
-    output (`shard_output_is_current`)."""
-    if max_rows is None or not _needs_a_pass(drop, max_rows):
-        return ShardPlan(drop.version, max_rows or 0, ())
+    output (`outdated_shards`)."""
+    if max_rows is None:
+        return ShardPlan(drop.version, 0, ())
+    if not _needs_a_pass(drop, max_rows):
+        return _unsplit(task, drop, max_rows)
     kept = kept_shard_plan(task, drop.partition_key)
     if _plan_is_current(kept, drop, max_rows):
         assert kept is not None
@@ -110,6 +112,17 @@ def shard_plan(task: str, drop: DropFile, max_rows: int | None) -> ShardPlan:
     write_bytes_atomically(_plan_path(task, drop.partition_key), json.dumps(plan.to_json()).encode("utf-8"))
     if kept is not None and len(kept.shards) > 1:
         delete_partition_outputs(task, partition_keys(drop, kept))
+    return plan
+
+
+def _unsplit(task: str, drop: DropFile, max_rows: int) -> ShardPlan:
+    """The plan of a version too small to split. When an earlier version was split, this plan is kept
+    in its place, so that a shard of that version still running finds its file replaced and removes
+    its output instead of leaving it beside the new whole-file one."""
+    plan = ShardPlan(drop.version, max_rows, ())
+    kept = kept_shard_plan(task, drop.partition_key)
+    if kept is not None and kept.shards and not _plan_is_current(kept, drop, max_rows):
+        write_bytes_atomically(_plan_path(task, drop.partition_key), json.dumps(plan.to_json()).encode("utf-8"))
     return plan
 
 
