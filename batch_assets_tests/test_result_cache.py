@@ -7,6 +7,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import polars as pl
@@ -271,3 +272,31 @@ def results_frame(keys: list[str]) -> pl.DataFrame:
         },
         schema=RESULT_SCHEMA,
     )
+
+
+def test_the_cache_in_the_instance_database_connects_as_the_instance_does(tmp_path: Path) -> None:
+    """Before, its engine was made from the URL alone: an instance whose Postgres password is a token
+    fetched per connection (dagster-postgres' `PgTokenProvider`, a cloud's workload identity) had a
+    cache that could not log in. No server is needed: the token is fetched before connecting."""
+    import inspect
+    from types import SimpleNamespace
+
+    from dagster_postgres.auth import PgTokenProvider
+    from dagster_postgres.run_storage import PostgresRunStorage
+
+    # The private attribute read, as dagster-postgres sets it.
+    assert "self._token_provider = token_provider" in inspect.getsource(PostgresRunStorage.__init__)
+
+    class CountingTokens(PgTokenProvider):
+        fetched = 0
+
+        def _fetch_token(self) -> tuple[str, float]:
+            CountingTokens.fetched += 1
+            return "token", time.time() + 3600
+
+    url = "postgresql+psycopg2://identity@127.0.0.1:9/dagster"
+    instance = SimpleNamespace(run_storage=SimpleNamespace(postgres_url=url, _token_provider=CountingTokens()))
+    assert result_cache.cache_url(UPath(tmp_path), instance) == url
+    with pytest.raises(sa.exc.OperationalError):
+        result_cache.cache_engine(url)  # creating its tables connects: refused, after the token was fetched
+    assert CountingTokens.fetched == 1

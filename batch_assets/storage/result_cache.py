@@ -107,6 +107,7 @@ def cache_url(task_dir: UPath, instance: object | None = None) -> str:
     if url := os.environ.get(URL_ENV):
         return url
     if postgres := instance_postgres_url(instance):
+        _remember_token_provider(postgres, instance)
         return postgres
     if is_local(task_dir):
         return f"sqlite:///{Path(task_dir.path) / '_result_cache' / SQLITE_NAME}"
@@ -125,6 +126,19 @@ def instance_postgres_url(instance: object | None) -> str | None:
     storage = getattr(instance, "run_storage", None)
     url = getattr(storage, "postgres_url", None)
     return url if isinstance(url, str) else None
+
+
+# The instance's database credentials where dagster-postgres fetches them per connection (a cloud's
+# workload identity, `PgTokenProvider`): the cache's engine connects as the instance's storage does.
+_token_providers: dict[str, object] = {}
+
+
+def _remember_token_provider(url: str, instance: object | None) -> None:
+    # dagster-postgres keeps it as a private attribute of its storages, with no public accessor;
+    # batch_assets_tests/test_result_cache.py checks the attribute is still there.
+    provider = getattr(getattr(instance, "run_storage", None), "_token_provider", None)
+    if provider is not None:
+        _token_providers[url] = provider
 
 
 def cache_engine(url: str) -> sa.Engine:
@@ -149,7 +163,11 @@ def _forget_engine(url: str) -> None:
 
 def _create_engine(url: str) -> sa.Engine:
     parsed = sa.make_url(url)
-    if parsed.get_backend_name() != "sqlite":
+    if parsed.get_backend_name() != "sqlite" and url in _token_providers:
+        from dagster_postgres.utils import create_pg_engine
+
+        engine = create_pg_engine(url, _token_providers[url], pool_pre_ping=True)  # type: ignore[arg-type]
+    elif parsed.get_backend_name() != "sqlite":
         engine = sa.create_engine(url, pool_pre_ping=True)
     else:
         if parsed.database:
