@@ -128,6 +128,8 @@ def test_shipped_tasks_take_the_one_gpu_default() -> None:
     assert engine_pod_resources(1, 1) == DEFAULT_RUN_POD
     assert resources["limits"]["nvidia.com/gpu"] == str(DEFAULT_RUN_POD.gpus) == "1"
     assert resources["requests"]["cpu"] == str(DEFAULT_RUN_POD.cpus) == "6"
+    assert resources["requests"]["memory"] == f"{DEFAULT_RUN_POD.memory_gib}Gi" == "32Gi"
+    assert resources["limits"]["memory"] == f"{DEFAULT_RUN_POD.memory_limit_gib}Gi" == "48Gi"
 
 
 @pytest.mark.parametrize(
@@ -157,11 +159,11 @@ def test_a_task_split_over_four_gpus_gets_a_four_gpu_pod(kubeconfig: Path) -> No
 
     pod = run_pod_job(build_launcher(kubeconfig), tags=dict(job_def.tags)).spec.template.spec
     limits = pod.containers[0].resources.limits
-    # The task's tag raises the GPU count and the CPUs vLLM needs for four GPU workers; everything
-    # else still comes from the instance config.
+    # The task's tag raises the GPU count, the CPUs vLLM needs for four GPU workers and the memory of
+    # three more worker processes; everything else still comes from the instance config.
     assert limits["nvidia.com/gpu"] == "4"
-    assert limits["memory"] == "48Gi"
-    assert pod.containers[0].resources.requests == {"cpu": "12", "memory": "32Gi"}
+    assert limits["memory"] == "84Gi"
+    assert pod.containers[0].resources.requests == {"cpu": "12", "memory": "56Gi"}
     assert any(t.key == "nvidia.com/gpu" for t in pod.tolerations)
     assert any(v.name == "dshm" for v in pod.volumes)
 
@@ -171,7 +173,7 @@ def test_data_parallel_replicas_multiply_the_pods_gpus(kubeconfig: Path, tmp_pat
     CPUs for the two engine cores, four workers and the data-parallel coordinator."""
     pod = job_pod(kubeconfig, large_task(tmp_path, 2, 2))
     assert gpus_and_cpus(pod) == ("4", "16")
-    assert pod.containers[0].resources.limits["memory"] == "48Gi"
+    assert pod.containers[0].resources.limits["memory"] == "84Gi"
 
 
 def test_auto_without_the_per_node_setting_is_one_replica(kubeconfig: Path, tmp_path: Path) -> None:

@@ -99,8 +99,8 @@ def the_four_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, 
 # GPUs (limit), CPUs (request), memory (request, limit) of each run's pod.
 EXPECTED_RESOURCES = {
     "default": ("1", "6", "32Gi", "48Gi"),
-    "tp4": ("4", "12", "32Gi", "48Gi"),
-    "auto_on_8": ("8", "36", "32Gi", "48Gi"),
+    "tp4": ("4", "12", "56Gi", "84Gi"),  # before: 32Gi/48Gi whatever the GPUs
+    "auto_on_8": ("8", "36", "88Gi", "132Gi"),
     "endpoint": ("0", "2", "8Gi", "16Gi"),
 }
 

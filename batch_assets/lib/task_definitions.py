@@ -48,14 +48,23 @@ GPUS_PER_NODE_ENV = "BATCH_ASSETS_GPUS_PER_NODE"
 # degrade throughput (its engine core busy-loops): docs "Optimization and Tuning" → "CPU Resources for
 # GPU Deployments". A Kubernetes CPU is one hyperthread on nodes with SMT (cloud GPU nodes have it), so two.
 CPUS_PER_VLLM_PROCESS = 2
+# Host memory (GiB) of a run pod, requested and limit: the run's own process (a shard's rows, the
+# tokenizer) and one GPU's vLLM processes take the instance default (deploy/k8s/dagster.yaml, Helm
+# values); each further GPU adds a worker process, and each further replica an engine core, with a
+# CUDA context, pinned transfer buffers and weights staged through host memory at load. An estimate
+# (no GPU node was measured here): raise it in the task's run tag where a model needs more.
+POD_MEMORY_GIB = (32, 48)
+MEMORY_PER_EXTRA_GPU_GIB = (8, 12)
 
 
 @dataclass(frozen=True)
 class RunPodResources:
-    """What a run pod asks Kubernetes for: GPUs (limit) and CPUs (request)."""
+    """What a run pod asks Kubernetes for: GPUs (limit), CPUs (request) and memory (GiB, request and limit)."""
 
     gpus: int
     cpus: int
+    memory_gib: int = POD_MEMORY_GIB[0]
+    memory_limit_gib: int = POD_MEMORY_GIB[1]
 
 
 def engine_pod_resources(tensor_parallel_size: int, data_parallel_size: int) -> RunPodResources:
@@ -66,7 +75,13 @@ def engine_pod_resources(tensor_parallel_size: int, data_parallel_size: int) -> 
     several replicas, a data-parallel coordinator: `1 + DP + N + (1 if DP > 1)`, one physical core each."""
     gpus = tensor_parallel_size * data_parallel_size
     processes = 1 + data_parallel_size + gpus + (1 if data_parallel_size > 1 else 0)
-    return RunPodResources(gpus=gpus, cpus=CPUS_PER_VLLM_PROCESS * processes)
+    (memory, limit), (more, more_limit) = POD_MEMORY_GIB, MEMORY_PER_EXTRA_GPU_GIB
+    return RunPodResources(
+        gpus=gpus,
+        cpus=CPUS_PER_VLLM_PROCESS * processes,
+        memory_gib=memory + more * (gpus - 1),
+        memory_limit_gib=limit + more_limit * (gpus - 1),
+    )
 
 
 # The run pod of deploy/k8s/dagster.yaml and deploy/helm/values.yaml (one GPU, its CPUs): tasks that
@@ -143,9 +158,12 @@ def run_tags_for(task: TaskSpec) -> dict[str, object]:
     pod = engine_pod_resources(spec.tensor_parallel_size, replicas)
     if pod == DEFAULT_RUN_POD:
         return {}
-    # dagster-k8s merges this into the instance's run pod config key by key: memory, tolerations,
-    # volumes and the Hugging Face token stay as the instance sets them.
-    resources = {"limits": {"nvidia.com/gpu": str(pod.gpus)}, "requests": {"cpu": str(pod.cpus)}}
+    # dagster-k8s merges this into the instance's run pod config key by key: tolerations, volumes
+    # and the Hugging Face token stay as the instance sets them.
+    resources = {
+        "limits": {"nvidia.com/gpu": str(pod.gpus), "memory": f"{pod.memory_limit_gib}Gi"},
+        "requests": {"cpu": str(pod.cpus), "memory": f"{pod.memory_gib}Gi"},
+    }
     return {K8S_CONFIG_TAG: {"container_config": {"resources": resources}}}
 
 
