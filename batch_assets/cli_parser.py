@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_cache_parser(commands) -> None:
     """`cache prune` under the CLI's subcommands."""
     cache = commands.add_parser("cache", help="look after the tasks' result caches")
-    actions = cache.add_subparsers(dest="cache_action", required=True)
+    actions = cache.add_subparsers(dest="cache_action", required=True, help="what to do with the caches")
     pruning = actions.add_parser(
         "prune",
         help="remove cached results by age and by task version (each task's `cache:` settings)",
