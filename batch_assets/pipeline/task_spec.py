@@ -991,13 +991,16 @@ class TaskSpec(_Strict):
             return self
         if self.output.pooling and "max_model_len" not in self.engine.model_fields_set:
             return self  # an embedding task's default is the model's own limit
+        if _CONTEXT_OVERRIDES & set(self.engine.vllm_args):
+            return self  # the model's config is changed at load (e.g. YaRN through hf_overrides): vLLM decides
         limit = model_context_limit(self.model)
         if limit is not None and self.engine.max_model_len > limit:
             default = "" if "max_model_len" in self.engine.model_fields_set else " (the default)"
             source = self.model_override_env if os.environ.get(self.model_override_env) else "engine.model"
             raise SettingError(
                 f"engine.max_model_len {self.engine.max_model_len}{default} exceeds the {limit} tokens the model "
-                f"{self.model} ({source}) takes; set engine.max_model_len to at most {limit}",
+                f"{self.model} ({source}) takes; set engine.max_model_len to at most {limit} (or, where the model "
+                f"takes more through its own settings, {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1)",
                 ("engine", "max_model_len"),
                 ("engine.model",),
             )
@@ -1065,6 +1068,11 @@ _CONTEXT_KEYS = (
     "model_max_length",
     "n_ctx",
 )
+
+
+# engine.vllm_args that change the context a model takes (its config overridden at load, e.g. YaRN
+# RoPE scaling through hf_overrides): the config's lengths say nothing then; vLLM's check at start decides.
+_CONTEXT_OVERRIDES = frozenset({"hf_overrides"})
 
 
 def model_context_limit(model: str) -> int | None:
