@@ -340,12 +340,19 @@ def test_a_step_that_starts_after_a_stop_was_asked_for_does_not_start(monkeypatc
 def test_a_new_version_too_small_to_split_still_outdates_the_old_shards(data_dir: Path) -> None:
     """Before, the old plan stayed kept: a shard of the old version still running stored its output
     beside the new whole-file partition's."""
+    from batch_assets.pipeline.task_spec import load_tasks
+    from batch_assets.storage.partition_registration import file_partitions
+
+    task = next(task for task in load_tasks().tasks if task.name == TASK)
+    task = task.model_copy(update={"input": task.input.model_copy(update={"max_rows_per_partition": 50})})
     path = drop(data_dir, TASK, "posts.jsonl", _posts(200, "v1"))
     first = find_drop_file(TASK, "posts.jsonl")
-    old_keys = file_partition_keys(TASK, first, 50)
-    assert len(old_keys) == 4
-    pinned = {SHARD_VERSIONS_TAG: json.dumps({key: version_digest(first.version) for key in old_keys})}
-    path.write_text('{"text": "v2"}\n')
-    os.utime(path, (1_900_000_000, 1_900_000_000))
-    assert file_partition_keys(TASK, find_drop_file(TASK, "posts.jsonl"), 50) == ["posts.jsonl"]
+    with dg.instance_for_test() as instance:
+        old_keys = file_partitions(instance, task, first, [], say=print)
+        assert len(old_keys) == 4
+        pinned = {SHARD_VERSIONS_TAG: json.dumps({key: version_digest(first.version) for key in old_keys})}
+        path.write_text('{"text": "v2"}\n')
+        os.utime(path, (1_900_000_000, 1_900_000_000))
+        new_keys = file_partitions(instance, task, find_drop_file(TASK, "posts.jsonl"), old_keys, say=print)
+    assert new_keys == ["posts.jsonl"]
     assert outdated_shards(TASK, old_keys, pinned) == old_keys

@@ -67,9 +67,9 @@ from batch_assets.storage.drop_files import (
 )
 from batch_assets.storage.locations import drop_zone
 from batch_assets.storage.shards import (
-    delete_partition_outputs,
     file_partition_keys,
     partitions_by_file,
+    retire,
     retired_partitions,
     split_cost,
 )
@@ -535,14 +535,16 @@ def _tick_requests(
     existing = set(ordered)
     # Added oldest file first: the partitions' order, which decides the ranges, is arrival order.
     new_partitions = list(dict.fromkeys(key for drop, _ in plan.to_run for key in keys_of(drop) if key not in existing))
-    retired = [
-        key
+    retired_by_file = [
+        (drop, retired_partitions(registered.get(drop.partition_key, []), drop.partition_key, keys_of(drop)))
         for drop, _ in plan.to_run
-        for key in retired_partitions(registered.get(drop.partition_key, []), drop.partition_key, keys_of(drop))
     ]
+    retired = [key for _, keys in retired_by_file for key in keys]
     if retired:
         context.log.info(f"retiring partitions the new file versions split differently: {retired}")
-        delete_partition_outputs(task.name, retired)
+        for drop, keys in retired_by_file:
+            if keys:
+                retire(task.name, drop, keys_of(drop), keys, task.input.shard_rows)
     # New partitions are added in this order before the tick's runs are created.
     run_requests = run_requests_for(
         plan.to_run,

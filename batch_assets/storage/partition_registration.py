@@ -17,7 +17,7 @@ from sqlalchemy.exc import IntegrityError
 
 from batch_assets.pipeline.read_prompts import DropFileError
 from batch_assets.storage.drop_files import DropFile, partitions_def_name
-from batch_assets.storage.shards import delete_partition_outputs, file_partition_keys, retired_partitions
+from batch_assets.storage.shards import file_partition_keys, retire, retired_partitions
 
 if TYPE_CHECKING:
     import dagster as dg
@@ -69,7 +69,7 @@ def file_partitions(
     retired = retired_partitions(registered, drop.partition_key, keys)
     if retired:
         say(f"{drop.relative_path}: split differently than before; retiring partitions {', '.join(retired)}")
-        delete_partition_outputs(task.name, retired)
+        retire(task.name, drop, keys, retired, task.input.shard_rows)
         for key in retired:
             instance.delete_dynamic_partition(partitions_name, key)
     return keys

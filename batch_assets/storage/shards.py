@@ -95,10 +95,8 @@ def shard_plan(task: str, drop: DropFile, max_rows: int | None) -> ShardPlan:
     the outputs of the old shards after it is kept, so `<file key>~*` never mixes versions: a shard
     of the old version still running notices the new plan once it has written, and removes its own
     output (`outdated_shards`)."""
-    if max_rows is None:
-        return ShardPlan(drop.version, 0, ())
-    if not _needs_a_pass(drop, max_rows):
-        return _unsplit(task, drop, max_rows)
+    if max_rows is None or not _needs_a_pass(drop, max_rows):
+        return ShardPlan(drop.version, max_rows or 0, ())
     kept = kept_shard_plan(task, drop.partition_key)
     if _plan_is_current(kept, drop, max_rows):
         assert kept is not None
@@ -115,15 +113,16 @@ def shard_plan(task: str, drop: DropFile, max_rows: int | None) -> ShardPlan:
     return plan
 
 
-def _unsplit(task: str, drop: DropFile, max_rows: int) -> ShardPlan:
-    """The plan of a version too small to split. When an earlier version was split, this plan is kept
-    in its place, so that a shard of that version still running finds its file replaced and removes
-    its output instead of leaving it beside the new whole-file one."""
-    plan = ShardPlan(drop.version, max_rows, ())
-    kept = kept_shard_plan(task, drop.partition_key)
-    if kept is not None and kept.shards and not _plan_is_current(kept, drop, max_rows):
+def retire(task: str, drop: DropFile, current: list[str], retired: list[str], max_rows: int | None) -> None:
+    """Delete the outputs of the partitions the file's current version no longer has. When that
+    version is one partition but an earlier one was split, a plan saying so is kept first, so that a
+    shard of the earlier version still running finds its file replaced and removes its output
+    instead of leaving it beside the new whole-file one (only then: a lookup per file would make a
+    tick over thousands of files as many requests)."""
+    if current == [drop.partition_key] and any(shard_index_of(key) is not None for key in retired):
+        plan = ShardPlan(drop.version, max_rows or 0, ())
         write_bytes_atomically(_plan_path(task, drop.partition_key), json.dumps(plan.to_json()).encode("utf-8"))
-    return plan
+    delete_partition_outputs(task, retired)
 
 
 def _needs_a_pass(drop: DropFile, max_rows: int) -> bool:
