@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, TextIO
 from batch_assets.cli_parser import build_parser
 from batch_assets.lib.commands import command_cache, command_tasks
 from batch_assets.runtime.instance import dagster_home, prepare_instance
-from batch_assets.runtime.interrupts import watch_stop_signals
+from batch_assets.runtime.interrupts import STOPPED, watch_stop_signals
 from batch_assets.runtime.process_exit import exit_without_teardown
 
 if TYPE_CHECKING:
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         # The console script (no argv given) leaves without the interpreter's teardown (~2 s once vLLM is in).
         return exit_without_teardown(code) if argv is None else code
     except KeyboardInterrupt:
-        TERMINAL.say("stopped (interrupted)")
+        TERMINAL.say(STOPPED)
         return 130
     except Exception as error:  # noqa: BLE001 - the user gets one line; the details go to a log file
         if _is_refusal(error):

@@ -243,13 +243,13 @@ def outdated_shards(task: str, partition_keys: Iterable[str], run_tags: Mapping[
     read (`SHARD_VERSIONS_TAG` of the run's tags): a new version was registered meanwhile, and their
     outputs must not be stored (see `shard_plan`)."""
     read = json.loads(run_tags.get(SHARD_VERSIONS_TAG, "{}"))
-    outdated = []
-    for key in partition_keys:
-        if key in read:
-            plan = kept_shard_plan(task, file_key_of(key))
-            if plan is None or version_digest(plan.version) != read[key]:
-                outdated.append(key)
-    return outdated
+    # One plan read per file, not per shard: a range of a big file's shards shares one plan.
+    plans = {file_key: kept_shard_plan(task, file_key) for file_key in {file_key_of(key) for key in read}}
+    return [
+        key
+        for key in partition_keys
+        if key in read and ((plan := plans[file_key_of(key)]) is None or version_digest(plan.version) != read[key])
+    ]
 
 
 def outdated_shards_message(task: str, keys: list[str]) -> str:
