@@ -66,9 +66,13 @@ def test_invalid_tasks_name_the_file_and_the_problem(tmp_path: Path, body: str, 
 
 
 def test_model_override_applies_to_every_task(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from batch_assets.engines.kinds import resolve_settings
+
     write(tmp_path, "one", GOOD)
     monkeypatch.setenv("BATCH_ASSETS_MODEL", "/models/other")
-    assert load_task_specs(tmp_path)[0].model == "/models/other"
+    [task] = load_task_specs(tmp_path)
+    assert task.engine.model == "embedded:SmolLM2-135M-Instruct"  # the spec is the YAML's alone
+    assert resolve_settings(task).model == "/models/other"
 
 
 @pytest.mark.parametrize(
@@ -396,12 +400,15 @@ def test_max_model_len_is_checked_against_a_local_model_folders_config(
     default = HEAD + f"output: {{kind: text}}\nengine:\n  model: {model}\n"
     with pytest.raises(TaskSpecError, match=r"engine.max_model_len 2048 \(the default\) exceeds the 1024 tokens"):
         load_task_spec(write(tmp_path, "default", default))
-    # The model that runs is checked: an override names itself.
+    # The model that runs is checked where the engine chooses it: an override names itself.
+    from batch_assets.engines.kinds import resolve_settings
+
     monkeypatch.setenv("BATCH_ASSETS_MODEL", str(model))
+    overridden = load_task_spec(write(tmp_path, "overridden", HEAD + "output: {kind: text}\n"))
     with pytest.raises(
         TaskSpecError, match=r"the model .*/model \(BATCH_ASSETS_MODEL\) takes; set engine.max_model_len"
     ):
-        load_task_spec(write(tmp_path, "overridden", HEAD + "output: {kind: text}\n"))
+        resolve_settings(overridden)
     # vLLM's own switch to go past the trained length turns the check off.
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     assert load_task_spec(write(tmp_path, "allowed", body.replace("LENGTH", "8192"))).engine.max_model_len == 8192
