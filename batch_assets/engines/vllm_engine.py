@@ -764,7 +764,8 @@ class VLLMEngine(dg.ConfigurableResource):
         versions, the model check, `batch-assets tasks` and `settings`. A chat task runs this
         resource's `model`, else BATCH_ASSETS_MODEL, else its `engine.model`; an embedding or
         similarity task runs BATCH_ASSETS_EMBEDDING_MODEL, else its `engine.model` (the resource's
-        `model` is a chat model). A context too long for a model chosen here is refused now."""
+        `model` is a chat model). A context too long for the model chosen here is refused now, before
+        anything is read or formatted."""
         spec = task.engine
         variable = EMBEDDING_MODEL_OVERRIDE_ENV if task.output.pooling else MODEL_OVERRIDE_ENV
         if self.model and not task.output.pooling:
@@ -774,11 +775,10 @@ class VLLMEngine(dg.ConfigurableResource):
         else:
             model, setting = spec.model, f"`engine.model` in the task file of {task.name!r}"
         check_vllm_args(self.vllm_args)
-        if model != spec.model or self.max_model_len:  # the YAML alone was checked when the task loaded
-            length_setting = "`max_model_len` of the vLLM engine resource" if self.max_model_len else None
-            problem = max_model_len_problem(task, model, setting, self.max_model_len, length_setting)
-            if problem:
-                raise TaskSpecError(f"task {task.name!r}: {problem}")
+        length_setting = "`max_model_len` of the vLLM engine resource" if self.max_model_len else None
+        problem = max_model_len_problem(task, model, setting, self.max_model_len, length_setting)
+        if problem:
+            raise TaskSpecError(f"task {task.name!r}: {problem}")
         return ResolvedSettings(
             kind="vllm",
             model=model,

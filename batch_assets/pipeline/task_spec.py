@@ -35,7 +35,7 @@ TASK_NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 # The largest count a setting may hold: vLLM and torch keep token counts and positions as int32,
 # so anything beyond is a typo that would fail only at inference.
 MAX_COUNT = 2**31 - 1
-# The embedded models' own limits (tokens), so a task's max_model_len is checked at load without
+# The embedded models' own limits (tokens), so a task's max_model_len is checked before a run without
 # converting or opening them: SmolLM2's GGUF `llama.context_length`, all-MiniLM-L6-v2's
 # sentence-transformers `max_seq_length` (what vLLM's pooling runner takes; tests read both files).
 EMBEDDED_MODEL_LIMITS = {EMBEDDED_MODEL: 8192, EMBEDDED_EMBEDDING_MODEL: 256}
@@ -396,7 +396,8 @@ class EngineSpec(_Strict):
     tokenizer: str | None = None
 
     model: str = EMBEDDED_MODEL
-    # At most the model's own limit (checked at load for a local folder and the embedded models).
+    # At most the model's own limit (checked by the vLLM engine's `resolve` for a local folder and the
+    # embedded models).
     max_model_len: int = Field(default=2048, gt=0, le=MAX_COUNT)
     tensor_parallel_size: int = Field(default=1, ge=1, le=MAX_COUNT)
     # Engine replicas on one node (vLLM data parallelism); `auto`: visible GPUs / tensor_parallel_size,
@@ -943,15 +944,6 @@ class TaskSpec(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _max_model_len_fits_the_model(self) -> TaskSpec:
-        # The YAML's own model; one chosen by the engine's resource or the environment is checked
-        # where the engine decides it (`resolve` in engines/).
-        problem = max_model_len_problem(self, self.engine.model, "engine.model")
-        if problem:
-            raise SettingError(problem, ("engine", "max_model_len"), ("engine.model",))
-        return self
-
-    @model_validator(mode="after")
     def _gold_settings_fit_the_output(self) -> TaskSpec:
         if self.checks.gold_json_field and self.output.kind != "json_schema":
             raise SettingError(
@@ -996,10 +988,11 @@ def max_model_len_problem(
     """Why the task's context does not fit `model` (chosen by `model_setting`), or None.
 
     vLLM refuses a context longer than the model's own only when the engine starts, after the files
-    were read and formatted; an endpoint's model is the server's business. `max_model_len`: a context
-    set outside the YAML (by `length_setting`), else the task's own.
+    were read and formatted, so the vLLM engine asks this where it decides the model (`resolve`);
+    an endpoint's model is the server's business. `max_model_len`: a context set outside the YAML
+    (by `length_setting`), else the task's own.
     """
-    if task.engine.kind != "vllm" or os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "0").strip().lower() in ("1", "true"):
+    if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "0").strip().lower() in ("1", "true"):
         return None
     explicit = max_model_len is not None or "max_model_len" in task.engine.model_fields_set
     if task.output.pooling and not explicit:
