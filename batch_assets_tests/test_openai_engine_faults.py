@@ -515,3 +515,6 @@ def test_a_run_resolves_the_endpoint_settings_once_per_step_not_per_batch(
     assert result.success, failure_messages(result)
     assert fault_server.attempts["*"] == len(POSTS)
     assert made == ["sentiment", "sentiment"]
+    metadata = result.asset_materializations_for_node("sentiment__inference_outputs")[0].metadata
+    assert metadata["model"].value == MODEL
+    assert metadata["model_chosen_by"].value == "`engine.model` in the task file of 'sentiment'"
