@@ -340,9 +340,10 @@ def test_too_long_max_model_len_names_the_setting_and_the_limit(cli_env) -> None
     posts = tmp_path / "posts.jsonl"
     posts.write_text('{"text": "fine"}\n')
     result = run_cli(["run", "sentiment", str(posts)], {**env, "BATCH_ASSETS_TASKS_DIR": str(tasks)}, tmp_path)
-    assert result.returncode == 1
-    [line] = summary_lines(result.stdout)
-    assert "engine.max_model_len 100000 is more than the model's context length (2048 tokens)" in line
+    # Refused before anything is copied or started, naming the model that runs (BATCH_ASSETS_MODEL here).
+    assert result.returncode == 2
+    assert "engine.max_model_len 100000 exceeds the 2048 tokens the model" in result.stdout
+    assert "(BATCH_ASSETS_MODEL) takes; set engine.max_model_len to at most 2048" in result.stdout
     assert "pydantic" not in result.stdout and "Traceback" not in result.stdout + result.stderr
 
 
