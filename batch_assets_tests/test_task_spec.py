@@ -440,6 +440,28 @@ def test_max_model_len_is_checked_against_the_model_that_runs(tmp_path: Path, mo
     )
 
 
+def test_a_context_the_model_takes_through_its_overrides_is_left_to_vllm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen3's documented long context: a 40,960-token config made 131,072 by YaRN in `hf_overrides`.
+    Before, the load-time bound read only config.json and refused it."""
+    from batch_assets.engines.kinds import resolve_settings
+
+    monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 40960}')
+    body = HEAD + f"output: {{kind: text}}\nengine:\n  model: {model}\n  max_model_len: 131072\n"
+    with pytest.raises(TaskSpecError, match="to at most 40960 .*VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"):
+        resolve_settings(load_task_spec(write(tmp_path, "plain", body)))
+    yarn = (
+        "  vllm_args:\n"
+        "    hf_overrides: {rope_scaling: {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}}\n"
+    )
+    assert resolve_settings(load_task_spec(write(tmp_path, "yarn", body + yarn))).max_model_len == 131072
+
+
 def test_the_embedded_models_limits_are_what_their_files_say() -> None:
     import gguf
 

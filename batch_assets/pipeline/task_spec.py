@@ -1005,6 +1005,8 @@ def max_model_len_problem(
     """
     if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "0").strip().lower() in ("1", "true"):
         return None
+    if _CONTEXT_OVERRIDES & set(task.engine.vllm_args):
+        return None  # the model's config is changed at load (e.g. YaRN through hf_overrides): vLLM decides
     explicit = max_model_len is not None or "max_model_len" in task.engine.model_fields_set
     if task.output.pooling and not explicit:
         return None  # an embedding task's default is the model's own limit
@@ -1015,8 +1017,14 @@ def max_model_len_problem(
     default = "" if explicit else " (the default)"
     return (
         f"engine.max_model_len {length}{default} exceeds the {limit} tokens the model {model} ({model_setting}) "
-        f"takes; set {length_setting or 'engine.max_model_len'} to at most {limit}"
+        f"takes; set {length_setting or 'engine.max_model_len'} to at most {limit} (or, where the model "
+        f"takes more through its own settings, {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1)"
     )
+
+
+# engine.vllm_args that change the context a model takes (its config overridden at load, e.g. YaRN
+# RoPE scaling through hf_overrides): the config's lengths say nothing then; vLLM's check at start decides.
+_CONTEXT_OVERRIDES = frozenset({"hf_overrides"})
 
 
 # config.json keys that hold a model's trained length; vLLM takes the smallest it finds, this check the
