@@ -73,9 +73,11 @@ def test_embedding_and_similarity_tasks_may_use_an_endpoint(tmp_path: Path) -> N
 def test_model_overrides_keep_chat_and_embedding_models_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BATCH_ASSETS_MODEL", "/models/chat")
     monkeypatch.setenv("BATCH_ASSETS_EMBEDDING_MODEL", "/models/embedder")
-    assert load_task_spec(write(tmp_path, EMBED)).model == "/models/embedder"
+    from batch_assets.engines.kinds import resolve_settings
+
+    assert resolve_settings(load_task_spec(write(tmp_path, EMBED))).model == "/models/embedder"
     chat = EMBED.replace("output: {kind: embedding}", "output: {kind: text}")
-    assert load_task_spec(write(tmp_path, chat, "chat")).model == "/models/chat"
+    assert resolve_settings(load_task_spec(write(tmp_path, chat, "chat"))).model == "/models/chat"
 
 
 @pytest.mark.parametrize(
@@ -133,7 +135,11 @@ def test_settings_that_do_not_fit_embeddings_are_refused_at_load(tmp_path: Path,
 
 
 def test_new_settings_leave_the_code_versions_of_existing_tasks_alone(tmp_path: Path) -> None:
-    from batch_assets.pipeline.code_versions import code_versions
+    from batch_assets.engines.kinds import resolve_settings
+    from batch_assets.pipeline.code_versions import code_versions as versions_with
+
+    def code_versions(task):
+        return versions_with(task, resolve_settings(task))
 
     chat = "input: {text_fields: [text]}\nprompt: {template: '{text}'}\noutput: {kind: choices, choices: [a, b]}\n"
     before = code_versions(load_task_spec(write(tmp_path, chat, "a")))

@@ -96,7 +96,7 @@ def test_a_text_the_server_refuses_is_an_error_row_and_the_rest_of_its_request_i
     task = base.model_copy(update={"engine": base.engine.model_copy(update=engine_settings)})
     engine = OpenAIEngine()
     texts = ["A ferry leaves hourly.", "word " * 300, "Fresh bread every day."]
-    prompts = embedding_encoder(engine.tokenizer(task), 512, False)(texts)
+    prompts = embedding_encoder(engine.tokenizer(engine.settings(task)), 512, False)(texts)
     generations = engine.generate(task, prompts)
     assert [g.error is None for g in generations] == [True, False, True]
     assert generations[1].error.startswith("endpoint_error: HTTP 400"), generations[1].error

@@ -293,12 +293,16 @@ def test_the_engine_of_a_blocks_last_stream_shuts_down_in_the_background_as_the_
 
     task = load_task_spec(task_file(tmp_path, "  max_model_len: 1024\n"))
     engine = VLLMEngine()
-    warm = _StreamingEngine(engine.settings(task))
+    settings = engine.settings(task)
+    warm = _StreamingEngine(settings)
     # As at the top level of a process (the test session keeps a block of its own around every test).
     monkeypatch.setattr(PROCESS_ENGINE, "wanted_later", lambda: False)
     monkeypatch.setattr(PROCESS_ENGINE, "_engine", warm)
     try:
-        with keep_engine_warm(wanted_later=lambda: wanted_later), engine.session(task) as session:
+        with (
+            keep_engine_warm(wanted_later=lambda: wanted_later),
+            engine.session(task, engine.settings(task)) as session,
+        ):
             early = session.stream([Prompt((1, 2)), Prompt((3,))])
             next(early)
             early.close()
@@ -320,13 +324,12 @@ def test_on_a_gpu_the_step_frees_the_pool_slot_only_once_its_background_shutdown
     task = load_task_spec(task_file(tmp_path, "  max_model_len: 1024\n"))
     engine = VLLMEngine()
     on_gpu = dataclasses.replace(engine.settings(task), on_gpu=True)
-    monkeypatch.setattr(VLLMEngine, "settings", lambda self, task: on_gpu)
     warm = _StreamingEngine(on_gpu, shutdown_seconds=0.5)
     monkeypatch.setattr(PROCESS_ENGINE, "wanted_later", lambda: False)
     monkeypatch.setattr(PROCESS_ENGINE, "_engine", warm)
     try:
         with keep_engine_warm(wanted_later=lambda: False):
-            with engine.session(task) as session:
+            with engine.session(task, on_gpu) as session:
                 assert len(list(session.stream([Prompt((1, 2))]))) == 1
             # The step's session has ended (its pool slot is freed next): the engine is gone.
             assert warm.stopped and warm.shut_down_on == "vllm-engine-shutdown"

@@ -185,7 +185,8 @@ def test_the_stream_returns_every_result_once_honours_per_request_overrides_and_
     task = sentiment(
         engine={"vllm_args": {"max_num_seqs": 8}}
     )  # window of 16 requests: prompts are pulled in many top-ups
-    tokenizer = engine.tokenizer(task)
+    settings = engine.settings(task)
+    tokenizer = engine.tokenizer(settings)
     prompts = [
         Prompt(tuple(tokenizer(f"post {i}: the parcel arrived late", add_special_tokens=False)["input_ids"]))
         for i in range(60)
@@ -197,7 +198,7 @@ def test_the_stream_returns_every_result_once_honours_per_request_overrides_and_
             pulled.append(i)
             yield prompt
 
-    with engine.session(task) as session:
+    with engine.session(task, settings) as session:
         streamed, pulled_at_first_result = {}, None
         for position, generation in session.stream(lazily(prompts)):
             pulled_at_first_result = len(pulled) if pulled_at_first_result is None else pulled_at_first_result
@@ -265,12 +266,13 @@ def test_two_data_parallel_engine_replicas_give_the_labels_of_one(tiny_model: st
     labels = {}
     for size in ("1", "2"):
         engine = VLLMEngine(data_parallel_size=size)
-        assert engine.settings(task).data_parallel_size == int(size)
-        tokenizer = engine.tokenizer(task)
+        settings = engine.settings(task)
+        assert settings.data_parallel_size == int(size)
+        tokenizer = engine.tokenizer(settings)
         prompts = [
             Prompt(tuple(tokenizer(f"post {i}: late again", add_special_tokens=False)["input_ids"])) for i in range(40)
         ]
-        with engine.session(task) as session:
+        with engine.session(task, settings) as session:
             labels[size] = [g.text for _, g in sorted(session.stream(prompts), key=lambda item: item[0])]
         PROCESS_ENGINE.shutdown()
     assert labels["1"] == labels["2"] and set(labels["2"]) <= {"positive", "negative", "neutral"}

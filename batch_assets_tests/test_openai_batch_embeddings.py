@@ -209,7 +209,7 @@ def test_output_lines_are_the_embeddings_response_and_failed_lines_go_to_the_err
 def test_shipped_task_loads_and_a_chat_model_is_refused_for_it(tmp_path: Path) -> None:
     task = load_task_spec(BUNDLED_TASKS_DIR / f"{TASK}.yaml")
     assert task.input.format == "openai_batch" and task.output.kind == "embedding" and task.output.pooling
-    assert task.model == "embedded:all-MiniLM-L6-v2"
+    assert task.engine.model == "embedded:all-MiniLM-L6-v2"
     path = tmp_path / "vectors.yaml"
     path.write_text(
         "input: {format: openai_batch}\noutput: {kind: embedding}\nengine: {model: 'embedded:SmolLM2-135M-Instruct'}\n"

@@ -285,7 +285,7 @@ def test_transient_faults_are_retried_and_every_row_succeeds(
     }
     task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path)
     engine = OpenAIEngine()
-    tokenizer = engine.tokenizer(task)
+    tokenizer = engine.tokenizer(engine.settings(task))
     prompts = [Prompt(tuple(tokenizer(p)["input_ids"]), ({"role": "user", "content": p},)) for p in POSTS]
     generations = engine.generate(task, prompts)
     assert [g.error for g in generations] == [None] * len(POSTS)
@@ -492,3 +492,29 @@ def test_endpoint_settings_are_checked_without_echoing_secrets(tmp_path: Path, t
     no_server = task.model_copy(update={"engine": task.engine.model_copy(update={"base_url": None})})
     with pytest.raises(EndpointError, match="set `engine.base_url`"):
         OpenAIEngine().settings(no_server)
+
+
+def test_a_run_resolves_the_endpoint_settings_once_per_step_not_per_batch(
+    tmp_path: Path,
+    data_dir: Path,
+    tiny_model_path: str,
+    fault_server: FaultServer,
+    endpoint_key: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """formatted_prompts and inference_outputs each work out the settings once and hand them to the
+    tokenizer, the session and every batch (three batches of two here)."""
+    task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path, batch_size=2)
+    drop(data_dir, "sentiment", "posts.jsonl", posts_jsonl(POSTS))
+    defs = build_definitions(tasks=[task])
+    made = []
+    settings = OpenAIEngine.settings
+    monkeypatch.setattr(OpenAIEngine, "settings", lambda self, task: made.append(task.name) or settings(self, task))
+    with dg.instance_for_test() as instance:
+        _, result = run_partition("sentiment", "posts.jsonl", instance, defs)
+    assert result.success, failure_messages(result)
+    assert fault_server.attempts["*"] == len(POSTS)
+    assert made == ["sentiment", "sentiment"]
+    metadata = result.asset_materializations_for_node("sentiment__inference_outputs")[0].metadata
+    assert metadata["model"].value == MODEL
+    assert metadata["model_chosen_by"].value == "`engine.model` in the task file of 'sentiment'"

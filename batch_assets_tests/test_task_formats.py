@@ -69,9 +69,9 @@ def test_what_each_kind_asks_of_inference() -> None:
     industry = by_name["industry"]
     assert industry.max_tokens == industry.task.sampling.max_tokens
     # What the demo prints beside each sample's accuracy.
-    assert industry.labelled_by() == f"chat model {industry.task.model}, structured outputs"
+    assert industry.labelled_by("/models/chat") == "chat model /models/chat, structured outputs"
     similarity = by_name["industry_similarity"]
-    assert similarity.labelled_by() == f"embedding similarity, {similarity.task.model}"
+    assert similarity.labelled_by("embedded:all-MiniLM-L6-v2") == "embedding similarity, embedded:all-MiniLM-L6-v2"
     assert industry.deduplicate == industry.task.sampling.deterministic
     # What a validated row carries names its output checks; only closed label sets are counted.
     assert {name for name, fmt in by_name.items() if fmt.result == "embeddings"} == {

@@ -66,9 +66,13 @@ def test_invalid_tasks_name_the_file_and_the_problem(tmp_path: Path, body: str, 
 
 
 def test_model_override_applies_to_every_task(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from batch_assets.engines.kinds import resolve_settings
+
     write(tmp_path, "one", GOOD)
     monkeypatch.setenv("BATCH_ASSETS_MODEL", "/models/other")
-    assert load_task_specs(tmp_path)[0].model == "/models/other"
+    [task] = load_task_specs(tmp_path)
+    assert task.engine.model == "embedded:SmolLM2-135M-Instruct"  # the spec is the YAML's alone
+    assert resolve_settings(task).model == "/models/other"
 
 
 @pytest.mark.parametrize(
@@ -285,17 +289,6 @@ HEAD = 'input: {text_fields: [text]}\nprompt: {system: "Classify.", template: "T
             HEAD + "output: {kind: text}\nengine: {kv_cache_memory_gib: 1.0e+12}\n",
             "engine.kv_cache_memory_gib (line 4): Input should be less than or equal to 1048576",
         ),
-        # More context than the (embedded) model was trained for: vLLM would refuse it at start-up.
-        (
-            HEAD + "output: {kind: text}\nengine:\n  max_model_len: 100000\n",
-            "line 5: engine.max_model_len 100000 exceeds the 8192 tokens the model "
-            "embedded:SmolLM2-135M-Instruct (engine.model) takes; set engine.max_model_len to at most 8192",
-        ),
-        (
-            'input: {text_fields: [text]}\nprompt: {template: "{text}"}\noutput: {kind: embedding}\n'
-            "engine:\n  max_model_len: 512\n",
-            "line 5: engine.max_model_len 512 exceeds the 256 tokens the model embedded:all-MiniLM-L6-v2",
-        ),
     ],
 )
 def test_hostile_task_files_are_refused_naming_file_key_and_line(tmp_path: Path, body: str, expected: str) -> None:
@@ -381,30 +374,70 @@ def test_settings_near_the_limits_still_load(tmp_path: Path) -> None:
     assert runs.runs.max_partitions_per_run == 1000
 
 
-def test_max_model_len_is_checked_against_a_local_model_folders_config(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (
+            HEAD + "output: {kind: text}\nengine:\n  max_model_len: 100000\n",
+            "task 'long': engine.max_model_len 100000 exceeds the 8192 tokens the model "
+            "embedded:SmolLM2-135M-Instruct (`engine.model` in the task file of 'long') takes; "
+            "set engine.max_model_len to at most 8192",
+        ),
+        (
+            'input: {text_fields: [text]}\nprompt: {template: "{text}"}\noutput: {kind: embedding}\n'
+            "engine:\n  max_model_len: 512\n",
+            "engine.max_model_len 512 exceeds the 256 tokens the model embedded:all-MiniLM-L6-v2",
+        ),
+    ],
+)
+def test_more_context_than_the_embedded_model_takes_is_refused_before_a_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str, expected: str
 ) -> None:
+    """vLLM would refuse it at start-up, after the files were read and formatted."""
+    from batch_assets.engines.kinds import resolve_settings
+
+    monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
+    monkeypatch.delenv("BATCH_ASSETS_EMBEDDING_MODEL", raising=False)
+    task = load_task_spec(write(tmp_path, "long", body))
+    with pytest.raises(TaskSpecError) as refused:
+        resolve_settings(task)
+    assert expected in str(refused.value)
+
+
+def test_max_model_len_is_checked_against_the_model_that_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from batch_assets.engines.kinds import resolve_settings
+
+    monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"max_position_embeddings": 1024, "rope_scaling": {"factor": 4.0}}')
     body = HEAD + f"output: {{kind: text}}\nengine:\n  model: {model}\n  max_model_len: LENGTH\n"
-    assert load_task_spec(write(tmp_path, "fits", body.replace("LENGTH", "4096"))).engine.max_model_len == 4096
-    with pytest.raises(TaskSpecError, match=r"line 6: engine.max_model_len 4097 exceeds the 4096"):
-        load_task_spec(write(tmp_path, "over", body.replace("LENGTH", "4097")))
+    assert (
+        resolve_settings(load_task_spec(write(tmp_path, "fits", body.replace("LENGTH", "4096")))).max_model_len == 4096
+    )
+    with pytest.raises(TaskSpecError, match=r"engine.max_model_len 4097 exceeds the 4096"):
+        resolve_settings(load_task_spec(write(tmp_path, "over", body.replace("LENGTH", "4097"))))
     # The default counts too: it is what vLLM would be asked for.
     (model / "config.json").write_text('{"max_position_embeddings": 1024}')
-    default = HEAD + f"output: {{kind: text}}\nengine:\n  model: {model}\n"
+    default = load_task_spec(write(tmp_path, "default", HEAD + f"output: {{kind: text}}\nengine:\n  model: {model}\n"))
     with pytest.raises(TaskSpecError, match=r"engine.max_model_len 2048 \(the default\) exceeds the 1024 tokens"):
-        load_task_spec(write(tmp_path, "default", default))
-    # The model that runs is checked: an override names itself.
+        resolve_settings(default)
+    # An override names itself; and a longer model chosen by it lifts the YAML model's limit.
     monkeypatch.setenv("BATCH_ASSETS_MODEL", str(model))
+    overridden = load_task_spec(write(tmp_path, "overridden", HEAD + "output: {kind: text}\n"))
     with pytest.raises(
         TaskSpecError, match=r"the model .*/model \(BATCH_ASSETS_MODEL\) takes; set engine.max_model_len"
     ):
-        load_task_spec(write(tmp_path, "overridden", HEAD + "output: {kind: text}\n"))
+        resolve_settings(overridden)
+    (model / "config.json").write_text('{"max_position_embeddings": 32768}')
+    longer = load_task_spec(write(tmp_path, "longer", HEAD + "output: {kind: text}\nengine: {max_model_len: 16384}\n"))
+    assert resolve_settings(longer).max_model_len == 16384  # past the embedded model's 8192: fine here
     # vLLM's own switch to go past the trained length turns the check off.
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
-    assert load_task_spec(write(tmp_path, "allowed", body.replace("LENGTH", "8192"))).engine.max_model_len == 8192
+    assert (
+        resolve_settings(load_task_spec(write(tmp_path, "allowed", body.replace("LENGTH", "8192")))).max_model_len
+        == 8192
+    )
 
 
 def test_a_context_the_model_takes_through_its_overrides_is_left_to_vllm(
@@ -412,6 +445,8 @@ def test_a_context_the_model_takes_through_its_overrides_is_left_to_vllm(
 ) -> None:
     """Qwen3's documented long context: a 40,960-token config made 131,072 by YaRN in `hf_overrides`.
     Before, the load-time bound read only config.json and refused it."""
+    from batch_assets.engines.kinds import resolve_settings
+
     monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
     monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
     model = tmp_path / "model"
@@ -419,12 +454,12 @@ def test_a_context_the_model_takes_through_its_overrides_is_left_to_vllm(
     (model / "config.json").write_text('{"max_position_embeddings": 40960}')
     body = HEAD + f"output: {{kind: text}}\nengine:\n  model: {model}\n  max_model_len: 131072\n"
     with pytest.raises(TaskSpecError, match="to at most 40960 .*VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"):
-        load_task_spec(write(tmp_path, "plain", body))
+        resolve_settings(load_task_spec(write(tmp_path, "plain", body)))
     yarn = (
         "  vllm_args:\n"
         "    hf_overrides: {rope_scaling: {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}}\n"
     )
-    assert load_task_spec(write(tmp_path, "yarn", body + yarn)).engine.max_model_len == 131072
+    assert resolve_settings(load_task_spec(write(tmp_path, "yarn", body + yarn))).max_model_len == 131072
 
 
 def test_the_embedded_models_limits_are_what_their_files_say() -> None:

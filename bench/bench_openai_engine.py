@@ -133,7 +133,7 @@ def main() -> None:
     )
 
     def in_process(batch):
-        with local_engine.session(task) as session:
+        with local_engine.session(task, local_engine.settings(task)) as session:
             return [g for _, g in sorted(session.stream(batch), key=lambda item: item[0])]
 
     engines = {"in_process": in_process}

@@ -24,7 +24,8 @@ from batch_assets.engines.embedded_model import (
     embedding_model_dir,
     gguf_path,
 )
-from batch_assets.pipeline.task_spec import TaskSpec
+from batch_assets.engines.kinds import resolve_settings
+from batch_assets.pipeline.task_spec import TaskSpec, TaskSpecError
 
 # config.json keys that bound the context, as vLLM reads them (vllm/config/model.py, `_get_and_verify_max_len`):
 # the smallest one present wins.
@@ -57,7 +58,10 @@ def model_check(task: TaskSpec) -> Check:
         )
     override = "BATCH_ASSETS_EMBEDDING_MODEL" if task.output.pooling else "BATCH_ASSETS_MODEL"
     setting = f"engine.model in the task file of {task.name!r} (or {override})"
-    model = task.model
+    try:
+        model = resolve_settings(task).model or ""
+    except TaskSpecError as error:  # e.g. a max_model_len over what the model that runs takes
+        return fail(name, str(error), setting)
     try:
         folder, source = _model_folder(model)
     except (RuntimeError, ValueError, FileNotFoundError) as error:

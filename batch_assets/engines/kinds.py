@@ -10,15 +10,18 @@ with no other change:
   for tasks whose YAML says `engine.kind: openai`.
 
 The asset never names an engine class: `ENGINE_KINDS[task.engine.kind]` gives the resource key,
-pool and display name, and the resource under that key is the engine.
+pool and display name, and the resource under that key is the engine. That engine also decides the
+task's model and settings (`resolve_settings`): the code versions, the model check and
+`batch-assets tasks` ask it, as the run does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from batch_assets.pipeline.engine_contract import Engine
+from batch_assets.pipeline.engine_contract import Engine, ResolvedSettings
 from batch_assets.pipeline.task_spec import TaskSpec
 
 
@@ -44,3 +47,19 @@ def engine_kind(task: TaskSpec) -> EngineKind:
 def engine_for(resources: Any, task: TaskSpec) -> Engine:
     """The engine a task's assets run with: the resource registered for its `engine.kind`."""
     return getattr(resources, engine_kind(task).resource_key)
+
+
+def default_engines() -> dict[str, Any]:
+    """The engine of each kind, by resource key, when none is configured (Dagster resources)."""
+    from batch_assets.engines.openai_engine import OpenAIEngine
+    from batch_assets.engines.vllm_engine import VLLMEngine
+
+    return {ENGINE_KINDS["vllm"].resource_key: VLLMEngine(), ENGINE_KINDS["openai"].resource_key: OpenAIEngine()}
+
+
+def resolve_settings(task: TaskSpec, engines: Mapping[str, Any] | None = None) -> ResolvedSettings:
+    """The task's settings as the engine serving it decides them; `engines`: by resource key (a
+    `Definitions`' resources), else `default_engines()`. Raises `TaskSpecError` for settings that do
+    not fit the model it chose."""
+    engine: Engine = (default_engines() if engines is None else engines)[engine_kind(task).resource_key]
+    return engine.resolve(task)

@@ -14,20 +14,17 @@ from typing import TYPE_CHECKING
 from batch_assets.engines.embedded_model import EMBEDDED_PREFIX
 
 if TYPE_CHECKING:
-    from batch_assets.pipeline.task_spec import TaskSpec
+    from batch_assets.pipeline.engine_contract import ResolvedSettings
 
 
 class ModelNotFound(Exception):
     """The task's model is neither a model folder nor a Hugging Face id this machine can load."""
 
 
-def check_model(task: TaskSpec) -> None:
-    """Fail at once, with the setting to change, when the task's model cannot be found."""
-    if task.engine.kind != "vllm":
-        return
-    model = task.model
-    setting = f"`engine.model` in the task file of {task.name!r} (or BATCH_ASSETS_MODEL)"
-    if model.startswith(EMBEDDED_PREFIX):
+def check_model(settings: ResolvedSettings) -> None:
+    """Fail at once, naming the setting to change, when the model the engine resolved cannot be found."""
+    model, setting = settings.model, settings.model_setting
+    if settings.kind != "vllm" or model is None or model.startswith(EMBEDDED_PREFIX):
         return
     expanded = os.path.expanduser(model)
     if os.path.exists(expanded):

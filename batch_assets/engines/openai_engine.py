@@ -35,7 +35,7 @@ import math
 import os
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import dagster as dg
@@ -43,7 +43,8 @@ from pydantic import Field
 
 from batch_assets.engines.embedded_model import model_token_limit, resolve_model
 from batch_assets.engines.tokenizers import load_tokenizer
-from batch_assets.pipeline.engine_contract import Generation, Prompt, batched_stream
+from batch_assets.engines.vllm_args import output_vllm_args
+from batch_assets.pipeline.engine_contract import Generation, Prompt, ResolvedSettings, batched_stream
 from batch_assets.pipeline.task_spec import (
     EMBEDDED_EMBEDDING_MODEL,
     EMBEDDED_MODEL,
@@ -86,6 +87,7 @@ class EndpointSettings:
     logprobs: bool  # ask for the sampled tokens' log-probabilities (choices/regex tasks)
     api_key_source: str  # where the key comes from ("resource", "env:NAME", "none"), never its value
     batch_size: int = 1024  # requests per call (each call's results are checkpointed)
+    resolved: ResolvedSettings = field(kw_only=True, compare=False)  # what it was made from
 
     def identity(self) -> dict[str, Any]:
         """What decides the outputs besides sampling and the output constraint: the model and the
@@ -93,7 +95,7 @@ class EndpointSettings:
         return {"engine": "openai", "model": self.model, "base_url": self.base_url}
 
     def metadata(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k != "model"}
+        return {k: v for k, v in asdict(self).items() if k not in ("model", "resolved")}
 
 
 @dataclass(frozen=True)
@@ -339,8 +341,30 @@ class OpenAIEngine(dg.ConfigurableResource):
     # Prompts for this engine carry their chat messages (`Prompt.messages`).
     sends_chat_messages: ClassVar[bool] = True
 
-    def settings(self, task: TaskSpec) -> EndpointSettings:
+    def resolve(self, task: TaskSpec) -> ResolvedSettings:
+        """The one place an endpoint decides a task's model and context. The model is this resource's
+        `model`, else the task's `engine.model`, else (the embedded default left in place) the server's
+        only model, asked when the run starts. BATCH_ASSETS_MODEL and BATCH_ASSETS_EMBEDDING_MODEL choose
+        the in-process engine's model only: an endpoint is sent a name its server knows."""
         spec = task.engine
+        model, setting = (
+            (self.model, "`model` of the endpoint resource")
+            if self.model
+            else (spec.model, f"`engine.model` in the task file of {task.name!r}")
+            if spec.model not in (EMBEDDED_MODEL, EMBEDDED_EMBEDDING_MODEL)
+            else (None, "the server's only model (no `engine.model` set)")
+        )
+        return ResolvedSettings(
+            kind="openai",
+            model=model,
+            model_setting=setting,
+            max_model_len=self.max_model_len or spec.max_model_len,
+            # Unused by an endpoint; kept, so its code versions stay what they were.
+            vllm_args=output_vllm_args(spec.vllm_args),
+        )
+
+    def settings(self, task: TaskSpec) -> EndpointSettings:
+        spec, resolved = task.engine, self.resolve(task)
         base_url = self.base_url or spec.base_url
         if not base_url:
             raise EndpointError(
@@ -352,7 +376,7 @@ class OpenAIEngine(dg.ConfigurableResource):
         settings: dict[str, Any] = {
             "kind": "openai",
             "base_url": base_url,
-            "max_model_len": self.max_model_len or spec.max_model_len,
+            "max_model_len": resolved.max_model_len,
             "concurrency": self.concurrency or spec.concurrency,
             "request_timeout_s": self.request_timeout_s or spec.request_timeout_s,
             "max_retries": self.max_retries if self.max_retries is not None else spec.max_retries,
@@ -361,27 +385,30 @@ class OpenAIEngine(dg.ConfigurableResource):
             "api_key_source": "resource" if self.api_key else f"env:{spec.api_key_env}" if spec.api_key_env else "none",
             "batch_size": spec.batch_size,
         }
-        # BATCH_ASSETS_MODEL is for the in-process engine: an endpoint's model is the server's name.
-        model = self.model or (spec.model if spec.model not in (EMBEDDED_MODEL, EMBEDDED_EMBEDDING_MODEL) else None)
-        if model is None:
-            model = self._served_model(task, base_url, settings["request_timeout_s"], settings["max_retries"])
+        model = resolved.model or self._served_model(
+            task, base_url, settings["request_timeout_s"], settings["max_retries"]
+        )
         tokenizer = self._tokenizer_source(task, model)
         if task.output.pooling and not self.max_model_len and "max_model_len" not in spec.model_fields_set:
             # As in process: an embedding model takes what it was trained with (its tokenizer's folder
             # says so: 256 tokens for all-MiniLM-L6-v2), not the chat default.
             settings["max_model_len"] = model_token_limit(tokenizer) or settings["max_model_len"]
-        return EndpointSettings(model=model, tokenizer=tokenizer, **settings)
+        return EndpointSettings(model=model, tokenizer=tokenizer, resolved=resolved, **settings)
 
-    def tokenizer(self, task: TaskSpec):
+    def tokenizer(self, settings: EndpointSettings):
         """A local tokenizer (no server call) for the prompt text and token counts."""
-        return load_tokenizer(self.settings(task).tokenizer)
+        return load_tokenizer(settings.tokenizer)
 
     @contextlib.contextmanager
-    def session(self, task: TaskSpec, log: Callable[[str], None] = lambda message: None) -> Iterator[EndpointSession]:
+    def session(
+        self, task: TaskSpec, settings: EndpointSettings, log: Callable[[str], None] = lambda message: None
+    ) -> Iterator[EndpointSession]:
         """Nothing to start: the server runs elsewhere; requests go in calls of `batch_size`."""
-        yield EndpointSession(self, task)
+        yield EndpointSession(self, task, settings)
 
-    def generate(self, task: TaskSpec, prompts: Sequence[Prompt]) -> list[Generation]:
+    def generate(
+        self, task: TaskSpec, prompts: Sequence[Prompt], settings: EndpointSettings | None = None
+    ) -> list[Generation]:
         """One chat completion per prompt (an embedding task: one vector per prompt, several texts
         per request), `concurrency` requests at a time; failed requests become error rows."""
         prompts = list(prompts)
@@ -398,7 +425,7 @@ class OpenAIEngine(dg.ConfigurableResource):
                 f"the endpoint engine sends each prompt's {sent}: build its prompts with "
                 f"batch_assets.pipeline.{encoder}, which fills `Prompt.{sent}`"
             )
-        settings = self.settings(task)
+        settings = settings or self.settings(task)
         api_key = self._api_key(task)
         if task.output.pooling:
             return self._embed(settings, api_key, prompts)
@@ -432,7 +459,7 @@ class OpenAIEngine(dg.ConfigurableResource):
             prompt_tokens = getattr(usage, "prompt_tokens", None)
             generated_tokens = getattr(usage, "completion_tokens", None)
             if generated_tokens is None:  # a server without `usage`: count locally
-                tokenizer = tokenizer or self.tokenizer(task)
+                tokenizer = tokenizer or self.tokenizer(settings)
                 generated_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
             results.append(
                 Generation(
@@ -667,8 +694,8 @@ class EndpointSession:
     started_here = False
     start_seconds = 0.0
 
-    def __init__(self, engine: OpenAIEngine, task: TaskSpec) -> None:
-        self._stream = batched_stream(lambda prompts: engine.generate(task, prompts), task.engine.batch_size)
+    def __init__(self, engine: OpenAIEngine, task: TaskSpec, settings: EndpointSettings) -> None:
+        self._stream = batched_stream(lambda prompts: engine.generate(task, prompts, settings), settings.batch_size)
 
     def start(self) -> None:
         pass

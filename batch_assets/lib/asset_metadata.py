@@ -109,6 +109,7 @@ def inference_metadata(
         "rows_per_second": round(stats.rows_per_second, 2),
         **fmt.inference_metadata(frame),
         "model": settings.model,
+        "model_chosen_by": settings.resolved.model_setting,  # the setting to change for another model
         "engine_settings": settings.metadata(),
         "sampling_params": task.sampling.model_dump(),
         "output_constraint": task.output.kind,

@@ -38,7 +38,7 @@ from batch_assets.lib.automation import stale_partitions_condition
 from batch_assets.lib.drops_sensor import SOURCE_VERSION_TAG
 from batch_assets.lib.range_failures import FAILED_PARTITIONS_METADATA
 from batch_assets.pipeline.code_versions import code_versions
-from batch_assets.pipeline.engine_contract import EngineSettings, EngineStartError
+from batch_assets.pipeline.engine_contract import EngineSettings, EngineStartError, ResolvedSettings
 from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
 from batch_assets.pipeline.task_formats import OutputFiles, TaskFormat, task_format
@@ -85,9 +85,10 @@ def inference_fingerprint(fmt: TaskFormat, settings: EngineSettings) -> str:
     return run_fingerprint({**model, **fmt.output_identity(settings)})
 
 
-def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
-    """The task's four assets. What differs between kinds of task (records for a chat model,
-    embeddings, similarity labels, OpenAI batch lines) comes from its format object."""
+def build_task_assets(task: TaskSpec, settings: ResolvedSettings) -> list[dg.AssetsDefinition]:
+    """The task's four assets, versioned by the `settings` its engine resolved. What differs between
+    kinds of task (records for a chat model, embeddings, similarity labels, OpenAI batch lines) comes
+    from its format object."""
     fmt = task_format(task)
     common: AssetArgs = {
         "key_prefix": [task.name],
@@ -97,7 +98,7 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         "kinds": {"parquet"},
         "backfill_policy": dg.BackfillPolicy.multi_run(task.runs.max_partitions_per_run),
     }
-    versions = code_versions(task)
+    versions = code_versions(task, settings)
     automation = stale_partitions_condition() if task.automation.rematerialize_stale else None
 
     def downstream(asset: str, upstream: str) -> AssetArgs:
@@ -113,7 +114,10 @@ def build_task_assets(task: TaskSpec) -> list[dg.AssetsDefinition]:
         raw_prompts_asset(task, common),
         formatted_prompts_asset(task, fmt, downstream("formatted_prompts", "raw_prompts")),
         inference_outputs_asset(task, fmt, downstream("inference_outputs", "formatted_prompts")),
-        validated_labels_asset(task, fmt, downstream("validated_labels", "inference_outputs")),
+        # A model the endpoint names only when asked is written as the task's.
+        validated_labels_asset(
+            task, fmt, downstream("validated_labels", "inference_outputs"), settings.model or task.engine.model
+        ),
     ]
 
 
@@ -212,13 +216,11 @@ def formatted_prompts_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs) ->
     ) -> dict[str, pl.DataFrame]:
         engine = engine_for(context.resources, task)
         settings = engine.settings(task)
-        tokenizer = engine.tokenizer(task)
+        tokenizer = engine.tokenizer(settings)
         frames: dict[str, pl.DataFrame] = {}
         for partition_key, raw in raw_prompts.items():
             started = time.monotonic()
-            frame = frames[partition_key] = fmt.format(
-                raw, engine, tokenizer, max_model_len=settings.max_model_len, source_file=partition_key
-            )
+            frame = frames[partition_key] = fmt.format(raw, engine, tokenizer, settings, source_file=partition_key)
             metadata = formatted_metadata(frame, fmt, seconds=time.monotonic() - started)
             context.add_asset_metadata(partition_key=partition_key, metadata=metadata)
             for warning in fmt.formatting_warnings(frame, partition_key):
@@ -265,7 +267,7 @@ def infer_partitions(
     engine = engine_for(context.resources, task)
     settings = engine.settings(task)
     fingerprint = inference_fingerprint(fmt, settings)
-    tokenizer = engine.tokenizer(task)
+    tokenizer = engine.tokenizer(settings)
     encoders = fmt.encoders(engine, tokenizer, settings.max_model_len)
     parts = [
         PartitionInput(frame, encoders(frame), checkpoints_for(context, task, key, fingerprint), label=key)
@@ -279,7 +281,7 @@ def infer_partitions(
     try:
         # One session and one stream for every partition of the run; the engine starts with the
         # first request that needs it: not for cached, empty or all-error files.
-        with engine.session(task, context.log.info) as session:
+        with engine.session(task, settings, context.log.info) as session:
 
             def run(partitions: list[PartitionInput]) -> list[tuple[pl.DataFrame, InferenceStats]]:
                 return run_inference(
@@ -339,23 +341,30 @@ def checkpoints_for(
     return checkpoints
 
 
-def validated_labels_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs) -> dg.AssetsDefinition:
+def validated_labels_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs, model: str) -> dg.AssetsDefinition:
     @dg.asset(name="validated_labels", description=fmt.validated_description(), **args)
     def validated_labels(
         context: dg.AssetExecutionContext, inference_outputs: dict[str, pl.DataFrame]
     ) -> dict[str, pl.DataFrame]:
-        return {key: validate_partition(context, task, fmt, key, frame) for key, frame in inference_outputs.items()}
+        return {
+            key: validate_partition(context, task, fmt, key, frame, model) for key, frame in inference_outputs.items()
+        }
 
     return validated_labels
 
 
 def validate_partition(
-    context: dg.AssetExecutionContext, task: TaskSpec, fmt: TaskFormat, partition_key: str, outputs: pl.DataFrame
+    context: dg.AssetExecutionContext,
+    task: TaskSpec,
+    fmt: TaskFormat,
+    partition_key: str,
+    outputs: pl.DataFrame,
+    model: str,
 ) -> pl.DataFrame:
     # inference_outputs is stored by now, so its checkpoints have served their purpose.
     clear_checkpoints(checkpoint_dir(task.name, partition_key))
     labels = fmt.validate(outputs)
-    files = fmt.output_files(labels, partition_key, created=int(time.time()))
+    files = fmt.output_files(labels, partition_key, int(time.time()), model)
     metadata = {**files.metadata, **write_output_files(task, files), **labels_metadata(labels, task, fmt)}
     context.add_asset_metadata(metadata, partition_key=partition_key)
     return labels

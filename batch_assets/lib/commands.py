@@ -19,12 +19,18 @@ if TYPE_CHECKING:
 
 def command_tasks() -> int:
     """The loaded tasks; each task file that failed to load is named on stderr, and the exit is 1."""
-    from batch_assets.pipeline.task_spec import load_tasks
+    from batch_assets.engines.kinds import resolve_settings
+    from batch_assets.pipeline.task_spec import TaskFileError, TaskSpecError, load_tasks
     from batch_assets.storage.locations import drop_zone
 
     loaded = load_tasks()
     for task in loaded.tasks:
-        print(f"{task.name}\t{task.output.kind}\t{task.model}\tdrop zone: {drop_zone(task.name)}")
+        try:
+            model = resolve_settings(task).model or "(the endpoint's only model)"
+        except TaskSpecError as exc:
+            loaded.errors.append(TaskFileError(task.name, (), str(exc)))
+            continue
+        print(f"{task.name}\t{task.output.kind}\t{model}\tdrop zone: {drop_zone(task.name)}")
     for error in loaded.errors:
         print(f"ERROR: task {error.name!r} not loaded: {error.message}", file=sys.stderr)
     return 1 if loaded.errors else 0

@@ -17,6 +17,7 @@ from pathlib import Path
 import dagster as dg
 import polars as pl
 
+from batch_assets.engines.kinds import resolve_settings
 from batch_assets.lib.error_causes import error_info_chain, error_info_line
 from batch_assets.lib.materializations import latest_materialization
 from batch_assets.pipeline.task_formats import task_format
@@ -181,7 +182,8 @@ def sample_accuracies(
         gold = _gold_accuracy(records)
         if gold:
             accuracy, rows = gold
-            found.append((task.name, task_format(task).labelled_by(), accuracy, rows))
+            model = resolve_settings(task).model or task.engine.model
+            found.append((task.name, task_format(task).labelled_by(model), accuracy, rows))
     return found
 
 

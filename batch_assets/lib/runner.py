@@ -24,7 +24,7 @@ from typing import Any
 
 import dagster as dg
 
-from batch_assets.engines.kinds import engine_kind
+from batch_assets.engines.kinds import engine_kind, resolve_settings
 from batch_assets.engines.model_check import ModelNotFound, check_model
 from batch_assets.engines.vllm_engine import keep_engine_warm, shutdown_engines
 from batch_assets.lib.drops_sensor import (
@@ -45,8 +45,9 @@ from batch_assets.lib.run_outcomes import (
     run_outcomes,
     sample_accuracies,
 )
+from batch_assets.pipeline.engine_contract import ResolvedSettings
 from batch_assets.pipeline.read_prompts import DropFileError
-from batch_assets.pipeline.task_spec import EMBEDDED_MODEL, TaskSpec, load_tasks
+from batch_assets.pipeline.task_spec import EMBEDDED_MODEL, TaskSpec, TaskSpecError, load_tasks
 from batch_assets.runtime.instance import dagster_home, home_lock, open_instance
 from batch_assets.runtime.interrupts import Stopped, raise_if_stopped, stop_requested
 from batch_assets.runtime.pool_waits import install_pool_workarounds
@@ -140,9 +141,10 @@ def run_partitions(
     install_pool_workarounds()  # this process executes the runs (runtime/pool_waits.py)
     task = _loaded_task(task_name)
     named = read_named_files(files)
-    check_model(task)
+    definitions = definitions or build_definitions()
+    check_model(_resolved(task, definitions))
     # One process runs every named file, so the in-process engine is started once.
-    job = (definitions or build_definitions()).resolve_job_def(pipeline_job_name(task_name))
+    job = definitions.resolve_job_def(pipeline_job_name(task_name))
     with open_instance() as instance:
         context = _RunContext(task, instance, job, ProcessLease(dagster_home()), reporter, use_result_cache)
         return _run_files(context, named, replace, skip_succeeded)
@@ -201,7 +203,7 @@ def run_demo(tasks: Sequence[TaskSpec], reporter: RunReporter, *, use_result_cac
 
 def demo_note(tasks: Sequence[TaskSpec]) -> str | None:
     """The caution printed once after the demo's summaries, when a task ran on the embedded model."""
-    return EMBEDDED_MODEL_NOTE if any(task.model == EMBEDDED_MODEL for task in tasks) else None
+    return EMBEDDED_MODEL_NOTE if any(resolve_settings(task).model == EMBEDDED_MODEL for task in tasks) else None
 
 
 EMBEDDED_MODEL_NOTE = """
@@ -211,6 +213,14 @@ accuracy figures above show it. For real labels, point a task at a real model: `
 YAML (a local folder or a Hugging Face model id, run by vLLM on a GPU), `engine.kind: openai` with
 `engine.base_url` for an OpenAI-compatible endpoint, or BATCH_ASSETS_MODEL=<model> for every chat task.
 Measure it first on a hand-labelled sample (`checks.gold_field`, README "Accuracy on a labelled sample")."""
+
+
+def _resolved(task: TaskSpec, definitions: dg.Definitions) -> ResolvedSettings:
+    """The task's settings as the engine of these definitions decides them; refused when they do not fit."""
+    try:
+        return resolve_settings(task, definitions.resources)
+    except TaskSpecError as exc:
+        raise RunRefused(str(exc)) from None
 
 
 def _loaded_task(task_name: str) -> TaskSpec:

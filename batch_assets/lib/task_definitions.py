@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import dagster as dg
 
-from batch_assets.engines.kinds import ENGINE_KINDS
+from batch_assets.engines.kinds import ENGINE_KINDS, default_engines, resolve_settings
 from batch_assets.engines.openai_engine import OpenAIEngine
 from batch_assets.engines.vllm_engine import VLLMEngine
 from batch_assets.lib.assets import IO_MANAGER_KEY, build_task_assets
@@ -24,7 +25,7 @@ from batch_assets.lib.drops_sensor import build_drops_sensor
 from batch_assets.lib.range_failures import build_range_failure_sensor
 from batch_assets.lib.split_job import build_split_job
 from batch_assets.lib.task_file_errors import build_task_file_error_sensor
-from batch_assets.pipeline.task_spec import TaskFileError, TaskSpec, load_tasks
+from batch_assets.pipeline.task_spec import TaskFileError, TaskSpec, TaskSpecError, load_tasks
 from batch_assets.runtime.run_recovery import build_recovery_sensor
 from batch_assets.storage.parquet_io_manager import ParquetStorage
 
@@ -192,11 +193,21 @@ def build_definitions(
     if tasks is None:
         loaded = load_tasks()
         tasks, task_errors = loaded.tasks, loaded.errors
-    assets, checks, jobs, sensors = [], [], [], []
-    task_jobs = []
-    sensors += [build_task_file_error_sensor(error) for error in task_errors or []]
+    resources: dict[str, Any] = {
+        IO_MANAGER_KEY: ParquetStorage(),
+        **default_engines(),
+        **({ENGINE_KINDS["vllm"].resource_key: engine} if engine else {}),
+        **({ENGINE_KINDS["openai"].resource_key: endpoint} if endpoint else {}),
+    }
+    task_errors = list(task_errors or [])
+    assets, checks, jobs, sensors, task_jobs = [], [], [], [], []
     for task in tasks:
-        assets += build_task_assets(task)
+        try:
+            settings = resolve_settings(task, resources)
+        except TaskSpecError as exc:  # e.g. BATCH_ASSETS_MODEL names a model too short for the task
+            task_errors.append(TaskFileError(task.name, (), str(exc)))
+            continue
+        assets += build_task_assets(task, settings)
         checks += build_task_checks(task)
         job = build_task_job(task)
         split_job = build_split_job(task, tags={K8S_CONFIG_TAG: SPLIT_POD_CONFIG}) if task.input.shard_rows else None
@@ -204,6 +215,7 @@ def build_definitions(
         task_jobs.append((task, job))
         sensors.append(build_drops_sensor(task, job, split_job=split_job))
         sensors += build_automation_sensor(task)
+    sensors = [build_task_file_error_sensor(error) for error in task_errors] + sensors
     range_failures = build_range_failure_sensor(task_jobs)
     sensors += [range_failures] if range_failures is not None else []
     return dg.Definitions(
@@ -211,11 +223,7 @@ def build_definitions(
         asset_checks=checks,
         jobs=jobs,
         sensors=[*sensors, build_recovery_sensor()],
-        resources={
-            IO_MANAGER_KEY: ParquetStorage(),
-            ENGINE_KINDS["vllm"].resource_key: engine or VLLMEngine(),
-            ENGINE_KINDS["openai"].resource_key: endpoint or OpenAIEngine(),
-        },
+        resources=resources,
         # The four steps of a partition run one after another anyway; running them in one process
         # skips a process start per step and lets the engine stay warm across partitions.
         executor=dg.in_process_executor,

@@ -4,8 +4,10 @@ A task edit that can change an asset's output (prompt, template, model, sampling
 constraint, an engine setting that changes outputs) changes that asset's code version, and Dagster
 then shows the partitions materialized before the edit as stale. Settings that change only speed
 (batch size, KV cache, concurrency, retries) leave the version as it is, so tuning does not force
-a re-run. The version is a hash of the task's settings alone: the same task gives the same version
-in every process and after every restart.
+a re-run. The version is a hash of the task's settings as its engine resolved them
+(`ResolvedSettings`: a model or vLLM argument set on the engine's resource or in the environment
+counts like one in the YAML, as it does in the checkpoint fingerprint): the same task and engine
+settings give the same version in every process and after every restart.
 """
 
 from __future__ import annotations
@@ -14,24 +16,21 @@ import hashlib
 import json
 from typing import Any
 
-from batch_assets.pipeline.task_spec import OUTPUT_VLLM_ARG_DEFAULTS, THROUGHPUT_ONLY_VLLM_ARGS, TaskSpec
+from batch_assets.pipeline.engine_contract import ResolvedSettings
+from batch_assets.pipeline.task_spec import TaskSpec
 
 # Raise when a change in this package's code changes what an asset writes for the same task.
 PIPELINE_OUTPUT_VERSION = 1
 
-# Engine settings that change how fast outputs come, never what they are. Every other engine
-# setting (including ones added later) counts as output-changing: a wrong "stale" costs a re-run
-# that the result cache mostly serves, a wrong "fresh" would hide a change.
+# Fields of a task's `engine:` that change how fast outputs come, never what they are (vLLM's own
+# arguments are sorted by the engines: engines/vllm_args.py). Every other field (including ones added
+# later) counts as output-changing: a wrong "stale" costs a re-run that the result cache mostly
+# serves, a wrong "fresh" would hide a change.
 THROUGHPUT_ONLY_ENGINE_FIELDS = frozenset(
     {
         "batch_size",
         "concurrency",
-        "enable_prefix_caching",
-        "enforce_eager",
-        "gpu_memory_utilization",
         "kv_cache_memory_gib",
-        "max_num_batched_tokens",
-        "max_num_seqs",
         "max_retries",
         "request_timeout_s",
         "tensor_parallel_size",
@@ -49,16 +48,15 @@ def _digest(parts: dict) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
-def code_versions(task: TaskSpec) -> dict[str, str]:
-    """The code version of each versioned asset of `task`, by asset name.
-
-    `task.model` includes a `BATCH_ASSETS_MODEL` override: another model is another version.
-    """
+def code_versions(task: TaskSpec, settings: ResolvedSettings) -> dict[str, str]:
+    """The code version of each versioned asset of `task` run with `settings`, by asset name."""
     engine = task.engine.model_dump(exclude={*THROUGHPUT_ONLY_ENGINE_FIELDS, "vllm_args"})
-    # vLLM arguments count like engine fields (dtype and seed were engine fields before vllm_args).
-    vllm_args = {**OUTPUT_VLLM_ARG_DEFAULTS, **task.engine.vllm_args}
-    engine.update({k: v for k, v in vllm_args.items() if k not in THROUGHPUT_ONLY_VLLM_ARGS})
-    engine["model"] = task.model
+    # vLLM arguments count like engine fields (dtype and seed were engine fields before vllm_args);
+    # the engine's resolver left out those that change speed only.
+    engine.update(settings.vllm_args)
+    # An endpoint's unnamed model is the server's: its name is not known before the run.
+    engine["model"] = settings.model or task.engine.model
+    engine["max_model_len"] = settings.max_model_len
     formatting = {
         # How rows are grouped into partitions changes no row's prompt.
         # `truncate` only when on: tasks written before it keep their versions.
@@ -69,7 +67,7 @@ def code_versions(task: TaskSpec) -> dict[str, str]:
         # The tokenizer renders the chat template and counts tokens; the context decides which rows
         # are too long and max_tokens how much room they need.
         "tokenizer": {key: engine.get(key) for key in ("kind", "model", "tokenizer")},
-        "max_model_len": task.engine.max_model_len,
+        "max_model_len": settings.max_model_len,
         "max_tokens": task.sampling.max_tokens,
     }
     inference = {

