@@ -189,17 +189,20 @@ def rerun_requests(
     return requests
 
 
-def build_range_failure_sensor(task_jobs: Sequence[tuple[TaskSpec, Any]]) -> dg.SensorDefinition | None:
+def build_range_failure_sensor(
+    task_jobs: Sequence[tuple[TaskSpec, Any]], name: str = RANGE_FAILURE_SENSOR_NAME
+) -> dg.SensorDefinition | None:
     """The sensor over every task's failed runs (None without tasks); `task_jobs`: each task with its
     job. Its runs are of the task's job, which brings the job's run tags (a GPU count for the
-    Kubernetes run launcher)."""
+    Kubernetes run launcher). `name`: one per code location, or per task where each task is a
+    component of its own (lib/component.py)."""
     if not task_jobs:
         return None
     tasks_by_job = {job.name: task for task, job in task_jobs}
     job_names = {task.name: job.name for task, job in task_jobs}
 
     @dg.run_failure_sensor(
-        name=RANGE_FAILURE_SENSOR_NAME,
+        name=name,
         request_jobs=[job for _, job in task_jobs],
         default_status=dg.DefaultSensorStatus.RUNNING,
         description=(

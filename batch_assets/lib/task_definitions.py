@@ -1,16 +1,20 @@
 """Every task's pipeline as Dagster definitions: its assets, checks, job and sensors, and the
 resources they run with (`build_definitions`).
 
-`TaskPipelinesComponent` (component.py) calls it with the tasks of its folder; the code location
-(`batch_assets/definitions.py`) loads that component. Tests and custom code locations call it
-with their own tasks or engines. A task's job carries what its run pod needs on Kubernetes.
+The components (component.py) call `component_definitions`: `TaskPipelinesComponent` with the
+tasks of its folder (the code location, `batch_assets/definitions.py`, loads it), `TaskComponent`
+with its one task. Tests and custom code locations call `build_definitions` with their own tasks
+or engines. A task's job carries what its run pod needs on Kubernetes.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import dagster as dg
@@ -22,7 +26,7 @@ from batch_assets.lib.assets import IO_MANAGER_KEY, build_task_assets
 from batch_assets.lib.automation import build_automation_sensor
 from batch_assets.lib.checks import build_task_checks
 from batch_assets.lib.drops_sensor import build_drops_sensor
-from batch_assets.lib.range_failures import build_range_failure_sensor
+from batch_assets.lib.range_failures import RANGE_FAILURE_SENSOR_NAME, build_range_failure_sensor
 from batch_assets.lib.split_job import build_split_job
 from batch_assets.lib.task_file_errors import build_task_file_error_sensor
 from batch_assets.pipeline.task_spec import TaskFileError, TaskSpec, TaskSpecError, load_tasks
@@ -199,6 +203,36 @@ def build_definitions(
         **({ENGINE_KINDS["vllm"].resource_key: engine} if engine else {}),
         **({ENGINE_KINDS["openai"].resource_key: endpoint} if endpoint else {}),
     }
+    return pipelines_definitions(tasks, resources, task_errors, build_recovery_sensor())
+
+
+@functools.cache
+def _shared_component_parts() -> tuple[Mapping[str, Any], dg.SensorDefinition]:
+    return MappingProxyType({IO_MANAGER_KEY: ParquetStorage(), **default_engines()}), build_recovery_sensor()
+
+
+def component_definitions(
+    tasks: list[TaskSpec],
+    task_errors: list[TaskFileError] | None = None,
+    range_failure_sensor: str = RANGE_FAILURE_SENSOR_NAME,
+) -> dg.Definitions:
+    """What a component builds (lib/component.py): its tasks' pipelines on the default resources.
+
+    Every component of a code location gets the same resource and recovery sensor objects, which
+    `dg.Definitions.merge` takes once; objects of their own would clash by key and name. Each
+    component names its range failure sensor (`range_failure_sensor`) for the same reason."""
+    resources, recovery_sensor = _shared_component_parts()
+    return pipelines_definitions(tasks, dict(resources), task_errors, recovery_sensor, range_failure_sensor)
+
+
+def pipelines_definitions(
+    tasks: list[TaskSpec],
+    resources: dict[str, Any],
+    task_errors: list[TaskFileError] | None,
+    recovery_sensor: dg.SensorDefinition,
+    range_failure_sensor: str = RANGE_FAILURE_SENSOR_NAME,
+) -> dg.Definitions:
+    """Each task's assets, checks, jobs and sensors on `resources` (by resource key)."""
     task_errors = list(task_errors or [])
     assets, checks, jobs, sensors, task_jobs = [], [], [], [], []
     for task in tasks:
@@ -216,13 +250,13 @@ def build_definitions(
         sensors.append(build_drops_sensor(task, job, split_job=split_job))
         sensors += build_automation_sensor(task)
     sensors = [build_task_file_error_sensor(error) for error in task_errors] + sensors
-    range_failures = build_range_failure_sensor(task_jobs)
+    range_failures = build_range_failure_sensor(task_jobs, range_failure_sensor)
     sensors += [range_failures] if range_failures is not None else []
     return dg.Definitions(
         assets=assets,
         asset_checks=checks,
         jobs=jobs,
-        sensors=[*sensors, build_recovery_sensor()],
+        sensors=[*sensors, recovery_sensor],
         resources=resources,
         # The four steps of a partition run one after another anyway; running them in one process
         # skips a process start per step and lets the engine stay warm across partitions.
