@@ -109,8 +109,17 @@ class TaskScaffolder(dg.Scaffolder[TaskScaffoldParams]):
         dg.scaffold_component(request, {"name": name, **yaml.safe_load(like.read_text(encoding="utf-8"))})
 
 
+class PipelineComponent(dg.Component):
+    """What our component types share: the sensor of the whole code location (runs of dead
+    `batch-assets` processes, stranded pool steps) comes with the first of them in the tree."""
+
+    def carries_location_sensors(self, context: dg.ComponentLoadContext) -> bool:
+        ours = context.component_tree.get_all_components(of_type=PipelineComponent)
+        return not ours or ours[0] is self
+
+
 @dg.scaffold_with(TaskScaffolder)
-class TaskComponent(dg.Component, dg.Resolvable):
+class TaskComponent(PipelineComponent, dg.Resolvable):
     """One batch-inference task (asset group, checks, job, drops sensor): the attributes are the
     task's fields, those of a task YAML file (`TaskSpec`)."""
 
@@ -128,10 +137,14 @@ class TaskComponent(dg.Component, dg.Resolvable):
         return cls(TaskSpec.model_construct(model.model_fields_set, **dict(model)))
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
-        return component_definitions([self.task], range_failure_sensor=f"{self.task.name}_range_failure_sensor")
+        return component_definitions(
+            [self.task],
+            range_failure_sensor=f"{self.task.name}_range_failure_sensor",
+            recovery_sensor=self.carries_location_sensors(context),
+        )
 
 
-class TaskPipelinesComponent(dg.Component, dg.Model, dg.Resolvable):
+class TaskPipelinesComponent(PipelineComponent, dg.Model, dg.Resolvable):
     """One batch-inference pipeline (asset group, checks, job, drops sensor) per task YAML file.
 
     Task files keep their own format (YAML 1.2 booleans, strict keys); errors name the file and,
@@ -153,4 +166,6 @@ class TaskPipelinesComponent(dg.Component, dg.Model, dg.Resolvable):
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
         loaded = load_tasks(self.resolved_tasks_dir(context.path))
-        return component_definitions(loaded.tasks, task_errors=loaded.errors)
+        return component_definitions(
+            loaded.tasks, task_errors=loaded.errors, recovery_sensor=self.carries_location_sensors(context)
+        )

@@ -203,36 +203,39 @@ def build_definitions(
         **({ENGINE_KINDS["vllm"].resource_key: engine} if engine else {}),
         **({ENGINE_KINDS["openai"].resource_key: endpoint} if endpoint else {}),
     }
-    return pipelines_definitions(tasks, resources, task_errors, build_recovery_sensor())
+    return pipelines_definitions(tasks, resources, task_errors, [build_recovery_sensor()])
 
 
 @functools.cache
-def _shared_component_parts() -> tuple[Mapping[str, Any], dg.SensorDefinition]:
-    return MappingProxyType({IO_MANAGER_KEY: ParquetStorage(), **default_engines()}), build_recovery_sensor()
+def _shared_resources() -> Mapping[str, Any]:
+    return MappingProxyType({IO_MANAGER_KEY: ParquetStorage(), **default_engines()})
 
 
 def component_definitions(
     tasks: list[TaskSpec],
     task_errors: list[TaskFileError] | None = None,
     range_failure_sensor: str = RANGE_FAILURE_SENSOR_NAME,
+    recovery_sensor: bool = True,
 ) -> dg.Definitions:
     """What a component builds (lib/component.py): its tasks' pipelines on the default resources.
 
-    Every component of a code location gets the same resource and recovery sensor objects, which
-    `dg.Definitions.merge` takes once; objects of their own would clash by key and name. Each
-    component names its range failure sensor (`range_failure_sensor`) for the same reason."""
-    resources, recovery_sensor = _shared_component_parts()
-    return pipelines_definitions(tasks, dict(resources), task_errors, recovery_sensor, range_failure_sensor)
+    Every component of a code location gets the same resource objects, which `dg.Definitions.merge`
+    takes once (objects of their own would clash by key). Sensors are copied per component, so each
+    names its range failure sensor (`range_failure_sensor`) and one of them carries the recovery
+    sensor (`recovery_sensor`)."""
+    shared = [build_recovery_sensor()] if recovery_sensor else []
+    return pipelines_definitions(tasks, dict(_shared_resources()), task_errors, shared, range_failure_sensor)
 
 
 def pipelines_definitions(
     tasks: list[TaskSpec],
     resources: dict[str, Any],
     task_errors: list[TaskFileError] | None,
-    recovery_sensor: dg.SensorDefinition,
+    shared_sensors: list[dg.SensorDefinition],
     range_failure_sensor: str = RANGE_FAILURE_SENSOR_NAME,
 ) -> dg.Definitions:
-    """Each task's assets, checks, jobs and sensors on `resources` (by resource key)."""
+    """Each task's assets, checks, jobs and sensors on `resources` (by resource key), with
+    `shared_sensors` (those of the whole code location)."""
     task_errors = list(task_errors or [])
     assets, checks, jobs, sensors, task_jobs = [], [], [], [], []
     for task in tasks:
@@ -256,7 +259,7 @@ def pipelines_definitions(
         assets=assets,
         asset_checks=checks,
         jobs=jobs,
-        sensors=[*sensors, recovery_sensor],
+        sensors=[*sensors, *shared_sensors],
         resources=resources,
         # The four steps of a partition run one after another anyway; running them in one process
         # skips a process start per step and lets the engine stay warm across partitions.

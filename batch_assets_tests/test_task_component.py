@@ -1,0 +1,172 @@
+"""A task as a Dagster component (`batch_assets.TaskComponent`, lib/component.py): its attributes are
+the task file's fields, `dg scaffold` writes a working defs.yaml, a bad value names its line, and
+`{{ env(...) }}` templates render. Loaded through Dagster's own component tree, in a temporary
+defs folder (`create_defs_folder_sandbox`), as `dg` loads a project; no engine starts.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import yaml
+from dagster.components.testing import DefsFolderSandbox, create_defs_folder_sandbox
+
+import batch_assets
+from batch_assets.lib.component import TaskComponent, TaskPipelinesComponent
+from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR, TaskSpec, load_task_spec
+from batch_assets.runtime.run_recovery import RECOVERY_SENSOR_NAME
+
+FOUR_ASSETS = ("formatted_prompts", "inference_outputs", "raw_prompts", "validated_labels")
+
+
+@pytest.fixture
+def sandbox() -> Iterator[DefsFolderSandbox]:
+    with warnings.catch_warnings(), create_defs_folder_sandbox() as folder:
+        # Dagster's component loader warns about its own beta APIs on every load.
+        warnings.simplefilter("ignore", dg.BetaWarning)
+        yield folder
+
+
+def _load(sandbox: DefsFolderSandbox, path: Path) -> tuple[dg.Component, dg.Definitions]:
+    with sandbox.load_component_and_build_defs(defs_path=path) as (component, defs):
+        return component, defs
+
+
+def _load_error(sandbox: DefsFolderSandbox, path: Path) -> str:
+    """The innermost error of loading the component at `path` (Dagster wraps it in its tree's)."""
+    with pytest.raises(Exception) as raised:
+        _load(sandbox, path)
+    error: BaseException = raised.value
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return str(error)
+
+
+def _line_of(text: str, needle: str) -> int:
+    (line,) = [number for number, line in enumerate(text.splitlines(), 1) if needle in line]
+    return line
+
+
+def test_the_attributes_schema_is_the_task_files() -> None:
+    """The schema `dg` validates defs.yaml with and editors complete from is TaskSpec's, field by
+    field and rule by rule: a setting added to TaskSpec is an attribute with nothing else to edit."""
+    attributes = TaskComponent.get_model_cls()
+    assert attributes is not None
+    assert list(attributes.model_fields) == list(TaskSpec.model_fields)
+    assert attributes.model_json_schema()["properties"] == TaskSpec.model_json_schema()["properties"]
+    assert attributes.model_json_schema()["required"] == ["name", "input", "output"]
+    # `dg` finds the component types in the package named by our registry entry point.
+    assert batch_assets.TaskComponent is TaskComponent
+    assert batch_assets.TaskPipelinesComponent is TaskPipelinesComponent
+    assert {"TaskComponent", "TaskPipelinesComponent"} <= set(dir(batch_assets))
+
+
+def test_scaffolded_task_is_the_bundled_one_under_its_folder_name(sandbox: DefsFolderSandbox) -> None:
+    path = sandbox.scaffold_component(TaskComponent, defs_path="tickets", scaffold_params={"like": "industry"})
+    written = yaml.safe_load((path / "defs.yaml").read_text())
+    assert written["type"] == "batch_assets.lib.component.TaskComponent"
+    assert written["attributes"]["name"] == "tickets"
+
+    component, defs = _load(sandbox, path)
+
+    assert isinstance(component, TaskComponent)
+    assert type(component.task) is TaskSpec
+    bundled = load_task_spec(BUNDLED_TASKS_DIR / "industry.yaml")
+    assert component.task.model_dump() == {**bundled.model_dump(), "name": "tickets"}
+    assert component.task.engine.model_fields_set == bundled.engine.model_fields_set
+    keys = sorted(key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys())
+    assert keys == [f"tickets/{asset}" for asset in FOUR_ASSETS]
+    assert {sensor.name for sensor in defs.sensors or []} == {
+        "tickets_drops_sensor",
+        "tickets_range_failure_sensor",
+        RECOVERY_SENSOR_NAME,
+    }
+    assert sorted(job.name for job in defs.jobs or []) == ["tickets_pipeline", "tickets_split_file"]
+
+
+def test_a_bad_value_names_its_line_of_defs_yaml(sandbox: DefsFolderSandbox) -> None:
+    path = sandbox.scaffold_component(TaskComponent, defs_path="posts")
+    good = (path / "defs.yaml").read_text()
+
+    # A rule over two settings (max_tokens against the longest choice) points at max_tokens' line.
+    (path / "defs.yaml").write_text(good.replace("max_tokens: 10", "max_tokens: 3"))
+    message = _load_error(sandbox, path)
+    assert f"attributes.sampling.max_tokens at {path / 'defs.yaml'}:{_line_of(good, 'max_tokens:')}" in message
+    assert "too small for the choice 'positive'" in message
+
+    # A key the task does not have.
+    (path / "defs.yaml").write_text(good.replace("  max_model_len: 1024", "  max_model_length: 1024"))
+    message = _load_error(sandbox, path)
+    assert f"attributes.engine.max_model_length at {path / 'defs.yaml'}:{_line_of(good, 'max_model_len')}" in message
+    assert "Extra inputs are not permitted" in message
+
+
+def test_env_templates_render_and_a_missing_variable_names_its_line(
+    sandbox: DefsFolderSandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = sandbox.scaffold_component(TaskComponent, defs_path="posts")
+    templated = (path / "defs.yaml").read_text().replace("max_model_len: 1024", "max_model_len: \"{{ env('POSTS_LEN') }}\"")
+    (path / "defs.yaml").write_text(templated)
+
+    monkeypatch.setenv("POSTS_LEN", "2048")
+    component, _ = _load(sandbox, path)
+    assert isinstance(component, TaskComponent)
+    assert component.task.engine.max_model_len == 2048
+
+    monkeypatch.delenv("POSTS_LEN")
+    message = _load_error(sandbox, path)
+    assert f"attributes.engine.max_model_len at {path / 'defs.yaml'}:{_line_of(templated, 'POSTS_LEN')}" in message
+    assert "Environment variable POSTS_LEN is not set" in message
+
+
+def test_plain_strings_that_read_as_numbers_stay_strings(sandbox: DefsFolderSandbox) -> None:
+    """Dagster's own rendering reads "1" as the number 1; only templates are rendered here."""
+    path = sandbox.scaffold_component(TaskComponent, defs_path="stars")
+    text = (path / "defs.yaml").read_text()
+    choices = re.search(r"choices:\n(?:\s+- \w+\n)+", text)
+    assert choices is not None
+    (path / "defs.yaml").write_text(text.replace(choices.group(0), "choices: ['1', '2', '3']\n"))
+    component, _ = _load(sandbox, path)
+    assert isinstance(component, TaskComponent)
+    assert component.task.output.choices == ["1", "2", "3"]
+
+
+def test_task_components_and_a_task_folder_share_one_code_location(
+    sandbox: DefsFolderSandbox, tmp_path: Path
+) -> None:
+    """Every component builds on the same resources and recovery sensor: their definitions merge."""
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "answers.yaml").write_text((BUNDLED_TASKS_DIR / "answers.yaml").read_text())
+    sandbox.scaffold_component(TaskComponent, defs_path="posts")
+    sandbox.scaffold_component(TaskComponent, defs_path="tickets", scaffold_params={"like": "industry"})
+    folder_defs = sandbox.defs_folder_path / "folder"
+    folder_defs.mkdir()
+    (folder_defs / "defs.yaml").write_text(
+        textwrap.dedent(f"""\
+            type: batch_assets.TaskPipelinesComponent
+            attributes:
+              tasks_dir: {folder}
+            """)
+    )
+
+    with sandbox.build_all_defs() as defs:
+        keys = {key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()}
+        sensors = [sensor.name for sensor in defs.get_repository_def().sensor_defs]
+
+    assert keys == {f"{task}/{asset}" for task in ("answers", "posts", "tickets") for asset in FOUR_ASSETS}
+    assert sensors.count(RECOVERY_SENSOR_NAME) == 1
+    assert {"range_failure_sensor", "posts_range_failure_sensor", "tickets_range_failure_sensor"} <= set(sensors)
+
+
+def test_scaffolding_refuses_a_folder_name_that_cannot_name_a_task(sandbox: DefsFolderSandbox) -> None:
+    with pytest.raises(ValueError, match=r"'my-task' cannot name a task: the folder name must match"):
+        sandbox.scaffold_component(TaskComponent, defs_path="my-task")
+    with pytest.raises(ValueError, match=r"like: 'nope' is no bundled task; one of answers, "):
+        sandbox.scaffold_component(TaskComponent, defs_path="posts", scaffold_params={"like": "nope"})
