@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets_tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.slow
@@ -135,3 +136,86 @@ def test_installed_cli_lists_tasks_and_ships_samples(
     )
     for task in SHIPPED_TASKS:
         assert f"'{task}'" in samples.stdout
+
+
+# A user's own dg project, as `create-dagster project` lays it out: no Python of theirs for a task.
+USER_PROJECT_FILES = {
+    "pyproject.toml": """\
+[project]
+name = "my_project"
+version = "0.1.0"
+dependencies = ["batch-assets"]
+
+[tool.dg]
+directory_type = "project"
+
+[tool.dg.project]
+root_module = "my_project"
+""",
+    "src/my_project/__init__.py": "",
+    "src/my_project/defs/__init__.py": "",
+    "src/my_project/definitions.py": """\
+from pathlib import Path
+
+import dagster as dg
+
+
+@dg.definitions
+def defs() -> dg.Definitions:
+    return dg.load_from_defs_folder(path_within_project=Path(__file__).parent)
+""",
+}
+
+
+def _dg(python: Path, project: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [python, "-m", "dagster_dg_cli.cli", *args], cwd=project, env=env, capture_output=True, text=True
+    )
+
+
+def test_a_users_dg_project_adds_a_task_with_no_python(
+    installed_wheel: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    """`dg scaffold defs batch_assets.TaskComponent tickets`, an edit, `dg check defs` (a bad value named
+    with its line), `dg list defs` (the task's four assets), from the wheel: the component type is
+    found through the package's `dagster_dg_cli.registry_modules` entry point."""
+    python, env = installed_wheel
+    project = tmp_path / "my_project"
+    for name, text in USER_PROJECT_FILES.items():
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text(text)
+    # dg runs the project's `.venv`; PYTHONPATH stands for the editable install of the user's project.
+    (project / ".venv").symlink_to(python.parent.parent)
+    env = {**env, "PYTHONPATH": str(project / "src"), "VIRTUAL_ENV": str(project / ".venv"), "NO_COLOR": "1"}
+
+    # The schema editors get (`dg utils configure-editor` installs the same) has the task's fields.
+    schema = _dg(
+        python, project, env, "utils", "inspect-component", "batch_assets.TaskComponent", "--defs-yaml-json-schema"
+    )
+    assert schema.returncode == 0, schema.stderr
+    attributes = json.loads(schema.stdout)["properties"]["attributes"]
+    assert attributes["properties"] == TaskSpec.model_json_schema()["properties"]
+
+    scaffolded = _dg(python, project, env, "scaffold", "defs", "batch_assets.TaskComponent", "tickets")
+    assert scaffolded.returncode == 0, scaffolded.stderr
+    defs_yaml = project / "src" / "my_project" / "defs" / "tickets" / "defs.yaml"
+    text = defs_yaml.read_text()
+    assert "type: batch_assets.TaskComponent" in text
+    assert "name: tickets" in text
+    defs_yaml.write_text(text.replace("[positive, negative, neutral]", "[positive, negative, neutral, mixed]"))
+
+    checked = _dg(python, project, env, "check", "defs")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+    listed_defs = _dg(python, project, env, "list", "defs", "--json")
+    assert listed_defs.returncode == 0, listed_defs.stderr
+    assets = sorted(asset["asset_key"] for asset in json.loads(listed_defs.stdout)["assets"])
+    expected = ["formatted_prompts", "inference_outputs", "raw_prompts", "validated_labels"]
+    assert assets == [f"tickets/{asset}" for asset in expected]
+
+    defs_yaml.write_text(text.replace("max_tokens: 10", "max_tokens: many"))
+    line = next(number for number, line in enumerate(text.splitlines(), 1) if "max_tokens:" in line)
+    bad = _dg(python, project, env, "check", "defs")
+    assert bad.returncode != 0
+    assert f"defs.yaml:{line}" in bad.stdout + bad.stderr
+    assert "max_tokens" in bad.stdout + bad.stderr

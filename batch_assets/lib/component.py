@@ -8,6 +8,7 @@ Both build, per task, the four partitioned assets, their checks, the task's job 
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +107,15 @@ class TaskScaffolder(dg.Scaffolder[TaskScaffoldParams]):
         if not like.is_file():
             bundled = ", ".join(sorted(path.stem for path in BUNDLED_TASKS_DIR.glob("*.yaml")))
             raise ValueError(f"like: {request.params.like!r} is no bundled task; one of {bundled}")
-        dg.scaffold_component(request, {"name": name, **yaml.safe_load(like.read_text(encoding="utf-8"))})
+        text = like.read_text(encoding="utf-8")
+        if request.scaffold_format != "yaml" or request.append:
+            dg.scaffold_component(request, {"name": name, **yaml.safe_load(text)})
+            return
+        # The bundled file as it is, indented under `attributes`: Dagster's own writer
+        # (`dg.scaffold_component`) dumps the values again and drops the comments that explain them.
+        attributes = textwrap.indent(f"name: {name}\n{text}", "  ", lambda line: bool(line.strip()))
+        defs = f"type: {request.type_name}\n\n# A copy of the bundled task {like.stem!r}: edit it.\nattributes:\n{attributes}"
+        (request.target_path / "defs.yaml").write_text(defs, encoding="utf-8")
 
 
 class PipelineComponent(dg.Component):
