@@ -6,6 +6,7 @@ defs folder (`create_defs_folder_sandbox`), as `dg` loads a project; no engine s
 
 from __future__ import annotations
 
+import re
 import textwrap
 import warnings
 from collections.abc import Iterator
@@ -13,7 +14,6 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-import yaml
 from dagster.components.testing import DefsFolderSandbox, create_defs_folder_sandbox
 
 import batch_assets
@@ -182,3 +182,18 @@ def test_scaffolding_refuses_a_folder_name_that_cannot_name_a_task(sandbox: Defs
         sandbox.scaffold_component(TaskComponent, defs_path="my-task")
     with pytest.raises(ValueError, match=r"like: 'nope' is no bundled task; one of answers, "):
         sandbox.scaffold_component(TaskComponent, defs_path="posts", scaffold_params={"like": "nope"})
+
+
+def test_the_docs_example_loads(sandbox: DefsFolderSandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/tasks.md's defs.yaml, by the type's short name, with its template rendered."""
+    page = (Path(__file__).parent.parent / "docs" / "tasks.md").read_text()
+    (example,) = [block for block in re.findall(r"```yaml\n(.*?)```", page, re.DOTALL) if "TaskComponent" in block]
+    (sandbox.defs_folder_path / "tickets").mkdir()
+    (sandbox.defs_folder_path / "tickets" / "defs.yaml").write_text(example)
+    monkeypatch.setenv("TICKETS_MODEL", "embedded:SmolLM2-135M-Instruct")
+    component, defs = _load(sandbox, sandbox.defs_folder_path / "tickets")
+    assert isinstance(component, TaskComponent)
+    assert component.task.engine.model == "embedded:SmolLM2-135M-Instruct"
+    assert component.task.prompt is not None
+    assert component.task.prompt.template == "Subject: {subject}\n\n{body}"
+    assert len(defs.resolve_asset_graph().get_all_asset_keys()) == 4

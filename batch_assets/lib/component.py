@@ -114,8 +114,8 @@ class TaskScaffolder(dg.Scaffolder[TaskScaffoldParams]):
         # The bundled file as it is, indented under `attributes`: Dagster's own writer
         # (`dg.scaffold_component`) dumps the values again and drops the comments that explain them.
         attributes = textwrap.indent(f"name: {name}\n{text}", "  ", lambda line: bool(line.strip()))
-        defs = f"type: {request.type_name}\n\n# A copy of the bundled task {like.stem!r}: edit it.\nattributes:\n{attributes}"
-        (request.target_path / "defs.yaml").write_text(defs, encoding="utf-8")
+        header = f"type: {request.type_name}\n\n# A copy of the bundled task {like.stem!r}: edit it.\nattributes:\n"
+        (request.target_path / "defs.yaml").write_text(header + attributes, encoding="utf-8")
 
 
 class PipelineComponent(dg.Component):
@@ -123,7 +123,8 @@ class PipelineComponent(dg.Component):
     `batch-assets` processes, stranded pool steps) comes with the first of them in the tree."""
 
     def carries_location_sensors(self, context: dg.ComponentLoadContext) -> bool:
-        ours = context.component_tree.get_all_components(of_type=PipelineComponent)
+        tree = context.component_tree
+        ours = [*tree.get_all_components(TaskPipelinesComponent), *tree.get_all_components(TaskComponent)]
         return not ours or ours[0] is self
 
 
