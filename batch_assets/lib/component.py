@@ -77,6 +77,8 @@ class TaskAttributes(TaskSpec):
     @model_validator(mode="wrap")
     @classmethod
     def _templates_rendered_errors_located(cls, raw: Any, handler: Any) -> Any:
+        # Dagster validates attributes first and renders templates afterwards (at resolution); the
+        # task's rules can only judge rendered values, so templates render here, in the default scope.
         errors: list[InitErrorDetails] = []
         rendered = _render_templates(raw, (), errors)
         if errors:
