@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from starlette.datastructures import UploadFile
@@ -48,7 +48,7 @@ def _too_large(limits: UploadLimits) -> UploadRefused:
     )
 
 
-async def _limited(request: Request, limits: UploadLimits) -> AsyncIterator[bytes]:
+async def _limited(request: Request, limits: UploadLimits) -> AsyncGenerator[bytes, None]:
     received = 0
     async for chunk in request.stream():
         received += len(chunk)
