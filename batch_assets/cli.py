@@ -8,6 +8,7 @@
     batch-assets ui                 the Dagster UI and daemon (`dg dev`) on DAGSTER_HOME, one per home
     batch-assets doctor             what a first run needs, one line per check with the setting to change
     batch-assets cache prune        prune the result caches by age and task version
+    batch-assets serve              OpenAI's Files and Batches API; each batch a partition of openai_batch
 
 The terminal shows one line per file and progress lines; the engine's and libraries' output goes to
 the run's log (and `$DAGSTER_HOME/logs/`), tracebacks too (`--verbose` shows everything). The work of
@@ -228,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_doctor(TERMINAL.say, verbose=TERMINAL.verbose)
         if args.command == "cache":
             return command_cache(args, TERMINAL.say)
+        if args.command == "serve":
+            from batch_assets.serve.command import command_serve
+
+            return command_serve(args, TERMINAL.say)
         watch_stop_signals(TERMINAL.say)
         # Until the command ends (the engine stops last), library output goes to the log file.
         log_path = dagster_home() / "logs" / f"batch-assets-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"

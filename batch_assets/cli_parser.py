@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from batch_assets.serve.command import add_serve_parser
+
 
 def build_parser() -> argparse.ArgumentParser:
     from batch_assets.pipeline.read_prompts import SUPPORTED_SUFFIXES
@@ -59,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--port", type=int, default=3000, help="port to listen on (default 3000)")
     ui.add_argument("--workspace", default="workspace.yaml", help="Dagster workspace file (default workspace.yaml)")
     add_cache_parser(commands)
+    add_serve_parser(commands)
     return parser
 
 

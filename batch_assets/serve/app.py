@@ -1,0 +1,165 @@
+"""The routes of `batch-assets serve`: OpenAI's Files and Batches API, with OpenAI's error bodies.
+
+    POST /v1/files                 multipart `file` + `purpose=batch` (uploads.py)
+    GET  /v1/files                 the files, newest first
+    GET  /v1/files/{id}            a file object
+    GET  /v1/files/{id}/content    its content
+    DELETE /v1/files/{id}
+    POST /v1/batches               {input_file_id, endpoint, completion_window: "24h", metadata}
+    GET  /v1/batches               newest first, `after` and `limit` (1-100, default 20)
+    GET  /v1/batches/{id}
+    POST /v1/batches/{id}/cancel
+
+With a key set (`SERVE_KEY_ENV`), every request must carry `Authorization: Bearer <key>` (401 otherwise).
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from batch_assets.serve.batch_runs import BatchRunner
+from batch_assets.serve.objects import (
+    FINISHED,
+    CreateBatch,
+    api_error,
+    batch_object,
+    create_problem,
+    file_object,
+    page,
+)
+from batch_assets.serve.settings import CHAT_TASK, SERVE_KEY_ENV, UploadLimits
+from batch_assets.serve.store import ServeStore, new_batch_id, new_file_id
+from batch_assets.serve.uploads import UploadRefused, read_upload
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.body = status, api_error(message, code=code, param=param)
+
+
+def _not_found(kind: str, given: str) -> ApiError:
+    # The id is echoed as a repr, cut short: never a path, never anything read.
+    return ApiError(404, f"no {kind} with id {given[:80]!r}", code="not_found")
+
+
+def build_app(store: ServeStore, runner: BatchRunner, limits: UploadLimits, api_key: str | None) -> FastAPI:
+    app = FastAPI(title="batch-assets serve", docs_url=None, redoc_url=None, openapi_url=None)
+    _add_error_handlers(app)
+
+    @app.middleware("http")
+    async def bearer_key(request: Request, call_next):
+        if api_key is not None:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                body = api_error(
+                    f"missing or wrong API key: send `Authorization: Bearer <the value of {SERVE_KEY_ENV}>`",
+                    code="invalid_api_key",
+                )
+                return JSONResponse(body, status_code=401)
+        return await call_next(request)
+
+    _add_file_routes(app, store, limits)
+    _add_batch_routes(app, store, runner)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_errors(_request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body, status_code=exc.status)
+
+    @app.exception_handler(UploadRefused)
+    async def refused_uploads(_request: Request, exc: UploadRefused) -> JSONResponse:
+        return JSONResponse(api_error(exc.message, code=exc.code, param=exc.param), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_bodies(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+        return JSONResponse(api_error(f"{where}: {first.get('msg', 'invalid')}", param=where or None), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_errors(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(api_error(str(exc.detail), code=code), exc.status_code)
+
+
+def _add_file_routes(app: FastAPI, store: ServeStore, limits: UploadLimits) -> None:
+    @app.post("/v1/files")
+    async def upload_file(request: Request) -> dict[str, Any]:
+        upload = await read_upload(request, limits)
+        obj = file_object(new_file_id(), upload.filename, len(upload.content), upload.purpose)
+        return store.add_file(upload.content, obj)
+
+    @app.get("/v1/files")
+    def list_files(purpose: str | None = None) -> dict[str, Any]:
+        files = [f for f in store.list_files() if purpose is None or f["purpose"] == purpose]
+        return {"object": "list", "data": files, "has_more": False}
+
+    @app.get("/v1/files/{file_id}")
+    def retrieve_file(file_id: str) -> dict[str, Any]:
+        found = store.file_object(file_id)
+        if found is None:
+            raise _not_found("file", file_id)
+        return found
+
+    @app.get("/v1/files/{file_id}/content")
+    def file_content(file_id: str) -> FileResponse:
+        path = store.content_path(file_id)
+        if path is None:
+            raise _not_found("file", file_id)
+        return FileResponse(path, media_type="application/octet-stream")
+
+    @app.delete("/v1/files/{file_id}")
+    def delete_file(file_id: str) -> dict[str, Any]:
+        if not store.delete_file(file_id):
+            raise _not_found("file", file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+
+def _add_batch_routes(app: FastAPI, store: ServeStore, runner: BatchRunner) -> None:
+    @app.post("/v1/batches")
+    def create_batch(request: CreateBatch) -> dict[str, Any]:
+        problem = create_problem(request)
+        if problem:
+            raise ApiError(400, problem[0], param=problem[1], code="invalid_value")
+        input_file = store.file_object(request.input_file_id)
+        if input_file is None:
+            raise ApiError(400, f"no file with id {request.input_file_id[:80]!r}", param="input_file_id")
+        if input_file["purpose"] != "batch":
+            raise ApiError(400, "input_file_id must name a file uploaded with purpose 'batch'", param="input_file_id")
+        task = runner.tasks.get(request.endpoint, CHAT_TASK)
+        record = {"batch": batch_object(new_batch_id(), request), "run": {"task": task, "started": False}}
+        store.save_batch(record)
+        runner.wake.set()
+        return record["batch"]
+
+    @app.get("/v1/batches")
+    def list_batches(after: str | None = None, limit: int = Query(default=20, ge=1, le=100)) -> dict[str, Any]:
+        batches = [record["batch"] for record in reversed(list(store.batch_records()))]
+        return page(batches, after, limit)
+
+    @app.get("/v1/batches/{batch_id}")
+    def retrieve_batch(batch_id: str) -> dict[str, Any]:
+        record = store.batch_record(batch_id)
+        if record is None:
+            raise _not_found("batch", batch_id)
+        return record["batch"]
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    def cancel_batch(batch_id: str) -> dict[str, Any]:
+        record = store.batch_record(batch_id)
+        if record is None:
+            raise _not_found("batch", batch_id)
+        if record["batch"]["status"] in FINISHED:
+            raise ApiError(400, f"cannot cancel a batch whose status is {record['batch']['status']}")
+        cancelled = runner.cancel(batch_id)
+        assert cancelled is not None
+        return cancelled["batch"]

@@ -1,0 +1,123 @@
+"""OpenAI's shapes for what `batch-assets serve` answers: file and batch objects, lists, errors.
+
+They follow the OpenAI API reference (and the `openai` client's `FileObject`, `Batch`,
+`BatchRequestCounts` and `BatchUsage` models), so any OpenAI client reads them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+COMPLETION_WINDOW = "24h"  # the only window OpenAI accepts
+WINDOW_SECONDS = 24 * 3600
+# A batch that is in one of these has no more to do.
+FINISHED = ("completed", "failed", "expired", "cancelled")
+
+
+class CreateBatch(BaseModel):
+    """The body of `POST /v1/batches`; fields OpenAI added since (e.g. `output_expires_after`) are accepted
+    and have no effect here."""
+
+    model_config = ConfigDict(extra="allow")
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = Field(default=None)
+
+
+def api_error(message: str, *, code: str | None = None, param: str | None = None, kind: str = "") -> dict[str, Any]:
+    """OpenAI's error body."""
+    return {"error": {"message": message, "type": kind or "invalid_request_error", "param": param, "code": code}}
+
+
+def file_object(file_id: str, filename: str, size: int, purpose: str) -> dict[str, Any]:
+    return {
+        "id": file_id,
+        "object": "file",
+        "bytes": size,
+        "created_at": int(time.time()),
+        "filename": filename,
+        "purpose": purpose,
+        "status": "processed",
+        "status_details": None,
+        "expires_at": None,
+    }
+
+
+def batch_object(batch_id: str, request: CreateBatch) -> dict[str, Any]:
+    now = int(time.time())
+    return {
+        "id": batch_id,
+        "object": "batch",
+        "endpoint": request.endpoint,
+        "errors": None,
+        "input_file_id": request.input_file_id,
+        "completion_window": request.completion_window,
+        "status": "validating",
+        "output_file_id": None,
+        "error_file_id": None,
+        "created_at": now,
+        "in_progress_at": None,
+        "expires_at": now + WINDOW_SECONDS,
+        "finalizing_at": None,
+        "completed_at": None,
+        "failed_at": None,
+        "expired_at": None,
+        "cancelling_at": None,
+        "cancelled_at": None,
+        "request_counts": {"total": 0, "completed": 0, "failed": 0},
+        "metadata": request.metadata,
+    }
+
+
+def batch_errors(code: str, message: str, *, line: int | None = None, param: str | None = None) -> dict[str, Any]:
+    """The `errors` of a batch that failed as a whole."""
+    return {"object": "list", "data": [{"code": code, "message": message, "param": param, "line": line}]}
+
+
+def create_problem(request: CreateBatch) -> tuple[str, str] | None:
+    """(message, param) when a batch cannot be created as asked, as OpenAI refuses it."""
+    if request.endpoint not in ENDPOINTS:
+        return f"endpoint must be one of {', '.join(ENDPOINTS)}, not {request.endpoint!r}", "endpoint"
+    if request.completion_window != COMPLETION_WINDOW:
+        return f"completion_window must be {COMPLETION_WINDOW!r}", "completion_window"
+    metadata = request.metadata or {}
+    if len(metadata) > 16 or any(len(key) > 64 or len(value) > 512 for key, value in metadata.items()):
+        return "metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512", "metadata"
+    return None
+
+
+def usage(outputs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A batch's token counts, summed over its output lines' response bodies."""
+    prompt = completion = 0
+    for line in outputs:
+        counts = ((line.get("response") or {}).get("body") or {}).get("usage") or {}
+        prompt += int(counts.get("prompt_tokens") or 0)
+        completion += int(counts.get("completion_tokens") or 0)
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
+
+
+def page(objects: list[dict[str, Any]], after: str | None, limit: int) -> dict[str, Any]:
+    """One page of a list, newest first, after the object `after` (cursor pagination as OpenAI's)."""
+    if after is not None:
+        ids = [obj["id"] for obj in objects]
+        objects = objects[ids.index(after) + 1 :] if after in ids else []
+    data = objects[:limit]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": len(objects) > limit,
+    }

@@ -1,0 +1,27 @@
+"""What `batch-assets serve` is started with: the key's variable, the tasks, the upload limits, the address."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+# The bearer key clients must send (their OpenAI API key); required when bound beyond this machine.
+SERVE_KEY_ENV = "BATCH_ASSETS_SERVE_API_KEY"
+# Which shipped task answers a batch, by its endpoint: chat and completions lines, or embeddings lines.
+CHAT_TASK = "openai_batch"
+EMBEDDINGS_TASK = "openai_batch_embeddings"
+
+
+@dataclass(frozen=True)
+class UploadLimits:
+    max_bytes: int  # the largest file accepted (`--max-file-mb`)
+    max_requests: int  # the most lines a batch file may have (`--max-requests`)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

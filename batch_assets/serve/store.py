@@ -1,0 +1,121 @@
+"""Files and batches of `batch-assets serve`, on disk under `$DAGSTER_HOME/serve`.
+
+    serve/files/<file id>.jsonl      an uploaded file, or a batch's output or error file
+    serve/files/<file id>.json       its OpenAI file object
+    serve/batches/<batch id>.json    {"batch": the OpenAI batch object, "run": what the server keeps of its run}
+    serve/runs/<batch id>.jsonl      the input file under the batch's name, given to `batch-assets run`
+    serve/logs/<batch id>.log        that command's output
+
+Ids are generated here (`file-<32 hex>`, `batch_<32 hex>`) and a path is only ever made from an id
+that matches that pattern, so no id a client sends (`../../etc/passwd`) reaches outside these
+folders. Every JSON file is written whole (a temporary file renamed over it), so a server killed
+mid-write leaves the previous state, and batches survive a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+FILE_ID = re.compile(r"file-[0-9a-f]{32}")
+BATCH_ID = re.compile(r"batch_[0-9a-f]{32}")
+
+
+def new_file_id() -> str:
+    return f"file-{uuid.uuid4().hex}"
+
+
+def new_batch_id() -> str:
+    return f"batch_{uuid.uuid4().hex}"
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    temporary.write_bytes(data)
+    os.replace(temporary, path)
+
+
+class ServeStore:
+    """The server's files and batches. One lock orders every change of a batch (the routes run in
+    a thread pool, the batch runner in a thread of its own)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.files, self.batches, self.runs, self.logs = (root / name for name in ("files", "batches", "runs", "logs"))
+        for folder in (self.files, self.batches, self.runs, self.logs):
+            folder.mkdir(parents=True, exist_ok=True)
+        self.lock = threading.RLock()
+
+    # Files
+
+    def content_path(self, file_id: str) -> Path | None:
+        """Where a file's content is, or None for an id this server never made or a file deleted."""
+        if not FILE_ID.fullmatch(file_id):
+            return None
+        path = self.files / f"{file_id}.jsonl"
+        return path if path.is_file() and (self.files / f"{file_id}.json").is_file() else None
+
+    def file_object(self, file_id: str) -> dict[str, Any] | None:
+        if self.content_path(file_id) is None:
+            return None
+        return json.loads((self.files / f"{file_id}.json").read_text(encoding="utf-8"))
+
+    def add_file(self, content: bytes, file_object: dict[str, Any]) -> dict[str, Any]:
+        """Store a file (content first: an object always has its content) under its object's id."""
+        file_id = file_object["id"]
+        assert FILE_ID.fullmatch(file_id), file_id
+        write_atomically(self.files / f"{file_id}.jsonl", content)
+        write_atomically(self.files / f"{file_id}.json", json.dumps(file_object).encode("utf-8"))
+        return file_object
+
+    def delete_file(self, file_id: str) -> bool:
+        if self.content_path(file_id) is None:
+            return False
+        (self.files / f"{file_id}.json").unlink(missing_ok=True)
+        (self.files / f"{file_id}.jsonl").unlink(missing_ok=True)
+        return True
+
+    def list_files(self) -> list[dict[str, Any]]:
+        found = [self.file_object(path.stem) for path in self.files.glob("file-*.json")]
+        return sorted((f for f in found if f), key=lambda f: (f["created_at"], f["id"]), reverse=True)
+
+    # Batches
+
+    def batch_record(self, batch_id: str) -> dict[str, Any] | None:
+        """{"batch": the OpenAI object, "run": the server's own notes}, or None for an unknown id."""
+        if not BATCH_ID.fullmatch(batch_id):
+            return None
+        path = self.batches / f"{batch_id}.json"
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+    def save_batch(self, record: dict[str, Any]) -> None:
+        batch_id = record["batch"]["id"]
+        assert BATCH_ID.fullmatch(batch_id), batch_id
+        write_atomically(self.batches / f"{batch_id}.json", json.dumps(record).encode("utf-8"))
+
+    def update_batch(
+        self, batch_id: str, change: Callable[[dict[str, Any]], dict[str, Any] | None]
+    ) -> dict[str, Any] | None:
+        """Apply `change` to the batch's record under the lock and save it; `change` returns the
+        record to save, or None to leave it as it was. The record as it is afterwards."""
+        with self.lock:
+            record = self.batch_record(batch_id)
+            if record is None:
+                return None
+            changed = change(record)
+            if changed is None:
+                return record
+            self.save_batch(changed)
+            return changed
+
+    def batch_records(self) -> Iterator[dict[str, Any]]:
+        """Every batch, oldest first."""
+        records = [self.batch_record(path.stem) for path in self.batches.glob("batch_*.json")]
+        yield from sorted((r for r in records if r), key=lambda r: (r["batch"]["created_at"], r["batch"]["id"]))

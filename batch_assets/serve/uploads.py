@@ -1,0 +1,115 @@
+"""`POST /v1/files`: the multipart body read with a size limit, and the file checked before anything is stored.
+
+The body is counted as it arrives and refused (413) past the limit, whatever Content-Length says
+(or leaves out), so a client cannot fill the disk; Starlette's multipart parser then spools the one
+file part. Checked before the file is stored: `purpose` is `batch`, the file is not empty, not
+compressed, has at most `max_requests` lines and at least one line that is a JSON object (a PNG or a
+CSV is refused with the reason). Bad lines among good ones are not refused here: the batch answers
+each with an error line, as the `openai_batch` task does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import Request
+
+from batch_assets.serve.settings import UploadLimits
+
+# Room for the multipart boundaries and the `purpose` field around the file.
+_MULTIPART_SLACK = 64 * 1024
+
+
+class UploadRefused(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+@dataclass(frozen=True)
+class Upload:
+    filename: str
+    purpose: str
+    content: bytes
+
+
+def _too_large(limits: UploadLimits) -> UploadRefused:
+    megabytes = limits.max_bytes / 1024 / 1024
+    return UploadRefused(
+        413,
+        f"the file is larger than this server's limit of {megabytes:g} MB (batch-assets serve --max-file-mb)",
+        "file",
+        "file_too_large",
+    )
+
+
+async def _limited(request: Request, limits: UploadLimits) -> AsyncGenerator[bytes, None]:
+    received = 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > limits.max_bytes + _MULTIPART_SLACK:
+            raise _too_large(limits)
+        yield chunk
+
+
+async def read_upload(request: Request, limits: UploadLimits) -> Upload:
+    """The upload's file and purpose, checked; `UploadRefused` says why not."""
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise UploadRefused(400, "upload the file as multipart/form-data with fields `file` and `purpose`")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limits.max_bytes + _MULTIPART_SLACK:
+        raise _too_large(limits)
+    parser = MultiPartParser(request.headers, _limited(request, limits), max_files=1, max_fields=8)
+    try:
+        form = await parser.parse()
+    except MultiPartException as exc:
+        raise UploadRefused(400, f"the multipart body cannot be read: {exc.message}") from None
+    part, purpose = form.get("file"), form.get("purpose")
+    if not isinstance(part, UploadFile):
+        raise UploadRefused(400, "the `file` field is missing", "file")
+    if purpose != "batch":
+        raise UploadRefused(400, f"purpose must be 'batch' (this server runs batches), not {purpose!r}", "purpose")
+    content = await part.read()
+    await part.close()
+    if len(content) > limits.max_bytes:
+        raise _too_large(limits)
+    # Only the name's last part is kept, for display: the file is stored under its id.
+    filename = os.path.basename((part.filename or "upload.jsonl").replace("\\", "/"))[:255] or "upload.jsonl"
+    check_batch_file(content, filename, limits)
+    return Upload(filename, purpose, content)
+
+
+def check_batch_file(content: bytes, filename: str, limits: UploadLimits) -> None:
+    if not content.strip():
+        raise UploadRefused(400, f"{filename} is empty", "file", "empty_file")
+    if content[:2] == b"\x1f\x8b":
+        raise UploadRefused(400, f"{filename} is gzip-compressed; upload the .jsonl itself", "file", "invalid_file")
+    lines = content.count(b"\n") + (not content.endswith(b"\n"))
+    if lines > limits.max_requests:
+        raise UploadRefused(
+            400,
+            f"{filename} has {lines} lines; a batch file may have at most {limits.max_requests} "
+            "(batch-assets serve --max-requests)",
+            "file",
+            "too_many_requests",
+        )
+    if not any(_is_object(line) for line in content.splitlines()):
+        raise UploadRefused(
+            400,
+            f"{filename}: no line is a JSON object; a batch file has one request per line, "
+            '{"custom_id": ..., "method": "POST", "url": ..., "body": {...}}',
+            "file",
+            "invalid_file",
+        )
+
+
+def _is_object(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False

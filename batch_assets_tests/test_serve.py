@@ -1,0 +1,184 @@
+"""`batch-assets serve` driven by the official `openai` client over loopback: a real server process
+on the tiny model, its batches run through Dagster (`batch-assets run` subprocesses).
+
+One server (and one restart of it) for every check, to keep engine starts few: upload, create, a
+queued batch cancelled before it starts, poll, download the output and error files (the bad lines
+the openai_batch task turns into error lines), list with pagination, a batch cancelled while it
+runs, refused uploads, crafted ids (404), a wrong key (401), and the state after a restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from batch_assets_tests.conftest import REPO_ROOT, stop_process_group
+from batch_assets_tests.test_openai_batch_pipeline import as_jsonl, chat
+
+pytestmark = pytest.mark.slow
+KEY = "serve-test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(env: dict[str, str], port: int, log: Path) -> Iterator[subprocess.Popen]:
+    command = [sys.executable, "-m", "batch_assets.cli", "serve", "--port", str(port), "--max-file-mb", "0.05"]
+    with log.open("a") as output:
+        process = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, log.read_text()[-3000:]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(
+                    f"http://127.0.0.1:{port}/v1/batches", headers={"Authorization": f"Bearer {KEY}"}
+                ).is_success:
+                    break
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.3)
+        yield process
+    finally:
+        stop_process_group(process)
+
+
+def wait_for(client: openai.OpenAI, batch_id: str, statuses: set[str], timeout: float = 240):
+    deadline = time.monotonic() + timeout
+    while (batch := client.batches.retrieve(batch_id)).status not in statuses:
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.5)
+    return batch
+
+
+def batch_lines() -> list[dict | str]:
+    good = [chat(f"q{i}", f"Question {i}: what is {i} plus {i}?", max_tokens=4, temperature=0) for i in range(6)]
+    bad: list[dict | str] = [
+        "{this is not json",
+        chat("q1", "duplicate custom_id"),
+        chat("tools", "x", tools=[{"type": "function", "function": {"name": "f"}}]),
+        chat("too-long", "word " * 3000, max_tokens=4),
+        {"method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}]}},
+        {"custom_id": "emb", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+    ]
+    return good + bad
+
+
+def test_openai_client_drives_serve_end_to_end(workdir: tuple[Path, dict[str, str]]) -> None:
+    tmp, env = workdir
+    env = {**env, "BATCH_ASSETS_SERVE_API_KEY": KEY}
+    port, log = free_port(), tmp / "serve.log"
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+    lines = batch_lines()
+    requests = tmp / "requests.jsonl"
+    requests.write_text(as_jsonl(lines), encoding="utf-8")
+    with running_server(env, port, log):
+        uploaded = client.files.create(file=requests.open("rb"), purpose="batch")
+        assert (uploaded.object, uploaded.purpose, uploaded.filename) == ("file", "batch", "requests.jsonl")
+        assert uploaded.bytes == requests.stat().st_size
+        assert client.files.content(uploaded.id).content == requests.read_bytes()
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"k": "v"}
+        )
+        assert (batch.status, batch.metadata) == ("validating", {"k": "v"})
+        # One batch runs at a time: this one waits behind the first and is cancelled before it starts.
+        queued = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert client.batches.cancel(queued.id).status == "cancelled"
+
+        done = wait_for(client, batch.id, {"completed", "failed"})
+        assert done.status == "completed", done.errors
+        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (12, 6, 6)
+        assert done.in_progress_at and done.finalizing_at and done.completed_at
+        assert done.usage is not None and done.usage.output_tokens > 0
+        outputs = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
+        errors = [json.loads(line) for line in client.files.content(done.error_file_id).text.splitlines()]
+        assert [o["custom_id"] for o in outputs] == [f"q{i}" for i in range(6)]
+        assert all(o["response"]["status_code"] == 200 and o["error"] is None for o in outputs)
+        assert [(e["custom_id"], e["response"]["body"]["error"]["code"]) for e in errors] == [
+            (None, "malformed_json"),
+            ("q1", "duplicate_custom_id"),
+            ("tools", "unsupported_field"),
+            ("too-long", "prompt_too_long"),
+            (None, "missing_custom_id"),
+            ("emb", "unsupported_url"),
+        ]
+        assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+
+        # A batch cancelled while its run is under way (its engine starting or inferring).
+        running = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        wait_for(client, running.id, {"in_progress"})
+        time.sleep(2)
+        assert client.batches.cancel(running.id).status == "cancelling"
+        cancelled = wait_for(client, running.id, {"cancelled", "completed"}, timeout=90)
+        assert cancelled.status == "cancelled" and cancelled.cancelled_at and cancelled.output_file_id is None
+
+        first = client.batches.list(limit=2)
+        assert [b.id for b in first.data] == [running.id, queued.id] and first.has_more
+        assert [b.id for b in client.batches.list(limit=2, after=queued.id).data] == [batch.id]
+        assert [b.id for b in client.batches.list()] == [running.id, queued.id, batch.id]  # auto-pagination
+
+        refused_requests_and_ids(client, port, tmp)
+
+    # A restart: the batches and their files are still there.
+    with running_server(env, port, log):
+        again = client.batches.retrieve(batch.id)
+        assert again.status == "completed" and again.output_file_id == done.output_file_id
+        assert [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()] == outputs
+        assert client.batches.retrieve(running.id).status == "cancelled"
+
+
+def refused_requests_and_ids(client: openai.OpenAI, port: int, tmp: Path) -> None:
+    files = tmp / "home" / "serve" / "files"
+    stored_before = sorted(files.iterdir())
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve("../../etc/passwd")
+    with pytest.raises(openai.NotFoundError):
+        client.files.content("file-../../../etc/passwd")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_..%2F..%2Fetc%2Fpasswd")
+    base = f"http://127.0.0.1:{port}/v1"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for path in ("/files/..%2F..%2Fetc%2Fpasswd/content", "/files/%2Fetc%2Fpasswd", "/files/file-0/content"):
+        answer = httpx.get(base + path, headers=auth)
+        assert answer.status_code == 404 and "root:" not in answer.text, (path, answer.text)
+    wrong = openai.OpenAI(base_url=base, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.batches.list()
+    assert httpx.get(base + "/batches").status_code == 401  # no key at all
+    big = tmp / "big.jsonl"
+    big.write_text(as_jsonl([chat(f"b{i}", "x" * 100) for i in range(600)]), encoding="utf-8")  # > 0.05 MB
+    with pytest.raises(openai.APIStatusError) as too_large:
+        client.files.create(file=big.open("rb"), purpose="batch")
+    assert too_large.value.status_code == 413 and "--max-file-mb" in too_large.value.message
+    not_requests = tmp / "not-requests.jsonl"
+    not_requests.write_text("a,b\n1,2\n", encoding="utf-8")
+    with pytest.raises(openai.BadRequestError, match="no line is a JSON object"):
+        client.files.create(file=not_requests.open("rb"), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="purpose must be 'batch'"):
+        client.files.create(file=not_requests.open("rb"), purpose="fine-tune")
+    assert sorted(files.iterdir()) == stored_before  # nothing refused was stored
+    with pytest.raises(openai.BadRequestError, match="completion_window"):
+        client.batches.create(input_file_id="file-" + "0" * 32, endpoint="/v1/chat/completions", completion_window="1h")
+    with pytest.raises(openai.BadRequestError, match="no file with id"):
+        client.batches.create(
+            input_file_id="file-" + "0" * 32, endpoint="/v1/chat/completions", completion_window="24h"
+        )
