@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from batch_assets.engines.openai_engine import EndpointError, OpenAIEngine
-from batch_assets.pipeline.embeddings import decode_vector, embedding_encoder, vectors_matrix
+from batch_assets.pipeline.embeddings import embedding_encoder, vectors_matrix
 from batch_assets.pipeline.engine_contract import Prompt
 from batch_assets_tests.conftest import SAMPLES, drop
 from batch_assets_tests.test_embedding_engine import TASKS, TEXTS, cosines, jsonl, metadata_of, read, run
@@ -101,7 +101,7 @@ def test_a_text_the_server_refuses_is_an_error_row_and_the_rest_of_its_request_i
     assert [g.error is None for g in generations] == [True, False, True]
     assert generations[1].error.startswith("endpoint_error: HTTP 400"), generations[1].error
     assert [g.num_prompt_tokens for g in generations] == [len(p) for p in prompts]
-    assert [len(decode_vector(g.text)) for g in generations if g.text is not None] == [384, 384]
+    assert [len(g.vector) for g in generations if g.vector is not None] == [384, 384]
 
 
 def test_a_chat_task_sent_to_the_embedding_models_server_fails_the_run_saying_why(

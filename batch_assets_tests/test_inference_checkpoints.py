@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pytest
 from upath import UPath
@@ -516,3 +517,31 @@ def test_a_cache_store_that_fails_at_the_end_loses_no_inferred_row(tmp_path: Pat
     out, stats = infer(frame, engine, CheckpointStore(partition_dir, "fp"), cache=ResultCache(UPath(tmp_path), "fp"))
     assert (stats.rows_from_checkpoint, stats.rows_inferred, len(engine.seen)) == (10, 0, 0)
     assert out["generated_text"].to_list() == [f"post {i}"[::-1] for i in range(10)]
+
+
+class VectorEngine(Engine):
+    """An embedding engine: a typed vector per prompt (its token ids as float32 values), no text."""
+
+    def __call__(self, prompts: list[Prompt]) -> list[Generation]:
+        self.seen += [list(p.token_ids) for p in prompts]
+        return [Generation(None, None, len(p), 0, vector=tuple(c / 7 for c in p.token_ids)) for p in prompts]
+
+
+def test_an_engines_vector_reaches_the_stores_as_before_and_comes_back_exactly(
+    partition_dir: UPath, tmp_path: Path
+) -> None:
+    from batch_assets.pipeline.embeddings import decode_vector, encode_vector, vectors_column
+
+    frame = formatted_frame(["ab", "yz"])
+    expected = [np.asarray([c / 7 for c in ids], dtype=np.float32) for ids in tokenize(frame["prompt"].to_list())]
+    cache = ResultCache(UPath(tmp_path / "cache"), "fp")
+    out, _ = infer(frame, VectorEngine(), CheckpointStore(partition_dir, "fp"), cache=cache)
+    # The stores' format is unchanged (base64 float32 text): entries written before read as they are.
+    assert out["generated_text"].to_list() == [encode_vector(v) for v in expected]
+    assert all(np.array_equal(decode_vector(t), v) for t, v in zip(out["generated_text"], expected, strict=True))
+    assert vectors_column(out["generated_text"]).dtype == pl.Array(pl.Float32, 4)
+    # From the cache, with no engine: the same vectors.
+    engine = VectorEngine()
+    again, stats = infer(frame, engine, CheckpointStore(partition_dir / "other", "fp"), cache=cache)
+    assert (stats.rows_inferred, engine.seen) == (0, [])
+    assert again["generated_text"].to_list() == out["generated_text"].to_list()

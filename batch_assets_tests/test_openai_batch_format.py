@@ -177,6 +177,54 @@ def test_every_bad_line_is_an_error_row_naming_file_and_line(line, code: str, na
     assert names in error
 
 
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        # Fields checked by OpenAI's own request types (the `openai` SDK's), named as OpenAI's `param`.
+        ({"user": 5}, "body.user is a number; OpenAI's API takes a string"),
+        ({"metadata": {"team": 1}}, "body.metadata.team is a number; OpenAI's API takes a string"),
+        ({"model": 5}, "body.model is a number; OpenAI's API takes a string"),
+        ({"max_tokens": "12"}, "body.max_tokens is a string; OpenAI's API takes an integer"),
+        ({"max_tokens": True}, "body.max_tokens is a boolean; OpenAI's API takes an integer"),
+        ({"seed": 1.5}, "body.seed is a number; OpenAI's API takes an integer"),
+        ({"stop": ["END", 3]}, "body.stop[1] is a number; OpenAI's API takes a string"),
+        ({"stop": 3}, "body.stop is a number; OpenAI's API takes a string or a list"),
+        ({"response_format": "json"}, "body.response_format is a string; OpenAI's API takes an object"),
+        (
+            {"response_format": {"type": "xml"}},
+            "body.response_format.type is \"xml\"; OpenAI's API takes 'text' or 'json_schema' or 'json_object'",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
+            "body.response_format.json_schema.name is missing; OpenAI's API requires it",
+        ),
+        # Ranges OpenAI's types leave to the server.
+        ({"stop": ["END", ""]}, "body.stop must be a non-empty string or a list of them"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "body.stop has 5 sequences; at most 4"),
+        ({"temperature": 2.5}, "body.temperature is 2.5; it must be at least 0.0 and at most 2.0"),
+        ({"seed": 2**63}, f"body.seed is {2**63}; it must be at least {-(2**63)} and at most {2**63 - 1}"),
+    ],
+)
+def test_body_fields_are_checked_against_openais_request_types(body: dict, message: str) -> None:
+    frame = read_batch_requests(jsonl(chat_line("bad", **body)), "in.jsonl")
+    assert frame["error"].to_list() == [f"invalid_field: in.jsonl line 1: {message}"]
+
+
+def test_nulls_and_integral_floats_are_taken_as_vllm_takes_them() -> None:
+    """OpenAI's types refuse `null` on some fields and 12.0 for an integer; vLLM's request models,
+    which answer these lines, take null as not given and 12.0 as 12, and so does the pipeline."""
+    data = jsonl(
+        chat_line("nulls", model=None, temperature=None, response_format=None, stop=None, user=None),
+        chat_line("floats", max_completion_tokens=12.0, seed=3.0),
+        {"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x", "encoding_format": None}},
+    )
+    nulls, floats, embedding = read_batch_requests(data, "in.jsonl").to_dicts()
+    assert [nulls["error"], floats["error"], embedding["error"]] == [None, None, None]
+    assert (nulls["model"], nulls["temperature"], nulls["response_format"], nulls["stop"]) == (None, None, None, None)
+    assert (floats["max_tokens"], floats["seed"]) == (12, 3)
+    assert embedding["encoding_format"] == "float"
+
+
 def test_invalid_utf8_and_non_jsonl_files() -> None:
     frame = read_batch_requests(jsonl(chat_line("a")) + b'{"custom_id": "\xff"}\n', "in.jsonl")
     assert frame["error"].to_list()[0] is None

@@ -475,8 +475,6 @@ class OpenAIEngine(dg.ConfigurableResource):
     def _embed(self, settings: EndpointSettings, api_key: str, prompts: list[Prompt]) -> list[Generation]:
         """`/v1/embeddings` for an embedding or similarity task: the prompts' texts, several per request
         (`embedding_requests`); a request the server refused (HTTP 400) is sent again text by text."""
-        from batch_assets.pipeline.embeddings import encode_vector
-
         texts = [p.text for p in prompts]
 
         def send(requests: list[EmbeddingRequest]) -> list[tuple[EmbeddingRequest, Any]]:
@@ -502,7 +500,11 @@ class OpenAIEngine(dg.ConfigurableResource):
             # The local count, the model's special tokens included, as in process: a request's `usage`
             # counts all of its texts together.
             else Generation(
-                text=encode_vector(o), finish_reason=None, num_prompt_tokens=len(prompt), num_generated_tokens=0
+                text=None,
+                vector=tuple(o),
+                finish_reason=None,
+                num_prompt_tokens=len(prompt),
+                num_generated_tokens=0,
             )
             for prompt, o in zip(prompts, outcomes, strict=True)
         ]

@@ -1,7 +1,7 @@
 """What the pipeline knows about vLLM's engine arguments (`vllm.engine.arg_utils.EngineArgs`): which
 change only speed or memory, and the values it sets when a task sets none.
 
-The task's YAML (`engine.vllm_args`, checked at load in pipeline/task_spec.py) says which
+The task's YAML (`engine.vllm_args`, checked at load in pipeline/task_spec/engine.py) says which
 arguments a task asks for; the engines decide what they mean: the vLLM engine passes them on with
 these defaults, and both engines' `resolve` hand the ones that decide outputs (`output_vllm_args`)
 to the code versions, as the vLLM engine's `identity` hands them to the checkpoint fingerprint.

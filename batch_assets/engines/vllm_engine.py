@@ -198,11 +198,10 @@ def _generation(output) -> Generation:
 
 
 def _embedding(output) -> Generation:
-    """A pooling result as a `Generation` whose text is the encoded vector (pipeline/embeddings.py)."""
-    from batch_assets.pipeline.embeddings import encode_vector
-
+    """A pooling result as a `Generation` carrying its vector."""
     return Generation(
-        text=encode_vector(output.outputs.data.float().cpu().numpy()),
+        text=None,
+        vector=tuple(output.outputs.data.float().cpu().tolist()),
         finish_reason=None,
         num_prompt_tokens=len(output.prompt_token_ids or []),
         num_generated_tokens=0,

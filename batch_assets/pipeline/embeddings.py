@@ -6,11 +6,12 @@ column (fixed-size float32) instead of a label. `output.method: similarity` on a
 each row by the cosine similarity of its embedding to each choice's.
 
 Both go through the same inference loop as generated labels (`run_inference`: deduplication, the
-result cache, checkpoints, resume, ranges of partitions): an engine's embedding travels through it as
-the text of a `Generation`, base64 of its little-endian float32 bytes (`encode_vector`), so the
-stores that keep results need no second schema. This module turns those results into the result
-table (`embedding_outputs`, `validate_embeddings`), labels rows by similarity (`similarity_outputs`)
-and measures what the checks check (`embedding_report`).
+result cache, checkpoints, resume, ranges of partitions): an engine returns a `Generation.vector`,
+which the loop keeps as text, base64 of its little-endian float32 bytes (`encode_vector`), so the
+stores that keep results need no second schema (and results stored before read as they are).
+This module turns those results into the result table (`embedding_outputs`, `validate_embeddings`),
+labels rows by similarity (`similarity_outputs`) and measures what the checks check
+(`embedding_report`).
 
 What can go wrong with a row, and what it becomes:
 - an empty text: an `empty_text` error row naming file and line (a non-string field is refused when

@@ -33,8 +33,7 @@ from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec, TaskSpec
 
 @dataclass(frozen=True)
 class Generation:
-    # An embedding engine's vector travels here too, as text (`pipeline/embeddings.encode_vector`).
-    text: str | None
+    text: str | None  # None for an embedding, whose result is `vector`
     finish_reason: str | None
     num_prompt_tokens: int
     num_generated_tokens: int
@@ -44,6 +43,9 @@ class Generation:
     # Set when the engine gave up on this request (e.g. an endpoint failing after its retries):
     # the row becomes an error row instead of failing the partition.
     error: str | None = None
+    # An embedding engine's result: the vector as the model returned it (float32 values). The core
+    # encodes it for the result stores (`pipeline/embeddings.encode_vector`), one place for every engine.
+    vector: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)

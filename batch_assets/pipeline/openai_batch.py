@@ -31,8 +31,9 @@ answered is a row with an `error` (`code: file line N: message`), which ends up 
                         output.kind is embedding; chat and completion lines one whose output is text)
     invalid_body        `body` missing or not an object
     unsupported_field   a body field this pipeline does not honour (tools, logprobs, n > 1, ...)
-    invalid_field       a supported field with a value of the wrong type or range (a max_tokens
-                        that leaves no room for a prompt in the model's context included)
+    invalid_field       a supported field with a value of the wrong type (as OpenAI's request types,
+                        the `openai` SDK's, have it) or range (a max_tokens that leaves no room for a
+                        prompt in the model's context included)
     empty_messages      `messages` missing or empty (chat), `prompt` missing or empty (completions)
     empty_input         `input` missing, empty or blank (embeddings), or a blank text in its list
     invalid_message     a message without a known role or with content that is not text
@@ -49,6 +50,7 @@ engine's) is a server failure (500).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -281,97 +283,165 @@ def _parse_body(body: dict, url: str, row: dict) -> None:
             raise _LineError(
                 "unsupported_field", f"body.{field} = {json.dumps(body[field])} is not supported (only {allowed[0]})"
             )
-    if model is not None and not isinstance(model, str):
-        raise _LineError("invalid_field", f"body.model is {_kind(model)}, not a string")
+    given = _typed_fields(body, url)
     # OpenAI: `max_completion_tokens` replaces the deprecated `max_tokens`; either may be given.
     for field in ("max_completion_tokens", "max_tokens"):
-        if body.get(field) is not None:
-            row["max_tokens"] = _integer(body, field, minimum=1)
+        if field in given:
+            row["max_tokens"] = _within(field, given[field], 1, 2**63 - 1)
             break
-    if body.get("temperature") is not None:
-        row["temperature"] = _number(body, "temperature", 0.0, 2.0, low_open=False)
-    if body.get("top_p") is not None:
-        row["top_p"] = _number(body, "top_p", 0.0, 1.0, low_open=True)
-    if body.get("seed") is not None:
-        row["seed"] = _integer(body, "seed", minimum=None)
-    if body.get("stop") is not None:
-        row["stop"] = json.dumps(_stop(body["stop"]), ensure_ascii=False)
+    if "temperature" in given:
+        row["temperature"] = float(_within("temperature", given["temperature"], 0.0, 2.0))
+    if "top_p" in given:
+        row["top_p"] = float(_within("top_p", given["top_p"], 0.0, 1.0, low_open=True))
+    if "seed" in given:
+        row["seed"] = _within("seed", given["seed"], -(2**63), 2**63 - 1)
+    if "stop" in given:
+        row["stop"] = json.dumps(_stop(given["stop"]), ensure_ascii=False)
     if url == CHAT_URL:
-        if body.get("response_format") is not None:
-            row["response_format"] = json.dumps(_response_format(body["response_format"]), ensure_ascii=False)
+        if "response_format" in given:
+            row["response_format"] = json.dumps(_response_format(given["response_format"]), ensure_ascii=False)
         row["messages"] = json.dumps(_messages(body.get("messages")), ensure_ascii=False)
     elif url == EMBEDDINGS_URL:
-        encoding = body.get("encoding_format", "float")
-        if encoding not in ("float", "base64"):
-            raise _LineError(
-                "invalid_field", f'body.encoding_format is {_json_text(encoding)}; use "float" or "base64"'
-            )
-        row["encoding_format"] = encoding
+        row["encoding_format"] = given.get("encoding_format", "float")
         row[_TEXTS] = _embedding_texts(body.get("input"))
     else:
         row["completion_prompt"] = _completion_prompt(body.get("prompt"))
 
 
-def _integer(body: dict, field: str, minimum: int | None) -> int:
-    value = body[field]
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
+# The body fields checked here rather than by OpenAI's types: this pipeline takes less than OpenAI's
+# API there (text content and text inputs only, one prompt a line) and says which part is at fault,
+# where OpenAI's types (unions of message and part types, their lists checked lazily) cannot.
+_OWN_CHECKS = frozenset({"messages", "prompt", "input"})
+_INTEGER_FIELDS = ("max_tokens", "max_completion_tokens", "seed", "n")
+# What a type error of pydantic's expects, in a message's words.
+_EXPECTED = {
+    "string_type": "a string",
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "a boolean",
+    "dict_type": "an object",
+    "list_type": "a list",
+    "is_instance_of": "a list",
+    "iterable_type": "a list",
+}
+
+
+@functools.cache
+def _body_type(url: str) -> Any:
+    """OpenAI's own request type for `url` (the `openai` SDK's TypedDicts), as a pydantic validator:
+    the field types follow OpenAI's API as the SDK is updated, not a copy kept here. Imported on
+    first use: the SDK's types take seconds to import, and only batch lines need them."""
+    from openai.types import completion_create_params, embedding_create_params
+    from openai.types.chat import completion_create_params as chat_create_params
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(
+        {
+            CHAT_URL: chat_create_params.CompletionCreateParamsNonStreaming,
+            COMPLETIONS_URL: completion_create_params.CompletionCreateParamsNonStreaming,
+            EMBEDDINGS_URL: embedding_create_params.EmbeddingCreateParams,
+        }[url]
+    )
+
+
+def _typed_fields(body: dict, url: str) -> dict[str, Any]:
+    """The body's fields (but `_OWN_CHECKS`) once their types are OpenAI's; a wrong type is an
+    `invalid_field` naming the field (as OpenAI's `param`) and what OpenAI's API takes there.
+
+    What OpenAI's types leave to the server (ranges, at most 4 stops) is checked by the caller.
+    Two differences from OpenAI's types keep what vLLM's request models, which answer these lines,
+    accept: a JSON null is a field not given (OpenAI's types allow null on some fields only), and
+    an integral number such as 12.0 is an integer (vLLM's models are lax there; some JSON writers
+    write every number as a float)."""
+    from pydantic import ValidationError
+
+    given = {key: value for key, value in body.items() if value is not None and key not in _OWN_CHECKS}
+    for field in _INTEGER_FIELDS:
+        if isinstance(value := given.get(field), float) and value.is_integer():
+            given[field] = int(value)
+    try:
+        # Strict: a text is not a number ("0.5" for a temperature is refused, as before these types).
+        _body_type(url).validate_python(given, strict=True)
+    except ValidationError as exc:
+        # A top-level field missing is one this pipeline does without (`model`) or checks itself.
+        errors = [e for e in exc.errors(include_url=False) if e["type"] != "missing" or len(e["loc"]) > 1]
+        if errors:
+            raise _LineError("invalid_field", _type_problem(given, errors)) from None
+    return given
+
+
+def _type_problem(body: dict, errors: list[Any]) -> str:
+    """pydantic's errors for one body as one message: the deepest field they name (of a union, the
+    member that matched furthest), what it is and what OpenAI's API takes there."""
+    located = [(_body_path(body, error["loc"], missing=error["type"] == "missing"), error) for error in errors]
+    where = max((path for path, _ in located), key=len)
+    same = [error for path, error in located if path == where]
+    name = "body" + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in where)
+    if same[0]["type"] == "missing":
+        return f"{name} is missing; OpenAI's API requires it"
+    expected = [_EXPECTED.get(e["type"], str(e["msg"]).removeprefix("Input should be ")) for e in same]
+    if "a string" in expected:  # a model name: any string, OpenAI's own model names among them
+        expected = [words for words, e in zip(expected, same, strict=True) if e["type"] != "literal_error"]
+    value = same[0]["input"]
+    given = _json_text(value) if same[0]["type"] == "literal_error" else _kind(value)
+    return f"{name} is {given}; OpenAI's API takes {' or '.join(dict.fromkeys(expected))}"
+
+
+def _body_path(body: dict, loc: tuple, *, missing: bool) -> tuple[str | int, ...]:
+    """An error location as the body's keys and list positions: pydantic adds a union member's
+    name to it (`stop.str`, `response_format.ResponseFormatText.type`), which the body has not."""
+    value: Any = body
+    path: list[str | int] = []
+    for position, part in enumerate(loc):
+        in_dict = isinstance(value, dict) and part in value
+        if in_dict or (isinstance(value, list) and isinstance(part, int) and part < len(value)):
+            value = value[part]
+        elif not (missing and position == len(loc) - 1 and isinstance(value, dict)):
+            continue  # a union member's name
+        path.append(part)
+    return tuple(path)
+
+
+def _within(field: str, value: int | float, low: float, high: float, *, low_open: bool = False) -> Any:
+    """A number OpenAI's API takes in a range (its types leave ranges to the server)."""
     if isinstance(value, float) and not math.isfinite(value):
-        raise _LineError("invalid_field", f"body.{field} is {_json_text(value)}; it must be an integer")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _LineError("invalid_field", f"body.{field} is {_kind(value)}, not an integer")
-    if minimum is not None and value < minimum:
-        raise _LineError("invalid_field", f"body.{field} is {value}; it must be at least {minimum}")
-    if not -(2**63) <= value < 2**63:
-        raise _LineError("invalid_field", f"body.{field} is out of range")
-    return value
-
-
-def _number(body: dict, field: str, low: float, high: float, *, low_open: bool) -> float:
-    value = body[field]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _LineError("invalid_field", f"body.{field} is {_kind(value)}, not a number")
-    if not math.isfinite(value):
         raise _LineError("invalid_field", f"body.{field} is {_json_text(value)}; it must be a finite number")
     if value > high or value < low or (low_open and value == low):
         bound = f"more than {low}" if low_open else f"at least {low}"
         raise _LineError("invalid_field", f"body.{field} is {value}; it must be {bound} and at most {high}")
-    return float(value)
+    return value
 
 
-def _stop(value: object) -> list[str]:
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+def _stop(value: str | list[str]) -> list[str]:
+    stops = [value] if isinstance(value, str) else list(value)
+    if not all(stops):
         raise _LineError("invalid_field", "body.stop must be a non-empty string or a list of them")
     if len(stops) > MAX_STOP_SEQUENCES:
         raise _LineError("invalid_field", f"body.stop has {len(stops)} sequences; at most {MAX_STOP_SEQUENCES}")
     return stops
 
 
-def _response_format(value: object) -> dict:
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind in ("text", "json_object"):
-        return {"type": kind}
-    if kind == "json_schema":
-        assert isinstance(value, dict)  # kind is only read from a dict
-        spec = value.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict) or not schema:
-            raise _LineError(
-                "invalid_field", "body.response_format.json_schema.schema must be a non-empty JSON schema object"
-            )
-        assert isinstance(spec, dict)  # the schema was read from it
-        try:
-            import jsonschema
+def _response_format(value: dict) -> dict:
+    """OpenAI's response format (its type already checked) as the constraint recorded for the line:
+    a json_schema one needs a schema (optional in OpenAI's type) that is a valid JSON schema."""
+    if value["type"] != "json_schema":
+        return {"type": value["type"]}
+    spec = value["json_schema"]
+    schema = spec.get("schema")
+    if not schema:
+        raise _LineError(
+            "invalid_field", "body.response_format.json_schema.schema must be a non-empty JSON schema object"
+        )
+    import jsonschema
 
-            jsonschema.Draft202012Validator.check_schema(schema)
-        except jsonschema.SchemaError as exc:
-            raise _LineError(
-                "invalid_field",
-                f"body.response_format.json_schema.schema is not a valid JSON schema: {exc.message[:160]}",
-            ) from None
-        return {"type": "json_schema", "json_schema": {"name": spec.get("name"), "schema": schema}}
-    raise _LineError("invalid_field", 'body.response_format.type must be "text", "json_object" or "json_schema"')
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise _LineError(
+            "invalid_field",
+            f"body.response_format.json_schema.schema is not a valid JSON schema: {exc.message[:160]}",
+        ) from None
+    return {"type": "json_schema", "json_schema": {"name": spec.get("name"), "schema": schema}}
 
 
 def _messages(value: object) -> list[dict]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
+from batch_assets.pipeline.embeddings import encode_vector
 from batch_assets.pipeline.engine_contract import EngineSession, Generation, Prompt
 from batch_assets.pipeline.result_stores import RESULT_SCHEMA, Checkpoints, ResultLookup
 
@@ -340,7 +341,9 @@ def _checkpoint_timer(sinks: list[_PartitionSink], seconds: float) -> Iterator[N
 def _result_row(key: str, g: Generation) -> dict:
     return {
         "request_key": key,
-        "generated_text": g.text,
+        # The stores keep an embedding as text (checkpoints and cache entries written before
+        # `Generation.vector` read as they are): encoded here, once for every engine.
+        "generated_text": g.text if g.vector is None else encode_vector(g.vector),
         "finish_reason": g.finish_reason,
         "num_prompt_tokens": g.num_prompt_tokens,
         "num_generated_tokens": g.num_generated_tokens,
