@@ -23,6 +23,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from batch_assets.pipeline.cascade_settings import CascadeSpec, cascade_problem
+
 log = logging.getLogger(__name__)
 
 TASKS_DIR_ENV = "BATCH_ASSETS_TASKS_DIR"
@@ -572,7 +574,9 @@ class OutputSpec(_Strict):
 
     kind: Literal["choices", "json_schema", "regex", "text", "embedding"]
     # `generate`: the chat model writes the label (structured outputs); `similarity`: choices task only.
-    method: Literal["generate", "similarity"] = "generate"
+    method: Literal["generate", "similarity", "cascade"] = "generate"
+    # `method: cascade` (pipeline/cascade.py): a teacher labels a sample and the uncertain rows.
+    cascade: CascadeSpec | None = None
     descriptions: dict[str, str] | None = None
     choices: list[str] | None = None
     json_schema: dict[str, Any] | None = None
@@ -614,6 +618,8 @@ class OutputSpec(_Strict):
                 f"{self.kind!r}: set output.kind: choices with output.choices, or remove output.method",
                 ("method",),
             )
+        if problem := cascade_problem(self.kind, self.method, self.cascade):
+            raise SettingError(*problem)
         if self.descriptions is not None:
             check_descriptions(self.descriptions, self.choices or [], self.method)
         if "confidence" in self.model_fields_set and self.confidence and self.kind not in ("choices", "regex"):
@@ -634,7 +640,7 @@ class OutputSpec(_Strict):
     @property
     def pooling(self) -> bool:
         """The task runs on vLLM's pooling runner (an embedding model), not on a chat model."""
-        return self.kind == "embedding" or self.method == "similarity"
+        return self.kind == "embedding" or self.method in ("similarity", "cascade")
 
     def decision(self) -> dict[str, Any]:
         """What decides the outputs: the constraint. Asking for log-probabilities does not change
@@ -643,6 +649,7 @@ class OutputSpec(_Strict):
         defaults, so tasks written before them keep their code versions."""
         defaults = {"method"} if self.method == "generate" else set()
         defaults |= {"descriptions"} if self.descriptions is None else set()
+        defaults |= {"cascade"} if self.cascade is None else set()
         return self.model_dump(exclude={"confidence", *defaults})
 
 
@@ -764,6 +771,9 @@ class ChecksSpec(_Strict):
     min_confidence: float = Field(default=0.5, ge=0, le=1)
     # ...and the WARN check `confidence_at_least` fails when more than this share of labels are.
     max_low_confidence_share: float = Field(default=0.2, ge=0, le=1)
+    # Cascade tasks: the WARN check `agreement_at_least` fails when the 95 % lower bound of the
+    # audit's agreement with the teacher is under this (None: DEFAULT_MIN_AGREEMENT).
+    min_agreement: float | None = Field(default=None, ge=0, le=1)
 
 
 class SensorSpec(_Strict):
@@ -830,7 +840,7 @@ class TaskSpec(_Strict):
         # Embedding and similarity tasks run on an embedding model: the embedded one unless named.
         output = raw.get("output") if isinstance(raw, dict) else None
         if not isinstance(output, dict) or not (
-            output.get("kind") == "embedding" or output.get("method") == "similarity"
+            output.get("kind") == "embedding" or output.get("method") in ("similarity", "cascade")
         ):
             return raw
         engine = raw.get("engine", {})
@@ -843,7 +853,7 @@ class TaskSpec(_Strict):
         """Embedding and similarity tasks send the template's text to an embedding model; chat tasks
         send chat prompts to a chat model. A setting of the one on the other is refused here."""
         pooling = self.output.pooling
-        what = "output.kind: embedding" if self.output.kind == "embedding" else "output.method: similarity"
+        what = "output.kind: embedding" if self.output.kind == "embedding" else f"output.method: {self.output.method}"
         if self.input.truncate and not pooling:
             raise SettingError(
                 "input.truncate applies to embedding and similarity tasks (output.kind: embedding, or "
@@ -971,6 +981,11 @@ class TaskSpec(_Strict):
                 "checks.gold_field needs a closed output (choices, regex or json_schema), not "
                 + ("free text" if self.output.kind == "text" else "embeddings"),
                 ("checks", "gold_field"),
+            )
+        if self.checks.min_agreement is not None and self.output.method != "cascade":
+            raise SettingError(
+                "checks.min_agreement applies to output.method: cascade (the audit's agreement with the teacher)",
+                ("checks", "min_agreement"),
             )
         confidence_settings = {"min_confidence", "max_low_confidence_share"} & self.checks.model_fields_set
         if confidence_settings and not self.output.has_confidence:
