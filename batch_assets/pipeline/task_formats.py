@@ -97,6 +97,8 @@ class TaskFormat(ABC):
     # What a validated row carries, which names its output checks (lib/checks.py):
     # "labels" (a label parsed and checked against the constraint) or "embeddings" (a vector).
     result: ClassVar[str] = "labels"
+    # Labels partly by a teacher that audits the rest: `agreement_at_least` holds the audit (lib/checks.py).
+    audits_agreement: ClassVar[bool] = False
 
     def __init__(self, task: TaskSpec) -> None:
         self.task = task
@@ -451,6 +453,7 @@ class CascadeRecords(_EmbeddedRecords):
     choices task, with who gave each (`labelled_by`)."""
 
     key = ("records", "cascade")
+    audits_agreement = True
 
     def inference_description(self, engine_name: str) -> str:
         return (
