@@ -88,5 +88,5 @@ def test_the_cascade_sample_labels_every_row_within_the_teachers_budget(data_dir
             f"teacher_no_label: {bad_name} line {line}: the teacher column 'Industry' is empty",
         )
     # Bad teacher values the teacher was never asked about do not matter: the student labels those rows.
-    unasked = relabelled.filter(pl.col("Industry").is_null() & (pl.col("labelled_by") == "student"))
+    unasked = relabelled.filter((pl.col("Industry") == "Aerospace") & (pl.col("labelled_by") == "student"))
     assert unasked.height > 0 and unasked["label"].null_count() == 0
