@@ -3,12 +3,12 @@
 Kept apart from task_spec.py, which only names `CascadeSpec` as a field of `OutputSpec` and calls
 `cascade_problem` from its validators: the cascade's settings and their defaults live with it.
 
-Defaults, measured with `bench/cascade_bench.py` (BENCHMARKS.md, "Cascade"): a sample of 1,000 rows
-per partition trains the student well past the point where more rows stop helping on nine
-industries; `defer_below: 0.6` sends the rows the student is least sure of to the teacher;
-`max_teacher_share: 0.25` caps every teacher request (sample, deferred and audit rows together) at a
-quarter of a partition's rows; 200 audit rows measure agreement to about ±3 percentage points (the
-95 % Wilson interval near 95 %).
+Defaults (chosen, not yet tuned: `bench/bench_cascade.py` measures them on 20,000 generated rows;
+docs/cascade.md): a sample of 1,000 rows per partition, about a hundred per label on nine labels;
+`defer_below: 0.6` sends the rows the student is least sure of to the teacher; `max_teacher_share:
+0.25` caps every teacher request (sample, deferred and audit rows together) at a quarter of a
+partition's rows (the issue's target); 200 audit rows measure agreement to about ±3 percentage
+points (the 95 % Wilson interval near 95 %).
 """
 
 from __future__ import annotations
