@@ -20,7 +20,7 @@ from batch_assets.pipeline.cascade import (
     train_student,
     wilson_interval,
 )
-from batch_assets.pipeline.cascade_labels import cascade_outputs, cascade_summary
+from batch_assets.pipeline.cascade_labels import cascade_outputs, cascade_summary, column_teacher
 from batch_assets.pipeline.cascade_settings import CascadeSpec, ColumnTeacher
 from batch_assets.pipeline.embeddings import encode_vector
 from batch_assets.pipeline.task_formats import CascadeRecords, task_format
@@ -182,7 +182,7 @@ def test_a_teacher_error_is_an_error_row_and_a_failed_audit_keeps_the_students_l
             for i in positions
         ]
 
-    result = run_cascade(x, teacher, spec(sample_rows=60, audit_rows=30, defer_below=0.0), CHOICES)
+    result = run_cascade(x, teacher, spec(sample_rows=40, audit_rows=30, defer_below=0.0), CHOICES)
     for i, role in enumerate(result.roles):
         if i % 7 == 0 and role == "sample":
             assert result.labels[i] is None and result.errors[i] == f"teacher_error: row {i}"
@@ -191,7 +191,7 @@ def test_a_teacher_error_is_an_error_row_and_a_failed_audit_keeps_the_students_l
     assert sum(1 for e in result.errors if e) == sum(
         1 for i, r in enumerate(result.roles) if r == "sample" and i % 7 == 0
     )
-    assert result.student.training_rows == 60 - sum(1 for e in result.errors if e)
+    assert result.student.training_rows == 40 - sum(1 for e in result.errors if e)
 
 
 def test_a_sample_of_one_label_leaves_the_other_rows_as_error_rows_not_guesses() -> None:
@@ -199,6 +199,7 @@ def test_a_sample_of_one_label_leaves_the_other_rows_as_error_rows_not_guesses()
     result = run_cascade(
         x, lambda positions: [TeacherAnswer("alpha") for _ in positions], spec(sample_rows=10), CHOICES
     )
+    # Budget 25 rows: a sample of 10 (sample_rows), then 15 more for the teacher; no student for the rest.
     assert Counter(result.labelled_by) == {"teacher": 25, None: 75}
     assert result.unseen_choices == ["beta", "gamma", "delta"]
     errors = [e for e in result.errors if e]
@@ -237,20 +238,30 @@ def embedded_results(x: np.ndarray, gold: list[str | None], errors: dict[int, st
 
 
 def test_a_teacher_column_with_an_unknown_label_is_an_error_row_naming_file_and_line() -> None:
-    x, y = blobs(300, noise=0.4, seed=6)
+    x, y = blobs(300, noise=1.5, seed=6)  # noisy: the student is never sure, every row goes to the teacher
     gold: list[str | None] = [CHOICES[i] for i in y]
-    gold[0], gold[1] = "Omega", None  # the sample takes every row at sample_rows >= rows
+    gold[0], gold[1] = "Omega", None
     frame = embedded_results(x, gold, errors={2: "empty_text: f.csv line 4: the text is empty"})
-    cascade = spec(sample_rows=400, max_teacher_share=1.0)
+    teacher = column_teacher(frame, "gold", CHOICES, "f.csv")
+    assert teacher(np.array([0, 1, 3])) == [
+        TeacherAnswer(
+            None,
+            "teacher_unknown_label: f.csv line 2: the teacher column 'gold' holds 'Omega', not one of output.choices",
+        ),
+        TeacherAnswer(None, "teacher_no_label: f.csv line 3: the teacher column 'gold' is empty"),
+        TeacherAnswer(gold[3]),
+    ]
+    with pytest.raises(ValueError, match="f.csv: output.cascade.teacher.column 'Gold' is not a column of the file"):
+        column_teacher(frame, "Gold", CHOICES, "f.csv")
+    # Through the cascade: a teacher that is asked about every row (a budget of all rows, none sure enough).
+    cascade = spec(sample_rows=400, max_teacher_share=1.0, defer_below=1.0, audit_rows=0)
     outputs, measured = cascade_outputs(frame, cascade, CHOICES, "f.csv")
-    assert outputs["error"][0] == (
-        "teacher_unknown_label: f.csv line 2: the teacher column 'gold' holds 'Omega', not one of output.choices"
-    )
-    assert outputs["error"][1] == "teacher_no_label: f.csv line 3: the teacher column 'gold' is empty"
+    assert outputs["error"][0].startswith("teacher_unknown_label: f.csv line 2:")
+    assert outputs["error"][1].startswith("teacher_no_label: f.csv line 3:")
     assert outputs["error"][2] == "empty_text: f.csv line 4: the text is empty"  # untouched, never labelled
     assert outputs["generated_text"][:3].to_list() == [None, None, None]
     assert outputs["generated_text"][3:].to_list() == gold[3:]
-    assert measured["student_training_rows"] == 297
+    assert measured["student_training_rows"] <= 150  # the sample: half the budget of 299 embedded rows
 
 
 def test_a_partition_through_the_cascade_kind_gives_every_row_a_label_or_an_error(tmp_path: Path) -> None:

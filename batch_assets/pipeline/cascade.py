@@ -3,8 +3,9 @@
 `run_cascade` takes one partition's embeddings and a teacher (a function from row positions to
 answers) and decides, row by row, who labels it:
 
-1. **sample**: `sample_rows` rows chosen to cover the data (`choose_sample`: k-means clusters of the
-   embeddings, each drawn from in proportion to its size), labelled by the teacher;
+1. **sample**: `sample_rows` rows (at most half the teacher's budget) chosen to cover the data
+   (`choose_sample`: k-means clusters of the embeddings, each drawn from in proportion to its size),
+   labelled by the teacher;
 2. **student**: scikit-learn's logistic regression on the sample's embeddings and teacher labels
    (`train_student`), its probabilities calibrated (`CalibratedClassifierCV`, temperature scaling,
    where every class has enough examples), its agreement with the teacher cross-validated;
@@ -252,7 +253,9 @@ def run_cascade(vectors: np.ndarray, teacher: Teacher, spec: CascadeSpec, choice
     if rows == 0:
         return result
     budget = max(1, math.floor(spec.max_teacher_share * rows))
-    sample = choose_sample(vectors, min(spec.sample_rows, budget, rows), spec.seed)
+    # At most half the budget: the rest is for the audit and the rows the student is unsure of (a
+    # sample that took it all would leave a small partition without either).
+    sample = choose_sample(vectors, min(spec.sample_rows, max(1, budget // 2), rows), spec.seed)
     taught = _ask(teacher, sample, result, role="sample")
     result.student = student = train_student(vectors[taught], [result.labels[i] or "" for i in taught], spec.seed)
     result.unseen_choices = [c for c in choices if c not in student.classes]
