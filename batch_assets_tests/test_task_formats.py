@@ -12,6 +12,7 @@ import pytest
 
 from batch_assets.pipeline.task_formats import (
     TASK_FORMATS,
+    CascadeRecords,
     ChatRecords,
     EmbeddingRecords,
     OpenAIBatchEmbeddings,
@@ -29,6 +30,7 @@ EXPECTED = {
     "embeddings": EmbeddingRecords,
     "industry": ChatRecords,
     "industry_similarity": SimilarityRecords,
+    "industry_cascade": CascadeRecords,
     "openai_batch": OpenAIBatchLines,
     "openai_batch_embeddings": OpenAIBatchEmbeddings,
     "sentiment": ChatRecords,
@@ -36,7 +38,17 @@ EXPECTED = {
 }
 # The Dagster modules that build a task's assets and checks: they call the task's format object.
 FACTORIES = ("batch_assets/lib/assets.py", "batch_assets/lib/checks.py")
-KIND_NAMES = ("records", "openai_batch", "embedding", "similarity", "generate", "choices", "regex", "json_schema")
+KIND_NAMES = (
+    "records",
+    "openai_batch",
+    "embedding",
+    "similarity",
+    "cascade",
+    "generate",
+    "choices",
+    "regex",
+    "json_schema",
+)
 
 
 def shipped_tasks() -> list:
@@ -81,6 +93,7 @@ def test_what_each_kind_asks_of_inference() -> None:
     assert {name for name, fmt in by_name.items() if fmt.counts_labels} == {
         "industry",
         "industry_similarity",
+        "industry_cascade",
         "sentiment",
         "industry_fewshot",
     }

@@ -108,6 +108,7 @@ def inference_metadata(
         "generated_tokens_per_second": round(stats.generated_tokens_per_second, 2),
         "rows_per_second": round(stats.rows_per_second, 2),
         **fmt.inference_metadata(frame),
+        **stats.format_metadata,
         "model": settings.model,
         "model_chosen_by": settings.resolved.model_setting,  # the setting to change for another model
         "engine_settings": settings.metadata(),

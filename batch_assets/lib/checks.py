@@ -16,6 +16,9 @@
   the known labels is at least `checks.min_accuracy`.
 - `confidence_at_least` on validated_labels (WARN; choices and regex tasks): at most
   `checks.max_low_confidence_share` of the labels have a `confidence` under `checks.min_confidence`.
+- `agreement_at_least` on validated_labels (WARN; cascade tasks): the 95 % Wilson lower bound of the
+  audit's agreement (student-labelled rows the teacher also labelled) is at least
+  `checks.min_agreement`.
 - `embeddings_are_valid` on inference_outputs (ERROR, blocking; embedding tasks, in place of the two
   label checks above): one dimension for every vector, every value finite, every vector of unit L2
   norm (vLLM's embed normalizes, as the model's own Normalize module does), and no row without an
@@ -37,10 +40,12 @@ import polars as pl
 from batch_assets.lib.asset_metadata import asset_key, error_code_counts, markdown_table
 from batch_assets.lib.materializations import latest_materialization
 from batch_assets.pipeline.budget import budget_overruns, estimate_cost
+from batch_assets.pipeline.cascade_labels import cascade_summary
 from batch_assets.pipeline.embeddings import NORM_TOLERANCE, embedding_report
 from batch_assets.pipeline.label_quality import accuracy_report, confidence_report, label_counts, label_drift
 from batch_assets.pipeline.task_formats import TaskFormat, task_format
 from batch_assets.pipeline.task_spec import TaskSpec
+from batch_assets.pipeline.task_spec.cascade import DEFAULT_MIN_AGREEMENT
 from batch_assets.pipeline.validate_labels import constraint_violations, invalid_labels
 from batch_assets.runtime.dagster_private import AssetCheckEvaluationTargetMaterializationData
 from batch_assets.storage.drop_files import drop_partitions
@@ -126,6 +131,7 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         *_drift_checks(task, fmt),
         *_accuracy_checks(task),
         *_confidence_checks(task, fmt),
+        *_agreement_checks(task, fmt),
     ]
     return [*OUTPUT_CHECKS[fmt.result](task), *_row_checks(task), *gates]
 
@@ -490,3 +496,46 @@ def _confidence_checks(task: TaskSpec, fmt: TaskFormat) -> list[dg.AssetChecksDe
         )
 
     return [confidence_at_least]
+
+
+def _agreement_checks(task: TaskSpec, fmt: TaskFormat) -> list[dg.AssetChecksDefinition]:
+    if not fmt.audits_agreement:
+        return []
+    minimum = DEFAULT_MIN_AGREEMENT if task.checks.min_agreement is None else task.checks.min_agreement
+
+    @dg.asset_check(
+        asset=asset_key(task.name, "validated_labels"),
+        name="agreement_at_least",
+        partitions_def=drop_partitions(task.name),
+        description=(
+            f"The student's labels agree with the teacher's on the audited rows (random student-labelled rows the "
+            f"teacher also labelled) with a 95 % lower bound of at least {minimum:.0%} (task settings "
+            "`checks.min_agreement`, `output.cascade.audit_rows`)."
+        ),
+    )
+    def agreement_at_least(context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame]):
+        yield from evaluate_per_partition(context, lambda key: agreement_result(validated_labels[key], minimum))
+
+    return [agreement_at_least]
+
+
+def agreement_result(validated_labels: pl.DataFrame, minimum: float) -> dg.AssetCheckResult:
+    """Passes when the audit's 95 % lower bound reaches `minimum`; skipped (passing, with a note) when no
+    row was audited (a partition the teacher labelled whole, or `audit_rows: 0`)."""
+    summary = cascade_summary(validated_labels)
+    metadata: dict[str, Any] = {**summary.metadata(), "min_agreement": minimum}
+    if summary.agreement is None:
+        note = "skipped: no row was audited (the teacher labelled every row, or output.cascade.audit_rows is 0)"
+        return dg.AssetCheckResult(passed=True, metadata={**metadata, "note": note})
+    low, high = summary.agreement_interval
+    passed = low >= minimum
+    description = (
+        None
+        if passed
+        else f"the audit's agreement with the teacher is {summary.agreement:.1%} (95 % interval {low:.1%}-{high:.1%}, "
+        f"{summary.audited_rows} rows): its lower bound is under checks.min_agreement {minimum:.0%}: raise "
+        "output.cascade.defer_below (more rows to the teacher) or sample_rows (a better student)"
+    )
+    return dg.AssetCheckResult(
+        passed=passed, severity=dg.AssetCheckSeverity.WARN, description=description, metadata=metadata
+    )

@@ -20,6 +20,7 @@ import polars as pl
 from batch_assets.engines.kinds import resolve_settings
 from batch_assets.lib.error_causes import error_info_chain, error_info_line
 from batch_assets.lib.materializations import latest_materialization
+from batch_assets.pipeline.cascade import wilson_interval
 from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.locations import output_path
@@ -237,6 +238,24 @@ def _quality_notes(task_name: str, partition_keys: list[str], instance: dg.Dagst
     if low and minimum is not None:
         share = sum(share * rows for share, rows in low) / sum(rows for _, rows in low)
         notes.append(f"{share:.0%} of labels with confidence under {minimum}")
+    return notes + _cascade_notes(records)
+
+
+def _cascade_notes(records: list[dg.EventLogRecord | None]) -> list[str]:
+    """A cascade's teacher rows and audit over the partitions (none for other kinds of task)."""
+    teacher = [_metadata_value(r, "teacher_rows") for r in records]
+    if not any(count is not None for count in teacher):
+        return []
+    rows = sum(_metadata_value(r, "rows") or 0 for r in records)
+    teacher_rows = sum(count or 0 for count in teacher)
+    audited = sum(_metadata_value(r, "audited_rows") or 0 for r in records)
+    agreed = sum(
+        round((_metadata_value(r, "audit_agreement") or 0) * (_metadata_value(r, "audited_rows") or 0)) for r in records
+    )
+    notes = [f"teacher labelled {teacher_rows} rows ({teacher_rows / rows:.0%}), the student {rows - teacher_rows}"]
+    if audited:
+        low, high = wilson_interval(agreed, audited)
+        notes.append(f"audit agreement {agreed / audited:.0%} [{low:.0%}-{high:.0%}] on {audited} rows")
     return notes
 
 

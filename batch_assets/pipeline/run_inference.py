@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import polars as pl
 
@@ -62,6 +63,9 @@ class InferenceStats:
     engine_seconds: float = 0.0
     engine_start_seconds: float = 0.0
     engine_started: bool = False
+    # What the task's kind measured of the partition besides inference (a cascade's student), for
+    # inference_outputs' metadata.
+    format_metadata: dict[str, Any] = field(default_factory=dict)
 
     @property
     def inference_seconds(self) -> float:

@@ -8,6 +8,9 @@
                                                    embedding model's vector per row (`output.kind: embedding`)
     ("records", "similarity")   SimilarityRecords  formatted and embedded as EmbeddingRecords, labelled by
                                                    the most similar choice (`output.method: similarity`)
+    ("records", "cascade")      CascadeRecords     embedded as EmbeddingRecords; a teacher labels a sample and
+                                                   the uncertain rows, a student on the embeddings the rest
+                                                   (`output.method: cascade`, pipeline/cascade.py)
     ("openai_batch", "generate") OpenAIBatchLines  each line of an OpenAI Batch API file, with its own
                                                    messages and sampling; output and error files besides
     ("openai_batch", "embed")   OpenAIBatchEmbeddings  each `/v1/embeddings` line's text (or texts), embedded;
@@ -31,11 +34,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import polars as pl
 
+from batch_assets.pipeline.cascade_labels import cascade_outputs, cascade_summary
 from batch_assets.pipeline.embeddings import (
     choice_texts,
     choice_vectors,
@@ -93,6 +97,8 @@ class TaskFormat(ABC):
     # What a validated row carries, which names its output checks (lib/checks.py):
     # "labels" (a label parsed and checked against the constraint) or "embeddings" (a vector).
     result: ClassVar[str] = "labels"
+    # Labels partly by a teacher that audits the rest: `agreement_at_least` holds the audit (lib/checks.py).
+    audits_agreement: ClassVar[bool] = False
 
     def __init__(self, task: TaskSpec) -> None:
         self.task = task
@@ -440,6 +446,57 @@ class SimilarityRecords(_EmbeddedRecords):
         return [(similarity_outputs(frame, vectors, output.choices or []), stats) for frame, stats in results]
 
 
+class CascadeRecords(_EmbeddedRecords):
+    """`output.method: cascade` on a choices task: rows embedded as EmbeddingRecords; the teacher
+    labels a sample of them and the rows the student (a classifier on the embeddings, trained on the
+    sample) is unsure of, the student the rest (pipeline/cascade.py). The labels are then those of a
+    choices task, with who gave each (`labelled_by`)."""
+
+    key = ("records", "cascade")
+    audits_agreement = True
+
+    def inference_description(self, engine_name: str) -> str:
+        return (
+            f"Embeddings of each `{self.task.name}` row from {self.embedder(engine_name)}, and its label by the "
+            "cascade: the teacher's on a sample and on the rows the student is unsure of, the student's elsewhere."
+        )
+
+    def validated_description(self) -> str:
+        return (
+            f"The `{self.task.name}` result table: every input column, `label` and its `confidence`, "
+            "`labelled_by` (teacher or student), `cascade_role` (sample, deferred, audit or student), "
+            "`student_label` and `error`. Exactly one row per input record, in input order."
+        )
+
+    def labelled_by(self, model: str) -> str:
+        return f"cascade: a teacher column and a student on {model} embeddings"
+
+    def output_identity(self, settings: EngineSettings) -> dict[str, Any]:
+        # The vectors depend on the model and the text alone (so the cache holds embeddings, reused
+        # whatever the cascade's settings); the labels are decided again from them on every run.
+        return {"output": "embedding"}
+
+    def infer(
+        self, parts: list[PartitionInput], run: RunInference, tokenizer: Tokenizer, max_model_len: int
+    ) -> list[tuple[pl.DataFrame, InferenceStats]]:
+        output = self.task.output
+        assert output.cascade is not None  # method cascade requires it (OutputSpec)
+        inferred = []
+        for part, (frame, stats) in zip(parts, run(parts), strict=True):
+            labelled, measured = cascade_outputs(frame, output.cascade, output.choices or [], part.label)
+            inferred.append((labelled, replace(stats, format_metadata=measured)))
+        return inferred
+
+    def validate(self, outputs: pl.DataFrame) -> pl.DataFrame:
+        return validate_labels(outputs.drop("embedding"), self.task.output)
+
+    def preview_columns(self, labels: pl.DataFrame) -> list[str]:
+        return [*self.task.input.text_fields, "label", "confidence", "labelled_by", "error"]
+
+    def label_metadata(self, labels: pl.DataFrame) -> dict[str, Any]:
+        return {**super().label_metadata(labels), **cascade_summary(labels).metadata()}
+
+
 class OpenAIBatchEmbeddings(EmbeddingRecords):
     """The `/v1/embeddings` lines of an OpenAI Batch API file (`input.format: openai_batch` with
     `output.kind: embedding`): each text embedded as an embedding task's row is; a line of several
@@ -487,7 +544,14 @@ class OpenAIBatchEmbeddings(EmbeddingRecords):
 # The kinds of task, by `task_format_key`: a new kind is a new entry.
 TASK_FORMATS: dict[tuple[str, str], type[TaskFormat]] = {
     kind.key: kind
-    for kind in (ChatRecords, EmbeddingRecords, SimilarityRecords, OpenAIBatchLines, OpenAIBatchEmbeddings)
+    for kind in (
+        ChatRecords,
+        EmbeddingRecords,
+        SimilarityRecords,
+        CascadeRecords,
+        OpenAIBatchLines,
+        OpenAIBatchEmbeddings,
+    )
 }
 
 

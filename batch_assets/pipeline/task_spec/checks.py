@@ -36,3 +36,6 @@ class ChecksSpec(_Strict):
     min_confidence: float = Field(default=0.5, ge=0, le=1)
     # ...and the WARN check `confidence_at_least` fails when more than this share of labels are.
     max_low_confidence_share: float = Field(default=0.2, ge=0, le=1)
+    # Cascade tasks: the WARN check `agreement_at_least` fails when the 95 % lower bound of the
+    # audit's agreement with the teacher is under this (None: DEFAULT_MIN_AGREEMENT).
+    min_agreement: float | None = Field(default=None, ge=0, le=1)

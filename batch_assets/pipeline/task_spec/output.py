@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from .base import MAX_COUNT, SettingError, _Strict
+from .cascade import CascadeSpec, cascade_problem
 
 
 class SamplingSpec(_Strict):
@@ -37,7 +38,9 @@ class OutputSpec(_Strict):
 
     kind: Literal["choices", "json_schema", "regex", "text", "embedding"]
     # `generate`: the chat model writes the label (structured outputs); `similarity`: choices task only.
-    method: Literal["generate", "similarity"] = "generate"
+    method: Literal["generate", "similarity", "cascade"] = "generate"
+    # `method: cascade` (pipeline/cascade.py): a teacher labels a sample and the uncertain rows.
+    cascade: CascadeSpec | None = None
     descriptions: dict[str, str] | None = None
     choices: list[str] | None = None
     json_schema: dict[str, Any] | None = None
@@ -79,6 +82,8 @@ class OutputSpec(_Strict):
                 f"{self.kind!r}: set output.kind: choices with output.choices, or remove output.method",
                 ("method",),
             )
+        if problem := cascade_problem(self.kind, self.method, self.cascade):
+            raise SettingError(*problem)
         if self.descriptions is not None:
             check_descriptions(self.descriptions, self.choices or [], self.method)
         if "confidence" in self.model_fields_set and self.confidence and self.kind not in ("choices", "regex"):
@@ -99,7 +104,7 @@ class OutputSpec(_Strict):
     @property
     def pooling(self) -> bool:
         """The task runs on vLLM's pooling runner (an embedding model), not on a chat model."""
-        return self.kind == "embedding" or self.method == "similarity"
+        return self.kind == "embedding" or self.method in ("similarity", "cascade")
 
     def decision(self) -> dict[str, Any]:
         """What decides the outputs: the constraint. Asking for log-probabilities does not change
@@ -108,6 +113,7 @@ class OutputSpec(_Strict):
         defaults, so tasks written before them keep their code versions."""
         defaults = {"method"} if self.method == "generate" else set()
         defaults |= {"descriptions"} if self.descriptions is None else set()
+        defaults |= {"cascade"} if self.cascade is None else set()
         return self.model_dump(exclude={"confidence", *defaults})
 
 

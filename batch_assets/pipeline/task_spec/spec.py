@@ -54,7 +54,7 @@ class TaskSpec(_Strict):
         # Embedding and similarity tasks run on an embedding model: the embedded one unless named.
         output = raw.get("output") if isinstance(raw, dict) else None
         if not isinstance(output, dict) or not (
-            output.get("kind") == "embedding" or output.get("method") == "similarity"
+            output.get("kind") == "embedding" or output.get("method") in ("similarity", "cascade")
         ):
             return raw
         engine = raw.get("engine", {})
@@ -67,7 +67,7 @@ class TaskSpec(_Strict):
         """Embedding and similarity tasks send the template's text to an embedding model; chat tasks
         send chat prompts to a chat model. A setting of the one on the other is refused here."""
         pooling = self.output.pooling
-        what = "output.kind: embedding" if self.output.kind == "embedding" else "output.method: similarity"
+        what = "output.kind: embedding" if self.output.kind == "embedding" else f"output.method: {self.output.method}"
         if self.input.truncate and not pooling:
             raise SettingError(
                 "input.truncate applies to embedding and similarity tasks (output.kind: embedding, or "
@@ -195,6 +195,11 @@ class TaskSpec(_Strict):
                 "checks.gold_field needs a closed output (choices, regex or json_schema), not "
                 + ("free text" if self.output.kind == "text" else "embeddings"),
                 ("checks", "gold_field"),
+            )
+        if self.checks.min_agreement is not None and self.output.method != "cascade":
+            raise SettingError(
+                "checks.min_agreement applies to output.method: cascade (the audit's agreement with the teacher)",
+                ("checks", "min_agreement"),
             )
         confidence_settings = {"min_confidence", "max_low_confidence_share"} & self.checks.model_fields_set
         if confidence_settings and not self.output.has_confidence:

@@ -1,0 +1,344 @@
+"""The cascade, pure: a teacher labels a sample and the uncertain rows, a student labels the rest.
+
+`run_cascade` takes one partition's embeddings and a teacher (a function from row positions to
+answers) and decides, row by row, who labels it:
+
+1. **sample**: `sample_rows` rows (at most half the teacher's budget) chosen to cover the data
+   (`choose_sample`: k-means clusters of the embeddings, each drawn from in proportion to its size),
+   labelled by the teacher;
+2. **student**: scikit-learn's logistic regression on the sample's embeddings and teacher labels
+   (`train_student`), its probabilities calibrated (`CalibratedClassifierCV`, temperature scaling,
+   where every class has enough examples), its agreement with the teacher cross-validated;
+3. **deferred**: rows whose student confidence is under `defer_below` go to the teacher, least sure
+   first, within the hard budget `max_teacher_share` of the partition's rows (sample, audit and
+   deferred rows together); rows past the budget keep the student's label and its low confidence;
+4. **audit**: `audit_rows` random student-labelled rows also go to the teacher; the share on which
+   both agree, with its 95 % Wilson interval, is what the `agreement_at_least` check holds.
+
+Rows the teacher saw keep the teacher's label. What cannot be labelled honestly is an error row, never
+a silent label: a teacher error on a sample or deferred row; every row the student would label when the
+teacher's sample has fewer than two distinct labels. Choices the teacher never gave in the sample are
+named in the report (the student cannot give them).
+
+Also here: expected calibration error (`expected_calibration_error`, 10 bins) and the Wilson interval.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from sklearn.calibration import CalibratedClassifierCV
+from sklearn.cluster import MiniBatchKMeans
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.linear_model import LogisticRegression
+from sklearn.model_selection import StratifiedKFold, cross_val_predict
+
+from batch_assets.pipeline.task_spec.cascade import CascadeSpec
+
+# Inverse regularization of the student: sentence embeddings are unit vectors spread over hundreds of
+# dimensions, so each coordinate is small and sklearn's default C=1 regularizes them towards one
+# class. 20 is a first choice, not yet tuned: bench/bench_cascade.py prints the student's
+# cross-validated agreement to compare settings by.
+STUDENT_C = 20.0
+# Folds of the student's cross-validated agreement and of its calibration; a class with fewer
+# teacher examples than this leaves the student's probabilities uncalibrated (logistic regression's own).
+FOLDS = 3
+# One cluster per this many sample rows (at least 2, at most MAX_CLUSTERS): enough clusters that a
+# rare kind of row gets drawn, few enough that each holds several.
+ROWS_PER_CLUSTER = 10
+MAX_CLUSTERS = 100
+ECE_BINS = 10
+WILSON_Z = 1.959963984540054  # the 97.5th percentile of the normal distribution: a 95 % interval
+
+
+@dataclass(frozen=True)
+class TeacherAnswer:
+    label: str | None  # one of the choices, or None with an error
+    error: str | None = None
+    confidence: float = 1.0  # a column's label is the teacher's final word
+
+
+# Row positions (into the partition's embedded rows) → the teacher's answer for each.
+Teacher = Callable[[np.ndarray], list[TeacherAnswer]]
+
+
+@dataclass(frozen=True)
+class Student:
+    """A trained student and what its training measured."""
+
+    model: Any  # a fitted scikit-learn classifier with predict_proba, or None with fewer than 2 labels
+    classes: list[str]
+    training_rows: int
+    cv_agreement: float | None  # cross-validated agreement with the teacher on the sample
+    ece: float | None  # expected calibration error of the cross-validated probabilities
+    calibrated: bool
+    note: str | None = None  # why it is not calibrated, or why there is no student
+
+    def predict(self, vectors: np.ndarray) -> tuple[list[str], np.ndarray]:
+        """Each row's most probable label and its probability."""
+        if self.model is None or vectors.shape[0] == 0:
+            return [], np.zeros(0)
+        probabilities = self.model.predict_proba(vectors)
+        best = probabilities.argmax(axis=1)
+        return [self.classes[i] for i in best], probabilities[np.arange(len(best)), best]
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "student_training_rows": self.training_rows,
+            "student_classes": len(self.classes),
+            "student_cv_agreement": None if self.cv_agreement is None else round(self.cv_agreement, 4),
+            "student_calibration_error": None if self.ece is None else round(self.ece, 4),
+            "student_calibrated": self.calibrated,
+            **({"student_note": self.note} if self.note else {}),
+        }
+
+
+@dataclass
+class CascadeResult:
+    """Per row of the partition's embedded rows: label, confidence, who labelled it, its role
+    (sample, deferred, audit or student), the student's own label where it made one, and an error."""
+
+    labels: list[str | None]
+    confidence: list[float | None]
+    labelled_by: list[str | None]
+    roles: list[str | None]
+    student_labels: list[str | None]
+    errors: list[str | None]
+    student: Student
+    unseen_choices: list[str] = field(default_factory=list)
+    over_budget_rows: int = 0  # rows under defer_below the budget left with the student
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            **self.student.metadata(),
+            "unseen_choices": self.unseen_choices,
+            "deferred_over_budget_rows": self.over_budget_rows,
+        }
+
+
+def wilson_interval(successes: int, trials: int, z: float = WILSON_Z) -> tuple[float, float]:
+    """The Wilson score interval of a proportion (95 % by default); (0, 1) with no trials. Written
+    out: four lines, where statsmodels would be a dependency for one function."""
+    if trials == 0:
+        return 0.0, 1.0
+    p = successes / trials
+    denominator = 1 + z * z / trials
+    centre = (p + z * z / (2 * trials)) / denominator
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denominator
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def expected_calibration_error(confidence: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS) -> float | None:
+    """ECE: over `bins` equal-width confidence bins, the row-weighted gap between each bin's mean
+    confidence and its accuracy; None with no rows."""
+    confidence = np.asarray(confidence, dtype=np.float64)
+    correct = np.asarray(correct, dtype=np.float64)
+    if confidence.size == 0:
+        return None
+    # Bin i holds (i/bins, (i+1)/bins]; a confidence of exactly 0 goes into the first.
+    index = np.clip(np.ceil(confidence * bins).astype(int) - 1, 0, bins - 1)
+    total = 0.0
+    for b in range(bins):
+        members = index == b
+        if members.any():
+            total += members.sum() * abs(confidence[members].mean() - correct[members].mean())
+    return float(total / confidence.size)
+
+
+def choose_sample(vectors: np.ndarray, size: int, seed: int = 0) -> np.ndarray:
+    """`size` row positions covering the data: the rows are clustered (mini-batch k-means), and each
+    cluster gives rows in proportion to its size (largest remainders; at least one from each cluster
+    while `size` allows), drawn at random within it. Sorted positions."""
+    rows = vectors.shape[0]
+    if size >= rows:
+        return np.arange(rows)
+    if size <= 0:
+        return np.zeros(0, dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    clusters = min(MAX_CLUSTERS, max(2, size // ROWS_PER_CLUSTER), rows)
+    assignment = MiniBatchKMeans(n_clusters=clusters, random_state=seed, n_init=3).fit_predict(vectors)
+    sizes = np.bincount(assignment, minlength=clusters)
+    quota = _quotas(sizes, size)
+    chosen = [
+        rng.choice(np.flatnonzero(assignment == c), size=int(quota[c]), replace=False)
+        for c in range(clusters)
+        if quota[c]
+    ]
+    return np.sort(np.concatenate(chosen))
+
+
+def _quotas(sizes: np.ndarray, total: int) -> np.ndarray:
+    """Rows to draw from each cluster: one from each non-empty cluster first (as many as `total`
+    allows, the largest first), the rest in proportion to size by largest remainders."""
+    quota = np.zeros(len(sizes), dtype=np.int64)
+    by_size = np.argsort(-sizes, kind="stable")
+    for c in by_size[: min(total, int((sizes > 0).sum()))]:
+        quota[c] = 1
+    left = total - int(quota.sum())
+    room = sizes - quota
+    if left > 0 and room.sum() > 0:
+        share = room / room.sum() * left
+        extra = np.minimum(np.floor(share).astype(np.int64), room)
+        remainder_order = np.argsort(-(share - extra), kind="stable")
+        for c in remainder_order:
+            if extra.sum() >= left:
+                break
+            if extra[c] < room[c]:
+                extra[c] += 1
+        quota += extra
+    return quota
+
+
+def train_student(vectors: np.ndarray, labels: Sequence[str], seed: int = 0) -> Student:
+    """Logistic regression on the teacher's labels; calibrated by temperature scaling (cross-fitted)
+    when every class has at least `FOLDS` examples. Its agreement with the teacher and its expected
+    calibration error are measured by `FOLDS`-fold cross-validation on the same rows."""
+    y = np.asarray(labels, dtype=object)
+    classes, counts = np.unique(y, return_counts=True)
+    if len(classes) < 2:
+        only = f" ({classes[0]})" if len(classes) else ""
+        note = f"the teacher's sample holds {len(classes)} distinct label(s){only}: no student can be trained"
+        return Student(None, [str(c) for c in classes], len(y), None, None, False, note)
+    base = LogisticRegression(C=STUDENT_C, max_iter=1000)
+    calibrated = bool(counts.min() >= FOLDS)
+    model: Any = CalibratedClassifierCV(base, method="temperature", cv=FOLDS) if calibrated else base
+    uncalibrated_note: str | None = (
+        None
+        if calibrated
+        else f"not calibrated: a label has fewer than {FOLDS} examples in the sample "
+        f"({', '.join(f'{c}: {n}' for c, n in zip(classes, counts, strict=True) if n < FOLDS)})"
+    )
+    with warnings.catch_warnings():
+        # A class with one example warns in the stratified folds; lbfgs may stop at max_iter on
+        # separable data: the measured agreement says how good the student is either way.
+        warnings.simplefilter("ignore", (UserWarning, ConvergenceWarning))
+        cv_agreement, ece = _cross_validated(model, vectors, y, classes, counts, seed)
+        model.fit(vectors, y)
+    classes_ = [str(c) for c in model.classes_]
+    return Student(model, classes_, len(y), cv_agreement, ece, calibrated, uncalibrated_note)
+
+
+def _cross_validated(
+    model: Any, vectors: np.ndarray, y: np.ndarray, classes: np.ndarray, counts: np.ndarray, seed: int
+) -> tuple[float | None, float | None]:
+    """Agreement with the teacher and calibration error of out-of-fold predictions (None when a
+    fold cannot be made: fewer rows than folds)."""
+    if len(y) < 2 * FOLDS:
+        return None, None
+    folds = StratifiedKFold(n_splits=FOLDS, shuffle=True, random_state=seed)
+    probabilities = cross_val_predict(model, vectors, y, cv=folds, method="predict_proba")
+    best = probabilities.argmax(axis=1)
+    predicted = classes[best]
+    correct = predicted == y
+    return float(correct.mean()), expected_calibration_error(probabilities[np.arange(len(y)), best], correct)
+
+
+def run_cascade(vectors: np.ndarray, teacher: Teacher, spec: CascadeSpec, choices: Sequence[str]) -> CascadeResult:
+    """Label every row of `vectors` (one partition's embedded rows) by the teacher or the student."""
+    rows = vectors.shape[0]
+    result = CascadeResult(
+        labels=[None] * rows,
+        confidence=[None] * rows,
+        labelled_by=[None] * rows,
+        roles=[None] * rows,
+        student_labels=[None] * rows,
+        errors=[None] * rows,
+        student=Student(None, [], 0, None, None, False, "no rows"),
+    )
+    if rows == 0:
+        return result
+    budget = max(1, math.floor(spec.max_teacher_share * rows))
+    # At most half the budget: the rest is for the audit and the rows the student is unsure of (a
+    # sample that took it all would leave a small partition without either).
+    sample = choose_sample(vectors, min(spec.sample_rows, max(1, budget // 2), rows), spec.seed)
+    taught = _ask(teacher, sample, result, role="sample")
+    result.student = student = train_student(vectors[taught], [result.labels[i] or "" for i in taught], spec.seed)
+    result.unseen_choices = [c for c in choices if c not in student.classes]
+    rest = np.setdiff1d(np.arange(rows), sample)
+    if rest.size == 0:
+        return result
+    left = budget - sample.size
+    if student.model is None:
+        _ask(teacher, rest[:left], result, role="deferred")
+        for i in rest[left:]:
+            result.errors[i] = f"cascade_no_student: {student.note}; raise output.cascade.sample_rows"
+        return result
+    labels, confidence = student.predict(vectors[rest])
+    for i, label, p in zip(rest, labels, confidence, strict=True):
+        result.student_labels[i], result.confidence[i] = label, float(p)
+        result.labels[i], result.labelled_by[i], result.roles[i] = label, "student", "student"
+    audit_size = min(spec.audit_rows, left)
+    unsure = rest[np.argsort(confidence, kind="stable")]
+    unsure = unsure[np.array([result.confidence[i] or 0.0 for i in unsure]) < spec.defer_below]
+    deferred = unsure[: left - audit_size]
+    result.over_budget_rows = int(unsure.size - deferred.size)
+    trusted = np.setdiff1d(rest, deferred)
+    rng = np.random.default_rng(spec.seed + 1)
+    audit = np.sort(rng.choice(trusted, size=min(audit_size, trusted.size), replace=False))
+    _ask(teacher, np.sort(deferred), result, role="deferred")
+    _ask(teacher, audit, result, role="audit")
+    return result
+
+
+def _ask(teacher: Teacher, positions: np.ndarray, result: CascadeResult, *, role: str) -> np.ndarray:
+    """The teacher's answers for `positions` into `result`; the positions it labelled. A failed
+    audit keeps the student's label (the row is then not audited); a failed sample or deferred row is
+    an error row, with the teacher's error."""
+    if positions.size == 0:
+        return positions
+    answered = []
+    for i, answer in zip(positions, teacher(positions), strict=True):
+        if answer.label is None:
+            if role != "audit":
+                result.labels[i], result.confidence[i], result.labelled_by[i] = None, None, None
+                result.errors[i], result.roles[i] = answer.error or "teacher_error: the teacher gave no label", role
+            continue
+        result.labels[i], result.confidence[i] = answer.label, answer.confidence
+        result.labelled_by[i], result.roles[i] = "teacher", role
+        answered.append(i)
+    return np.asarray(answered, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class CascadeSummary:
+    """What a partition's labels say of the cascade (from validated_labels' columns)."""
+
+    rows: int
+    teacher_rows: int
+    student_rows: int
+    deferred_rows: int
+    audited_rows: int
+    audit_agreed: int
+
+    @property
+    def teacher_share(self) -> float:
+        return self.teacher_rows / self.rows if self.rows else 0.0
+
+    @property
+    def agreement(self) -> float | None:
+        return self.audit_agreed / self.audited_rows if self.audited_rows else None
+
+    @property
+    def agreement_interval(self) -> tuple[float, float]:
+        return wilson_interval(self.audit_agreed, self.audited_rows)
+
+    def metadata(self) -> dict[str, Any]:
+        low, high = self.agreement_interval
+        return {
+            "teacher_rows": self.teacher_rows,
+            "student_rows": self.student_rows,
+            "deferred_rows": self.deferred_rows,
+            "deferred_share": round(self.deferred_rows / self.rows, 4) if self.rows else 0.0,
+            "teacher_share": round(self.teacher_share, 4),
+            # The cost of the labels against asking the teacher for every row (teacher requests are the cost).
+            "cost_vs_all_teacher": round(self.teacher_share, 4),
+            "audited_rows": self.audited_rows,
+            "audit_agreement": None if self.agreement is None else round(self.agreement, 4),
+            "audit_agreement_95_low": round(low, 4),
+            "audit_agreement_95_high": round(high, 4),
+        }

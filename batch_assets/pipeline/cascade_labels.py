@@ -1,0 +1,111 @@
+"""A cascade task's frames: embedded rows in, labels by the teacher or the student out.
+
+`cascade_outputs` turns one partition's embedding results into inference_outputs shaped as a choices
+task's (the label in `generated_text`, the log of its confidence in `cumulative_logprob`, so
+validation, accuracy, confidence and drift apply unchanged), with `labelled_by` (teacher or student),
+`cascade_role` (sample, deferred, audit or student) and `student_label` (the student's own label on
+rows it labelled, audited ones included). `cascade_summary` reads a partition's labels back into what
+the metadata and the `agreement_at_least` check report. The cascade itself is pipeline/cascade.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from batch_assets.pipeline.cascade import CascadeResult, CascadeSummary, Teacher, TeacherAnswer, run_cascade
+from batch_assets.pipeline.embeddings import vectors_column, vectors_matrix
+from batch_assets.pipeline.task_spec.cascade import CascadeSpec, ColumnTeacher
+
+
+def column_teacher(frame: pl.DataFrame, column: str, choices: Sequence[str], source_file: str) -> Teacher:
+    """The teacher whose answer for a row is `column`'s value; an empty value or one that is not a
+    choice is that row's error, naming file, line and column."""
+    if column not in frame.columns:
+        raise ValueError(
+            f"{source_file}: output.cascade.teacher.column {column!r} is not a column of the file "
+            f"(columns: {', '.join(c for c in frame.columns if c not in ('row_id', 'source_line', 'prompt'))})"
+        )
+    values = frame[column].cast(pl.String).to_list()
+    lines = frame["source_line"].to_list()
+    allowed = set(choices)
+
+    def answer(positions: np.ndarray) -> list[TeacherAnswer]:
+        answers = []
+        for i in positions:
+            value, line = values[i], lines[i]
+            if value is None or not value.strip():
+                error = f"teacher_no_label: {source_file} line {line}: the teacher column {column!r} is empty"
+                answers.append(TeacherAnswer(None, error))
+            elif value.strip() not in allowed:
+                error = (
+                    f"teacher_unknown_label: {source_file} line {line}: the teacher column {column!r} holds "
+                    f"{value[:80]!r}, not one of output.choices"
+                )
+                answers.append(TeacherAnswer(None, error))
+            else:
+                answers.append(TeacherAnswer(value.strip()))
+        return answers
+
+    return answer
+
+
+def cascade_outputs(
+    results: pl.DataFrame, spec: CascadeSpec, choices: Sequence[str], source_file: str
+) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """One partition's embedding results → its inference_outputs (see the module) and what the
+    cascade's run measured (the student's training) for the metadata."""
+    embedding = vectors_column(results["generated_text"])
+    ok = embedding.is_not_null()
+    embedded = results.filter(ok)
+    assert isinstance(spec.teacher, ColumnTeacher)  # `teacher: llm` is refused by the settings
+    teacher = column_teacher(embedded, spec.teacher.column, choices, source_file)
+    result = run_cascade(vectors_matrix(embedding.filter(ok)), teacher, spec, choices)
+    positions = np.flatnonzero(ok.to_numpy())
+    return _with_cascade_columns(results, embedding, positions, result), result.metadata()
+
+
+def _with_cascade_columns(
+    results: pl.DataFrame, embedding: pl.Series, positions: np.ndarray, result: CascadeResult
+) -> pl.DataFrame:
+    """The cascade's per-row answers placed on the partition's rows (error rows stay as they are)."""
+
+    def placed(values: list[Any], dtype: pl.DataType) -> pl.Series:
+        column: list[Any] = [None] * results.height
+        for position, value in zip(positions, values, strict=True):
+            column[position] = value
+        return pl.Series(column, dtype=dtype)
+
+    logprob = [None if p is None else (math.log(p) if p > 0 else -math.inf) for p in result.confidence]
+    labelled = placed(result.labels, pl.String())
+    return results.with_columns(
+        generated_text=labelled,
+        finish_reason=pl.when(labelled.is_not_null()).then(pl.lit("stop")),
+        num_generated_tokens=pl.when(labelled.is_not_null()).then(pl.lit(0, dtype=pl.Int64)),
+        cumulative_logprob=placed(logprob, pl.Float64()),
+        labelled_by=placed(result.labelled_by, pl.String()),
+        cascade_role=placed(result.roles, pl.String()),
+        student_label=placed(result.student_labels, pl.String()),
+        error=pl.coalesce(pl.col("error"), placed(result.errors, pl.String())),
+        embedding=embedding,
+    )
+
+
+def cascade_summary(labels: pl.DataFrame) -> CascadeSummary:
+    """What a partition's validated labels say of the cascade: who labelled how many rows, and the
+    audit (rows the student labelled and the teacher checked) agreement."""
+    by = labels["labelled_by"]
+    role = labels["cascade_role"]
+    audit = labels.filter(role == "audit")
+    return CascadeSummary(
+        rows=labels.height,
+        teacher_rows=int((by == "teacher").sum()),
+        student_rows=int((by == "student").sum()),
+        deferred_rows=int((role == "deferred").sum()),
+        audited_rows=audit.height,
+        audit_agreed=int((audit["label"] == audit["student_label"]).sum()),
+    )

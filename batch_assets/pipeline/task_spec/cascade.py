@@ -1,0 +1,83 @@
+"""The settings of `output.method: cascade` (`output.cascade`), and the rules they follow.
+
+Kept apart from task_spec.py, which only names `CascadeSpec` as a field of `OutputSpec` and calls
+`cascade_problem` from its validators: the cascade's settings and their defaults live with it.
+
+Defaults (chosen, not yet tuned: `bench/bench_cascade.py` measures them on 20,000 generated rows;
+docs/cascade.md): a sample of 1,000 rows per partition, about a hundred per label on nine labels;
+`defer_below: 0.6` sends the rows the student is least sure of to the teacher; `max_teacher_share:
+0.25` caps every teacher request (sample, deferred and audit rows together) at a quarter of a
+partition's rows (the issue's target); 200 audit rows measure agreement to about ±3 percentage
+points (the 95 % Wilson interval near 95 %).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_SAMPLE_ROWS = 1000
+DEFAULT_DEFER_BELOW = 0.6
+DEFAULT_MAX_TEACHER_SHARE = 0.25
+DEFAULT_AUDIT_ROWS = 200
+# `checks.min_agreement` when unset: the audit's 95 % lower bound under this fails the WARN check.
+DEFAULT_MIN_AGREEMENT = 0.8
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ColumnTeacher(_Strict):
+    """The teacher's answer for a row is this input column's value (hand labels, an earlier
+    labelling pass; how the benchmark simulates a perfect teacher). Read only for the rows the
+    cascade asks the teacher about."""
+
+    column: str = Field(min_length=1)
+
+
+class CascadeSpec(_Strict):
+    """`output.cascade`: who teaches, how many rows it labels, and when the student defers to it."""
+
+    # `llm` (the task's chat engine) is named so the setting is stable, and refused until built.
+    teacher: Literal["llm"] | ColumnTeacher
+    # Rows per partition the teacher labels to train the student, chosen to cover the data (one
+    # draw per embedding cluster, in proportion to its size), not the head of the file.
+    sample_rows: int = Field(default=DEFAULT_SAMPLE_ROWS, ge=2)
+    # A row the student labels with a (calibrated) confidence under this goes to the teacher...
+    defer_below: float = Field(default=DEFAULT_DEFER_BELOW, ge=0, le=1)
+    # ...within this share of the partition's rows for every teacher request together.
+    max_teacher_share: float = Field(default=DEFAULT_MAX_TEACHER_SHARE, gt=0, le=1)
+    # Random student-labelled rows also sent to the teacher, to measure their agreement.
+    audit_rows: int = Field(default=DEFAULT_AUDIT_ROWS, ge=0)
+    seed: int = 0
+
+
+def cascade_problem(kind: str, method: str, cascade: CascadeSpec | None) -> tuple[str, tuple[str | int, ...]] | None:
+    """Why the cascade settings of a task do not fit it (message, key of the setting), or None."""
+    if method != "cascade":
+        if cascade is not None:
+            return (
+                "output.cascade is read by output.method: cascade only: set it, or remove output.cascade",
+                ("cascade",),
+            )
+        return None
+    if kind != "choices":
+        return (
+            f"output.method cascade labels a choices task, not kind {kind!r}: set output.kind: choices with "
+            "output.choices",
+            ("method",),
+        )
+    if cascade is None:
+        return (
+            "output.method cascade needs output.cascade: {teacher: {column: NAME}} (who labels the sample)",
+            ("method",),
+        )
+    if cascade.teacher == "llm":
+        return (
+            "output.cascade.teacher: llm is not available yet: the teacher is an input column for now "
+            "(teacher: {column: NAME}, hand labels or an earlier labelling pass)",
+            ("cascade", "teacher"),
+        )
+    return None

@@ -1,0 +1,344 @@
+"""The cascade without an engine, on fixed embeddings (synthetic unit vectors around one centre per
+label): the sample covers the clusters, the student's training, deferral and its hard budget, the
+audit and its Wilson interval, calibration error, bad input as error rows naming file and line, and
+the settings refused at load."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+from batch_assets.pipeline.cascade import (
+    TeacherAnswer,
+    choose_sample,
+    expected_calibration_error,
+    run_cascade,
+    train_student,
+    wilson_interval,
+)
+from batch_assets.pipeline.cascade_labels import cascade_outputs, cascade_summary, column_teacher
+from batch_assets.pipeline.embeddings import encode_vector
+from batch_assets.pipeline.task_formats import CascadeRecords, task_format
+from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec
+from batch_assets.pipeline.task_spec.cascade import CascadeSpec, ColumnTeacher
+
+CHOICES = ["alpha", "beta", "gamma", "delta"]
+
+
+def blobs(rows: int, *, noise: float, seed: int = 0, classes: int = 4, dim: int = 24) -> tuple[np.ndarray, np.ndarray]:
+    """Unit vectors scattered around one random centre per class; the class of each."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(classes, dim))
+    y = rng.integers(0, classes, rows)
+    x = centres[y] + rng.normal(scale=noise, size=(rows, dim))
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32), y
+
+
+def perfect_teacher(y: np.ndarray, asked: list[int] | None = None):
+    def teach(positions: np.ndarray) -> list[TeacherAnswer]:
+        if asked is not None:
+            asked.extend(int(i) for i in positions)
+        return [TeacherAnswer(CHOICES[y[i]]) for i in positions]
+
+    return teach
+
+
+def spec(**settings) -> CascadeSpec:
+    return CascadeSpec(teacher=ColumnTeacher(column="gold"), **settings)
+
+
+# --- pure pieces ----------------------------------------------------------------------------------
+
+
+def test_wilson_interval_has_the_textbook_values() -> None:
+    low, high = wilson_interval(95, 100)
+    assert (round(low, 4), round(high, 4)) == (0.8882, 0.9785)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    low, high = wilson_interval(10, 10)
+    assert high == pytest.approx(1.0) and round(low, 4) == 0.7225
+
+
+def test_expected_calibration_error_of_known_bins() -> None:
+    # Bin (0.8, 0.9]: confidence 0.9 twice, one right: |0.9 - 0.5| over 2 of 4 rows; bin (0.2, 0.3]:
+    # confidence 0.3 twice, none right: |0.3 - 0| over 2 of 4 rows.
+    ece = expected_calibration_error(np.array([0.9, 0.9, 0.3, 0.3]), np.array([1, 0, 0, 0]))
+    assert ece == pytest.approx(0.5 * 0.4 + 0.5 * 0.3)
+    assert expected_calibration_error(np.array([1.0, 1.0]), np.array([1, 1])) == 0.0
+    assert expected_calibration_error(np.zeros(0), np.zeros(0)) is None
+
+
+def test_the_sample_covers_a_small_cluster_the_head_of_the_file_never_reaches() -> None:
+    # 1,900 rows of one kind first, then 100 of another far away: the head holds none of them.
+    rng = np.random.default_rng(3)
+    common = rng.normal(size=(1900, 8)) + np.array([5.0, *[0.0] * 7])
+    rare = rng.normal(size=(100, 8)) + np.array([-5.0, *[0.0] * 7])
+    vectors = np.vstack([common, rare])
+    sample = choose_sample(vectors, 100, seed=0)
+    assert sample.size == 100 and np.unique(sample).size == 100
+    assert 1 <= int((sample >= 1900).sum()) <= 15  # about its 5 % share, and never none
+    assert np.array_equal(sample, choose_sample(vectors, 100, seed=0))  # the same rows every run
+    assert np.array_equal(choose_sample(vectors, 5000), np.arange(2000))
+
+
+def test_the_student_learns_the_teachers_labels_and_says_how_well() -> None:
+    x, y = blobs(600, noise=0.6)
+    student = train_student(x, [CHOICES[i] for i in y])
+    assert student.classes == sorted(CHOICES) and student.calibrated and student.training_rows == 600
+    assert student.cv_agreement is not None and student.cv_agreement > 0.95
+    assert student.ece is not None and student.ece < 0.1
+    test_x, test_y = blobs(400, noise=0.6, seed=0)
+    labels, confidence = student.predict(test_x)
+    assert np.mean([label == CHOICES[i] for label, i in zip(labels, test_y, strict=True)]) > 0.95
+    assert ((confidence > 0) & (confidence <= 1)).all()
+
+
+def test_a_class_with_one_example_trains_an_uncalibrated_student_and_says_why() -> None:
+    x, y = blobs(60, noise=0.3, classes=3)
+    labels = [CHOICES[i] for i in y]
+    labels[0] = "delta"  # one example of delta
+    student = train_student(x, labels)
+    assert not student.calibrated and student.model is not None
+    assert student.note == "not calibrated: a label has fewer than 3 examples in the sample (delta: 1)"
+
+
+def test_one_distinct_label_trains_no_student_and_says_why() -> None:
+    student = train_student(np.eye(4, dtype=np.float32), ["alpha"] * 4)
+    assert student.model is None
+    assert student.note == "the teacher's sample holds 1 distinct label(s) (alpha): no student can be trained"
+
+
+# --- the cascade ----------------------------------------------------------------------------------
+
+
+def test_the_teacher_labels_the_sample_the_unsure_rows_and_the_audit_within_its_budget() -> None:
+    x, y = blobs(2000, noise=1.2, seed=1)
+    asked: list[int] = []
+    result = run_cascade(x, perfect_teacher(y, asked), spec(sample_rows=200, audit_rows=50, defer_below=0.95), CHOICES)
+    roles = Counter(result.roles)
+    assert roles["sample"] == 200 and roles["audit"] == 50
+    # Budget 25 % of 2,000 = 500 teacher rows: 250 left for the rows the student is least sure of.
+    assert roles["deferred"] == 250 and len(asked) == 500 == len(set(asked))
+    assert result.over_budget_rows > 0  # more rows under 0.95 than the budget took
+    deferred = [c for c, r in zip(result.confidence, result.roles, strict=True) if r == "deferred"]
+    assert set(deferred) == {1.0}  # a column teacher's label is its final word
+    # Rows the teacher saw have the teacher's (right) label.
+    for i, role in enumerate(result.roles):
+        if role != "student":
+            assert result.labels[i] == CHOICES[y[i]] and result.labelled_by[i] == "teacher"
+    accuracy = np.mean([label == CHOICES[i] for label, i in zip(result.labels, y, strict=True)])
+    student_only = np.mean(
+        [
+            label == CHOICES[i]
+            for label, i, role in zip(result.student_labels, y, result.roles, strict=True)
+            if role == "student"
+        ]
+    )
+    assert accuracy > student_only  # deferral moved the hard rows to the teacher
+    assert result.errors == [None] * 2000
+
+
+def test_deferral_takes_the_least_sure_rows_first() -> None:
+    x, y = blobs(1000, noise=1.2, seed=2)
+    result = run_cascade(x, perfect_teacher(y), spec(sample_rows=100, audit_rows=0, defer_below=1.0), CHOICES)
+    student = train_student(
+        x[[i for i, r in enumerate(result.roles) if r == "sample"]],
+        [CHOICES[y[i]] for i, r in enumerate(result.roles) if r == "sample"],
+    )
+    _, confidence = student.predict(x)
+    deferred = [confidence[i] for i, r in enumerate(result.roles) if r == "deferred"]
+    kept = [confidence[i] for i, r in enumerate(result.roles) if r == "student"]
+    assert len(deferred) == 150 and max(deferred) <= min(kept)
+
+
+def test_defer_below_zero_sends_nothing_but_sample_and_audit_to_the_teacher() -> None:
+    x, y = blobs(800, noise=0.5, seed=4)
+    result = run_cascade(x, perfect_teacher(y), spec(sample_rows=80, audit_rows=40, defer_below=0.0), CHOICES)
+    assert Counter(result.roles) == {"sample": 80, "audit": 40, "student": 680}
+    summary_frame = pl.DataFrame(
+        {
+            "label": result.labels,
+            "labelled_by": result.labelled_by,
+            "cascade_role": result.roles,
+            "student_label": result.student_labels,
+        }
+    )
+    summary = cascade_summary(summary_frame)
+    assert (summary.teacher_rows, summary.student_rows, summary.audited_rows) == (120, 680, 40)
+    low, high = summary.agreement_interval
+    assert summary.agreement is not None and low <= summary.agreement <= high
+    assert summary.metadata()["teacher_share"] == 0.15
+
+
+def test_a_teacher_error_is_an_error_row_and_a_failed_audit_keeps_the_students_label() -> None:
+    x, y = blobs(400, noise=0.5, seed=5)
+
+    def teacher(positions: np.ndarray) -> list[TeacherAnswer]:
+        return [
+            TeacherAnswer(None, f"teacher_error: row {i}") if i % 7 == 0 else TeacherAnswer(CHOICES[y[i]])
+            for i in positions
+        ]
+
+    result = run_cascade(x, teacher, spec(sample_rows=40, audit_rows=30, defer_below=0.0), CHOICES)
+    for i, role in enumerate(result.roles):
+        if i % 7 == 0 and role == "sample":
+            assert result.labels[i] is None and result.errors[i] == f"teacher_error: row {i}"
+        if i % 7 == 0 and role == "student" and result.student_labels[i] is not None:
+            assert result.labels[i] == result.student_labels[i] and result.errors[i] is None
+    assert sum(1 for e in result.errors if e) == sum(
+        1 for i, r in enumerate(result.roles) if r == "sample" and i % 7 == 0
+    )
+    assert result.student.training_rows == 40 - sum(1 for e in result.errors if e)
+
+
+def test_a_sample_of_one_label_leaves_the_other_rows_as_error_rows_not_guesses() -> None:
+    x = np.random.default_rng(0).normal(size=(100, 8)).astype(np.float32)
+    result = run_cascade(
+        x, lambda positions: [TeacherAnswer("alpha") for _ in positions], spec(sample_rows=10), CHOICES
+    )
+    # Budget 25 rows: a sample of 10 (sample_rows), then 15 more for the teacher; no student for the rest.
+    assert Counter(result.labelled_by) == {"teacher": 25, None: 75}
+    assert result.unseen_choices == ["beta", "gamma", "delta"]
+    errors = [e for e in result.errors if e]
+    assert len(errors) == 75 and errors[0].startswith("cascade_no_student: the teacher's sample holds 1 distinct")
+    assert errors[0].endswith("raise output.cascade.sample_rows")
+
+
+def test_an_empty_partition_labels_nothing() -> None:
+    result = run_cascade(np.zeros((0, 8), dtype=np.float32), perfect_teacher(np.zeros(0, int)), spec(), CHOICES)
+    assert result.labels == [] and result.student.model is None
+
+
+# --- frames: the column teacher -----------------------------------------------------------------
+
+
+def embedded_results(x: np.ndarray, gold: list[str | None], errors: dict[int, str] | None = None) -> pl.DataFrame:
+    """What the inference loop hands an embedding kind: encoded vectors in `generated_text`."""
+    errors = errors or {}
+    rows = len(gold)
+    return pl.DataFrame(
+        {
+            "row_id": list(range(rows)),
+            "source_line": [i + 2 for i in range(rows)],
+            "name": [f"row {i}" for i in range(rows)],
+            "gold": gold,
+            "prompt": [f"row {i}" for i in range(rows)],
+            "generated_text": [None if i in errors else encode_vector(x[i]) for i in range(rows)],
+            "finish_reason": [None if i in errors else "stop" for i in range(rows)],
+            "num_prompt_tokens": [3] * rows,
+            "num_generated_tokens": [0] * rows,
+            "cumulative_logprob": [None] * rows,
+            "error": [errors.get(i) for i in range(rows)],
+        },
+        schema_overrides={"cumulative_logprob": pl.Float64, "error": pl.String, "generated_text": pl.String},
+    )
+
+
+def test_a_teacher_column_with_an_unknown_label_is_an_error_row_naming_file_and_line() -> None:
+    x, y = blobs(300, noise=1.5, seed=6)  # noisy: the student is never sure, every row goes to the teacher
+    gold: list[str | None] = [CHOICES[i] for i in y]
+    gold[0], gold[1] = "Omega", None
+    frame = embedded_results(x, gold, errors={2: "empty_text: f.csv line 4: the text is empty"})
+    teacher = column_teacher(frame, "gold", CHOICES, "f.csv")
+    assert teacher(np.array([0, 1, 3])) == [
+        TeacherAnswer(
+            None,
+            "teacher_unknown_label: f.csv line 2: the teacher column 'gold' holds 'Omega', not one of output.choices",
+        ),
+        TeacherAnswer(None, "teacher_no_label: f.csv line 3: the teacher column 'gold' is empty"),
+        TeacherAnswer(gold[3]),
+    ]
+    with pytest.raises(ValueError, match="f.csv: output.cascade.teacher.column 'Gold' is not a column of the file"):
+        column_teacher(frame, "Gold", CHOICES, "f.csv")
+    # Through the cascade: a teacher that is asked about every row (a budget of all rows, none sure enough).
+    cascade = spec(sample_rows=400, max_teacher_share=1.0, defer_below=1.0, audit_rows=0)
+    outputs, measured = cascade_outputs(frame, cascade, CHOICES, "f.csv")
+    assert outputs["error"][0].startswith("teacher_unknown_label: f.csv line 2:")
+    assert outputs["error"][1].startswith("teacher_no_label: f.csv line 3:")
+    assert outputs["error"][2] == "empty_text: f.csv line 4: the text is empty"  # untouched, never labelled
+    assert outputs["generated_text"][:3].to_list() == [None, None, None]
+    assert outputs["generated_text"][3:].to_list() == gold[3:]
+    assert measured["student_training_rows"] <= 150  # the sample: half the budget of 299 embedded rows
+
+
+def test_a_partition_through_the_cascade_kind_gives_every_row_a_label_or_an_error(tmp_path: Path) -> None:
+    task = load_task_spec(write(tmp_path, CASCADE_TASK))
+    fmt = task_format(task)
+    assert isinstance(fmt, CascadeRecords) and fmt.task.output.pooling
+    x, y = blobs(1200, noise=1.0, seed=7)
+    outputs, measured = cascade_outputs(embedded_results(x, [CHOICES[i] for i in y]), task.output.cascade, CHOICES, "f")
+    labels = fmt.validate(outputs)
+    assert labels.height == 1200 and labels["error"].null_count() == 1200
+    assert labels["label"].null_count() == 0 and labels["confidence"].is_between(0, 1).all()
+    assert "embedding" not in labels.columns
+    metadata = fmt.label_metadata(labels)
+    assert metadata["teacher_rows"] + metadata["student_rows"] == 1200
+    assert metadata["teacher_rows"] <= 300 and metadata["audited_rows"] == 30
+    assert metadata["audit_agreement_95_low"] <= metadata["audit_agreement"] <= metadata["audit_agreement_95_high"]
+    assert measured["student_calibrated"] is True and measured["unseen_choices"] == []
+
+
+# --- settings -----------------------------------------------------------------------------------
+
+CASCADE_TASK = """
+input: {text_fields: [name]}
+prompt: {template: "{name}"}
+output:
+  kind: choices
+  method: cascade
+  choices: [alpha, beta, gamma, delta]
+  cascade: {teacher: {column: gold}, sample_rows: 150, audit_rows: 30}
+checks: {gold_field: gold, min_agreement: 0.9}
+"""
+
+
+def write(tmp_path: Path, body: str, name: str = "cascaded") -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(body)
+    return path
+
+
+def test_a_cascade_task_loads_with_the_documented_defaults(tmp_path: Path) -> None:
+    task = load_task_spec(write(tmp_path, CASCADE_TASK.replace(", sample_rows: 150, audit_rows: 30", "")))
+    cascade = task.output.cascade
+    assert cascade is not None and task.engine.model == "embedded:all-MiniLM-L6-v2"
+    assert (cascade.sample_rows, cascade.defer_below, cascade.max_teacher_share, cascade.audit_rows) == (
+        1000,
+        0.6,
+        0.25,
+        200,
+    )
+    assert task.checks.min_agreement == 0.9
+    assert task.output.decision()["cascade"]["teacher"] == {"column": "gold"}
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ("kind: choices", "kind: text", "output.method cascade labels a choices task, not kind 'text'"),
+        ("{teacher: {column: gold}, sample_rows: 150, audit_rows: 30}", "{teacher: llm}", "llm is not available yet"),
+        ("  cascade: {teacher: {column: gold}, sample_rows: 150, audit_rows: 30}\n", "", "needs output.cascade"),
+        ("method: cascade", "method: generate", "output.cascade is read by output.method: cascade only"),
+        ("sample_rows: 150", "sample_rows: 1", "greater than or equal to 2"),
+        ("audit_rows: 30", "defer_below: 1.5", "less than or equal to 1"),
+    ],
+)
+def test_cascade_settings_that_do_not_fit_are_refused_naming_the_setting(
+    tmp_path: Path, old: str, new: str, message: str
+) -> None:
+    body = CASCADE_TASK.replace(old, new)
+    assert body != CASCADE_TASK
+    with pytest.raises(TaskSpecError, match=message.replace("(", r"\(")):
+        load_task_spec(write(tmp_path, body))
+
+
+def test_min_agreement_on_a_task_without_a_cascade_is_refused(tmp_path: Path) -> None:
+    body = (
+        'input: {text_fields: [name]}\nprompt: {template: "{name}"}\n'
+        "output: {kind: choices, choices: [a, b]}\nchecks: {min_agreement: 0.9}\n"
+    )
+    with pytest.raises(TaskSpecError, match="checks.min_agreement applies to output.method: cascade"):
+        load_task_spec(write(tmp_path, body))

@@ -1,0 +1,92 @@
+"""The shipped `industry_cascade` sample on the real engine (the embedded all-MiniLM-L6-v2): one run
+checks that every row gets a label and who gave it, that the teacher stays within its budget, the
+student's measurements and the audit reach the metadata and the `agreement_at_least` check, and that
+accuracy against gold is reported; a second file in the same instance has teacher rows with an unknown
+and an empty label (error rows naming file and line) and repeats the sample's names (embedded once:
+from the result cache, labels the same: the cascade decides again from the same vectors)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+import polars as pl
+import pytest
+
+from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
+from batch_assets.pipeline.task_spec import load_task_specs
+from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
+from batch_assets_tests.conftest import SAMPLES, drop
+
+pytestmark = pytest.mark.slow
+
+TASK = next(task for task in load_task_specs() if task.name == "industry_cascade")
+SAMPLE = SAMPLES / "industry_cascade" / "companies.csv"
+
+
+def run(file_name: str, instance: dg.DagsterInstance):
+    key = partition_key_for(file_name)
+    instance.add_dynamic_partitions(partitions_def_name(TASK.name), [key])
+    job = build_definitions(tasks=[TASK]).resolve_job_def(pipeline_job_name(TASK.name))
+    return job.execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
+
+
+def metadata_of(result, node: str) -> dict:
+    return {k: v.value for k, v in result.asset_materializations_for_node(node)[0].metadata.items()}
+
+
+def read(data: Path, file_name: str) -> pl.DataFrame:
+    return pl.read_parquet(
+        data / "storage" / TASK.name / "validated_labels" / f"{partition_key_for(file_name)}.parquet"
+    )
+
+
+def test_the_cascade_sample_labels_every_row_within_the_teachers_budget(data_dir: Path) -> None:
+    drop(data_dir, TASK.name, SAMPLE.name, SAMPLE.read_bytes())
+    # Every eighth row's teacher label is unknown, the row after it empty: the sample meets many.
+    position = pl.int_range(pl.len()) % 8
+    bad = pl.read_csv(SAMPLE).with_columns(
+        Industry=pl.when(position == 0).then(pl.lit("Aerospace")).when(position == 1).then(None).otherwise("Industry")
+    )
+    bad_name = "companies-relabelled.csv"
+    drop(data_dir, TASK.name, bad_name, bad.write_csv())
+    with dg.instance_for_test() as instance:
+        result = run(SAMPLE.name, instance)
+        assert result.success
+        checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
+        inference = metadata_of(result, "industry_cascade__inference_outputs")
+        labels_meta = metadata_of(result, "industry_cascade__validated_labels")
+        second = run(bad_name, instance)
+        assert second.success
+        second_inference = metadata_of(second, "industry_cascade__inference_outputs")
+    labels = read(data_dir, SAMPLE.name)
+    assert labels.height == 800 and labels["error"].null_count() == 800
+    assert set(labels["labelled_by"]) == {"teacher", "student"}
+    assert labels["confidence"].is_between(0, 1).all()
+    # The budget: 25 % of 800 rows for sample, deferred and audit rows together.
+    assert labels_meta["teacher_rows"] <= 200 and labels_meta["student_rows"] >= 600
+    assert labels.filter(pl.col("cascade_role") == "sample").height == 100
+    assert labels_meta["audited_rows"] == 40
+    teacher_rows = labels.filter(pl.col("labelled_by") == "teacher")
+    assert (teacher_rows["label"] == teacher_rows["Industry"]).all()  # the teacher's label is kept
+    assert inference["student_training_rows"] == 100 and inference["student_cv_agreement"] is not None
+    assert inference["student_calibration_error"] is not None and inference["rows_inferred"] == 800
+    # A tenth of the names carry no cue (random labels): accuracy stays under 1; measured 0.93 (README).
+    assert 0.8 <= labels_meta["accuracy"] < 1.0
+    agreement = checks["agreement_at_least"]
+    assert agreement.metadata["audit_agreement_95_low"].value <= agreement.metadata["audit_agreement"].value
+    assert checks["accuracy_at_least"].passed
+    # The second file: the same names, embedded once already (the result cache), two bad teacher rows.
+    assert (second_inference["rows_inferred"], second_inference["rows_from_cache"]) == (0, 800)
+    relabelled = read(data_dir, bad_name)
+    errors = relabelled.filter(pl.col("error").is_not_null())
+    assert errors.height >= 10 and "Aerospace" not in set(relabelled["label"].drop_nulls())
+    for line, message in zip(errors["source_line"], errors["error"], strict=True):
+        assert message in (
+            f"teacher_unknown_label: {bad_name} line {line}: the teacher column 'Industry' holds 'Aerospace', "
+            "not one of output.choices",
+            f"teacher_no_label: {bad_name} line {line}: the teacher column 'Industry' is empty",
+        )
+    # Bad teacher values the teacher was never asked about do not matter: the student labels those rows.
+    unasked = relabelled.filter((pl.col("Industry") == "Aerospace") & (pl.col("labelled_by") == "student"))
+    assert unasked.height > 0 and unasked["label"].null_count() == 0
