@@ -77,7 +77,7 @@ def sample_rows(task: TaskSpec) -> pl.DataFrame:
     options = ParseOptions(text_fields=fields, txt_field=task.input.txt_field, format=task.input.format)
     frame = read_prompts(data, sample.name, options)
     if sample.suffix == ".csv":
-        tricky = pl.DataFrame({field: TRICKY for field in fields}).with_columns(
+        tricky = pl.DataFrame(dict.fromkeys(fields, TRICKY)).with_columns(
             row_id=pl.int_range(frame.height, frame.height + len(TRICKY), dtype=pl.Int64),
             source_line=pl.int_range(frame.height + 2, frame.height + 2 + len(TRICKY), dtype=pl.Int64),
             error=pl.lit(None, dtype=pl.String),

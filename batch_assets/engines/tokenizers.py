@@ -104,7 +104,7 @@ class FastTokenizer:
         self.split_special_tokens = bool(config.get("split_special_tokens", False))
         self.truncation_side = config.get("truncation_side", "right")
         self.model_max_length = config.get("model_max_length")
-        self._split_backend = None
+        self._copies: dict[tuple[bool, int | None], Any] = {}
         self.special_tokens_map: dict[str, str] = {}
         for name in _SPECIAL_NAMES:
             text = _token_text(config.get(name))
@@ -134,25 +134,37 @@ class FastTokenizer:
             return None  # whatever transformers makes of it, it says so itself
         return None if _needs_transformers(tokenizer, config) else tokenizer
 
-    def __call__(self, text, add_special_tokens: bool = True, split_special_tokens: bool | None = None):
+    def __call__(
+        self,
+        text,
+        add_special_tokens: bool = True,
+        split_special_tokens: bool | None = None,
+        truncation: bool = False,
+        max_length: int | None = None,
+    ):
         """{"input_ids": ids} of a text, or of each text of a list."""
         split = self.split_special_tokens if split_special_tokens is None else split_special_tokens
-        backend = self._splitting_backend() if split else self.backend_tokenizer
+        backend = self._backend(split, max_length if truncation else None)
         if isinstance(text, str):
             return {"input_ids": backend.encode(text, add_special_tokens=add_special_tokens).ids}
         encodings = backend.encode_batch_fast(list(text), add_special_tokens=add_special_tokens)
         return {"input_ids": [encoding.ids for encoding in encodings]}
 
-    def _splitting_backend(self):
-        """A copy that tokenizes special-token text as plain text (the shared one is never switched:
-        threads may use it at the same time)."""
-        if self._split_backend is None:
+    def _backend(self, split: bool, max_length: int | None):
+        """The Rust tokenizer, or a copy set once to split special-token text or to cut at
+        `max_length`: the shared one is never switched (threads may use it at the same time)."""
+        if not split and max_length is None:
+            return self.backend_tokenizer
+        key = (split, max_length)
+        if key not in self._copies:
             from tokenizers import Tokenizer
 
             copy = Tokenizer.from_str(self.backend_tokenizer.to_str())
-            copy.encode_special_tokens = True
-            self._split_backend = copy
-        return self._split_backend
+            copy.encode_special_tokens = split
+            if max_length is not None:
+                copy.enable_truncation(max_length, direction=self.truncation_side)
+            self._copies[key] = copy
+        return self._copies[key]
 
     def num_special_tokens_to_add(self, pair: bool = False) -> int:
         return self.backend_tokenizer.num_special_tokens_to_add(pair)

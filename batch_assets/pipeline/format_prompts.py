@@ -214,9 +214,9 @@ class PromptEncoder:
             assert self.segments is not None  # set whenever the tokenizer has special tokens to split
             prefix, suffix = self.segments
             self._segment_ids = tuple(
-                self.tokenizer(part, add_special_tokens=False)["input_ids"] if part else [] for part in (prefix, suffix)
+                encode_texts(self.tokenizer, [part])[0] if part else [] for part in (prefix, suffix)
             )
-        plain = self.tokenizer(user, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        [plain] = encode_texts(self.tokenizer, [user], split_special_tokens=True)
         return [*self._segment_ids[0], *plain, *self._segment_ids[1]]
 
 

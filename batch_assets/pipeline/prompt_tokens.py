@@ -67,9 +67,18 @@ def encode_texts(tokenizer, texts: list[str], *, split_special_tokens: bool | No
     """Each text's ids without added special tokens, in batched calls (memory stays flat);
     `split_special_tokens` None: as the tokenizer is set to."""
     options = {} if split_special_tokens is None else {"split_special_tokens": split_special_tokens}
+    # A transformers tokenizer called with `split_special_tokens` leaves its Rust tokenizer switched,
+    # and a later direct use of it (`count_tokens`) would then split the template's own special tokens.
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    switched = getattr(backend, "encode_special_tokens", None)
     ids: list[list[int]] = []
-    for start in range(0, len(texts), TOKENIZE_CHUNK):
-        ids.extend(tokenizer(texts[start : start + TOKENIZE_CHUNK], add_special_tokens=False, **options)["input_ids"])
+    try:
+        for start in range(0, len(texts), TOKENIZE_CHUNK):
+            chunk = texts[start : start + TOKENIZE_CHUNK]
+            ids.extend(tokenizer(chunk, add_special_tokens=False, **options)["input_ids"])
+    finally:
+        if switched is not None and backend.encode_special_tokens != switched:
+            backend.encode_special_tokens = switched
     return ids
 
 
