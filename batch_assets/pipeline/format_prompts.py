@@ -213,9 +213,10 @@ class PromptEncoder:
         if self._segment_ids is None:
             assert self.segments is not None  # set whenever the tokenizer has special tokens to split
             prefix, suffix = self.segments
-            self._segment_ids = tuple(
+            prefix_ids, suffix_ids = (
                 encode_texts(self.tokenizer, [part])[0] if part else [] for part in (prefix, suffix)
             )
+            self._segment_ids = (prefix_ids, suffix_ids)
         [plain] = encode_texts(self.tokenizer, [user], split_special_tokens=True)
         return [*self._segment_ids[0], *plain, *self._segment_ids[1]]
 

@@ -77,7 +77,7 @@ def encode_texts(tokenizer, texts: list[str], *, split_special_tokens: bool | No
             chunk = texts[start : start + TOKENIZE_CHUNK]
             ids.extend(tokenizer(chunk, add_special_tokens=False, **options)["input_ids"])
     finally:
-        if switched is not None and backend.encode_special_tokens != switched:
+        if backend is not None and switched is not None and backend.encode_special_tokens != switched:
             backend.encode_special_tokens = switched
     return ids
 
