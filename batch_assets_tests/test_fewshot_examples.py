@@ -17,6 +17,7 @@ from batch_assets.engines.kinds import resolve_settings
 from batch_assets.pipeline.budget import estimate_cost
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts, messages_for, render_prompt
+from batch_assets.pipeline.prompt_tokens import SENTINELS
 from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import TaskSpec, TaskSpecError, load_task_spec
 
@@ -286,8 +287,13 @@ def test_each_prompt_counts_the_examples_measured_once(tokenizer) -> None:
     assert fewshot["num_prompt_tokens"].to_list() == [
         len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) for prompt in fewshot["prompt"]
     ]
-    # Measured once: the example text is in one tokenized text, the rows' messages are tokenized alone.
-    assert sum("Broke after a day" in text for text in counting.texts) == 1
+    # Measured once: the example text is in the fixed prefix, tokenized once, and in the whole prompts
+    # of the check that splicing is exact (its sample and sentinels: never every row of a big file),
+    # and once more by the encoder of a sentinel's special-token text.
+    check = len(set(texts)) + len(SENTINELS) + 2
+    assert sum("Broke after a day" in text for text in counting.texts) == 1 + check + 1
+    # The rows' messages are tokenized alone, each distinct one once, outside the check.
+    assert counting.texts.count("Post: not bad at all") == 2
     # The budget estimate adds them up per row: 3 rows x 37 more tokens.
     task = spec(EXAMPLES)
     assert (

@@ -225,6 +225,8 @@ def formatted_prompts_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs) ->
             context.add_asset_metadata(partition_key=partition_key, metadata=metadata)
             for warning in fmt.formatting_warnings(frame, partition_key):
                 context.log.warning(warning)
+            for note in fmt.formatting_notes(partition_key):
+                context.log.info(note)
         return frames
 
     return formatted_prompts

@@ -28,6 +28,14 @@ from typing import Protocol
 import polars as pl
 
 from batch_assets.pipeline.engine_contract import Engine, Prompt
+from batch_assets.pipeline.prompt_tokens import (
+    PROMPT_TOKEN_IDS,
+    TOKENIZE_CHUNK,
+    encode_texts,
+    plan_tokens,
+    prompt_token_ids,
+    sample_of,
+)
 from batch_assets.pipeline.task_spec import DEFAULT_RAW_EXAMPLE_TEMPLATE, example_answer_text
 
 _SENTINEL = "\u2063BATCH_ASSETS_USER_TEXT\u2063"
@@ -191,7 +199,7 @@ class PromptEncoder:
         return (fits & middle.str.contains_any(self.specials)).to_list()
 
     def encode(self, prompts: list[str]) -> list[list[int]]:
-        ids: list[list[int]] = self.tokenizer(prompts, add_special_tokens=False)["input_ids"] if prompts else []
+        ids = encode_texts(self.tokenizer, prompts)
         for index, split in enumerate(self.needs_splitting(prompts)):
             if split:
                 ids[index] = self._encode_split(prompts[index])
@@ -205,14 +213,12 @@ class PromptEncoder:
         if self._segment_ids is None:
             assert self.segments is not None  # set whenever the tokenizer has special tokens to split
             prefix, suffix = self.segments
-            self._segment_ids = tuple(
-                self.tokenizer(part, add_special_tokens=False)["input_ids"] if part else [] for part in (prefix, suffix)
+            prefix_ids, suffix_ids = (
+                encode_texts(self.tokenizer, [part])[0] if part else [] for part in (prefix, suffix)
             )
-        plain = self.tokenizer(user, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            self._segment_ids = (prefix_ids, suffix_ids)
+        [plain] = encode_texts(self.tokenizer, [user], split_special_tokens=True)
         return [*self._segment_ids[0], *plain, *self._segment_ids[1]]
-
-
-TOKENIZE_CHUNK = 20_000
 
 
 def count_tokens(tokenizer: Tokenizer, texts: list[str]) -> list[int]:
@@ -229,15 +235,6 @@ def count_tokens(tokenizer: Tokenizer, texts: list[str]) -> list[int]:
     return counts
 
 
-def count_unique(tokenizer: Tokenizer, column: pl.Series) -> pl.Series:
-    """Token counts of a column, tokenizing each distinct value once (names repeat in real files)."""
-    distinct = column.drop_nulls().unique()
-    lengths = pl.DataFrame(
-        {"text": distinct, "tokens": pl.Series(count_tokens(tokenizer, distinct.to_list()), dtype=pl.Int64)}
-    )
-    return column.to_frame("text").join(lengths, on="text", how="left", maintain_order="left")["tokens"]
-
-
 def format_prompts(
     raw: pl.DataFrame,
     fmt: PromptFormat,
@@ -246,8 +243,10 @@ def format_prompts(
     max_model_len: int,
     max_tokens: int,
     source_file: str,
+    log: Callable[[str], None] = lambda note: None,
 ) -> pl.DataFrame:
-    """raw_prompts → formatted_prompts: adds `prompt` and `num_prompt_tokens`, flags unusable rows."""
+    """raw_prompts → formatted_prompts: adds `prompt`, its `prompt_token_ids` (what the engine is
+    sent) and `num_prompt_tokens`, flags unusable rows; `log` is told how the ids were made."""
     refuse_special_tokens_in_examples(fmt, tokenizer)
     ok = pl.col("error").is_null()
     empty = pl.any_horizontal([pl.col(f).fill_null("").str.strip_chars().str.len_chars() == 0 for f in fmt.text_fields])
@@ -261,13 +260,7 @@ def format_prompts(
     ok = pl.col("error").is_null()
     if affixes is not None:
         prefix, suffix = affixes
-        # Count the fixed prefix/suffix once and only the user message per row. Exact when the
-        # template separates the message with special tokens or newlines, as chat templates do;
-        # inference re-tokenizes each full prompt and reports the engine's own count.
-        affix_tokens = sum(count_tokens(tokenizer, [part])[0] for part in (prefix, suffix) if part)
         frame = frame.with_columns(prompt=pl.when(ok).then(pl.lit(prefix) + pl.col("user_message") + pl.lit(suffix)))
-        message_tokens = count_unique(tokenizer, frame.select(pl.when(ok).then(pl.col("user_message")))["user_message"])
-        frame = frame.with_columns(num_prompt_tokens=(message_tokens + affix_tokens).cast(pl.Int64))
     else:
         frame = frame.with_columns(
             prompt=pl.when(ok).then(
@@ -276,13 +269,44 @@ def format_prompts(
                 )
             )
         )
-        frame = frame.with_columns(num_prompt_tokens=count_unique(tokenizer, frame["prompt"]))
-    frame = _split_special_tokens_in_user_text(frame, PromptEncoder(fmt, tokenizer), source_file)
+    encoder = PromptEncoder(fmt, tokenizer)
+    frame = _refuse_special_tokens_without_place(frame, encoder, source_file)
+    frame = frame.with_columns(_token_ids(frame, affixes, tokenizer, encoder, log))
+    frame = frame.with_columns(num_prompt_tokens=pl.col(PROMPT_TOKEN_IDS).list.len().cast(pl.Int64))
+    frame = _refuse_too_long(frame, fmt, tokenizer, max_model_len, max_tokens, source_file)
+    valid = pl.col("error").is_null()
+    return frame.drop("user_message").with_columns(
+        prompt=pl.when(valid).then(pl.col("prompt")), **{PROMPT_TOKEN_IDS: pl.when(valid).then(PROMPT_TOKEN_IDS)}
+    )
+
+
+def _token_ids(
+    frame: pl.DataFrame,
+    affixes: tuple[str, str] | None,
+    tokenizer: Tokenizer,
+    encoder: PromptEncoder,
+    log: Callable[[str], None],
+) -> pl.Series:
+    """The ids of each valid row's prompt, made once (prompt_tokens.py): the template's fixed ids
+    spliced around each message's own where a sample of the rows proves it exact, else whole."""
+    valid = frame.select(
+        message=pl.when(pl.col("error").is_null()).then("user_message"),
+        prompt=pl.when(pl.col("error").is_null()).then("prompt"),
+    )
+    plan = plan_tokens(tokenizer, affixes, encoder.encode, sample_of(valid["message"]))
+    log(plan.note)
+    return prompt_token_ids(plan, tokenizer, valid["message"], valid["prompt"], encoder.encode)
+
+
+def _refuse_too_long(
+    frame: pl.DataFrame, fmt: PromptFormat, tokenizer: Tokenizer, max_model_len: int, max_tokens: int, source_file: str
+) -> pl.DataFrame:
+    """Rows whose prompt and `max_tokens` do not fit the context get a `prompt_too_long` error."""
     budget = max_model_len - max_tokens
     too_long = pl.col("error").is_null() & (pl.col("num_prompt_tokens") > budget)
     # With examples, a too-long row says how much of it they are: the fix may be fewer of them.
     note = _examples_share(fmt, tokenizer) if fmt.examples and frame.select(too_long.any()).item() else ""
-    frame = frame.with_columns(
+    return frame.with_columns(
         error=pl.when(too_long)
         .then(
             pl.format(
@@ -297,7 +321,6 @@ def format_prompts(
         )
         .otherwise(pl.col("error"))
     )
-    return frame.drop("user_message").with_columns(prompt=pl.when(pl.col("error").is_null()).then(pl.col("prompt")))
 
 
 def _examples_share(fmt: PromptFormat, tokenizer: Tokenizer) -> str:
@@ -322,10 +345,10 @@ def refuse_special_tokens_in_examples(fmt: PromptFormat, tokenizer: Tokenizer) -
             )
 
 
-def _split_special_tokens_in_user_text(frame: pl.DataFrame, encoder: PromptEncoder, source_file: str) -> pl.DataFrame:
-    """Count the few prompts whose user text holds special-token text as the engine will get them
-    (special tokens split); where the chat template leaves no single place for the message, such a
-    row gets a `special_tokens` error instead of reaching the model with forged chat turns."""
+def _refuse_special_tokens_without_place(frame: pl.DataFrame, encoder: PromptEncoder, source_file: str) -> pl.DataFrame:
+    """A row whose user text holds special-token text, where the chat template gives no single place
+    for the message to keep it plain text (so its ids cannot be made safely), gets a
+    `special_tokens` error instead of reaching the model with forged chat turns."""
     if not encoder.specials:
         return frame
     ok = pl.col("error").is_null()
@@ -334,7 +357,6 @@ def _split_special_tokens_in_user_text(frame: pl.DataFrame, encoder: PromptEncod
     )
     if candidates.height == 0:
         return frame
-    counts = frame["num_prompt_tokens"].to_list()
     errors = frame["error"].to_list()
     for position, prompt, user, line in candidates.select(
         "_position", "prompt", "user_message", "source_line"
@@ -344,16 +366,12 @@ def _split_special_tokens_in_user_text(frame: pl.DataFrame, encoder: PromptEncod
             assert encoder.pattern is not None
             match = encoder.pattern.search(user)
             assert match is not None
-            token = match.group()
             errors[position] = (
-                f"special_tokens: {source_file} line {line}: the text contains the model's special token {token!r}, "
-                "and this chat template gives no single place for the message to keep it as plain text"
+                f"special_tokens: {source_file} line {line}: the text contains the model's special token "
+                f"{match.group()!r}, and this chat template gives no single place for the message to keep it "
+                "as plain text"
             )
-        else:
-            counts[position] = len(encoder.encode([prompt])[0])
-    return frame.with_columns(
-        num_prompt_tokens=pl.Series(counts, dtype=pl.Int64), error=pl.Series(errors, dtype=pl.String)
-    )
+    return frame.with_columns(error=pl.Series(errors, dtype=pl.String))
 
 
 # --- what the engine is sent ------------------------------------------------------------------
@@ -370,17 +388,15 @@ def prompt_encoders(
     from the input columns with the task's template (the same messages the prompt was rendered
     from, few-shot examples included). The in-process engine gets token ids only: nothing extra is built.
     """
-    # Special-token text in a record stays text (`PromptEncoder`): no forged chat turns.
+    # Special-token text in a record stays text (`PromptEncoder`): no forged chat turns. Only for
+    # formatted_prompts stored without their ids (made before they were kept); else the ids are read.
     token_ids = PromptEncoder(prompt_format, tokenizer).encode
-    if not engine.sends_chat_messages:
-
-        def encode_ids(prompts: list[str]) -> list[Prompt]:
-            return [Prompt(tuple(ids)) for ids in token_ids(prompts)]
-
-        return lambda formatted: encode_ids
 
     def for_partition(formatted: pl.DataFrame) -> Callable[[list[str]], list[Prompt]]:
         valid = formatted.filter(pl.col("error").is_null())
+        ids_of = stored_token_ids(valid) if PROMPT_TOKEN_IDS in valid.columns else token_ids
+        if not engine.sends_chat_messages:
+            return lambda prompts: [Prompt(tuple(ids)) for ids in ids_of(prompts)]
         users = valid.select(user_message_expr(prompt_format.template).alias("user"))["user"]
         # Identical prompts come from identical user messages, so the prompt text is a safe key.
         user_by_prompt = dict(zip(valid["prompt"].to_list(), users.to_list(), strict=True))
@@ -391,9 +407,18 @@ def prompt_encoders(
                     tuple(ids),
                     tuple(messages_for(prompt_format.system, user_by_prompt[prompt], prompt_format.examples)),
                 )
-                for prompt, ids in zip(prompts, token_ids(prompts), strict=True)
+                for prompt, ids in zip(prompts, ids_of(prompts), strict=True)
             ]
 
         return encode
 
     return for_partition
+
+
+def stored_token_ids(valid: pl.DataFrame) -> Callable[[list[str]], list[list[int]]]:
+    """The ids formatted_prompts made of each prompt (`prompt_token_ids`), looked up by prompt text:
+    the ids that were counted are the ids sent, and nothing is tokenized again."""
+    # Identical prompt texts have identical ids, so the last row of a text serves them all.
+    row_of = {prompt: row for row, prompt in enumerate(valid["prompt"].to_list())}
+    column = valid[PROMPT_TOKEN_IDS]
+    return lambda prompts: column.gather([row_of[prompt] for prompt in prompts]).to_list()

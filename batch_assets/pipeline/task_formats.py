@@ -68,6 +68,7 @@ from batch_assets.pipeline.openai_batch_output import (
     validate_batch_embeddings,
     validate_batch_outputs,
 )
+from batch_assets.pipeline.prompt_tokens import PROMPT_TOKEN_IDS
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.pipeline.validate_labels import validate_labels
@@ -145,6 +146,10 @@ class TaskFormat(ABC):
 
     def formatting_warnings(self, formatted: pl.DataFrame, source_file: str) -> list[str]:
         """Log warnings about rows that are formatted but may not give a useful answer."""
+        return []
+
+    def formatting_notes(self, source_file: str) -> list[str]:
+        """Log lines on how a partition was formatted (how its prompts' token ids were made)."""
         return []
 
     # --- inference_outputs ------------------------------------------------------------------------
@@ -228,10 +233,12 @@ class ChatRecords(TaskFormat):
         super().__init__(task)
         # Worked out once per task: the few-shot examples' turns and the template's fields.
         self.prompt_format = PromptFormat.of(task)
+        self._notes: dict[str, list[str]] = {}
 
     def format(
         self, raw: pl.DataFrame, engine: Engine, tokenizer: Tokenizer, settings: EngineSettings, *, source_file: str
     ) -> pl.DataFrame:
+        notes = self._notes[source_file] = []
         return format_prompts(
             raw,
             self.prompt_format,
@@ -239,10 +246,20 @@ class ChatRecords(TaskFormat):
             max_model_len=settings.max_model_len,
             max_tokens=self.task.sampling.max_tokens,
             source_file=source_file,
+            log=lambda note: notes.append(f"{source_file}: token ids: {note}"),
         )
+
+    def formatting_notes(self, source_file: str) -> list[str]:
+        return self._notes.pop(source_file, [])
 
     def encoders(self, engine: Engine, tokenizer: Tokenizer, max_model_len: int) -> PartitionEncoders:
         return prompt_encoders(engine, self.prompt_format, tokenizer)
+
+    def infer(
+        self, parts: list[PartitionInput], run: RunInference, tokenizer: Tokenizer, max_model_len: int
+    ) -> list[tuple[pl.DataFrame, InferenceStats]]:
+        # The ids were for the engine: inference_outputs and the result table keep the prompt text.
+        return [(frame.drop(PROMPT_TOKEN_IDS, strict=False), stats) for frame, stats in run(parts)]
 
     def output_identity(self, settings: EngineSettings) -> dict[str, Any]:
         parts = super().output_identity(settings)
