@@ -5,7 +5,7 @@ export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 
 .PHONY: setup demo test test-fast lint ui clean
 
-$(STAMP): pyproject.toml scripts/setup.sh
+$(STAMP): pyproject.toml scripts/setup.sh scripts/uv_sources.sh requirements/cpu.txt requirements/gpu.txt requirements/extra.txt
 	bash scripts/setup.sh
 	touch $(STAMP)
 

@@ -76,6 +76,10 @@ def test_tasks_lists_every_task_with_its_drop_zone(workdir) -> None:
         assert f"drop zone: {tmp_path / 'data' / 'drops' / task}" in result.stdout
 
 
+def engine_started(instance: dg.DagsterInstance, run_id: str) -> bool:
+    return any("started the vLLM engine" in (entry.user_message or "") for entry in instance.all_logs(run_id))
+
+
 def test_demo_runs_every_sample_and_a_second_demo_reruns_nothing(workdir) -> None:
     tmp_path, env = workdir
     first = run_cli(["demo"], env, tmp_path)
@@ -102,6 +106,11 @@ def test_demo_runs_every_sample_and_a_second_demo_reruns_nothing(workdir) -> Non
     assert "(accuracy " in sentiment and "on 36 hand-labelled rows; " in sentiment
     # The caution about the embedded model is for runs on it; this one ran on the tiny test model.
     assert "not a labeler" not in first.stdout
+    # One engine start per model: the tiny chat model's serves the five chat tasks (its first run is
+    # one with the longest context, 2048 tokens), all-MiniLM's the three embedding tasks.
+    with open_instance(tmp_path / "home") as instance:
+        started = sorted(run.job_name for run in instance.get_runs() if engine_started(instance, run.run_id))
+    assert started == ["document_qa_pipeline", "embeddings_pipeline"], started
     second = run_cli(["demo"], env, tmp_path)
     assert second.returncode == 0
     again = summary_lines(second.stdout)

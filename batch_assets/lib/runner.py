@@ -177,9 +177,11 @@ def run_demo(tasks: Sequence[TaskSpec], reporter: RunReporter, *, use_result_cac
 
     all_ok = True
     definitions = build_definitions()
-    # One engine for every task that shares its settings (the shipped ones all do).
+    # One engine start per model: the tasks of one model run one after another, the longest context
+    # first, so that its engine serves the others too (`VLLMSettings.serves`); on a GPU, where the
+    # chat and the embedding engine take turns, each starts once.
     with keep_engine_warm():
-        for task in tasks:
+        for task in sorted(tasks, key=lambda task: _engine_order(task, definitions)):
             folder = SAMPLES_DIR / task.name
             files = sorted(p for p in folder.glob("*") if p.is_file()) if folder.exists() else []
             if not files:
@@ -199,6 +201,15 @@ def run_demo(tasks: Sequence[TaskSpec], reporter: RunReporter, *, use_result_cac
     if side_by_side:
         reporter.say(side_by_side)
     return all_ok
+
+
+def _engine_order(task: TaskSpec, definitions: dg.Definitions) -> tuple:
+    """Where the demo runs a task: by engine and model, the longest context first, then by name."""
+    try:
+        settings = resolve_settings(task, definitions.resources)
+    except TaskSpecError:
+        return ("~", "", 0, task.name)  # refused when it runs, with the reason, after the others
+    return (settings.kind, settings.model or "", -settings.max_model_len, task.name)
 
 
 def demo_note(tasks: Sequence[TaskSpec]) -> str | None:
