@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
+from batch_assets.pipeline.batch_api_settings import engine_price
 from batch_assets.pipeline.task_spec import BudgetSpec, PriceSpec
 
 if TYPE_CHECKING:  # a type only: task_formats imports the pipeline's stages, budget none of them
@@ -37,7 +38,8 @@ class CostEstimate:
     rows_to_infer: int
     prompt_tokens: int
     max_generated_tokens: int  # worst case: every row runs to sampling.max_tokens
-    cost_usd: float | None  # None when the task has no engine.price
+    # None when the task has no engine.price; a batch API's at its batch price (`batch_price_factor`).
+    cost_usd: float | None
 
     def metadata(self) -> dict[str, int | float]:
         values: dict[str, int | float] = {
@@ -57,7 +59,7 @@ def estimate_cost(formatted: pl.DataFrame, fmt: TaskFormat) -> CostEstimate:
     prompt_tokens = int(to_infer["num_prompt_tokens"].sum() or 0)
     generated = fmt.max_generated_tokens(to_infer)
     return CostEstimate(
-        to_infer.height, prompt_tokens, generated, cost_usd(prompt_tokens, generated, task.engine.price)
+        to_infer.height, prompt_tokens, generated, cost_usd(prompt_tokens, generated, engine_price(task.engine))
     )
 
 

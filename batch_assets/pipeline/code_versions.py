@@ -16,6 +16,7 @@ import hashlib
 import json
 from typing import Any
 
+from batch_assets.pipeline.batch_api_settings import BATCH_API_FIELDS
 from batch_assets.pipeline.engine_contract import ResolvedSettings
 from batch_assets.pipeline.task_spec import TaskSpec
 
@@ -26,7 +27,7 @@ PIPELINE_OUTPUT_VERSION = 1
 # arguments are sorted by the engines: engines/vllm_args.py). Every other field (including ones added
 # later) counts as output-changing: a wrong "stale" costs a re-run that the result cache mostly
 # serves, a wrong "fresh" would hide a change.
-THROUGHPUT_ONLY_ENGINE_FIELDS = frozenset(
+THROUGHPUT_ONLY_ENGINE_FIELDS = BATCH_API_FIELDS | frozenset(
     {
         "batch_size",
         "concurrency",
