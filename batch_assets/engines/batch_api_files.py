@@ -105,6 +105,11 @@ def _answer(record: dict) -> Answer:
     error = record.get("error")
     status = response.get("status_code") if isinstance(response, dict) else None
     body = response.get("body") if isinstance(response, dict) else None
+    if isinstance(body, str):  # OGX's reference provider sends the body as a JSON string
+        try:
+            body = json.loads(body)
+        except ValueError:
+            body = {"error": {"message": body[:200]}}
     if status == 200 and isinstance(body, dict) and not error:
         try:
             return Answer(generation=_chat_generation(body))
