@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import uvicorn
 from fastapi import FastAPI, File, Form, Header, HTTPException, UploadFile
@@ -100,7 +101,9 @@ class FaultServer:
 
         @app.post("/v1/files")
         def upload(
-            file: UploadFile = File(...), purpose: str = Form(...), authorization: str | None = Header(None)
+            file: Annotated[UploadFile, File()],
+            purpose: Annotated[str, Form()],
+            authorization: str | None = Header(None),
         ) -> dict:
             authorize(authorization)
             if self.faults.quota:
@@ -218,7 +221,15 @@ class FaultServer:
 
 
 def _file(file_id: str, size: int, purpose: str) -> dict:
-    return {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()), "filename": f"{file_id}.jsonl", "purpose": purpose, "status": "processed"}  # fmt: skip
+    return {
+        "id": file_id,
+        "object": "file",
+        "bytes": size,
+        "created_at": int(time.time()),
+        "filename": f"{file_id}.jsonl",
+        "purpose": purpose,
+        "status": "processed",
+    }
 
 
 def _output_line(request: dict, answer: str) -> dict:
@@ -230,12 +241,22 @@ def _output_line(request: dict, answer: str) -> dict:
         "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": answer}}],
         "usage": {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8},
     }
-    return {"id": f"batch_req_{uuid.uuid4().hex[:8]}", "custom_id": request["custom_id"], "response": {"status_code": 200, "body": body}, "error": None}  # fmt: skip
+    return _line(request, 200, body)
 
 
 def _error_line(request: dict) -> dict:
     body = {"error": {"message": "The server had an error while processing your request", "type": "server_error"}}
-    return {"id": f"batch_req_{uuid.uuid4().hex[:8]}", "custom_id": request["custom_id"], "response": {"status_code": 500, "body": body}, "error": None}  # fmt: skip
+    return _line(request, 500, body)
+
+
+def _line(request: dict, status: int, body: dict) -> dict:
+    response = {"status_code": status, "body": body}
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex[:8]}",
+        "custom_id": request["custom_id"],
+        "response": response,
+        "error": None,
+    }
 
 
 def _free_port() -> int:
