@@ -166,7 +166,7 @@ def batch_task_file(folder: Path, server: BatchServer, tokenizer: str, poll_seco
     text = (REPO_ROOT / "batch_assets" / "tasks" / "sentiment.yaml").read_text(encoding="utf-8")
     engine = (
         f"engine:\n  kind: batch_api\n  base_url: {server.base_url}\n  model: {server.model}\n"
-        f"  tokenizer: {tokenizer}\n  max_model_len: 1024\n  poll_seconds: {poll_seconds}\n"
+        f"  tokenizer: {tokenizer}\n  poll_seconds: {poll_seconds}\n"
     )
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sentiment.yaml").write_text(text.replace("engine:\n", engine, 1), encoding="utf-8")
@@ -225,7 +225,10 @@ def test_kill_9_while_the_batch_is_in_flight_then_rerun_collects_the_same_batch(
     rerun = _run_cli(env, inputs, log)
     assert rerun.wait(timeout=300) == 0, log.read_text()[-5000:]
     assert set(batch_server.batch_ids()) - before == {batch_id}
-    assert f"collecting batch {batch_id} submitted before (40 requests of this run)" in log.read_text()
+    outputs = dg.DagsterInstance.get().fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(["sentiment", "inference_outputs"])), limit=10
+    )
+    assert [r.asset_materialization.metadata["batch_ids"].value for r in outputs.records] == [batch_id]
     labels = pl.read_parquet(data_dir / "storage" / "sentiment" / "validated_labels" / "posts.jsonl.parquet")
     assert labels["id"].to_list() == [row["id"] for row in rows]
     assert labels["error"].null_count() == 40 and labels["label"].null_count() == 0

@@ -115,8 +115,9 @@ class BatchApiEngine(OpenAIEngine):
             resubmit_failed=spec.resubmit_failed,
         )
 
+    # The contract's `Engine.session` (pipeline/engine_contract.py), not the endpoint's: another session type.
     @contextlib.contextmanager
-    def session(
+    def session(  # type: ignore[override]
         self,
         task: TaskSpec,
         settings: BatchApiSettings,
@@ -396,7 +397,7 @@ class _Run:
         """The batches in flight that have finished, polling every `poll_seconds` until one has. A
         server that cannot be reached is asked again at the next poll; after `max_retries + 1`
         polls in a row the run fails (the batch ids are kept: a re-run collects them)."""
-        failed_polls, last_seen = 0, {}
+        failed_polls, last_seen = 0, dict[str, tuple]()
         while True:
             finished = []
             try:
