@@ -12,19 +12,17 @@ declared here and sit on the task's `engine:` (`task_spec.EngineSpec`) next to t
     resubmit_failed        requests that failed, expired or were cancelled in a batch are sent
                            once more in a new batch before they become error rows
     batch_price_factor     what a batch costs as a share of `engine.price` (0.5: half price, as at
-                           OpenAI, Anthropic, Together, Groq, Mistral); estimates and budgets use it
+                           OpenAI, Anthropic, Together, Groq, Mistral); estimates, budgets and
+                           `cost_usd` use it (`budget.engine_price`)
 
 None of them changes an output (code versions leave them out: pipeline/code_versions.py).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
-
-if TYPE_CHECKING:  # a type only: task_spec imports the field types below
-    from batch_assets.pipeline.task_spec import EngineSpec, PriceSpec
 
 BATCH_API_KIND = "batch_api"
 # OpenAI's limits per input file (https://platform.openai.com/docs/guides/batch).
@@ -49,17 +47,3 @@ BATCH_API_FIELDS = frozenset(
         "batch_price_factor",
     }
 )
-
-
-def engine_price(spec: EngineSpec) -> PriceSpec | None:
-    """The price a task's tokens cost: `engine.price`, times `batch_price_factor` for a batch API."""
-    price = spec.price
-    if price is None or spec.kind != BATCH_API_KIND:
-        return price
-    factor = spec.batch_price_factor
-    return price.model_copy(
-        update={
-            "input_per_million_tokens": price.input_per_million_tokens * factor,
-            "output_per_million_tokens": price.output_per_million_tokens * factor,
-        }
-    )
