@@ -198,3 +198,11 @@ def _wait_for(condition, timeout: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def test_a_batch_failed_without_a_line_fails_the_run_naming_the_settings(tmp_path: Path, server: FaultServer) -> None:
+    server.faults.fail_batch_line = 0  # the provider names no line of the file
+    with pytest.raises(BatchApiError, match="failed as a whole") as failure:
+        run_stream(batch_task(tmp_path, server.base_url), tmp_path / "records", 2)
+    assert "`engine.model`" in str(failure.value)
+    assert server.batches_created == 1

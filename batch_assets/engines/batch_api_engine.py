@@ -213,7 +213,7 @@ class _Run:
 
     def run(self) -> Iterator[tuple[int, Generation]]:
         try:
-            yield from self._answer(self._adopt())
+            self._adopt()
             fresh = [self.state.lines[i] for i in self.state.lines if i in self.state.left and not self._covered(i)]
             yield from self._answer(self._submit(fresh, attempt=1))
             while self.in_flight:
@@ -244,10 +244,9 @@ class _Run:
 
     # --- records kept by an earlier run ------------------------------------------------------------
 
-    def _adopt(self) -> dict[str, Answer]:
+    def _adopt(self) -> None:
         """Batches of kept records that hold requests of this stream: waited for (or, for a record
         that never got its batch, the batch made now), never submitted again."""
-        answers: dict[str, Answer] = {}
         newest: dict[str, dict] = {}
         for record in self.records.load():
             for custom_id in record["ids"]:
@@ -267,7 +266,6 @@ class _Run:
                 f"collecting batch {record['batch_id']} submitted before ({len(ids)} requests of this run)"
             )
             self._track(record)
-        return answers
 
     def _batch_made_from(self, record: dict) -> str | None:
         """The provider's batch of this record's file, when one was made before the run was killed."""
@@ -472,7 +470,12 @@ class _Run:
         chunk = [self.state.lines[i] for i in record["ids"] if i in self.state.lines]
         if len(chunk) != len(record["ids"]):  # a batch of another run's requests: ids by line unknown here
             lines = set()
-        refused = _Refused(lines, messages or "no detail", f"batch {batch.id} failed: {messages or 'no detail'}")
+        refused = _Refused(
+            lines,
+            messages or "no detail",
+            f"batch {batch.id} at {self.settings.base_url} failed as a whole: {messages or 'no detail'}. Check "
+            "`engine.model` and the request settings (`engine.max_requests_per_file` for a quota per batch)",
+        )
         return answers | self._refused(chunk, refused, self.state.attempts.get(chunk[0].custom_id, 1) if chunk else 1)
 
     def _cancel_in_flight(self) -> None:
