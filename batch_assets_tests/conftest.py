@@ -80,6 +80,23 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(cached)
 
 
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory):
+    """`vllm serve` of the tiny model with a small fixed KV cache, once per session: the endpoint
+    engine's tests (test_openai_engine.py) and the batch API's server (test_batch_api_server.py) share it."""
+    from batch_assets_tests.test_openai_engine import serving
+
+    with serving(
+        tiny_model_path,
+        tmp_path_factory.mktemp("vllm_server"),
+        "--max-model-len", "1024",
+        "--enforce-eager",
+        "--kv-cache-memory-bytes", str(256 << 20),
+        "--seed", "0",
+    ) as server:  # fmt: skip
+        yield server
+
+
 @pytest.fixture(scope="session", autouse=True)
 def warm_engine_for_session() -> Iterator[None]:
     """Engine start-up costs ~15 s; keep one engine across the tests that share its settings."""

@@ -99,20 +99,6 @@ def serving(model: str, log_dir: Path, *arguments: str) -> Iterator[Server]:
                 process.wait()
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The tiny model served with a small fixed KV cache."""
-    with serving(
-        tiny_model_path,
-        tmp_path_factory.mktemp("vllm_server"),
-        "--max-model-len", "1024",
-        "--enforce-eager",
-        "--kv-cache-memory-bytes", str(256 << 20),
-        "--seed", "0",
-    ) as server:  # fmt: skip
-        yield server
-
-
 @pytest.fixture
 def server_key(monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv(KEY_ENV, SERVER_KEY)

@@ -13,7 +13,7 @@ from typing import Any, cast
 import dagster as dg
 import polars as pl
 
-from batch_assets.pipeline.budget import actual_cost_metadata, estimate_cost
+from batch_assets.pipeline.budget import actual_cost_metadata, engine_price, estimate_cost
 from batch_assets.pipeline.engine_contract import EngineSession, EngineSettings
 from batch_assets.pipeline.label_quality import accuracy_report, confidence_report
 from batch_assets.pipeline.run_inference import InferenceStats
@@ -116,7 +116,7 @@ def inference_metadata(
         "output_constraint": task.output.kind,
         **session.metadata,
         "checkpoint_fingerprint": fingerprint,
-        **actual_cost_metadata(prompt_tokens(frame), generated, task.engine.price),
+        **actual_cost_metadata(prompt_tokens(frame), generated, engine_price(task.engine)),
         "dagster/row_count": frame.height,
         "dagster/column_schema": column_schema(frame),
     }

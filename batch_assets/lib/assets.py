@@ -44,6 +44,7 @@ from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, 
 from batch_assets.pipeline.task_formats import OutputFiles, TaskFormat, task_format
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.runtime.interrupts import STOPPED, stop_instead_of, stop_requested
+from batch_assets.storage.batch_records import BatchRecordStore, batch_records_dir
 from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
 from batch_assets.storage.drop_files import DropFile, drop_partitions, find_drop_file, shard_index_of, version_digest
 from batch_assets.storage.locations import checkpoint_dir, task_storage_dir, write_bytes_atomically
@@ -266,7 +267,7 @@ def infer_partitions(
 ) -> dict[str, pl.DataFrame]:
     """The body of `inference_outputs`: every partition of the run through one engine stream."""
     fail_if_outdated_shards(context, task, list(formatted_prompts))
-    engine = engine_for(context.resources, task)
+    kind, engine = engine_kind(task), engine_for(context.resources, task)
     settings = engine.settings(task)
     fingerprint = inference_fingerprint(fmt, settings)
     tokenizer = engine.tokenizer(settings)
@@ -283,7 +284,10 @@ def infer_partitions(
     try:
         # One session and one stream for every partition of the run; the engine starts with the
         # first request that needs it: not for cached, empty or all-error files.
-        with engine.session(task, settings, context.log.info) as session:
+        records = (
+            {"records": BatchRecordStore(batch_records_dir(task.name, fingerprint))} if kind.keeps_batch_records else {}
+        )
+        with engine.session(task, settings, context.log.info, **records) as session:
 
             def run(partitions: list[PartitionInput]) -> list[tuple[pl.DataFrame, InferenceStats]]:
                 return run_inference(

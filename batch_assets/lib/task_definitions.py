@@ -153,7 +153,7 @@ def run_tags_for(task: TaskSpec) -> dict[str, object]:
     divided by `tensor_parallel_size`), or one when that is unset; the engine in the pod then finds
     exactly those GPUs."""
     spec = task.engine
-    if spec.kind == "openai":
+    if spec.kind in ("openai", "batch_api"):
         return {K8S_CONFIG_TAG: endpoint_pod_config(spec.api_key_env)}
     if isinstance(spec.data_parallel_size, int):
         replicas = spec.data_parallel_size

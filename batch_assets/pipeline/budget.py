@@ -13,12 +13,27 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
-from batch_assets.pipeline.task_spec import BudgetSpec, PriceSpec
+from batch_assets.pipeline.task_spec import BudgetSpec, EngineSpec, PriceSpec
+from batch_assets.pipeline.task_spec.batch_api import BATCH_API_KIND
 
 if TYPE_CHECKING:  # a type only: task_formats imports the pipeline's stages, budget none of them
     from batch_assets.pipeline.task_formats import TaskFormat
 
 MILLION = 1_000_000
+
+
+def engine_price(spec: EngineSpec) -> PriceSpec | None:
+    """The price a task's tokens cost: `engine.price`, times `batch_price_factor` for a batch API."""
+    price = spec.price
+    if price is None or spec.kind != BATCH_API_KIND:
+        return price
+    factor = spec.batch_price_factor
+    return price.model_copy(
+        update={
+            "input_per_million_tokens": price.input_per_million_tokens * factor,
+            "output_per_million_tokens": price.output_per_million_tokens * factor,
+        }
+    )
 
 
 def cost_usd(prompt_tokens: int, generated_tokens: int, price: PriceSpec | None) -> float | None:
@@ -37,7 +52,8 @@ class CostEstimate:
     rows_to_infer: int
     prompt_tokens: int
     max_generated_tokens: int  # worst case: every row runs to sampling.max_tokens
-    cost_usd: float | None  # None when the task has no engine.price
+    # None when the task has no engine.price; a batch API's at its batch price (`batch_price_factor`).
+    cost_usd: float | None
 
     def metadata(self) -> dict[str, int | float]:
         values: dict[str, int | float] = {
@@ -57,7 +73,7 @@ def estimate_cost(formatted: pl.DataFrame, fmt: TaskFormat) -> CostEstimate:
     prompt_tokens = int(to_infer["num_prompt_tokens"].sum() or 0)
     generated = fmt.max_generated_tokens(to_infer)
     return CostEstimate(
-        to_infer.height, prompt_tokens, generated, cost_usd(prompt_tokens, generated, task.engine.price)
+        to_infer.height, prompt_tokens, generated, cost_usd(prompt_tokens, generated, engine_price(task.engine))
     )
 
 

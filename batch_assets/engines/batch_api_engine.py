@@ -1,0 +1,499 @@
+"""The Batch API engine: a task's requests sent to a provider's OpenAI-compatible `/v1/batches`.
+
+For `engine.kind: batch_api`: the provider (OpenAI, Together, Mistral, Groq, Azure OpenAI, OGX, ...)
+runs the requests within `engine.completion_window` at a discount (`engine.batch_price_factor`).
+The contract is the endpoint engine's (`OpenAIEngine`, whose settings, key handling and tokenizer
+this one inherits); only `session.stream` differs, so the result cache, checkpoints, checks and
+outputs are those of any engine, and only the requests they do not already hold reach the stream.
+
+Per stream:
+1. every request becomes a batch line whose `custom_id` is a hash of its body (engines/batch_api_files.py);
+2. requests a kept record already covers (`BatchRecords`, storage/batch_records.py: a batch this
+   task submitted under the same settings, e.g. by a run killed while it waited) are collected
+   from that batch, never submitted again;
+3. the rest is cut into files of at most `max_requests_per_file` requests and `max_bytes_per_file`
+   bytes, each uploaded (`purpose=batch`) and made a batch; the record is written before the
+   upload, again with the file id, and again with the batch id, all before anything waits (a
+   record with a file but no batch id is matched to the provider's batches by that file);
+4. the batches are polled every `poll_seconds`; each finished one's output and error files are
+   downloaded and matched by `custom_id`. Failed, expired or cancelled requests, and requests
+   the files do not mention, become error rows, or are sent once more in a new batch when
+   `resubmit_failed` is set; lines the provider refused by number (a failed batch's
+   `errors.data[].line`, or a 400 naming a line) become error rows and the rest is sent again;
+5. an interrupt (Dagster's terminate, Ctrl-C, SIGTERM) cancels the batches in flight; a re-run
+   collects what they finished and sends the rest again.
+Records of a stream that ended are removed when the session closes (after the checkpoints are
+written). Only chat tasks: embedding tasks use `engine.kind: openai`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from pydantic import Field
+
+from batch_assets.engines.batch_api_files import (
+    Answer,
+    RequestLine,
+    chat_body,
+    parse_answers,
+    refused_lines,
+    request_lines,
+    split_files,
+)
+from batch_assets.engines.openai_engine import (
+    EndpointError,
+    EndpointSettings,
+    OpenAIEngine,
+    _redact,
+    chat_request_params,
+    classify_failure,
+)
+from batch_assets.pipeline.engine_contract import Generation, Prompt, ResolvedSettings
+from batch_assets.pipeline.openai_batch import CHAT_URL
+from batch_assets.pipeline.result_stores import BatchRecords
+from batch_assets.pipeline.task_spec import TaskSpec, TaskSpecError
+from batch_assets.pipeline.task_spec.batch_api import BATCH_API_KIND
+from batch_assets.runtime.interrupts import Stopped, stop_requested
+
+log = logging.getLogger(__name__)
+
+TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
+# A request is sent at most this many times (the first batch, and one more: `resubmit_failed`, or
+# the rest of a file the provider refused for some of its lines).
+MAX_ATTEMPTS = 2
+
+
+class BatchApiError(EndpointError):
+    """The batch API cannot serve this run (refused key, quota, unreachable); the message names the setting."""
+
+
+@dataclass(frozen=True)
+class BatchApiSettings(EndpointSettings):
+    completion_window: str = "24h"
+    poll_seconds: float = 30.0
+    max_requests_per_file: int = 50_000
+    max_bytes_per_file: int = 200 * 1024 * 1024
+    resubmit_failed: bool = False
+
+    def identity(self) -> dict[str, Any]:
+        return {"engine": BATCH_API_KIND, "model": self.model, "base_url": self.base_url}
+
+
+class BatchApiEngine(OpenAIEngine):
+    """Sends prompts as batches to an OpenAI-compatible Batch API (`/v1/files` + `/v1/batches`).
+
+    Unset fields fall back to each task's `engine:` settings; set `api_key` with `dg.EnvVar("NAME")`.
+    """
+
+    poll_seconds: float | None = Field(default=None, description="Seconds between status checks of a batch.")
+
+    def resolve(self, task: TaskSpec) -> ResolvedSettings:
+        if task.output.pooling:
+            raise TaskSpecError(
+                f"task {task.name!r}: engine.kind batch_api sends chat requests; an embedding or similarity "
+                "task uses engine.kind openai (its /v1/embeddings) or vllm"
+            )
+        return replace(super().resolve(task), kind=BATCH_API_KIND)
+
+    def settings(self, task: TaskSpec) -> BatchApiSettings:
+        base = super().settings(task)
+        spec = task.engine
+        return BatchApiSettings(
+            **{f.name: getattr(base, f.name) for f in fields(base) if f.name != "kind"},
+            kind=BATCH_API_KIND,
+            completion_window=spec.completion_window,
+            poll_seconds=self.poll_seconds or spec.poll_seconds,
+            max_requests_per_file=spec.max_requests_per_file,
+            max_bytes_per_file=spec.max_bytes_per_file,
+            resubmit_failed=spec.resubmit_failed,
+        )
+
+    # The contract's `Engine.session` (pipeline/engine_contract.py), not the endpoint's: another session type.
+    @contextlib.contextmanager
+    def session(  # type: ignore[override]
+        self,
+        task: TaskSpec,
+        settings: BatchApiSettings,
+        log: Callable[[str], None] = lambda message: None,
+        records: BatchRecords | None = None,
+    ) -> Iterator[BatchSession]:
+        """`records`: where the batches are kept (storage/batch_records.py); required to submit any."""
+        session = BatchSession(self, task, settings, log, records)
+        yield session
+        session.forget_collected()  # only after a stream that ended: its results are checkpointed
+
+
+@dataclass
+class _Stream:
+    """One stream's requests and what is left of them."""
+
+    lines: dict[str, RequestLine]  # by custom_id, in the stream's order
+    positions: dict[str, int]
+    left: set[str]  # not answered yet
+    attempts: dict[str, int] = field(default_factory=dict)
+
+
+class BatchSession:
+    """A batch API needs no start: `started_here` is always False."""
+
+    started_here = False
+    start_seconds = 0.0
+
+    def __init__(
+        self,
+        engine: BatchApiEngine,
+        task: TaskSpec,
+        settings: BatchApiSettings,
+        log: Callable[[str], None],
+        records: BatchRecords | None,
+    ) -> None:
+        self.engine, self.task, self.settings, self.log, self.records = engine, task, settings, log, records
+        self.batch_ids: list[str] = []
+        self._collected: dict[str, dict] = {}  # records whose batch this session collected, by name
+        self._wanted: set[str] = set()
+
+    def start(self) -> None:
+        pass
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return {"engine_started_by_this_run": False, "batch_ids": ", ".join(self.batch_ids)}
+
+    def stream(self, prompts: Iterable[Prompt]) -> Iterator[tuple[int, Generation]]:
+        import openai
+
+        if self.records is None:
+            raise BatchApiError("a batch API session needs somewhere to keep its batch ids (`records`)")
+        prompts = list(prompts)
+        if any(p.messages is None for p in prompts):
+            raise TypeError("the batch API engine sends each prompt's messages: build prompts with prompt_encoders")
+        lines = request_lines([chat_body(p, self._params(p)) for p in prompts])
+        state = _Stream(
+            lines={line.custom_id: line for line in lines},
+            positions={line.custom_id: position for position, line in enumerate(lines)},
+            left={line.custom_id for line in lines},
+        )
+        self._wanted |= state.left
+        with openai.OpenAI(
+            base_url=self.settings.base_url,
+            api_key=self.engine._api_key(self.task),
+            timeout=self.settings.request_timeout_s,
+            max_retries=self.settings.max_retries,
+        ) as client:
+            yield from _Run(self, client, state).run()
+
+    def _params(self, prompt: Prompt) -> dict:
+        s = self.settings
+        return chat_request_params(self.task, s.model, s.structured_outputs, prompt.sampling, prompt.output, s.logprobs)
+
+    def forget_collected(self) -> None:
+        """Remove the records of batches collected whole by this session's streams."""
+        if self.records is None:
+            return
+        for name, record in self._collected.items():
+            if set(record["ids"]) <= self._wanted:
+                self.records.remove(name)
+
+
+class _Run:
+    """Submit, wait, collect: one stream through the batch API."""
+
+    def __init__(self, session: BatchSession, client, state: _Stream) -> None:
+        self.session, self.client, self.state = session, client, state
+        self.settings = session.settings
+        self.records: BatchRecords = session.records  # type: ignore[assignment]  # stream() checked it
+        self.in_flight: list[dict] = []
+
+    def run(self) -> Iterator[tuple[int, Generation]]:
+        try:
+            self._adopt()
+            fresh = [self.state.lines[i] for i in self.state.lines if i in self.state.left and not self._covered(i)]
+            yield from self._answer(self._submit(fresh, attempt=1))
+            while self.in_flight:
+                for record, batch in self._wait():
+                    self.in_flight.remove(record)
+                    yield from self._answer(self._collect(record, batch))
+        except KeyboardInterrupt:  # Dagster's terminate, Ctrl-C, SIGTERM (runtime/interrupts.py)
+            self._cancel_in_flight()
+            raise
+        if self.state.left:
+            raise BatchApiError(f"{len(self.state.left)} requests were neither answered nor failed by the batch API")
+
+    def _save(self, record: dict) -> None:
+        self.records.save({key: value for key, value in record.items() if key != "id_set"})
+
+    def _covered(self, custom_id: str) -> bool:
+        return any(custom_id in record["id_set"] for record in self.in_flight)
+
+    def _answer(self, answers: dict[str, Answer]) -> Iterator[tuple[int, Generation]]:
+        for custom_id, answer in answers.items():
+            if custom_id not in self.state.left:
+                continue
+            self.state.left.discard(custom_id)
+            generation = answer.generation or Generation(
+                text=None, finish_reason=None, num_prompt_tokens=0, num_generated_tokens=0, error=answer.error
+            )
+            yield self.state.positions[custom_id], generation
+
+    # --- records kept by an earlier run ------------------------------------------------------------
+
+    def _adopt(self) -> None:
+        """Batches of kept records that hold requests of this stream: waited for (or, for a record
+        that never got its batch, the batch made now), never submitted again."""
+        newest: dict[str, dict] = {}
+        for record in self.records.load():
+            for custom_id in record["ids"]:
+                if custom_id in self.state.left:
+                    newest[custom_id] = record  # load() is oldest first: a resubmission wins
+        for record in {r["name"]: r for r in newest.values()}.values():
+            ids = [i for i, r in newest.items() if r is record]
+            for custom_id in ids:
+                self.state.attempts[custom_id] = record.get("attempt", 1)
+            if not record.get("input_file_id"):  # killed while uploading: nothing was submitted
+                self.records.remove(record["name"])
+                continue
+            if not record.get("batch_id"):
+                record["batch_id"] = self._batch_made_from(record) or self._create_batch(record)
+                self._save(record)
+            self.session.log(
+                f"collecting batch {record['batch_id']} submitted before ({len(ids)} requests of this run)"
+            )
+            self._track(record)
+
+    def _batch_made_from(self, record: dict) -> str | None:
+        """The provider's batch of this record's file, when one was made before the run was killed."""
+        for batch in self._call("list batches", self.client.batches.list, limit=100):
+            if batch.input_file_id == record["input_file_id"]:
+                return batch.id
+            if batch.created_at < record["created"] - 3600:
+                break
+        return None
+
+    def _track(self, record: dict) -> None:
+        record["id_set"] = set(record["ids"])
+        self.in_flight.append(record)
+        self.session.batch_ids.append(record["batch_id"])
+
+    # --- submitting ---------------------------------------------------------------------------------
+
+    def _submit(self, lines: list[RequestLine], attempt: int) -> dict[str, Answer]:
+        """`lines` uploaded and made batches; returns the error rows of lines the provider refused."""
+        answers: dict[str, Answer] = {}
+        try:
+            files = list(split_files(lines, self.settings.max_requests_per_file, self.settings.max_bytes_per_file))
+        except ValueError as exc:
+            raise BatchApiError(f"task {self.session.task.name!r}: {exc}") from None
+        for chunk in files:
+            for line in chunk:
+                self.state.attempts[line.custom_id] = attempt
+            answers |= self._submit_file(chunk, attempt)
+        return answers
+
+    def _submit_file(self, chunk: list[RequestLine], attempt: int) -> dict[str, Answer]:
+
+        name = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        record = {"name": name, "created": int(time.time()), "attempt": attempt, "ids": [x.custom_id for x in chunk]}
+        self._save(record)  # before the upload: a kill from here on is found again
+        data = b"".join(line.line for line in chunk)
+        try:
+            uploaded = self._call("upload the batch file", self._upload, name, data)
+            record["input_file_id"] = uploaded.id
+            self._save(record)
+            record["batch_id"] = self._create_batch(record)
+        except _Refused as refused:
+            self.records.remove(name)
+            return self._refused(chunk, refused, attempt)
+        self._save(record)
+        self.session.log(
+            f"submitted batch {record['batch_id']}: {len(chunk)} requests, {len(data):,} bytes "
+            f"(file {record['input_file_id']}, window {self.settings.completion_window})"
+        )
+        self._track(record)
+        return {}
+
+    def _upload(self, name: str, data: bytes):
+        return self.client.files.create(file=(f"{name}.jsonl", data, "application/jsonl"), purpose="batch")
+
+    def _create_batch(self, record: dict) -> str:
+        batch = self._call(
+            "create the batch",
+            self.client.batches.create,
+            input_file_id=record["input_file_id"],
+            endpoint=CHAT_URL,
+            completion_window=self.settings.completion_window,
+            metadata={"batch_assets_record": record["name"]},
+        )
+        return batch.id
+
+    def _refused(self, chunk: list[RequestLine], refused: _Refused, attempt: int) -> dict[str, Answer]:
+        """A file the provider refused for lines it named: those are error rows, the rest is sent again
+        (once); refused without a line number: the run fails with the provider's words."""
+        at_fault = {n for n in refused.lines if n <= len(chunk)}
+        if not at_fault or attempt >= MAX_ATTEMPTS:
+            raise BatchApiError(refused.message)
+        answers = {
+            chunk[n - 1].custom_id: Answer(error=f"batch_refused: line {n} of the batch file: {refused.detail}"[:300])
+            for n in sorted(at_fault)
+        }
+        rest = [line for n, line in enumerate(chunk, start=1) if n not in at_fault]
+        self.session.log(
+            f"the batch API refused lines {sorted(at_fault)[:10]} of a file; sending the other {len(rest)}"
+        )
+        return answers | (self._submit(rest, attempt + 1) if rest else {})
+
+    def _call(self, action: str, function: Callable, *args, **kwargs):
+        """A client call; a refusal of the whole run (key, quota, server) raises `BatchApiError`
+        naming the setting, a 400 that names lines raises `_Refused`."""
+        import openai
+
+        try:
+            return function(*args, **kwargs)
+        except openai.APIError as exc:
+            raise self._failure(action, exc) from None
+
+    def _failure(self, action: str, exc) -> Exception:
+        import openai
+
+        s, key = self.settings, self.session.engine._api_key(self.session.task)
+        where = f"{s.base_url} (task {self.session.task.name!r})"
+        status = getattr(exc, "status_code", None)
+        detail = _redact(str(getattr(exc, "message", exc)), key)[:300]
+        if status == 400 and (lines := refused_lines(None, detail)):
+            return _Refused(lines, detail, f"the batch API at {where} refused to {action}: {detail}")
+        if status == 429:
+            return BatchApiError(
+                f"the batch API at {where} refused to {action} with HTTP 429 after {s.max_retries + 1} attempts "
+                f"({detail}): a rate limit or the provider's batch quota (enqueued tokens). Nothing more was "
+                "submitted and kept batches stay kept: re-run later, raise `engine.max_retries`, or lower "
+                "`engine.max_requests_per_file`"
+            )
+        if isinstance(exc, openai.APIStatusError) and status not in (401, 403, 404):
+            return BatchApiError(
+                f"the batch API at {where} refused to {action} with HTTP {status}: {detail}. Check "
+                "`engine.model` and the request settings (and `engine.max_bytes_per_file` for a file too large)"
+            )
+        failure = classify_failure(
+            exc,
+            base_url=s.base_url,
+            model=s.model,
+            timeout_s=s.request_timeout_s,
+            max_retries=s.max_retries,
+            api_key=key,
+        )
+        return BatchApiError(f"cannot {action}: {failure.fatal or failure.error}")
+
+    # --- waiting and collecting ----------------------------------------------------------------------
+
+    def _wait(self) -> list[tuple[dict, Any]]:
+        """The batches in flight that have finished, polling every `poll_seconds` until one has. A
+        server that cannot be reached is asked again at the next poll; after `max_retries + 1`
+        polls in a row the run fails (the batch ids are kept: a re-run collects them)."""
+        failed_polls, last_seen = 0, dict[str, tuple]()
+        while True:
+            finished = []
+            try:
+                for record in self.in_flight:
+                    batch = self._call("read the batch's status", self.client.batches.retrieve, record["batch_id"])
+                    self._report(record, batch, last_seen)
+                    if batch.status in TERMINAL:
+                        finished.append((record, batch))
+                failed_polls = 0
+            except BatchApiError as exc:
+                failed_polls += 1
+                if failed_polls > self.settings.max_retries:
+                    raise BatchApiError(
+                        f"{exc} (while waiting; the batch ids are kept: re-run to collect them)"
+                    ) from None
+                log.warning("polling the batch API failed (%d in a row): %s", failed_polls, exc)
+            if finished:
+                return finished
+            self._sleep(self.settings.poll_seconds)
+
+    def _report(self, record: dict, batch, last_seen: dict) -> None:
+        counts = batch.request_counts
+        seen = (batch.status, counts.completed if counts else None, counts.failed if counts else None)
+        if last_seen.get(record["batch_id"]) != seen:
+            last_seen[record["batch_id"]] = seen
+            done = f", {counts.completed}/{counts.total} done, {counts.failed} failed" if counts else ""
+            self.session.log(f"batch {record['batch_id']}: {batch.status}{done}")
+
+    @staticmethod
+    def _sleep(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if stop_requested():
+                raise Stopped()
+            time.sleep(min(left, 0.5))
+
+    def _collect(self, record: dict, batch) -> dict[str, Answer]:
+        """A finished batch's answers for this stream's requests; what it left unanswered (and its
+        failures, with `resubmit_failed`) sent once more."""
+        answers: dict[str, Answer] = {}
+        for file_id in (batch.output_file_id, batch.error_file_id):
+            if file_id:
+                data = self._call("download the batch's results", self.client.files.content, file_id).content
+                answers |= parse_answers(data)
+        self.session._collected[record["name"]] = record
+        if batch.status == "failed":
+            return self._failed_batch(record, batch, answers)
+        unanswered = [i for i in record["ids"] if i in self.state.left and i not in answers]
+        retry = [i for i in record["ids"] if i in self.state.left and self._may_resend(i, answers.get(i), record)]
+        for custom_id in unanswered:
+            if custom_id not in retry:
+                answers[custom_id] = Answer(error=_unanswered(batch))
+        if retry:
+            self.session.log(f"batch {batch.id} ({batch.status}): sending {len(retry)} requests again in a new batch")
+            answers = {i: a for i, a in answers.items() if i not in retry}
+            answers |= self._submit([self.state.lines[i] for i in retry], self.state.attempts.get(retry[0], 1) + 1)
+        return answers
+
+    def _may_resend(self, custom_id: str, answer: Answer | None, record: dict) -> bool:
+        if self.state.attempts.get(custom_id, 1) >= MAX_ATTEMPTS:
+            return False
+        if record.get("cancelled_by_run") and answer is None:
+            return True  # this task's own interrupt stopped it: a re-run asks again
+        return self.settings.resubmit_failed and (answer is None or (answer.error is not None and answer.retryable))
+
+    def _failed_batch(self, record: dict, batch, answers: dict[str, Answer]) -> dict[str, Answer]:
+        """A batch that failed as a whole (its file refused): the lines it names are error rows and
+        the others are sent again; without line numbers the run fails with the provider's words."""
+        errors = getattr(batch, "errors", None)
+        messages = "; ".join(str(getattr(e, "message", e)) for e in (getattr(errors, "data", None) or []))[:300]
+        lines = refused_lines(errors, messages)
+        chunk = [self.state.lines[i] for i in record["ids"] if i in self.state.lines]
+        if len(chunk) != len(record["ids"]):  # a batch of another run's requests: ids by line unknown here
+            lines = set()
+        refused = _Refused(
+            lines,
+            messages or "no detail",
+            f"batch {batch.id} at {self.settings.base_url} failed as a whole: {messages or 'no detail'}. Check "
+            "`engine.model` and the request settings (`engine.max_requests_per_file` for a quota per batch)",
+        )
+        return answers | self._refused(chunk, refused, self.state.attempts.get(chunk[0].custom_id, 1) if chunk else 1)
+
+    def _cancel_in_flight(self) -> None:
+        for record in self.in_flight:
+            with contextlib.suppress(Exception):
+                self.client.with_options(max_retries=0, timeout=10).batches.cancel(record["batch_id"])
+                record["cancelled_by_run"] = True
+                self._save(record)
+                self.session.log(f"cancelled batch {record['batch_id']} (interrupted)")
+
+
+class _Refused(Exception):
+    def __init__(self, lines: set[int], detail: str, message: str) -> None:
+        super().__init__(message)
+        self.lines, self.detail, self.message = lines, detail, message
+
+
+def _unanswered(batch) -> str:
+    if batch.status in ("expired", "cancelled"):
+        return f"batch_{batch.status}: batch {batch.id} {batch.status} before this request was run"
+    return f"batch_missing: batch {batch.id} completed without an output or error line for this request"

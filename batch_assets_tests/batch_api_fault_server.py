@@ -1,0 +1,265 @@
+"""A small real HTTP server that speaks OpenAI's Files and Batches API and fails on demand.
+
+The faults a provider produces only by chance (a file refused at a line, a batch expiring with half
+its results, an output file without some `custom_id`s, a restart while a run polls, a wrong key,
+quota errors) are what the batch API engine must survive; a real provider (or OGX) cannot be made
+to produce them in a test. This one is FastAPI under uvicorn on loopback, in a thread of the test
+process, and answers every chat request with `Faults.answer` (the engine's handling is under test,
+not a model). `stop()` and `start()` on the same port are a restart; its state (files, batches,
+counts) lives in the object, as a provider's lives in its database.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import uvicorn
+from fastapi import FastAPI, File, Form, Header, HTTPException, UploadFile
+from fastapi.responses import JSONResponse, Response
+
+
+@dataclass
+class Faults:
+    answer: str = "positive"
+    key: str | None = None  # the bearer key it takes (None: any)
+    refuse_upload_line: int | None = None  # the first upload answers 400 naming this line
+    fail_batch_line: int | None = None  # the first batch fails validation at this line
+    finish: str = "completed"  # or "expired" (half the requests answered) or "cancelled"
+    drop_last: int = 0  # a completed batch's output misses its last N custom_ids
+    error_last: int = 0  # ... or answers them in the error file with HTTP 500
+    polls_before_done: int = 1
+    hold: bool = False  # batches stay in_progress until released
+    quota: bool = False  # every upload answers 429
+
+
+@dataclass
+class _Batch:
+    id: str
+    input_file_id: str
+    created_at: int
+    metadata: dict
+    status: str = "validating"
+    polls: int = 0
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    errors: dict | None = None
+    counts: dict = field(default_factory=lambda: {"total": 0, "completed": 0, "failed": 0})
+
+
+class FaultServer:
+    def __init__(self, faults: Faults | None = None) -> None:
+        self.faults = faults or Faults()
+        self.files: dict[str, bytes] = {}
+        self.batches: dict[str, _Batch] = {}
+        self.batches_created = 0
+        self.cancelled: list[str] = []
+        self.port = _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.app = self._app()
+
+    # --- life cycle -------------------------------------------------------------------------------
+
+    def start(self) -> FaultServer:
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 20
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the fault server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=20)
+            self._server = None
+
+    # --- the API ------------------------------------------------------------------------------------
+
+    def _app(self) -> FastAPI:
+        app = FastAPI()
+
+        def authorize(authorization: str | None) -> None:
+            if self.faults.key is not None and authorization != f"Bearer {self.faults.key}":
+                raise HTTPException(401, {"message": "Incorrect API key provided", "code": "invalid_api_key"})
+
+        @app.exception_handler(HTTPException)
+        async def error(_request, exc: HTTPException) -> JSONResponse:
+            return JSONResponse({"error": exc.detail}, status_code=exc.status_code)
+
+        @app.post("/v1/files")
+        def upload(
+            file: Annotated[UploadFile, File()],
+            purpose: Annotated[str, Form()],
+            authorization: str | None = Header(None),
+        ) -> dict:
+            authorize(authorization)
+            if self.faults.quota:
+                raise HTTPException(429, {"message": "Enqueued token limit reached", "code": "rate_limit_exceeded"})
+            if (line := self.faults.refuse_upload_line) is not None:
+                self.faults.refuse_upload_line = None
+                raise HTTPException(400, {"message": f"Invalid request on line {line}: body.messages is malformed"})
+            file_id = f"file-{uuid.uuid4().hex[:12]}"
+            self.files[file_id] = file.file.read()
+            return _file(file_id, len(self.files[file_id]), purpose)
+
+        @app.get("/v1/files/{file_id}/content")
+        def content(file_id: str, authorization: str | None = Header(None)) -> Response:
+            authorize(authorization)
+            if file_id not in self.files:
+                raise HTTPException(404, {"message": f"no file {file_id}"})
+            return Response(self.files[file_id], media_type="application/jsonl")
+
+        @app.post("/v1/batches")
+        def create(body: dict, authorization: str | None = Header(None)) -> dict:
+            authorize(authorization)
+            if body.get("input_file_id") not in self.files:
+                raise HTTPException(400, {"message": "unknown input_file_id"})
+            with self._lock:
+                self.batches_created += 1
+                batch = _Batch(
+                    f"batch_{uuid.uuid4().hex[:12]}",
+                    body["input_file_id"],
+                    int(time.time()),
+                    body.get("metadata") or {},
+                )
+                self.batches[batch.id] = batch
+            return self._batch(batch)
+
+        @app.get("/v1/batches")
+        def listing(authorization: str | None = Header(None)) -> dict:
+            authorize(authorization)
+            data = [self._batch(b) for b in sorted(self.batches.values(), key=lambda b: -b.created_at)]
+            return {"object": "list", "data": data, "has_more": False}
+
+        @app.get("/v1/batches/{batch_id}")
+        def retrieve(batch_id: str, authorization: str | None = Header(None)) -> dict:
+            authorize(authorization)
+            batch = self.batches[batch_id]
+            with self._lock:
+                batch.polls += 1
+                if batch.status not in ("completed", "failed", "expired", "cancelled"):
+                    self._advance(batch)
+            return self._batch(batch)
+
+        @app.post("/v1/batches/{batch_id}/cancel")
+        def cancel(batch_id: str, authorization: str | None = Header(None)) -> dict:
+            authorize(authorization)
+            batch = self.batches[batch_id]
+            self.cancelled.append(batch_id)
+            if batch.status not in ("completed", "failed", "expired"):
+                self._finish(batch, "cancelled", answered=0)
+            return self._batch(batch)
+
+        return app
+
+    def _advance(self, batch: _Batch) -> None:
+        batch.status = "in_progress"
+        if self.faults.hold or batch.polls < self.faults.polls_before_done:
+            return
+        lines = self.files[batch.input_file_id].splitlines()
+        if (line := self.faults.fail_batch_line) is not None:
+            self.faults.fail_batch_line = None
+            batch.status = "failed"
+            batch.errors = {
+                "object": "list",
+                "data": [{"code": "invalid_request", "line": line, "message": f"line {line}: invalid body"}],
+            }
+            return
+        if self.faults.finish != "completed":
+            self._finish(batch, self.faults.finish, answered=len(lines) // 2)
+        else:
+            self._finish(batch, "completed", answered=len(lines))
+
+    def _finish(self, batch: _Batch, status: str, answered: int) -> None:
+        requests = [json.loads(line) for line in self.files[batch.input_file_id].splitlines()]
+        drop = self.faults.drop_last if status == "completed" else 0
+        errors = self.faults.error_last if status == "completed" else 0
+        answered_ids = requests[: max(0, answered - drop - errors)]
+        errored = requests[max(0, answered - drop - errors) : max(0, answered - drop)]
+        out = [_output_line(r, self.faults.answer) for r in answered_ids]
+        err = [_error_line(r) for r in errored]
+        if out:
+            batch.output_file_id = f"file-{uuid.uuid4().hex[:12]}"
+            self.files[batch.output_file_id] = "".join(json.dumps(x) + "\n" for x in out).encode()
+        if err:
+            batch.error_file_id = f"file-{uuid.uuid4().hex[:12]}"
+            self.files[batch.error_file_id] = "".join(json.dumps(x) + "\n" for x in err).encode()
+        batch.status = status
+        batch.counts = {"total": len(requests), "completed": len(out), "failed": len(err)}
+
+    def release(self) -> None:
+        self.faults.hold = False
+
+    def _batch(self, batch: _Batch) -> dict:
+        return {
+            "id": batch.id,
+            "object": "batch",
+            "endpoint": "/v1/chat/completions",
+            "input_file_id": batch.input_file_id,
+            "completion_window": "24h",
+            "status": batch.status,
+            "created_at": batch.created_at,
+            "output_file_id": batch.output_file_id,
+            "error_file_id": batch.error_file_id,
+            "errors": batch.errors,
+            "metadata": batch.metadata,
+            "request_counts": batch.counts,
+        }
+
+
+def _file(file_id: str, size: int, purpose: str) -> dict:
+    return {
+        "id": file_id,
+        "object": "file",
+        "bytes": size,
+        "created_at": int(time.time()),
+        "filename": f"{file_id}.jsonl",
+        "purpose": purpose,
+        "status": "processed",
+    }
+
+
+def _output_line(request: dict, answer: str) -> dict:
+    body = {
+        "id": f"chatcmpl-{uuid.uuid4().hex[:8]}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": request["body"].get("model"),
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": answer}}],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8},
+    }
+    return _line(request, 200, body)
+
+
+def _error_line(request: dict) -> dict:
+    body = {"error": {"message": "The server had an error while processing your request", "type": "server_error"}}
+    return _line(request, 500, body)
+
+
+def _line(request: dict, status: int, body: dict) -> dict:
+    response = {"status_code": status, "body": body}
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex[:8]}",
+        "custom_id": request["custom_id"],
+        "response": response,
+        "error": None,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
