@@ -138,3 +138,57 @@ def test_calibrate_is_refused_at_load_where_it_cannot_apply(tmp_path: Path, body
     with pytest.raises(TaskSpecError) as refused:
         load_task_spec(path)
     assert str(refused.value).startswith(f"{path}: ") and message in str(refused.value)
+
+
+def test_a_materialized_partition_stores_and_reports_the_calibration(data_dir: Path) -> None:
+    """validated_labels materialized through Dagster from a stored inference_outputs partition: the
+    parquet file has the calibrated `confidence` and `raw_confidence`; the asset and the check
+    `accuracy_at_least` record the error before and after."""
+
+    import dagster as dg
+
+    from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
+    from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
+
+    labels = overconfident_labels()
+    outputs = labels.select(
+        "row_id",
+        pl.lit(1).alias("source_line"),
+        "text",
+        "truth",
+        generated_text=pl.col("label"),
+        finish_reason=pl.lit("stop"),
+        num_prompt_tokens=pl.lit(3, pl.Int64),
+        num_generated_tokens=pl.lit(1, pl.Int64),
+        error="error",
+        cumulative_logprob=pl.col("confidence").log(),
+    )
+    spec = task(calibrate=True)
+    key = partition_key_for("gold.jsonl")
+    stored = data_dir / "storage" / spec.name / "inference_outputs" / f"{key}.parquet"
+    stored.parent.mkdir(parents=True)
+    outputs.write_parquet(stored)
+    raw = data_dir / "storage" / spec.name / "raw_prompts" / f"{key}.parquet"
+    raw.parent.mkdir(parents=True)
+    outputs.select("row_id", "source_line", "text", "truth").write_parquet(raw)  # one_row_per_record reads it
+    job = build_definitions(tasks=[spec]).resolve_job_def(pipeline_job_name(spec.name))
+    with dg.DagsterInstance.get() as instance:
+        instance.add_dynamic_partitions(partitions_def_name(spec.name), [key])
+        result = job.execute_in_process(
+            instance=instance,
+            partition_key=key,
+            raise_on_error=False,
+            asset_selection=[dg.AssetKey([spec.name, "validated_labels"])],
+        )
+        assert result.success
+        [materialization] = result.asset_materializations_for_node("t__validated_labels")
+        checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    metadata = {name: value.value for name, value in materialization.metadata.items()}
+    assert metadata["calibration_error_raw"] == pytest.approx(0.4)
+    assert metadata["calibration_error_calibrated"] < 0.1
+    check = {name: value.value for name, value in checks["accuracy_at_least"].metadata.items()}
+    assert check["calibration_error_raw"] == metadata["calibration_error_raw"]
+    assert check["calibration_error_calibrated"] == metadata["calibration_error_calibrated"]
+    written = pl.read_parquet(data_dir / "storage" / spec.name / "validated_labels" / f"{key}.parquet")
+    assert written["raw_confidence"].head(400).to_list() == pytest.approx(labels["confidence"].head(400).to_list())
+    assert written["confidence"][399] == pytest.approx(0.6)  # raw 1.0, right 60 % of the time
