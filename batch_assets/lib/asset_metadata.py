@@ -14,6 +14,7 @@ import dagster as dg
 import polars as pl
 
 from batch_assets.pipeline.budget import actual_cost_metadata, engine_price, estimate_cost
+from batch_assets.pipeline.calibration import calibration_report
 from batch_assets.pipeline.engine_contract import EngineSession, EngineSettings
 from batch_assets.pipeline.label_quality import accuracy_report, confidence_report
 from batch_assets.pipeline.run_inference import InferenceStats
@@ -136,7 +137,17 @@ def accuracy_metadata(labels: pl.DataFrame, task: TaskSpec) -> dict[str, Any]:
         "correct_rows": report.correct,
         "per_label": report.per_label_metadata(),
         "confusion": dg.MetadataValue.md(report.confusion_markdown()),
+        **calibration_metadata(labels, task),
     }
+
+
+def calibration_metadata(labels: pl.DataFrame, task: TaskSpec) -> dict[str, Any]:
+    """The expected calibration error of the labels' confidence against the gold column, raw and
+    calibrated (cross-validated), for tasks whose labels have a confidence."""
+    if not task.checks.gold_field or not task.output.has_confidence:
+        return {}
+    report = calibration_report(labels, task.checks.gold_field)
+    return {} if report is None else report.metadata()
 
 
 def confidence_metadata(labels: pl.DataFrame, task: TaskSpec) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from batch_assets.lib.asset_metadata import (
 from batch_assets.lib.automation import stale_partitions_condition
 from batch_assets.lib.drops_sensor import SOURCE_VERSION_TAG
 from batch_assets.lib.range_failures import FAILED_PARTITIONS_METADATA
+from batch_assets.pipeline.calibration import calibrated_labels
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.engine_contract import EngineSettings, EngineStartError, ResolvedSettings
 from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions
@@ -369,7 +370,7 @@ def validate_partition(
 ) -> pl.DataFrame:
     # inference_outputs is stored by now, so its checkpoints have served their purpose.
     clear_checkpoints(checkpoint_dir(task.name, partition_key))
-    labels = fmt.validate(outputs)
+    labels = calibrated_labels(fmt.validate(outputs), task)
     files = fmt.output_files(labels, partition_key, int(time.time()), model)
     metadata = {**files.metadata, **write_output_files(task, files), **labels_metadata(labels, task, fmt)}
     context.add_asset_metadata(metadata, partition_key=partition_key)

@@ -37,7 +37,7 @@ from typing import Any, cast
 import dagster as dg
 import polars as pl
 
-from batch_assets.lib.asset_metadata import asset_key, error_code_counts, markdown_table
+from batch_assets.lib.asset_metadata import asset_key, calibration_metadata, error_code_counts, markdown_table
 from batch_assets.lib.materializations import latest_materialization
 from batch_assets.pipeline.budget import budget_overruns, estimate_cost
 from batch_assets.pipeline.cascade_labels import cascade_summary
@@ -445,6 +445,7 @@ def _accuracy_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
                 "rows_with_gold": report.rows_with_gold,
                 "correct_rows": report.correct,
                 "confusion": dg.MetadataValue.md(report.confusion_markdown()),
+                **calibration_metadata(validated_labels, task),
             },
         )
 

@@ -87,9 +87,12 @@ def code_versions(task: TaskSpec, settings: ResolvedSettings) -> dict[str, str]:
 
 
 def _validation(task: TaskSpec) -> dict[str, Any]:
-    """What decides the labels besides the outputs. `confidence: false` drops a column, so it counts,
-    and only when set: tasks that leave confidence on keep the code versions they have."""
+    """What decides the labels besides the outputs. `confidence: false` drops a column and
+    `calibrate: true` maps it, so they count, and only when set: other tasks keep their code versions."""
     validation = task.output.decision()
     if not task.output.confidence:
         validation["confidence"] = False
+    if task.output.calibrate:
+        # Fitted on the gold column's labels: another column, another calibration.
+        validation["calibrate"] = {"gold_field": task.checks.gold_field}
     return validation

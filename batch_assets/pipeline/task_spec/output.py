@@ -48,6 +48,9 @@ class OutputSpec(_Strict):
     # Choices and regex labels get a `confidence` (the engine's token log-probabilities); `false`
     # saves their cost in the engine (a log-softmax over the vocabulary per generated token).
     confidence: bool = True
+    # Choices and regex labels: `confidence` mapped through a calibration fitted on the partition's
+    # gold rows (pipeline/calibration.py), the raw value kept in `raw_confidence`; needs checks.gold_field.
+    calibrate: bool = False
 
     @field_validator("choices")
     @classmethod
@@ -92,6 +95,12 @@ class OutputSpec(_Strict):
                 "(labels of free text and JSON tasks have no confidence)",
                 ("confidence",),
             )
+        if self.calibrate and not self.has_confidence:
+            raise SettingError(
+                "output.calibrate maps the labels' confidence: it needs `kind: choices` or `regex` with "
+                "output.confidence on",
+                ("calibrate",),
+            )
         return self
 
     @property
@@ -109,12 +118,13 @@ class OutputSpec(_Strict):
     def decision(self) -> dict[str, Any]:
         """What decides the outputs: the constraint. Asking for log-probabilities does not change
         which tokens are sampled, so `confidence` is left out (checkpoints, cached results and code
-        versions stay valid when it is switched). `method` and `descriptions` are left out at their
-        defaults, so tasks written before them keep their code versions."""
+        versions stay valid when it is switched), and so is `calibrate` (it maps the labels afterwards:
+        code_versions counts it for validated_labels). `method` and `descriptions` are left out at
+        their defaults, so tasks written before them keep their code versions."""
         defaults = {"method"} if self.method == "generate" else set()
         defaults |= {"descriptions"} if self.descriptions is None else set()
         defaults |= {"cascade"} if self.cascade is None else set()
-        return self.model_dump(exclude={"confidence", *defaults})
+        return self.model_dump(exclude={"confidence", "calibrate", *defaults})
 
 
 def check_descriptions(descriptions: dict[str, str], choices: list[str], method: str) -> None:

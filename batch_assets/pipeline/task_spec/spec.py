@@ -196,6 +196,12 @@ class TaskSpec(_Strict):
                 + ("free text" if self.output.kind == "text" else "embeddings"),
                 ("checks", "gold_field"),
             )
+        if self.output.calibrate and not self.checks.gold_field:
+            raise SettingError(
+                "output.calibrate fits the confidence to known labels: set checks.gold_field to the input column "
+                "holding them, or remove output.calibrate",
+                ("output", "calibrate"),
+            )
         if self.checks.min_agreement is not None and self.output.method != "cascade":
             raise SettingError(
                 "checks.min_agreement applies to output.method: cascade (the audit's agreement with the teacher)",

@@ -1,0 +1,120 @@
+"""Calibrated confidence: how far a partition's `confidence` is from the share of its labels that are
+right, measured on the rows with a gold label (`checks.gold_field`), and a calibration that closes
+the gap (`output.calibrate: true`).
+
+`calibration_report` gives the expected calibration error (ECE, 10 equal-width bins, the cascade's
+`expected_calibration_error`) of the raw confidence, and of the calibrated one **cross-validated**:
+each gold row's calibrated value comes from a calibration fitted on the other folds, so the "after"
+number is not measured on the rows it was fitted on.
+
+The calibration is isotonic regression (scikit-learn) from the raw confidence to "the label is
+right". Temperature scaling needs the probability of every choice; a partition keeps only the chosen
+label's (its tokens' log-probabilities), so a monotone map of that one number is what can be
+fitted. Being monotone, it keeps the order of the rows: the least sure labels stay the ones to read
+first. `calibrate_confidence` fits it on all the partition's gold rows, maps every labelled row's
+`confidence` through it and keeps the raw value in `raw_confidence`. A partition with too few gold
+rows keeps its raw confidence (the report says why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import polars as pl
+from sklearn.isotonic import IsotonicRegression
+from sklearn.model_selection import KFold, cross_val_predict
+
+from batch_assets.pipeline.cascade import expected_calibration_error
+from batch_assets.pipeline.task_spec import TaskSpec
+
+RAW_CONFIDENCE = "raw_confidence"
+CALIBRATION_METHOD = "isotonic"
+# Folds of the cross-validated "after" ECE; fewer gold rows than MIN_CALIBRATION_ROWS fit nothing
+# (two per fold and bin would be too few to say anything).
+FOLDS = 5
+MIN_CALIBRATION_ROWS = 20
+
+
+@dataclass(frozen=True)
+class CalibrationReport:
+    rows: int  # gold rows with a label and a confidence
+    ece_before: float | None  # of the raw confidence; None with no such row
+    ece_after: float | None  # of the calibrated confidence, cross-validated; None when too few rows
+    note: str | None = None
+
+    def metadata(self) -> dict[str, Any]:
+        metadata: dict[str, Any] = {"calibration_rows": self.rows}
+        if self.ece_before is not None:
+            metadata["calibration_error_raw"] = round(self.ece_before, 4)
+        if self.ece_after is not None:
+            metadata["calibration_error_calibrated"] = round(self.ece_after, 4)
+            metadata["calibration_method"] = CALIBRATION_METHOD
+        if self.note:
+            metadata["calibration_note"] = self.note
+        return metadata
+
+
+def _gold_confidence(labels: pl.DataFrame, gold_field: str) -> tuple[np.ndarray, np.ndarray]:
+    """The raw confidence of each gold row with a label and a confidence, and whether its label is
+    right (compared as text with surrounding spaces removed, as accuracy is)."""
+    raw = RAW_CONFIDENCE if RAW_CONFIDENCE in labels.columns else "confidence"
+    if gold_field not in labels.columns or raw not in labels.columns:
+        return np.zeros(0), np.zeros(0)
+    gold = pl.col(gold_field).cast(pl.String).str.strip_chars()
+    rows = labels.select(
+        confidence=pl.col(raw), correct=gold == pl.col("label").cast(pl.String).str.strip_chars(), gold=gold
+    ).filter(pl.col("gold").is_not_null() & (pl.col("gold") != "") & pl.col("confidence").is_not_null())
+    return rows["confidence"].to_numpy().astype(np.float64), rows["correct"].to_numpy().astype(np.float64)
+
+
+def _isotonic() -> IsotonicRegression:
+    return IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip")
+
+
+def calibration_report(labels: pl.DataFrame, gold_field: str) -> CalibrationReport | None:
+    """ECE of the partition's confidence before and (cross-validated) after calibration; None when
+    the frame has no confidence or no gold column."""
+    if gold_field not in labels.columns or "confidence" not in labels.columns:
+        return None
+    confidence, correct = _gold_confidence(labels, gold_field)
+    before = expected_calibration_error(confidence, correct)
+    if confidence.size < MIN_CALIBRATION_ROWS:
+        note = (
+            f"{confidence.size} gold rows with a label and a confidence: a calibration needs at least "
+            f"{MIN_CALIBRATION_ROWS}"
+        )
+        return CalibrationReport(int(confidence.size), before, None, note)
+    folds = KFold(FOLDS, shuffle=True, random_state=0)
+    held_out = cross_val_predict(_isotonic(), confidence, correct, cv=folds)
+    return CalibrationReport(int(confidence.size), before, expected_calibration_error(held_out, correct))
+
+
+def calibrate_confidence(labels: pl.DataFrame, gold_field: str) -> pl.DataFrame:
+    """`confidence` mapped through an isotonic calibration fitted on the partition's gold rows, the
+    raw value kept in `raw_confidence`; with too few gold rows both are the raw value."""
+    if "confidence" not in labels.columns:
+        return labels
+    # Just before `confidence`, so the trailing columns that readers rely on keep their places.
+    columns = [c for c in labels.columns if c != RAW_CONFIDENCE]
+    at = columns.index("confidence")
+    columns[at:at] = [RAW_CONFIDENCE]
+    labels = labels.with_columns(pl.col("confidence").alias(RAW_CONFIDENCE)).select(columns)
+    confidence, correct = _gold_confidence(labels, gold_field)
+    if confidence.size < MIN_CALIBRATION_ROWS:
+        return labels
+    fitted = _isotonic().fit(confidence, correct)
+    raw = labels[RAW_CONFIDENCE]
+    measured = raw.is_not_null().to_numpy()
+    mapped = np.full(labels.height, np.nan)
+    mapped[measured] = fitted.predict(raw.drop_nulls().to_numpy().astype(np.float64))
+    calibrated = pl.Series("confidence", mapped, dtype=pl.Float64).fill_nan(None)
+    return labels.with_columns(calibrated)
+
+
+def calibrated_labels(labels: pl.DataFrame, task: TaskSpec) -> pl.DataFrame:
+    """A partition's validated_labels as the task asks: calibrated with `output.calibrate: true`."""
+    if not task.output.calibrate or not task.checks.gold_field:
+        return labels
+    return calibrate_confidence(labels, task.checks.gold_field)
