@@ -425,7 +425,7 @@ def test_the_result_cache_line_gives_its_size(data_dir: Path) -> None:
         list(check_instance_storage(context))
         [line] = check_result_cache(context)
     assert line.status == "OK"
-    shipped = len(load_tasks())  # every shipped task has a cache file of its own once it runs
+    shipped = len(load_tasks().tasks)  # every shipped task has a cache file of its own once it runs
     assert line.detail.startswith(f"SQLite, one file per task: 1 of {shipped} created, 3 rows, ")
 
 
