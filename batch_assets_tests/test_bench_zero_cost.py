@@ -9,8 +9,12 @@ from pathlib import Path
 
 import dagster as dg
 import polars as pl
+import pytest
 
 from batch_assets_tests.conftest import REPO_ROOT, load_script
+
+# A Dagster run in this process and the tokenizer's load: tens of seconds, like the other runner tests.
+pytestmark = pytest.mark.slow
 
 
 def test_the_zero_cost_engine_answers_every_distinct_prompt_once_through_the_runner(
