@@ -5,10 +5,11 @@
     .venv/bin/python bench/bench_pipeline_ceiling.py --profile py-spy      # every thread (pip install -e '.[bench]')
 
 A pipeline run is a new process, as `batch-assets run industry FILE` is, with a new data folder and
-a copy of a Dagster home whose storages exist (as a user's does after the first run): it builds the definitions with the zero-cost engine (bench/zero_cost_engine.py) as the
-`llm_engine` resource and runs the file through `lib/runner.run_partitions`, the function behind
-`batch-assets run`. The file is `bench/generate_customers.py`'s, every `Company` distinct. Reported,
-medians of `--runs` (runs of each size alternate with the plain floor's, so a busy machine slows both alike):
+a copy of a Dagster home whose storages exist (as a user's does after the first run): it builds
+the definitions with the zero-cost engine (bench/zero_cost_engine.py) as the `llm_engine` resource
+and runs the file through `lib/runner.run_partitions`, the function behind `batch-assets run`.
+The file is `bench/generate_customers.py`'s, every `Company` distinct. Reported, medians of
+`--runs` (runs of each size alternate with the plain floor's, so a busy machine slows both alike):
 
 - step rows/s: rows / the `inference_outputs` step's duration (Dagster's step start to success:
   planning, result cache lookup, tokenization, the stream, checkpoints, cache writes, the join);
