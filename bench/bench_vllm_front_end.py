@@ -41,7 +41,8 @@ def child(rows: int, dp: int) -> None:
     names = [f"Company {i} Holdings" for i in range(rows)]
     system = {"role": "system", "content": task.prompt.system}
     messages = [[system, {"role": "user", "content": task.prompt.template.format(Company=n)}] for n in names]
-    ids = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True) for m in messages]
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]  # as the pipeline encodes
     prompts = [Prompt(tuple(i)) for i in ids]
     me = psutil.Process()
     try:
