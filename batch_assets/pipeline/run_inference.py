@@ -604,6 +604,8 @@ def _encode(batch: pl.DataFrame, plans: list[_Plan]) -> list[Prompt]:
             encoded = plans[owner].part.encode(texts, part["request_params"].to_list())
         else:
             encoded = plans[owner].part.encode(texts)
+        if len(encoded) != len(texts):
+            raise RuntimeError(f"encoding {len(texts)} prompts gave {len(encoded)}")
         if rows is None:
             return encoded
         for i, prompt in zip(rows.to_list(), encoded, strict=True):
