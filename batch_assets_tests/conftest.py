@@ -22,6 +22,8 @@ from typing import TypeVar
 
 import pytest
 
+from batch_assets_tests.tiny_model import built_tiny_model
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 SAMPLES = REPO_ROOT / "batch_assets" / "samples"
@@ -36,48 +38,9 @@ def load_script(path: Path):
     return module
 
 
-def build_tiny_model(destination: Path) -> Path:
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from batch_assets.engines.embedded_model import ensure_embedded_model
-
-    tokenizer_source = ensure_embedded_model()
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    staging = destination.with_name(destination.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
-    config.dtype = "float32"
-    config.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    staging.rename(destination)
-    return destination
-
-
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    cached = Path(os.environ.get("BATCH_ASSETS_TEST_MODEL_CACHE", REPO_ROOT / ".venv" / "tiny-test-model"))
-    if not (cached / "model.safetensors").exists():
-        build_tiny_model(cached)
-    return str(cached)
+    return str(built_tiny_model())
 
 
 @pytest.fixture(scope="session")

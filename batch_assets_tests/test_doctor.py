@@ -523,6 +523,17 @@ def test_a_good_local_setup_exits_0(workdir: tuple[Path, dict[str, str]]) -> Non
     assert lines[-1].startswith("ready for a first run")
 
 
+def test_counting_gpus_with_a_cpu_build_of_torch_does_not_import_torch() -> None:
+    """Importing torch takes seconds of a run's fixed cost; with the CPU build (this machine's) the
+    answer is 0 without it, and a run whose engine never starts never imports it."""
+    code = (
+        "import sys; from batch_assets.engines import vllm_engine; "
+        "print(vllm_engine._cuda_device_count(), 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["0", "False"]
+
+
 def test_a_run_meeting_a_driver_too_old_fails_with_doctors_words(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before, `_cuda_device_count` swallowed it: torch saw no GPU and the run got the CPU defaults with
     a misleading hint. Recorded NVML answers (no GPU here); a CUDA build of torch is simulated."""

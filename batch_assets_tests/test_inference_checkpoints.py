@@ -545,3 +545,30 @@ def test_an_engines_vector_reaches_the_stores_as_before_and_comes_back_exactly(
     again, stats = infer(frame, engine, CheckpointStore(partition_dir / "other", "fp"), cache=cache)
     assert (stats.rows_inferred, engine.seen) == (0, [])
     assert again["generated_text"].to_list() == out["generated_text"].to_list()
+
+
+def test_results_reach_the_cache_in_batches_while_the_stream_goes_on_each_after_its_checkpoint(
+    tmp_path: Path, partition_dir: UPath, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer thread adds finished results to the result cache every `CACHE_ROWS_PER_ADD`
+    results, not all at the stream's end (no pile of rows to insert after the last result), and
+    only what is already checkpointed: a kill -9 at any moment repeats nothing."""
+    monkeypatch.setattr(run_inference_module, "CACHE_ROWS_PER_ADD", 4)
+    cache, store = ResultCache(UPath(tmp_path), "fp"), CheckpointStore(partition_dir, "fp")
+    seen_mid_stream: list[tuple[int, bool]] = []
+
+    class WatchingEngine(Engine):
+        def __call__(self, prompts: list[Prompt]) -> list[Generation]:
+            if len(self.seen) == 12:  # 12 of 20 answered: 3 chunks of 4 handed to the writer
+                deadline = time.monotonic() + 5
+                while cache.lookup().height < 12 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                cached = set(cache.lookup()["request_key"])
+                seen_mid_stream.append((len(cached), cached <= set(store.load()["request_key"])))
+            return super().__call__(prompts)
+
+    texts = [f"post {i}" for i in range(20)]
+    out, stats = infer(formatted_frame(texts), WatchingEngine(), store, cache=cache, batch_size=4)
+    assert seen_mid_stream == [(12, True)]
+    assert stats.rows_cached == 20 and cache.lookup().height == 20
+    assert out["generated_text"].to_list() == [text[::-1] for text in texts]

@@ -11,7 +11,7 @@ phase: the plain script's `LLM.chat` seconds vs the inference asset's `inference
 (tokenization, engine calls and checkpoint writes). Peak RSS: of each side's own process (not the
 engine core's), sampled every 0.1 s. Medians, and ratios.
 
-`--model tiny`: the tests' 2-layer random-weight Llama (batch_assets_tests/conftest.py), so small
+`--model tiny`: the tests' 2-layer random-weight Llama (batch_assets_tests/tiny_model.py), so small
 that vLLM labels hundreds of rows a second here and the pipeline's own cost per row shows.
 `--profile`: one more pipeline run under py-spy (`pip install py-spy`), every thread of the
 `batch-assets` process, and the functions where it spends its samples.
@@ -217,12 +217,9 @@ def main() -> None:
 def tiny_model() -> str:
     """The tests' tiny random-weight model, built once into .venv like the tests do."""
     sys.path.insert(0, str(HERE.parent))
-    from batch_assets_tests.conftest import REPO_ROOT, build_tiny_model
+    from batch_assets_tests.tiny_model import built_tiny_model
 
-    cached = Path(os.environ.get("BATCH_ASSETS_TEST_MODEL_CACHE", REPO_ROOT / ".venv" / "tiny-test-model"))
-    if not (cached / "model.safetensors").exists():
-        build_tiny_model(cached)
-    return str(cached)
+    return str(built_tiny_model())
 
 
 if __name__ == "__main__":

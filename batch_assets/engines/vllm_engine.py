@@ -38,9 +38,11 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import importlib.util
 import logging
 import os
 import queue
+import runpy
 import subprocess
 import sys
 import threading
@@ -48,6 +50,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import dagster as dg
@@ -90,6 +93,8 @@ def _cuda_device_count() -> int:
     (a driver too old, not loaded, or updated without a reboot) fails the run with the reason and the
     setting, the words of `batch-assets doctor`, instead of starting on the CPU defaults."""
     try:
+        if _cpu_build_of_torch():
+            return 0
         import torch
 
         if torch.cuda.is_available():
@@ -101,6 +106,20 @@ def _cuda_device_count() -> int:
     if problem:
         raise EngineStartError(problem)
     return 0
+
+
+def _cpu_build_of_torch() -> bool:
+    """Whether the installed torch is built for CPUs only (neither CUDA nor ROCm), read from its
+    `version.py` without importing torch: the import takes seconds of every run's fixed cost, and
+    a run on a CPU whose engine never starts (a zero-cost engine, every row cached) needs no torch."""
+    loaded = sys.modules.get("torch")
+    if loaded is not None:
+        return not (loaded.version.cuda or loaded.version.hip)
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False  # no torch: the caller's import says so
+    version = runpy.run_path(str(Path(spec.submodule_search_locations[0]) / "version.py"))
+    return not (version.get("cuda") or version.get("hip"))
 
 
 def gpu_unusable(probe: NvmlProbe, cuda_major: int | None) -> str | None:

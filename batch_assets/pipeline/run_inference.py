@@ -165,37 +165,53 @@ def _plan(part: PartitionInput, *, deduplicate: bool, cache: ResultLookup | None
 
 
 @dataclass
-class _Request:
-    key: str
-    prompt_text: str
-    owners: list[int]  # indices of the partitions waiting for this result
-    params: str | None = None  # per-request sampling and output (canonical JSON), when the rows have them
+class _Requests:
+    """The stream's requests as columns, in the order they are sent: one row per request, no object
+    per request (a 100,000-row partition is 100,000 requests)."""
+
+    frame: pl.DataFrame  # request_key, prompt, request_params (null for task-wide sampling), owner
+    owner: list[int]  # per request: the first partition waiting for its result (it encodes the prompt)
+    shared: dict[int, list[int]]  # request index → the other partitions waiting for its result
+
+    @property
+    def keys(self) -> pl.Series:
+        return self.frame["request_key"]
+
+    def owners(self, index: int) -> list[int]:
+        return [self.owner[index], *self.shared.get(index, ())]
 
 
-def _requests(plans: list[_Plan], deduplicate: bool) -> list[_Request]:
+def _requests(plans: list[_Plan], deduplicate: bool) -> _Requests:
     """One request per pending key; with deterministic decoding a prompt pending in several
     partitions is sent once and its result goes to each of them."""
-    requests: list[_Request] = []
-    by_key: dict[str, _Request] = {}
-    for index, plan in enumerate(plans):
-        params = (
-            plan.pending["request_params"] if "request_params" in plan.pending.columns else [None] * plan.pending.height
-        )
-        for key, prompt, param in zip(plan.pending["request_key"], plan.pending["prompt"], params, strict=True):
-            shared = by_key.get(key) if deduplicate else None
-            if shared is not None:
-                shared.owners.append(index)
-                continue
-            request = _Request(key, prompt, [index], param)
-            requests.append(request)
-            if deduplicate:
-                by_key[key] = request
-    if deduplicate:
-        requests.sort(key=shared_prefix_order)
-    return requests
+    pending = pl.concat(
+        [
+            plan.pending.select(
+                "request_key",
+                "prompt",
+                pl.col("request_params")
+                if "request_params" in plan.pending.columns
+                else pl.lit(None, dtype=pl.String).alias("request_params"),
+                owner=pl.lit(index, dtype=pl.Int64),
+            )
+            for index, plan in enumerate(plans)
+        ]
+    )
+    if not deduplicate:
+        return _Requests(pending, pending["owner"].to_list(), {})
+    grouped = pending.group_by("request_key", maintain_order=True).agg(
+        pl.col("prompt").first(), pl.col("request_params").first(), pl.col("owner")
+    )
+    # Stable, as Python's sort: requests with the same prompt text keep their order.
+    grouped = grouped.sort(shared_prefix_order(), maintain_order=True)
+    owners = grouped["owner"]
+    shared_rows = (owners.list.len() > 1).arg_true().to_list()
+    shared = {index: owners[index].to_list()[1:] for index in shared_rows}
+    frame = grouped.with_columns(owner=owners.list.first())
+    return _Requests(frame, frame["owner"].to_list(), shared)
 
 
-def shared_prefix_order(request: _Request) -> str:
+def shared_prefix_order() -> pl.Expr:
     """Requests in the order of their prompt texts, so prompts that share a prefix (one document with
     several questions, one long instruction per customer) reach the engine one after another.
 
@@ -205,8 +221,8 @@ def shared_prefix_order(request: _Request) -> str:
     Daft's prefix bucketing; a lexicographic order is a depth-first walk of the prefix tree). Only
     with deterministic decoding, where each answer is the most likely one whatever the order (in low
     precision a near-tie can tip with batching, in any order); results still land in
-    their rows in input order."""
-    return request.prompt_text
+    their rows in input order. (Polars orders strings by their UTF-8 bytes: the code point order.)"""
+    return pl.col("prompt")
 
 
 # --- chunk writing ------------------------------------------------------------------------------
@@ -214,18 +230,19 @@ def shared_prefix_order(request: _Request) -> str:
 
 class _ChunkWriter:
     """Builds and writes the partitions' result chunks on a thread of its own, so checkpoint writes
-    (an S3 PUT each) never stall the thread that feeds the engine. `drain()` waits for every chunk
-    handed over and raises the first write error; a failed write also surfaces at the next `put`."""
+    (an S3 PUT each) and result cache inserts never stall the thread that feeds the engine. `drain()`
+    waits for every chunk handed over and raises the first checkpoint write error; a failed write
+    also surfaces at the next `put`."""
 
     def __init__(self) -> None:
-        self._chunks: queue.Queue[tuple[_PartitionSink, list[dict]] | None] = queue.Queue(_MAX_QUEUED_CHUNKS)
+        self._chunks: queue.Queue[tuple[_PartitionSink, _Chunk] | None] = queue.Queue(_MAX_QUEUED_CHUNKS)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._work, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
-    def put(self, sink: _PartitionSink, rows: list[dict]) -> None:
+    def put(self, sink: _PartitionSink, chunk: _Chunk) -> None:
         self._raise_error()
-        self._chunks.put((sink, rows))
+        self._chunks.put((sink, chunk))
 
     def drain(self) -> None:
         self._chunks.join()
@@ -252,45 +269,93 @@ class _ChunkWriter:
         self._chunks.task_done()
 
 
+@dataclass(frozen=True)
+class _TooLong:
+    """A request that never reached the engine: its prompt and max_tokens exceed the context. Read
+    like a `Generation` when its chunk is built."""
+
+    num_prompt_tokens: int
+    error: str
+    text: None = None
+    vector: None = None
+    finish_reason: None = None
+    num_generated_tokens: None = None
+    cumulative_logprob: None = None
+
+
+@dataclass
+class _Chunk:
+    """Results handed from the feeding thread to the writer: the request index of each (its key is
+    looked up there, as a column) and what the engine returned. No row is built on the feeding thread."""
+
+    indices: list[int] = field(default_factory=list)
+    results: list[Generation | _TooLong] = field(default_factory=list)
+
+    def frame(self, keys: pl.Series) -> pl.DataFrame:
+        """The chunk in `RESULT_SCHEMA`, one column at a time."""
+        results = self.results
+        columns = {
+            "request_key": keys.gather(self.indices),
+            # The stores keep an embedding as text (checkpoints and cache entries written before
+            # `Generation.vector` read as they are): encoded here, once for every engine.
+            "generated_text": [r.text if r.vector is None else encode_vector(r.vector) for r in results],
+            "finish_reason": [r.finish_reason for r in results],
+            "num_prompt_tokens": [r.num_prompt_tokens for r in results],
+            "num_generated_tokens": [r.num_generated_tokens for r in results],
+            "error": [r.error for r in results],
+            "cumulative_logprob": [r.cumulative_logprob for r in results],
+        }
+        return pl.DataFrame(columns, schema=RESULT_SCHEMA)
+
+
+# Finished results collected for the result cache before one insert (a transaction each), on the writer thread.
+CACHE_ROWS_PER_ADD = 8192
+
+
 @dataclass
 class _PartitionSink:
     """A partition's new results, checkpointed every `checkpoint_rows` results, when a chunk's first
     result is `checkpoint_seconds` old (`flush_if_due`, called by the checkpoint timer: in
     shared-prefix order a partition may get no result for a long while, and a long request may hold
     up the whole stream), and at its last result. The feeding thread adds and the timer flushes:
-    the buffer changes hands under `lock`."""
+    the buffer changes hands under `lock`. The writer thread builds each chunk's frame, saves it to
+    the checkpoints, and adds the finished results to the result cache in batches: after the
+    checkpoints, so a kill loses nothing checkpointed, and a cache that fails is reported at the end,
+    once every chunk is checkpointed (`cache_error`)."""
 
     plan: _Plan
     writer: _ChunkWriter
+    keys: pl.Series  # of the stream's requests, by request index
+    cache: ResultLookup | None = None
     checkpoint_seconds: float = CHECKPOINT_SECONDS
     lock: threading.Lock = field(default_factory=threading.Lock)
-    buffer: list[dict] = field(default_factory=list)
-    new: list[pl.DataFrame] = field(default_factory=list)  # what this partition adds to the cache
+    buffer: _Chunk = field(default_factory=_Chunk)
+    new: list[pl.DataFrame] = field(default_factory=list)  # this partition's new results
     saved: int = 0
     buffer_started: float = 0.0  # when the buffer's first result came
     remaining: int = 0  # results this partition still waits for
+    uncached: list[pl.DataFrame] = field(default_factory=list)  # finished, not yet added to the cache
+    cached: int = 0  # results offered to the cache
+    cache_error: Exception | None = None
 
     def __post_init__(self) -> None:
         self.remaining = self.plan.pending.height
 
-    def add(self, row: dict, generation: Generation | None) -> None:
-        if generation is not None:
-            stats = self.plan.stats
-            stats.rows_inferred += 1
-            stats.prompt_tokens += generation.num_prompt_tokens
-            stats.generated_tokens += generation.num_generated_tokens
+    def add(self, index: int, result: Generation | _TooLong) -> None:
         with self.lock:
-            if not self.buffer:
+            buffer = self.buffer
+            if not buffer.indices:
                 self.buffer_started = time.monotonic()
-            self.buffer.append(row)
+            buffer.indices.append(index)
+            buffer.results.append(result)
             self.remaining -= 1
-            full = len(self.buffer) >= self.plan.checkpoint_rows or self.remaining == 0
+            full = len(buffer.indices) >= self.plan.checkpoint_rows or self.remaining == 0
             if full or time.monotonic() - self.buffer_started >= self.checkpoint_seconds:
                 self._flush()
 
     def flush_if_due(self, now: float) -> None:
         with self.lock:
-            if self.buffer and now - self.buffer_started >= self.checkpoint_seconds:
+            if self.buffer.indices and now - self.buffer_started >= self.checkpoint_seconds:
                 self._flush()
 
     def flush(self) -> None:
@@ -298,20 +363,40 @@ class _PartitionSink:
             self._flush()
 
     def _flush(self) -> None:
-        if self.buffer:
-            rows, self.buffer = self.buffer, []
-            self.writer.put(self, rows)
+        if self.buffer.indices:
+            chunk, self.buffer = self.buffer, _Chunk()
+            self.writer.put(self, chunk)
 
-    def write(self, rows: list[dict]) -> None:
-        """On the writer thread: one chunk into the checkpoints and the partition's new results."""
-        chunk = pl.DataFrame(rows, schema=RESULT_SCHEMA)
+    def write(self, chunk: _Chunk) -> None:
+        """On the writer thread: one chunk into the checkpoints, the partition's new results and its stats."""
+        frame = chunk.frame(self.keys)
+        finished = frame.filter(pl.col("error").is_null())
         if self.plan.part.checkpoints is not None:
             # Only finished requests: a re-run asks again for those the engine gave up on (and
             # re-counts too-long prompts, which costs no engine time).
-            finished = chunk.filter(pl.col("error").is_null())
             self.plan.part.checkpoints.save(finished)
             self.saved += finished.height
-        self.new.append(chunk)
+        self.new.append(frame)
+        generations = [result for result in chunk.results if isinstance(result, Generation)]
+        stats = self.plan.stats
+        stats.rows_inferred += len(generations)
+        stats.prompt_tokens += sum(g.num_prompt_tokens for g in generations)
+        stats.generated_tokens += sum(g.num_generated_tokens for g in generations)
+        if self.cache is not None:
+            self.uncached.append(finished)
+            if sum(f.height for f in self.uncached) >= CACHE_ROWS_PER_ADD:
+                self.add_to_cache()
+
+    def add_to_cache(self, *more: pl.DataFrame) -> None:
+        """The finished results collected so far (and `more`) into the result cache, in one add.
+        A failure is kept for the end: the checkpoints still take every later chunk."""
+        frames, self.uncached = [*self.uncached, *more], []
+        if self.cache is None or self.cache_error is not None or not frames:
+            return
+        try:
+            self.cached += self.cache.add(pl.concat(frames))
+        except Exception as exc:
+            self.cache_error = exc
 
     @property
     def kept(self) -> int:
@@ -342,33 +427,9 @@ def _checkpoint_timer(sinks: list[_PartitionSink], seconds: float) -> Iterator[N
         thread.join()
 
 
-def _result_row(key: str, g: Generation) -> dict:
-    return {
-        "request_key": key,
-        # The stores keep an embedding as text (checkpoints and cache entries written before
-        # `Generation.vector` read as they are): encoded here, once for every engine.
-        "generated_text": g.text if g.vector is None else encode_vector(g.vector),
-        "finish_reason": g.finish_reason,
-        "num_prompt_tokens": g.num_prompt_tokens,
-        "num_generated_tokens": g.num_generated_tokens,
-        "error": g.error,
-        "cumulative_logprob": g.cumulative_logprob,
-    }
-
-
-def _too_long_row(key: str, prompt_tokens: int, max_tokens: int, max_model_len: int) -> dict:
-    return {
-        "request_key": key,
-        "generated_text": None,
-        "finish_reason": None,
-        "num_prompt_tokens": prompt_tokens,
-        "num_generated_tokens": None,
-        "error": (
-            f"prompt_too_long: {prompt_tokens} prompt tokens + {max_tokens} max_tokens "
-            f"exceed max_model_len {max_model_len}"
-        ),
-        "cumulative_logprob": None,
-    }
+def _too_long(prompt_tokens: int, max_tokens: int, max_model_len: int) -> _TooLong:
+    error = f"prompt_too_long: {prompt_tokens} prompt tokens + {max_tokens} max_tokens exceed max_model_len "
+    return _TooLong(prompt_tokens, f"{error}{max_model_len}")
 
 
 # --- progress -----------------------------------------------------------------------------------
@@ -440,10 +501,11 @@ def run_inference(
             )
     requests = _requests(plans, deduplicate)
     writer = _ChunkWriter()
-    sinks = [_PartitionSink(plan, writer, checkpoint_seconds) for plan in plans]
+    caching = cache if deduplicate else None
+    sinks = [_PartitionSink(plan, writer, requests.keys, caching, checkpoint_seconds) for plan in plans]
     engine_seconds, start_seconds = 0.0, 0.0
     try:
-        if requests:
+        if requests.frame.height:
             started = time.monotonic()
             session.start()
             start_seconds = time.monotonic() - started
@@ -457,9 +519,13 @@ def run_inference(
     results = []
     for plan, sink in zip(plans, sinks, strict=True):
         plan.stats.engine_seconds, plan.stats.engine_start_seconds = engine_seconds, start_seconds
-        plan.stats.engine_started = bool(requests) and bool(getattr(session, "started_here", True))
-        if cache is not None and deduplicate:
-            plan.stats.rows_cached = cache.add(pl.concat([plan.reused[1], *sink.new]))
+        plan.stats.engine_started = bool(requests.frame.height) and bool(getattr(session, "started_here", True))
+        # What is left to cache, and the results a re-run found in the checkpoints (an earlier
+        # attempt's, never cached: that attempt failed before its end).
+        sink.add_to_cache(plan.reused[1])
+        if sink.cache_error is not None:
+            raise sink.cache_error
+        plan.stats.rows_cached = sink.cached
         results.append(_join(plan, sink))
     return results
 
@@ -469,7 +535,7 @@ def _prefix(plan: _Plan, many: bool) -> str:
 
 
 def _stream(
-    requests: list[_Request],
+    requests: _Requests,
     plans: list[_Plan],
     sinks: list[_PartitionSink],
     session: EngineSession,
@@ -478,8 +544,8 @@ def _stream(
     log: Callable[[str], None],
 ) -> float:
     """Run `requests` through the engine; returns the seconds from first request to last result."""
-    total = len(requests)
-    sent: list[_Request] = []  # the request of each prompt handed to the engine, by position
+    total = requests.frame.height
+    sent: list[int] = []  # the request index of each prompt handed to the engine, by position
     skipped = 0
     chunk = min(plan.step for plan in plans if plan.pending.height)
 
@@ -487,20 +553,20 @@ def _stream(
         # Encoded `chunk` at a time, as the engine asks for more; too-long prompts never reach it.
         nonlocal skipped
         for offset in range(0, total, chunk):
-            batch = requests[offset : offset + chunk]
-            for request, prompt in zip(batch, _encode(batch, plans), strict=True):
+            for index, prompt in enumerate(_encode(requests.frame.slice(offset, chunk), plans), start=offset):
                 limit = prompt.sampling.max_tokens if prompt.sampling is not None else max_tokens
                 if len(prompt.token_ids) <= max_model_len - limit:
-                    sent.append(request)
+                    sent.append(index)
                     yield prompt
                 else:
                     skipped += 1
-                    row = _too_long_row(request.key, len(prompt.token_ids), limit, max_model_len)
-                    for owner in request.owners:
-                        sinks[owner].add(row, None)
+                    too_long = _too_long(len(prompt.token_ids), limit, max_model_len)
+                    for owner in requests.owners(index):
+                        sinks[owner].add(index, too_long)
 
     progress = _Progress(total, log)
     inferred = 0
+    owner, shared = requests.owner, requests.shared
     results = session.stream(prompts())
     try:
         while True:
@@ -511,10 +577,11 @@ def _stream(
             if item is None:
                 break
             position, generation = item
-            request = sent[position]
-            row = _result_row(request.key, generation)
-            for owner in request.owners:
-                sinks[owner].add(row, generation)
+            index = sent[position]
+            sinks[owner[index]].add(index, generation)
+            if shared:
+                for other in shared.get(index, ()):
+                    sinks[other].add(index, generation)
             inferred += 1
             progress.update(inferred + skipped, inferred)
     finally:
@@ -528,19 +595,28 @@ def _stream(
     return time.monotonic() - progress.started
 
 
-def _encode(batch: list[_Request], plans: list[_Plan]) -> list[Prompt]:
-    """Each request encoded by the first partition that needs it (its rows know the chat messages)."""
-    prompts: list[Prompt | None] = [None] * len(batch)
-    by_owner: dict[int, list[int]] = {}
-    for i, request in enumerate(batch):
-        by_owner.setdefault(request.owners[0], []).append(i)
-    for owner, indices in by_owner.items():
-        texts = [batch[i].prompt_text for i in indices]
+def _encode(batch: pl.DataFrame, plans: list[_Plan]) -> list[Prompt]:
+    """Each request of `batch` (a slice of the requests) encoded by the first partition that needs
+    it (its rows know the chat messages)."""
+    owners = batch["owner"]
+    groups = (
+        [(owners[0], None)]
+        if owners.n_unique() == 1
+        else [(owner, (owners == owner).arg_true()) for owner in owners.unique(maintain_order=True).to_list()]
+    )
+    prompts: list[Prompt | None] = [None] * batch.height
+    for owner, rows in groups:
+        part = batch if rows is None else batch[rows]
+        texts = part["prompt"].to_list()
         if "request_params" in plans[owner].pending.columns:
-            encoded = plans[owner].part.encode(texts, [batch[i].params for i in indices])
+            encoded = plans[owner].part.encode(texts, part["request_params"].to_list())
         else:
             encoded = plans[owner].part.encode(texts)
-        for i, prompt in zip(indices, encoded, strict=True):
+        if len(encoded) != len(texts):
+            raise RuntimeError(f"encoding {len(texts)} prompts gave {len(encoded)}")
+        if rows is None:
+            return encoded
+        for i, prompt in zip(rows.to_list(), encoded, strict=True):
             prompts[i] = prompt
     return prompts  # type: ignore[return-value]
 
