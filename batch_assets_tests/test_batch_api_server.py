@@ -4,8 +4,9 @@ The server is OGX 1.5.0 (formerly Llama Stack): its reference batches provider a
 provider in front of a `vllm serve` of the tiny model (`vllm_server`, shared with
 test_openai_engine.py). OGX needs Python >= 3.12, so it runs from a virtual environment of its own,
 built once under `.venv/ogx-<version>` (or BATCH_ASSETS_OGX_VENV) by the `ogx_venv` fixture.
-`batch_server` is parameterized by server kind: another server that speaks OpenAI's Files and
-Batches API (e.g. `batch-assets serve`) is one more entry in `SERVERS`.
+`batch_server` is parameterized by server kind: OGX, and this project's own `batch-assets serve`
+(its own DAGSTER_HOME and data folder, the tiny model, its batches run by `batch-assets run`); one
+more server that speaks OpenAI's Files and Batches API is one more entry in `SERVERS`.
 
 One server session, one test that checks several things: a `batch-assets run` killed with SIGKILL
 while its batch is in flight, then run again: the same batch collected, no second batch created
@@ -34,6 +35,7 @@ import pytest
 from batch_assets_tests.conftest import REPO_ROOT
 from batch_assets_tests.test_openai_engine import SERVER_KEY, Server, _free_port
 from batch_assets_tests.test_resume_kill import CLI, group_alive
+from batch_assets_tests.test_serve import free_port, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -71,6 +73,9 @@ registered_resources: {models: []}
 class BatchServer:
     base_url: str
     model: str  # the name the server knows the tiny model by
+    # Whether it returns `logprobs` (a label's confidence): `batch-assets serve` answers without them
+    # and refuses a line asking for them, so its task sets `output.confidence: false`.
+    logprobs: bool = True
 
     def batch_ids(self) -> list[str]:
         """Every batch the server holds (counted on the server, not by the engine)."""
@@ -103,9 +108,19 @@ def ogx_venv() -> Path:
             pytest.skip("OGX needs Python >= 3.12: none found (set BATCH_ASSETS_OGX_PYTHON)")
         shutil.rmtree(venv, ignore_errors=True)
         subprocess.run([python, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"ogx=={OGX_VERSION}"], check=True)
+        subprocess.run([*_installer(venv), f"ogx=={OGX_VERSION}"], check=True)
         marker.write_text(OGX_VERSION)
     return venv
+
+
+def _installer(venv: Path) -> list[str]:
+    """`uv pip install` where a uv is at hand (scripts/setup.sh puts one in .venv), several times
+    faster than pip on a clean machine; pip otherwise."""
+    uv = REPO_ROOT / ".venv" / "bin" / "uv"
+    found = str(uv) if uv.exists() else shutil.which("uv")
+    if found:
+        return [found, "pip", "install", "-q", "--python", str(venv / "bin" / "python")]
+    return [str(venv / "bin" / "pip"), "install", "-q"]
 
 
 @contextlib.contextmanager
@@ -140,18 +155,34 @@ def _serves(server: BatchServer) -> bool:
         return False
 
 
-SERVERS = ("ogx",)
+@contextlib.contextmanager
+def serve_server(model: str, folder: Path) -> Iterator[BatchServer]:
+    """`batch-assets serve` on the tiny model, with a DAGSTER_HOME and data folder of its own."""
+    env = {
+        **os.environ,
+        "BATCH_ASSETS_MODEL": model,
+        "BATCH_ASSETS_DATA": str(folder / "data"),
+        "DAGSTER_HOME": str(folder / "home"),
+    }
+    port = free_port()
+    with running_server(env, port, folder / "serve.log"):
+        yield BatchServer(f"http://127.0.0.1:{port}/v1", model, logprobs=False)
+
+
+SERVERS = ("ogx", "serve")
 
 
 @pytest.fixture(scope="session", params=SERVERS)
 def batch_server(
-    request: pytest.FixtureRequest,
-    vllm_server: Server,
-    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest, tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[BatchServer]:
     if request.param == "ogx":
         venv = request.getfixturevalue("ogx_venv")
-        with ogx_server(venv, vllm_server, tmp_path_factory.mktemp("ogx")) as server:
+        vllm = request.getfixturevalue("vllm_server")  # only OGX needs it: serve runs its own engine
+        with ogx_server(venv, vllm, tmp_path_factory.mktemp("ogx")) as server:
+            yield server
+    else:
+        with serve_server(tiny_model_path, tmp_path_factory.mktemp("serve")) as server:
             yield server
 
 
@@ -162,8 +193,11 @@ def batch_task_file(folder: Path, server: BatchServer, tokenizer: str, poll_seco
         f"engine:\n  kind: batch_api\n  base_url: {server.base_url}\n  model: {server.model}\n"
         f"  tokenizer: {tokenizer}\n  poll_seconds: {poll_seconds}\n"
     )
+    text = text.replace("engine:\n", engine, 1)
+    if not server.logprobs:
+        text = text.replace("output:\n", "output:\n  confidence: false\n", 1)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "sentiment.yaml").write_text(text.replace("engine:\n", engine, 1), encoding="utf-8")
+    (folder / "sentiment.yaml").write_text(text, encoding="utf-8")
     return folder / "sentiment.yaml"
 
 

@@ -287,6 +287,33 @@ def test_sampling_defaults_fill_what_a_line_leaves_out_and_response_format_becom
     assert c.output.json_schema == {"type": "object"}
 
 
+def test_vllms_structured_outputs_field_becomes_a_choice_or_regex_constraint(tokenizer) -> None:
+    """What the `batch_api` engine sends for a choices or regex task (and vLLM's run-batch takes)."""
+    data = jsonl(
+        chat_line("choice", structured_outputs={"choice": ["yes", "no"]}),
+        chat_line("regex", structured_outputs={"regex": "[0-9]+"}),
+        chat_line("cut", structured_outputs={"choice": ["positive", "negative"]}),
+        chat_line("both", structured_outputs={"regex": "a"}, response_format={"type": "json_object"}),
+        chat_line("json", structured_outputs={"json": {"type": "object"}}),
+        chat_line("empty", structured_outputs={"choice": []}),
+    )
+    out = format_lines(data, tokenizer)
+    choice, regex = (RequestSpec.from_params_json(p) for p in out["request_params"][:2])
+    assert (choice.output.kind, choice.output.choices) == ("choices", ["yes", "no"])
+    assert (regex.output.kind, regex.output.regex) == ("regex", "[0-9]+")
+    assert [e and e.split(":")[0] for e in out["error"]] == [
+        None, None, None, "invalid_field", "unsupported_field", "invalid_field"
+    ]  # fmt: skip
+    answered = out.head(3).with_columns(
+        generated_text=pl.Series(["no", "42", "posi"]),
+        finish_reason=pl.Series(["stop", "stop", "length"]),
+        num_generated_tokens=pl.Series([1, 2, 1]),
+    )
+    labels = validate_batch_outputs(answered)
+    assert labels["label"].to_list() == ["no", "42", None]
+    assert labels["error"][2].startswith("invalid_label: line 3: 'posi' is not one of the line's choice")
+
+
 def test_too_long_prompts_and_model_mismatch_are_error_rows(tokenizer) -> None:
     data = jsonl(
         chat_line("short", max_tokens=4, model="SmolLM2-135M-Instruct"),

@@ -36,8 +36,8 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(env: dict[str, str], port: int, log: Path) -> Iterator[subprocess.Popen]:
-    command = [sys.executable, "-m", "batch_assets.cli", "serve", "--port", str(port), "--max-file-mb", "0.05"]
+def running_server(env: dict[str, str], port: int, log: Path, *options: str) -> Iterator[subprocess.Popen]:
+    command = [sys.executable, "-m", "batch_assets.cli", "serve", "--port", str(port), *options]
     with log.open("a") as output:
         process = subprocess.Popen(
             command, cwd=REPO_ROOT, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
@@ -87,7 +87,7 @@ def test_openai_client_drives_serve_end_to_end(workdir: tuple[Path, dict[str, st
     lines = batch_lines()
     requests = tmp / "requests.jsonl"
     requests.write_text(as_jsonl(lines), encoding="utf-8")
-    with running_server(env, port, log):
+    with running_server(env, port, log, "--max-file-mb", "0.05"):
         uploaded = client.files.create(file=requests.open("rb"), purpose="batch")
         assert (uploaded.object, uploaded.purpose, uploaded.filename) == ("file", "batch", "requests.jsonl")
         assert uploaded.bytes == requests.stat().st_size
@@ -139,7 +139,7 @@ def test_openai_client_drives_serve_end_to_end(workdir: tuple[Path, dict[str, st
         refused_requests_and_ids(client, port, tmp)
 
     # A restart: the batches and their files are still there.
-    with running_server(env, port, log):
+    with running_server(env, port, log, "--max-file-mb", "0.05"):
         again = client.batches.retrieve(batch.id)
         assert again.status == "completed" and again.output_file_id == done.output_file_id
         assert [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()] == outputs

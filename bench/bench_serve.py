@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -39,11 +40,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def serve_side(source: Path, work: Path) -> tuple[float, float, dict[str, str]]:
-    """(launch to output downloaded, upload to output downloaded, answers by custom_id)."""
-    env = {**os.environ, "DAGSTER_HOME": str(work / "home"), "BATCH_ASSETS_DATA": str(work / "data")}
+@contextlib.contextmanager
+def launched_server(env: dict[str, str], work: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A fresh `batch-assets serve` (its output in work/serve.log), once it answers; its base URL."""
     port = free_port()
-    started = time.perf_counter()
     with (work / "serve.log").open("w") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "batch_assets.cli", "serve", "--port", str(port)],
@@ -53,8 +53,9 @@ def serve_side(source: Path, work: Path) -> tuple[float, float, dict[str, str]]:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    base_url = f"http://127.0.0.1:{port}/v1"
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="bench", max_retries=0)
+        client = openai.OpenAI(base_url=base_url, api_key="bench", max_retries=0)
         while True:
             if server.poll() is not None:
                 sys.exit(f"batch-assets serve exited:\n{(work / 'serve.log').read_text()[-3000:]}")
@@ -62,6 +63,19 @@ def serve_side(source: Path, work: Path) -> tuple[float, float, dict[str, str]]:
                 client.batches.list(limit=1)
                 break
             time.sleep(0.1)
+        yield server, base_url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGINT)
+        server.wait()
+
+
+def serve_side(source: Path, work: Path) -> tuple[float, float, dict[str, str]]:
+    """(launch to output downloaded, upload to output downloaded, answers by custom_id)."""
+    env = {**os.environ, "DAGSTER_HOME": str(work / "home"), "BATCH_ASSETS_DATA": str(work / "data")}
+    started = time.perf_counter()
+    with launched_server(env, work) as (_, base_url):
+        client = openai.OpenAI(base_url=base_url, api_key="bench", max_retries=0)
         uploaded_at = time.perf_counter()
         uploaded = client.files.create(file=source.open("rb"), purpose="batch")
         batch = client.batches.create(
@@ -73,10 +87,6 @@ def serve_side(source: Path, work: Path) -> tuple[float, float, dict[str, str]]:
             sys.exit(f"batch {batch.status}: {batch.errors}\n{(work / 'serve.log').read_text()[-3000:]}")
         text = client.files.content(batch.output_file_id).text
         done = time.perf_counter()
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGINT)
-        server.wait()
     answers = {}
     for line in text.splitlines():
         record = json.loads(line)

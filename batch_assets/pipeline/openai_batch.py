@@ -11,7 +11,8 @@ Pure functions, no Dagster, no storage. A drop of a task with `input.format: ope
 `read_batch_requests` turns the file into raw_prompts rows (an embeddings line: one row per text,
 `input_index` its place in `body.input`); `format_batch_prompts` renders each request's own
 messages with the model's chat template, resolves its sampling (the task's `sampling:` fills what a
-line leaves out) and its output constraint (`response_format`), and counts its tokens;
+line leaves out) and its output constraint (`response_format`, or vLLM's `structured_outputs` with a
+`choice` or `regex`, as vLLM's run-batch takes it), and counts its tokens;
 `format_batch_embedding_prompts` does what an embedding task's formatting does to each text.
 
 Every line yields its rows (one, or one per text of an embeddings line); a line that cannot be
@@ -88,8 +89,10 @@ _COMMON_FIELDS = {
     "store",
 }
 BODY_FIELDS = {
-    CHAT_URL: frozenset(_COMMON_FIELDS | {"messages", "max_completion_tokens", "response_format"}),
-    COMPLETIONS_URL: frozenset(_COMMON_FIELDS | {"prompt", "echo"}),
+    CHAT_URL: frozenset(
+        _COMMON_FIELDS | {"messages", "max_completion_tokens", "response_format", "structured_outputs"}
+    ),
+    COMPLETIONS_URL: frozenset(_COMMON_FIELDS | {"prompt", "echo", "structured_outputs"}),
     # `dimensions` (shortened vectors) is left out: only some models are trained for it.
     EMBEDDINGS_URL: frozenset({"model", "input", "encoding_format", "user"}),
 }
@@ -297,6 +300,10 @@ def _parse_body(body: dict, url: str, row: dict) -> None:
         row["seed"] = _within("seed", given["seed"], -(2**63), 2**63 - 1)
     if "stop" in given:
         row["stop"] = json.dumps(_stop(given["stop"]), ensure_ascii=False)
+    if body.get("structured_outputs") is not None:
+        if "response_format" in given:
+            raise _LineError("invalid_field", "body has both response_format and structured_outputs; give one")
+        row["response_format"] = json.dumps(_structured_outputs(body["structured_outputs"]), ensure_ascii=False)
     if url == CHAT_URL:
         if "response_format" in given:
             row["response_format"] = json.dumps(_response_format(given["response_format"]), ensure_ascii=False)
@@ -311,7 +318,7 @@ def _parse_body(body: dict, url: str, row: dict) -> None:
 # The body fields checked here rather than by OpenAI's types: this pipeline takes less than OpenAI's
 # API there (text content and text inputs only, one prompt a line) and says which part is at fault,
 # where OpenAI's types (unions of message and part types, their lists checked lazily) cannot.
-_OWN_CHECKS = frozenset({"messages", "prompt", "input"})
+_OWN_CHECKS = frozenset({"messages", "prompt", "input", "structured_outputs"})
 _INTEGER_FIELDS = ("max_tokens", "max_completion_tokens", "seed", "n")
 # What a type error of pydantic's expects, in a message's words.
 _EXPECTED = {
@@ -442,6 +449,24 @@ def _response_format(value: dict) -> dict:
             f"body.response_format.json_schema.schema is not a valid JSON schema: {exc.message[:160]}",
         ) from None
     return {"type": "json_schema", "json_schema": {"name": spec.get("name"), "schema": schema}}
+
+
+def _structured_outputs(value: object) -> dict:
+    """vLLM's own constraint field (`structured_outputs: {"choice": [...]}` or `{"regex": "..."}`),
+    which vLLM's run-batch takes and the `batch_api` engine sends for a choices or regex task (OpenAI
+    has no equivalent), recorded in the `response_format` column as `{"type": "choice"|"regex", ...}`."""
+    if not isinstance(value, dict) or len(value) != 1 or not {"choice", "regex"} & set(value):
+        raise _LineError(
+            "unsupported_field", 'body.structured_outputs must be {"choice": [texts]} or {"regex": "pattern"}'
+        )
+    if "regex" in value:
+        if not isinstance(value["regex"], str) or not value["regex"]:
+            raise _LineError("invalid_field", "body.structured_outputs.regex must be a non-empty string")
+        return {"type": "regex", "regex": value["regex"]}
+    choices = value["choice"]
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise _LineError("invalid_field", "body.structured_outputs.choice must be a non-empty list of texts")
+    return {"type": "choice", "choice": list(dict.fromkeys(choices))}
 
 
 def _messages(value: object) -> list[dict]:
@@ -580,6 +605,10 @@ def output_for(response_format: str | None) -> OutputSpec | None:
     if value["type"] == "json_object":
         # Any JSON object: the schema form of OpenAI's JSON mode.
         return OutputSpec(kind="json_schema", json_schema={"type": "object"})
+    if value["type"] == "choice":
+        return OutputSpec(kind="choices", choices=value["choice"], confidence=False)
+    if value["type"] == "regex":
+        return OutputSpec(kind="regex", regex=value["regex"], confidence=False)
     return None
 
 

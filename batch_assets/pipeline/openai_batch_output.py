@@ -67,6 +67,14 @@ def validate_batch_outputs(outputs: pl.DataFrame) -> pl.DataFrame:
             errors.append(error)
             continue
         kind = json.loads(response_format)["type"] if response_format else "text"
+        if kind in ("choice", "regex"):
+            # The engine's structured output holds the text to the choices or the pattern; only an
+            # answer cut at max_tokens can fall outside them.
+            spec = json.loads(response_format)
+            fits = text in spec["choice"] if kind == "choice" else re.fullmatch(spec["regex"], text) is not None
+            labels.append(text if fits else None)
+            errors.append(None if fits else f"invalid_label: line {line}: {text!r} is not one of the line's {kind}")
+            continue
         if kind == "text":
             labels.append(text)
             errors.append(None)
