@@ -431,6 +431,7 @@ def test_an_llm_teachers_error_is_an_error_row_never_the_students_label(tmp_path
     assert len(asked_rows) == len(set(asked_rows)) and len(asked) == 3  # sample, deferred, audit
     assert measured["teacher_rows_inferred"] == len(asked_rows) - 3 and measured["teacher_rows_from_cache"] == 3
     by_id = dict(zip(outputs["row_id"], outputs["error"], strict=True))
+    assert any(error and error.startswith("teacher_invalid_choice") for error in by_id.values())
     for i in asked_rows:
         role = outputs["cascade_role"][i]
         if i % 50 == 0 and role != "student":  # a failed audit keeps the student's label, unaudited

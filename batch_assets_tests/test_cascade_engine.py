@@ -141,3 +141,6 @@ def test_a_chat_teacher_labels_the_sample_the_unsure_and_the_audit_once_then_fro
         == measured[0]["teacher_rows_inferred"] + measured[0]["teacher_rows_from_cache"]
     )
     assert again.select("label", "labelled_by", "error").equals(first.select("label", "labelled_by", "error"))
+    # The teacher's checkpoints have served their purpose once the labels are stored.
+    teacher_checkpoints = data_dir / "storage" / task.name / "_teacher_checkpoints"
+    assert not teacher_checkpoints.exists() or not any(teacher_checkpoints.iterdir())

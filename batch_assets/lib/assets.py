@@ -24,6 +24,7 @@ from typing import Any
 import dagster as dg
 import polars as pl
 from pydantic import Field
+from upath import UPath
 
 from batch_assets.engines.kinds import engine_for, engine_kind
 from batch_assets.lib.asset_metadata import (
@@ -307,6 +308,12 @@ def infer_partitions(
     return {key: frame for key, (frame, _) in zip(formatted_prompts, results, strict=True)}
 
 
+def teacher_checkpoint_dir(task: str, partition_key: str) -> UPath:
+    """A partition's checkpoints of a cascade's chat teacher: apart from the embedding's, whose run
+    removes the checkpoints of other fingerprints from its own folder."""
+    return task_storage_dir(task) / "_teacher_checkpoints" / one_name(partition_key)
+
+
 def stream(
     parts: list[PartitionInput],
     session: EngineSession,
@@ -359,9 +366,7 @@ def teacher_session(
                 settings,
                 source_file=partition_key,
             )
-            checkpoints = CheckpointStore(
-                task_storage_dir(task.name) / "_teacher_checkpoints" / one_name(partition_key), fingerprint
-            )
+            checkpoints = CheckpointStore(teacher_checkpoint_dir(task.name, partition_key), fingerprint)
             part = PartitionInput(formatted, encoders(formatted), checkpoints, label=f"{partition_key} (teacher)")
             [(outputs, stats)] = stream([part], session, settings, fmt, cache, log)
             return fmt.validate(outputs), stats
@@ -426,6 +431,7 @@ def validate_partition(
 ) -> pl.DataFrame:
     # inference_outputs is stored by now, so its checkpoints have served their purpose.
     clear_checkpoints(checkpoint_dir(task.name, partition_key))
+    clear_checkpoints(teacher_checkpoint_dir(task.name, partition_key))
     labels = fmt.validate(outputs)
     files = fmt.output_files(labels, partition_key, int(time.time()), model)
     metadata = {**files.metadata, **write_output_files(task, files), **labels_metadata(labels, task, fmt)}
