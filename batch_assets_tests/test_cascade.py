@@ -12,6 +12,7 @@ import numpy as np
 import polars as pl
 import pytest
 
+from batch_assets.engines.kinds import resolve_settings
 from batch_assets.pipeline.cascade import (
     TeacherAnswer,
     choose_sample,
@@ -20,8 +21,10 @@ from batch_assets.pipeline.cascade import (
     train_student,
     wilson_interval,
 )
-from batch_assets.pipeline.cascade_labels import cascade_outputs, cascade_summary, column_teacher
+from batch_assets.pipeline.cascade_labels import cascade_outputs, cascade_summary, column_teacher, teacher_task
+from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.embeddings import encode_vector
+from batch_assets.pipeline.run_inference import InferenceStats
 from batch_assets.pipeline.task_formats import CascadeRecords, task_format
 from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec
 from batch_assets.pipeline.task_spec.cascade import CascadeSpec, ColumnTeacher
@@ -103,6 +106,15 @@ def test_a_class_with_one_example_trains_an_uncalibrated_student_and_says_why() 
     student = train_student(x, labels)
     assert not student.calibrated and student.model is not None
     assert student.note == "not calibrated: a label has fewer than 3 examples in the sample (delta: 1)"
+
+
+def test_a_sample_whose_folds_cannot_hold_two_labels_trains_a_student_without_cross_validation() -> None:
+    """Eleven rows of one label and one of another (a small sample from a chat teacher): a fold that
+    holds the lone row leaves one label to train on; the student is trained, its agreement unmeasured."""
+    x, _ = blobs(12, noise=0.3, classes=2)
+    student = train_student(x, ["alpha"] * 11 + ["beta"])
+    assert student.model is not None and student.classes == ["alpha", "beta"]
+    assert (student.cv_agreement, student.ece) == (None, None)
 
 
 def test_one_distinct_label_trains_no_student_and_says_why() -> None:
@@ -319,7 +331,16 @@ def test_a_cascade_task_loads_with_the_documented_defaults(tmp_path: Path) -> No
     ("old", "new", "message"),
     [
         ("kind: choices", "kind: text", "output.method cascade labels a choices task, not kind 'text'"),
-        ("{teacher: {column: gold}, sample_rows: 150, audit_rows: 30}", "{teacher: llm}", "llm is not available yet"),
+        (
+            "{teacher: {column: gold}, sample_rows: 150",
+            "{teacher: {column: gold}, teacher_model: m, sample_rows: 150",
+            "output.cascade.teacher_model names the chat model of teacher: llm",
+        ),
+        (
+            'prompt: {template: "{name}"}',
+            'prompt: {system: Label it., template: "{name}"}',
+            "output.method: cascade embeds the template.s text as it is",
+        ),
         ("  cascade: {teacher: {column: gold}, sample_rows: 150, audit_rows: 30}\n", "", "needs output.cascade"),
         ("method: cascade", "method: generate", "output.cascade is read by output.method: cascade only"),
         ("sample_rows: 150", "sample_rows: 1", "greater than or equal to 2"),
@@ -342,3 +363,80 @@ def test_min_agreement_on_a_task_without_a_cascade_is_refused(tmp_path: Path) ->
     )
     with pytest.raises(TaskSpecError, match="checks.min_agreement applies to output.method: cascade"):
         load_task_spec(write(tmp_path, body))
+
+
+# --- teacher: llm -------------------------------------------------------------------------------
+
+LLM_TASK = CASCADE_TASK.replace("{teacher: {column: gold}", "{teacher: llm").replace(
+    'prompt: {template: "{name}"}', 'prompt: {system: "Label the name.", template: "{name}"}'
+)
+
+
+def test_an_llm_teacher_is_the_same_prompt_as_a_chat_choices_task_and_versions_the_labels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
+    task = load_task_spec(write(tmp_path, LLM_TASK))
+    teacher = teacher_task(task)
+    assert teacher.engine.model == "embedded:SmolLM2-135M-Instruct" and teacher.engine.max_model_len == 2048
+    assert (teacher.output.kind, teacher.output.method, teacher.output.choices) == ("choices", "generate", CHOICES)
+    assert teacher.output.has_confidence and teacher.prompt == task.prompt and task_format(teacher).key[1] == "generate"
+    settings = resolve_settings(task)
+    assert settings.model == "embedded:all-MiniLM-L6-v2"
+    assert settings.teacher is not None and settings.teacher.model == "embedded:SmolLM2-135M-Instruct"
+    # Another teacher model changes the labels' code versions (not the formatted prompts').
+    other = load_task_spec(write(tmp_path, LLM_TASK.replace("{teacher: llm", "{teacher: llm, teacher_model: m"), "b"))
+    assert teacher_task(other).engine.model == "m"
+    before, after = code_versions(task, settings), code_versions(other, resolve_settings(other))
+    assert before["formatted_prompts"] == after["formatted_prompts"]
+    assert before["inference_outputs"] != after["inference_outputs"]
+    # BATCH_ASSETS_MODEL routes the teacher (a chat task), not the embedding model.
+    monkeypatch.setenv("BATCH_ASSETS_MODEL", "some/chat-model")
+    routed = resolve_settings(task)
+    assert routed.model == "embedded:all-MiniLM-L6-v2" and routed.teacher is not None
+    assert routed.teacher.model == "some/chat-model"
+    assert code_versions(task, routed)["inference_outputs"] != before["inference_outputs"]
+
+
+def test_an_llm_teachers_error_is_an_error_row_never_the_students_label(tmp_path: Path) -> None:
+    """The chat teacher's answers come as a choices task's validated labels; one it gave no valid
+    choice for is the row's error (sample or deferred row), and the calls are counted."""
+    task = load_task_spec(write(tmp_path, LLM_TASK))
+    x, y = blobs(300, noise=1.5, seed=6)
+    gold = [CHOICES[i] for i in y]
+    frame = embedded_results(x, gold)
+    asked: list[list[int]] = []
+
+    def teach(source: str, rows: pl.DataFrame) -> tuple[pl.DataFrame, InferenceStats]:
+        assert source == "f.csv" and {"name", "source_line", "row_id"} <= set(rows.columns)
+        assert "generated_text" not in rows.columns  # the embedding's results: not the teacher's
+        ids = rows["row_id"].to_list()
+        asked.append(ids)
+        bad = [i % 50 == 0 for i in ids]
+        labels = pl.DataFrame(
+            {
+                "label": [None if b else g for b, g in zip(bad, rows["gold"], strict=True)],
+                "confidence": [None if b else 0.7 for b in bad],
+                "error": ["invalid_choice: 'Omega' is not a choice" if b else None for b in bad],
+            }
+        )
+        return labels, InferenceStats(rows=len(ids), rows_inferred=len(ids) - 1, rows_from_cache=1)
+
+    cascade = task.output.cascade
+    assert cascade is not None
+    outputs, measured = cascade_outputs(
+        frame, cascade.model_copy(update={"max_teacher_share": 1.0}), CHOICES, "f.csv", teach
+    )
+    asked_rows = [i for call in asked for i in call]
+    assert len(asked_rows) == len(set(asked_rows)) and len(asked) == 3  # sample, deferred, audit
+    assert measured["teacher_rows_inferred"] == len(asked_rows) - 3 and measured["teacher_rows_from_cache"] == 3
+    by_id = dict(zip(outputs["row_id"], outputs["error"], strict=True))
+    assert any(error and error.startswith("teacher_invalid_choice") for error in by_id.values())
+    for i in asked_rows:
+        role = outputs["cascade_role"][i]
+        if i % 50 == 0 and role != "student":  # a failed audit keeps the student's label, unaudited
+            assert by_id[i] == "teacher_invalid_choice: 'Omega' is not a choice"
+            assert outputs["generated_text"][i] is None
+        elif i % 50 != 0:
+            assert outputs["labelled_by"][i] == "teacher" and outputs["generated_text"][i] == gold[i]
+            assert outputs["cumulative_logprob"][i] == pytest.approx(np.log(0.7))

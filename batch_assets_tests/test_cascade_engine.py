@@ -14,7 +14,7 @@ import polars as pl
 import pytest
 
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
-from batch_assets.pipeline.task_spec import load_task_specs
+from batch_assets.pipeline.task_spec import load_task_spec, load_task_specs
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import SAMPLES, drop
 
@@ -90,3 +90,57 @@ def test_the_cascade_sample_labels_every_row_within_the_teachers_budget(data_dir
     # Bad teacher values the teacher was never asked about do not matter: the student labels those rows.
     unasked = relabelled.filter((pl.col("Industry") == "Aerospace") & (pl.col("labelled_by") == "student"))
     assert unasked.height > 0 and unasked["label"].null_count() == 0
+
+
+LLM_TASK = """
+input: {text_fields: [Company]}
+prompt: {system: "Name the company's industry.", template: "{Company}"}
+engine: {model: embedded:all-MiniLM-L6-v2, max_model_len: 256, vllm_args: {dtype: float32}}
+output:
+  kind: choices
+  method: cascade
+  choices: [Law Firm, Healthcare, Technology, Retail, Consulting, Manufacturing, Finance, Real Estate, Other]
+  cascade: {teacher: llm, sample_rows: 12, audit_rows: 4, defer_below: 0.6, max_teacher_share: 0.5}
+"""
+
+
+def test_a_chat_teacher_labels_the_sample_the_unsure_and_the_audit_once_then_from_the_cache(
+    data_dir: Path, tiny_model: str, tmp_path: Path
+) -> None:
+    """`teacher: llm` on the embedded MiniLM and the tiny chat model (BATCH_ASSETS_MODEL routes the
+    teacher, a chat task, not the embedding model): every row once, labelled by both; a second file of
+    the same rows pays no teacher call (the teacher's result cache) and gets the same labels."""
+    path = tmp_path / "industry_teacher.yaml"
+    path.write_text(LLM_TASK)
+    task = load_task_spec(path)
+    rows = pl.read_csv(SAMPLE).head(80)
+    for name in ("first.csv", "again.csv"):
+        drop(data_dir, task.name, name, rows.write_csv())
+    job = build_definitions(tasks=[task]).resolve_job_def(pipeline_job_name(task.name))
+    measured, labels = [], []
+    with dg.instance_for_test() as instance:
+        for name in ("first.csv", "again.csv"):
+            key = partition_key_for(name)
+            instance.add_dynamic_partitions(partitions_def_name(task.name), [key])
+            result = job.execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
+            assert result.success
+            measured.append(metadata_of(result, f"{task.name}__inference_outputs"))
+            labels.append(pl.read_parquet(data_dir / "storage" / task.name / "validated_labels" / f"{key}.parquet"))
+    first, again = labels
+    assert first.height == 80 and first["row_id"].n_unique() == 80
+    # Every row has a label or an error, never both; who labelled it is said.
+    assert (first["label"].is_null() == first["error"].is_not_null()).all()
+    assert set(first["labelled_by"].drop_nulls()) == {"teacher", "student"}, first["error"].value_counts()
+    asked = first.filter(pl.col("cascade_role") != "student").height
+    assert 12 <= asked <= 40  # the budget: half of 80 rows
+    assert measured[0]["teacher_rows_inferred"] + measured[0]["teacher_rows_from_cache"] >= 12
+    assert measured[0]["teacher_rows_inferred"] > 0
+    assert (measured[1]["teacher_rows_inferred"], measured[1]["rows_inferred"]) == (0, 0)
+    assert (
+        measured[1]["teacher_rows_from_cache"]
+        == measured[0]["teacher_rows_inferred"] + measured[0]["teacher_rows_from_cache"]
+    )
+    assert again.select("label", "labelled_by", "error").equals(first.select("label", "labelled_by", "error"))
+    # The teacher's checkpoints have served their purpose once the labels are stored.
+    teacher_checkpoints = data_dir / "storage" / task.name / "_teacher_checkpoints"
+    assert not teacher_checkpoints.exists() or not any(teacher_checkpoints.iterdir())

@@ -21,9 +21,10 @@ task's model and settings (`resolve_settings`): the code versions, the model che
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from batch_assets.pipeline.cascade_labels import teacher_task
 from batch_assets.pipeline.engine_contract import Engine, ResolvedSettings
 from batch_assets.pipeline.task_spec import TaskSpec
 
@@ -74,4 +75,9 @@ def resolve_settings(task: TaskSpec, engines: Mapping[str, Any] | None = None) -
     `Definitions`' resources), else `default_engines()`. Raises `TaskSpecError` for settings that do
     not fit the model it chose."""
     engine: Engine = (default_engines() if engines is None else engines)[engine_kind(task).resource_key]
-    return engine.resolve(task)
+    resolved = engine.resolve(task)
+    cascade = task.output.cascade
+    if cascade is not None and cascade.teacher == "llm":
+        # The chat teacher runs on the same engine kind: resolved as its own chat task would be.
+        resolved = replace(resolved, teacher=engine.resolve(teacher_task(task)))
+    return resolved

@@ -17,13 +17,14 @@ by `asset_metadata.py`, which the checks share.
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import dagster as dg
 import polars as pl
 from pydantic import Field
+from upath import UPath
 
 from batch_assets.engines.kinds import engine_for, engine_kind
 from batch_assets.lib.asset_metadata import (
@@ -38,8 +39,15 @@ from batch_assets.lib.automation import stale_partitions_condition
 from batch_assets.lib.drops_sensor import SOURCE_VERSION_TAG
 from batch_assets.lib.range_failures import FAILED_PARTITIONS_METADATA
 from batch_assets.pipeline.calibration import calibrated_labels
+from batch_assets.pipeline.cascade_labels import Teach, teacher_task
 from batch_assets.pipeline.code_versions import code_versions
-from batch_assets.pipeline.engine_contract import EngineSettings, EngineStartError, ResolvedSettings
+from batch_assets.pipeline.engine_contract import (
+    Engine,
+    EngineSession,
+    EngineSettings,
+    EngineStartError,
+    ResolvedSettings,
+)
 from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
 from batch_assets.pipeline.task_formats import OutputFiles, TaskFormat, task_format
@@ -48,7 +56,7 @@ from batch_assets.runtime.interrupts import STOPPED, stop_instead_of, stop_reque
 from batch_assets.storage.batch_records import BatchRecordStore, batch_records_dir
 from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
 from batch_assets.storage.drop_files import DropFile, drop_partitions, find_drop_file, shard_index_of, version_digest
-from batch_assets.storage.locations import checkpoint_dir, task_storage_dir, write_bytes_atomically
+from batch_assets.storage.locations import checkpoint_dir, one_name, task_storage_dir, write_bytes_atomically
 from batch_assets.storage.result_cache import ResultCache
 from batch_assets.storage.shards import (
     SHARD_VERSIONS_TAG,
@@ -288,21 +296,15 @@ def infer_partitions(
         records = (
             {"records": BatchRecordStore(batch_records_dir(task.name, fingerprint))} if kind.keeps_batch_records else {}
         )
-        with engine.session(task, settings, context.log.info, **records) as session:
+        with (
+            engine.session(task, settings, context.log.info, **records) as session,
+            teacher_session(context, task, engine, use_cache=config.use_result_cache) as teach,
+        ):
 
             def run(partitions: list[PartitionInput]) -> list[tuple[pl.DataFrame, InferenceStats]]:
-                return run_inference(
-                    partitions,
-                    session=session,
-                    max_model_len=settings.max_model_len,
-                    max_tokens=fmt.max_tokens,
-                    batch_size=task.engine.batch_size,
-                    deduplicate=fmt.deduplicate,
-                    cache=cache,
-                    log=context.log.info,
-                )
+                return stream(partitions, session, settings, fmt, cache, context.log.info)
 
-            results = fmt.infer(parts, run, tokenizer, settings.max_model_len)
+            results = fmt.infer(parts, run, tokenizer, settings.max_model_len, teach)
     except EngineStartError as exc:
         # Settings that do not fit will not fit five seconds later either: fail now, with the
         # hint of what to change, instead of retrying a start-up that can take minutes.
@@ -311,6 +313,72 @@ def infer_partitions(
         metadata = inference_metadata(task, fmt, settings, session, frame, stats, fingerprint)
         context.add_asset_metadata(metadata, partition_key=partition_key)
     return {key: frame for key, (frame, _) in zip(formatted_prompts, results, strict=True)}
+
+
+def teacher_checkpoint_dir(task: str, partition_key: str) -> UPath:
+    """A partition's checkpoints of a cascade's chat teacher: apart from the embedding's, whose run
+    removes the checkpoints of other fingerprints from its own folder."""
+    return task_storage_dir(task) / "_teacher_checkpoints" / one_name(partition_key)
+
+
+def stream(
+    parts: list[PartitionInput],
+    session: EngineSession,
+    settings: EngineSettings,
+    fmt: TaskFormat,
+    cache: ResultCache | None,
+    log: Callable[[str], None],
+) -> list[tuple[pl.DataFrame, InferenceStats]]:
+    """`parts` through `run_inference` as one stream of `session`, as `fmt`'s task asks."""
+    return run_inference(
+        parts,
+        session=session,
+        max_model_len=settings.max_model_len,
+        max_tokens=fmt.max_tokens,
+        batch_size=fmt.task.engine.batch_size,
+        deduplicate=fmt.deduplicate,
+        cache=cache,
+        log=log,
+    )
+
+
+@contextmanager
+def teacher_session(
+    context: dg.AssetExecutionContext, task: TaskSpec, engine: Engine, *, use_cache: bool
+) -> Iterator[Teach | None]:
+    """`teacher: llm` of a cascade: the chat teacher's session beside the embedding one (vLLM keeps a
+    chat and a pooling engine apart; the chat one starts with the first teacher request). Each
+    request goes through `run_inference` as a chat choices task's (`teacher_task`): the result cache,
+    checkpoints (a folder of their own, so the embedding's run never removes them), deduplication and
+    error rows. None for every other task."""
+    cascade = task.output.cascade
+    if cascade is None or cascade.teacher != "llm":
+        yield None
+        return
+    teacher = teacher_task(task)
+    fmt = task_format(teacher)
+    settings = engine.settings(teacher)
+    fingerprint = inference_fingerprint(fmt, settings)
+    tokenizer = engine.tokenizer(settings)
+    encoders = fmt.encoders(engine, tokenizer, settings.max_model_len)
+    log = context.log.info
+    cache = ResultCache(task_storage_dir(task.name), fingerprint, instance=context.instance) if use_cache else None
+    with engine.session(teacher, settings, log) as session:
+
+        def teach(partition_key: str, rows: pl.DataFrame) -> tuple[pl.DataFrame, InferenceStats]:
+            formatted = fmt.format(
+                rows.with_columns(error=pl.lit(None, dtype=pl.String)),
+                engine,
+                tokenizer,
+                settings,
+                source_file=partition_key,
+            )
+            checkpoints = CheckpointStore(teacher_checkpoint_dir(task.name, partition_key), fingerprint)
+            part = PartitionInput(formatted, encoders(formatted), checkpoints, label=f"{partition_key} (teacher)")
+            [(outputs, stats)] = stream([part], session, settings, fmt, cache, log)
+            return fmt.validate(outputs), stats
+
+        yield teach
 
 
 @contextmanager
@@ -370,6 +438,7 @@ def validate_partition(
 ) -> pl.DataFrame:
     # inference_outputs is stored by now, so its checkpoints have served their purpose.
     clear_checkpoints(checkpoint_dir(task.name, partition_key))
+    clear_checkpoints(teacher_checkpoint_dir(task.name, partition_key))
     labels = calibrated_labels(fmt.validate(outputs), task)
     files = fmt.output_files(labels, partition_key, int(time.time()), model)
     metadata = {**files.metadata, **write_output_files(task, files), **labels_metadata(labels, task, fmt)}

@@ -227,11 +227,16 @@ def _cross_validated(
     model: Any, vectors: np.ndarray, y: np.ndarray, classes: np.ndarray, counts: np.ndarray, seed: int
 ) -> tuple[float | None, float | None]:
     """Agreement with the teacher and calibration error of out-of-fold predictions (None when a
-    fold cannot be made: fewer rows than folds)."""
+    fold cannot be made or fitted: too few rows, or a fold's training rows of one label)."""
     if len(y) < 2 * FOLDS:
         return None, None
     folds = StratifiedKFold(n_splits=FOLDS, shuffle=True, random_state=seed)
-    probabilities = cross_val_predict(model, vectors, y, cv=folds, method="predict_proba")
+    try:
+        probabilities = cross_val_predict(model, vectors, y, cv=folds, method="predict_proba")
+    except ValueError:
+        # A fold whose training rows hold one label (a small sample with a rare label) cannot fit:
+        # the agreement is unmeasured, the student is still trained on every row.
+        return None, None
     best = probabilities.argmax(axis=1)
     predicted = classes[best]
     correct = predicted == y

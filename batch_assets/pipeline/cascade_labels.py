@@ -11,7 +11,7 @@ the metadata and the `agreement_at_least` check report. The cascade itself is pi
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,53 @@ import polars as pl
 
 from batch_assets.pipeline.cascade import CascadeResult, CascadeSummary, Teacher, TeacherAnswer, run_cascade
 from batch_assets.pipeline.embeddings import vectors_column, vectors_matrix
+from batch_assets.pipeline.result_stores import RESULT_SCHEMA
+from batch_assets.pipeline.run_inference import InferenceStats
+from batch_assets.pipeline.task_spec import EngineSpec, OutputSpec, TaskSpec
 from batch_assets.pipeline.task_spec.cascade import CascadeSpec, ColumnTeacher
+from batch_assets.pipeline.task_spec.engine import EMBEDDED_MODEL
+
+# `teacher: llm`: (partition label, the rows asked about, with their input columns) → those rows'
+# validated labels as a choices task's (`label`, `confidence`, `error`), in order, and the stats of
+# the inference that gave them (result cache, checkpoints, rows inferred). lib/assets.py's
+# `teacher_session` runs it through the normal inference path with the teacher's chat engine.
+Teach = Callable[[str, pl.DataFrame], tuple[pl.DataFrame, InferenceStats]]
+EMBEDDING_RESULTS = [c for c in RESULT_SCHEMA if c not in ("error", "num_prompt_tokens")]
+TEACHER_STATS = ("rows_inferred", "rows_from_cache", "rows_from_checkpoint", "error_rows")
+
+
+def teacher_task(task: TaskSpec) -> TaskSpec:
+    """The chat task `teacher: llm` asks: the cascade task's prompt, sampling and choices as a choices
+    task (confidence from log-probabilities) on `teacher_model`, at the chat engine's default context."""
+    cascade = task.output.cascade
+    assert cascade is not None and cascade.teacher == "llm"
+    engine = task.engine.model_copy(
+        update={
+            "model": cascade.teacher_model or EMBEDDED_MODEL,
+            "max_model_len": EngineSpec.model_fields["max_model_len"].default,
+        }
+    )
+    output = OutputSpec(kind="choices", choices=task.output.choices, confidence=True)
+    return task.model_copy(update={"engine": engine, "output": output})
+
+
+def llm_teacher(frame: pl.DataFrame, teach: Teach, source_file: str, counts: dict[str, int]) -> Teacher:
+    """The teacher whose answers for rows of `frame` are the chat model's (through `teach`); a row
+    the model gave no valid choice for is that row's error. `counts` adds up what the calls cost."""
+
+    def answer(positions: np.ndarray) -> list[TeacherAnswer]:
+        # The rows' inputs only: the embedding's results would shadow the teacher's when joined.
+        labels, stats = teach(source_file, frame[positions.tolist()].drop(EMBEDDING_RESULTS, strict=False))
+        for name in TEACHER_STATS:
+            counts[name] = counts.get(name, 0) + getattr(stats, name)
+        return [
+            TeacherAnswer(label, None, 1.0 if confidence is None else float(confidence))
+            if label is not None and error is None
+            else TeacherAnswer(None, f"teacher_{error or 'error: the teacher gave no label'}")
+            for label, confidence, error in zip(labels["label"], labels["confidence"], labels["error"], strict=True)
+        ]
+
+    return answer
 
 
 def column_teacher(frame: pl.DataFrame, column: str, choices: Sequence[str], source_file: str) -> Teacher:
@@ -55,18 +101,23 @@ def column_teacher(frame: pl.DataFrame, column: str, choices: Sequence[str], sou
 
 
 def cascade_outputs(
-    results: pl.DataFrame, spec: CascadeSpec, choices: Sequence[str], source_file: str
+    results: pl.DataFrame, spec: CascadeSpec, choices: Sequence[str], source_file: str, teach: Teach | None = None
 ) -> tuple[pl.DataFrame, dict[str, Any]]:
     """One partition's embedding results → its inference_outputs (see the module) and what the
-    cascade's run measured (the student's training) for the metadata."""
+    cascade's run measured (the student's training; the chat teacher's calls) for the metadata."""
     embedding = vectors_column(results["generated_text"])
     ok = embedding.is_not_null()
     embedded = results.filter(ok)
-    assert isinstance(spec.teacher, ColumnTeacher)  # `teacher: llm` is refused by the settings
-    teacher = column_teacher(embedded, spec.teacher.column, choices, source_file)
+    counts: dict[str, int] = {}
+    if isinstance(spec.teacher, ColumnTeacher):
+        teacher = column_teacher(embedded, spec.teacher.column, choices, source_file)
+    else:
+        assert teach is not None  # the inference step opens the teacher's session for `teacher: llm`
+        teacher = llm_teacher(embedded, teach, source_file, counts)
     result = run_cascade(vectors_matrix(embedding.filter(ok)), teacher, spec, choices)
     positions = np.flatnonzero(ok.to_numpy())
-    return _with_cascade_columns(results, embedding, positions, result), result.metadata()
+    measured = result.metadata() | {f"teacher_{name}": counts.get(name, 0) for name in TEACHER_STATS if counts}
+    return _with_cascade_columns(results, embedding, positions, result), measured
 
 
 def _with_cascade_columns(

@@ -77,6 +77,9 @@ def code_versions(task: TaskSpec, settings: ResolvedSettings) -> dict[str, str]:
         "sampling": task.sampling.model_dump(),
         "output": task.output.decision(),
     }
+    if settings.teacher is not None:  # a cascade's chat teacher: its model decides labels too
+        teacher = settings.teacher
+        inference["teacher"] = {"model": teacher.model, "max_model_len": teacher.max_model_len, **teacher.vllm_args}
     return {
         "formatted_prompts": _digest(formatting),
         "inference_outputs": _digest(inference),

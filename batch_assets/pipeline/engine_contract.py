@@ -85,6 +85,8 @@ class ResolvedSettings:
     # The vLLM arguments that decide outputs (the task's, under the resource's, over the pipeline's
     # defaults; throughput-only ones left out: engines/vllm_args.py), as code versions and fingerprint read them.
     vllm_args: dict[str, Any] = field(default_factory=dict)
+    # A cascade's `teacher: llm`: the chat teacher's own resolved settings (engines/kinds.py).
+    teacher: ResolvedSettings | None = None
 
 
 class EngineSettings(Protocol):

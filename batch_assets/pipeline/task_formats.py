@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 
 import polars as pl
 
-from batch_assets.pipeline.cascade_labels import cascade_outputs, cascade_summary
+from batch_assets.pipeline.cascade_labels import Teach, cascade_outputs, cascade_summary
 from batch_assets.pipeline.embeddings import (
     choice_texts,
     choice_vectors,
@@ -169,9 +169,15 @@ class TaskFormat(ABC):
         return self.task.sampling.deterministic
 
     def infer(
-        self, parts: list[PartitionInput], run: RunInference, tokenizer: Tokenizer, max_model_len: int
+        self,
+        parts: list[PartitionInput],
+        run: RunInference,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        teach: Teach | None = None,
     ) -> list[tuple[pl.DataFrame, InferenceStats]]:
-        """The run's partitions through `run` (one stream), as inference_outputs with their stats."""
+        """The run's partitions through `run` (one stream), as inference_outputs with their stats;
+        `teach`: a cascade's chat teacher (`teacher: llm`), None for every other kind."""
         return run(parts)
 
     def max_generated_tokens(self, to_infer: pl.DataFrame) -> int:
@@ -256,7 +262,12 @@ class ChatRecords(TaskFormat):
         return prompt_encoders(engine, self.prompt_format, tokenizer)
 
     def infer(
-        self, parts: list[PartitionInput], run: RunInference, tokenizer: Tokenizer, max_model_len: int
+        self,
+        parts: list[PartitionInput],
+        run: RunInference,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        teach: Teach | None = None,
     ) -> list[tuple[pl.DataFrame, InferenceStats]]:
         # The ids were for the engine: inference_outputs and the result table keep the prompt text.
         return [(frame.drop(PROMPT_TOKEN_IDS, strict=False), stats) for frame, stats in run(parts)]
@@ -410,7 +421,12 @@ class EmbeddingRecords(_EmbeddedRecords):
         )
 
     def infer(
-        self, parts: list[PartitionInput], run: RunInference, tokenizer: Tokenizer, max_model_len: int
+        self,
+        parts: list[PartitionInput],
+        run: RunInference,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        teach: Teach | None = None,
     ) -> list[tuple[pl.DataFrame, InferenceStats]]:
         return [(embedding_outputs(frame), stats) for frame, stats in run(parts)]
 
@@ -449,7 +465,12 @@ class SimilarityRecords(_EmbeddedRecords):
         return f"embedding similarity, {model}"
 
     def infer(
-        self, parts: list[PartitionInput], run: RunInference, tokenizer: Tokenizer, max_model_len: int
+        self,
+        parts: list[PartitionInput],
+        run: RunInference,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        teach: Teach | None = None,
     ) -> list[tuple[pl.DataFrame, InferenceStats]]:
         """The choices go into the same stream as one more partition, so their embeddings are
         computed once per run (or come from the result cache) by the same model."""
@@ -486,7 +507,9 @@ class CascadeRecords(_EmbeddedRecords):
         )
 
     def labelled_by(self, model: str) -> str:
-        return f"cascade: a teacher column and a student on {model} embeddings"
+        cascade = self.task.output.cascade
+        teacher = "a chat model" if cascade is not None and cascade.teacher == "llm" else "a teacher column"
+        return f"cascade: {teacher} and a student on {model} embeddings"
 
     def output_identity(self, settings: EngineSettings) -> dict[str, Any]:
         # The vectors depend on the model and the text alone (so the cache holds embeddings, reused
@@ -494,13 +517,18 @@ class CascadeRecords(_EmbeddedRecords):
         return {"output": "embedding"}
 
     def infer(
-        self, parts: list[PartitionInput], run: RunInference, tokenizer: Tokenizer, max_model_len: int
+        self,
+        parts: list[PartitionInput],
+        run: RunInference,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        teach: Teach | None = None,
     ) -> list[tuple[pl.DataFrame, InferenceStats]]:
         output = self.task.output
         assert output.cascade is not None  # method cascade requires it (OutputSpec)
         inferred = []
         for part, (frame, stats) in zip(parts, run(parts), strict=True):
-            labelled, measured = cascade_outputs(frame, output.cascade, output.choices or [], part.label)
+            labelled, measured = cascade_outputs(frame, output.cascade, output.choices or [], part.label, teach)
             inferred.append((labelled, replace(stats, format_metadata=measured)))
         return inferred
 

@@ -40,8 +40,12 @@ class ColumnTeacher(_Strict):
 class CascadeSpec(_Strict):
     """`output.cascade`: who teaches, how many rows it labels, and when the student defers to it."""
 
-    # `llm` (the task's chat engine) is named so the setting is stable, and refused until built.
+    # `llm`: `teacher_model` (a chat model, on the task's engine kind) labels each row it is asked
+    # about as a choices task of the same prompt (system prompt, template, examples) and choices.
     teacher: Literal["llm"] | ColumnTeacher
+    # The chat model of `teacher: llm` (resolved as a chat task's `engine.model` is: BATCH_ASSETS_MODEL
+    # or the engine resource's `model` take precedence, as for every chat task).
+    teacher_model: str | None = None
     # Rows per partition the teacher labels to train the student, chosen to cover the data (one
     # draw per embedding cluster, in proportion to its size), not the head of the file.
     sample_rows: int = Field(default=DEFAULT_SAMPLE_ROWS, ge=2)
@@ -74,10 +78,10 @@ def cascade_problem(kind: str, method: str, cascade: CascadeSpec | None) -> tupl
             "output.method cascade needs output.cascade: {teacher: {column: NAME}} (who labels the sample)",
             ("method",),
         )
-    if cascade.teacher == "llm":
+    if cascade.teacher_model is not None and cascade.teacher != "llm":
         return (
-            "output.cascade.teacher: llm is not available yet: the teacher is an input column for now "
-            "(teacher: {column: NAME}, hand labels or an earlier labelling pass)",
-            ("cascade", "teacher"),
+            "output.cascade.teacher_model names the chat model of teacher: llm; the teacher here is a column: "
+            "remove teacher_model, or set teacher: llm",
+            ("cascade", "teacher_model"),
         )
     return None
