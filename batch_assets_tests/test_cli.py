@@ -90,7 +90,10 @@ def test_demo_runs_every_sample_and_a_second_demo_reruns_nothing(workdir) -> Non
     assert all(": OK run " in line for line in lines), lines
     # The choice samples carry hand-made labels, so their lines show accuracy next to the label counts,
     # and how many labels the model was unsure of (choice tasks have a confidence per label).
-    labelled = ("industry", "sentiment", "industry_similarity")
+    from batch_assets.pipeline.task_spec import load_task_specs
+
+    labelled = {task.name for task in load_task_specs() if task.checks.gold_field}
+    assert {"industry", "sentiment", "industry_similarity", "industry_cascade"} <= labelled
     accuracy = {line.split("/")[0]: "hand-labelled rows" in line for line in lines}
     assert accuracy == {task: task in labelled for task in with_samples}, lines
     confidence = {line.split("/")[0]: "of labels with confidence under 0.5)" in line for line in lines}
