@@ -206,3 +206,42 @@ def test_a_batch_failed_without_a_line_fails_the_run_naming_the_settings(tmp_pat
         run_stream(batch_task(tmp_path, server.base_url), tmp_path / "records", 2)
     assert "`engine.model`" in str(failure.value)
     assert server.batches_created == 1
+    assert kept(tmp_path / "records") == []  # a failed batch is not adopted by the next run
+    # The re-run (or Dagster's retry) submits a new batch instead of failing on the same one again.
+    assert [g.text for g in run_stream(batch_task(tmp_path, server.base_url), tmp_path / "records", 2)] == [
+        "positive"
+    ] * 2
+    assert server.batches_created == 2
+    assert kept(tmp_path / "records") == []
+
+
+def test_a_kept_record_of_a_failed_batch_is_dropped_and_its_requests_sent_fresh(
+    tmp_path: Path, server: FaultServer
+) -> None:
+    # A run killed after its batch failed as a whole (before it read the status) left its record.
+    server.faults.hold = True
+    task = batch_task(tmp_path, server.base_url)
+    worker = threading.Thread(target=lambda: _swallow(lambda: run_stream(task, tmp_path / "records", 2)))
+    worker.start()
+    _wait_for(lambda: server.batches_created == 1 and kept(tmp_path / "records")[0].get("batch_id"))
+    interrupts.STOP.set()
+    try:
+        worker.join(timeout=30)
+    finally:
+        interrupts.STOP.clear()
+    first = next(iter(server.batches.values()))
+    first.status, first.errors = "failed", {"object": "list", "data": [{"code": "x", "message": "quota"}]}
+    record = kept(tmp_path / "records")[0]
+    record.pop("cancelled_by_run", None)
+    BatchRecordStore(UPath(tmp_path / "records")).save(record)
+    server.release()
+    assert [g.text for g in run_stream(task, tmp_path / "records", 2)] == ["positive"] * 2
+    assert server.batches_created == 2
+    assert kept(tmp_path / "records") == []
+
+
+def _swallow(function) -> None:
+    try:
+        function()
+    except BaseException:  # noqa: BLE001 - the stop is what the caller expects
+        pass
