@@ -262,10 +262,26 @@ class _Run:
             if not record.get("batch_id"):
                 record["batch_id"] = self._batch_made_from(record) or self._create_batch(record)
                 self._save(record)
+            elif self._nothing_to_collect(record):
+                self.records.remove(record["name"])
+                for custom_id in ids:
+                    self.state.attempts.pop(custom_id, None)
+                continue
             self.session.log(
                 f"collecting batch {record['batch_id']} submitted before ({len(ids)} requests of this run)"
             )
             self._track(record)
+
+    def _nothing_to_collect(self, record: dict) -> bool:
+        """A kept batch that ended without answering anything (failed as a whole, cancelled or
+        expired with no output or error file): its requests are sent again as fresh ones, so a
+        batch failed for good never fails every later run (and Dagster's retry) again."""
+        batch = self._call("read the batch's status", self.client.batches.retrieve, record["batch_id"])
+        ended = batch.status in ("failed", "cancelled", "expired")
+        if ended and not batch.output_file_id and not batch.error_file_id:
+            self.session.log(f"batch {batch.id} submitted before ended {batch.status} with no results: sending again")
+            return True
+        return False
 
     def _batch_made_from(self, record: dict) -> str | None:
         """The provider's batch of this record's file, when one was made before the run was killed."""
@@ -476,7 +492,12 @@ class _Run:
             f"batch {batch.id} at {self.settings.base_url} failed as a whole: {messages or 'no detail'}. Check "
             "`engine.model` and the request settings (`engine.max_requests_per_file` for a quota per batch)",
         )
-        return answers | self._refused(chunk, refused, self.state.attempts.get(chunk[0].custom_id, 1) if chunk else 1)
+        try:
+            attempt = self.state.attempts.get(chunk[0].custom_id, 1) if chunk else 1
+            return answers | self._refused(chunk, refused, attempt)
+        except BatchApiError:
+            self.records.remove(record["name"])  # the run fails; the next one must not adopt this batch
+            raise
 
     def _cancel_in_flight(self) -> None:
         for record in self.in_flight:
