@@ -109,7 +109,7 @@ class BatchApiEngine(OpenAIEngine):
             **{f.name: getattr(base, f.name) for f in fields(base) if f.name != "kind"},
             kind=BATCH_API_KIND,
             completion_window=spec.completion_window,
-            poll_seconds=self.poll_seconds or spec.poll_seconds,
+            poll_seconds=spec.poll_seconds if self.poll_seconds is None else self.poll_seconds,
             max_requests_per_file=spec.max_requests_per_file,
             max_bytes_per_file=spec.max_bytes_per_file,
             resubmit_failed=spec.resubmit_failed,
