@@ -146,7 +146,7 @@ def test_an_embedding_task_on_a_batch_api_is_refused_naming_the_kind(tmp_path: P
 def test_the_resources_poll_seconds_wins_even_when_zero(tmp_path: Path) -> None:
     from batch_assets.engines.batch_api_engine import BatchApiEngine
 
-    task = sentiment(tmp_path, "  kind: batch_api\n  poll_seconds: 5\n")
+    task = sentiment(tmp_path, "  kind: batch_api\n  base_url: http://127.0.0.1:9/v1\n  model: m\n  poll_seconds: 5\n")
     assert BatchApiEngine(poll_seconds=0.0).settings(task).poll_seconds == 0.0
     assert BatchApiEngine(poll_seconds=2.0).settings(task).poll_seconds == 2.0
     assert BatchApiEngine().settings(task).poll_seconds == 5.0
