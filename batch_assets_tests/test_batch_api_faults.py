@@ -120,6 +120,16 @@ def test_an_output_file_missing_custom_ids_gives_error_rows(tmp_path: Path, serv
     assert server.batches_created == 1
 
 
+def test_a_batch_create_whose_answer_was_lost_is_found_not_made_twice(tmp_path: Path, server: FaultServer) -> None:
+    # The create reached the server (the batch exists) but its answer was a 500: the client's own
+    # retry of that POST would make (and bill) a second batch of the same requests.
+    server.faults.lose_create_answer = True
+    task = batch_task(tmp_path, server.base_url, max_retries=2)
+    assert [g.text for g in run_stream(task, tmp_path / "records", 3)] == ["positive"] * 3
+    assert server.batches_created == 1
+    assert [b.metadata.get("batch_assets_record") for b in server.batches.values()] != [None]
+
+
 def test_a_server_restart_mid_poll_is_waited_out(tmp_path: Path, server: FaultServer) -> None:
     server.faults.hold = True
     task = batch_task(tmp_path, server.base_url, max_retries=2, poll_seconds=0.3)
