@@ -65,6 +65,9 @@ from batch_assets.runtime.interrupts import Stopped, stop_requested
 log = logging.getLogger(__name__)
 
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
+# The batch's metadata key holding its record's name: how a batch is found again when the
+# answer to its create was lost.
+RECORD_METADATA = "batch_assets_record"
 # A request is sent at most this many times (the first batch, and one more: `resubmit_failed`, or
 # the rest of a file the provider refused for some of its lines).
 MAX_ATTEMPTS = 2
@@ -284,12 +287,19 @@ class _Run:
         return False
 
     def _batch_made_from(self, record: dict) -> str | None:
-        """The provider's batch of this record's file, when one was made before the run was killed."""
-        for batch in self._call("list batches", self.client.batches.list, limit=100):
-            if batch.input_file_id == record["input_file_id"]:
-                return batch.id
-            if batch.created_at < record["created"] - 3600:
-                break
+        """The provider's batch of this record (its `batch_assets_record` metadata, or its file), when
+        one was made before the run was killed or before a create's answer was lost."""
+        import openai
+
+        try:
+            for batch in self._call("list batches", self.client.batches.list, limit=100):
+                made_here = (batch.metadata or {}).get(RECORD_METADATA) == record["name"]
+                if made_here or batch.input_file_id == record["input_file_id"]:
+                    return batch.id
+                if batch.created_at < record["created"] - 3600:
+                    break
+        except openai.APIError as exc:  # raised by a later page than the first
+            raise self._failure("list batches", exc) from None
         return None
 
     def _track(self, record: dict) -> None:
@@ -338,15 +348,32 @@ class _Run:
         return self.client.files.create(file=(f"{name}.jsonl", data, "application/jsonl"), purpose="batch")
 
     def _create_batch(self, record: dict) -> str:
-        batch = self._call(
-            "create the batch",
-            self.client.batches.create,
-            input_file_id=record["input_file_id"],
-            endpoint=CHAT_URL,
-            completion_window=self.settings.completion_window,
-            metadata={"batch_assets_record": record["name"]},
-        )
-        return batch.id
+        """The batch of the record's file. Not the client's retries: a create that reached the
+        server but whose answer was lost (a timeout, a 5xx) made a batch already, so before it is
+        sent again the provider's batches are searched for this record's."""
+        import openai
+
+        client = self.client.with_options(max_retries=0)
+        for attempt in range(self.settings.max_retries + 1):
+            try:
+                batch = client.batches.create(
+                    input_file_id=record["input_file_id"],
+                    endpoint=CHAT_URL,
+                    completion_window=self.settings.completion_window,
+                    metadata={RECORD_METADATA: record["name"]},
+                )
+                return batch.id
+            except (openai.APIConnectionError, openai.InternalServerError, openai.RateLimitError) as exc:
+                if not isinstance(exc, openai.RateLimitError):  # a 429 made no batch
+                    with contextlib.suppress(BatchApiError):
+                        if found := self._batch_made_from(record):
+                            return found
+                if attempt == self.settings.max_retries:
+                    raise self._failure("create the batch", exc) from None
+                self._sleep(min(0.5 * 2**attempt, 8.0))
+            except openai.APIError as exc:
+                raise self._failure("create the batch", exc) from None
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     def _refused(self, chunk: list[RequestLine], refused: _Refused, attempt: int) -> dict[str, Answer]:
         """A file the provider refused for lines it named: those are error rows, the rest is sent again
