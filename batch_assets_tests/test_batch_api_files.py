@@ -41,6 +41,15 @@ def test_custom_ids_are_the_bodies_hash_and_rank_so_a_rerun_finds_the_same_ids()
     assert first == {"custom_id": ids[1], "method": "POST", "url": "/v1/chat/completions", "body": bodies[1]}
 
 
+def test_custom_ids_of_identical_bodies_follow_their_keys_not_their_order() -> None:
+    """Without deduplication identical bodies are different rows: a re-run that sends only some of
+    them (the others checkpointed) must give each the id it had, not a rank renumbered from 0."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "same"}]}
+    first = [line.custom_id for line in request_lines([body] * 3, keys=["k0", "k1", "k2"])]
+    again = [line.custom_id for line in request_lines([body] * 2, keys=["k1", "k2"])]
+    assert len(set(first)) == 3 and again == first[1:]
+
+
 def test_chat_body_merges_vllm_fields_into_the_body() -> None:
     prompt = Prompt(token_ids=(1,), messages=({"role": "user", "content": "hi"},))
     params = {"model": "m", "max_tokens": 4, "extra_body": {"structured_outputs": {"choice": ["a", "b"]}}}
