@@ -7,7 +7,8 @@ this one inherits); only `session.stream` differs, so the result cache, checkpoi
 outputs are those of any engine, and only the requests they do not already hold reach the stream.
 
 Per stream:
-1. every request becomes a batch line whose `custom_id` is a hash of its body (engines/batch_api_files.py);
+1. every request becomes a batch line whose `custom_id` is a hash of its body and request key
+   (engines/batch_api_files.py);
 2. requests a kept record already covers (`BatchRecords`, storage/batch_records.py: a batch this
    task submitted under the same settings, e.g. by a run killed while it waited) are collected
    from that batch, never submitted again;
@@ -177,7 +178,7 @@ class BatchSession:
         prompts = list(prompts)
         if any(p.messages is None for p in prompts):
             raise TypeError("the batch API engine sends each prompt's messages: build prompts with prompt_encoders")
-        lines = request_lines([chat_body(p, self._params(p)) for p in prompts])
+        lines = request_lines([chat_body(p, self._params(p)) for p in prompts], keys=[p.key for p in prompts])
         state = _Stream(
             lines={line.custom_id: line for line in lines},
             positions={line.custom_id: position for position, line in enumerate(lines)},
