@@ -104,9 +104,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _add_file_routes(app: FastAPI, store: ServeStore, limits: UploadLimits) -> None:
     @app.post("/v1/files")
     async def upload_file(request: Request) -> dict[str, Any]:
-        upload = await read_upload(request, limits)
-        obj = file_object(new_file_id(), upload.filename, len(upload.content), upload.purpose)
-        return store.add_file(upload.content, obj)
+        staged = store.staging_path()
+        upload = await read_upload(request, limits, staged)
+        obj = file_object(new_file_id(), upload.filename, upload.size, upload.purpose)
+        return store.add_staged_file(staged, obj)
 
     @app.get("/v1/files")
     def list_files(purpose: str | None = None) -> dict[str, Any]:
