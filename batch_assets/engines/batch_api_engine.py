@@ -280,7 +280,10 @@ class _Run:
         """A kept batch that ended without answering anything (failed as a whole, cancelled or
         expired with no output or error file): its requests are sent again as fresh ones, so a
         batch failed for good never fails every later run (and Dagster's retry) again."""
-        batch = self._call("read the batch's status", self.client.batches.retrieve, record["batch_id"])
+        try:
+            batch = self._call("read the batch's status", self.client.batches.retrieve, record["batch_id"])
+        except BatchApiError:
+            return False  # unreachable now: waited for as any batch in flight (polls retried)
         ended = batch.status in ("failed", "cancelled", "expired")
         if ended and not batch.output_file_id and not batch.error_file_id:
             self.session.log(f"batch {batch.id} submitted before ended {batch.status} with no results: sending again")
