@@ -36,6 +36,7 @@ class Faults:
     polls_before_done: int = 1
     hold: bool = False  # batches stay in_progress until released
     quota: bool = False  # every upload answers 429
+    lose_create_answer: bool = False  # the first batch create makes the batch, then answers 500
 
 
 @dataclass
@@ -136,6 +137,9 @@ class FaultServer:
                     body.get("metadata") or {},
                 )
                 self.batches[batch.id] = batch
+            if self.faults.lose_create_answer:
+                self.faults.lose_create_answer = False
+                raise HTTPException(500, {"message": "The server had an error while processing your request"})
             return self._batch(batch)
 
         @app.get("/v1/batches")

@@ -9,6 +9,7 @@ fails naming the setting, and counts the batches created on the server (no reque
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -120,6 +121,16 @@ def test_an_output_file_missing_custom_ids_gives_error_rows(tmp_path: Path, serv
     assert server.batches_created == 1
 
 
+def test_a_batch_create_whose_answer_was_lost_is_found_not_made_twice(tmp_path: Path, server: FaultServer) -> None:
+    # The create reached the server (the batch exists) but its answer was a 500: the client's own
+    # retry of that POST would make (and bill) a second batch of the same requests.
+    server.faults.lose_create_answer = True
+    task = batch_task(tmp_path, server.base_url, max_retries=2)
+    assert [g.text for g in run_stream(task, tmp_path / "records", 3)] == ["positive"] * 3
+    assert server.batches_created == 1
+    assert [b.metadata.get("batch_assets_record") for b in server.batches.values()] != [None]
+
+
 def test_a_server_restart_mid_poll_is_waited_out(tmp_path: Path, server: FaultServer) -> None:
     server.faults.hold = True
     task = batch_task(tmp_path, server.base_url, max_retries=2, poll_seconds=0.3)
@@ -206,3 +217,40 @@ def test_a_batch_failed_without_a_line_fails_the_run_naming_the_settings(tmp_pat
         run_stream(batch_task(tmp_path, server.base_url), tmp_path / "records", 2)
     assert "`engine.model`" in str(failure.value)
     assert server.batches_created == 1
+    assert kept(tmp_path / "records") == []  # a failed batch is not adopted by the next run
+    # The re-run (or Dagster's retry) submits a new batch instead of failing on the same one again.
+    assert [g.text for g in run_stream(batch_task(tmp_path, server.base_url), tmp_path / "records", 2)] == [
+        "positive"
+    ] * 2
+    assert server.batches_created == 2
+    assert kept(tmp_path / "records") == []
+
+
+def test_a_kept_record_of_a_failed_batch_is_dropped_and_its_requests_sent_fresh(
+    tmp_path: Path, server: FaultServer
+) -> None:
+    # A run killed after its batch failed as a whole (before it read the status) left its record.
+    server.faults.hold = True
+    task = batch_task(tmp_path, server.base_url)
+    worker = threading.Thread(target=lambda: _swallow(lambda: run_stream(task, tmp_path / "records", 2)))
+    worker.start()
+    _wait_for(lambda: server.batches_created == 1 and kept(tmp_path / "records")[0].get("batch_id"))
+    interrupts.STOP.set()
+    try:
+        worker.join(timeout=30)
+    finally:
+        interrupts.STOP.clear()
+    first = next(iter(server.batches.values()))
+    first.status, first.errors = "failed", {"object": "list", "data": [{"code": "x", "message": "quota"}]}
+    record = kept(tmp_path / "records")[0]
+    record.pop("cancelled_by_run", None)
+    BatchRecordStore(UPath(tmp_path / "records")).save(record)
+    server.release()
+    assert [g.text for g in run_stream(task, tmp_path / "records", 2)] == ["positive"] * 2
+    assert server.batches_created == 2
+    assert kept(tmp_path / "records") == []
+
+
+def _swallow(function) -> None:
+    with contextlib.suppress(BaseException):  # the stop is what the caller expects
+        function()

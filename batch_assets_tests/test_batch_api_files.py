@@ -41,6 +41,15 @@ def test_custom_ids_are_the_bodies_hash_and_rank_so_a_rerun_finds_the_same_ids()
     assert first == {"custom_id": ids[1], "method": "POST", "url": "/v1/chat/completions", "body": bodies[1]}
 
 
+def test_custom_ids_of_identical_bodies_follow_their_keys_not_their_order() -> None:
+    """Without deduplication identical bodies are different rows: a re-run that sends only some of
+    them (the others checkpointed) must give each the id it had, not a rank renumbered from 0."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "same"}]}
+    first = [line.custom_id for line in request_lines([body] * 3, keys=["k0", "k1", "k2"])]
+    again = [line.custom_id for line in request_lines([body] * 2, keys=["k1", "k2"])]
+    assert len(set(first)) == 3 and again == first[1:]
+
+
 def test_chat_body_merges_vllm_fields_into_the_body() -> None:
     prompt = Prompt(token_ids=(1,), messages=({"role": "user", "content": "hi"},))
     params = {"model": "m", "max_tokens": 4, "extra_body": {"structured_outputs": {"choice": ["a", "b"]}}}
@@ -141,3 +150,12 @@ def test_an_embedding_task_on_a_batch_api_is_refused_naming_the_kind(tmp_path: P
     path.write_text(text.replace("engine:\n", "engine:\n  kind: batch_api\n", 1), encoding="utf-8")
     with pytest.raises(TaskSpecError, match="engine.kind openai"):
         resolve_settings(load_task_spec(path))
+
+
+def test_the_resources_poll_seconds_wins_even_when_zero(tmp_path: Path) -> None:
+    from batch_assets.engines.batch_api_engine import BatchApiEngine
+
+    task = sentiment(tmp_path, "  kind: batch_api\n  base_url: http://127.0.0.1:9/v1\n  model: m\n  poll_seconds: 5\n")
+    assert BatchApiEngine(poll_seconds=0.0).settings(task).poll_seconds == 0.0
+    assert BatchApiEngine(poll_seconds=2.0).settings(task).poll_seconds == 2.0
+    assert BatchApiEngine().settings(task).poll_seconds == 5.0

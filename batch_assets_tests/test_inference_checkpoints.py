@@ -572,3 +572,20 @@ def test_results_reach_the_cache_in_batches_while_the_stream_goes_on_each_after_
     assert seen_mid_stream == [(12, True)]
     assert stats.rows_cached == 20 and cache.lookup().height == 20
     assert out["generated_text"].to_list() == [text[::-1] for text in texts]
+
+
+def test_each_prompt_reaches_the_engine_with_its_request_key(partition_dir: UPath) -> None:
+    """A request's stable name across runs (the batch API's `custom_id` is built from it): without
+    deduplication identical prompts of different rows get different keys."""
+    seen: list[Prompt] = []
+
+    class Recording(Session):
+        def stream(self, prompts):
+            prompts = list(prompts)
+            seen.extend(prompts)
+            return super().stream(prompts)
+
+    frame = formatted_frame(["same", "same", "other"])
+    infer(frame, Engine(), None, deduplicate=False, session=Recording(Engine(), 4))
+    expected = request_keys(frame["prompt"].to_list(), [0, 1, 2], deduplicate=False)
+    assert [p.key for p in seen] == expected and len(set(expected)) == 3

@@ -7,7 +7,8 @@ this one inherits); only `session.stream` differs, so the result cache, checkpoi
 outputs are those of any engine, and only the requests they do not already hold reach the stream.
 
 Per stream:
-1. every request becomes a batch line whose `custom_id` is a hash of its body (engines/batch_api_files.py);
+1. every request becomes a batch line whose `custom_id` is a hash of its body and request key
+   (engines/batch_api_files.py);
 2. requests a kept record already covers (`BatchRecords`, storage/batch_records.py: a batch this
    task submitted under the same settings, e.g. by a run killed while it waited) are collected
    from that batch, never submitted again;
@@ -65,6 +66,9 @@ from batch_assets.runtime.interrupts import Stopped, stop_requested
 log = logging.getLogger(__name__)
 
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
+# The batch's metadata key holding its record's name: how a batch is found again when the
+# answer to its create was lost.
+RECORD_METADATA = "batch_assets_record"
 # A request is sent at most this many times (the first batch, and one more: `resubmit_failed`, or
 # the rest of a file the provider refused for some of its lines).
 MAX_ATTEMPTS = 2
@@ -109,7 +113,7 @@ class BatchApiEngine(OpenAIEngine):
             **{f.name: getattr(base, f.name) for f in fields(base) if f.name != "kind"},
             kind=BATCH_API_KIND,
             completion_window=spec.completion_window,
-            poll_seconds=self.poll_seconds or spec.poll_seconds,
+            poll_seconds=spec.poll_seconds if self.poll_seconds is None else self.poll_seconds,
             max_requests_per_file=spec.max_requests_per_file,
             max_bytes_per_file=spec.max_bytes_per_file,
             resubmit_failed=spec.resubmit_failed,
@@ -174,7 +178,7 @@ class BatchSession:
         prompts = list(prompts)
         if any(p.messages is None for p in prompts):
             raise TypeError("the batch API engine sends each prompt's messages: build prompts with prompt_encoders")
-        lines = request_lines([chat_body(p, self._params(p)) for p in prompts])
+        lines = request_lines([chat_body(p, self._params(p)) for p in prompts], keys=[p.key for p in prompts])
         state = _Stream(
             lines={line.custom_id: line for line in lines},
             positions={line.custom_id: position for position, line in enumerate(lines)},
@@ -262,18 +266,44 @@ class _Run:
             if not record.get("batch_id"):
                 record["batch_id"] = self._batch_made_from(record) or self._create_batch(record)
                 self._save(record)
+            elif self._nothing_to_collect(record):
+                self.records.remove(record["name"])
+                for custom_id in ids:
+                    self.state.attempts.pop(custom_id, None)
+                continue
             self.session.log(
                 f"collecting batch {record['batch_id']} submitted before ({len(ids)} requests of this run)"
             )
             self._track(record)
 
+    def _nothing_to_collect(self, record: dict) -> bool:
+        """A kept batch that ended without answering anything (failed as a whole, cancelled or
+        expired with no output or error file): its requests are sent again as fresh ones, so a
+        batch failed for good never fails every later run (and Dagster's retry) again."""
+        try:
+            batch = self._call("read the batch's status", self.client.batches.retrieve, record["batch_id"])
+        except BatchApiError:
+            return False  # unreachable now: waited for as any batch in flight (polls retried)
+        ended = batch.status in ("failed", "cancelled", "expired")
+        if ended and not batch.output_file_id and not batch.error_file_id:
+            self.session.log(f"batch {batch.id} submitted before ended {batch.status} with no results: sending again")
+            return True
+        return False
+
     def _batch_made_from(self, record: dict) -> str | None:
-        """The provider's batch of this record's file, when one was made before the run was killed."""
-        for batch in self._call("list batches", self.client.batches.list, limit=100):
-            if batch.input_file_id == record["input_file_id"]:
-                return batch.id
-            if batch.created_at < record["created"] - 3600:
-                break
+        """The provider's batch of this record (its `batch_assets_record` metadata, or its file), when
+        one was made before the run was killed or before a create's answer was lost."""
+        import openai
+
+        try:
+            for batch in self._call("list batches", self.client.batches.list, limit=100):
+                made_here = (batch.metadata or {}).get(RECORD_METADATA) == record["name"]
+                if made_here or batch.input_file_id == record["input_file_id"]:
+                    return batch.id
+                if batch.created_at < record["created"] - 3600:
+                    break
+        except openai.APIError as exc:  # raised by a later page than the first
+            raise self._failure("list batches", exc) from None
         return None
 
     def _track(self, record: dict) -> None:
@@ -322,15 +352,32 @@ class _Run:
         return self.client.files.create(file=(f"{name}.jsonl", data, "application/jsonl"), purpose="batch")
 
     def _create_batch(self, record: dict) -> str:
-        batch = self._call(
-            "create the batch",
-            self.client.batches.create,
-            input_file_id=record["input_file_id"],
-            endpoint=CHAT_URL,
-            completion_window=self.settings.completion_window,
-            metadata={"batch_assets_record": record["name"]},
-        )
-        return batch.id
+        """The batch of the record's file. Not the client's retries: a create that reached the
+        server but whose answer was lost (a timeout, a 5xx) made a batch already, so before it is
+        sent again the provider's batches are searched for this record's."""
+        import openai
+
+        client = self.client.with_options(max_retries=0)
+        for attempt in range(self.settings.max_retries + 1):
+            try:
+                batch = client.batches.create(
+                    input_file_id=record["input_file_id"],
+                    endpoint=CHAT_URL,
+                    completion_window=self.settings.completion_window,
+                    metadata={RECORD_METADATA: record["name"]},
+                )
+                return batch.id
+            except (openai.APIConnectionError, openai.InternalServerError, openai.RateLimitError) as exc:
+                if not isinstance(exc, openai.RateLimitError):  # a 429 made no batch
+                    with contextlib.suppress(BatchApiError):
+                        if found := self._batch_made_from(record):
+                            return found
+                if attempt == self.settings.max_retries:
+                    raise self._failure("create the batch", exc) from None
+                self._sleep(min(0.5 * 2**attempt, 8.0))
+            except openai.APIError as exc:
+                raise self._failure("create the batch", exc) from None
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     def _refused(self, chunk: list[RequestLine], refused: _Refused, attempt: int) -> dict[str, Answer]:
         """A file the provider refused for lines it named: those are error rows, the rest is sent again
@@ -476,7 +523,12 @@ class _Run:
             f"batch {batch.id} at {self.settings.base_url} failed as a whole: {messages or 'no detail'}. Check "
             "`engine.model` and the request settings (`engine.max_requests_per_file` for a quota per batch)",
         )
-        return answers | self._refused(chunk, refused, self.state.attempts.get(chunk[0].custom_id, 1) if chunk else 1)
+        try:
+            attempt = self.state.attempts.get(chunk[0].custom_id, 1) if chunk else 1
+            return answers | self._refused(chunk, refused, attempt)
+        except BatchApiError:
+            self.records.remove(record["name"])  # the run fails; the next one must not adopt this batch
+            raise
 
     def _cancel_in_flight(self) -> None:
         for record in self.in_flight:

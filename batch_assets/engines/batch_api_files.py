@@ -2,9 +2,9 @@
 
 Request lines are OpenAI's batch input format (`{"custom_id", "method", "url", "body"}`, one JSON
 object a line, the same format the `openai_batch` task reads: pipeline/openai_batch.py). A line's
-`custom_id` is a hash of its body (and its rank among identical bodies of the stream), so the same
-request gets the same id in every run: that is what lets a re-run find the batch that already
-holds it (engines/batch_api_engine.py). Answers come back as output and error lines
+`custom_id` is a hash of its body and its request key (and its rank among identical ones of the
+stream), so the same request gets the same id in every run: that is what lets a re-run find the
+batch that already holds it (engines/batch_api_engine.py). Answers come back as output and error lines
 (`{"custom_id", "response": {"status_code", "body"}, "error"}`) and become `Generation`s.
 """
 
@@ -32,12 +32,18 @@ class RequestLine:
     line: bytes  # the JSON line, newline included
 
 
-def request_lines(bodies: Sequence[dict], url: str = CHAT_URL) -> list[RequestLine]:
-    """One batch line per request body; identical bodies get ids that differ by their rank."""
+def request_lines(
+    bodies: Sequence[dict], url: str = CHAT_URL, keys: Sequence[str | None] | None = None
+) -> list[RequestLine]:
+    """One batch line per request body. `keys`: each request's name, the same in every run (its
+    `request_key`, which holds the row when identical prompts are not deduplicated), hashed with the
+    body, so identical bodies of different rows keep their ids whichever of them a re-run still
+    sends; identical (body, key) pairs get ids that differ by their rank in the stream."""
     seen: dict[str, int] = {}
     lines = []
-    for body in bodies:
-        digest = hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()[:32]
+    for body, key in zip(bodies, keys or [None] * len(bodies), strict=True):
+        text = json.dumps(body, sort_keys=True, ensure_ascii=False) + ("" if key is None else f"\x00{key}")
+        digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
         rank = seen.get(digest, 0)
         seen[digest] = rank + 1
         custom_id = f"ba-{digest}-{rank}"

@@ -53,13 +53,16 @@ class Prompt:
     """One request: the rendered prompt's token ids (what an in-process engine runs), the chat
     messages it was rendered from (what an endpoint is sent; None when the engine does not need
     them), optional per-request overrides of the task's sampling and output constraint, and, for
-    an embedding, the text itself (what an endpoint's `/v1/embeddings` is sent)."""
+    an embedding, the text itself (what an endpoint's `/v1/embeddings` is sent). `key`: the
+    request's name, the same in every run (its `request_key`, set by run_inference), for an engine
+    that must find a request again in a later run (the batch API's `custom_id`)."""
 
     token_ids: tuple[int, ...]
     messages: tuple[dict[str, str], ...] | None = None
     sampling: SamplingSpec | None = None
     output: OutputSpec | None = None
     text: str | None = None
+    key: str | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

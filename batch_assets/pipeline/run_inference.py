@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import polars as pl
@@ -597,7 +597,12 @@ def _stream(
 
 def _encode(batch: pl.DataFrame, plans: list[_Plan]) -> list[Prompt]:
     """Each request of `batch` (a slice of the requests) encoded by the first partition that needs
-    it (its rows know the chat messages)."""
+    it (its rows know the chat messages), carrying its request key."""
+    keys = batch["request_key"].to_list()
+    return [replace(prompt, key=key) for prompt, key in zip(_encoded(batch, plans), keys, strict=True)]
+
+
+def _encoded(batch: pl.DataFrame, plans: list[_Plan]) -> list[Prompt]:
     owners = batch["owner"]
     groups = (
         [(owners[0], None)]

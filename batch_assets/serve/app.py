@@ -10,7 +10,8 @@
     GET  /v1/batches/{id}
     POST /v1/batches/{id}/cancel
 
-With a key set (`SERVE_KEY_ENV`), every request must carry `Authorization: Bearer <key>` (401 otherwise).
+With a key set (`SERVE_KEY_ENV`), every request must carry `Authorization: Bearer <key>` (401 otherwise);
+without one (loopback only), its `Host` must be a loopback name (400 otherwise).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from batch_assets.serve.batch_runs import BatchRunner
 from batch_assets.serve.objects import (
@@ -33,7 +35,7 @@ from batch_assets.serve.objects import (
     file_object,
     page,
 )
-from batch_assets.serve.settings import CHAT_TASK, SERVE_KEY_ENV, UploadLimits
+from batch_assets.serve.settings import CHAT_TASK, LOOPBACK_HOSTS, SERVE_KEY_ENV, UploadLimits
 from batch_assets.serve.store import ServeStore, new_batch_id, new_file_id
 from batch_assets.serve.uploads import UploadRefused, read_upload
 
@@ -49,7 +51,10 @@ def _not_found(kind: str, given: str) -> ApiError:
     return ApiError(404, f"no {kind} with id {given[:80]!r}", code="not_found")
 
 
-def build_app(store: ServeStore, runner: BatchRunner, limits: UploadLimits, api_key: str | None) -> FastAPI:
+def build_app(
+    store: ServeStore, runner: BatchRunner, limits: UploadLimits, api_key: str | None, host: str = "127.0.0.1"
+) -> FastAPI:
+    """`host`: the address it is bound to (another loopback address than 127.0.0.1 is a Host name too)."""
     app = FastAPI(title="batch-assets serve", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)
 
@@ -65,6 +70,11 @@ def build_app(store: ServeStore, runner: BatchRunner, limits: UploadLimits, api_
                 return JSONResponse(body, status_code=401)
         return await call_next(request)
 
+    if api_key is None:
+        # Served to this machine only, with no key: a web page whose name an attacker resolves to
+        # 127.0.0.1 (DNS rebinding) could drive the server from a browser; it sends its own name
+        # as Host, which is refused (400). Added last: it runs before the key check.
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=[*LOOPBACK_HOSTS, f"[{host}]" if ":" in host else host])
     _add_file_routes(app, store, limits)
     _add_batch_routes(app, store, runner)
     return app
@@ -94,9 +104,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _add_file_routes(app: FastAPI, store: ServeStore, limits: UploadLimits) -> None:
     @app.post("/v1/files")
     async def upload_file(request: Request) -> dict[str, Any]:
-        upload = await read_upload(request, limits)
-        obj = file_object(new_file_id(), upload.filename, len(upload.content), upload.purpose)
-        return store.add_file(upload.content, obj)
+        staged = store.staging_path()
+        upload = await read_upload(request, limits, staged)
+        obj = file_object(new_file_id(), upload.filename, upload.size, upload.purpose)
+        return store.add_staged_file(staged, obj)
 
     @app.get("/v1/files")
     def list_files(purpose: str | None = None) -> dict[str, Any]:

@@ -110,6 +110,7 @@ class BatchRunner:
             _stop_orphan(run.get("pid"), run.get("pid_started"))
             if batch["status"] == "cancelling":
                 batch["status"], batch["cancelled_at"] = "cancelled", _now()
+                self._release_input(batch["id"])
             run.update(started=False, pid=None, pid_started=None)
             self.store.save_batch(record)
             if batch["status"] == "finalizing":
@@ -178,7 +179,7 @@ class BatchRunner:
             self._validate_pending()
             self.wake.wait(_POLL_SECONDS)
             self.wake.clear()
-        self._after_run(batch_id)
+        self._after_run(batch_id, process.returncode)
 
     def _note_process(self, batch_id: str, pid: int) -> None:
         started = psutil.Process(pid).create_time()
@@ -189,12 +190,13 @@ class BatchRunner:
 
         self.store.update_batch(batch_id, change)
 
-    def _after_run(self, batch_id: str) -> None:
+    def _after_run(self, batch_id: str, exit_status: int | None) -> None:
         def change(record: dict[str, Any]) -> dict[str, Any]:
             batch = record["batch"]
-            record["run"].update(pid=None, pid_started=None)
+            record["run"].update(pid=None, pid_started=None, exit_status=exit_status)
             if batch["status"] == "cancelling":
                 batch.update(status="cancelled", cancelled_at=_now())
+                self._release_input(batch_id)
             elif self.stopping.is_set():
                 record["run"]["started"] = False  # resumes when the server starts again
             else:
@@ -219,6 +221,18 @@ class BatchRunner:
         output_id = self._result_file(batch_id, "output", outputs)
         error_id = self._result_file(batch_id, "error", errors)
         lines = [json.loads(line) for line in outputs.splitlines() if line.strip()]
+        # Outputs written by a run that then failed (a check at ERROR, say): the batch completed,
+        # its `errors` say so (OpenAI's clients read `errors` on any batch).
+        status = record["run"].get("exit_status")
+        note = (
+            batch_errors(
+                "batch_run_exit_status",
+                f"batch-assets run of task {task} wrote every line, then exited with status {status}: "
+                f"{self._log_tail(batch_id)}",
+            )
+            if status
+            else None
+        )
 
         def change(record: dict[str, Any]) -> dict[str, Any]:
             completed, failed = count_lines(outputs), count_lines(errors)
@@ -229,10 +243,17 @@ class BatchRunner:
                 error_file_id=error_id,
                 request_counts={"total": completed + failed, "completed": completed, "failed": failed},
                 usage=usage(lines),
+                errors=note,
             )
             return record
 
         self.store.update_batch(batch_id, change)
+        self._release_input(batch_id)
+
+    def _release_input(self, batch_id: str) -> None:
+        """The run's input link (runs/<batch id>.jsonl) of a batch with no more to run: while it
+        exists, deleting the input file (DELETE /v1/files) frees no space."""
+        (self.store.runs / f"{batch_id}.jsonl").unlink(missing_ok=True)
 
     def _result_file(self, batch_id: str, kind: str, content: bytes) -> str | None:
         """A batch's output or error file, as OpenAI gives them: only when it has lines."""
@@ -248,6 +269,7 @@ class BatchRunner:
             return record
 
         self.store.update_batch(batch_id, change)
+        self._release_input(batch_id)
 
     def _log_tail(self, batch_id: str) -> str:
         log = self.store.logs / f"{batch_id}.log"

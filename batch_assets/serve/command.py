@@ -47,7 +47,7 @@ def command_serve(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     tasks = {"/v1/chat/completions": args.task, "/v1/completions": args.task, "/v1/embeddings": args.embeddings_task}
     runner = BatchRunner(store, tasks)
     limits = UploadLimits(max_bytes=int(args.max_file_mb * 1024 * 1024), max_requests=args.max_requests)
-    app = build_app(store, runner, limits, key)
+    app = build_app(store, runner, limits, key, host=args.host)
     runner.start()
     say(
         f"OpenAI Files and Batches API at http://{args.host}:{args.port}/v1 "

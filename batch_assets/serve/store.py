@@ -75,6 +75,18 @@ class ServeStore:
         write_atomically(self.files / f"{file_id}.json", json.dumps(file_object).encode("utf-8"))
         return file_object
 
+    def staging_path(self) -> Path:
+        """Where an upload is copied while it is checked (no file id matches it: never listed or served)."""
+        return self.files / f".upload-{uuid.uuid4().hex}.tmp"
+
+    def add_staged_file(self, staged: Path, file_object: dict[str, Any]) -> dict[str, Any]:
+        """A checked upload (`staging_path`) stored under its object's id, as `add_file` stores content."""
+        file_id = file_object["id"]
+        assert FILE_ID.fullmatch(file_id), file_id
+        os.replace(staged, self.files / f"{file_id}.jsonl")
+        write_atomically(self.files / f"{file_id}.json", json.dumps(file_object).encode("utf-8"))
+        return file_object
+
     def delete_file(self, file_id: str) -> bool:
         if self.content_path(file_id) is None:
             return False

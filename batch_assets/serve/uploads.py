@@ -2,7 +2,8 @@
 
 The body is counted as it arrives and refused (413) past the limit, whatever Content-Length says
 (or leaves out), so a client cannot fill the disk; Starlette's multipart parser then spools the one
-file part. Checked before the file is stored: `purpose` is `batch`, the file is not empty, not
+file part, which is copied to the store a chunk at a time (never held whole in memory) and checked
+there before it gets an id: `purpose` is `batch`, the file is not empty, not
 compressed, has at most `max_requests` lines and at least one line that is a JSON object (a PNG or a
 CSV is refused with the reason). Bad lines among good ones are not refused here: the batch answers
 each with an error line, as the `openai_batch` task does.
@@ -14,6 +15,7 @@ import json
 import os
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from pathlib import Path
 
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
@@ -21,6 +23,8 @@ from starlette.requests import Request
 
 from batch_assets.serve.settings import UploadLimits
 
+# The part is copied to disk, and the stored file checked, this much at a time.
+_CHUNK = 1024 * 1024
 # Room for the multipart boundaries and the `purpose` field around the file.
 _MULTIPART_SLACK = 64 * 1024
 
@@ -35,7 +39,7 @@ class UploadRefused(Exception):
 class Upload:
     filename: str
     purpose: str
-    content: bytes
+    size: int
 
 
 def _too_large(limits: UploadLimits) -> UploadRefused:
@@ -57,8 +61,9 @@ async def _limited(request: Request, limits: UploadLimits) -> AsyncGenerator[byt
         yield chunk
 
 
-async def read_upload(request: Request, limits: UploadLimits) -> Upload:
-    """The upload's file and purpose, checked; `UploadRefused` says why not."""
+async def read_upload(request: Request, limits: UploadLimits, into: Path) -> Upload:
+    """The upload's file copied to `into` and checked there; `UploadRefused` says why not (and
+    `into` is removed)."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise UploadRefused(400, "upload the file as multipart/form-data with fields `file` and `purpose`")
     declared = request.headers.get("content-length", "")
@@ -74,22 +79,46 @@ async def read_upload(request: Request, limits: UploadLimits) -> Upload:
         raise UploadRefused(400, "the `file` field is missing", "file")
     if purpose != "batch":
         raise UploadRefused(400, f"purpose must be 'batch' (this server runs batches), not {purpose!r}", "purpose")
-    content = await part.read()
-    await part.close()
-    if len(content) > limits.max_bytes:
-        raise _too_large(limits)
     # Only the name's last part is kept, for display: the file is stored under its id.
     filename = os.path.basename((part.filename or "upload.jsonl").replace("\\", "/"))[:255] or "upload.jsonl"
-    check_batch_file(content, filename, limits)
-    return Upload(filename, purpose, content)
+    try:
+        size = await _copy(part, into, limits)
+        check_batch_file(into, filename, limits)
+    except BaseException:
+        into.unlink(missing_ok=True)
+        raise
+    finally:
+        await part.close()
+    return Upload(filename, purpose, size)
 
 
-def check_batch_file(content: bytes, filename: str, limits: UploadLimits) -> None:
-    if not content.strip():
-        raise UploadRefused(400, f"{filename} is empty", "file", "empty_file")
-    if content[:2] == b"\x1f\x8b":
+async def _copy(part: UploadFile, into: Path, limits: UploadLimits) -> int:
+    """The spooled part written to `into` a chunk at a time (never whole in memory); its size."""
+    size = 0
+    with into.open("wb") as out:
+        while chunk := await part.read(_CHUNK):
+            size += len(chunk)
+            if size > limits.max_bytes:
+                raise _too_large(limits)
+            out.write(chunk)
+    return size
+
+
+def check_batch_file(path: Path, filename: str, limits: UploadLimits) -> None:
+    """The stored file's checks, reading it a chunk (and for the JSON check, a line) at a time."""
+    with path.open("rb") as file:
+        first = file.read(2)
+    if first == b"\x1f\x8b":
         raise UploadRefused(400, f"{filename} is gzip-compressed; upload the .jsonl itself", "file", "invalid_file")
-    lines = content.count(b"\n") + (not content.endswith(b"\n"))
+    lines, blank, last = 0, True, b""
+    with path.open("rb") as file:
+        while chunk := file.read(_CHUNK):
+            lines += chunk.count(b"\n")
+            blank = blank and not chunk.strip()
+            last = chunk
+    if blank:
+        raise UploadRefused(400, f"{filename} is empty", "file", "empty_file")
+    lines += not last.endswith(b"\n")
     if lines > limits.max_requests:
         raise UploadRefused(
             400,
@@ -98,14 +127,15 @@ def check_batch_file(content: bytes, filename: str, limits: UploadLimits) -> Non
             "file",
             "too_many_requests",
         )
-    if not any(_is_object(line) for line in content.splitlines()):
-        raise UploadRefused(
-            400,
-            f"{filename}: no line is a JSON object; a batch file has one request per line, "
-            '{"custom_id": ..., "method": "POST", "url": ..., "body": {...}}',
-            "file",
-            "invalid_file",
-        )
+    with path.open("rb") as file:
+        if not any(_is_object(line) for line in file):
+            raise UploadRefused(
+                400,
+                f"{filename}: no line is a JSON object; a batch file has one request per line, "
+                '{"custom_id": ..., "method": "POST", "url": ..., "body": {...}}',
+                "file",
+                "invalid_file",
+            )
 
 
 def _is_object(line: bytes) -> bool:
