@@ -163,14 +163,14 @@ def test_whitespace_edged_rows_and_raw_templates_fall_back_to_whole_prompts() ->
 
 def test_a_row_whose_first_character_no_proven_text_has_is_proven_too() -> None:
     """The raw template puts `Q` before the message, which merges with a message starting with `u`
-    (` Qu` is one token) but with none of the sentinels or the rows starting with `r`. The only such
+    (` Qu` is one token before `h`) but with none of the sentinels nor the rows starting with `r`. The only such
     row is past the first 256 rows the sample takes from a 300-row partition: each distinct first
     (and last) character is proven too, so the partition is tokenized whole and every row gets
     transformers' ids."""
     tokenizer = load_tokenizer(str(ensure_embedded_model()))
     hf = AutoTokenizer.from_pretrained(str(ensure_embedded_model()))
     texts = [f"row {i}" for i in range(300)]
-    texts[280] = "unusual row"
+    texts[280] = "uh row"
     raw = pl.DataFrame(
         {"row_id": range(300), "source_line": range(1, 301), "text": texts, "error": [None] * 300},
         schema={"row_id": pl.Int64, "source_line": pl.Int64, "text": pl.String, "error": pl.String},
@@ -180,4 +180,4 @@ def test_a_row_whose_first_character_no_proven_text_has_is_proven_too() -> None:
     out = format_prompts(raw, fmt, tokenizer, max_model_len=512, max_tokens=8, source_file="a.jsonl", log=notes.append)
     for prompt, ids in zip(out["prompt"], out[PROMPT_TOKEN_IDS], strict=True):
         assert ids.to_list() == hf(prompt, add_special_tokens=False)["input_ids"], prompt
-    assert len(notes) == 1 and "whole prompts tokenized" in notes[0] and "'unusual row'" in notes[0], notes
+    assert len(notes) == 1 and "whole prompts tokenized" in notes[0] and "'uh row'" in notes[0], notes
