@@ -22,7 +22,7 @@ from batch_assets.engines.embedded_model import embedded_model_dir, ensure_embed
 from batch_assets.engines.tokenizers import FastTokenizer, load_tokenizer
 from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts, messages_for, special_tokens
 from batch_assets.pipeline.openai_batch import read_batch_requests
-from batch_assets.pipeline.prompt_tokens import PROMPT_TOKEN_IDS, SENTINELS
+from batch_assets.pipeline.prompt_tokens import EDGE_CHARACTERS, PROMPT_TOKEN_IDS, SENTINELS, plan_tokens, sample_of
 from batch_assets.pipeline.read_prompts import ParseOptions, read_prompts
 from batch_assets.pipeline.task_formats import ChatRecords, OpenAIBatchLines, task_format
 from batch_assets.pipeline.task_spec import TaskSpec, load_task_spec
@@ -181,3 +181,13 @@ def test_a_row_whose_first_character_no_proven_text_has_is_proven_too() -> None:
     for prompt, ids in zip(out["prompt"], out[PROMPT_TOKEN_IDS], strict=True):
         assert ids.to_list() == hf(prompt, add_special_tokens=False)["input_ids"], prompt
     assert len(notes) == 1 and "whole prompts tokenized" in notes[0] and "'uh row'" in notes[0], notes
+
+
+def test_too_many_distinct_first_characters_tokenize_the_partition_whole() -> None:
+    many = pl.Series([chr(0x4E00 + i) + " row" for i in range(EDGE_CHARACTERS + 1)])
+    assert sample_of(many) is None
+    plan = plan_tokens(load_tokenizer(str(ensure_embedded_model())), ("a\n", "\nb"), lambda texts: [], sample_of(many))
+    assert plan.prefix is None and f"more than {EDGE_CHARACTERS} distinct first or last characters" in plan.note
+    # Within the bound: the sample plus one row per first and per last character not already in it.
+    rows = pl.Series(["a1", "a2", None, "b1", "a3!"])
+    assert sample_of(rows, size=1) == ["a1", "b1", "a2", "a3!"]  # first a, b; last 1, 2, !
