@@ -310,7 +310,9 @@ def test_the_assets_cache_warns_through_the_runs_log_and_is_none_when_off(data_d
     from batch_assets.lib.assets import result_cache_for
     from batch_assets.pipeline.task_spec import TaskSpec
 
-    task = TaskSpec.model_validate({"name": "t", "input": {"text_fields": ["text"]}, "prompt": {"template": "{text}"}})
+    task = TaskSpec.model_validate(
+        {"name": "t", "input": {"text_fields": ["text"]}, "prompt": {"template": "{text}"}, "output": {"kind": "text"}}
+    )
     with dg.DagsterInstance.get() as instance:
         context = dg.build_asset_context(instance=instance)
         cache = result_cache_for(context, task, "fp", use=True)
