@@ -9,10 +9,13 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from sklearn.isotonic import IsotonicRegression
+from sklearn.model_selection import KFold, cross_val_predict
 
 from batch_assets.engines.kinds import resolve_settings
 from batch_assets.lib.asset_metadata import labels_metadata
-from batch_assets.pipeline.calibration import calibrate_confidence, calibrated_labels, calibration_report
+from batch_assets.pipeline.calibration import FOLDS, calibrate_confidence, calibrated_labels, calibration_report
+from batch_assets.pipeline.cascade import expected_calibration_error
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import TaskSpec, TaskSpecError, load_task_spec
@@ -71,12 +74,19 @@ def test_an_overconfident_partition_is_calibrated_and_its_error_drops() -> None:
     calibrated = calibrate_confidence(labels, "truth")
     assert calibrated.columns == ["row_id", "text", "truth", "raw_confidence", "confidence", "label", "error"]
     assert calibrated["raw_confidence"].to_list() == labels["confidence"].to_list()
-    by_level = calibrated.head(400).group_by("raw_confidence").agg(pl.col("confidence").unique()).sort("raw_confidence")
-    # Each level's confidence becomes its share of right labels (isotonic: monotone, order kept).
-    assert [(raw, [round(v, 6) for v in mapped]) for raw, mapped in by_level.iter_rows()] == [
-        (level, [accuracy]) for level, accuracy in LEVELS.items()
-    ]
-    # A row without gold is mapped too (0.95 lies between the levels 0.9 and 1.0); an error row stays null.
+    # A gold row's stored confidence is out of fold (fitted on the other folds, the report's folds),
+    # never fitted on the row itself: the stored gold rows' ECE is the report's "after" number, not
+    # the in-sample 0 that a fit on every gold row would give them.
+    gold = calibrated.head(400)
+    correct = (gold["label"] == gold["truth"]).to_numpy().astype(float)
+    folds = KFold(FOLDS, shuffle=True, random_state=0)
+    isotonic = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip")
+    held_out = cross_val_predict(isotonic, gold["raw_confidence"].to_numpy(), correct, cv=folds)
+    assert gold["confidence"].to_list() == pytest.approx(list(held_out))
+    assert expected_calibration_error(gold["confidence"].to_numpy(), correct) == pytest.approx(report.ece_after)
+    assert expected_calibration_error(gold["confidence"].to_numpy(), correct) > 0.001
+    # A row without gold is mapped by the fit on every gold row, which makes each level its share of
+    # right labels (0.95 lies between the levels 0.9 and 1.0: 0.55); an error row stays null.
     assert calibrated["confidence"][400] == pytest.approx(0.55)
     assert calibrated["confidence"][401] is None
     # The report reads the raw column of calibrated labels: the same numbers from the stored table.
@@ -191,4 +201,10 @@ def test_a_materialized_partition_stores_and_reports_the_calibration(data_dir: P
     assert check["calibration_error_calibrated"] == metadata["calibration_error_calibrated"]
     written = pl.read_parquet(data_dir / "storage" / spec.name / "validated_labels" / f"{key}.parquet")
     assert written["raw_confidence"].head(400).to_list() == pytest.approx(labels["confidence"].head(400).to_list())
-    assert written["confidence"][399] == pytest.approx(0.6)  # raw 1.0, right 60 % of the time
+    # The row without gold (raw 0.95) by the fit on every gold row; the gold rows out of fold, so
+    # their stored error is the reported one.
+    assert written["confidence"][400] == pytest.approx(0.55)
+    gold = written.head(400)
+    correct = (gold["label"] == gold["truth"]).to_numpy().astype(float)
+    stored_error = expected_calibration_error(gold["confidence"].to_numpy(), correct)
+    assert round(stored_error, 4) == metadata["calibration_error_calibrated"]

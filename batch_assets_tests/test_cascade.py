@@ -440,3 +440,15 @@ def test_an_llm_teachers_error_is_an_error_row_never_the_students_label(tmp_path
         elif i % 50 != 0:
             assert outputs["labelled_by"][i] == "teacher" and outputs["generated_text"][i] == gold[i]
             assert outputs["cumulative_logprob"][i] == pytest.approx(np.log(0.7))
+
+
+def test_a_small_partition_with_the_default_settings_defers_its_unsure_rows_before_auditing() -> None:
+    # Default budget: 25 % of 1,000 = 250, a sample of 125 (half of it): 125 left. The audit (200 by
+    # default) is kept to at most half of that when every row is unsure, so deferral gets the other 63.
+    x, y = blobs(1000, noise=1.2, seed=2)
+    roles = Counter(run_cascade(x, perfect_teacher(y), spec(defer_below=1.0), CHOICES).roles)
+    assert (roles["sample"], roles["deferred"], roles["audit"]) == (125, 63, 62)
+    # With the default defer_below all 30 unsure rows fit, and the audit takes the rest of the budget.
+    result = run_cascade(x, perfect_teacher(y), spec(), CHOICES)
+    roles = Counter(result.roles)
+    assert (roles["sample"], roles["deferred"], roles["audit"], result.over_budget_rows) == (125, 30, 95, 0)

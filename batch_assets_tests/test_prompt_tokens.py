@@ -22,7 +22,7 @@ from batch_assets.engines.embedded_model import embedded_model_dir, ensure_embed
 from batch_assets.engines.tokenizers import FastTokenizer, load_tokenizer
 from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts, messages_for, special_tokens
 from batch_assets.pipeline.openai_batch import read_batch_requests
-from batch_assets.pipeline.prompt_tokens import PROMPT_TOKEN_IDS, SENTINELS
+from batch_assets.pipeline.prompt_tokens import EDGE_CHARACTERS, PROMPT_TOKEN_IDS, SENTINELS, plan_tokens, sample_of
 from batch_assets.pipeline.read_prompts import ParseOptions, read_prompts
 from batch_assets.pipeline.task_formats import ChatRecords, OpenAIBatchLines, task_format
 from batch_assets.pipeline.task_spec import TaskSpec, load_task_spec
@@ -159,3 +159,35 @@ def test_whitespace_edged_rows_and_raw_templates_fall_back_to_whole_prompts() ->
         assert len(notes) == 1 and expected_note in notes[0], notes
         for prompt, ids in zip(out["prompt"], out[PROMPT_TOKEN_IDS], strict=True):
             assert ids.to_list() == hf(prompt, add_special_tokens=False)["input_ids"]
+
+
+def test_a_row_whose_first_character_no_proven_text_has_is_proven_too() -> None:
+    """The raw template puts `Q` before the message, which merges with a message starting with `u`
+    (` Qu` is one token before `h`) but with none of the sentinels nor the rows starting with `r`. The only such
+    row is past the first 256 rows the sample takes from a 300-row partition: each distinct first
+    (and last) character is proven too, so the partition is tokenized whole and every row gets
+    transformers' ids."""
+    tokenizer = load_tokenizer(str(ensure_embedded_model()))
+    hf = AutoTokenizer.from_pretrained(str(ensure_embedded_model()))
+    texts = [f"row {i}" for i in range(300)]
+    texts[280] = "uh row"
+    raw = pl.DataFrame(
+        {"row_id": range(300), "source_line": range(1, 301), "text": texts, "error": [None] * 300},
+        schema={"row_id": pl.Int64, "source_line": pl.Int64, "text": pl.String, "error": pl.String},
+    )
+    fmt = PromptFormat("Be brief.", "{text}", "System: {system}\nUser: Q{user}\nAssistant:", ("text",))
+    notes: list[str] = []
+    out = format_prompts(raw, fmt, tokenizer, max_model_len=512, max_tokens=8, source_file="a.jsonl", log=notes.append)
+    for prompt, ids in zip(out["prompt"], out[PROMPT_TOKEN_IDS], strict=True):
+        assert ids.to_list() == hf(prompt, add_special_tokens=False)["input_ids"], prompt
+    assert len(notes) == 1 and "whole prompts tokenized" in notes[0] and "'uh row'" in notes[0], notes
+
+
+def test_too_many_distinct_first_characters_tokenize_the_partition_whole() -> None:
+    many = pl.Series([chr(0x4E00 + i) + " row" for i in range(EDGE_CHARACTERS + 1)])
+    assert sample_of(many) is None
+    plan = plan_tokens(load_tokenizer(str(ensure_embedded_model())), ("a\n", "\nb"), lambda texts: [], sample_of(many))
+    assert plan.prefix is None and f"more than {EDGE_CHARACTERS} distinct first or last characters" in plan.note
+    # Within the bound: the sample plus one row per first and per last character not already in it.
+    rows = pl.Series(["a1", "a2", None, "b1", "a3!"])
+    assert sample_of(rows, size=1) == ["a1", "b1", "a2", "a3!"]  # first a, b; last 1, 2, !

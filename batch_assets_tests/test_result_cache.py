@@ -300,3 +300,21 @@ def test_the_cache_in_the_instance_database_connects_as_the_instance_does(tmp_pa
     with pytest.raises(sa.exc.OperationalError):
         result_cache.cache_engine(url)  # creating its tables connects: refused, after the token was fetched
     assert CountingTokens.fetched == 1
+
+
+def test_the_assets_cache_warns_through_the_runs_log_and_is_none_when_off(data_dir: Path) -> None:
+    """inference_outputs and the cascade's teacher build their cache through `result_cache_for`: a
+    damaged cache's warning reaches the run's log (the Dagster UI), not only Python's logging."""
+    import dagster as dg
+
+    from batch_assets.lib.assets import result_cache_for
+    from batch_assets.pipeline.task_spec import TaskSpec
+
+    task = TaskSpec.model_validate(
+        {"name": "t", "input": {"text_fields": ["text"]}, "prompt": {"template": "{text}"}, "output": {"kind": "text"}}
+    )
+    with dg.DagsterInstance.get() as instance:
+        context = dg.build_asset_context(instance=instance)
+        cache = result_cache_for(context, task, "fp", use=True)
+        assert cache is not None and cache.warn == context.log.warning
+        assert result_cache_for(context, task, "fp", use=False) is None

@@ -3,8 +3,8 @@
 # engine (requirements/cpu.txt or gpu.txt, made by scripts/lock.sh), with uv; safe to run again.
 # ENGINE=cpu|gpu picks the vLLM build; by default a visible NVIDIA GPU means `gpu`.
 # uv: the one on PATH (or UV=...), else one installed into .venv with pip; where neither can be had
-# (or USE_PIP=1), pip installs the same lock, slower. Away from Linux x86_64 the locks do not apply:
-# the packages are resolved from pyproject.toml.
+# (or USE_PIP=1), pip installs the same lock, slower. Away from Linux x86_64 or Python 3.11 the locks
+# do not apply: the packages are resolved from pyproject.toml.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,6 +37,11 @@ LOCK=requirements/$ENGINE.txt
 if [ "$(uname -sm)" != "Linux x86_64" ]; then
   LOCK=""
   echo "setup: $(uname -sm): the locks are for Linux x86_64; resolving from pyproject.toml"
+elif ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+  # scripts/lock.sh pins wheels for CPython 3.11: another Python would be refused them, or given
+  # builds the lock never tested.
+  LOCK=""
+  echo "setup: .venv has Python $(.venv/bin/python -c 'import platform; print(platform.python_version())'): the locks are for Python 3.11; resolving from pyproject.toml"
 fi
 
 install_with_uv() {

@@ -267,6 +267,16 @@ def inference_outputs_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs) ->
     return inference_outputs
 
 
+def result_cache_for(
+    context: dg.AssetExecutionContext, task: TaskSpec, fingerprint: str, *, use: bool
+) -> ResultCache | None:
+    """The task's result cache for `fingerprint` (None where the run turns it off), in the run's
+    instance, its warnings (a damaged cache set aside) in the run's log."""
+    if not use:
+        return None
+    return ResultCache(task_storage_dir(task.name), fingerprint, instance=context.instance, warn=context.log.warning)
+
+
 def infer_partitions(
     context: dg.AssetExecutionContext,
     config: InferenceConfig,
@@ -285,11 +295,7 @@ def infer_partitions(
         PartitionInput(frame, encoders(frame), checkpoints_for(context, task, key, fingerprint), label=key)
         for key, frame in formatted_prompts.items()
     ]
-    cache = (
-        ResultCache(task_storage_dir(task.name), fingerprint, instance=context.instance, warn=context.log.warning)
-        if config.use_result_cache
-        else None
-    )
+    cache = result_cache_for(context, task, fingerprint, use=config.use_result_cache)
     try:
         # One session and one stream for every partition of the run; the engine starts with the
         # first request that needs it: not for cached, empty or all-error files.
@@ -362,7 +368,7 @@ def teacher_session(
     tokenizer = engine.tokenizer(settings)
     encoders = fmt.encoders(engine, tokenizer, settings.max_model_len)
     log = context.log.info
-    cache = ResultCache(task_storage_dir(task.name), fingerprint, instance=context.instance) if use_cache else None
+    cache = result_cache_for(context, task, fingerprint, use=use_cache)
     with engine.session(teacher, settings, log) as session:
 
         def teach(partition_key: str, rows: pl.DataFrame) -> tuple[pl.DataFrame, InferenceStats]:

@@ -11,8 +11,9 @@ The calibration is isotonic regression (scikit-learn) from the raw confidence to
 right". Temperature scaling needs the probability of every choice; a partition keeps only the chosen
 label's (its tokens' log-probabilities), so a monotone map of that one number is what can be
 fitted. Being monotone, it keeps the order of the rows: the least sure labels stay the ones to read
-first. `calibrate_confidence` fits it on all the partition's gold rows, maps every labelled row's
-`confidence` through it and keeps the raw value in `raw_confidence`. A partition with too few gold
+first. `calibrate_confidence` fits it on all the partition's gold rows and maps every other labelled
+row's `confidence` through it; a gold row gets its out-of-fold value (the report's folds), so its
+stored confidence is not fitted on itself. The raw value is kept in `raw_confidence`. A partition with too few gold
 rows keeps its raw confidence (the report says why).
 """
 
@@ -56,17 +57,33 @@ class CalibrationReport:
         return metadata
 
 
-def _gold_confidence(labels: pl.DataFrame, gold_field: str) -> tuple[np.ndarray, np.ndarray]:
-    """The raw confidence of each gold row with a label and a confidence, and whether its label is
-    right (compared as text with surrounding spaces removed, as accuracy is)."""
+def _gold_rows(labels: pl.DataFrame, gold_field: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The raw confidence of each gold row with a label and a confidence, whether its label is right
+    (compared as text with surrounding spaces removed, as accuracy is), and its position in `labels`."""
     raw = RAW_CONFIDENCE if RAW_CONFIDENCE in labels.columns else "confidence"
     if gold_field not in labels.columns or raw not in labels.columns:
-        return np.zeros(0), np.zeros(0)
+        return np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64)
     gold = pl.col(gold_field).cast(pl.String).str.strip_chars()
-    rows = labels.select(
-        confidence=pl.col(raw), correct=gold == pl.col("label").cast(pl.String).str.strip_chars(), gold=gold
-    ).filter(pl.col("gold").is_not_null() & (pl.col("gold") != "") & pl.col("confidence").is_not_null())
-    return rows["confidence"].to_numpy().astype(np.float64), rows["correct"].to_numpy().astype(np.float64)
+    rows = (
+        labels.with_row_index("position")
+        .select(
+            "position",
+            confidence=pl.col(raw),
+            correct=gold == pl.col("label").cast(pl.String).str.strip_chars(),
+            gold=gold,
+        )
+        .filter(pl.col("gold").is_not_null() & (pl.col("gold") != "") & pl.col("confidence").is_not_null())
+    )
+    return (
+        rows["confidence"].to_numpy().astype(np.float64),
+        rows["correct"].to_numpy().astype(np.float64),
+        rows["position"].to_numpy().astype(np.int64),
+    )
+
+
+def _held_out(confidence: np.ndarray, correct: np.ndarray) -> np.ndarray:
+    """Each gold row's calibrated confidence from a calibration fitted on the other folds."""
+    return cross_val_predict(_isotonic(), confidence, correct, cv=KFold(FOLDS, shuffle=True, random_state=0))
 
 
 def _isotonic() -> IsotonicRegression:
@@ -78,7 +95,7 @@ def calibration_report(labels: pl.DataFrame, gold_field: str) -> CalibrationRepo
     the frame has no confidence or no gold column."""
     if gold_field not in labels.columns or "confidence" not in labels.columns:
         return None
-    confidence, correct = _gold_confidence(labels, gold_field)
+    confidence, correct, _ = _gold_rows(labels, gold_field)
     before = expected_calibration_error(confidence, correct)
     if confidence.size < MIN_CALIBRATION_ROWS:
         note = (
@@ -86,8 +103,7 @@ def calibration_report(labels: pl.DataFrame, gold_field: str) -> CalibrationRepo
             f"{MIN_CALIBRATION_ROWS}"
         )
         return CalibrationReport(int(confidence.size), before, None, note)
-    folds = KFold(FOLDS, shuffle=True, random_state=0)
-    held_out = cross_val_predict(_isotonic(), confidence, correct, cv=folds)
+    held_out = _held_out(confidence, correct)
     return CalibrationReport(int(confidence.size), before, expected_calibration_error(held_out, correct))
 
 
@@ -101,7 +117,7 @@ def calibrate_confidence(labels: pl.DataFrame, gold_field: str) -> pl.DataFrame:
     at = columns.index("confidence")
     columns[at:at] = [RAW_CONFIDENCE]
     labels = labels.with_columns(pl.col("confidence").alias(RAW_CONFIDENCE)).select(columns)
-    confidence, correct = _gold_confidence(labels, gold_field)
+    confidence, correct, gold = _gold_rows(labels, gold_field)
     if confidence.size < MIN_CALIBRATION_ROWS:
         return labels
     fitted = _isotonic().fit(confidence, correct)
@@ -109,6 +125,9 @@ def calibrate_confidence(labels: pl.DataFrame, gold_field: str) -> pl.DataFrame:
     measured = raw.is_not_null().to_numpy()
     mapped = np.full(labels.height, np.nan)
     mapped[measured] = fitted.predict(raw.drop_nulls().to_numpy().astype(np.float64))
+    # A gold row mapped by a fit on itself would look better calibrated than it is: it gets its
+    # out-of-fold value, the one the report's "after" number is measured on.
+    mapped[gold] = _held_out(confidence, correct)
     calibrated = pl.Series("confidence", mapped, dtype=pl.Float64).fill_nan(None)
     return labels.with_columns(calibrated)
 

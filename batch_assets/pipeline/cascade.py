@@ -277,10 +277,13 @@ def run_cascade(vectors: np.ndarray, teacher: Teacher, spec: CascadeSpec, choice
     for i, label, p in zip(rest, labels, confidence, strict=True):
         result.student_labels[i], result.confidence[i] = label, float(p)
         result.labels[i], result.labelled_by[i], result.roles[i] = label, "student", "student"
-    audit_size = min(spec.audit_rows, left)
+    # Deferral fixes labels, the audit only measures them: the unsure rows get first claim on at least
+    # half of what is left (the audit's reserve is at most the other half), and the audit takes what
+    # deferral did not use, so a weak student is still measured.
     unsure = rest[np.argsort(confidence, kind="stable")]
     unsure = unsure[np.array([result.confidence[i] or 0.0 for i in unsure]) < spec.defer_below]
-    deferred = unsure[: left - audit_size]
+    deferred = unsure[: left - min(spec.audit_rows, left // 2)]
+    audit_size = min(spec.audit_rows, left - deferred.size)
     result.over_budget_rows = int(unsure.size - deferred.size)
     trusted = np.setdiff1d(rest, deferred)
     rng = np.random.default_rng(spec.seed + 1)

@@ -9,8 +9,9 @@ formatted_prompts' `prompt_token_ids` column, so the ids counted are the ids the
 Splicing gives the chat template's ids only where the tokenizer splits at the message's edges.
 Chat templates put special tokens and newlines there, and so it does; a raw template (`[INST] ...`)
 or a message starting with spaces may make the tokenizer merge across the edge. So each partition
-proves it first (`plan_tokens`): the spliced ids of a sample of its rows and of sentinel texts that
-stress the edges must equal whole-prompt tokenization. Where a text that starts or ends with
+proves it first (`plan_tokens`): the spliced ids of a sample of its rows, of one row per distinct
+first and per distinct last character of its messages, and of sentinel texts that stress the edges
+must equal whole-prompt tokenization. Where a text that starts or ends with
 whitespace (or is empty) fails, such rows are tokenized whole; where any other fails, the task's
 whole partition is. The message is tokenized with special-token text split into ordinary tokens,
 as `PromptEncoder` does for whole prompts (no forged chat turns).
@@ -31,6 +32,9 @@ PROMPT_TOKEN_IDS = "prompt_token_ids"
 TOKEN_IDS = pl.List(pl.UInt32)
 TOKENIZE_CHUNK = 20_000
 SAMPLE_ROWS = 256
+# More distinct first (or last) characters than this in a partition: tokenized whole, as proving
+# each would cost about what it saves.
+EDGE_CHARACTERS = 512
 # A message whose first or last character is whitespace (or that is empty) may merge with the text
 # around it (`"\n" + "  x"` is one piece for byte-level BPE): proven apart from the others.
 EDGE = r"^\s|\s$|^$"
@@ -116,11 +120,14 @@ class TokenPlan:
         return cls(None, [], False, f"whole prompts tokenized ({reason})")
 
 
-def plan_tokens(tokenizer, affixes: tuple[str, str] | None, whole: Encode, sample: list[str]) -> TokenPlan:
-    """Splice where the spliced ids of `sample` (rows' messages) and `SENTINELS` (and texts made of
-    the template's own edges) equal `whole` tokenization of their prompts; else tokenize whole."""
+def plan_tokens(tokenizer, affixes: tuple[str, str] | None, whole: Encode, sample: list[str] | None) -> TokenPlan:
+    """Splice where the spliced ids of `sample` (rows' messages, `sample_of`) and `SENTINELS` (and
+    texts made of the template's own edges) equal `whole` tokenization of their prompts; else
+    tokenize whole."""
     if affixes is None:
         return TokenPlan.whole("the template does not paste the message verbatim")
+    if sample is None:
+        return TokenPlan.whole(f"more than {EDGE_CHARACTERS} distinct first or last characters to prove")
     prefix_text, suffix_text = affixes
     prefix, suffix = (encode_texts(tokenizer, [part])[0] if part else [] for part in affixes)
     edge_texts = [prefix_text[-3:] + "x" + suffix_text[:3], suffix_text[:4] + "x" + prefix_text[-4:]]
@@ -141,11 +148,21 @@ def plan_tokens(tokenizer, affixes: tuple[str, str] | None, whole: Encode, sampl
     )
 
 
-def sample_of(messages: pl.Series, size: int = SAMPLE_ROWS) -> list[str]:
-    """Up to `size` non-null messages spread over the partition."""
+def sample_of(messages: pl.Series, size: int = SAMPLE_ROWS) -> list[str] | None:
+    """Up to `size` non-null messages spread over the partition, and one message per distinct first
+    and per distinct last character (what meets the template's edges: a character class that no
+    sampled row has could merge unproven); None where there are more than `EDGE_CHARACTERS` of
+    either, which only whole tokenization covers."""
     present = messages.drop_nulls()
     step = max(1, present.len() // size)
-    return present.gather_every(step).head(size).to_list()
+    sample = present.gather_every(step).head(size).to_list()
+    edges = []
+    for end in (present.str.head(1), present.str.tail(1)):
+        one_each = pl.DataFrame({"end": end, "message": present}).unique("end", keep="first", maintain_order=True)
+        if one_each.height > EDGE_CHARACTERS:
+            return None
+        edges += one_each["message"].to_list()
+    return list(dict.fromkeys([*sample, *edges]))
 
 
 def prompt_token_ids(plan: TokenPlan, tokenizer, messages: pl.Series, prompts: pl.Series, whole: Encode) -> pl.Series:
