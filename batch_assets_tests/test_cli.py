@@ -96,7 +96,7 @@ def test_demo_runs_every_sample_and_a_second_demo_reruns_nothing(workdir) -> Non
     assert {"industry", "sentiment", "industry_similarity", "industry_cascade"} <= labelled
     accuracy = {line.split("/")[0]: "hand-labelled rows" in line for line in lines}
     assert accuracy == {task: task in labelled for task in with_samples}, lines
-    confidence = {line.split("/")[0]: "of labels with confidence under 0.5)" in line for line in lines}
+    confidence = {line.split("/")[0]: "of labels with confidence under 0.5" in line for line in lines}
     assert confidence == {task: task in labelled for task in with_samples}, lines
     # Both ways of labelling the industry sample, side by side after the summaries.
     assert "Accuracy on the hand-labelled samples" in first.stdout

@@ -16,6 +16,8 @@ without one (loopback only), its `Host` must be a loopback name (400 otherwise).
 
 from __future__ import annotations
 
+import time
+
 import hmac
 from typing import Any
 
@@ -147,7 +149,10 @@ def _add_batch_routes(app: FastAPI, store: ServeStore, runner: BatchRunner) -> N
         if input_file["purpose"] != "batch":
             raise ApiError(400, "input_file_id must name a file uploaded with purpose 'batch'", param="input_file_id")
         task = runner.tasks.get(request.endpoint, CHAT_TASK)
-        record = {"batch": batch_object(new_batch_id(), request), "run": {"task": task, "started": False}}
+        # `created_at` is whole seconds (OpenAI's schema): batches made within one second are ordered
+        # by `created_ns`, so they run and list in the order they were made.
+        run = {"task": task, "started": False, "created_ns": time.time_ns()}
+        record = {"batch": batch_object(new_batch_id(), request), "run": run}
         store.save_batch(record)
         runner.wake.set()
         return record["batch"]

@@ -130,4 +130,10 @@ class ServeStore:
     def batch_records(self) -> Iterator[dict[str, Any]]:
         """Every batch, oldest first."""
         records = [self.batch_record(path.stem) for path in self.batches.glob("batch_*.json")]
-        yield from sorted((r for r in records if r), key=lambda r: (r["batch"]["created_at"], r["batch"]["id"]))
+        yield from sorted((r for r in records if r), key=_creation_order)
+
+
+def _creation_order(record: dict[str, Any]) -> tuple[int, int, str]:
+    """Oldest first: `created_at` (seconds), then the nanoseconds kept in the run's notes (batches
+    made within one second; a record without them sorts first), then the id."""
+    return (record["batch"]["created_at"], record["run"].get("created_ns", 0), record["batch"]["id"])
