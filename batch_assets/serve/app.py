@@ -16,9 +16,8 @@ without one (loopback only), its `Host` must be a loopback name (400 otherwise).
 
 from __future__ import annotations
 
-import time
-
 import hmac
+import time
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
