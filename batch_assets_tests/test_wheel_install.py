@@ -94,6 +94,7 @@ def test_wheel_loads_every_shipped_task(installed_wheel: tuple[Path, dict[str, s
         "document_qa",
         "embeddings",
         "industry",
+        "industry_cascade",
         "industry_similarity",
         "openai_batch",
         "openai_batch_embeddings",
