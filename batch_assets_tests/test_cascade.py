@@ -8,11 +8,13 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import dagster as dg
 import numpy as np
 import polars as pl
 import pytest
 
 from batch_assets.engines.kinds import resolve_settings
+from batch_assets.lib.run_outcomes import _quality_notes
 from batch_assets.pipeline.cascade import (
     TeacherAnswer,
     choose_sample,
@@ -452,3 +454,24 @@ def test_a_small_partition_with_the_default_settings_defers_its_unsure_rows_befo
     result = run_cascade(x, perfect_teacher(y), spec(), CHOICES)
     roles = Counter(result.roles)
     assert (roles["sample"], roles["deferred"], roles["audit"], result.over_budget_rows) == (125, 30, 95, 0)
+
+
+# --- the run's summary --------------------------------------------------------------------------
+
+
+def test_the_summary_counts_the_students_rows_not_the_error_rows_and_survives_an_empty_file() -> None:
+    """The summary's teacher note reads validated_labels' metadata over the run's partitions: error
+    rows are neither the teacher's nor the student's, and a run of empty files says nothing of shares."""
+
+    def labelled(instance: dg.DagsterInstance, key: str, **metadata: float) -> None:
+        asset = dg.AssetKey(["cascaded", "validated_labels"])
+        instance.report_runless_asset_event(dg.AssetMaterialization(asset, partition=key, metadata=metadata))
+
+    with dg.instance_for_test() as instance:
+        labelled(instance, "a", rows=100, teacher_rows=20, student_rows=70, audited_rows=10, audit_agreement=0.9)
+        labelled(instance, "b", rows=0, teacher_rows=0, student_rows=0, audited_rows=0)
+        assert _quality_notes("cascaded", ["a", "b"], instance) == [
+            "teacher labelled 20 rows (20%), the student 70",
+            "audit agreement 90% [60%-98%] on 10 rows",
+        ]
+        assert _quality_notes("cascaded", ["b"], instance) == ["teacher labelled 0 rows, the student 0"]
