@@ -248,11 +248,14 @@ def _cascade_notes(records: list[dg.EventLogRecord | None]) -> list[str]:
         return []
     rows = sum(_metadata_value(r, "rows") or 0 for r in records)
     teacher_rows = sum(count or 0 for count in teacher)
+    # Error rows are neither the teacher's nor the student's: the student's are counted, not inferred.
+    student_rows = sum(_metadata_value(r, "student_rows") or 0 for r in records)
     audited = sum(_metadata_value(r, "audited_rows") or 0 for r in records)
     agreed = sum(
         round((_metadata_value(r, "audit_agreement") or 0) * (_metadata_value(r, "audited_rows") or 0)) for r in records
     )
-    notes = [f"teacher labelled {teacher_rows} rows ({teacher_rows / rows:.0%}), the student {rows - teacher_rows}"]
+    share = f" ({teacher_rows / rows:.0%})" if rows else ""
+    notes = [f"teacher labelled {teacher_rows} rows{share}, the student {student_rows}"]
     if audited:
         low, high = wilson_interval(agreed, audited)
         notes.append(f"audit agreement {agreed / audited:.0%} [{low:.0%}-{high:.0%}] on {audited} rows")
