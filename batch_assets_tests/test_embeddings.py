@@ -424,7 +424,7 @@ def test_local_model_folders_of_the_wrong_kind_are_refused_at_load(tmp_path: Pat
 
 def test_a_run_over_several_partitions_embeds_the_choices_once_in_the_same_stream(tmp_path: Path) -> None:
     from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput
-    from batch_assets.pipeline.task_formats import task_format
+    from batch_assets.pipeline.task_formats import InferenceStream, task_format
 
     task = load_task_spec(write(tmp_path, SIMILARITY, "topics"))
     streams: list[list[str]] = []
@@ -445,7 +445,7 @@ def test_a_run_over_several_partitions_embeds_the_choices_once_in_the_same_strea
         return [*rows, (chosen, InferenceStats())]
 
     parts = [PartitionInput(pl.DataFrame(), lambda texts: [], label=label) for label in ("a.csv", "b.csv")]
-    results = task_format(task).infer(parts, run, WordTokenizer(), 256)
+    results = task_format(task).infer(parts, InferenceStream(run, WordTokenizer(), 256))
     assert streams == [["a.csv", "b.csv", "choices"]]  # one stream, the choices once at its end
     assert [frame["generated_text"].to_list() for frame, _ in results] == [["sports", "cooking"]] * 2
 

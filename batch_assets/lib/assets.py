@@ -50,7 +50,7 @@ from batch_assets.pipeline.engine_contract import (
 )
 from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
-from batch_assets.pipeline.task_formats import OutputFiles, TaskFormat, task_format
+from batch_assets.pipeline.task_formats import InferenceStream, OutputFiles, TaskFormat, task_format
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.runtime.interrupts import STOPPED, stop_instead_of, stop_requested
 from batch_assets.storage.batch_records import BatchRecordStore, batch_records_dir
@@ -310,7 +310,7 @@ def infer_partitions(
             def run(partitions: list[PartitionInput]) -> list[tuple[pl.DataFrame, InferenceStats]]:
                 return stream(partitions, session, settings, fmt, cache, context.log.info)
 
-            results = fmt.infer(parts, run, tokenizer, settings.max_model_len, teach)
+            results = fmt.infer(parts, InferenceStream(run, tokenizer, settings.max_model_len, teach))
     except EngineStartError as exc:
         # Settings that do not fit will not fit five seconds later either: fail now, with the
         # hint of what to change, instead of retrying a start-up that can take minutes.

@@ -82,6 +82,18 @@ RunInference = Callable[[list[PartitionInput]], list[tuple[pl.DataFrame, Inferen
 
 
 @dataclass(frozen=True)
+class InferenceStream:
+    """What a kind's `infer` gets of the run: `run`, the engine's tokenizer and context length (for
+    requests of the kind's own: similarity's choices), and `teach`, a cascade's chat teacher
+    (`teacher: llm`; None for every other task)."""
+
+    run: RunInference
+    tokenizer: Tokenizer
+    max_model_len: int
+    teach: Teach | None = None
+
+
+@dataclass(frozen=True)
 class OutputFiles:
     """Files a kind writes beside its result table (an OpenAI batch's output and error files)."""
 
@@ -168,17 +180,9 @@ class TaskFormat(ABC):
         """Identical requests share one result (and the result cache): deterministic decoding only."""
         return self.task.sampling.deterministic
 
-    def infer(
-        self,
-        parts: list[PartitionInput],
-        run: RunInference,
-        tokenizer: Tokenizer,
-        max_model_len: int,
-        teach: Teach | None = None,
-    ) -> list[tuple[pl.DataFrame, InferenceStats]]:
-        """The run's partitions through `run` (one stream), as inference_outputs with their stats;
-        `teach`: a cascade's chat teacher (`teacher: llm`), None for every other kind."""
-        return run(parts)
+    def infer(self, parts: list[PartitionInput], stream: InferenceStream) -> list[tuple[pl.DataFrame, InferenceStats]]:
+        """The run's partitions through `stream.run` (one stream), as inference_outputs with their stats."""
+        return stream.run(parts)
 
     def max_generated_tokens(self, to_infer: pl.DataFrame) -> int:
         """The most tokens the requests of `to_infer` (formatted rows without an error) may generate."""
@@ -261,16 +265,9 @@ class ChatRecords(TaskFormat):
     def encoders(self, engine: Engine, tokenizer: Tokenizer, max_model_len: int) -> PartitionEncoders:
         return prompt_encoders(engine, self.prompt_format, tokenizer)
 
-    def infer(
-        self,
-        parts: list[PartitionInput],
-        run: RunInference,
-        tokenizer: Tokenizer,
-        max_model_len: int,
-        teach: Teach | None = None,
-    ) -> list[tuple[pl.DataFrame, InferenceStats]]:
+    def infer(self, parts: list[PartitionInput], stream: InferenceStream) -> list[tuple[pl.DataFrame, InferenceStats]]:
         # The ids were for the engine: inference_outputs and the result table keep the prompt text.
-        return [(frame.drop(PROMPT_TOKEN_IDS, strict=False), stats) for frame, stats in run(parts)]
+        return [(frame.drop(PROMPT_TOKEN_IDS, strict=False), stats) for frame, stats in stream.run(parts)]
 
     def output_identity(self, settings: EngineSettings) -> dict[str, Any]:
         parts = super().output_identity(settings)
@@ -420,15 +417,8 @@ class EmbeddingRecords(_EmbeddedRecords):
             "record, in input order."
         )
 
-    def infer(
-        self,
-        parts: list[PartitionInput],
-        run: RunInference,
-        tokenizer: Tokenizer,
-        max_model_len: int,
-        teach: Teach | None = None,
-    ) -> list[tuple[pl.DataFrame, InferenceStats]]:
-        return [(embedding_outputs(frame), stats) for frame, stats in run(parts)]
+    def infer(self, parts: list[PartitionInput], stream: InferenceStream) -> list[tuple[pl.DataFrame, InferenceStats]]:
+        return [(embedding_outputs(frame), stats) for frame, stats in stream.run(parts)]
 
     def validate(self, outputs: pl.DataFrame) -> pl.DataFrame:
         return validate_embeddings(outputs)
@@ -464,22 +454,17 @@ class SimilarityRecords(_EmbeddedRecords):
     def labelled_by(self, model: str) -> str:
         return f"embedding similarity, {model}"
 
-    def infer(
-        self,
-        parts: list[PartitionInput],
-        run: RunInference,
-        tokenizer: Tokenizer,
-        max_model_len: int,
-        teach: Teach | None = None,
-    ) -> list[tuple[pl.DataFrame, InferenceStats]]:
+    def infer(self, parts: list[PartitionInput], stream: InferenceStream) -> list[tuple[pl.DataFrame, InferenceStats]]:
         """The choices go into the same stream as one more partition, so their embeddings are
         computed once per run (or come from the result cache) by the same model."""
         output = self.task.output
         texts = choice_texts(output)
         choices_part = PartitionInput(
-            choices_frame(texts, tokenizer), embedding_encoder(tokenizer, max_model_len, True), label="choices"
+            choices_frame(texts, stream.tokenizer),
+            embedding_encoder(stream.tokenizer, stream.max_model_len, True),
+            label="choices",
         )
-        *results, (choice_results, _) = run([*parts, choices_part])
+        *results, (choice_results, _) = stream.run([*parts, choices_part])
         vectors = choice_vectors(choice_results, output.choices or [], texts)
         return [(similarity_outputs(frame, vectors, output.choices or []), stats) for frame, stats in results]
 
@@ -516,19 +501,12 @@ class CascadeRecords(_EmbeddedRecords):
         # whatever the cascade's settings); the labels are decided again from them on every run.
         return {"output": "embedding"}
 
-    def infer(
-        self,
-        parts: list[PartitionInput],
-        run: RunInference,
-        tokenizer: Tokenizer,
-        max_model_len: int,
-        teach: Teach | None = None,
-    ) -> list[tuple[pl.DataFrame, InferenceStats]]:
+    def infer(self, parts: list[PartitionInput], stream: InferenceStream) -> list[tuple[pl.DataFrame, InferenceStats]]:
         output = self.task.output
         assert output.cascade is not None  # method cascade requires it (OutputSpec)
         inferred = []
-        for part, (frame, stats) in zip(parts, run(parts), strict=True):
-            labelled, measured = cascade_outputs(frame, output.cascade, output.choices or [], part.label, teach)
+        for part, (frame, stats) in zip(parts, stream.run(parts), strict=True):
+            labelled, measured = cascade_outputs(frame, output.cascade, output.choices or [], part.label, stream.teach)
             inferred.append((labelled, replace(stats, format_metadata=measured)))
         return inferred
 
