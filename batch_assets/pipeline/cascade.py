@@ -280,8 +280,8 @@ def run_cascade(vectors: np.ndarray, teacher: Teacher, spec: CascadeSpec, choice
     # Deferral fixes labels, the audit only measures them: the unsure rows get first claim on at least
     # half of what is left (the audit's reserve is at most the other half), and the audit takes what
     # deferral did not use, so a weak student is still measured.
-    unsure = rest[np.argsort(confidence, kind="stable")]
-    unsure = unsure[np.array([result.confidence[i] or 0.0 for i in unsure]) < spec.defer_below]
+    order = np.argsort(confidence, kind="stable")
+    unsure = rest[order][confidence[order] < spec.defer_below]
     deferred = unsure[: left - min(spec.audit_rows, left // 2)]
     audit_size = min(spec.audit_rows, left - deferred.size)
     result.over_budget_rows = int(unsure.size - deferred.size)
