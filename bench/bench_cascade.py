@@ -35,7 +35,7 @@ sys.path.insert(0, str(HERE))
 
 from generate_industries import generate, write_csv  # noqa: E402
 
-from batch_assets.pipeline.cascade import TeacherAnswer, run_cascade  # noqa: E402
+from batch_assets.pipeline.cascade import TeacherAnswer, run_cascade, wilson_interval  # noqa: E402
 from batch_assets.pipeline.embeddings import vectors_matrix  # noqa: E402
 from batch_assets.pipeline.task_spec.cascade import CascadeSpec, ColumnTeacher  # noqa: E402
 from batch_assets.storage.drop_files import partition_key_for  # noqa: E402
@@ -99,8 +99,6 @@ def core_row(vectors: np.ndarray, gold: list[str], defer_below: float) -> dict:
     by_teacher = np.array([by == "teacher" for by in result.labelled_by])
     audit = [i for i, role in enumerate(result.roles) if role == "audit"]
     agreed = sum(result.student_labels[i] == result.labels[i] for i in audit)
-    from batch_assets.pipeline.cascade import wilson_interval
-
     low, high = wilson_interval(agreed, len(audit))
     return {
         "defer_below": defer_below,
