@@ -1,6 +1,6 @@
 """Engine kinds: which Dagster resource serves a task's `engine.kind`, and in which pool it runs.
 
-Two kinds implement the engine contract (`pipeline/engine_contract.py`), so a task can use either
+Three kinds implement the engine contract (`pipeline/engine_contract.py`), so a task can use any
 with no other change:
 
 - `vllm` (`VLLMEngine`, resource key `llm_engine`, pool `gpu`): vLLM's async engine inside the

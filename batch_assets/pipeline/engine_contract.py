@@ -79,7 +79,7 @@ class ResolvedSettings:
     every process, so the assets' code versions (made at load) and the run's checkpoint fingerprint
     (made from it) change together."""
 
-    kind: str  # the engine that runs the task: `vllm` (in process) or `openai` (an endpoint)
+    kind: str  # the engine that runs the task: `vllm` (in process), `openai` (an endpoint) or `batch_api`
     # The model as named (`embedded:` names unexpanded); None: the endpoint's only served model.
     model: str | None
     model_setting: str  # where that name was set, in words a user can act on

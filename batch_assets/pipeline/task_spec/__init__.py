@@ -15,41 +15,13 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from .base import MAX_COUNT, SettingError, TaskSpecError
-from .checks import BudgetSpec, ChecksSpec
-from .engine import (
-    EMBEDDED_EMBEDDING_MODEL,
-    EMBEDDED_MODEL,
-    ENV_VAR_NAME_PATTERN,
-    FIXED_VLLM_ARGS,
-    LEGACY_VLLM_ARGS,
-    RESERVED_VLLM_ARGS,
-    EngineSpec,
-    PriceSpec,
-    check_base_url,
-    check_vllm_args,
-    vllm_engine_argument_names,
-)
-from .input import DEFAULT_MAX_ROWS_PER_PARTITION, InputSpec
-from .model_folders import ALLOW_LONG_MAX_MODEL_LEN_ENV, EMBEDDED_MODEL_LIMITS, model_context_limit, model_folder_kind
-from .output import (
-    OutputSpec,
-    SamplingSpec,
-    check_choices,
-    check_descriptions,
-    check_json_schema,
-    check_label_regex,
-    schema_error,
-)
-from .prompt import (
-    DEFAULT_RAW_EXAMPLE_TEMPLATE,
-    ExampleSpec,
-    PromptSpec,
-    check_example_input,
-    example_answer_text,
-    template_placeholders,
-)
-from .runs import MAX_PARTITIONS_PER_RUN, AutomationSpec, CacheSpec, RunsSpec, SensorSpec
+from .base import SettingError, TaskSpecError
+from .checks import BudgetSpec
+from .engine import EMBEDDED_EMBEDDING_MODEL, EMBEDDED_MODEL, EngineSpec, PriceSpec, check_base_url, check_vllm_args
+from .model_folders import EMBEDDED_MODEL_LIMITS
+from .output import OutputSpec, SamplingSpec, schema_error
+from .prompt import DEFAULT_RAW_EXAMPLE_TEMPLATE, example_answer_text
+from .runs import CacheSpec
 from .spec import TASK_NAME_PATTERN, TaskSpec, max_model_len_problem
 from .yaml_file import line_of, parse_yaml, problems, read_task_file
 
@@ -154,34 +126,19 @@ def load_task_specs(directory: Path | None = None) -> list[TaskSpec]:
     return loaded.tasks
 
 
-# Every name the single task_spec module had: `from batch_assets.pipeline.task_spec import X` keeps working.
+# What the rest of batch_assets imports from here; the other names live in their section's module.
 __all__ = [
-    "ALLOW_LONG_MAX_MODEL_LEN_ENV",
-    "AutomationSpec",
     "BUNDLED_TASKS_DIR",
     "BudgetSpec",
     "CacheSpec",
-    "ChecksSpec",
-    "DEFAULT_MAX_ROWS_PER_PARTITION",
     "DEFAULT_RAW_EXAMPLE_TEMPLATE",
     "EMBEDDED_EMBEDDING_MODEL",
     "EMBEDDED_MODEL",
     "EMBEDDED_MODEL_LIMITS",
-    "ENV_VAR_NAME_PATTERN",
     "EngineSpec",
-    "ExampleSpec",
-    "FIXED_VLLM_ARGS",
-    "InputSpec",
-    "LEGACY_VLLM_ARGS",
-    "MAX_COUNT",
-    "MAX_PARTITIONS_PER_RUN",
     "OutputSpec",
     "PriceSpec",
-    "PromptSpec",
-    "RESERVED_VLLM_ARGS",
-    "RunsSpec",
     "SamplingSpec",
-    "SensorSpec",
     "SettingError",
     "TASKS_DIR_ENV",
     "TASK_NAME_PATTERN",
@@ -190,21 +147,12 @@ __all__ = [
     "TaskSpec",
     "TaskSpecError",
     "check_base_url",
-    "check_choices",
-    "check_descriptions",
-    "check_example_input",
-    "check_json_schema",
-    "check_label_regex",
     "check_vllm_args",
     "example_answer_text",
     "load_task_spec",
     "load_task_specs",
     "load_tasks",
     "max_model_len_problem",
-    "model_context_limit",
-    "model_folder_kind",
     "schema_error",
     "tasks_dir",
-    "template_placeholders",
-    "vllm_engine_argument_names",
 ]

@@ -1,7 +1,7 @@
 """The settings of `output.method: cascade` (`output.cascade`), and the rules they follow.
 
-Kept apart from task_spec.py, which only names `CascadeSpec` as a field of `OutputSpec` and calls
-`cascade_problem` from its validators: the cascade's settings and their defaults live with it.
+`OutputSpec` (output.py) only names `CascadeSpec` as a field and calls `cascade_problem` from its
+validators: the cascade's settings and their defaults live here.
 
 Defaults (chosen, not yet tuned: `bench/bench_cascade.py` measures them on 20,000 generated rows;
 docs/cascade.md): a sample of 1,000 rows per partition, about a hundred per label on nine labels;
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from .base import _Strict
 
 DEFAULT_SAMPLE_ROWS = 1000
 DEFAULT_DEFER_BELOW = 0.6
@@ -23,10 +25,6 @@ DEFAULT_MAX_TEACHER_SHARE = 0.25
 DEFAULT_AUDIT_ROWS = 200
 # `checks.min_agreement` when unset: the audit's 95 % lower bound under this fails the WARN check.
 DEFAULT_MIN_AGREEMENT = 0.8
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class ColumnTeacher(_Strict):
