@@ -591,9 +591,9 @@ def test_each_prompt_reaches_the_engine_with_its_request_key(partition_dir: UPat
     assert [p.key for p in seen] == expected and len(set(expected)) == 3
 
 
-def test_each_prompt_reaches_the_engine_named_by_its_request_key() -> None:
-    """`Prompt.key` is the request's `request_key` (the batch API's `custom_id` is made from it), for
-    requests shared by partitions too."""
+def test_requests_of_several_partitions_reach_the_engine_named_by_their_request_keys() -> None:
+    """With deduplication, partitions that share a request (encoded by its first partition, the rest
+    by theirs, in one chunk) still send each prompt named by its `request_key`."""
     keys: list[str | None] = []
 
     def engine(prompts: list[Prompt]) -> list[Generation]:
