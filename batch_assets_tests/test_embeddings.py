@@ -444,7 +444,7 @@ def test_a_run_over_several_partitions_embeds_the_choices_once_in_the_same_strea
         rows = [(results_frame([[0.8, 0.6], [0.1, 0.9]]), InferenceStats()) for _ in parts[:-1]]
         return [*rows, (chosen, InferenceStats())]
 
-    parts = [PartitionInput(pl.DataFrame(), lambda texts: [], label=label) for label in ("a.csv", "b.csv")]
+    parts = [PartitionInput(pl.DataFrame(), lambda texts, keys=None: [], label=label) for label in ("a.csv", "b.csv")]
     results = task_format(task).infer(parts, InferenceStream(run, WordTokenizer(), 256))
     assert streams == [["a.csv", "b.csv", "choices"]]  # one stream, the choices once at its end
     assert [frame["generated_text"].to_list() for frame, _ in results] == [["sports", "cooking"]] * 2

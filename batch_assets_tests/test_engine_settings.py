@@ -425,3 +425,16 @@ def test_the_demo_starts_one_engine_per_model_of_the_shipped_tasks(monkeypatch: 
         for engine in vllm_engine.PROCESS_ENGINES.values():
             engine._engine = None
     assert started == [("generate", 2048), ("pooling", 256)]
+
+
+def test_the_demo_note_passes_over_a_task_its_engine_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task whose context the model does not take is refused when it runs (the demo runs the
+    others, `_engine_order`); the note after the demo must not fail on it."""
+    from batch_assets.lib.runner import demo_note
+
+    monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
+    task = next(task for task in load_task_specs() if not task.output.pooling)
+    engine = task.engine.model_copy(update={"max_model_len": 10**7})
+    engine.model_fields_set.add("max_model_len")
+    refused = task.model_copy(update={"engine": engine})
+    assert demo_note([refused]) is None and demo_note([refused, task]) is not None

@@ -17,7 +17,7 @@ import pytest
 from upath import UPath
 
 from batch_assets.pipeline import run_inference as run_inference_module
-from batch_assets.pipeline.engine_contract import Generation, Prompt, batched_stream
+from batch_assets.pipeline.engine_contract import Generation, Prompt, batched_stream, keys_of
 from batch_assets.pipeline.run_inference import InferenceError, PartitionInput, request_keys, run_inference
 from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
 from batch_assets.storage.errors import StorageError
@@ -44,8 +44,8 @@ def tokenize(prompts: list[str]) -> list[list[int]]:
     return [[ord(c) for c in prompt[8:-9]] + [0, 0] for prompt in prompts]
 
 
-def encode(prompts: list[str]) -> list[Prompt]:
-    return [Prompt(tuple(ids)) for ids in tokenize(prompts)]
+def encode(prompts: list[str], keys: list[str] | None = None) -> list[Prompt]:
+    return [Prompt(tuple(ids), key=key) for ids, key in zip(tokenize(prompts), keys_of(prompts, keys), strict=True)]
 
 
 class Engine:
@@ -465,7 +465,7 @@ def test_a_per_request_max_tokens_decides_whether_a_prompt_fits() -> None:
     """`Prompt.sampling` overrides the task's sampling for one request, also in the too-long check."""
     from batch_assets.pipeline.task_spec import SamplingSpec
 
-    def encode_long_answers(prompts: list[str]) -> list[Prompt]:
+    def encode_long_answers(prompts: list[str], keys: list[str] | None = None) -> list[Prompt]:
         return [Prompt(tuple(ids), sampling=SamplingSpec(max_tokens=60)) for ids in tokenize(prompts)]
 
     engine = Engine()
@@ -589,3 +589,27 @@ def test_each_prompt_reaches_the_engine_with_its_request_key(partition_dir: UPat
     infer(frame, Engine(), None, deduplicate=False, session=Recording(Engine(), 4))
     expected = request_keys(frame["prompt"].to_list(), [0, 1, 2], deduplicate=False)
     assert [p.key for p in seen] == expected and len(set(expected)) == 3
+
+
+def test_requests_of_several_partitions_reach_the_engine_named_by_their_request_keys() -> None:
+    """With deduplication, partitions that share a request (encoded by its first partition, the rest
+    by theirs, in one chunk) still send each prompt named by its `request_key`."""
+    keys: list[str | None] = []
+
+    def engine(prompts: list[Prompt]) -> list[Generation]:
+        keys.extend(p.key for p in prompts)
+        return Engine()(prompts)
+
+    run_inference(
+        [
+            PartitionInput(formatted_frame(["x", "y"]), encode, None, "a"),
+            PartitionInput(formatted_frame(["y", "z"]), encode, None, "b"),
+        ],
+        session=Session(engine, batch_size=10),  # type: ignore[arg-type]
+        max_model_len=64,
+        max_tokens=8,
+        batch_size=10,
+        deduplicate=True,
+    )
+    prompts = [f"<prompt>{text}</prompt>" for text in ("x", "y", "z")]
+    assert sorted(k for k in keys if k is not None) == sorted(request_keys(prompts, [0, 1, 2], True)) and len(keys) == 3

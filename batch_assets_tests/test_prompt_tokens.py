@@ -191,3 +191,20 @@ def test_too_many_distinct_first_characters_tokenize_the_partition_whole() -> No
     # Within the bound: the sample plus one row per first and per last character not already in it.
     rows = pl.Series(["a1", "a2", None, "b1", "a3!"])
     assert sample_of(rows, size=1) == ["a1", "b1", "a2", "a3!"]  # first a, b; last 1, 2, !
+
+
+def test_a_chat_template_with_generation_blocks_renders_as_transformers_renders_it() -> None:
+    """Training-ready chat templates mark the assistant's turns with `{% generation %}` blocks
+    (transformers' assistant masks); rendering without transformers must accept them and render
+    their body, as transformers does."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from batch_assets.engines.tokenizers import compiled_chat_template
+
+    template = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}A: {{ m.content }}\n"
+        "{% endgeneration %}{% else %}U: {{ m.content }}\n{% endif %}{% endfor %}"
+    )
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    expected = _compile_jinja_template(template).render(messages=messages)
+    assert compiled_chat_template(template).render(messages=messages) == expected == "U: hi\nA: yo\n"

@@ -37,11 +37,23 @@ def load_tokenizer(source: str):
 def compiled_chat_template(template: str):
     """A chat template compiled as transformers' `_compile_jinja_template` does (sandboxed, blocks
     trimmed, loop controls, its `tojson`, `raise_exception` and `strftime_now`): hand-written here so
-    rendering a prompt needs jinja2 only, not transformers and torch. The `{% generation %}` tag
-    transformers adds (assistant masks for training) is not needed to render a prompt."""
+    rendering a prompt needs jinja2 only, not transformers and torch. The `{% generation %}` blocks
+    transformers tracks (assistant masks for training) render their body, as there."""
     import jinja2
     import jinja2.ext
+    import jinja2.nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -51,7 +63,7 @@ def compiled_chat_template(template: str):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
     )
     environment.filters["tojson"] = tojson
     environment.globals["raise_exception"] = raise_exception

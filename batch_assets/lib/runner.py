@@ -213,8 +213,16 @@ def _engine_order(task: TaskSpec, definitions: dg.Definitions) -> tuple:
 
 
 def demo_note(tasks: Sequence[TaskSpec]) -> str | None:
-    """The caution printed once after the demo's summaries, when a task ran on the embedded model."""
-    return EMBEDDED_MODEL_NOTE if any(resolve_settings(task).model == EMBEDDED_MODEL for task in tasks) else None
+    """The caution printed once after the demo's summaries, when a task ran on the embedded model
+    (a task its engine refused ran on none)."""
+    return EMBEDDED_MODEL_NOTE if any(_model_or_none(task) == EMBEDDED_MODEL for task in tasks) else None
+
+
+def _model_or_none(task: TaskSpec) -> str | None:
+    try:
+        return resolve_settings(task).model
+    except TaskSpecError:
+        return None
 
 
 EMBEDDED_MODEL_NOTE = """

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from batch_assets.pipeline.engine_contract import Prompt
+from batch_assets.pipeline.engine_contract import Prompt, keys_of
 from batch_assets.pipeline.format_prompts import TOKENIZE_CHUNK, Tokenizer, user_message_expr
 from batch_assets.pipeline.task_spec import OutputSpec
 
@@ -224,7 +224,7 @@ def format_embedding_prompts(
     return frame.with_columns(prompt=pl.when(pl.col("error").is_null()).then(pl.col("prompt")))
 
 
-def embedding_encoder(tokenizer: Tokenizer, max_model_len: int, truncate: bool) -> Callable[[list[str]], list[Prompt]]:
+def embedding_encoder(tokenizer: Tokenizer, max_model_len: int, truncate: bool) -> Callable[..., list[Prompt]]:
     """Texts → the token ids the pooling runner embeds: the model's special tokens added, as
     sentence-transformers and vLLM's `LLM.embed` tokenize; cut to `max_model_len` with `truncate`
     (too-long texts never get here otherwise: they are error rows). Each prompt keeps its text too:
@@ -234,14 +234,17 @@ def embedding_encoder(tokenizer: Tokenizer, max_model_len: int, truncate: bool) 
     if truncate:
         options |= {"truncation": True, "max_length": max_model_len}
 
-    def encode(texts: list[str]) -> list[Prompt]:
+    def encode(texts: list[str], keys: list[str] | None = None) -> list[Prompt]:
         if not texts:
             return []
         if backend is not None:
             ids = [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=True)]
         else:
             ids = tokenizer(texts, **options)["input_ids"]
-        return [Prompt(tuple(token_ids), text=text) for token_ids, text in zip(ids, texts, strict=True)]
+        return [
+            Prompt(tuple(token_ids), text=text, key=key)
+            for token_ids, text, key in zip(ids, texts, keys_of(texts, keys), strict=True)
+        ]
 
     return encode
 

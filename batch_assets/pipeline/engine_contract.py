@@ -23,7 +23,7 @@ An engine offers (see `Engine`):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -66,6 +66,12 @@ class Prompt:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+
+def keys_of(texts: Sequence[str], keys: Sequence[str] | None) -> Sequence[str | None]:
+    """The `Prompt.key` of each text an encoder is given: `keys` (run_inference passes each
+    request's), else None for each (a caller that needs no key)."""
+    return [None] * len(texts) if keys is None else keys
 
 
 class EngineStartError(RuntimeError):

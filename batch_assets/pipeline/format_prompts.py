@@ -27,7 +27,7 @@ from typing import Protocol
 
 import polars as pl
 
-from batch_assets.pipeline.engine_contract import Engine, Prompt
+from batch_assets.pipeline.engine_contract import Engine, Prompt, keys_of
 from batch_assets.pipeline.prompt_tokens import (
     PROMPT_TOKEN_IDS,
     TOKENIZE_CHUNK,
@@ -379,7 +379,7 @@ def _refuse_special_tokens_without_place(frame: pl.DataFrame, encoder: PromptEnc
 
 def prompt_encoders(
     engine: Engine, prompt_format: PromptFormat, tokenizer
-) -> Callable[[pl.DataFrame], Callable[[list[str]], list[Prompt]]]:
+) -> Callable[[pl.DataFrame], Callable[..., list[Prompt]]]:
     """For each partition's formatted prompts, the encoder of its prompt texts → `Prompt`s for
     `engine`; what does not depend on the partition (the tokenizer's special tokens, the chat
     template's text around the message) is worked out once, here.
@@ -392,22 +392,30 @@ def prompt_encoders(
     # formatted_prompts stored without their ids (made before they were kept); else the ids are read.
     token_ids = PromptEncoder(prompt_format, tokenizer).encode
 
-    def for_partition(formatted: pl.DataFrame) -> Callable[[list[str]], list[Prompt]]:
+    def for_partition(formatted: pl.DataFrame) -> Callable[..., list[Prompt]]:
         valid = formatted.filter(pl.col("error").is_null())
         ids_of = stored_token_ids(valid) if PROMPT_TOKEN_IDS in valid.columns else token_ids
         if not engine.sends_chat_messages:
-            return lambda prompts: [Prompt(tuple(ids)) for ids in ids_of(prompts)]
+
+            def encode_ids(prompts: list[str], keys: list[str] | None = None) -> list[Prompt]:
+                return [
+                    Prompt(tuple(ids), key=key)
+                    for ids, key in zip(ids_of(prompts), keys_of(prompts, keys), strict=True)
+                ]
+
+            return encode_ids
         users = valid.select(user_message_expr(prompt_format.template).alias("user"))["user"]
         # Identical prompts come from identical user messages, so the prompt text is a safe key.
         user_by_prompt = dict(zip(valid["prompt"].to_list(), users.to_list(), strict=True))
 
-        def encode(prompts: list[str]) -> list[Prompt]:
+        def encode(prompts: list[str], keys: list[str] | None = None) -> list[Prompt]:
             return [
                 Prompt(
                     tuple(ids),
                     tuple(messages_for(prompt_format.system, user_by_prompt[prompt], prompt_format.examples)),
+                    key=key,
                 )
-                for prompt, ids in zip(prompts, ids_of(prompts), strict=True)
+                for prompt, ids, key in zip(prompts, ids_of(prompts), keys_of(prompts, keys), strict=True)
             ]
 
         return encode

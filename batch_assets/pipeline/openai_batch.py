@@ -60,7 +60,7 @@ from typing import Any
 import polars as pl
 
 from batch_assets.pipeline.embeddings import format_embedding_prompts
-from batch_assets.pipeline.engine_contract import Prompt
+from batch_assets.pipeline.engine_contract import Prompt, keys_of
 from batch_assets.pipeline.format_prompts import Tokenizer, count_tokens
 from batch_assets.pipeline.read_prompts import DropFileError, _gunzip, input_suffix
 from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec
@@ -846,14 +846,16 @@ def batch_prompt_encoder(engine, task, tokenizer: Tokenizer, formatted: pl.DataF
         # Identical prompt texts come from identical messages, so the prompt is a safe key for them.
         messages_by_prompt = dict(zip(valid["prompt"].to_list(), valid["messages"].to_list(), strict=True))
 
-    def encode(prompts: list[str], params: list[str]) -> list[Prompt]:
+    def encode(prompts: list[str], params: list[str], keys: list[str] | None = None) -> list[Prompt]:
         token_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
         out = []
-        for prompt, ids, param in zip(prompts, token_ids, params, strict=True):
+        for prompt, ids, param, key in zip(prompts, token_ids, params, keys_of(prompts, keys), strict=True):
             spec = RequestSpec.from_params_json(param)
             messages = messages_by_prompt.get(prompt)
             out.append(
-                Prompt(tuple(ids), tuple(json.loads(messages)) if messages else None, spec.sampling, spec.output)
+                Prompt(
+                    tuple(ids), tuple(json.loads(messages)) if messages else None, spec.sampling, spec.output, key=key
+                )
             )
         return out
 

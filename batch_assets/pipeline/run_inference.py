@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import polars as pl
@@ -86,8 +86,9 @@ class PartitionInput:
     """One partition's share of a stream."""
 
     formatted: pl.DataFrame  # formatted_prompts: row_id, prompt, error, num_prompt_tokens, inputs
-    # prompt texts → engine prompts (engine_contract.py); called as encode(texts, request_params)
-    # when `formatted` has per-request params (OpenAI batch lines)
+    # prompt texts → engine prompts (engine_contract.py), each built with its `key` (the request's
+    # `request_key`, one per text); called as encode(texts, request_params, keys=keys) when
+    # `formatted` has per-request params (OpenAI batch lines), else encode(texts, keys=keys)
     encode: Callable[..., list[Prompt]]
     checkpoints: Checkpoints | None = None
     label: str = ""  # names the partition in log lines when a stream has several
@@ -598,11 +599,6 @@ def _stream(
 def _encode(batch: pl.DataFrame, plans: list[_Plan]) -> list[Prompt]:
     """Each request of `batch` (a slice of the requests) encoded by the first partition that needs
     it (its rows know the chat messages), carrying its request key."""
-    keys = batch["request_key"].to_list()
-    return [replace(prompt, key=key) for prompt, key in zip(_encoded(batch, plans), keys, strict=True)]
-
-
-def _encoded(batch: pl.DataFrame, plans: list[_Plan]) -> list[Prompt]:
     owners = batch["owner"]
     groups = (
         [(owners[0], None)]
@@ -612,11 +608,11 @@ def _encoded(batch: pl.DataFrame, plans: list[_Plan]) -> list[Prompt]:
     prompts: list[Prompt | None] = [None] * batch.height
     for owner, rows in groups:
         part = batch if rows is None else batch[rows]
-        texts = part["prompt"].to_list()
+        texts, keys = part["prompt"].to_list(), part["request_key"].to_list()
         if "request_params" in plans[owner].pending.columns:
-            encoded = plans[owner].part.encode(texts, part["request_params"].to_list())
+            encoded = plans[owner].part.encode(texts, part["request_params"].to_list(), keys=keys)
         else:
-            encoded = plans[owner].part.encode(texts)
+            encoded = plans[owner].part.encode(texts, keys=keys)
         if len(encoded) != len(texts):
             raise RuntimeError(f"encoding {len(texts)} prompts gave {len(encoded)}")
         if rows is None:

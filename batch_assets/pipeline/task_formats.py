@@ -73,7 +73,8 @@ from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.pipeline.validate_labels import validate_labels
 
-# A partition's prompt texts (and, for OpenAI batch lines, their request params) → engine prompts.
+# A partition's prompt texts (and, for OpenAI batch lines, their request params; `keys=`: each
+# prompt's `Prompt.key`) → engine prompts.
 Encode = Callable[..., list[Prompt]]
 # formatted_prompts of one partition → its `Encode` (what is the same for every partition built once).
 PartitionEncoders = Callable[[pl.DataFrame], Encode]
