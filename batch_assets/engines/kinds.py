@@ -76,8 +76,7 @@ def resolve_settings(task: TaskSpec, engines: Mapping[str, Any] | None = None) -
     not fit the model it chose."""
     engine: Engine = (default_engines() if engines is None else engines)[engine_kind(task).resource_key]
     resolved = engine.resolve(task)
-    cascade = task.output.cascade
-    if cascade is not None and cascade.teacher == "llm":
+    if task.output.chat_teacher:
         # The chat teacher runs on the same engine kind: resolved as its own chat task would be.
         resolved = replace(resolved, teacher=engine.resolve(teacher_task(task)))
     return resolved

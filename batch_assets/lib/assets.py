@@ -357,8 +357,7 @@ def teacher_session(
     request goes through `run_inference` as a chat choices task's (`teacher_task`): the result cache,
     checkpoints (a folder of their own, so the embedding's run never removes them), deduplication and
     error rows. None for every other task."""
-    cascade = task.output.cascade
-    if cascade is None or cascade.teacher != "llm":
+    if not task.output.chat_teacher:
         yield None
         return
     teacher = teacher_task(task)
@@ -444,7 +443,8 @@ def validate_partition(
 ) -> pl.DataFrame:
     # inference_outputs is stored by now, so its checkpoints have served their purpose.
     clear_checkpoints(checkpoint_dir(task.name, partition_key))
-    clear_checkpoints(teacher_checkpoint_dir(task.name, partition_key))
+    if task.output.chat_teacher:  # only such a task has them: no listing (an S3 request) for every other
+        clear_checkpoints(teacher_checkpoint_dir(task.name, partition_key))
     labels = calibrated_labels(fmt.validate(outputs), task)
     files = fmt.output_files(labels, partition_key, int(time.time()), model)
     metadata = {**files.metadata, **write_output_files(task, files), **labels_metadata(labels, task, fmt)}

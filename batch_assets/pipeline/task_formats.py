@@ -493,8 +493,7 @@ class CascadeRecords(_EmbeddedRecords):
         )
 
     def labelled_by(self, model: str) -> str:
-        cascade = self.task.output.cascade
-        teacher = "a chat model" if cascade is not None and cascade.teacher == "llm" else "a teacher column"
+        teacher = "a chat model" if self.task.output.chat_teacher else "a teacher column"
         return f"cascade: {teacher} and a student on {model} embeddings"
 
     def output_identity(self, settings: EngineSettings) -> dict[str, Any]:

@@ -111,6 +111,11 @@ class OutputSpec(_Strict):
         return self.confidence and self.kind in ("choices", "regex")
 
     @property
+    def chat_teacher(self) -> bool:
+        """A cascade whose teacher is a chat model (`teacher: llm`): a chat engine beside the embedding one."""
+        return self.cascade is not None and self.cascade.teacher == "llm"
+
+    @property
     def pooling(self) -> bool:
         """The task runs on vLLM's pooling runner (an embedding model), not on a chat model."""
         return self.kind == "embedding" or self.method in ("similarity", "cascade")

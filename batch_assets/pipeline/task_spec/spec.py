@@ -102,7 +102,7 @@ class TaskSpec(_Strict):
             )
         if self.prompt is None:  # an openai_batch task: each line carries its text
             return self
-        if self.output.cascade is not None and self.output.cascade.teacher == "llm":
+        if self.output.chat_teacher:
             return self  # the chat teacher reads the whole prompt; the embedding, the template alone
         # Few-shot examples are chat turns: an embedding has no conversation to put them in.
         for key in ("system", "raw_template", "examples", "raw_example_template"):
