@@ -136,3 +136,14 @@ def test_a_finished_batch_unlinks_its_run_input_and_notes_a_failed_exit_status(
     assert record is not None and record["batch"]["status"] == "failed"
     assert json.dumps(record["batch"]["errors"]).count("batch_run_failed") == 1
     assert not link.exists()
+
+
+def test_a_created_batch_is_validated_with_its_lines_counted(store: ServeStore) -> None:
+    api = client(store)
+    file_id = upload(api, LINE * 3 + LINE.rstrip(b"\n")).json()["id"]  # the last line without a newline
+    batch = api.post(
+        "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    ).json()
+    BatchRunner(store, {"/v1/chat/completions": CHAT_TASK})._validate_pending()
+    validated = api.get(f"/v1/batches/{batch['id']}").json()
+    assert (validated["status"], validated["request_counts"]["total"]) == ("in_progress", 4)
