@@ -314,6 +314,21 @@ def test_vllms_structured_outputs_field_becomes_a_choice_or_regex_constraint(tok
     assert labels["error"][2].startswith("invalid_label: line 3: 'posi' is not one of the line's choice")
 
 
+def test_a_structured_outputs_constraint_no_task_could_have_is_that_lines_error_row(tokenizer) -> None:
+    """A regex that does not compile or matches only "", choices equal but for spaces: the line's
+    own `invalid_field`, never a failure of the whole file when its constraint is built."""
+    data = jsonl(
+        chat_line("ok", structured_outputs={"regex": "[0-9]+"}),
+        chat_line("bad-regex", structured_outputs={"regex": "("}),
+        chat_line("empty-regex", structured_outputs={"regex": "^$"}),
+        chat_line("spaced-choices", structured_outputs={"choice": ["a", " a"]}),
+    )
+    out = format_lines(data, tokenizer)
+    assert [e and e.split(":")[0] for e in out["error"]] == [None, "invalid_field", "invalid_field", "invalid_field"]
+    assert "body.structured_outputs.regex" in out["error"][1] and "not a valid regular expression" in out["error"][1]
+    assert "body.structured_outputs.choice" in out["error"][3]
+
+
 def test_too_long_prompts_and_model_mismatch_are_error_rows(tokenizer) -> None:
     data = jsonl(
         chat_line("short", max_tokens=4, model="SmolLM2-135M-Instruct"),

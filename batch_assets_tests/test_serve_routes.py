@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from openai.types import Batch, FileObject
 from starlette.datastructures import UploadFile
 
 from batch_assets.serve.app import build_app
@@ -126,6 +127,8 @@ def test_a_finished_batch_unlinks_its_run_input_and_notes_a_failed_exit_status(
     runner._after_run(batch_id, exit_status=1)  # outputs written, then a check at ERROR failed
     record = store.batch_record(batch_id)
     assert record is not None and record["batch"]["status"] == "completed"
+    Batch.model_validate(record["batch"])  # OpenAI's schema, `errors` and `usage` included
+    FileObject.model_validate(store.file_object(record["batch"]["output_file_id"]))
     [error] = record["batch"]["errors"]["data"]
     assert error["code"] == "batch_run_exit_status" and "status 1" in error["message"]
     assert not link.exists()
@@ -136,3 +139,16 @@ def test_a_finished_batch_unlinks_its_run_input_and_notes_a_failed_exit_status(
     assert record is not None and record["batch"]["status"] == "failed"
     assert json.dumps(record["batch"]["errors"]).count("batch_run_failed") == 1
     assert not link.exists()
+
+
+def test_a_created_batch_is_validated_with_its_lines_counted(store: ServeStore) -> None:
+    api = client(store)
+    file_id = upload(api, LINE * 3 + LINE.rstrip(b"\n")).json()["id"]  # the last line without a newline
+    batch = api.post(
+        "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    ).json()
+    BatchRunner(store, {"/v1/chat/completions": CHAT_TASK})._validate_pending()
+    validated = api.get(f"/v1/batches/{batch['id']}").json()
+    assert (validated["status"], validated["request_counts"]["total"]) == ("in_progress", 4)
+    Batch.model_validate(validated)
+    FileObject.model_validate(api.get(f"/v1/files/{file_id}").json())

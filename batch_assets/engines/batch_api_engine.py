@@ -78,13 +78,14 @@ class BatchApiError(EndpointError):
     """The batch API cannot serve this run (refused key, quota, unreachable); the message names the setting."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BatchApiSettings(EndpointSettings):
-    completion_window: str = "24h"
-    poll_seconds: float = 30.0
-    max_requests_per_file: int = 50_000
-    max_bytes_per_file: int = 200 * 1024 * 1024
-    resubmit_failed: bool = False
+    # No defaults: `settings()` sets each from the task's `engine:` (task_spec/engine.py has them).
+    completion_window: str
+    poll_seconds: float
+    max_requests_per_file: int
+    max_bytes_per_file: int
+    resubmit_failed: bool
 
     def identity(self) -> dict[str, Any]:
         return {"engine": BATCH_API_KIND, "model": self.model, "base_url": self.base_url}

@@ -63,7 +63,7 @@ from batch_assets.pipeline.embeddings import format_embedding_prompts
 from batch_assets.pipeline.engine_contract import Prompt, keys_of
 from batch_assets.pipeline.format_prompts import Tokenizer, count_tokens
 from batch_assets.pipeline.read_prompts import DropFileError, _gunzip, input_suffix
-from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec
+from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec, SettingError, check_choices, check_label_regex
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -462,11 +462,23 @@ def _structured_outputs(value: object) -> dict:
     if "regex" in value:
         if not isinstance(value["regex"], str) or not value["regex"]:
             raise _LineError("invalid_field", "body.structured_outputs.regex must be a non-empty string")
+        _task_check(check_label_regex, value["regex"], "output.regex", "body.structured_outputs.regex")
         return {"type": "regex", "regex": value["regex"]}
     choices = value["choice"]
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise _LineError("invalid_field", "body.structured_outputs.choice must be a non-empty list of texts")
-    return {"type": "choice", "choice": list(dict.fromkeys(choices))}
+    choices = list(dict.fromkeys(choices))
+    _task_check(check_choices, choices, "output.choices", "body.structured_outputs.choice")
+    return {"type": "choice", "choice": choices}
+
+
+def _task_check(check: Any, value: Any, key: str, field: str) -> None:
+    """A task file's check of its output constraint (`OutputSpec`, which `output_for` builds from the
+    line's) run on the line's, so a constraint no task could have is this line's `invalid_field`."""
+    try:
+        check(value)
+    except SettingError as exc:
+        raise _LineError("invalid_field", str(exc).replace(key, field, 1)) from None
 
 
 def _messages(value: object) -> list[dict]:

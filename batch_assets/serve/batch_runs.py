@@ -32,6 +32,7 @@ import psutil
 
 from batch_assets.serve.objects import FINISHED, batch_errors, file_object, usage
 from batch_assets.serve.store import ServeStore, new_file_id
+from batch_assets.serve.uploads import scan_lines
 from batch_assets.storage.drop_files import partition_key_for
 from batch_assets.storage.locations import task_storage_dir
 
@@ -130,7 +131,7 @@ class BatchRunner:
             message = f"input file {batch['input_file_id']} was deleted before the batch started"
             batch.update(status="failed", failed_at=_now(), errors=batch_errors("invalid_file", message))
             return record
-        batch["request_counts"]["total"] = count_lines(path.read_bytes())
+        batch["request_counts"]["total"] = scan_lines(path)[0]
         batch.update(status="in_progress", in_progress_at=_now())
         return record
 

@@ -1,7 +1,8 @@
 """OpenAI's shapes for what `batch-assets serve` answers: file and batch objects, lists, errors.
 
-They follow the OpenAI API reference (and the `openai` client's `FileObject`, `Batch`,
-`BatchRequestCounts` and `BatchUsage` models), so any OpenAI client reads them.
+File and batch objects are built with the `openai` SDK's own models (`FileObject`, `Batch`,
+`BatchRequestCounts`, `BatchUsage`), which check each field as OpenAI's API has it, so any OpenAI
+client reads them.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from openai.types import Batch, BatchRequestCounts, BatchUsage, FileObject
+from openai.types.batch_usage import InputTokensDetails, OutputTokensDetails
 from pydantic import BaseModel, ConfigDict, Field
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -36,43 +39,31 @@ def api_error(message: str, *, code: str | None = None, param: str | None = None
 
 
 def file_object(file_id: str, filename: str, size: int, purpose: str) -> dict[str, Any]:
-    return {
-        "id": file_id,
-        "object": "file",
-        "bytes": size,
-        "created_at": int(time.time()),
-        "filename": filename,
-        "purpose": purpose,
-        "status": "processed",
-        "status_details": None,
-        "expires_at": None,
-    }
+    return FileObject(
+        id=file_id,
+        object="file",
+        bytes=size,
+        created_at=int(time.time()),
+        filename=filename,
+        purpose=purpose,  # type: ignore[arg-type]  # "batch" or "batch_output": the SDK's Literal checks it
+        status="processed",
+    ).model_dump(mode="json")
 
 
 def batch_object(batch_id: str, request: CreateBatch) -> dict[str, Any]:
     now = int(time.time())
-    return {
-        "id": batch_id,
-        "object": "batch",
-        "endpoint": request.endpoint,
-        "errors": None,
-        "input_file_id": request.input_file_id,
-        "completion_window": request.completion_window,
-        "status": "validating",
-        "output_file_id": None,
-        "error_file_id": None,
-        "created_at": now,
-        "in_progress_at": None,
-        "expires_at": now + WINDOW_SECONDS,
-        "finalizing_at": None,
-        "completed_at": None,
-        "failed_at": None,
-        "expired_at": None,
-        "cancelling_at": None,
-        "cancelled_at": None,
-        "request_counts": {"total": 0, "completed": 0, "failed": 0},
-        "metadata": request.metadata,
-    }
+    return Batch(
+        id=batch_id,
+        object="batch",
+        endpoint=request.endpoint,
+        input_file_id=request.input_file_id,
+        completion_window=request.completion_window,
+        status="validating",
+        created_at=now,
+        expires_at=now + WINDOW_SECONDS,
+        request_counts=BatchRequestCounts(total=0, completed=0, failed=0),
+        metadata=request.metadata,
+    ).model_dump(mode="json")
 
 
 def batch_errors(code: str, message: str, *, line: int | None = None, param: str | None = None) -> dict[str, Any]:
@@ -99,13 +90,13 @@ def usage(outputs: list[dict[str, Any]]) -> dict[str, Any]:
         counts = ((line.get("response") or {}).get("body") or {}).get("usage") or {}
         prompt += int(counts.get("prompt_tokens") or 0)
         completion += int(counts.get("completion_tokens") or 0)
-    return {
-        "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0},
-        "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": prompt + completion,
-    }
+    return BatchUsage(
+        input_tokens=prompt,
+        input_tokens_details=InputTokensDetails(cached_tokens=0),
+        output_tokens=completion,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=0),
+        total_tokens=prompt + completion,
+    ).model_dump(mode="json")
 
 
 def page(objects: list[dict[str, Any]], after: str | None, limit: int) -> dict[str, Any]:

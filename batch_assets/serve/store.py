@@ -23,6 +23,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from upath import UPath
+
+from batch_assets.storage.locations import write_bytes_atomically
+
 FILE_ID = re.compile(r"file-[0-9a-f]{32}")
 BATCH_ID = re.compile(r"batch_[0-9a-f]{32}")
 
@@ -36,10 +40,7 @@ def new_batch_id() -> str:
 
 
 def write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    temporary.write_bytes(data)
-    os.replace(temporary, path)
+    write_bytes_atomically(UPath(path), data)
 
 
 class ServeStore:

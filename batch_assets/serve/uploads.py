@@ -110,15 +110,9 @@ def check_batch_file(path: Path, filename: str, limits: UploadLimits) -> None:
         first = file.read(2)
     if first == b"\x1f\x8b":
         raise UploadRefused(400, f"{filename} is gzip-compressed; upload the .jsonl itself", "file", "invalid_file")
-    lines, blank, last = 0, True, b""
-    with path.open("rb") as file:
-        while chunk := file.read(_CHUNK):
-            lines += chunk.count(b"\n")
-            blank = blank and not chunk.strip()
-            last = chunk
+    lines, blank = scan_lines(path)
     if blank:
         raise UploadRefused(400, f"{filename} is empty", "file", "empty_file")
-    lines += not last.endswith(b"\n")
     if lines > limits.max_requests:
         raise UploadRefused(
             400,
@@ -136,6 +130,18 @@ def check_batch_file(path: Path, filename: str, limits: UploadLimits) -> None:
                 "file",
                 "invalid_file",
             )
+
+
+def scan_lines(path: Path) -> tuple[int, bool]:
+    """A file's lines (a last one without a newline counted) and whether it is blank, read a chunk
+    at a time: a batch file is never held whole in memory."""
+    lines, blank, last = 0, True, b""
+    with path.open("rb") as file:
+        while chunk := file.read(_CHUNK):
+            lines += chunk.count(b"\n")
+            blank = blank and not chunk.strip()
+            last = chunk
+    return lines + (bool(last) and not last.endswith(b"\n")), blank
 
 
 def _is_object(line: bytes) -> bool:
