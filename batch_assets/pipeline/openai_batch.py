@@ -63,7 +63,8 @@ from batch_assets.pipeline.embeddings import format_embedding_prompts
 from batch_assets.pipeline.engine_contract import Prompt, keys_of
 from batch_assets.pipeline.format_prompts import Tokenizer, count_tokens
 from batch_assets.pipeline.read_prompts import DropFileError, _gunzip, input_suffix
-from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec, SettingError, check_choices, check_label_regex
+from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec, SettingError
+from batch_assets.pipeline.task_spec.output import check_choices, check_label_regex
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
