@@ -185,7 +185,7 @@ def test_regex_and_json_schema_constraints_reach_the_server(
 ) -> None:
     base = task_on_endpoint(tmp_path, vllm_server)
     engine = OpenAIEngine()
-    tokenizer = engine.tokenizer(base)
+    tokenizer = engine.tokenizer(engine.settings(base))
     posts = ["The parcel arrived broken.", "Lovely day at the beach!", "Train at 9:15."]
     prompts = [Prompt(tuple(tokenizer(p)["input_ids"]), ({"role": "user", "content": p},)) for p in posts]
 
