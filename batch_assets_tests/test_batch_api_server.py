@@ -87,21 +87,31 @@ class BatchServer:
 
 
 def _python_312() -> str | None:
-    """A Python >= 3.12 for OGX: BATCH_ASSETS_OGX_PYTHON, python3.12+ on PATH, else pyenv's newest
-    (`pyenv root`, PYENV_ROOT, ~/.pyenv or /root/.pyenv)."""
-    for candidate in (
+    """A Python >= 3.12 for OGX that runs: BATCH_ASSETS_OGX_PYTHON, python3.12+ on PATH, else pyenv's
+    oldest 3.12+ (the one OGX is tested with here; `pyenv root`, PYENV_ROOT, ~/.pyenv or /root/.pyenv).
+    Each is tried, because a pyenv shim is on PATH for every version pyenv knows but fails for one its
+    global setting does not enable."""
+    on_path = [
         os.environ.get("BATCH_ASSETS_OGX_PYTHON"),
         *(shutil.which(f"python3.{minor}") for minor in range(12, 16)),
-    ):
-        if candidate:
-            return candidate
-    for root in _pyenv_roots():
-        found = sorted(
-            root.glob("versions/3.1[2-9].*/bin/python"), key=lambda p: [int(n) for n in p.parts[-3].split(".")[:2]]
+    ]
+    in_pyenv = [
+        str(found)
+        for root in _pyenv_roots()
+        for found in sorted(
+            root.glob("versions/3.1[2-9].*/bin/python"),
+            key=lambda p: [int(n) for n in p.parts[-3].split(".")[:2]],
         )
-        if found:
-            return str(found[-1])
-    return None
+    ]
+    return next((candidate for candidate in (*on_path, *in_pyenv) if candidate and _runs_312(candidate)), None)
+
+
+def _runs_312(python: str) -> bool:
+    check = [python, "-c", "import sys; sys.exit(sys.version_info < (3, 12))"]
+    try:
+        return subprocess.run(check, capture_output=True, check=False, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def _pyenv_roots() -> list[Path]:
