@@ -16,13 +16,21 @@ setup: $(STAMP)
 demo: setup
 	$(VENV)/bin/batch-assets demo
 
+# Two pytest-xdist workers: one test keeps about one core busy (engine start-ups, subprocesses and
+# waits leave the rest idle), so two workers fill CI's two cores. `--dist loadgroup` with the groups
+# conftest.py gives runs each test file on one worker, so a file's module and session fixtures
+# (engines, servers) are built once. `PYTEST_WORKERS=0` runs in one process; `--durations` lists the
+# slowest tests in the log.
+PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
+
 test: setup lint
 	bash scripts/install_system_deps.sh
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest $(XDIST) --durations=40 $(PYTEST_ARGS)
 
 # Pure functions and the definitions snapshot: no engine, daemon, browser or server (about a minute).
 test-fast: setup
-	$(VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -163,7 +163,19 @@ def drop(data: Path, task: str, name: str, content: bytes | str) -> Path:
 # engine in the fast tier, so collection refuses it.
 _MODEL_FIXTURES = {"tiny_model", "tiny_model_path"}
 
+# `make test` runs two pytest-xdist workers with `--dist loadgroup`: each test file is one group, run
+# by one worker, so its module and session fixtures (engines, servers) are built once, not once per
+# worker. The files that share the session's `vllm serve` (the `vllm_server` fixture) are one group.
+_SHARED_GROUPS = {"test_openai_engine.py": "vllm_server", "test_batch_api_server.py": "vllm_server"}
 
+
+def xdist_group(item: pytest.Item) -> str:
+    """The xdist group of a test: its file's name, or the group of the files that share a server."""
+    return _SHARED_GROUPS.get(item.path.name, item.path.stem)
+
+
+# tryfirst: xdist's worker reads the `xdist_group` marks in its own collection hook.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     unmarked = [
         item.nodeid
@@ -172,3 +184,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ]
     if unmarked:
         raise pytest.UsageError("tests that use a model must be marked `pytest.mark.slow`: " + ", ".join(unmarked))
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))

@@ -33,6 +33,7 @@ import dagster as dg
 import polars as pl
 import pytest
 
+from batch_assets.runtime.instance import exclusive_file_lock
 from batch_assets_tests.conftest import REPO_ROOT
 from batch_assets_tests.test_openai_engine import SERVER_KEY, Server, _free_port
 from batch_assets_tests.test_resume_kill import CLI, group_alive
@@ -140,14 +141,19 @@ def ogx_venv() -> Path:
     skipped, naming the command, where it cannot be built (no Python >= 3.12, no package index)."""
     venv = Path(os.environ.get("BATCH_ASSETS_OGX_VENV", REPO_ROOT / ".venv" / f"ogx-{OGX_VERSION}"))
     marker = venv / ".installed"
-    if not marker.exists():
-        python = _python_312()
-        if python is None:
-            pytest.skip("OGX needs Python >= 3.12: none found (set BATCH_ASSETS_OGX_PYTHON)")
-        shutil.rmtree(venv, ignore_errors=True)
-        _run_or_skip([python, "-m", "venv", str(venv)], "creating OGX's virtual environment")
-        _run_or_skip([*_installer(venv), f"ogx=={OGX_VERSION}"], f"installing ogx=={OGX_VERSION}")
-        marker.write_text(OGX_VERSION)
+    if marker.exists():
+        return venv
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    # Another pytest process (an xdist worker, a second checkout sharing .venv) may be building it.
+    with exclusive_file_lock(venv.with_name(venv.name + ".lock")):
+        if not marker.exists():
+            python = _python_312()
+            if python is None:
+                pytest.skip("OGX needs Python >= 3.12: none found (set BATCH_ASSETS_OGX_PYTHON)")
+            shutil.rmtree(venv, ignore_errors=True)
+            _run_or_skip([python, "-m", "venv", str(venv)], "creating OGX's virtual environment")
+            _run_or_skip([*_installer(venv), f"ogx=={OGX_VERSION}"], f"installing ogx=={OGX_VERSION}")
+            marker.write_text(OGX_VERSION)
     return venv
 
 

@@ -3,6 +3,8 @@ dies mid-partition, and start-up failures that say which setting to change."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from pathlib import Path
@@ -94,9 +96,20 @@ def test_sampling_with_a_seed_gives_the_same_labels_on_every_run(data_dir: Path,
     assert other_seed != runs[0]
 
 
-def engine_core_processes() -> list[psutil.Process]:
+def own_descendants() -> list[psutil.Process]:
+    """This process's descendants in its own process group: the in-process engine's, not those of the
+    session's servers (`vllm serve`, `batch-assets serve`), which run in sessions of their own."""
     found = []
     for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(child.pid) == os.getpgrp():
+                found.append(child)
+    return found
+
+
+def engine_core_processes() -> list[psutil.Process]:
+    found = []
+    for child in own_descendants():
         try:
             if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
                 found.append(child)
@@ -304,7 +317,7 @@ def test_a_run_frees_its_engine_before_its_step_frees_the_pool_slot(
         and e.step_key == "sentiment__inference_outputs"
     ]
     assert len(shut_down_at) == 1 and len(step_done_at) == 1 and shut_down_at[0] <= step_done_at[0]
-    assert [child for child in psutil.Process().children(recursive=True) if _live_engine_process(child)] == []
+    assert [child for child in own_descendants() if _live_engine_process(child)] == []
 
 
 def _live_engine_process(process: psutil.Process) -> bool:

@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import boto3
@@ -102,8 +103,9 @@ class S3:
 
 
 @pytest.fixture
-def s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
-    """An empty moto server with one bucket; BATCH_ASSETS_DATA points into it."""
+def s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[S3]:
+    """An empty moto server with one bucket; BATCH_ASSETS_DATA points into it. DAGSTER_HOME is the
+    test's own (the result cache lives there), not the one `make test` exports for the checkout."""
     _post(f"{moto_endpoint}/moto-api/reset")
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_RETRY_MODE"):
         monkeypatch.delenv(name, raising=False)
@@ -111,6 +113,9 @@ def s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
     # Two attempts per request keep the failure tests short; retries are still exercised.
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
     monkeypatch.setenv("BATCH_ASSETS_DATA", DATA_URL)
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
     use_endpoint(monkeypatch, moto_endpoint)
     client = boto3.client("s3")
     client.create_bucket(Bucket=BUCKET)

@@ -14,10 +14,19 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def built_tiny_model() -> Path:
-    """The tiny model's folder (`BATCH_ASSETS_TEST_MODEL_CACHE`, else .venv/tiny-test-model), built there if missing."""
+    """The tiny model's folder (`BATCH_ASSETS_TEST_MODEL_CACHE`, else .venv/tiny-test-model), built there if missing.
+
+    Built under a lock: pytest's workers (`make test` runs two) start on a fresh clone at once, and
+    both would build into the same `.partial` folder."""
+    from batch_assets.runtime.instance import exclusive_file_lock
+
     cached = Path(os.environ.get("BATCH_ASSETS_TEST_MODEL_CACHE", REPO_ROOT / ".venv" / "tiny-test-model"))
-    if not (cached / "model.safetensors").exists():
-        build_tiny_model(cached)
+    if (cached / "model.safetensors").exists():
+        return cached
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive_file_lock(cached.with_name(cached.name + ".lock")):
+        if not (cached / "model.safetensors").exists():  # the worker that held the lock built it
+            build_tiny_model(cached)
     return cached
 
 
@@ -53,5 +62,6 @@ def build_tiny_model(destination: Path) -> Path:
     config.dtype = "float32"
     config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
+    shutil.rmtree(destination, ignore_errors=True)  # a folder left without its weights
     staging.rename(destination)
     return destination
