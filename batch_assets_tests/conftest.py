@@ -169,9 +169,9 @@ _MODEL_FIXTURES = {"tiny_model", "tiny_model_path"}
 _SHARED_GROUPS = {"test_openai_engine.py": "vllm_server", "test_batch_api_server.py": "vllm_server"}
 
 
-def xdist_group(item: pytest.Item) -> str:
-    """The xdist group of a test: its file's name, or the group of the files that share a server."""
-    return _SHARED_GROUPS.get(item.path.name, item.path.stem)
+def xdist_group(test_file: Path) -> str:
+    """The xdist group of a test file's tests: its name, or the group of the files that share a server."""
+    return _SHARED_GROUPS.get(test_file.name, test_file.stem)
 
 
 # tryfirst: xdist's worker reads the `xdist_group` marks in its own collection hook.
@@ -185,4 +185,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if unmarked:
         raise pytest.UsageError("tests that use a model must be marked `pytest.mark.slow`: " + ", ".join(unmarked))
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item.path)))

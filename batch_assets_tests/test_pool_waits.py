@@ -97,6 +97,9 @@ def test_a_run_waiting_for_the_pool_uses_no_cpu_and_runs_once_the_slot_is_free(t
         assert storage.get_concurrency_info("gpu").active_slot_count == 0  # the run gave its slot back
 
 
+# Each round both processes ask at the same instant, and the one that got the slot holds it until
+# 0.8 s into the round (a fixed time, not a pause after the claim): the other's claim would have to
+# come 0.8 s late to find it free again, which even a loaded machine's scheduler does not do.
 CLAIMER = textwrap.dedent(
     """
     import json, sys, time
@@ -104,14 +107,16 @@ CLAIMER = textwrap.dedent(
     from batch_assets.runtime.pool_waits import serialize_pool_claims
 
     serialize_pool_claims()
-    name, start_at, rounds = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+    name, rounds = sys.argv[1], int(sys.argv[2])
     with dg.DagsterInstance.get() as instance:
         storage = instance.event_log_storage
+        print("ready", flush=True)
+        start_at = float(sys.stdin.readline())  # the test sends it once both processes are ready
         got = []
         for round_ in range(rounds):
-            time.sleep(max(0.0, start_at + round_ * 0.6 - time.time()))  # both ask at the same instant
+            time.sleep(max(0.0, start_at + round_ - time.time()))
             got.append(storage.claim_concurrency_slot("gpu", f"{name}-{round_}", "inference").is_claimed)
-            time.sleep(0.3)
+            time.sleep(max(0.0, start_at + round_ + 0.8 - time.time()))
             storage.free_concurrency_slots_for_run(f"{name}-{round_}")
         print(json.dumps(got))
     """
@@ -127,13 +132,23 @@ def test_two_runs_asking_for_the_one_gpu_slot_at_the_same_instant_never_both_get
     (tmp_path / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
         instance.event_log_storage.set_concurrency_slots("gpu", 1)
-    start_at = str(time.time() + 10)  # after both processes have imported Dagster
     claimers = [
         subprocess.Popen(
-            [sys.executable, "-c", CLAIMER, name, start_at, str(rounds)], env=env, stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", CLAIMER, name, str(rounds)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         for name in ("a", "b")
     ]
+    for claimer in claimers:  # both have imported Dagster and opened the instance
+        assert claimer.stdout is not None and claimer.stdout.readline().strip() == "ready"
+    start_at = f"{time.time() + 1}\n"
+    for claimer in claimers:
+        assert claimer.stdin is not None
+        claimer.stdin.write(start_at)
+        claimer.stdin.close()
     outputs = [claimer.communicate(timeout=120)[0] for claimer in claimers]
     assert all(claimer.returncode == 0 for claimer in claimers)
     first, second = (json.loads(output.strip().splitlines()[-1]) for output in outputs)

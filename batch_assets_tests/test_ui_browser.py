@@ -73,7 +73,7 @@ def graphql(base_url: str, query: str) -> dict:
         return json.loads(response.read())
 
 
-def wait_for_location(base_url: str, server: subprocess.Popen, log: Path, timeout: float = 240) -> None:
+def wait_for_location(base_url: str, server: subprocess.Popen, log: Path, timeout: float = 600) -> None:
     """Until the webserver answers and the `batch_assets` code location has loaded."""
     query = "{ workspaceOrError { ... on Workspace { locationEntries { name loadStatus } } } }"
     deadline = time.monotonic() + timeout
@@ -98,6 +98,10 @@ def ui(
     home, data = tmp_path / "dagster_home", tmp_path / "data"
     home.mkdir()
     shutil.copyfile(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
+    # A busy 2-core machine (`make test` runs two test workers) can take longer than Dagster's default
+    # 180 s to start the code server.
+    with (home / "dagster.yaml").open("a") as config:
+        config.write("\ncode_servers:\n  local_startup_timeout: 600\n")
     drop = data / "drops" / "sentiment" / SAMPLE.name
     drop.parent.mkdir(parents=True)
     shutil.copyfile(SAMPLE, drop)

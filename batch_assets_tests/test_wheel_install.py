@@ -27,10 +27,12 @@ from batch_assets_tests.conftest import REPO_ROOT
 pytestmark = pytest.mark.slow
 
 SHIPPED_TASKS = sorted(path.stem for path in (REPO_ROOT / "batch_assets" / "tasks").glob("*.yaml"))
-# What a checkout holds that is no part of the source tree.
+# What a checkout holds that is no part of the source tree; some of it (the Hypothesis database, the
+# screenshots, a Dagster home) another test may be writing while this one copies the tree.
 NOT_SOURCE = shutil.ignore_patterns(
-    ".git", ".venv", "data", ".dagster_home", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".screenshots"
-)
+    ".git", ".venv", "data", ".dagster_home", "build", "dist", "*.egg-info", "__pycache__", ".*_cache",
+    ".screenshots", ".hypothesis", "site",
+)  # fmt: skip
 
 LOAD_DEFINITIONS = """
 import json, batch_assets
