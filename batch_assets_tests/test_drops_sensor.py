@@ -14,7 +14,7 @@ from pathlib import Path
 import dagster as dg
 import polars as pl
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batch_assets.lib.drops_sensor import (
@@ -80,8 +80,8 @@ def test_partition_keys_are_path_safe_unique_and_accepted_by_dagster() -> None:
         assert sorted(instance.get_dynamic_partitions(partitions_def_name(TASK))) == sorted(keys)
 
 
-# No deadline: an example's time says nothing here, and it varies with the machine's load.
-@settings(deadline=None)
+# No deadline or speed check: an example's time says nothing here, and it varies with the machine's load.
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.lists(
         st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=80),

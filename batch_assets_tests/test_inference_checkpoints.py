@@ -395,7 +395,7 @@ def test_a_partition_whose_requests_are_done_is_checkpointed_while_the_stream_go
     class WatchingEngine(Engine):
         def __call__(self, prompts: list[Prompt]) -> list[Generation]:
             if chr(prompts[0].token_ids[0]) == "Z" and not a_written_before_b:
-                deadline = time.monotonic() + 5
+                deadline = time.monotonic() + 30  # the writer thread, on a loaded machine
                 while not stores["a"].writes and time.monotonic() < deadline:
                     time.sleep(0.01)
                 a_written_before_b.append(bool(stores["a"].writes))
@@ -576,7 +576,7 @@ def test_results_reach_the_cache_in_batches_while_the_stream_goes_on_each_after_
     class WatchingEngine(Engine):
         def __call__(self, prompts: list[Prompt]) -> list[Generation]:
             if len(self.seen) == 12:  # 12 of 20 answered: 3 chunks of 4 handed to the writer
-                deadline = time.monotonic() + 5
+                deadline = time.monotonic() + 30  # the writer thread, on a loaded machine
                 while cache.lookup().height < 12 and time.monotonic() < deadline:
                     time.sleep(0.01)
                 cached = set(cache.lookup()["request_key"])
