@@ -148,7 +148,7 @@ def test_two_runs_asking_for_the_one_gpu_slot_at_the_same_instant_never_both_get
     for claimer in claimers:
         assert claimer.stdin is not None
         claimer.stdin.write(start_at)
-        claimer.stdin.close()
+        claimer.stdin.flush()  # communicate() closes it
     outputs = [claimer.communicate(timeout=120)[0] for claimer in claimers]
     assert all(claimer.returncode == 0 for claimer in claimers)
     first, second = (json.loads(output.strip().splitlines()[-1]) for output in outputs)
