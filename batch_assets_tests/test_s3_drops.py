@@ -86,7 +86,6 @@ def use_endpoint(
 class S3:
     endpoint: str
     client: object
-    home: Path  # the test's DAGSTER_HOME
 
     def put(self, relative: str, body: str | bytes, task: str = TASK) -> None:
         data = body.encode("utf-8") if isinstance(body, str) else body
@@ -106,7 +105,8 @@ class S3:
 @pytest.fixture
 def s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[S3]:
     """An empty moto server with one bucket; BATCH_ASSETS_DATA points into it. DAGSTER_HOME is the
-    test's own (the result cache lives there), not the one `make test` exports for the checkout."""
+    test's own: with outputs in S3 the result cache lives there (`dg.instance_for_test` sets its own
+    while it is open; this one is for what runs outside it), not in the one `make test` exports."""
     _post(f"{moto_endpoint}/moto-api/reset")
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_RETRY_MODE"):
         monkeypatch.delenv(name, raising=False)
@@ -120,7 +120,7 @@ def s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> I
     use_endpoint(monkeypatch, moto_endpoint)
     client = boto3.client("s3")
     client.create_bucket(Bucket=BUCKET)
-    yield S3(moto_endpoint, client, home)
+    yield S3(moto_endpoint, client)
     _post(f"{moto_endpoint}/moto-api/reset-auth", b"inf")
     s3fs.S3FileSystem.clear_instance_cache()
 
@@ -177,8 +177,6 @@ def test_s3_drops_become_a_range_run_then_one_run_each_with_outputs_in_s3(s3: S3
         rows = {name: s3.read_output("validated_labels", partition_key_for(name)).height for name in names}
         assert rows == {"posts-a.jsonl": 3, "2026/11/posts b é.jsonl": 2, "posts-c.jsonl": 1}
         assert materialized(instance, "validated_labels") == set(keys)
-        # Outputs in S3 keep their result cache in DAGSTER_HOME: the test's, not the checkout's.
-        assert (s3.home / "result_cache" / f"{TASK}.sqlite3").is_file()
         # One run made all three partitions.
         labels = dg.AssetRecordsFilter(asset_key=dg.AssetKey([TASK, "validated_labels"]), asset_partitions=keys)
         assert {record.run_id for record in instance.fetch_materializations(labels, limit=10).records} == {run.run_id}
