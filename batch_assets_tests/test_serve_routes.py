@@ -152,3 +152,41 @@ def test_a_created_batch_is_validated_with_its_lines_counted(store: ServeStore) 
     assert (validated["status"], validated["request_counts"]["total"]) == ("in_progress", 4)
     Batch.model_validate(validated)
     FileObject.model_validate(api.get(f"/v1/files/{file_id}").json())
+
+
+def test_the_runner_looks_at_its_batches_without_reading_a_file_and_a_restart_reads_them_back(
+    store: ServeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner claims and validates every second: its look must not re-read every batch ever made."""
+    finished = []
+    for _ in range(50):
+        batch_id, _ = waiting_batch(store)
+        store.update_batch(batch_id, lambda record: {**record, "batch": {**record["batch"], "status": "completed"}})
+        finished.append(batch_id)
+    waiting = new_batch_id()
+    create = CreateBatch(input_file_id="file-" + "0" * 32, endpoint="/v1/chat/completions", completion_window="24h")
+    store.save_batch({"batch": batch_object(waiting, create), "run": {"task": CHAT_TASK}})
+    runner = BatchRunner(store, {"/v1/chat/completions": CHAT_TASK})
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("a batch record was read from disk")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Path, "read_text", no_reads)
+        patched.setattr(Path, "read_bytes", no_reads)
+        runner._validate_pending()
+        assert runner._claim_next() == waiting
+        assert runner._claim_next() is None
+
+    # A copy handed out is not the store's: a change counts only when saved.
+    record = store.batch_record(waiting)
+    assert record is not None
+    record["batch"]["status"] = "failed"
+    assert store.batch_record(waiting)["batch"]["status"] == "in_progress"
+
+    # A server started again on the same home sees every batch as it was saved.
+    again = ServeStore(store.root)
+    statuses = {record["batch"]["id"]: record["batch"]["status"] for record in again.batch_records()}
+    assert statuses == {**dict.fromkeys(finished, "completed"), waiting: "in_progress"}
+    assert again.batch_record(waiting)["run"]["started"] is True
+    assert [r["batch"]["id"] for r in again.batch_records(("in_progress",))] == [waiting]

@@ -30,7 +30,7 @@ from typing import Any
 
 import psutil
 
-from batch_assets.serve.objects import FINISHED, batch_errors, file_object, usage
+from batch_assets.serve.objects import FINISHED, UNFINISHED, batch_errors, file_object, usage
 from batch_assets.serve.store import ServeStore, new_file_id
 from batch_assets.serve.uploads import scan_lines
 from batch_assets.storage.drop_files import partition_key_for
@@ -104,10 +104,8 @@ class BatchRunner:
         """After a restart: a run left by a server that was killed is stopped (and resumes from its
         checkpoints when run again), a batch that was being cancelled is cancelled, one that was
         being finalized is finalized."""
-        for record in self.store.batch_records():
+        for record in self.store.batch_records(UNFINISHED):
             batch, run = record["batch"], record["run"]
-            if batch["status"] in FINISHED:
-                continue
             _stop_orphan(run.get("pid"), run.get("pid_started"))
             if batch["status"] == "cancelling":
                 batch["status"], batch["cancelled_at"] = "cancelled", _now()
@@ -118,9 +116,8 @@ class BatchRunner:
                 self._finalize(batch["id"])
 
     def _validate_pending(self) -> None:
-        for record in self.store.batch_records():
-            if record["batch"]["status"] == "validating":
-                self.store.update_batch(record["batch"]["id"], self._validated)
+        for record in self.store.batch_records(("validating",)):
+            self.store.update_batch(record["batch"]["id"], self._validated)
 
     def _validated(self, record: dict[str, Any]) -> dict[str, Any] | None:
         batch = record["batch"]
@@ -138,9 +135,9 @@ class BatchRunner:
     def _claim_next(self) -> str | None:
         """The oldest batch waiting to run, marked started (a cancel from now on has to stop its run)."""
         with self.store.lock:
-            for record in self.store.batch_records():
+            for record in self.store.batch_records(("in_progress",)):
                 batch = record["batch"]
-                if batch["status"] != "in_progress" or record["run"].get("started"):
+                if record["run"].get("started"):
                     continue
                 if _now() > batch["expires_at"]:
                     batch.update(status="expired", expired_at=_now())

@@ -19,6 +19,7 @@ COMPLETION_WINDOW = "24h"  # the only window OpenAI accepts
 WINDOW_SECONDS = 24 * 3600
 # A batch that is in one of these has no more to do.
 FINISHED = ("completed", "failed", "expired", "cancelled")
+UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 
 
 class CreateBatch(BaseModel):

@@ -10,16 +10,21 @@ Ids are generated here (`file-<32 hex>`, `batch_<32 hex>`) and a path is only ev
 that matches that pattern, so no id a client sends (`../../etc/passwd`) reaches outside these
 folders. Every JSON file is written whole (a temporary file renamed over it), so a server killed
 mid-write leaves the previous state, and batches survive a restart.
+
+Batches are read from disk once, when the store opens, and kept in memory: only one server writes
+a home's store (`batch-assets serve` holds the home's serve lock), and its runner looks at every
+batch each second, which re-reading the folder would make grow with the server's history.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +58,11 @@ class ServeStore:
         for folder in (self.files, self.batches, self.runs, self.logs):
             folder.mkdir(parents=True, exist_ok=True)
         self.lock = threading.RLock()
+        self._batches = {
+            path.stem: json.loads(path.read_text(encoding="utf-8"))
+            for path in self.batches.glob("batch_*.json")
+            if BATCH_ID.fullmatch(path.stem)
+        }
 
     # Files
 
@@ -102,16 +112,18 @@ class ServeStore:
     # Batches
 
     def batch_record(self, batch_id: str) -> dict[str, Any] | None:
-        """{"batch": the OpenAI object, "run": the server's own notes}, or None for an unknown id."""
-        if not BATCH_ID.fullmatch(batch_id):
-            return None
-        path = self.batches / f"{batch_id}.json"
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+        """{"batch": the OpenAI object, "run": the server's own notes}, or None for an unknown id. A
+        copy: a change is kept only when saved (`save_batch`, `update_batch`)."""
+        with self.lock:
+            record = self._batches.get(batch_id)
+            return copy.deepcopy(record) if record is not None else None
 
     def save_batch(self, record: dict[str, Any]) -> None:
         batch_id = record["batch"]["id"]
         assert BATCH_ID.fullmatch(batch_id), batch_id
-        write_atomically(self.batches / f"{batch_id}.json", json.dumps(record).encode("utf-8"))
+        with self.lock:
+            write_atomically(self.batches / f"{batch_id}.json", json.dumps(record).encode("utf-8"))
+            self._batches[batch_id] = copy.deepcopy(record)
 
     def update_batch(
         self, batch_id: str, change: Callable[[dict[str, Any]], dict[str, Any] | None]
@@ -128,10 +140,13 @@ class ServeStore:
             self.save_batch(changed)
             return changed
 
-    def batch_records(self) -> Iterator[dict[str, Any]]:
-        """Every batch, oldest first."""
-        records = [self.batch_record(path.stem) for path in self.batches.glob("batch_*.json")]
-        yield from sorted((r for r in records if r), key=_creation_order)
+    def batch_records(self, statuses: Collection[str] | None = None) -> Iterator[dict[str, Any]]:
+        """Every batch (or those in `statuses`), oldest first; copies, as `batch_record`'s."""
+        with self.lock:
+            kept = (r for r in self._batches.values() if statuses is None or r["batch"]["status"] in statuses)
+            records = sorted(kept, key=_creation_order)
+            copies = [copy.deepcopy(record) for record in records]
+        yield from copies
 
 
 def _creation_order(record: dict[str, Any]) -> tuple[int, int, str]:
