@@ -8,7 +8,7 @@ client reads them.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, get_args
 
 from openai.types import Batch, BatchRequestCounts, BatchUsage, FileObject
 from openai.types.batch_usage import InputTokensDetails, OutputTokensDetails
@@ -19,7 +19,8 @@ COMPLETION_WINDOW = "24h"  # the only window OpenAI accepts
 WINDOW_SECONDS = 24 * 3600
 # A batch that is in one of these has no more to do.
 FINISHED = ("completed", "failed", "expired", "cancelled")
-UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+# The rest of the statuses the SDK's Batch model allows: those the runner still has work for.
+UNFINISHED = tuple(status for status in get_args(Batch.model_fields["status"].annotation) if status not in FINISHED)
 
 
 class CreateBatch(BaseModel):
