@@ -128,7 +128,8 @@ def test_loading_tasks_and_building_their_definitions_never_imports_vllm(tmp_pat
     code = (
         "import sys; from pathlib import Path; from batch_assets.pipeline.task_spec import load_task_specs; "
         "from batch_assets.lib.task_definitions import build_definitions; "
-        f"build_definitions(tasks=load_task_specs(Path({str(tmp_path)!r}))); build_definitions(tasks=load_task_specs()); "
+        f"build_definitions(tasks=load_task_specs(Path({str(tmp_path)!r}))); "
+        "build_definitions(tasks=load_task_specs()); "
         "print('vllm' in sys.modules)"
     )
     done = subprocess.run(
