@@ -1,5 +1,6 @@
 """Engine settings declared once: first-class `engine:` fields, everything else in `engine.vllm_args`,
-checked against vLLM's own engine arguments when the task loads; data parallelism; no engine started."""
+checked against vLLM's own engine arguments (`AsyncEngineArgs`) before the engine starts and by
+`batch-assets tasks`, never when tasks load; data parallelism; no engine started."""
 
 from __future__ import annotations
 
@@ -33,27 +34,39 @@ def task_file(folder: Path, engine: str, name: str = "tickets") -> Path:
     return path
 
 
-def test_an_unknown_vllm_arg_is_refused_naming_the_file_the_key_and_the_closest_names(tmp_path: Path) -> None:
-    path = task_file(tmp_path, "  vllm_args:\n    max_num_seq: 64\n")
-    with pytest.raises(TaskSpecError) as refused:
-        load_task_spec(path)
+def test_an_unknown_vllm_arg_fails_the_engine_start_naming_the_task_the_key_and_the_closest_names(
+    tmp_path: Path,
+) -> None:
+    # It loads (no vLLM asked); a model id, so nothing is converted or read for the settings.
+    typo = load_task_spec(task_file(tmp_path, "  model: org/model-a\n  vllm_args:\n    max_num_seq: 64\n"))
+    engine = VLLMEngine()
+    with engine.session(typo, engine.settings(typo)) as session, pytest.raises(EngineStartError) as refused:
+        session.start()  # refused before any engine starts
     message = str(refused.value)
-    assert str(path) in message and "engine.vllm_args.max_num_seq is not an argument of vLLM's engine" in message
+    assert "engine.vllm_args.max_num_seq in the task file of 'tickets' is not an argument of vLLM's engine" in message
     assert "did you mean max_num_seqs" in message
+    # A field of vLLM's AsyncEngineArgs passes; a name set on the resource is named as the resource's.
+    good = load_task_spec(task_file(tmp_path / "good", "  vllm_args:\n    max_num_seqs: 64\n"))
+    assert engine.engine_argument_problem(good) is None
+    resource = VLLMEngine(vllm_args={"enable_prefix_cache": True}).engine_argument_problem(good) or ""
+    assert resource.startswith("`vllm_args.enable_prefix_cache` of the vLLM engine resource is not an argument")
+    assert "did you mean enable_prefix_caching" in resource
 
 
-def test_batch_assets_tasks_exits_non_zero_on_an_unknown_vllm_arg(tmp_path: Path) -> None:
+def test_batch_assets_tasks_exits_non_zero_on_an_unknown_vllm_arg(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from batch_assets import cli
+
     task_file(tmp_path / "tasks", "  vllm_args:\n    enable_prefix_cache: true\n")
-    env = {**os.environ, "BATCH_ASSETS_TASKS_DIR": str(tmp_path / "tasks"), "DAGSTER_HOME": str(tmp_path / "home")}
-    done = subprocess.run(
-        [str(REPO_ROOT / ".venv" / "bin" / "batch-assets"), "tasks"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode != 0
-    assert "enable_prefix_cache" in done.stdout + done.stderr and "enable_prefix_caching" in done.stdout + done.stderr
+    task_file(tmp_path / "tasks", "  vllm_args:\n    enable_prefix_caching: true\n", name="good")
+    monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(tmp_path / "tasks"))
+    monkeypatch.setenv("BATCH_ASSETS_DATA", str(tmp_path / "data"))
+    assert cli.main(["tasks"]) == 1
+    out, err = capsys.readouterr()
+    assert out.startswith("good\tchoices") and "tickets" not in out
+    assert "ERROR: task 'tickets' not loaded: engine.vllm_args.enable_prefix_cache in the task file of" in err
+    assert "did you mean enable_prefix_caching" in err
 
 
 def test_vllm_args_reach_the_engine_over_the_pipeline_defaults(tmp_path: Path) -> None:
@@ -109,11 +122,15 @@ def test_first_class_settings_are_refused_inside_vllm_args(tmp_path: Path) -> No
         load_task_spec(task_file(tmp_path, "  vllm_args: {logprobs_mode: processed_logits}\n", name="lp"))
 
 
-def test_loading_tasks_never_imports_vllm(tmp_path: Path) -> None:
-    task_file(tmp_path, "  vllm_args: {max_num_seqs: 8}\n")
+def test_loading_tasks_and_building_their_definitions_never_imports_vllm(tmp_path: Path) -> None:
+    # vLLM's engine arguments are asked of vLLM only before its engine starts: a typo loads here.
+    task_file(tmp_path, "  vllm_args: {max_num_seqs: 8, max_num_seq: 8}\n")
     code = (
         "import sys; from pathlib import Path; from batch_assets.pipeline.task_spec import load_task_specs; "
-        f"load_task_specs(Path({str(tmp_path)!r})); load_task_specs(); print('vllm' in sys.modules)"
+        "from batch_assets.lib.task_definitions import build_definitions; "
+        f"build_definitions(tasks=load_task_specs(Path({str(tmp_path)!r}))); "
+        "build_definitions(tasks=load_task_specs()); "
+        "print('vllm' in sys.modules)"
     )
     done = subprocess.run(
         [sys.executable, "-c", code],

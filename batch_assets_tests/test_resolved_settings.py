@@ -18,7 +18,7 @@ from batch_assets.engines.vllm_engine import VLLMEngine
 from batch_assets.lib.assets import inference_fingerprint
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.task_formats import task_format
-from batch_assets.pipeline.task_spec import TaskSpec
+from batch_assets.pipeline.task_spec import EMBEDDED_MODEL, TaskSpec
 
 CHAT: dict[str, Any] = {
     "name": "t",
@@ -109,10 +109,12 @@ def test_an_endpoint_is_sent_its_own_model_whatever_batch_assets_model_says(
     monkeypatch.setenv("BATCH_ASSETS_MODEL", "org/model-env")
     assert decided(chat, OpenAIEngine()) == before  # neither changes: the endpoint ignores it
     assert_both_change(before, decided(chat, OpenAIEngine(model="served-b")), "served-b")
-    # No model named: the server's only one, asked at the run; the code version cannot know it.
+    # No model named: the server's only one, asked at the run; the code version cannot know it, so
+    # the task's default name stands for it wherever the run's model is read.
     unnamed = task({**CHAT, "engine": {}}, **endpoint)
     resolved = OpenAIEngine().resolve(unnamed)
-    assert resolved.model is None and "server's only model" in resolved.model_setting
+    assert resolved.model_from_server and "server's only model" in resolved.model_setting
+    assert resolved.model == EMBEDDED_MODEL and not OpenAIEngine(model="served-b").resolve(unnamed).model_from_server
 
 
 def test_the_code_location_versions_assets_with_its_resources_settings() -> None:
@@ -150,3 +152,34 @@ def test_the_model_check_names_the_setting_that_chose_the_model(monkeypatch: pyt
     monkeypatch.setenv("BATCH_ASSETS_MODEL", missing)
     with pytest.raises(ModelNotFound, match=r"does not exist; set BATCH_ASSETS_MODEL to a model folder"):
         check_model(resolve_settings(task(CHAT)))
+
+
+def test_the_cli_and_the_demo_name_the_model_the_engine_resolved(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from batch_assets import cli
+    from batch_assets.lib.runner import demo_note
+
+    endpoint = {"kind": "openai", "base_url": "http://127.0.0.1:9/v1"}
+    tasks = {
+        "yaml": {**CHAT, "name": "yaml"},
+        "default": {**CHAT, "name": "default", "engine": {}},
+        "served": {**CHAT, "name": "served", "engine": endpoint},
+    }
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    for name, raw in tasks.items():
+        (folder / f"{name}.yaml").write_text(json.dumps({key: value for key, value in raw.items() if key != "name"}))
+    monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(folder))
+    monkeypatch.setenv("BATCH_ASSETS_DATA", str(tmp_path / "data"))
+    monkeypatch.setenv("BATCH_ASSETS_MODEL", "org/model-env")
+    assert cli.main(["tasks"]) == 0
+    models = {line.split("\t")[0]: line.split("\t")[2] for line in capsys.readouterr().out.splitlines()}
+    # BATCH_ASSETS_MODEL wins over the YAML's model in process; an endpoint serves its own.
+    assert models == {"default": "org/model-env", "served": "(the endpoint's only model)", "yaml": "org/model-env"}
+    # The demo's caution about the embedded model: for a task that runs it, not an endpoint's stand-in name.
+    monkeypatch.delenv("BATCH_ASSETS_MODEL")
+    assert demo_note([TaskSpec.model_validate(tasks["served"])]) is None
+    assert demo_note([TaskSpec.model_validate(tasks["default"])]) is not None

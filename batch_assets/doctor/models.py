@@ -59,7 +59,7 @@ def model_check(task: TaskSpec) -> Check:
     override = "BATCH_ASSETS_EMBEDDING_MODEL" if task.output.pooling else "BATCH_ASSETS_MODEL"
     setting = f"engine.model in the task file of {task.name!r} (or {override})"
     try:
-        model = resolve_settings(task).model or ""
+        model = resolve_settings(task).model
     except TaskSpecError as error:  # e.g. a max_model_len over what the model that runs takes
         return fail(name, str(error), setting)
     try:

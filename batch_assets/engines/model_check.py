@@ -24,7 +24,7 @@ class ModelNotFound(Exception):
 def check_model(settings: ResolvedSettings) -> None:
     """Fail at once, naming the setting to change, when the model the engine resolved cannot be found."""
     model, setting = settings.model, settings.model_setting
-    if settings.kind != "vllm" or model is None or model.startswith(EMBEDDED_PREFIX):
+    if settings.kind != "vllm" or model.startswith(EMBEDDED_PREFIX):
         return
     expanded = os.path.expanduser(model)
     if os.path.exists(expanded):

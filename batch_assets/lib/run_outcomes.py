@@ -183,7 +183,7 @@ def sample_accuracies(
         gold = _gold_accuracy(records)
         if gold:
             accuracy, rows = gold
-            model = resolve_settings(task).model or task.engine.model
+            model = resolve_settings(task).model
             found.append((task.name, task_format(task).labelled_by(model), accuracy, rows))
     return found
 

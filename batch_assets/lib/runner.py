@@ -209,7 +209,7 @@ def _engine_order(task: TaskSpec, definitions: dg.Definitions) -> tuple:
         settings = resolve_settings(task, definitions.resources)
     except TaskSpecError:
         return ("~", "", 0, task.name)  # refused when it runs, with the reason, after the others
-    return (settings.kind, settings.model or "", -settings.max_model_len, task.name)
+    return (settings.kind, settings.model, -settings.max_model_len, task.name)
 
 
 def demo_note(tasks: Sequence[TaskSpec]) -> str | None:
@@ -219,10 +219,12 @@ def demo_note(tasks: Sequence[TaskSpec]) -> str | None:
 
 
 def _model_or_none(task: TaskSpec) -> str | None:
+    """The model the task runs; None when its engine refused it or an endpoint serves its own."""
     try:
-        return resolve_settings(task).model
+        settings = resolve_settings(task)
     except TaskSpecError:
         return None
+    return None if settings.model_from_server else settings.model
 
 
 EMBEDDED_MODEL_NOTE = """

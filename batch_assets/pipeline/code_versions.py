@@ -55,8 +55,9 @@ def code_versions(task: TaskSpec, settings: ResolvedSettings) -> dict[str, str]:
     # vLLM arguments count like engine fields (dtype and seed were engine fields before vllm_args);
     # the engine's resolver left out those that change speed only.
     engine.update(settings.vllm_args)
-    # An endpoint's unnamed model is the server's: its name is not known before the run.
-    engine["model"] = settings.model or task.engine.model
+    # An endpoint's unnamed model is the server's: its name is not known before the run, and the
+    # resolved settings name the task's default for it.
+    engine["model"] = settings.model
     engine["max_model_len"] = settings.max_model_len
     formatting = {
         # How rows are grouped into partitions changes no row's prompt.
@@ -79,7 +80,9 @@ def code_versions(task: TaskSpec, settings: ResolvedSettings) -> dict[str, str]:
     }
     if settings.teacher is not None:  # a cascade's chat teacher: its model decides labels too
         teacher = settings.teacher
-        inference["teacher"] = {"model": teacher.model, "max_model_len": teacher.max_model_len, **teacher.vllm_args}
+        # An endpoint teacher's unnamed model counts as none here (as it always has: its versions stay).
+        model = None if teacher.model_from_server else teacher.model
+        inference["teacher"] = {"model": model, "max_model_len": teacher.max_model_len, **teacher.vllm_args}
     return {
         "formatted_prompts": _digest(formatting),
         "inference_outputs": _digest(inference),

@@ -86,8 +86,11 @@ class ResolvedSettings:
     (made from it) change together."""
 
     kind: str  # the engine that runs the task: `vllm` (in process), `openai` (an endpoint) or `batch_api`
-    # The model as named (`embedded:` names unexpanded); None: the endpoint's only served model.
-    model: str | None
+    # The model the task runs, as named (`embedded:` names unexpanded): what the code versions, the
+    # labels' files, the model check and `batch-assets tasks` read; none of them reads the task's
+    # `engine.model`. An endpoint told no model serves its only one, whose name only the server knows:
+    # the task's default name stands for it here (`model_from_server`), as the code versions always had it.
+    model: str
     model_setting: str  # where that name was set, in words a user can act on
     # The context as set (resource, else YAML); an embedding task that sets none runs at its model's limit.
     max_model_len: int
@@ -96,6 +99,8 @@ class ResolvedSettings:
     vllm_args: dict[str, Any] = field(default_factory=dict)
     # A cascade's `teacher: llm`: the chat teacher's own resolved settings (engines/kinds.py).
     teacher: ResolvedSettings | None = None
+    # The endpoint is sent no model name and the run asks the server which model it serves.
+    model_from_server: bool = False
 
 
 class EngineSettings(Protocol):
@@ -113,7 +118,7 @@ class EngineSettings(Protocol):
 def model_name(settings: EngineSettings) -> str:
     """The model as a user names it: as resolved (an `embedded:` name unexpanded), or the name an
     endpoint serves when the task named none."""
-    return settings.resolved.model or settings.model
+    return settings.model if settings.resolved.model_from_server else settings.resolved.model
 
 
 @runtime_checkable

