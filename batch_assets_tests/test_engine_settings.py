@@ -1,6 +1,6 @@
 """Engine settings declared once: first-class `engine:` fields, everything else in `engine.vllm_args`,
-checked against vLLM's own engine arguments (`AsyncEngineArgs`) before the engine starts and by
-`batch-assets tasks`, never when tasks load; data parallelism; no engine started."""
+checked against vLLM's own engine arguments (`AsyncEngineArgs`, asked once per installed vLLM in a
+child process) when the definitions load; data parallelism; no engine started."""
 
 from __future__ import annotations
 
@@ -34,14 +34,14 @@ def task_file(folder: Path, engine: str, name: str = "tickets") -> Path:
     return path
 
 
-def test_an_unknown_vllm_arg_fails_the_engine_start_naming_the_task_the_key_and_the_closest_names(
+def test_an_unknown_vllm_arg_is_refused_when_settings_resolve_naming_the_task_the_key_and_the_closest_names(
     tmp_path: Path,
 ) -> None:
-    # It loads (no vLLM asked); a model id, so nothing is converted or read for the settings.
+    # It loads (the pure checks need no vLLM); a model id, so nothing is converted or read.
     typo = load_task_spec(task_file(tmp_path, "  model: org/model-a\n  vllm_args:\n    max_num_seq: 64\n"))
     engine = VLLMEngine()
-    with engine.session(typo, engine.settings(typo)) as session, pytest.raises(EngineStartError) as refused:
-        session.start()  # refused before any engine starts
+    with pytest.raises(TaskSpecError) as refused:
+        engine.resolve(typo)  # what building the definitions and `batch-assets run` call first
     message = str(refused.value)
     assert "engine.vllm_args.max_num_seq in the task file of 'tickets' is not an argument of vLLM's engine" in message
     assert "did you mean max_num_seqs" in message
@@ -51,6 +51,23 @@ def test_an_unknown_vllm_arg_fails_the_engine_start_naming_the_task_the_key_and_
     resource = VLLMEngine(vllm_args={"enable_prefix_cache": True}).engine_argument_problem(good) or ""
     assert resource.startswith("`vllm_args.enable_prefix_cache` of the vLLM engine resource is not an argument")
     assert "did you mean enable_prefix_caching" in resource
+
+
+def test_vllms_argument_names_are_asked_once_per_installed_vllm_and_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batch_assets.engines import vllm_args
+
+    monkeypatch.setenv("BATCH_ASSETS_CACHE", str(tmp_path / "cache"))
+    vllm_args.engine_argument_names.cache_clear()
+    names = vllm_args.engine_argument_names()
+    assert {"max_num_seqs", "enable_prefix_caching", "dtype", "seed"} <= names and "max_num_seq" not in names
+    (kept,) = (tmp_path / "cache").glob("vllm-engine-args-*.json")
+    # The next process reads the kept list: what is in the file is what it believes.
+    kept.write_text('["max_num_seqs", "only_in_this_file"]', encoding="utf-8")
+    vllm_args.engine_argument_names.cache_clear()
+    assert vllm_args.engine_argument_names() == {"max_num_seqs", "only_in_this_file"}
+    vllm_args.engine_argument_names.cache_clear()
 
 
 def test_batch_assets_tasks_exits_non_zero_on_an_unknown_vllm_arg(
@@ -122,25 +139,27 @@ def test_first_class_settings_are_refused_inside_vllm_args(tmp_path: Path) -> No
         load_task_spec(task_file(tmp_path, "  vllm_args: {logprobs_mode: processed_logits}\n", name="lp"))
 
 
-def test_loading_tasks_and_building_their_definitions_never_imports_vllm(tmp_path: Path) -> None:
-    # vLLM's engine arguments are asked of vLLM only before its engine starts: a typo loads here.
+def test_building_definitions_refuses_a_task_with_an_unknown_vllm_arg_without_importing_vllm(tmp_path: Path) -> None:
+    # The names come from a child process (or the kept list): the code location never imports vLLM.
     task_file(tmp_path, "  vllm_args: {max_num_seqs: 8, max_num_seq: 8}\n")
+    task_file(tmp_path, "  vllm_args: {max_num_seqs: 8}\n", name="good")
     code = (
         "import sys; from pathlib import Path; from batch_assets.pipeline.task_spec import load_task_specs; "
         "from batch_assets.lib.task_definitions import build_definitions; "
-        f"build_definitions(tasks=load_task_specs(Path({str(tmp_path)!r}))); "
+        f"defs = build_definitions(tasks=load_task_specs(Path({str(tmp_path)!r}))); "
         "build_definitions(tasks=load_task_specs()); "
-        "print('vllm' in sys.modules)"
+        "keys = {key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()}; "
+        "print(sorted({key.split('/')[0] for key in keys}), 'vllm' in sys.modules)"
     )
     done = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         cwd=REPO_ROOT,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
-    assert done.stdout.strip() == "False", done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "['good'] False", done.stderr
 
 
 def test_the_checkpoint_identity_ignores_throughput_knobs_but_not_output_relevant_args(tmp_path: Path) -> None:

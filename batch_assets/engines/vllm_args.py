@@ -4,9 +4,10 @@ values it sets when a task sets none.
 
 The task's YAML (`engine.vllm_args`) says which arguments a task asks for. Its load refuses, without
 vLLM, the names set through first-class `engine:` fields and those the pipeline relies on
-(pipeline/task_spec/engine.py); whether vLLM knows a name is asked of vLLM itself
-(`unknown_engine_argument`) where vLLM is imported anyway: before the in-process engine starts, and
-by `batch-assets tasks`. The engines decide what the arguments mean: the vLLM engine passes them on
+(pipeline/task_spec/engine.py); whether vLLM knows a name is checked by the vLLM engine's `resolve`
+(`unknown_engine_argument`) against the names vLLM's dataclass gives, asked once per installed vLLM
+(`engine_argument_names`), so a task with an unknown name is refused when the definitions load.
+The engines decide what the arguments mean: the vLLM engine passes them on
 with these defaults, and both engines' `resolve` hand the ones that decide outputs
 (`output_vllm_args`) to the code versions, as the vLLM engine's `identity` hands them to the
 checkpoint fingerprint.
@@ -14,9 +15,15 @@ checkpoint fingerprint.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
+
+from batch_assets.engines.embedded_model import cache_dir
 
 # Change speed or memory, never what is generated: left out of the checkpoint fingerprint and the
 # assets' code versions, so tuning them keeps checkpoints, cached results and partitions valid.
@@ -72,19 +79,47 @@ def output_vllm_args(*layers: Mapping[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in sorted(merged.items()) if name not in THROUGHPUT_ONLY_VLLM_ARGS}
 
 
+# Prints the field names of vLLM's public `AsyncEngineArgs` dataclass, one JSON list.
+_ASK_VLLM = (
+    "import dataclasses, json; from vllm import AsyncEngineArgs; "
+    "print(json.dumps(sorted(f.name for f in dataclasses.fields(AsyncEngineArgs))))"
+)
+
+
 @functools.cache
 def engine_argument_names() -> frozenset[str]:
     """The arguments vLLM's engine takes: the fields of its public `AsyncEngineArgs` dataclass.
 
-    Importing it takes seconds (vLLM's configuration imports torch), so it is asked only where vLLM
-    runs anyway, never when tasks load or definitions are built (their code versions resolve every
-    task's settings in every process that loads the code location).
+    Importing it takes 10-20 s (vLLM's configuration imports torch), and every load of the code
+    location checks its tasks' `engine.vllm_args` with these names. So they are asked once per
+    installed vLLM, in a child process (the loading process never imports vLLM for it), and kept in
+    the cache folder under a key of vLLM's `arg_utils.py` file (path, size, time), which changes
+    whenever another vLLM is installed.
     """
-    import dataclasses
+    import importlib.util
+    import json
+    import subprocess
+    import sys
 
-    from vllm import AsyncEngineArgs
-
-    return frozenset(field.name for field in dataclasses.fields(AsyncEngineArgs))
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("vLLM is not installed")
+    source = Path(next(iter(spec.submodule_search_locations))) / "engine" / "arg_utils.py"
+    stat = source.stat()
+    key = hashlib.sha256(f"{source}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    kept = cache_dir() / f"vllm-engine-args-{key}.json"
+    with contextlib.suppress(OSError, ValueError):
+        return frozenset(json.loads(kept.read_text(encoding="utf-8")))
+    asked = subprocess.run([sys.executable, "-c", _ASK_VLLM], capture_output=True, text=True, check=False)
+    if asked.returncode != 0:
+        raise ImportError(f"vLLM's AsyncEngineArgs could not be read: {asked.stderr.strip()[-500:]}")
+    names = json.loads(asked.stdout.strip().splitlines()[-1])
+    with contextlib.suppress(OSError):  # a read-only cache folder: asked again next time
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        partial = kept.with_name(f"{kept.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(names), encoding="utf-8")
+        partial.replace(kept)
+    return frozenset(names)
 
 
 def unknown_engine_argument(vllm_args: Mapping[str, Any], setting: Callable[[str], str]) -> str | None:

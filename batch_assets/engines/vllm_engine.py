@@ -734,11 +734,6 @@ class VLLMSession:
     def start(self) -> None:
         if self._engine is not None:
             return
-        # Asked now, as vLLM is imported anyway: a name vLLM does not take fails the step naming the
-        # setting, before minutes of start-up end in vLLM's TypeError.
-        problem = self._resource.engine_argument_problem(self._task)
-        if problem:
-            raise EngineStartError(problem)
         started = time.monotonic()
         self._engine, self.started_here = process_engine_for(self._settings).get(self._settings)
         if self.started_here:
@@ -825,6 +820,9 @@ class VLLMEngine(dg.ConfigurableResource):
         else:
             model, setting = spec.model, f"`engine.model` in the task file of {task.name!r}"
         check_vllm_args(self.vllm_args)
+        problem = self.engine_argument_problem(task)
+        if problem:
+            raise TaskSpecError(problem)
         length_setting = "`max_model_len` of the vLLM engine resource" if self.max_model_len else None
         problem = max_model_len_problem(task, model, setting, self.max_model_len, length_setting)
         if problem:
@@ -839,9 +837,8 @@ class VLLMEngine(dg.ConfigurableResource):
 
     def engine_argument_problem(self, task: TaskSpec) -> str | None:
         """Why the task's `engine.vllm_args` or this resource's `vllm_args` name an argument vLLM's
-        engine does not take (with the closest names), else None. Imports vLLM (seconds): asked before
-        the engine starts and by `batch-assets tasks`, not by `resolve`, which every load of the code
-        location runs."""
+        engine does not take (with the closest names), else None. Asked by `resolve`, so such a task is
+        refused when the definitions load; the names are vLLM's own, read once per installed vLLM."""
         return unknown_engine_argument(
             task.engine.vllm_args, lambda name: f"engine.vllm_args.{name} in the task file of {task.name!r}"
         ) or unknown_engine_argument(self.vllm_args, lambda name: f"`vllm_args.{name}` of the vLLM engine resource")

@@ -20,11 +20,9 @@ if TYPE_CHECKING:
 def command_tasks() -> int:
     """The loaded tasks; each task file that failed to load is named on stderr, and the exit is 1.
 
-    Also asks vLLM whether it takes the names in each in-process task's `engine.vllm_args`, a check
-    a run makes only before its engine starts: this command is where a user checks task files, and
-    it imports vLLM (seconds) only when such a task sets `vllm_args`."""
+    A task whose settings do not resolve (e.g. an `engine.vllm_args` name vLLM's engine does not
+    take) is named the same way."""
     from batch_assets.engines.kinds import resolve_settings
-    from batch_assets.engines.vllm_engine import VLLMEngine
     from batch_assets.pipeline.task_spec import TaskFileError, TaskSpecError, load_tasks
     from batch_assets.storage.locations import drop_zone
 
@@ -32,11 +30,8 @@ def command_tasks() -> int:
     for task in loaded.tasks:
         try:
             settings = resolve_settings(task)
-            problem = VLLMEngine().engine_argument_problem(task) if task.engine.kind == "vllm" else None
         except TaskSpecError as exc:
-            problem = str(exc)
-        if problem:
-            loaded.errors.append(TaskFileError(task.name, (), problem))
+            loaded.errors.append(TaskFileError(task.name, (), str(exc)))
             continue
         model = "(the endpoint's only model)" if settings.model_from_server else settings.model
         print(f"{task.name}\t{task.output.kind}\t{model}\tdrop zone: {drop_zone(task.name)}")
