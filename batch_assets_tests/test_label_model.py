@@ -163,10 +163,10 @@ def test_the_label_model_asset_learns_the_partitions_of_its_version_and_is_retra
 
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(partitions_def_name("cascaded"), ["a", "old"])
-        first = dg.evaluate_automation_conditions(defs=defs, instance=instance)
-        materialized(instance, "a", version)
         materialized(instance, "old", "an-earlier-version")
+        first = dg.evaluate_automation_conditions(defs=defs, instance=instance)
         # New teacher labels upstream: the automation sensor's condition requests a retraining, once.
+        materialized(instance, "a", version)
         second = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=first.cursor)
         assert second.get_num_requested(key) == 1
         third = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=second.cursor)
@@ -175,9 +175,8 @@ def test_the_label_model_asset_learns_the_partitions_of_its_version_and_is_retra
         assert result.success
         [event] = result.asset_materializations_for_node("cascaded__label_model")
         metadata = {k: v.value for k, v in event.metadata.items()}
-        assert "cascaded/label_model" not in {k.to_user_string() for k in defs.resolve_job_def(
-            "cascaded_pipeline"
-        ).asset_layer.executable_asset_keys}
+    # Not in the task's partitioned job: it is materialized on its own.
+    assert key not in set(defs.resolve_job_def("cascaded_pipeline").asset_layer.executable_asset_keys)
     teacher_rows = int((outputs["a"]["labelled_by"] == "teacher").sum())
     assert (metadata["training_rows"], metadata["partitions"], metadata["other_version_partitions"]) == (
         teacher_rows,

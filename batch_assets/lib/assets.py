@@ -42,7 +42,6 @@ from batch_assets.lib.range_failures import FAILED_PARTITIONS_METADATA
 from batch_assets.pipeline.calibration import calibrated_labels
 from batch_assets.pipeline.cascade_labels import Teach, teacher_task
 from batch_assets.pipeline.code_versions import code_versions
-from batch_assets.pipeline.label_model import LabelModel
 from batch_assets.pipeline.engine_contract import (
     Engine,
     EngineSession,
@@ -50,6 +49,7 @@ from batch_assets.pipeline.engine_contract import (
     EngineStartError,
     ResolvedSettings,
 )
+from batch_assets.pipeline.label_model import LabelModel
 from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
 from batch_assets.pipeline.task_formats import InferenceStream, OutputFiles, TaskFormat, task_format

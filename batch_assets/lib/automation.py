@@ -79,12 +79,15 @@ def label_model_condition() -> dg.AutomationCondition:
     a backfill of many files retrains it once at its end rather than once per file. Not `~missing`:
     the first partition trains the first model. A new code version alone does not request it: the
     partitions of that version, which it learns from, come first."""
+    # Not any_deps_updated(): it is also true on the tick a partition is requested, which would train
+    # the model on the labels that partition is about to replace.
+    updated = dg.AutomationCondition.any_deps_match(dg.AutomationCondition.newly_updated())
+    pending = (
+        dg.AutomationCondition.any_deps_match(dg.AutomationCondition.will_be_requested())
+        | dg.AutomationCondition.any_deps_in_progress()
+    )
     handled = dg.AutomationCondition.newly_requested() | dg.AutomationCondition.newly_updated()
-    return (
-        dg.AutomationCondition.any_deps_updated().since(handled)
-        & ~dg.AutomationCondition.any_deps_in_progress()
-        & ~dg.AutomationCondition.in_progress()
-    ).with_label("retrain_label_model")
+    return (updated.since(handled) & ~pending & ~dg.AutomationCondition.in_progress()).with_label("retrain_label_model")
 
 
 def build_automation_sensor(task: TaskSpec) -> list[dg.AutomationConditionSensorDefinition]:

@@ -40,10 +40,10 @@ import polars as pl
 from batch_assets.lib.asset_metadata import asset_key, calibration_metadata, error_code_counts, markdown_table
 from batch_assets.lib.materializations import latest_materialization
 from batch_assets.pipeline.budget import budget_overruns, estimate_cost
-from batch_assets.pipeline.prices import engine_price
 from batch_assets.pipeline.cascade_labels import cascade_summary
 from batch_assets.pipeline.embeddings import NORM_TOLERANCE, embedding_report
 from batch_assets.pipeline.label_quality import accuracy_report, confidence_report, label_counts, label_drift
+from batch_assets.pipeline.prices import engine_price
 from batch_assets.pipeline.task_formats import TaskFormat, task_format
 from batch_assets.pipeline.task_spec import PriceSpec, TaskSpec
 from batch_assets.pipeline.task_spec.cascade import DEFAULT_MIN_AGREEMENT

@@ -16,8 +16,6 @@ is in progress (`label_model_condition`); else materialize it by hand (the UI, o
 materialize --select '<task>/label_model'`).
 """
 
-from __future__ import annotations
-
 import dagster as dg
 
 from batch_assets.lib.asset_metadata import asset_key

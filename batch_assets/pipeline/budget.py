@@ -19,6 +19,7 @@ from batch_assets.pipeline.task_spec import BudgetSpec, PriceSpec
 if TYPE_CHECKING:  # a type only: task_formats imports the pipeline's stages, budget none of them
     from batch_assets.pipeline.task_formats import TaskFormat
 
+
 @dataclass(frozen=True)
 class CostEstimate:
     rows_to_infer: int

@@ -297,7 +297,9 @@ def run_cascade(
     # sample that took it all would leave a small partition without either).
     sample = choose_sample(vectors, min(wanted, max(1, budget // 2), rows), spec.seed)
     taught = _ask(teacher, sample, result, role="sample")
-    result.student = student = partition_student(vectors[taught], [result.labels[i] or "" for i in taught], stored, spec.seed)
+    result.student = student = partition_student(
+        vectors[taught], [result.labels[i] or "" for i in taught], stored, spec.seed
+    )
     result.unseen_choices = [c for c in choices if c not in student.classes]
     rest = np.setdiff1d(np.arange(rows), sample)
     if rest.size == 0:
@@ -328,9 +330,7 @@ def run_cascade(
     return result
 
 
-def partition_student(
-    vectors: np.ndarray, labels: list[str], stored: StoredStudent | None, seed: int = 0
-) -> Student:
+def partition_student(vectors: np.ndarray, labels: list[str], stored: StoredStudent | None, seed: int = 0) -> Student:
     """The student of a partition whose teacher labelled `labels` of `vectors`: trained on them alone;
     with a stored student, the stored one as it is when the partition adds no label, else one
     retrained on the stored training rows and the partition's together."""

@@ -86,7 +86,11 @@ def llm_teacher(frame: pl.DataFrame, teach: Teach, source_file: str, counts: dic
                 if valid
                 else TeacherAnswer(None, f"teacher_{error or 'error: the teacher gave no label'}")
             )
-            answers.append(replace(answer, prompt_tokens=prompt_tokens or 0, generated_tokens=generated_tokens or 0, seconds=seconds))
+            answers.append(
+                replace(
+                    answer, prompt_tokens=prompt_tokens or 0, generated_tokens=generated_tokens or 0, seconds=seconds
+                )
+            )
         return answers
 
     return answer

@@ -39,7 +39,6 @@ from typing import Any, ClassVar
 
 import polars as pl
 
-from batch_assets.pipeline.prices import engine_price
 from batch_assets.pipeline.cascade_labels import Teach, cascade_outputs, cascade_summary
 from batch_assets.pipeline.embeddings import (
     choice_texts,
@@ -70,6 +69,7 @@ from batch_assets.pipeline.openai_batch_output import (
     validate_batch_embeddings,
     validate_batch_outputs,
 )
+from batch_assets.pipeline.prices import engine_price
 from batch_assets.pipeline.prompt_tokens import PROMPT_TOKEN_IDS
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput
 from batch_assets.pipeline.task_spec import TaskSpec
