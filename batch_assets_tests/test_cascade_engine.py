@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 SHIPPED = next(task for task in load_task_specs() if task.name == "industry_cascade")
 # Priced as an endpoint would be (a throughput setting: the code versions stay the shipped task's).
-PRICE = PriceSpec(input_per_million_tokens=0.02)
+PRICE = PriceSpec(input_per_million_tokens=2.0)
 TASK = SHIPPED.model_copy(update={"engine": SHIPPED.engine.model_copy(update={"price": PRICE})})
 SAMPLE = SAMPLES / "industry_cascade" / "companies.csv"
 
@@ -86,7 +86,8 @@ def test_the_cascade_sample_labels_every_row_within_the_teachers_budget(data_dir
     assert agreement.metadata["audit_agreement_95_low"].value <= agreement.metadata["audit_agreement"].value
     assert checks["accuracy_at_least"].passed
     # The labels' cost: the embedding's tokens at the price; a column teacher costs nothing to ask.
-    assert labels_meta["embedding_cost_usd"] == pytest.approx(labels["num_prompt_tokens"].sum() * 0.02 / 1e6)
+    tokens = labels["num_prompt_tokens"].sum()
+    assert labels_meta["embedding_cost_usd"] == pytest.approx(tokens * 2.0 / 1e6, abs=1e-6)  # rounded to 6 places
     assert "teacher_cost_usd" not in labels_meta and labels_meta["cost_vs_all_teacher"] == labels_meta["teacher_share"]
     # label_model: every row the teacher labelled (sample, deferred, audit), of the one partition so far.
     assert inference["teacher_rows_asked"] == labels_meta["teacher_rows"]
