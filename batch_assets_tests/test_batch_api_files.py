@@ -17,9 +17,10 @@ from batch_assets.engines.batch_api_files import (
     split_files,
 )
 from batch_assets.engines.kinds import ENGINE_KINDS
-from batch_assets.pipeline.budget import engine_price, estimate_cost
+from batch_assets.pipeline.budget import estimate_cost
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.engine_contract import Prompt, ResolvedSettings
+from batch_assets.pipeline.prices import engine_price
 from batch_assets.pipeline.task_spec import PriceSpec, TaskSpec, TaskSpecError, load_task_spec
 from batch_assets_tests.conftest import REPO_ROOT
 

@@ -28,7 +28,7 @@ from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.embeddings import encode_vector
 from batch_assets.pipeline.run_inference import InferenceStats
 from batch_assets.pipeline.task_formats import CascadeRecords, task_format
-from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec
+from batch_assets.pipeline.task_spec import PriceSpec, TaskSpecError, load_task_spec
 from batch_assets.pipeline.task_spec.cascade import CascadeSpec, ColumnTeacher
 
 CHOICES = ["alpha", "beta", "gamma", "delta"]
@@ -420,9 +420,15 @@ def test_an_llm_teachers_error_is_an_error_row_never_the_students_label(tmp_path
                 "label": [None if b else g for b, g in zip(bad, rows["gold"], strict=True)],
                 "confidence": [None if b else 0.7 for b in bad],
                 "error": ["invalid_choice: 'Omega' is not a choice" if b else None for b in bad],
+                "num_prompt_tokens": [40] * len(ids),
+                "num_generated_tokens": [2] * len(ids),
             }
         )
-        return labels, InferenceStats(rows=len(ids), rows_inferred=len(ids) - 1, rows_from_cache=1)
+        # 0.1 s for each row the engine inferred (one came from the cache).
+        stats = InferenceStats(
+            rows=len(ids), rows_inferred=len(ids) - 1, rows_from_cache=1, engine_seconds=0.1 * (len(ids) - 1)
+        )
+        return labels, stats
 
     cascade = task.output.cascade
     assert cascade is not None
@@ -432,6 +438,25 @@ def test_an_llm_teachers_error_is_an_error_row_never_the_students_label(tmp_path
     asked_rows = [i for call in asked for i in call]
     assert len(asked_rows) == len(set(asked_rows)) and len(asked) == 3  # sample, deferred, audit
     assert measured["teacher_rows_inferred"] == len(asked_rows) - 3 and measured["teacher_rows_from_cache"] == 3
+    assert measured["teacher_rows_asked"] == len(asked_rows)
+    # What each asked row cost is on it; the labels' cost at the engine's price, and against every row.
+    asked_outputs = outputs.filter(pl.col("row_id").is_in(asked_rows))
+    assert asked_outputs["teacher_prompt_tokens"].to_list() == [40] * len(asked_rows)
+    assert asked_outputs["teacher_seconds"].to_list() == pytest.approx([0.1] * len(asked_rows))
+    assert outputs.filter(~pl.col("row_id").is_in(asked_rows))["teacher_prompt_tokens"].null_count() == 300 - len(
+        asked_rows
+    )
+    price = PriceSpec(input_per_million_tokens=1.0, output_per_million_tokens=4.0)
+    priced = task.model_copy(update={"engine": task.engine.model_copy(update={"price": price})})
+    fmt = task_format(priced)
+    cost = fmt.label_metadata(fmt.validate(outputs))
+    # 40 prompt tokens at $1/M and 2 generated at $4/M per asked row; the embedding's 3 tokens a row at $1/M.
+    assert cost["teacher_cost_usd"] == pytest.approx(len(asked_rows) * 48 / 1e6)
+    assert cost["all_teacher_cost_usd"] == pytest.approx(300 * 48 / 1e6)
+    assert cost["embedding_cost_usd"] == pytest.approx(900 / 1e6)
+    assert cost["cascade_cost_usd"] == pytest.approx((len(asked_rows) * 48 + 900) / 1e6)
+    unpriced = task_format(task).label_metadata(task_format(task).validate(outputs))
+    assert unpriced["all_teacher_engine_seconds"] == pytest.approx(30.0)  # 0.1 s a row, 300 rows
     by_id = dict(zip(outputs["row_id"], outputs["error"], strict=True))
     assert any(error and error.startswith("teacher_invalid_choice") for error in by_id.values())
     for i in asked_rows:

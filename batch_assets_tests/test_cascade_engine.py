@@ -1,9 +1,10 @@
 """The shipped `industry_cascade` sample on the real engine (the embedded all-MiniLM-L6-v2): one run
 checks that every row gets a label and who gave it, that the teacher stays within its budget, the
 student's measurements and the audit reach the metadata and the `agreement_at_least` check, and that
-accuracy against gold is reported; a second file in the same instance has teacher rows with an unknown
-and an empty label (error rows naming file and line) and repeats the sample's names (embedded once:
-from the result cache, labels the same: the cascade decides again from the same vectors)."""
+accuracy against gold is reported; the task's label_model is then trained on that partition's teacher
+labels; a second file in the same instance starts from it (no teacher sample), has teacher rows with an
+unknown and an empty label (error rows naming file and line) and repeats the sample's names (embedded
+once: from the result cache)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,16 @@ import polars as pl
 import pytest
 
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
-from batch_assets.pipeline.task_spec import load_task_spec, load_task_specs
+from batch_assets.pipeline.task_spec import PriceSpec, load_task_spec, load_task_specs
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.conftest import SAMPLES, drop
 
 pytestmark = pytest.mark.slow
 
-TASK = next(task for task in load_task_specs() if task.name == "industry_cascade")
+SHIPPED = next(task for task in load_task_specs() if task.name == "industry_cascade")
+# Priced as an endpoint would be (a throughput setting: the code versions stay the shipped task's).
+PRICE = PriceSpec(input_per_million_tokens=2.0)
+TASK = SHIPPED.model_copy(update={"engine": SHIPPED.engine.model_copy(update={"price": PRICE})})
 SAMPLE = SAMPLES / "industry_cascade" / "companies.csv"
 
 
@@ -56,9 +60,14 @@ def test_the_cascade_sample_labels_every_row_within_the_teachers_budget(data_dir
         checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
         inference = metadata_of(result, "industry_cascade__inference_outputs")
         labels_meta = metadata_of(result, "industry_cascade__validated_labels")
+        defs = build_definitions(tasks=[TASK])
+        trained = dg.materialize([defs.get_assets_def(dg.AssetKey([TASK.name, "label_model"]))], instance=instance)
+        assert trained.success
+        label_model = metadata_of(trained, "industry_cascade__label_model")
         second = run(bad_name, instance)
         assert second.success
         second_inference = metadata_of(second, "industry_cascade__inference_outputs")
+        version = defs.resolve_asset_graph().get(dg.AssetKey([TASK.name, "inference_outputs"])).code_version
     labels = read(data_dir, SAMPLE.name)
     assert labels.height == 800 and labels["error"].null_count() == 800
     assert set(labels["labelled_by"]) == {"teacher", "student"}
@@ -76,9 +85,31 @@ def test_the_cascade_sample_labels_every_row_within_the_teachers_budget(data_dir
     agreement = checks["agreement_at_least"]
     assert agreement.metadata["audit_agreement_95_low"].value <= agreement.metadata["audit_agreement"].value
     assert checks["accuracy_at_least"].passed
+    # The labels' cost: the embedding's tokens at the price; a column teacher costs nothing to ask.
+    tokens = labels["num_prompt_tokens"].sum()
+    assert labels_meta["embedding_cost_usd"] == pytest.approx(tokens * 2.0 / 1e6, abs=1e-6)  # rounded to 6 places
+    assert "teacher_cost_usd" not in labels_meta and labels_meta["cost_vs_all_teacher"] == labels_meta["teacher_share"]
+    # label_model: every row the teacher labelled (sample, deferred, audit), of the one partition so far.
+    assert inference["teacher_rows_asked"] == labels_meta["teacher_rows"]
+    assert (label_model["training_rows"], label_model["partitions"]) == (
+        labels_meta["teacher_rows"],
+        [partition_key_for(SAMPLE.name)],
+    )
+    assert label_model["task_version"] == version and set(label_model["classes"]) <= set(TASK.output.choices or [])
+    assert label_model["cv_agreement"] is not None and label_model["calibration_error"] is not None
+    # The second file starts from it: its training rows cover sample_rows (100), so the teacher labels
+    # no sample, only unsure and audit rows, and the student is the stored one.
+    assert label_model["training_rows"] > 100
+    assert second_inference["label_model_digest"] == label_model["digest"]
+    assert second_inference["student_training_rows"] == label_model["training_rows"]
     # The second file: the same names, embedded once already (the result cache), two bad teacher rows.
     assert (second_inference["rows_inferred"], second_inference["rows_from_cache"]) == (0, 800)
     relabelled = read(data_dir, bad_name)
+    roles = relabelled["cascade_role"].value_counts()
+    assert relabelled.filter(pl.col("cascade_role") == "sample").height == 0, roles
+    asked = relabelled.filter(pl.col("cascade_role").is_in(["deferred", "audit"])).height
+    # Failed audits keep the student's label (role student), so they are asked but not counted by role.
+    assert asked <= second_inference["teacher_rows_asked"] <= 200 and asked > 40
     errors = relabelled.filter(pl.col("error").is_not_null())
     assert errors.height >= 10 and "Aerospace" not in set(relabelled["label"].drop_nulls())
     for line, message in zip(errors["source_line"], errors["error"], strict=True):
@@ -95,7 +126,11 @@ def test_the_cascade_sample_labels_every_row_within_the_teachers_budget(data_dir
 LLM_TASK = """
 input: {text_fields: [Company]}
 prompt: {system: "Name the company's industry.", template: "{Company}"}
-engine: {model: embedded:all-MiniLM-L6-v2, max_model_len: 256, vllm_args: {dtype: float32}}
+engine:
+  model: embedded:all-MiniLM-L6-v2
+  max_model_len: 256
+  vllm_args: {dtype: float32}
+  price: {input_per_million_tokens: 0.5, output_per_million_tokens: 2.0}
 output:
   kind: choices
   method: cascade
@@ -117,7 +152,7 @@ def test_a_chat_teacher_labels_the_sample_the_unsure_and_the_audit_once_then_fro
     for name in ("first.csv", "again.csv"):
         drop(data_dir, task.name, name, rows.write_csv())
     job = build_definitions(tasks=[task]).resolve_job_def(pipeline_job_name(task.name))
-    measured, labels = [], []
+    measured, labels, costs = [], [], []
     with dg.instance_for_test() as instance:
         for name in ("first.csv", "again.csv"):
             key = partition_key_for(name)
@@ -125,6 +160,7 @@ def test_a_chat_teacher_labels_the_sample_the_unsure_and_the_audit_once_then_fro
             result = job.execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
             assert result.success
             measured.append(metadata_of(result, f"{task.name}__inference_outputs"))
+            costs.append(metadata_of(result, f"{task.name}__validated_labels"))
             labels.append(pl.read_parquet(data_dir / "storage" / task.name / "validated_labels" / f"{key}.parquet"))
     first, again = labels
     assert first.height == 80 and first["row_id"].n_unique() == 80
@@ -141,6 +177,15 @@ def test_a_chat_teacher_labels_the_sample_the_unsure_and_the_audit_once_then_fro
         == measured[0]["teacher_rows_inferred"] + measured[0]["teacher_rows_from_cache"]
     )
     assert again.select("label", "labelled_by", "error").equals(first.select("label", "labelled_by", "error"))
+    # The cost at engine.price: the teacher's tokens as its calls used them, every row at their mean per
+    # asked row, the embedding's tokens besides.
+    taught = first.filter(pl.col("teacher_prompt_tokens").is_not_null())
+    assert taught.height == measured[0]["teacher_rows_asked"] >= 12
+    teacher_usd = (taught["teacher_prompt_tokens"].sum() * 0.5 + taught["teacher_generated_tokens"].sum() * 2.0) / 1e6
+    assert teacher_usd > 0 and costs[0]["teacher_cost_usd"] == pytest.approx(teacher_usd, abs=1e-6)
+    assert costs[0]["all_teacher_cost_usd"] == pytest.approx(teacher_usd / taught.height * 80, abs=1e-6)
+    assert costs[0]["embedding_cost_usd"] == pytest.approx(first["num_prompt_tokens"].sum() * 0.5 / 1e6, abs=1e-6)
+    assert costs[0]["cascade_cost_usd"] < costs[0]["all_teacher_cost_usd"]
     # The teacher's checkpoints have served their purpose once the labels are stored.
     teacher_checkpoints = data_dir / "storage" / task.name / "_teacher_checkpoints"
     assert not teacher_checkpoints.exists() or not any(teacher_checkpoints.iterdir())

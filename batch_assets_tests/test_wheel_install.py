@@ -103,9 +103,14 @@ def test_wheel_loads_every_shipped_task(installed_wheel: tuple[Path, dict[str, s
         "sentiment",
     ]
     expected_assets = sorted(
-        f"{task}/{asset}"
-        for task in SHIPPED_TASKS
-        for asset in ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels")
+        [
+            *(
+                f"{task}/{asset}"
+                for task in SHIPPED_TASKS
+                for asset in ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels")
+            ),
+            "industry_cascade/label_model",  # the cascade's student, unpartitioned
+        ]
     )
     assert loaded["assets"] == expected_assets
     assert {f"{task}_drops_sensor" for task in SHIPPED_TASKS} <= set(loaded["sensors"])

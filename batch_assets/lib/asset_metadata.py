@@ -13,10 +13,11 @@ from typing import Any, cast
 import dagster as dg
 import polars as pl
 
-from batch_assets.pipeline.budget import actual_cost_metadata, engine_price, estimate_cost
+from batch_assets.pipeline.budget import actual_cost_metadata, estimate_cost
 from batch_assets.pipeline.calibration import calibration_report
 from batch_assets.pipeline.engine_contract import EngineSession, EngineSettings
 from batch_assets.pipeline.label_quality import accuracy_report, confidence_report
+from batch_assets.pipeline.prices import engine_price
 from batch_assets.pipeline.run_inference import InferenceStats
 from batch_assets.pipeline.task_formats import TaskFormat
 from batch_assets.pipeline.task_spec import TaskSpec

@@ -37,6 +37,7 @@ from batch_assets.lib.asset_metadata import (
 )
 from batch_assets.lib.automation import stale_partitions_condition
 from batch_assets.lib.drops_sensor import SOURCE_VERSION_TAG
+from batch_assets.lib.label_model_asset import label_model_assets
 from batch_assets.lib.range_failures import FAILED_PARTITIONS_METADATA
 from batch_assets.pipeline.calibration import calibrated_labels
 from batch_assets.pipeline.cascade_labels import Teach, teacher_task
@@ -48,6 +49,7 @@ from batch_assets.pipeline.engine_contract import (
     EngineStartError,
     ResolvedSettings,
 )
+from batch_assets.pipeline.label_model import LabelModel
 from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
 from batch_assets.pipeline.task_formats import InferenceStream, OutputFiles, TaskFormat, task_format
@@ -56,6 +58,7 @@ from batch_assets.runtime.interrupts import STOPPED, stop_instead_of, stop_reque
 from batch_assets.storage.batch_records import BatchRecordStore, batch_records_dir
 from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
 from batch_assets.storage.drop_files import DropFile, drop_partitions, find_drop_file, shard_index_of, version_digest
+from batch_assets.storage.label_models import read_label_model
 from batch_assets.storage.locations import checkpoint_dir, one_name, task_storage_dir, write_bytes_atomically
 from batch_assets.storage.result_cache import ResultCache
 from batch_assets.storage.shards import (
@@ -96,9 +99,9 @@ def inference_fingerprint(fmt: TaskFormat, settings: EngineSettings) -> str:
 
 
 def build_task_assets(task: TaskSpec, settings: ResolvedSettings) -> list[dg.AssetsDefinition]:
-    """The task's four assets, versioned by the `settings` its engine resolved. What differs between
-    kinds of task (records for a chat model, embeddings, similarity labels, OpenAI batch lines) comes
-    from its format object."""
+    """The task's four assets (and a cascade task's label_model), versioned by the `settings` its
+    engine resolved. What differs between kinds of task (records for a chat model, embeddings,
+    similarity labels, OpenAI batch lines) comes from its format object."""
     fmt = task_format(task)
     common: AssetArgs = {
         "key_prefix": [task.name],
@@ -126,6 +129,8 @@ def build_task_assets(task: TaskSpec, settings: ResolvedSettings) -> list[dg.Ass
         inference_outputs_asset(task, fmt, downstream("inference_outputs", "formatted_prompts")),
         # A model the endpoint names only when asked is written as the resolved settings name it.
         validated_labels_asset(task, fmt, downstream("validated_labels", "inference_outputs"), settings.model),
+        # A cascade's student, kept by the version of the inference that trains it and that uses it.
+        *label_model_assets(task, versions["inference_outputs"]),
     ]
 
 
@@ -260,7 +265,7 @@ def inference_outputs_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs) ->
         context: dg.AssetExecutionContext, config: InferenceConfig, formatted_prompts: dict[str, pl.DataFrame]
     ) -> dict[str, pl.DataFrame]:
         with stopped_without_retry():
-            return infer_partitions(context, config, task, fmt, formatted_prompts)
+            return infer_partitions(context, config, task, fmt, formatted_prompts, args["code_version"])
 
     return inference_outputs
 
@@ -281,8 +286,10 @@ def infer_partitions(
     task: TaskSpec,
     fmt: TaskFormat,
     formatted_prompts: dict[str, pl.DataFrame],
+    version: str,
 ) -> dict[str, pl.DataFrame]:
-    """The body of `inference_outputs`: every partition of the run through one engine stream."""
+    """The body of `inference_outputs` at code `version`: every partition of the run through one
+    engine stream (a cascade's starting from the task's label_model of that version, if stored)."""
     fail_if_outdated_shards(context, task, list(formatted_prompts))
     kind, engine = engine_kind(task), engine_for(context.resources, task)
     settings = engine.settings(task)
@@ -294,6 +301,7 @@ def infer_partitions(
         for key, frame in formatted_prompts.items()
     ]
     cache = result_cache_for(context, task, fingerprint, use=config.use_result_cache)
+    stored = stored_label_model(context, task, version)
     try:
         # One session and one stream for every partition of the run; the engine starts with the
         # first request that needs it: not for cached, empty or all-error files.
@@ -308,7 +316,7 @@ def infer_partitions(
             def run(partitions: list[PartitionInput]) -> list[tuple[pl.DataFrame, InferenceStats]]:
                 return stream(partitions, session, settings, fmt, cache, context.log.info)
 
-            results = fmt.infer(parts, InferenceStream(run, tokenizer, settings.max_model_len, teach))
+            results = fmt.infer(parts, InferenceStream(run, tokenizer, settings.max_model_len, teach, stored))
     except EngineStartError as exc:
         # Settings that do not fit will not fit five seconds later either: fail now, with the
         # hint of what to change, instead of retrying a start-up that can take minutes.
@@ -317,6 +325,18 @@ def infer_partitions(
         metadata = inference_metadata(task, fmt, settings, session, frame, stats, fingerprint)
         context.add_asset_metadata(metadata, partition_key=partition_key)
     return {key: frame for key, (frame, _) in zip(formatted_prompts, results, strict=True)}
+
+
+def stored_label_model(context: dg.AssetExecutionContext, task: TaskSpec, version: str) -> LabelModel | None:
+    """A cascade task's label_model of this `version`, as stored (None: not a cascade, or none yet)."""
+    if task.output.cascade is None:
+        return None
+    stored = read_label_model(task.name, version, context.log.warning, task.output.cascade.seed)
+    if stored is not None:
+        context.log.info(
+            f"{task.name}: the cascade starts from label_model {stored.digest} ({stored.training_rows} training rows)"
+        )
+    return stored
 
 
 def teacher_checkpoint_dir(task: str, partition_key: str) -> UPath:

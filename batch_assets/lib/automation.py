@@ -1,5 +1,6 @@
 """Partitions made with an earlier version of a task, materialized again (`automation:
-{rematerialize_stale: true}`): the asset condition and the sensor that evaluates it."""
+{rematerialize_stale: true}`): the asset condition and the sensor that evaluates it; with the same
+option, a cascade task's label_model retrained after new partitions."""
 
 import dagster as dg
 
@@ -71,6 +72,24 @@ def stale_partitions_condition() -> dg.AutomationCondition:
     ).with_label("rematerialize_stale")
 
 
+def label_model_condition() -> dg.AutomationCondition:
+    """Retrain a cascade task's `label_model` (lib/label_model_asset.py) with the same option: when a
+    partition of inference_outputs was updated since it was last requested or updated (new teacher
+    labels; a task edit re-materializes the partitions first), once no partition is in progress, so
+    a backfill of many files retrains it once at its end rather than once per file. Not `~missing`:
+    the first partition trains the first model. A new code version alone does not request it: the
+    partitions of that version, which it learns from, come first."""
+    # Not any_deps_updated(): it is also true on the tick a partition is requested, which would train
+    # the model on the labels that partition is about to replace.
+    updated = dg.AutomationCondition.any_deps_match(dg.AutomationCondition.newly_updated())
+    pending = (
+        dg.AutomationCondition.any_deps_match(dg.AutomationCondition.will_be_requested())
+        | dg.AutomationCondition.any_deps_in_progress()
+    )
+    handled = dg.AutomationCondition.newly_requested() | dg.AutomationCondition.newly_updated()
+    return (updated.since(handled) & ~pending & ~dg.AutomationCondition.in_progress()).with_label("retrain_label_model")
+
+
 def build_automation_sensor(task: TaskSpec) -> list[dg.AutomationConditionSensorDefinition]:
     """The sensor that evaluates a task's stale-partition condition (running whenever the daemon is).
     It runs in the code server: the condition's own Python part cannot be evaluated by the daemon."""
@@ -82,6 +101,9 @@ def build_automation_sensor(task: TaskSpec) -> list[dg.AutomationConditionSensor
             target=dg.AssetSelection.groups(task.name),
             default_status=dg.DefaultSensorStatus.RUNNING,
             use_user_code_server=True,
-            description=f"Re-materializes `{task.name}` partitions made with an earlier version of the task.",
+            description=(
+                f"Re-materializes `{task.name}` partitions made with an earlier version of the task"
+                + (", and retrains its label_model after new partitions." if task.output.cascade else ".")
+            ),
         )
     ]

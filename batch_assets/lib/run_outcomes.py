@@ -259,7 +259,26 @@ def _cascade_notes(records: list[dg.EventLogRecord | None]) -> list[str]:
     if audited:
         low, high = wilson_interval(agreed, audited)
         notes.append(f"audit agreement {agreed / audited:.0%} [{low:.0%}-{high:.0%}] on {audited} rows")
-    return notes
+    return notes + _cascade_cost_notes(records)
+
+
+def _cascade_cost_notes(records: list[dg.EventLogRecord | None]) -> list[str]:
+    """What the labels cost against the teacher on every row, summed over the partitions: in dollars
+    where the engine has a price, else in the chat teacher's engine seconds (none for a column teacher)."""
+
+    def total(name: str) -> float | None:
+        values = [_metadata_value(r, name) for r in records]
+        return sum(v for v in values if v is not None) if any(v is not None for v in values) else None
+
+    cascade, all_teacher = total("cascade_cost_usd"), total("all_teacher_cost_usd")
+    if cascade is not None and all_teacher is not None:
+        return [f"cost ${cascade:,.4f} against ${all_teacher:,.4f} with the teacher on every row"]
+    if (embedding := total("embedding_cost_usd")) is not None:
+        return [f"embedding cost ${embedding:,.4f}"]
+    seconds, all_seconds = total("teacher_engine_seconds"), total("all_teacher_engine_seconds")
+    if seconds is not None and all_seconds is not None:
+        return [f"teacher engine {seconds:,.1f} s against {all_seconds:,.1f} s on every row"]
+    return []
 
 
 def summary_line(

@@ -173,9 +173,13 @@ def run_tags_for(task: TaskSpec) -> dict[str, object]:
 
 
 def build_task_job(task: TaskSpec):
+    selection: dg.AssetSelection = dg.AssetSelection.groups(task.name)
+    if task.output.cascade is not None:
+        # A cascade's label_model (unpartitioned, over every partition) is materialized on its own.
+        selection -= dg.AssetSelection.assets(dg.AssetKey([task.name, "label_model"]))
     return dg.define_asset_job(
         name=pipeline_job_name(task.name),
-        selection=dg.AssetSelection.groups(task.name),
+        selection=selection,
         description=(
             f"Materializes the four `{task.name}` assets and their checks for one drop file, or a range of them."
         ),

@@ -13,38 +13,11 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
-from batch_assets.pipeline.task_spec import BudgetSpec, EngineSpec, PriceSpec
-from batch_assets.pipeline.task_spec.batch_api import BATCH_API_KIND
+from batch_assets.pipeline.prices import cost_usd, engine_price
+from batch_assets.pipeline.task_spec import BudgetSpec, PriceSpec
 
 if TYPE_CHECKING:  # a type only: task_formats imports the pipeline's stages, budget none of them
     from batch_assets.pipeline.task_formats import TaskFormat
-
-MILLION = 1_000_000
-
-
-def engine_price(spec: EngineSpec) -> PriceSpec | None:
-    """The price a task's tokens cost: `engine.price`, times `batch_price_factor` for a batch API."""
-    price = spec.price
-    if price is None or spec.kind != BATCH_API_KIND:
-        return price
-    factor = spec.batch_price_factor
-    return price.model_copy(
-        update={
-            "input_per_million_tokens": price.input_per_million_tokens * factor,
-            "output_per_million_tokens": price.output_per_million_tokens * factor,
-        }
-    )
-
-
-def cost_usd(prompt_tokens: int, generated_tokens: int, price: PriceSpec | None) -> float | None:
-    """Dollars for these token counts at `price`; None without a price."""
-    if price is None:
-        return None
-    return round(
-        prompt_tokens * price.input_per_million_tokens / MILLION
-        + generated_tokens * price.output_per_million_tokens / MILLION,
-        6,
-    )
 
 
 @dataclass(frozen=True)

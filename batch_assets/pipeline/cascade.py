@@ -20,7 +20,13 @@ a silent label: a teacher error on a sample or deferred row; every row the stude
 teacher's sample has fewer than two distinct labels. Choices the teacher never gave in the sample are
 named in the report (the student cannot give them).
 
-Also here: expected calibration error (`expected_calibration_error`, 10 bins) and the Wilson interval.
+A partition may start from a stored student (`StoredStudent`: the task's `label_model`, trained on
+the teacher labels of every partition so far): its sample is then only what the stored rows lack of
+`sample_rows`, and the student is the stored one, retrained with the partition's own teacher labels
+where there are any (`partition_student`).
+
+Also here: expected calibration error (`expected_calibration_error`, 10 bins), the Wilson interval,
+and what the labels cost against asking the teacher for every row (`CascadeSummary.cost_metadata`).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import StratifiedKFold, cross_val_predict
 
+from batch_assets.pipeline.prices import cost_usd
+from batch_assets.pipeline.task_spec import PriceSpec
 from batch_assets.pipeline.task_spec.cascade import CascadeSpec
 
 # Inverse regularization of the student: sentence embeddings are unit vectors spread over hundreds of
@@ -61,6 +69,11 @@ class TeacherAnswer:
     label: str | None  # one of the choices, or None with an error
     error: str | None = None
     confidence: float = 1.0  # a column's label is the teacher's final word
+    # What asking cost, for a chat teacher (None for a column: it costs nothing to read): the row's
+    # tokens, and the engine seconds per row the teacher inferred (None when every row came from its cache).
+    prompt_tokens: int | None = None
+    generated_tokens: int | None = None
+    seconds: float | None = None
 
 
 # Row positions (into the partition's embedded rows) → the teacher's answer for each.
@@ -98,6 +111,16 @@ class Student:
         }
 
 
+@dataclass(frozen=True)
+class StoredStudent:
+    """A student kept across partitions (`<task>/label_model`, pipeline/label_model.py) and the
+    teacher-labelled rows it was trained on, which a partition's own sample adds to."""
+
+    student: Student
+    vectors: np.ndarray  # (rows, dimension)
+    labels: list[str]
+
+
 @dataclass
 class CascadeResult:
     """Per row of the partition's embedded rows: label, confidence, who labelled it, its role
@@ -112,6 +135,8 @@ class CascadeResult:
     student: Student
     unseen_choices: list[str] = field(default_factory=list)
     over_budget_rows: int = 0  # rows under defer_below the budget left with the student
+    # Per row the teacher was asked about: what it cost (TeacherAnswer); None elsewhere.
+    teacher_costs: list[TeacherAnswer | None] = field(default_factory=list)
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -243,8 +268,16 @@ def _cross_validated(
     return float(correct.mean()), expected_calibration_error(probabilities[np.arange(len(y)), best], correct)
 
 
-def run_cascade(vectors: np.ndarray, teacher: Teacher, spec: CascadeSpec, choices: Sequence[str]) -> CascadeResult:
-    """Label every row of `vectors` (one partition's embedded rows) by the teacher or the student."""
+def run_cascade(
+    vectors: np.ndarray,
+    teacher: Teacher,
+    spec: CascadeSpec,
+    choices: Sequence[str],
+    stored: StoredStudent | None = None,
+) -> CascadeResult:
+    """Label every row of `vectors` (one partition's embedded rows) by the teacher or the student.
+    With a `stored` student (the task's label_model) the partition's own sample shrinks to what the
+    stored training rows lack of `sample_rows`, so the teacher's budget goes to deferral and audit."""
     rows = vectors.shape[0]
     result = CascadeResult(
         labels=[None] * rows,
@@ -254,15 +287,19 @@ def run_cascade(vectors: np.ndarray, teacher: Teacher, spec: CascadeSpec, choice
         student_labels=[None] * rows,
         errors=[None] * rows,
         student=Student(None, [], 0, None, None, False, "no rows"),
+        teacher_costs=[None] * rows,
     )
     if rows == 0:
         return result
     budget = max(1, math.floor(spec.max_teacher_share * rows))
+    wanted = spec.sample_rows if stored is None else max(0, spec.sample_rows - len(stored.labels))
     # At most half the budget: the rest is for the audit and the rows the student is unsure of (a
     # sample that took it all would leave a small partition without either).
-    sample = choose_sample(vectors, min(spec.sample_rows, max(1, budget // 2), rows), spec.seed)
+    sample = choose_sample(vectors, min(wanted, max(1, budget // 2), rows), spec.seed)
     taught = _ask(teacher, sample, result, role="sample")
-    result.student = student = train_student(vectors[taught], [result.labels[i] or "" for i in taught], spec.seed)
+    result.student = student = partition_student(
+        vectors[taught], [result.labels[i] or "" for i in taught], stored, spec.seed
+    )
     result.unseen_choices = [c for c in choices if c not in student.classes]
     rest = np.setdiff1d(np.arange(rows), sample)
     if rest.size == 0:
@@ -293,6 +330,22 @@ def run_cascade(vectors: np.ndarray, teacher: Teacher, spec: CascadeSpec, choice
     return result
 
 
+def partition_student(vectors: np.ndarray, labels: list[str], stored: StoredStudent | None, seed: int = 0) -> Student:
+    """The student of a partition whose teacher labelled `labels` of `vectors`: trained on them alone;
+    with a stored student, the stored one as it is when the partition adds no label, else one
+    retrained on the stored training rows and the partition's together."""
+    if stored is None:
+        return train_student(vectors, labels, seed)
+    if stored.vectors.shape[1] != vectors.shape[1]:
+        raise ValueError(
+            f"the stored label_model's vectors have {stored.vectors.shape[1]} dimensions, this partition's "
+            f"{vectors.shape[1]}: materialize the task's label_model again"
+        )
+    if not labels:
+        return stored.student
+    return train_student(np.vstack([stored.vectors, vectors]), [*stored.labels, *labels], seed)
+
+
 def _ask(teacher: Teacher, positions: np.ndarray, result: CascadeResult, *, role: str) -> np.ndarray:
     """The teacher's answers for `positions` into `result`; the positions it labelled. A failed
     audit keeps the student's label (the row is then not audited); a failed sample or deferred row is
@@ -301,6 +354,7 @@ def _ask(teacher: Teacher, positions: np.ndarray, result: CascadeResult, *, role
         return positions
     answered = []
     for i, answer in zip(positions, teacher(positions), strict=True):
+        result.teacher_costs[i] = answer
         if answer.label is None:
             if role != "audit":
                 result.labels[i], result.confidence[i], result.labelled_by[i] = None, None, None
@@ -313,6 +367,19 @@ def _ask(teacher: Teacher, positions: np.ndarray, result: CascadeResult, *, role
 
 
 @dataclass(frozen=True)
+class TeacherCost:
+    """What a partition's teacher requests measured: over the `rows` a chat teacher was asked about,
+    their tokens; over the `timed_rows` of calls that inferred, the engine seconds. A column teacher
+    measures nothing (reading a column costs nothing)."""
+
+    rows: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    timed_rows: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class CascadeSummary:
     """What a partition's labels say of the cascade (from validated_labels' columns)."""
 
@@ -322,6 +389,11 @@ class CascadeSummary:
     deferred_rows: int
     audited_rows: int
     audit_agreed: int
+    teacher_cost: TeacherCost = TeacherCost()
+    embedding_prompt_tokens: int = 0
+    # engine.price (prices.engine_price: a batch API's discount applied): the embedding's and the
+    # chat teacher's, which run on the task's engine kind. None: costs in engine seconds.
+    price: PriceSpec | None = None
 
     @property
     def teacher_share(self) -> float:
@@ -343,10 +415,36 @@ class CascadeSummary:
             "deferred_rows": self.deferred_rows,
             "deferred_share": round(self.deferred_rows / self.rows, 4) if self.rows else 0.0,
             "teacher_share": round(self.teacher_share, 4),
-            # The cost of the labels against asking the teacher for every row (teacher requests are the cost).
+            # Teacher requests against one per row: the cost's share where each request costs the same.
             "cost_vs_all_teacher": round(self.teacher_share, 4),
+            **self.cost_metadata(),
             "audited_rows": self.audited_rows,
             "audit_agreement": None if self.agreement is None else round(self.agreement, 4),
             "audit_agreement_95_low": round(low, 4),
             "audit_agreement_95_high": round(high, 4),
+        }
+
+    def cost_metadata(self) -> dict[str, Any]:
+        """The labels' estimated cost against asking the teacher for every row: in dollars with a
+        price (the teacher's tokens as used; all-teacher: their mean per asked row times the rows),
+        else in engine seconds (seconds per inferred teacher row times the rows asked, and all rows).
+        Empty for a column teacher without a price."""
+        cost, rows = self.teacher_cost, self.rows
+        if self.price is not None:
+            embedding = cost_usd(self.embedding_prompt_tokens, 0, self.price) or 0.0
+            dollars: dict[str, Any] = {"embedding_cost_usd": embedding}
+            if cost.rows:
+                teacher = cost_usd(cost.prompt_tokens, cost.generated_tokens, self.price) or 0.0
+                dollars |= {
+                    "teacher_cost_usd": teacher,
+                    "cascade_cost_usd": round(teacher + embedding, 6),
+                    "all_teacher_cost_usd": round(teacher / cost.rows * rows, 6),
+                }
+            return dollars
+        if not cost.timed_rows:
+            return {}
+        per_row = cost.seconds / cost.timed_rows
+        return {
+            "teacher_engine_seconds": round(per_row * cost.rows, 3),
+            "all_teacher_engine_seconds": round(per_row * rows, 3),
         }

@@ -3,25 +3,36 @@
 `cascade_outputs` turns one partition's embedding results into inference_outputs shaped as a choices
 task's (the label in `generated_text`, the log of its confidence in `cumulative_logprob`, so
 validation, accuracy, confidence and drift apply unchanged), with `labelled_by` (teacher or student),
-`cascade_role` (sample, deferred, audit or student) and `student_label` (the student's own label on
-rows it labelled, audited ones included). `cascade_summary` reads a partition's labels back into what
-the metadata and the `agreement_at_least` check report. The cascade itself is pipeline/cascade.py.
+`cascade_role` (sample, deferred, audit or student), `student_label` (the student's own label on
+rows it labelled, audited ones included) and, on rows a chat teacher was asked about, what asking
+cost (`teacher_prompt_tokens`, `teacher_generated_tokens`, `teacher_seconds`). `cascade_summary`
+reads a partition's labels back into what the metadata and the `agreement_at_least` check report.
+The cascade itself is pipeline/cascade.py.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import polars as pl
 
-from batch_assets.pipeline.cascade import CascadeResult, CascadeSummary, Teacher, TeacherAnswer, run_cascade
+from batch_assets.pipeline.cascade import (
+    CascadeResult,
+    CascadeSummary,
+    Teacher,
+    TeacherAnswer,
+    TeacherCost,
+    run_cascade,
+)
 from batch_assets.pipeline.embeddings import vectors_column, vectors_matrix
+from batch_assets.pipeline.label_model import LabelModel
 from batch_assets.pipeline.result_stores import RESULT_SCHEMA
 from batch_assets.pipeline.run_inference import InferenceStats
-from batch_assets.pipeline.task_spec import EngineSpec, OutputSpec, TaskSpec
+from batch_assets.pipeline.task_spec import EngineSpec, OutputSpec, PriceSpec, TaskSpec
 from batch_assets.pipeline.task_spec.cascade import CascadeSpec, ColumnTeacher
 from batch_assets.pipeline.task_spec.engine import EMBEDDED_MODEL
 
@@ -58,12 +69,29 @@ def llm_teacher(frame: pl.DataFrame, teach: Teach, source_file: str, counts: dic
         labels, stats = teach(source_file, frame[positions.tolist()].drop(EMBEDDING_RESULTS, strict=False))
         for name in TEACHER_STATS:
             counts[name] = counts.get(name, 0) + getattr(stats, name)
-        return [
-            TeacherAnswer(label, None, 1.0 if confidence is None else float(confidence))
-            if label is not None and error is None
-            else TeacherAnswer(None, f"teacher_{error or 'error: the teacher gave no label'}")
-            for label, confidence, error in zip(labels["label"], labels["confidence"], labels["error"], strict=True)
-        ]
+        # Seconds per row the engine inferred (cached rows took none, and say nothing of the cost).
+        seconds = stats.engine_seconds / stats.rows_inferred if stats.rows_inferred else None
+        answers = []
+        for label, confidence, error, prompt_tokens, generated_tokens in zip(
+            labels["label"],
+            labels["confidence"],
+            labels["error"],
+            labels["num_prompt_tokens"],
+            labels["num_generated_tokens"],
+            strict=True,
+        ):
+            valid = label is not None and error is None
+            answer = (
+                TeacherAnswer(label, None, 1.0 if confidence is None else float(confidence))
+                if valid
+                else TeacherAnswer(None, f"teacher_{error or 'error: the teacher gave no label'}")
+            )
+            answers.append(
+                replace(
+                    answer, prompt_tokens=prompt_tokens or 0, generated_tokens=generated_tokens or 0, seconds=seconds
+                )
+            )
+        return answers
 
     return answer
 
@@ -101,10 +129,16 @@ def column_teacher(frame: pl.DataFrame, column: str, choices: Sequence[str], sou
 
 
 def cascade_outputs(
-    results: pl.DataFrame, spec: CascadeSpec, choices: Sequence[str], source_file: str, teach: Teach | None = None
+    results: pl.DataFrame,
+    spec: CascadeSpec,
+    choices: Sequence[str],
+    source_file: str,
+    teach: Teach | None = None,
+    stored: LabelModel | None = None,
 ) -> tuple[pl.DataFrame, dict[str, Any]]:
     """One partition's embedding results → its inference_outputs (see the module) and what the
-    cascade's run measured (the student's training; the chat teacher's calls) for the metadata."""
+    cascade's run measured (the student's training; the teacher's calls; the stored label model it
+    started from) for the metadata."""
     embedding = vectors_column(results["generated_text"])
     ok = embedding.is_not_null()
     embedded = results.filter(ok)
@@ -114,10 +148,25 @@ def cascade_outputs(
     else:
         assert teach is not None  # the inference step opens the teacher's session for `teacher: llm`
         teacher = llm_teacher(embedded, teach, source_file, counts)
-    result = run_cascade(vectors_matrix(embedding.filter(ok)), teacher, spec, choices)
+    result = run_cascade(vectors_matrix(embedding.filter(ok)), counted(teacher, counts), spec, choices, stored)
     positions = np.flatnonzero(ok.to_numpy())
-    measured = result.metadata() | {f"teacher_{name}": counts.get(name, 0) for name in TEACHER_STATS if counts}
+    measured = {
+        **result.metadata(),
+        "teacher_rows_asked": counts.get("rows_asked", 0),
+        **{f"teacher_{name}": counts.get(name, 0) for name in TEACHER_STATS if teach is not None},
+        **(stored.usage_metadata() if stored is not None else {}),
+    }
     return _with_cascade_columns(results, embedding, positions, result), measured
+
+
+def counted(teacher: Teacher, counts: dict[str, int]) -> Teacher:
+    """`teacher`, counting the rows it is asked about (`rows_asked` in `counts`)."""
+
+    def answer(positions: np.ndarray) -> list[TeacherAnswer]:
+        counts["rows_asked"] = counts.get("rows_asked", 0) + positions.size
+        return teacher(positions)
+
+    return answer
 
 
 def _with_cascade_columns(
@@ -133,6 +182,7 @@ def _with_cascade_columns(
 
     logprob = [None if p is None else (math.log(p) if p > 0 else -math.inf) for p in result.confidence]
     labelled = placed(result.labels, pl.String())
+    costs = result.teacher_costs
     return results.with_columns(
         generated_text=labelled,
         finish_reason=pl.when(labelled.is_not_null()).then(pl.lit("stop")),
@@ -141,14 +191,18 @@ def _with_cascade_columns(
         labelled_by=placed(result.labelled_by, pl.String()),
         cascade_role=placed(result.roles, pl.String()),
         student_label=placed(result.student_labels, pl.String()),
+        teacher_prompt_tokens=placed([None if c is None else c.prompt_tokens for c in costs], pl.Int64()),
+        teacher_generated_tokens=placed([None if c is None else c.generated_tokens for c in costs], pl.Int64()),
+        teacher_seconds=placed([None if c is None else c.seconds for c in costs], pl.Float64()),
         error=pl.coalesce(pl.col("error"), placed(result.errors, pl.String())),
         embedding=embedding,
     )
 
 
-def cascade_summary(labels: pl.DataFrame) -> CascadeSummary:
-    """What a partition's validated labels say of the cascade: who labelled how many rows, and the
-    audit (rows the student labelled and the teacher checked) agreement."""
+def cascade_summary(labels: pl.DataFrame, price: PriceSpec | None = None) -> CascadeSummary:
+    """What a partition's validated labels say of the cascade: who labelled how many rows, the audit
+    (rows the student labelled and the teacher checked) agreement, and what the teacher and the
+    embedding cost (at `price`, the task's `prices.engine_price`; else in engine seconds)."""
     by = labels["labelled_by"]
     role = labels["cascade_role"]
     audit = labels.filter(role == "audit")
@@ -159,4 +213,22 @@ def cascade_summary(labels: pl.DataFrame) -> CascadeSummary:
         deferred_rows=int((role == "deferred").sum()),
         audited_rows=audit.height,
         audit_agreed=int((audit["label"] == audit["student_label"]).sum()),
+        teacher_cost=_teacher_cost(labels),
+        embedding_prompt_tokens=int(labels["num_prompt_tokens"].sum() or 0) if "num_prompt_tokens" in labels else 0,
+        price=price,
+    )
+
+
+def _teacher_cost(labels: pl.DataFrame) -> TeacherCost:
+    """The chat teacher's tokens and seconds over the rows it was asked about (labels stored before
+    they were recorded, and a column teacher's, have none)."""
+    if "teacher_prompt_tokens" not in labels.columns:
+        return TeacherCost()
+    timed = labels["teacher_seconds"].drop_nulls()
+    return TeacherCost(
+        rows=int(labels["teacher_prompt_tokens"].is_not_null().sum()),
+        prompt_tokens=int(labels["teacher_prompt_tokens"].sum() or 0),
+        generated_tokens=int(labels["teacher_generated_tokens"].sum() or 0),
+        timed_rows=timed.len(),
+        seconds=float(timed.sum() or 0.0),
     )

@@ -55,6 +55,7 @@ from batch_assets.pipeline.embeddings import (
 )
 from batch_assets.pipeline.engine_contract import Engine, EngineSettings, Prompt, model_name
 from batch_assets.pipeline.format_prompts import PromptFormat, Tokenizer, format_prompts, prompt_encoders
+from batch_assets.pipeline.label_model import LabelModel
 from batch_assets.pipeline.label_quality import label_counts
 from batch_assets.pipeline.openai_batch import (
     accepted_model_names,
@@ -68,6 +69,7 @@ from batch_assets.pipeline.openai_batch_output import (
     validate_batch_embeddings,
     validate_batch_outputs,
 )
+from batch_assets.pipeline.prices import engine_price
 from batch_assets.pipeline.prompt_tokens import PROMPT_TOKEN_IDS
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput
 from batch_assets.pipeline.task_spec import TaskSpec
@@ -85,13 +87,15 @@ RunInference = Callable[[list[PartitionInput]], list[tuple[pl.DataFrame, Inferen
 @dataclass(frozen=True)
 class InferenceStream:
     """What a kind's `infer` gets of the run: `run`, the engine's tokenizer and context length (for
-    requests of the kind's own: similarity's choices), and `teach`, a cascade's chat teacher
-    (`teacher: llm`; None for every other task)."""
+    requests of the kind's own: similarity's choices), `teach`, a cascade's chat teacher
+    (`teacher: llm`; None for every other task), and `label_model`, a cascade task's stored student
+    for this task version (None: none yet, or another kind of task)."""
 
     run: RunInference
     tokenizer: Tokenizer
     max_model_len: int
     teach: Teach | None = None
+    label_model: LabelModel | None = None
 
 
 @dataclass(frozen=True)
@@ -482,7 +486,9 @@ class CascadeRecords(_EmbeddedRecords):
     def inference_description(self, engine_name: str) -> str:
         return (
             f"Embeddings of each `{self.task.name}` row from {self.embedder(engine_name)}, and its label by the "
-            "cascade: the teacher's on a sample and on the rows the student is unsure of, the student's elsewhere."
+            "cascade: the teacher's on a sample and on the rows the student is unsure of, the student's elsewhere. "
+            "The student starts from the task's label_model where one of this task version is stored "
+            "(`label_model_digest`)."
         )
 
     def validated_description(self) -> str:
@@ -506,7 +512,9 @@ class CascadeRecords(_EmbeddedRecords):
         assert output.cascade is not None  # method cascade requires it (OutputSpec)
         inferred = []
         for part, (frame, stats) in zip(parts, stream.run(parts), strict=True):
-            labelled, measured = cascade_outputs(frame, output.cascade, output.choices or [], part.label, stream.teach)
+            labelled, measured = cascade_outputs(
+                frame, output.cascade, output.choices or [], part.label, stream.teach, stream.label_model
+            )
             inferred.append((labelled, replace(stats, format_metadata=measured)))
         return inferred
 
@@ -517,7 +525,8 @@ class CascadeRecords(_EmbeddedRecords):
         return [*self.task.input.text_fields, "label", "confidence", "labelled_by", "error"]
 
     def label_metadata(self, labels: pl.DataFrame) -> dict[str, Any]:
-        return {**super().label_metadata(labels), **cascade_summary(labels).metadata()}
+        summary = cascade_summary(labels, engine_price(self.task.engine))
+        return {**super().label_metadata(labels), **summary.metadata()}
 
 
 class OpenAIBatchEmbeddings(EmbeddingRecords):

@@ -13,7 +13,7 @@ declared here and sit on the task's `engine:` (`task_spec.EngineSpec`) next to t
                            once more in a new batch before they become error rows
     batch_price_factor     what a batch costs as a share of `engine.price` (0.5: half price, as at
                            OpenAI, Anthropic, Together, Groq, Mistral); estimates, budgets and
-                           `cost_usd` use it (`budget.engine_price`)
+                           `cost_usd` use it (`prices.engine_price`)
 
 None of them changes an output (code versions leave them out: pipeline/code_versions.py).
 """

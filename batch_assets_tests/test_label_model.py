@@ -1,0 +1,227 @@
+"""A cascade task's stored student (`<task>/label_model`) without an engine, on fixed embeddings: a
+partition that starts from it asks the teacher for no sample (or only what it lacks), the model is
+trained on every teacher label of the partitions of the task's version once, stored by version with
+its training rows and read back (retrained where scikit-learn changed), the asset on a real Dagster
+instance and its automation; and what the labels cost in dollars or engine seconds."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import dagster as dg
+import numpy as np
+import polars as pl
+import pytest
+
+from batch_assets.engines.kinds import resolve_settings
+from batch_assets.lib.automation import CODE_VERSION_TAG
+from batch_assets.lib.run_outcomes import _quality_notes
+from batch_assets.lib.task_definitions import build_definitions
+from batch_assets.pipeline.cascade import (
+    CascadeSummary,
+    StoredStudent,
+    TeacherCost,
+    run_cascade,
+    train_student,
+)
+from batch_assets.pipeline.cascade_labels import cascade_outputs
+from batch_assets.pipeline.code_versions import code_versions
+from batch_assets.pipeline.label_model import LabelModelError, fit_label_model, training_digest
+from batch_assets.pipeline.task_spec import PriceSpec, load_task_spec
+from batch_assets.storage.drop_files import partitions_def_name
+from batch_assets.storage.label_models import label_model_dir, read_label_model, write_label_model
+from batch_assets.storage.locations import output_path
+from batch_assets_tests.test_cascade import CHOICES, blobs, embedded_results, perfect_teacher, spec
+
+TASK = """
+input: {text_fields: [name]}
+prompt: {template: "{name}"}
+output:
+  kind: choices
+  method: cascade
+  choices: [alpha, beta, gamma, delta]
+  cascade: {teacher: {column: gold}, sample_rows: 100, audit_rows: 20}
+automation: {rematerialize_stale: true}
+"""
+
+
+def partition_outputs(x: np.ndarray, y: np.ndarray, **settings) -> pl.DataFrame:
+    """A partition's inference_outputs as the cascade kind writes them, with a column teacher."""
+    outputs, _ = cascade_outputs(embedded_results(x, [CHOICES[i] for i in y]), spec(**settings), CHOICES, "f.csv")
+    return outputs
+
+
+# --- a partition that starts from a stored student ------------------------------------------------
+
+
+def test_a_stored_student_takes_the_place_of_the_partitions_sample() -> None:
+    x, y = blobs(1200, noise=1.0, seed=4)
+    labels = [CHOICES[i] for i in y[:150]]
+    stored = StoredStudent(train_student(x[:150], labels), x[:150], labels)
+    asked: list[int] = []
+    settings = spec(sample_rows=100, audit_rows=30)
+    result = run_cascade(x[150:], perfect_teacher(y[150:], asked), settings, CHOICES, stored)
+    roles = Counter(result.roles)
+    # 150 stored rows cover sample_rows: no sample; the budget (262 of 1,050 rows) goes to the rest.
+    assert roles["sample"] == 0 and roles["audit"] == 30 and roles["deferred"] > 0
+    assert len(asked) == roles["deferred"] + roles["audit"]
+    assert result.student is stored.student  # used as stored: the partition added no training row
+    # Without it the same partition samples 100 rows.
+    assert Counter(run_cascade(x[150:], perfect_teacher(y[150:]), settings, CHOICES).roles)["sample"] == 100
+    # A stored student of 60 rows: the partition samples the 40 it lacks and retrains on all 100.
+    few = StoredStudent(train_student(x[:60], labels[:60]), x[:60], labels[:60])
+    result = run_cascade(x[150:], perfect_teacher(y[150:]), settings, CHOICES, few)
+    assert Counter(result.roles)["sample"] == 40 and result.student.training_rows == 100
+    with pytest.raises(ValueError, match="the stored label_model's vectors have 24 dimensions, this partition's 8"):
+        run_cascade(x[150:, :8], perfect_teacher(y[150:]), settings, CHOICES, stored)
+
+
+# --- training and storing it ------------------------------------------------------------------------
+
+
+def test_the_label_model_learns_every_teacher_label_of_its_partitions_once() -> None:
+    x, y = blobs(1000, noise=1.0, seed=5)
+    first, second = partition_outputs(x[:500], y[:500]), partition_outputs(x[500:], y[500:])
+    taught = [int((frame["labelled_by"] == "teacher").sum()) for frame in (first, second)]
+    # The same file dropped twice (another partition of the same rows) adds no training row.
+    model = fit_label_model({"b": second, "a": first, "a-again": first}, "v1", seed=0)
+    assert model.training_rows == sum(taught) and model.partitions == ["a", "a-again", "b"]
+    teacher = first.filter(pl.col("labelled_by") == "teacher")
+    assert set(model.labels) <= set(CHOICES) and model.labels[: teacher.height] == teacher["generated_text"].to_list()
+    metadata = model.metadata()
+    assert (metadata["training_rows"], metadata["partition_count"], metadata["task_version"]) == (sum(taught), 3, "v1")
+    assert metadata["classes"] == sorted(CHOICES) and metadata["calibrated"] is True
+    assert 0.5 < metadata["cv_agreement"] <= 1 and 0 <= metadata["calibration_error"] < 0.5
+    assert metadata["digest"] == training_digest(model.vectors, model.labels) and len(metadata["digest"]) == 12
+    # Teacher errors are no training rows; nothing to learn from is said, naming what to do.
+    failed = first.with_columns(error=pl.lit("teacher_no_label: f.csv line 2: empty"))
+    with pytest.raises(LabelModelError, match=r"no materialized inference_outputs partition .*\(v1\)"):
+        fit_label_model({"a": failed}, "v1")
+    one_label = first.with_columns(generated_text=pl.lit("alpha"))
+    with pytest.raises(LabelModelError, match=r"1 distinct label\(s\) \(alpha\).*raise output.cascade.sample_rows"):
+        fit_label_model({"a": one_label}, "v1")
+
+
+def test_a_stored_label_model_reads_back_as_it_was_written(data_dir: Path) -> None:
+    x, y = blobs(1000, noise=1.0, seed=6)
+    model = fit_label_model({"a": partition_outputs(x[:500], y[:500])}, "v1")
+    folder = write_label_model("cascaded", model)
+    assert folder == label_model_dir("cascaded", "v1") / model.digest
+    assert read_label_model("cascaded", "v2", print) is None  # another task version has none
+    back = read_label_model("cascaded", "v1", print)
+    assert back is not None and (back.digest, back.partitions, back.labels) == (model.digest, ["a"], model.labels)
+    assert back.student.cv_agreement == model.student.cv_agreement
+    assert back.student.predict(x[500:])[0] == model.student.predict(x[500:])[0]
+    # A newer model replaces it: current.json names it, the earlier folder is gone.
+    newer = fit_label_model({"a": partition_outputs(x[:500], y[:500]), "b": partition_outputs(x[500:], y[500:])}, "v1")
+    write_label_model("cascaded", newer)
+    current = label_model_dir("cascaded", "v1") / "current.json"
+    assert json.loads(current.read_text())["digest"] == newer.digest
+    assert sorted(p.name for p in label_model_dir("cascaded", "v1").iterdir()) == sorted(["current.json", newer.digest])
+    # Pickled by another scikit-learn: never unpickled (here it could not be), retrained from the rows
+    # beside it, to the same labels.
+    pinned = json.loads(current.read_text()) | {"scikit_learn": "0.0"}
+    current.write_text(json.dumps(pinned))
+    (label_model_dir("cascaded", "v1") / newer.digest / "model.joblib").write_bytes(b"not a pickle")
+    retrained = read_label_model("cascaded", "v1", print)
+    assert retrained is not None and retrained.student.predict(x)[0] == newer.student.predict(x)[0]
+    # Training rows that do not match their digest are not used, and the warning says why.
+    current.write_text(json.dumps(pinned | {"digest": model.digest}))
+    (label_model_dir("cascaded", "v1") / model.digest).mkdir()
+    (label_model_dir("cascaded", "v1") / newer.digest / "training.parquet").rename(
+        label_model_dir("cascaded", "v1") / model.digest / "training.parquet"
+    )
+    warnings: list[str] = []
+    assert read_label_model("cascaded", "v1", warnings.append) is None
+    assert warnings and "do not match their digest; not used: materialize label_model again" in warnings[0]
+
+
+# --- the asset on a Dagster instance ----------------------------------------------------------------
+
+
+def test_the_label_model_asset_learns_the_partitions_of_its_version_and_is_retrained_after_new_ones(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    path = tmp_path / "cascaded.yaml"
+    path.write_text(TASK)
+    task = load_task_spec(path)
+    version = code_versions(task, resolve_settings(task))["inference_outputs"]
+    defs = build_definitions(tasks=[task])
+    key, upstream = dg.AssetKey(["cascaded", "label_model"]), dg.AssetKey(["cascaded", "inference_outputs"])
+    x, y = blobs(1000, noise=1.0, seed=8)
+    outputs = {"a": partition_outputs(x[:500], y[:500]), "old": partition_outputs(x[500:], y[500:])}
+
+    def materialized(instance: dg.DagsterInstance, partition: str, code_version: str) -> None:
+        """A partition of inference_outputs as a run leaves it: its file, and its materialization."""
+        target = output_path("cascaded", "inference_outputs", partition)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        outputs[partition].write_parquet(target.path)
+        materialization = dg.AssetMaterialization(upstream, partition=partition, tags={CODE_VERSION_TAG: code_version})
+        instance.report_runless_asset_event(materialization)
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(partitions_def_name("cascaded"), ["a", "old"])
+        materialized(instance, "old", "an-earlier-version")
+        first = dg.evaluate_automation_conditions(defs=defs, instance=instance)
+        # New teacher labels upstream: the automation sensor's condition requests a retraining, once.
+        materialized(instance, "a", version)
+        second = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=first.cursor)
+        assert second.get_num_requested(key) == 1
+        third = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=second.cursor)
+        assert third.get_num_requested(key) == 0
+        result = dg.materialize([defs.get_assets_def(key)], instance=instance)
+        assert result.success
+        [event] = result.asset_materializations_for_node("cascaded__label_model")
+        metadata = {k: v.value for k, v in event.metadata.items()}
+    # Not in the task's partitioned job: it is materialized on its own.
+    assert key not in set(defs.resolve_job_def("cascaded_pipeline").asset_layer.executable_asset_keys)
+    teacher_rows = int((outputs["a"]["labelled_by"] == "teacher").sum())
+    assert (metadata["training_rows"], metadata["partitions"], metadata["other_version_partitions"]) == (
+        teacher_rows,
+        ["a"],
+        ["old"],
+    )
+    assert metadata["task_version"] == version and metadata["classes"] == sorted(CHOICES)
+    stored = read_label_model("cascaded", version, print)
+    assert stored is not None and stored.digest == metadata["digest"] and stored.training_rows == teacher_rows
+
+
+# --- what the labels cost -----------------------------------------------------------------------------
+
+
+def test_the_labels_cost_in_dollars_with_a_price_and_in_engine_seconds_without() -> None:
+    spent = TeacherCost(rows=25, prompt_tokens=2500, generated_tokens=100, timed_rows=10, seconds=2.0)
+    summary = CascadeSummary(100, 20, 75, 5, 10, 9, spent, embedding_prompt_tokens=1000)
+    priced = replace(summary, price=PriceSpec(input_per_million_tokens=2.0, output_per_million_tokens=10.0))
+    # Embedding 1,000 × $2/M; teacher 2,500 × $2/M + 100 × $10/M; every row: its $0.006 / 25 rows × 100.
+    assert priced.cost_metadata() == {
+        "embedding_cost_usd": 0.002,
+        "teacher_cost_usd": 0.006,
+        "cascade_cost_usd": 0.008,
+        "all_teacher_cost_usd": 0.024,
+    }
+    assert priced.metadata()["cost_vs_all_teacher"] == 0.2  # the share, as before
+    # No price: 2 s over 10 inferred rows, times the 25 rows asked and the 100 rows.
+    assert summary.cost_metadata() == {"teacher_engine_seconds": 5.0, "all_teacher_engine_seconds": 20.0}
+    # A column teacher costs nothing measurable: the share alone, and the embedding's price.
+    column = CascadeSummary(100, 20, 75, 5, 10, 9, embedding_prompt_tokens=1000)
+    assert column.cost_metadata() == {}
+    assert replace(column, price=priced.price).cost_metadata() == {"embedding_cost_usd": 0.002}
+
+
+def test_the_run_summary_says_what_the_labels_cost_against_the_teacher_on_every_row() -> None:
+    def labelled(instance: dg.DagsterInstance, key: str, **metadata: float) -> None:
+        asset = dg.AssetKey(["cascaded", "validated_labels"])
+        instance.report_runless_asset_event(dg.AssetMaterialization(asset, partition=key, metadata=metadata))
+
+    counts = {"rows": 100, "teacher_rows": 20, "student_rows": 80, "audited_rows": 0}
+    with dg.instance_for_test() as instance:
+        labelled(instance, "a", **counts, cascade_cost_usd=0.008, all_teacher_cost_usd=0.024)
+        labelled(instance, "b", **counts, cascade_cost_usd=0.002, all_teacher_cost_usd=0.026)
+        labelled(instance, "c", **counts, teacher_engine_seconds=5.0, all_teacher_engine_seconds=20.0)
+        notes = _quality_notes("cascaded", ["a", "b"], instance)
+        assert notes[-1] == "cost $0.0100 against $0.0500 with the teacher on every row"
+        assert _quality_notes("cascaded", ["c"], instance)[-1] == "teacher engine 5.0 s against 20.0 s on every row"
