@@ -548,7 +548,9 @@ def test_a_file_over_max_rows_per_partition_becomes_shards_each_its_own_run(
         assert not stored.exists()  # outputs of retired shards are deleted with them
 
 
-def test_a_tick_reads_the_instance_in_bulk_and_plans_as_asking_file_by_file_does(data_dir: Path) -> None:
+def test_a_tick_reads_the_instance_in_bulk_and_plans_as_asking_file_by_file_does(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The tick reads the records of every partition it may ask about in a few queries
     (`PartitionRecords`), and plans exactly what asking the instance once per partition
     (`validated_from_version`, `read_version`) plans, on files done, not done and changed."""
@@ -606,13 +608,9 @@ def test_a_tick_reads_the_instance_in_bulk_and_plans_as_asking_file_by_file_does
 
         queries: list[str] = []
         fetch = instance.fetch_materializations
-        monkey = pytest.MonkeyPatch()
-        monkey.setattr(instance, "fetch_materializations", lambda *a, **k: queries.append("fetch") or fetch(*a, **k))
-        context = dg.build_sensor_context(instance=instance)
-        try:
-            bulk = plan_drops_tick(context, task, files, seen, ordered, registered, keys_of, None)
-        finally:
-            monkey.undo()
+        monkeypatch.setattr(instance, "fetch_materializations", lambda *a, **k: queries.append("") or fetch(*a, **k))
+        bulk = plan_drops_tick(dg.build_sensor_context(instance=instance), task, files, seen, ordered, registered, keys_of, None)
+        monkeypatch.undo()
         one_by_one = plan_tick(
             files,
             seen,

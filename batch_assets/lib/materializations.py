@@ -9,8 +9,9 @@ from collections.abc import Iterable
 import dagster as dg
 
 # Partitions per query: well under SQLite's bound-parameter limit (32,766), and few round trips to
-# Postgres for a drop zone of tens of thousands of files.
+# Postgres for a drop zone of tens of thousands of files; records per page read back.
 PARTITIONS_PER_QUERY = 2_000
+RECORDS_PER_PAGE = 5_000
 
 
 def latest_materialization(
@@ -26,20 +27,23 @@ def latest_materialization(
 def latest_materializations(
     instance: dg.DagsterInstance, asset_key: dg.AssetKey, partition_keys: Iterable[str]
 ) -> dict[str, dg.EventLogRecord]:
-    """`latest_materialization` of many partitions (those never materialized left out), in two
-    queries per `PARTITIONS_PER_QUERY` partitions instead of one per partition: the latest storage
-    id of each partition, then those records by id."""
+    """`latest_materialization` of many partitions (those never materialized left out), read
+    `PARTITIONS_PER_QUERY` partitions a query instead of one: their materializations newest first,
+    each partition's first one kept, until every partition has one or none are left (a partition
+    materialized once costs one record)."""
     keys = sorted(set(partition_keys))
     latest: dict[str, dg.EventLogRecord] = {}
     for start in range(0, len(keys), PARTITIONS_PER_QUERY):
-        # Never an empty set: Dagster reads an empty `partitions` as every partition.
-        chunk = set(keys[start : start + PARTITIONS_PER_QUERY])
-        ids = instance.get_latest_storage_id_by_partition(asset_key, dg.DagsterEventType.ASSET_MATERIALIZATION, chunk)
-        if not ids:
-            continue
-        records = instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=asset_key, storage_ids=list(ids.values())), limit=len(ids)
-        ).records
-        by_id = {record.storage_id: record for record in records}
-        latest.update({key: by_id[storage_id] for key, storage_id in ids.items() if storage_id in by_id})
+        chunk = keys[start : start + PARTITIONS_PER_QUERY]
+        records_filter = dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=chunk)
+        found, cursor = 0, None
+        while found < len(chunk):
+            page = instance.fetch_materializations(records_filter, limit=RECORDS_PER_PAGE, cursor=cursor)
+            for record in page.records:
+                if record.partition_key is not None and record.partition_key not in latest:
+                    latest[record.partition_key] = record
+                    found += 1
+            if not page.has_more:
+                break
+            cursor = page.cursor
     return latest
