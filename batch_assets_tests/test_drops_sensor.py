@@ -584,7 +584,12 @@ def test_a_tick_reads_the_instance_in_bulk_and_plans_as_asking_file_by_file_does
 
     history = {
         "done.jsonl": [("raw_prompts", "now"), ("validated_labels", None)],
-        "done-again.jsonl": [("raw_prompts", "old"), ("validated_labels", None), ("raw_prompts", "now"), ("validated_labels", None)],
+        "done-again.jsonl": [
+            ("raw_prompts", "old"),
+            ("validated_labels", None),
+            ("raw_prompts", "now"),
+            ("validated_labels", None),
+        ],
         "changed.jsonl": [("raw_prompts", "old"), ("validated_labels", None)],
         "raw-only.jsonl": [("raw_prompts", "now")],
         "labels-first.jsonl": [("raw_prompts", "now"), ("validated_labels", None), ("raw_prompts", "now")],
@@ -609,7 +614,9 @@ def test_a_tick_reads_the_instance_in_bulk_and_plans_as_asking_file_by_file_does
         queries: list[str] = []
         fetch = instance.fetch_materializations
         monkeypatch.setattr(instance, "fetch_materializations", lambda *a, **k: queries.append("") or fetch(*a, **k))
-        bulk = plan_drops_tick(dg.build_sensor_context(instance=instance), task, files, seen, ordered, registered, keys_of, None)
+        bulk = plan_drops_tick(
+            dg.build_sensor_context(instance=instance), task, files, seen, ordered, registered, keys_of, None
+        )
         bulk_queries = len(queries)
         one_by_one = plan_tick(
             files,

@@ -640,7 +640,9 @@ def test_a_chat_lines_logprobs_reach_the_engine_and_come_back_in_openais_shape(t
     formatted = format_lines(data, tokenizer)
     assert formatted["top_logprobs"].to_list() == [None, 0, 2, None]
     assert "logprobs" not in json.loads(formatted["request_params"][0])["sampling"]  # the key it always had
-    keys = request_keys(formatted["prompt"].to_list(), formatted["row_id"].to_list(), True, formatted["request_params"].to_list())
+    keys = request_keys(
+        formatted["prompt"].to_list(), formatted["row_id"].to_list(), True, formatted["request_params"].to_list()
+    )
     assert len(set(keys[:3])) == 3 and keys[3] == keys[0]
     asked: list[int | None] = []
 
@@ -651,8 +653,13 @@ def test_a_chat_lines_logprobs_reach_the_engine_and_come_back_in_openais_shape(t
             top = p.sampling.logprobs
             tokens = None
             if top is not None:
-                alternatives = [{"token": "B", "logprob": -1.5, "bytes": [66]}, {"token": "C", "logprob": -2.0, "bytes": [67]}]
-                tokens = json.dumps([{"token": "A", "logprob": -0.1, "bytes": [65], "top_logprobs": alternatives[:top]}])
+                alternatives = [
+                    {"token": "B", "logprob": -1.5, "bytes": [66]},
+                    {"token": "C", "logprob": -2.0, "bytes": [67]},
+                ]
+                tokens = json.dumps(
+                    [{"token": "A", "logprob": -0.1, "bytes": [65], "top_logprobs": alternatives[:top]}]
+                )
             out.append(Generation("A", "stop", len(p.token_ids), 1, cumulative_logprob=-0.1, token_logprobs=tokens))
         return out
 
@@ -695,7 +702,10 @@ def test_a_chat_lines_logprobs_reach_the_engine_and_come_back_in_openais_shape(t
             "content": [
                 {
                     **entry,
-                    "top_logprobs": [{"token": "B", "logprob": -1.5, "bytes": [66]}, {"token": "C", "logprob": -2.0, "bytes": [67]}],
+                    "top_logprobs": [
+                        {"token": "B", "logprob": -1.5, "bytes": [66]},
+                        {"token": "C", "logprob": -2.0, "bytes": [67]},
+                    ],
                 }
             ]
         },

@@ -192,7 +192,14 @@ def already_run_scenarios(keys: int, repeats: int, folder: str) -> list[dict]:
             return f"{len(result.run_requests)} run requests, {len(result.cursor or ''):,} byte cursor"
 
         for label, sensor in (("shipped sensor (500 files a tick)", shipped), ("no cap (every file)", uncapped)):
-            rows.append(measure(f"first tick over files already run, {label}", repeats, lambda: None, lambda _: evaluate(sensor)))
+            rows.append(
+                measure(
+                    f"first tick over files already run, {label}",
+                    repeats,
+                    lambda: None,
+                    lambda _, sensor=sensor: evaluate(sensor),
+                )
+            )
     for row in rows:
         row["where"] = f"local folder, {keys} files already run"
     return rows

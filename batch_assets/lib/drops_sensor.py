@@ -491,7 +491,9 @@ def plan_drops_tick(
     }
     # The instance's records of every partition the plan may ask about, read at once.
     records = PartitionRecords(context.instance, task.name)
-    records.load(key for drop in files if file_fingerprint(drop) not in seen for key in registered.get(drop.partition_key, []))
+    records.load(
+        key for drop in files if file_fingerprint(drop) not in seen for key in registered.get(drop.partition_key, [])
+    )
     return plan_tick(
         files,
         seen,

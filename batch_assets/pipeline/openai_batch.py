@@ -93,8 +93,7 @@ _COMMON_FIELDS = {
 }
 BODY_FIELDS = {
     CHAT_URL: frozenset(
-        _COMMON_FIELDS
-        | {"messages", "max_completion_tokens", "response_format", "structured_outputs", "top_logprobs"}
+        _COMMON_FIELDS | {"messages", "max_completion_tokens", "response_format", "structured_outputs", "top_logprobs"}
     ),
     COMPLETIONS_URL: frozenset(_COMMON_FIELDS | {"prompt", "echo", "structured_outputs"}),
     # `dimensions` (shortened vectors) is left out: only some models are trained for it.
