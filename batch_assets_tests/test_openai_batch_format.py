@@ -288,7 +288,7 @@ def test_sampling_defaults_fill_what_a_line_leaves_out_and_response_format_becom
     )
     out = format_lines(data, tokenizer)
     a, b, c = (RequestSpec.from_params_json(p) for p in out["request_params"])
-    assert a.sampling.model_dump() == {**DEFAULTS.model_dump(), "stop": None} and a.output is None
+    assert a.sampling.model_dump() == {**DEFAULTS.model_dump(), "stop": None, "logprobs": None} and a.output is None
     assert (b.sampling.temperature, b.sampling.seed, b.sampling.max_tokens, b.sampling.stop) == (0.7, 5, 64, ("\n",))
     assert b.output.kind == "json_schema" and b.output.json_schema == schema
     assert c.output.json_schema == {"type": "object"}
