@@ -98,6 +98,13 @@ def test_answers_are_read_by_custom_id_from_output_and_error_lines() -> None:
         assert generation is not None
         assert (generation.text, generation.num_prompt_tokens, generation.num_generated_tokens) == ("positive", 12, 2)
         assert generation.cumulative_logprob == -0.75
+        # The tokens too, for a request that asked for them (the engine keeps them only then).
+        assert json.loads(generation.token_logprobs or "")[1] == {
+            "token": "itive",
+            "logprob": -0.5,
+            "bytes": None,
+            "top_logprobs": [],
+        }
     assert answers["c"] == Answer(error="batch_error: HTTP 400: too long", retryable=False)
     assert answers["d"] == Answer(error="batch_error: batch_expired: expired", retryable=True)
 

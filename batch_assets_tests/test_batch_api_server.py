@@ -75,9 +75,12 @@ registered_resources: {models: []}
 class BatchServer:
     base_url: str
     model: str  # the name the server knows the tiny model by
-    # Whether it returns `logprobs` (a label's confidence): `batch-assets serve` answers without them
-    # and refuses a line asking for them, so its task sets `output.confidence: false`.
+    # Whether it returns `logprobs` (a label's confidence); a task sent to one that does not sets
+    # `output.confidence: false`.
     logprobs: bool = True
+    # Whether the test checks that every label got its confidence back: `batch-assets serve`'s
+    # answers carry the lines' `logprobs` (OGX's reference provider's are not asserted here).
+    confidence_checked: bool = False
 
     def batch_ids(self) -> list[str]:
         """Every batch the server holds (counted on the server, not by the engine)."""
@@ -210,7 +213,7 @@ def serve_server(model: str, folder: Path) -> Iterator[BatchServer]:
     }
     port = free_port()
     with running_server(env, port, folder / "serve.log"):
-        yield BatchServer(f"http://127.0.0.1:{port}/v1", model, logprobs=False)
+        yield BatchServer(f"http://127.0.0.1:{port}/v1", model, confidence_checked=True)
 
 
 SERVERS = ("ogx", "serve")
@@ -284,6 +287,8 @@ def test_kill_9_while_the_batch_is_in_flight_then_rerun_collects_the_same_batch(
     labels = pl.read_parquet(data_dir / "storage" / "sentiment" / "validated_labels" / "posts.jsonl.parquet")
     assert labels["id"].to_list() == [row["id"] for row in rows]
     assert labels["error"].null_count() == 40 and labels["label"].is_in(["positive", "negative", "neutral"]).all()
+    if batch_server.confidence_checked:  # the labels' confidence, from the log-probabilities the batch returned
+        assert labels["confidence"].is_between(0.0, 1.0).all() and labels["confidence"].null_count() == 0
     assert not list(records.glob("*/*.json"))
 
 

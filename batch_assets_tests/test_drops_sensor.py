@@ -26,11 +26,18 @@ from batch_assets.lib.drops_sensor import (
     build_drops_sensor,
     decode_cursor,
     encode_cursor,
+    file_fingerprint,
+    file_validated_from_version,
+    plan_drops_tick,
+    plan_tick,
+    read_version,
     requested_partitions,
 )
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.drop_files import (
+    DropFile,
+    file_key_of,
     find_drop_file,
     list_drop_files,
     partition_key_for,
@@ -39,6 +46,7 @@ from batch_assets.storage.drop_files import (
 )
 from batch_assets.storage.errors import StorageError, scrub
 from batch_assets.storage.locations import data_root, storage_path, write_bytes_atomically
+from batch_assets.storage.shards import partitions_by_file
 from batch_assets_tests.conftest import drop
 
 TASK = "sentiment"
@@ -538,3 +546,98 @@ def test_a_file_over_max_rows_per_partition_becomes_shards_each_its_own_run(
         [retire] = [r for r in whole.dynamic_partitions_requests if isinstance(r, dg.DeleteDynamicPartitionsRequest)]
         assert sorted(retire.partition_keys) == shards[:2]
         assert not stored.exists()  # outputs of retired shards are deleted with them
+
+
+def test_a_tick_reads_the_instance_in_bulk_and_plans_as_asking_file_by_file_does(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tick reads the records of every partition it may ask about in a few queries
+    (`PartitionRecords`), and plans exactly what asking the instance once per partition
+    (`validated_from_version`, `read_version`) plans, on files done, not done and changed."""
+    names = [
+        "done.jsonl",  # raw_prompts read this version, then validated_labels
+        "done-again.jsonl",  # an older version run, then this one
+        "changed.jsonl",  # validated from an older version: a replacement
+        "raw-only.jsonl",  # read, never validated
+        "labels-first.jsonl",  # validated, then read again (not validated since)
+        "no-version.jsonl",  # raw_prompts without source_version
+        "killed.jsonl",  # registered by `batch-assets run`, never read
+        "sharded.jsonl",  # two shards, one validated from this version
+        "sharded-done.jsonl",  # two shards, both validated from this version
+        "new.jsonl",  # no partition yet
+        "seen.jsonl",  # in the cursor
+    ]
+    for age, name in enumerate(names):
+        settled(drop(data_dir, TASK, name, POST), age=300 - age)
+    files, _ = list_drop_files(TASK)
+    version = {drop.relative_path: drop.version for drop in files}
+    shards = {name: [f"{name}~00001", f"{name}~00002"] for name in ("sharded.jsonl", "sharded-done.jsonl")}
+
+    def keys_of(drop: DropFile) -> list[str]:
+        return shards.get(drop.relative_path, [drop.partition_key])
+
+    def record(instance: dg.DagsterInstance, asset: str, key: str, source_version: str | None = None) -> None:
+        metadata = {"source_version": source_version} if source_version else {}
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization(asset_key=dg.AssetKey([TASK, asset]), partition=key, metadata=metadata)
+        )
+
+    history = {
+        "done.jsonl": [("raw_prompts", "now"), ("validated_labels", None)],
+        "done-again.jsonl": [
+            ("raw_prompts", "old"),
+            ("validated_labels", None),
+            ("raw_prompts", "now"),
+            ("validated_labels", None),
+        ],
+        "changed.jsonl": [("raw_prompts", "old"), ("validated_labels", None)],
+        "raw-only.jsonl": [("raw_prompts", "now")],
+        "labels-first.jsonl": [("raw_prompts", "now"), ("validated_labels", None), ("raw_prompts", "now")],
+        "no-version.jsonl": [("raw_prompts", None), ("validated_labels", None)],
+        "sharded.jsonl~00001": [("raw_prompts", "now"), ("validated_labels", None)],
+        "sharded.jsonl~00002": [("raw_prompts", "old"), ("validated_labels", None)],
+        "sharded-done.jsonl~00001": [("raw_prompts", "now"), ("validated_labels", None)],
+        "sharded-done.jsonl~00002": [("raw_prompts", "now"), ("validated_labels", None)],
+    }
+    task = next(task for task in load_task_specs() if task.name == TASK)
+    with dg.instance_for_test() as instance:
+        registered_keys = [key for name in names[:-2] for key in shards.get(name, [partition_key_for(name)])]
+        instance.add_dynamic_partitions(partitions_def_name(TASK), registered_keys)
+        for key, events in history.items():
+            file_version = version[file_key_of(key)]
+            for asset, read in events:
+                record(instance, asset, key, {"now": file_version, "old": "0:1"}.get(read or ""))
+        seen = {file_fingerprint(next(drop for drop in files if drop.relative_path == "seen.jsonl"))}
+        ordered = ordered_partitions(instance)
+        registered = partitions_by_file(ordered)
+
+        queries: list[str] = []
+        fetch = instance.fetch_materializations
+        monkeypatch.setattr(instance, "fetch_materializations", lambda *a, **k: queries.append("") or fetch(*a, **k))
+        bulk = plan_drops_tick(
+            dg.build_sensor_context(instance=instance), task, files, seen, ordered, registered, keys_of, None
+        )
+        bulk_queries = len(queries)
+        one_by_one = plan_tick(
+            files,
+            seen,
+            set(ordered),
+            max_runs=None,
+            already_done=lambda drop: file_validated_from_version(instance, TASK, drop, keys_of(drop)),
+            read_version=lambda drop: next(
+                (v for k in registered.get(drop.partition_key, []) if (v := read_version(instance, TASK, k))), None
+            ),
+        )
+    assert bulk == one_by_one
+    planned = {drop.relative_path: replaced for drop, replaced in bulk.to_run}
+    assert planned == {
+        "changed.jsonl": True,
+        "raw-only.jsonl": False,
+        "labels-first.jsonl": False,
+        "no-version.jsonl": False,
+        "killed.jsonl": False,
+        "sharded.jsonl": False,
+        "new.jsonl": False,
+    }
+    assert (bulk.already_done, bulk.known) == (3, 1)  # done, done-again, sharded-done; seen
+    assert bulk_queries == 2  # one per asset for all 11 partitions, not one per asset and partition

@@ -113,7 +113,14 @@ def test_valid_lines_keep_custom_id_model_messages_and_sampling() -> None:
         ({"custom_id": "nb", "method": "POST", "url": "/v1/chat/completions"}, "invalid_body", "no body"),
         (chat_line("n", n=2), "unsupported_field", "body.n = 2"),
         (chat_line("t", tools=[{"type": "function"}]), "unsupported_field", "body.tools"),
-        (chat_line("lp", logprobs=True), "unsupported_field", "body.logprobs"),
+        (chat_line("lp", logprobs=1), "invalid_field", "body.logprobs is a number"),
+        (chat_line("tlp", top_logprobs=2), "invalid_field", "body.top_logprobs needs body.logprobs: true"),
+        (chat_line("tlp21", logprobs=True, top_logprobs=21), "invalid_field", "body.top_logprobs is 21"),
+        (
+            {"custom_id": "clp", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "logprobs": 2}},
+            "unsupported_field",
+            "body.logprobs = 2",
+        ),
         (chat_line("em", []), "empty_messages", "body.messages"),
         (chat_line("role", [{"role": "tool", "content": "x"}]), "invalid_message", "tool calls are not supported"),
         (
@@ -281,7 +288,7 @@ def test_sampling_defaults_fill_what_a_line_leaves_out_and_response_format_becom
     )
     out = format_lines(data, tokenizer)
     a, b, c = (RequestSpec.from_params_json(p) for p in out["request_params"])
-    assert a.sampling.model_dump() == {**DEFAULTS.model_dump(), "stop": None} and a.output is None
+    assert a.sampling.model_dump() == {**DEFAULTS.model_dump(), "stop": None, "logprobs": None} and a.output is None
     assert (b.sampling.temperature, b.sampling.seed, b.sampling.max_tokens, b.sampling.stop) == (0.7, 5, 64, ("\n",))
     assert b.output.kind == "json_schema" and b.output.json_schema == schema
     assert c.output.json_schema == {"type": "object"}
@@ -610,3 +617,125 @@ def test_refused_custom_ids_are_echoed_as_written_and_the_error_file_stays_stric
     ]
     for line in jsonl_bytes(failed).decode().splitlines():
         json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+
+
+def test_a_chat_lines_logprobs_reach_the_engine_and_come_back_in_openais_shape(tokenizer, tmp_path) -> None:
+    """`logprobs` / `top_logprobs` of a chat line: asked of the engine with the line's own sampling,
+    part of its request key (a line without them keeps the key it always had), kept in the
+    checkpoints, and written as the choice's `logprobs.content`."""
+    from upath import UPath
+
+    from batch_assets.pipeline.engine_contract import Generation, batched_stream
+    from batch_assets.pipeline.openai_batch import batch_prompt_encoder
+    from batch_assets.pipeline.run_inference import PartitionInput, run_inference
+    from batch_assets.storage.checkpoints import CheckpointStore
+
+    same = [{"role": "user", "content": "same question"}]
+    data = jsonl(
+        chat_line("plain", same, max_tokens=3),
+        chat_line("sampled", same, max_tokens=3, logprobs=True),
+        chat_line("top", same, max_tokens=3, logprobs=True, top_logprobs=2),
+        chat_line("zero", same, max_tokens=3, logprobs=False, top_logprobs=0),
+    )
+    formatted = format_lines(data, tokenizer)
+    assert formatted["top_logprobs"].to_list() == [None, 0, 2, None]
+    assert "logprobs" not in json.loads(formatted["request_params"][0])["sampling"]  # the key it always had
+    keys = request_keys(
+        formatted["prompt"].to_list(), formatted["row_id"].to_list(), True, formatted["request_params"].to_list()
+    )
+    assert len(set(keys[:3])) == 3 and keys[3] == keys[0]
+    asked: list[int | None] = []
+
+    def generate(prompts):
+        out = []
+        for p in prompts:
+            asked.append(p.sampling.logprobs)
+            top = p.sampling.logprobs
+            tokens = None
+            if top is not None:
+                alternatives = [
+                    {"token": "B", "logprob": -1.5, "bytes": [66]},
+                    {"token": "C", "logprob": -2.0, "bytes": [67]},
+                ]
+                tokens = json.dumps(
+                    [{"token": "A", "logprob": -0.1, "bytes": [65], "top_logprobs": alternatives[:top]}]
+                )
+            out.append(Generation("A", "stop", len(p.token_ids), 1, cumulative_logprob=-0.1, token_logprobs=tokens))
+        return out
+
+    class Session:
+        started_here, start_seconds, metadata = True, 0.0, {}
+
+        def start(self) -> None:
+            pass
+
+        def stream(self, prompts):
+            return batched_stream(generate, 64)(prompts)
+
+    class Engine:
+        sends_chat_messages = True
+
+    def run():
+        part = PartitionInput(
+            formatted,
+            batch_prompt_encoder(Engine(), None, tokenizer, formatted),
+            CheckpointStore(UPath(tmp_path / "ck"), "fp"),
+        )
+        [(frame, _)] = run_inference(
+            [part], session=Session(), max_model_len=512, max_tokens=64, batch_size=64, deduplicate=True
+        )
+        return frame
+
+    run()
+    assert sorted(asked, key=lambda n: -1 if n is None else n) == [None, 0, 2]
+    asked.clear()
+    frame = run()  # every answer from the checkpoints, log-probabilities included
+    assert asked == []
+    ok, failed = batch_files(validate_batch_outputs(frame), model="m", partition_key="in", created=1)
+    assert failed == []
+    logprobs = {line["custom_id"]: line["response"]["body"]["choices"][0]["logprobs"] for line in ok}
+    entry = {"token": "A", "logprob": -0.1, "bytes": [65]}
+    assert logprobs == {
+        "plain": None,
+        "sampled": {"content": [{**entry, "top_logprobs": []}]},
+        "top": {
+            "content": [
+                {
+                    **entry,
+                    "top_logprobs": [
+                        {"token": "B", "logprob": -1.5, "bytes": [66]},
+                        {"token": "C", "logprob": -2.0, "bytes": [67]},
+                    ],
+                }
+            ]
+        },
+        "zero": None,
+    }
+
+
+def test_vllms_logprobs_are_written_as_vllms_openai_server_writes_them() -> None:
+    """The in-process engine's `logprobs.content` from vLLM's per-step logprobs: the sampled token's
+    text, log-probability (floored at -9999) and bytes, and the step's first `top` entries in vLLM's
+    order (the sampled token first), as vLLM's serving code writes them."""
+    from vllm.logprobs import Logprob
+
+    from batch_assets.engines.vllm_engine import chat_logprobs
+
+    steps = [
+        {7: Logprob(-0.5, 2, "é"), 3: Logprob(-0.2, 1, " a"), 9: Logprob(-3.0, 3, "b")},
+        {4: Logprob(-float("inf"), 5, "<end>")},
+        {5: Logprob(-0.1, 1, None)},
+    ]
+    content = chat_logprobs([7, 4, 5], steps, 2)
+    assert content[0] == {
+        "token": "é",
+        "logprob": -0.5,
+        "bytes": [195, 169],
+        "top_logprobs": [
+            {"token": "é", "logprob": -0.5, "bytes": [195, 169]},
+            {"token": " a", "logprob": -0.2, "bytes": [32, 97]},
+        ],
+    }
+    assert (content[1]["logprob"], content[1]["top_logprobs"][0]["logprob"]) == (-9999.0, -9999.0)
+    assert (content[2]["token"], content[2]["bytes"]) == ("token_id:5", None)
+    assert [len(entry["top_logprobs"]) for entry in chat_logprobs([7, 4, 5], steps, 0)] == [0, 0, 0]

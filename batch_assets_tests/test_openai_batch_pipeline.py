@@ -76,6 +76,7 @@ def requests_file() -> list[dict | str]:
     )
     lines.append(chat("stop", "Count: one two three", max_tokens=12, temperature=0, stop=["e"]))
     lines.append(chat("seeded", "Pick a word.", max_tokens=5, temperature=0.8, seed=11))
+    lines.append(chat("logprobs", "Name a colour.", max_tokens=4, temperature=0, logprobs=True, top_logprobs=2))
     lines.append("{this is not json")
     lines.append(chat("q3", "duplicate custom_id"))
     lines.append(chat("tools", "x", tools=[{"type": "function", "function": {"name": "f"}}]))
@@ -189,7 +190,7 @@ def test_batch_file_through_dagster_matches_vllm_run_batch(data_dir: Path, tmp_p
         # One line out per line in, nothing dropped.
         assert len(outputs) + len(errors) == len(lines) == labels.height
         by_id = {o["custom_id"]: o for o in outputs}
-        answered = [line["custom_id"] for line in lines[:18]] + ["completion"]
+        answered = [line["custom_id"] for line in lines[:19]] + ["completion"]
         assert list(by_id) == answered  # input order
         # OpenAI's error-file shape: the HTTP answer of each failed request, its error in the body.
         assert {(e["response"]["status_code"], e["error"]) for e in errors} == {(400, None)}
@@ -200,7 +201,7 @@ def test_batch_file_through_dagster_matches_vllm_run_batch(data_dir: Path, tmp_p
             "unsupported_field": "tools",
             "prompt_too_long": "too-long",
         }
-        assert [f["message"].split(": ")[0] for f in failures] == [f"{key} line {n}" for n in (19, 20, 21, 22)]
+        assert [f["message"].split(": ")[0] for f in failures] == [f"{key} line {n}" for n in (20, 21, 22, 23)]
 
         for line in lines[:12]:
             body = by_id[line["custom_id"]]["response"]["body"]
@@ -216,7 +217,7 @@ def test_batch_file_through_dagster_matches_vllm_run_batch(data_dir: Path, tmp_p
         assert by_id["completion"]["response"]["body"]["object"] == "text_completion"
 
         # The peer: vLLM's run-batch on the chat lines it can take (it has no /v1/completions).
-        valid = [line for line in lines[:18] if line["url"].endswith("chat/completions")]
+        valid = [line for line in lines[:19] if line["url"].endswith("chat/completions")]
         peer = run_vllm_batch(valid, tmp_path)
         differences = []
         for line in valid:
@@ -239,15 +240,36 @@ def test_batch_file_through_dagster_matches_vllm_run_batch(data_dir: Path, tmp_p
                 )
         # Greedy decoding on the same model and engine: identical up to at most one near-tie.
         assert len(differences) <= 1, "\n".join(differences)
+        # The line that asked for `logprobs` gets vLLM's: the same tokens, bytes and alternatives.
+        ours = by_id["logprobs"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+        theirs = peer["logprobs"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+        assert [len(token["top_logprobs"]) for token in ours] == [2] * len(ours)
+        assert same_logprobs(ours, theirs), f"ours {ours}\nrun-batch {theirs}"
 
         # A second file with the same requests: answered from the result cache, no engine work.
-        key2, _ = materialize(data_dir, "requests-again.jsonl", as_jsonl(lines[:12]), instance)
+        logprobs_line = next(line for line in lines if line["custom_id"] == "logprobs")
+        key2, _ = materialize(data_dir, "requests-again.jsonl", as_jsonl([*lines[:12], logprobs_line]), instance)
         again = inference_metadata(instance, key2)
-        assert (again["rows_from_cache"], again["rows_inferred"]) == (12, 0)
+        assert (again["rows_from_cache"], again["rows_inferred"]) == (13, 0)
         outputs2 = read_jsonl(data_dir / "storage" / TASK / "batch_output" / f"{key2}.jsonl")
         assert [o["response"]["body"]["choices"] for o in outputs2] == [
-            by_id[f"q{i}"]["response"]["body"]["choices"] for i in range(12)
+            by_id[cid]["response"]["body"]["choices"] for cid in [*(f"q{i}" for i in range(12)), "logprobs"]
         ]
+
+
+def same_logprobs(ours: list[dict], theirs: list[dict]) -> bool:
+    """The same tokens (text, bytes, alternatives in order) with log-probabilities equal up to float
+    noise: the two engines batch other requests beside this one."""
+
+    def close(a: dict, b: dict) -> bool:
+        return (a["token"], a["bytes"]) == (b["token"], b["bytes"]) and abs(a["logprob"] - b["logprob"]) < 1e-3
+
+    return len(ours) == len(theirs) and all(
+        close(a, b)
+        and len(a["top_logprobs"]) == len(b["top_logprobs"])
+        and all(close(x, y) for x, y in zip(a["top_logprobs"], b["top_logprobs"], strict=True))
+        for a, b in zip(ours, theirs, strict=True)
+    )
 
 
 @pytest.mark.slow

@@ -303,6 +303,16 @@ def test_confidence_comes_from_the_servers_log_probabilities_when_it_returns_the
     answered, quiet = OpenAIEngine().generate(task, prompts)
     assert answered.cumulative_logprob == pytest.approx(-0.2) and quiet.cumulative_logprob is None
     assert [body.get("logprobs") for body in fault_server.bodies] == [True, True]
+    assert answered.token_logprobs is None  # a label's confidence keeps only the sum
+    # An OpenAI batch line's own `logprobs` request: sent as asked, the server's tokens kept.
+    from batch_assets.pipeline.openai_batch import RequestSampling
+
+    fault_server.bodies = []
+    line = Prompt((1, 2, 3), ({"role": "user", "content": "loud line"},), RequestSampling(logprobs=1))
+    [asked] = OpenAIEngine().generate(task, [line])
+    assert (fault_server.bodies[0]["logprobs"], fault_server.bodies[0]["top_logprobs"]) == (True, 1)
+    tokens = [{"token": t, "logprob": -0.1, "bytes": None, "top_logprobs": []} for t in ("a", "b")]
+    assert json.loads(asked.token_logprobs) == tokens
     # A server that refuses the field fails the run naming the switch, which turns it off.
     fault_server.plan = {"loud": ["400-logprobs"]}
     with pytest.raises(EndpointError, match="refuses `logprobs`.*set `logprobs=False` on the `llm_endpoint` resource"):

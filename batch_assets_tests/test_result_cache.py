@@ -153,6 +153,7 @@ def test_lookup_returns_only_the_keys_asked_for(task_dir: UPath) -> None:
         "num_generated_tokens": 2,
         "error": None,
         "cumulative_logprob": -0.25,
+        "token_logprobs": None,
     }
     # Another fingerprint (other model or sampling) shares nothing.
     assert ResultCache(task_dir, "other").lookup(asked).height == 0
@@ -259,6 +260,26 @@ def test_a_cache_another_run_set_aside_already_is_not_set_aside_again(task_dir: 
     assert ResultCache(task_dir, "fp").lookup()["request_key"].to_list() == ["a"]
 
 
+def test_a_table_made_before_token_logprobs_gets_the_column_and_keeps_its_rows(task_dir: UPath) -> None:
+    """A cache table of an earlier version (no `token_logprobs`, no `created_at`) is given the
+    columns when opened: its rows read with none, and a new row's log-probabilities round trip."""
+    folder = Path(task_dir.path) / "_result_cache"
+    folder.mkdir(parents=True)
+    with contextlib.closing(sqlite3.connect(folder / result_cache.SQLITE_NAME)) as connection, connection:
+        connection.execute(
+            "CREATE TABLE batch_assets_result_cache (fingerprint VARCHAR(64), request_key VARCHAR(64), "
+            "generated_text TEXT, finish_reason VARCHAR(32), num_prompt_tokens BIGINT, num_generated_tokens BIGINT, "
+            "cumulative_logprob FLOAT, PRIMARY KEY (fingerprint, request_key))"
+        )
+        connection.execute("INSERT INTO batch_assets_result_cache VALUES ('fp', 'old', 'x', 'stop', 1, 1, -0.5)")
+    cache = ResultCache(task_dir, "fp")
+    tokens = '[{"token": "x", "logprob": -0.5, "bytes": [120], "top_logprobs": []}]'
+    assert cache.add(results_frame(["new"]).with_columns(token_logprobs=pl.lit(tokens))) == 1
+    found = {row["request_key"]: row for row in cache.lookup(pl.Series(["old", "new"])).to_dicts()}
+    assert (found["old"]["cumulative_logprob"], found["old"]["token_logprobs"]) == (-0.5, None)
+    assert found["new"]["token_logprobs"] == tokens
+
+
 def results_frame(keys: list[str]) -> pl.DataFrame:
     return pl.DataFrame(
         {
@@ -269,6 +290,7 @@ def results_frame(keys: list[str]) -> pl.DataFrame:
             "num_generated_tokens": 2,
             "error": None,
             "cumulative_logprob": -0.25,
+            "token_logprobs": None,
         },
         schema=RESULT_SCHEMA,
     )

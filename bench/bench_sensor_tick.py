@@ -1,6 +1,12 @@
 """How long one tick of `sentiment_drops_sensor` takes with 10,000 files in the drop zone.
 
     .venv/bin/python bench/bench_sensor_tick.py [--keys 10000] [--repeats 5] [--skip-local]
+    .venv/bin/python bench/bench_sensor_tick.py --already-run --keys 5000 --repeats 3
+
+`--already-run`: a local folder whose files were all run before (each partition registered, with
+raw_prompts read from its file's version and validated_labels after it) and no cursor (lost, or the
+sensor switched on over files `batch-assets run` ran): every file costs the tick a look at what the
+instance recorded of it.
 
 S3: moto's standalone S3 server on 127.0.0.1, reached over HTTP by s3fs like any S3 endpoint
 (objects are created straight in the server's backend to save time; every listing goes over the
@@ -155,12 +161,63 @@ def run_scenarios(where: str, keys: int, repeats: int, data_url: str) -> list[di
     return rows
 
 
+def already_run_scenarios(keys: int, repeats: int, folder: str) -> list[dict]:
+    import dagster as dg
+
+    from batch_assets.lib.drops_sensor import build_drops_sensor
+    from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
+    from batch_assets.pipeline.task_spec import load_task_specs
+    from batch_assets.storage.drop_files import list_drop_files, partitions_def_name
+
+    task = next(task for task in load_task_specs() if task.name == "sentiment")
+    job = build_definitions().resolve_job_def(pipeline_job_name("sentiment"))
+    shipped = build_drops_sensor(task, job)
+    uncapped = build_drops_sensor(task, job, max_runs_per_tick=None)
+    files, _ = list_drop_files("sentiment")
+    rows = []
+    with dg.instance_for_test() as instance:
+        started = time.perf_counter()
+        instance.add_dynamic_partitions(partitions_def_name("sentiment"), [drop.partition_key for drop in files])
+        for drop in files:
+            for asset, metadata in (("raw_prompts", {"source_version": drop.version}), ("validated_labels", {})):
+                instance.report_runless_asset_event(
+                    dg.AssetMaterialization(
+                        asset_key=dg.AssetKey(["sentiment", asset]), partition=drop.partition_key, metadata=metadata
+                    )
+                )
+        print(f"recorded {2 * len(files)} materializations in {time.perf_counter() - started:.1f} s", flush=True)
+
+        def evaluate(sensor) -> str:
+            result = sensor(dg.build_sensor_context(instance=instance, cursor=None))
+            return f"{len(result.run_requests)} run requests, {len(result.cursor or ''):,} byte cursor"
+
+        for label, sensor in (("shipped sensor (500 files a tick)", shipped), ("no cap (every file)", uncapped)):
+            rows.append(
+                measure(
+                    f"first tick over files already run, {label}",
+                    repeats,
+                    lambda: None,
+                    lambda _, sensor=sensor: evaluate(sensor),
+                )
+            )
+    for row in rows:
+        row["where"] = f"local folder, {keys} files already run"
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--keys", type=int, default=10_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-local", action="store_true")
+    parser.add_argument("--already-run", action="store_true", help="only the files-already-run scenario")
     args = parser.parse_args()
+    if args.already_run:
+        with tempfile.TemporaryDirectory() as folder:
+            os.environ["BATCH_ASSETS_DATA"] = folder
+            fill_local(Path(folder), args.keys)
+            print_table(already_run_scenarios(args.keys, args.repeats, folder), args.keys)
+        return
 
     endpoint = start_moto()
     os.environ.update(
@@ -183,8 +240,12 @@ def main() -> None:
             fill_local(Path(folder), args.keys)
             rows += run_scenarios("local folder", args.keys, args.repeats, folder)
 
+    print_table(rows, args.keys)
+
+
+def print_table(rows: list[dict], keys: int) -> None:
     print()
-    print(f"| drop zone | scenario ({args.keys:,} files) | median s | min–max s | result |")
+    print(f"| drop zone | scenario ({keys:,} files) | median s | min–max s | result |")
     print("|---|---|---|---|---|")
     for row in rows:
         print(

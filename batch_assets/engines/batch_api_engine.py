@@ -143,6 +143,9 @@ class _Stream:
     positions: dict[str, int]
     left: set[str]  # not answered yet
     attempts: dict[str, int] = field(default_factory=dict)
+    # The requests that asked for their tokens' log-probabilities (an OpenAI batch line's `logprobs`);
+    # the others' answers keep only their sum (a label's confidence).
+    asked_logprobs: set[str] = field(default_factory=set)
 
 
 class BatchSession:
@@ -184,6 +187,11 @@ class BatchSession:
             lines={line.custom_id: line for line in lines},
             positions={line.custom_id: position for position, line in enumerate(lines)},
             left={line.custom_id for line in lines},
+            asked_logprobs={
+                line.custom_id
+                for line, prompt in zip(lines, prompts, strict=True)
+                if getattr(prompt.sampling, "logprobs", None) is not None
+            },
         )
         self._wanted |= state.left
         with openai.OpenAI(
@@ -245,6 +253,8 @@ class _Run:
             generation = answer.generation or Generation(
                 text=None, finish_reason=None, num_prompt_tokens=0, num_generated_tokens=0, error=answer.error
             )
+            if custom_id not in self.state.asked_logprobs:
+                generation = replace(generation, token_logprobs=None)
             yield self.state.positions[custom_id], generation
 
     # --- records kept by an earlier run ------------------------------------------------------------

@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from batch_assets.engines.openai_engine import token_logprobs_text
 from batch_assets.pipeline.engine_contract import Generation, Prompt
 from batch_assets.pipeline.openai_batch import CHAT_URL
 
@@ -154,6 +155,7 @@ def _chat_generation(body: dict) -> Generation:
         num_prompt_tokens=int(usage.get("prompt_tokens") or 0),
         num_generated_tokens=int(usage.get("completion_tokens") or 0),
         cumulative_logprob=logprob,
+        token_logprobs=token_logprobs_text(tokens),
     )
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import logging
 import math
 import os
@@ -168,6 +169,9 @@ def chat_request_params(
     stop = getattr(sampling, "stop", None)  # a request's own stop strings (an OpenAI batch line's `stop`)
     if stop:
         params["stop"] = list(stop)
+    top_logprobs = getattr(sampling, "logprobs", None)  # an OpenAI batch line's own `logprobs` request
+    if top_logprobs is not None:
+        params["logprobs"], params["top_logprobs"] = True, top_logprobs
     output = output or task.output
     if not structured_outputs or output.kind == "text":
         return params
@@ -194,6 +198,19 @@ def _cumulative_logprob(choice) -> float | None:
     if not tokens or any(token.logprob is None for token in tokens):
         return None
     return float(sum(token.logprob for token in tokens))
+
+
+def token_logprobs_text(content: Sequence[dict] | None) -> str | None:
+    """OpenAI's chat `logprobs.content` (its entries as dicts) as the JSON text of
+    `Generation.token_logprobs`, each entry's fields in the order vLLM writes them; None for none."""
+    if not content:
+        return None
+
+    def entry(token: dict) -> dict:
+        return {"token": token["token"], "logprob": token["logprob"], "bytes": token.get("bytes")}
+
+    entries = [{**entry(t), "top_logprobs": [entry(a) for a in t.get("top_logprobs") or []]} for t in content]
+    return json.dumps(entries, ensure_ascii=False)
 
 
 def _redact(text: str, secret: str | None) -> str:
@@ -460,7 +477,7 @@ class OpenAIEngine(dg.ConfigurableResource):
                     )
                 )
                 continue
-            text, finish_reason, usage, cumulative_logprob = outcome
+            text, finish_reason, usage, cumulative_logprob, token_logprobs = outcome
             prompt_tokens = getattr(usage, "prompt_tokens", None)
             generated_tokens = getattr(usage, "completion_tokens", None)
             if generated_tokens is None:  # a server without `usage`: count locally
@@ -473,6 +490,7 @@ class OpenAIEngine(dg.ConfigurableResource):
                     num_prompt_tokens=prompt_tokens if prompt_tokens is not None else len(prompt),
                     num_generated_tokens=generated_tokens,
                     cumulative_logprob=cumulative_logprob,
+                    token_logprobs=token_logprobs,
                 )
             )
         return results
@@ -648,7 +666,10 @@ def _chat_call(prompt: Prompt, params: dict) -> Callable[[Any], Awaitable[Any]]:
         if not response.choices or response.choices[0].message.content is None:
             return _Failure("endpoint_error: the response has no message content")
         choice = response.choices[0]
-        return (choice.message.content, choice.finish_reason, response.usage, _cumulative_logprob(choice))
+        # The tokens themselves only for a request that asked for them (a batch line's `top_logprobs`).
+        content = getattr(choice.logprobs, "content", None) if "top_logprobs" in params else None
+        tokens = token_logprobs_text([token.model_dump() for token in content] if content else None)
+        return (choice.message.content, choice.finish_reason, response.usage, _cumulative_logprob(choice), tokens)
 
     return call
 

@@ -39,6 +39,7 @@ import asyncio
 import atexit
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 import queue
@@ -215,18 +216,53 @@ class VLLMSettings:
         }
 
 
-def _generation(output) -> Generation:
+def _generation(output, prompt: Prompt) -> Generation:
     completion = output.outputs[0]
+    top = getattr(prompt.sampling, "logprobs", None)  # an OpenAI batch line's `top_logprobs`, when it asked
     return Generation(
         text=completion.text,
         finish_reason=completion.finish_reason,
         num_prompt_tokens=len(output.prompt_token_ids or []),
         num_generated_tokens=len(completion.token_ids),
         cumulative_logprob=completion.cumulative_logprob,  # None unless the request asked for logprobs
+        token_logprobs=None
+        if top is None or completion.logprobs is None
+        else json.dumps(chat_logprobs(completion.token_ids, completion.logprobs, top), ensure_ascii=False),
     )
 
 
-def _embedding(output) -> Generation:
+def chat_logprobs(token_ids, logprobs, top: int) -> list[dict[str, Any]]:
+    """OpenAI's chat `logprobs.content` of one completion, written as vLLM's OpenAI server writes it
+    (`OpenAIServingChat._create_chat_logprobs`, a method of a running server, so not called here):
+    each sampled token's text, log-probability (at least -9999.0) and UTF-8 bytes, and the first `top`
+    entries of vLLM's logprobs of that step as its `top_logprobs` (vLLM's order: the sampled token,
+    then the most likely ones). A token vLLM left undecoded is named `token_id:N`, vLLM's form."""
+    content = []
+    for token_id, step in zip(token_ids, logprobs, strict=True):
+        sampled = step.get(token_id) if step else None
+        if sampled is None:  # vLLM computed no log-probability for the token: its text alone
+            token = f"token_id:{token_id}"
+            content.append({"token": token, "logprob": -9999.0, "bytes": list(token.encode()), "top_logprobs": []})
+            continue
+        alternatives = []
+        for other_id, other in list(step.items())[:top]:
+            text = other.decoded_token if other.decoded_token is not None else f"token_id:{other_id}"
+            alternatives.append(
+                {"token": text, "logprob": max(other.logprob, -9999.0), "bytes": list(text.encode("utf-8", "replace"))}
+            )
+        decoded = sampled.decoded_token
+        content.append(
+            {
+                "token": decoded if decoded is not None else f"token_id:{token_id}",
+                "logprob": max(sampled.logprob, -9999.0),
+                "bytes": None if decoded is None else list(decoded.encode("utf-8", "replace")),
+                "top_logprobs": alternatives,
+            }
+        )
+    return content
+
+
+def _embedding(output, prompt: Prompt | None = None) -> Generation:
     """A pooling result as a `Generation` carrying its vector."""
     return Generation(
         text=None,
@@ -266,6 +302,8 @@ def sampling_params_for(sampling: SamplingSpec, output: OutputSpec | None, *, lo
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    # An OpenAI batch line's own `logprobs` request: its `top_logprobs` alternatives per token.
+    top_logprobs = getattr(sampling, "logprobs", None)
     return SamplingParams(
         temperature=sampling.temperature,
         top_p=sampling.top_p,
@@ -274,7 +312,8 @@ def sampling_params_for(sampling: SamplingSpec, output: OutputSpec | None, *, lo
         # Stop strings come with a request's own sampling (an OpenAI batch line's `stop`).
         stop=list(getattr(sampling, "stop", None) or []) or None,
         structured_outputs=structured_outputs_for(output) if output is not None else None,
-        logprobs=0 if logprobs else None,  # 0: the sampled token's only, no alternatives
+        # 0: the sampled token's only, no alternatives
+        logprobs=top_logprobs if top_logprobs is not None else (0 if logprobs else None),
         output_kind=RequestOutputKind.FINAL_ONLY,  # only finished results: nothing to stream token by token
     )
 
@@ -457,7 +496,7 @@ class _AsyncEngine:
                 final = None
                 async for output in request(TokensPrompt(prompt_token_ids=list(prompt.token_ids)), params, request_id):
                     final = output
-                finished.put((request_id, result(final)))
+                finished.put((request_id, result(final, prompt)))
             except BaseException as exc:  # EngineDeadError, a rejected request, cancellation
                 finished.put((request_id, exc))
 

@@ -30,7 +30,9 @@ Once per file version:
   tick is retried or the cursor is lost.
 - A file whose partition already has `validated_labels` from the same version (for example run
   with `batch-assets run`) is recorded in the cursor without a new run. The version a partition was
-  made from is the `source_version` metadata of its raw_prompts materialization.
+  made from is the `source_version` metadata of its raw_prompts materialization. What the
+  instance recorded of all the tick's files is read at once (`PartitionRecords`: a few queries
+  for thousands of files, not two per file).
 - A file that a live `batch-assets run` process is running or about to run (it announces them in
   its lease, see run_recovery.py) gets no run in this tick; a later tick finds it done, or runs it
   if that process died first.
@@ -53,7 +55,7 @@ from dataclasses import dataclass, field
 
 import dagster as dg
 
-from batch_assets.lib.materializations import latest_materialization
+from batch_assets.lib.materializations import latest_materialization, latest_materializations
 from batch_assets.lib.split_job import build_split_job, failed_split_runs, split_run_config
 from batch_assets.pipeline.read_prompts import DropFileError
 from batch_assets.pipeline.task_spec import TaskSpec
@@ -169,7 +171,7 @@ def plan_tick(
         if in_progress(drop):
             plan.in_progress += 1  # not in the cursor: looked at again next tick
             continue
-        # Files found already done count too: each costs an instance lookup.
+        # Files found already done count too, so a tick's work stays bounded.
         if max_runs is not None and len(plan.to_run) + plan.already_done + len(plan.to_split) >= max_runs:
             plan.waiting += 1
             continue
@@ -296,9 +298,7 @@ def _latest_record(instance: dg.DagsterInstance, task: str, asset: str, partitio
 
 def read_version(instance: dg.DagsterInstance, task: str, partition_key: str) -> str | None:
     """The file version the partition's latest raw_prompts read (None: never read)."""
-    raw = _latest_record(instance, task, "raw_prompts", partition_key)
-    version = raw.asset_materialization.metadata.get("source_version") if raw and raw.asset_materialization else None
-    return str(version.value) if version is not None else None
+    return _version_read(_latest_record(instance, task, "raw_prompts", partition_key))
 
 
 def validated_from_version(instance: dg.DagsterInstance, task: str, partition_key: str, version: str) -> bool:
@@ -306,10 +306,53 @@ def validated_from_version(instance: dg.DagsterInstance, task: str, partition_ke
     latest raw_prompts, which read this version (in a run of its own or of a range)."""
     labels = _latest_record(instance, task, "validated_labels", partition_key)
     raw = _latest_record(instance, task, "raw_prompts", partition_key)
+    return _validated_from(labels, raw, version)
+
+
+def _version_read(raw: dg.EventLogRecord | None) -> str | None:
+    version = raw.asset_materialization.metadata.get("source_version") if raw and raw.asset_materialization else None
+    return str(version.value) if version is not None else None
+
+
+def _validated_from(labels: dg.EventLogRecord | None, raw: dg.EventLogRecord | None, version: str) -> bool:
     if labels is None or raw is None or raw.storage_id > labels.storage_id or raw.asset_materialization is None:
         return False
     read = raw.asset_materialization.metadata.get("source_version")
     return read is not None and read.value == version
+
+
+class PartitionRecords:
+    """The latest raw_prompts and validated_labels of many partitions, read from the instance in a
+    few queries and kept for one tick: the same answers as `validated_from_version` and
+    `read_version`, which ask once per partition (two queries per file: minutes on a first tick over
+    thousands of files already run, where Dagster gives a sensor evaluation 60 s)."""
+
+    def __init__(self, instance: dg.DagsterInstance, task: str) -> None:
+        self._instance, self._task = instance, task
+        self._loaded: set[str] = set()
+        self._raw: dict[str, dg.EventLogRecord] = {}
+        self._labels: dict[str, dg.EventLogRecord] = {}
+
+    def load(self, partition_keys: Iterable[str]) -> None:
+        """Read the records of the partitions not read yet, all in one go."""
+        missing = set(partition_keys) - self._loaded
+        if not missing:
+            return
+        self._raw.update(latest_materializations(self._instance, dg.AssetKey([self._task, "raw_prompts"]), missing))
+        labels_key = dg.AssetKey([self._task, "validated_labels"])
+        self._labels.update(latest_materializations(self._instance, labels_key, missing))
+        self._loaded |= missing
+
+    def file_done(self, drop: DropFile, partition_keys: Sequence[str]) -> bool:
+        """`file_validated_from_version`, from the records read."""
+        self.load(partition_keys)
+        return all(_validated_from(self._labels.get(k), self._raw.get(k), drop.version) for k in partition_keys)
+
+    def file_read_version(self, registered: Mapping[str, list[str]], drop: DropFile) -> str | None:
+        """The version the file's partitions (its own or its shards) last read, None when never read."""
+        keys = registered.get(drop.partition_key, [])
+        self.load(keys)
+        return next((v for k in keys if (v := _version_read(self._raw.get(k))) is not None), None)
 
 
 def file_validated_from_version(
@@ -362,17 +405,6 @@ def _partition_keys_of(task: TaskSpec, log) -> Callable[[DropFile], list[str]]:
         return known[file]
 
     return keys_of
-
-
-def _file_read_version(
-    instance: dg.DagsterInstance, task: str, registered: Mapping[str, list[str]], drop: DropFile
-) -> str | None:
-    """The version the file's partitions (its own or its shards) last read, None when never read."""
-    for key in registered.get(drop.partition_key, []):
-        version = read_version(instance, task, key)
-        if version is not None:
-            return version
-    return None
 
 
 def _skipped_text(skipped: dict[str, str]) -> str:
@@ -457,14 +489,19 @@ def plan_drops_tick(
         (file_key_of(key), digest)
         for key, digest in partitions_claimed_by_live_processes(context.instance.root_directory, task.name)
     }
+    # The instance's records of every partition the plan may ask about, read at once.
+    records = PartitionRecords(context.instance, task.name)
+    records.load(
+        key for drop in files if file_fingerprint(drop) not in seen for key in registered.get(drop.partition_key, [])
+    )
     return plan_tick(
         files,
         seen,
         set(ordered),
         max_runs=max_runs_per_tick,
-        already_done=lambda drop: file_validated_from_version(context.instance, task.name, drop, keys_of(drop)),
+        already_done=lambda drop: records.file_done(drop, keys_of(drop)),
         in_progress=lambda drop: (drop.partition_key, version_digest(drop.version)) in claimed,
-        read_version=lambda drop: _file_read_version(context.instance, task.name, registered, drop),
+        read_version=lambda drop: records.file_read_version(registered, drop),
         split_cost=lambda drop: split_cost(task.name, drop, task.input.shard_rows),
         split_budget=TICK_SPLIT_BYTES,
     )

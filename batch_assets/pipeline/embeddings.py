@@ -49,7 +49,7 @@ SIMILARITY_SCALE = 20.0
 # normalizes, as all-MiniLM-L6-v2's own Normalize module does; float32 rounding stays near 1e-7).
 NORM_TOLERANCE = 1e-3
 _VECTOR_DTYPE = np.dtype("<f4")
-_DROPPED_FROM_RESULTS = ("generated_text", "finish_reason", "cumulative_logprob")
+_DROPPED_FROM_RESULTS = ("generated_text", "finish_reason", "cumulative_logprob", "token_logprobs")
 # A row is marked when at least this share of its text's tokens (the model's special tokens aside)
 # is the tokenizer's unknown token: half a text unread leaves a vector about the other half at best.
 UNKNOWN_TOKEN_SHARE = 0.5

@@ -46,6 +46,9 @@ class Generation:
     # An embedding engine's result: the vector as the model returned it (float32 values). The core
     # encodes it for the result stores (`pipeline/embeddings.encode_vector`), one place for every engine.
     vector: tuple[float, ...] | None = None
+    # OpenAI's chat `logprobs.content` as JSON text (each generated token, its log-probability, bytes
+    # and `top_logprobs`), when the request itself asked for them (an OpenAI batch line's `logprobs`).
+    token_logprobs: str | None = None
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ answered is a row with an `error` (`code: file line N: message`), which ends up 
                         or a url the task does not serve (/v1/embeddings lines need a task whose
                         output.kind is embedding; chat and completion lines one whose output is text)
     invalid_body        `body` missing or not an object
-    unsupported_field   a body field this pipeline does not honour (tools, logprobs, n > 1, ...)
+    unsupported_field   a body field this pipeline does not honour (tools, n > 1, a completion
+                        line's logprobs, ...)
     invalid_field       a supported field with a value of the wrong type (as OpenAI's request types,
                         the `openai` SDK's, have it) or range (a max_tokens that leaves no room for a
                         prompt in the model's context included)
@@ -74,7 +75,8 @@ SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
 MAX_EMBEDDING_INPUTS = 2048
 MESSAGE_ROLES = ("system", "developer", "user", "assistant")
 # Body fields honoured (or harmless: `user`, `metadata`, `store` are recorded by OpenAI, not used
-# for generation). `n`, `stream`, `logprobs` and `echo` are accepted at their default values only.
+# for generation). `n`, `stream` and `echo` are accepted at their default values only, and so is
+# `logprobs` on a completion line (a chat line's `logprobs` and `top_logprobs` are answered).
 _COMMON_FIELDS = {
     "model",
     "max_tokens",
@@ -91,7 +93,7 @@ _COMMON_FIELDS = {
 }
 BODY_FIELDS = {
     CHAT_URL: frozenset(
-        _COMMON_FIELDS | {"messages", "max_completion_tokens", "response_format", "structured_outputs"}
+        _COMMON_FIELDS | {"messages", "max_completion_tokens", "response_format", "structured_outputs", "top_logprobs"}
     ),
     COMPLETIONS_URL: frozenset(_COMMON_FIELDS | {"prompt", "echo", "structured_outputs"}),
     # `dimensions` (shortened vectors) is left out: only some models are trained for it.
@@ -105,6 +107,9 @@ _DEFAULT_ONLY = {
     "store": (False, True, None),
 }
 MAX_STOP_SEQUENCES = 4
+# OpenAI's most alternatives per token a chat line may ask for (`top_logprobs`); vLLM's default
+# `max_logprobs` engine argument is the same.
+MAX_TOP_LOGPROBS = 20
 # The codes of lines the request itself makes unanswerable (see the module docstring).
 REQUEST_ERROR_CODES = frozenset(
     {
@@ -152,6 +157,8 @@ RAW_SCHEMA = {
     "input": pl.String,  # embeddings: one text of body.input (a line with a list of texts has a row each)
     "input_index": pl.Int64,  # embeddings: the text's place in body.input (the `index` of its vector)
     "encoding_format": pl.String,  # embeddings: "float" or "base64", how the vectors are written out
+    # chat: the line asked for `logprobs`, with this many `top_logprobs` alternatives per token (null: not asked)
+    "top_logprobs": pl.Int64,
     "error": pl.String,
 }
 # The columns that only chat and completion lines fill, and those only embeddings lines fill.
@@ -164,6 +171,7 @@ GENERATION_COLUMNS = (
     "seed",
     "stop",
     "response_format",
+    "top_logprobs",
 )
 EMBEDDING_COLUMNS = ("input", "input_index", "encoding_format")
 # Where `_parse_body` leaves an embeddings line's texts for `read_batch_requests` to spread over rows.
@@ -279,6 +287,8 @@ def _parse_body(body: dict, url: str, row: dict) -> None:
         supported = ", ".join(sorted(BODY_FIELDS[url]))
         raise _LineError("unsupported_field", f"body.{unknown[0]} is not supported (supported fields: {supported})")
     for field, allowed in _DEFAULT_ONLY.items():
+        if field == "logprobs" and url == CHAT_URL:
+            continue  # answered (see `_top_logprobs`)
         if (
             field in body
             and body[field] not in allowed
@@ -306,6 +316,7 @@ def _parse_body(body: dict, url: str, row: dict) -> None:
             raise _LineError("invalid_field", "body has both response_format and structured_outputs; give one")
         row["response_format"] = json.dumps(_structured_outputs(body["structured_outputs"]), ensure_ascii=False)
     if url == CHAT_URL:
+        row["top_logprobs"] = _top_logprobs(given)
         if "response_format" in given:
             row["response_format"] = json.dumps(_response_format(given["response_format"]), ensure_ascii=False)
         row["messages"] = json.dumps(_messages(body.get("messages")), ensure_ascii=False)
@@ -320,7 +331,7 @@ def _parse_body(body: dict, url: str, row: dict) -> None:
 # API there (text content and text inputs only, one prompt a line) and says which part is at fault,
 # where OpenAI's types (unions of message and part types, their lists checked lazily) cannot.
 _OWN_CHECKS = frozenset({"messages", "prompt", "input", "structured_outputs"})
-_INTEGER_FIELDS = ("max_tokens", "max_completion_tokens", "seed", "n")
+_INTEGER_FIELDS = ("max_tokens", "max_completion_tokens", "seed", "n", "top_logprobs")
 # What a type error of pydantic's expects, in a message's words.
 _EXPECTED = {
     "string_type": "a string",
@@ -418,6 +429,17 @@ def _within(field: str, value: int | float, low: float, high: float, *, low_open
         bound = f"more than {low}" if low_open else f"at least {low}"
         raise _LineError("invalid_field", f"body.{field} is {value}; it must be {bound} and at most {high}")
     return value
+
+
+def _top_logprobs(given: dict[str, Any]) -> int | None:
+    """A chat line's `logprobs` request as the alternatives it wants per token (None: not asked);
+    `top_logprobs` without `logprobs: true` is refused, as OpenAI and vLLM refuse it."""
+    top = given.get("top_logprobs")
+    if top is not None:
+        top = _within("top_logprobs", top, 0, MAX_TOP_LOGPROBS)
+        if top and not given.get("logprobs"):
+            raise _LineError("invalid_field", "body.top_logprobs needs body.logprobs: true")
+    return (top or 0) if given.get("logprobs") else None
 
 
 def _stop(value: str | list[str]) -> list[str]:
@@ -571,9 +593,12 @@ def _embedding_texts(value: object) -> list[str]:
 
 
 class RequestSampling(SamplingSpec):
-    """A line's sampling: the task's sampling fields plus the line's stop strings."""
+    """A line's sampling: the task's sampling fields plus the line's stop strings and, when it asks
+    for `logprobs`, its `top_logprobs` (the alternatives per token returned with each sampled token's
+    log-probability; None: not asked)."""
 
     stop: tuple[str, ...] | None = None
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -588,7 +613,8 @@ class RequestSpec:
         request key, so identical requests share a result and different sampling never does.
         `sample_id` makes a non-deterministic request (temperature > 0, no seed) its own."""
         value: dict[str, Any] = {
-            "sampling": self.sampling.model_dump(),
+            # `logprobs` only when asked: the keys of lines without it stay as they were before it.
+            "sampling": self.sampling.model_dump(exclude={"logprobs"} if self.sampling.logprobs is None else None),
             # `confidence` asks for log-probabilities only; it decides nothing of the output.
             "output": self.output.model_dump(exclude_none=True, exclude={"confidence"})
             if self.output is not None
@@ -635,6 +661,7 @@ def request_spec(row: dict, defaults: SamplingSpec) -> RequestSpec:
         max_tokens=pick("max_tokens"),
         seed=pick("seed"),
         stop=tuple(json.loads(row["stop"])) if row.get("stop") else None,
+        logprobs=row.get("top_logprobs"),
     )
     return RequestSpec(sampling=sampling, output=output_for(row.get("response_format")))
 

@@ -13,6 +13,9 @@ text of a `/v1/embeddings` line, with its `embedding`).
     batch_output   one line per answered request, in input order:
                    {"id", "custom_id", "response": {"status_code": 200, "request_id",
                     "body": <chat.completion or text_completion>}, "error": null}
+                   (a chat line that asked for `logprobs`: its choice's `logprobs` is
+                    {"content": [{"token", "logprob", "bytes", "top_logprobs"}, ...]}, as
+                    vLLM's run-batch writes it)
                    (embeddings: "body": {"object": "list", "data": [{"object": "embedding",
                     "index", "embedding"}, ...], "model", "usage": {"prompt_tokens",
                     "total_tokens"}}, one `data` entry per text of the line, the vectors as
@@ -94,7 +97,8 @@ def validate_batch_outputs(outputs: pl.DataFrame) -> pl.DataFrame:
         pl.Series("label", labels, dtype=pl.String), pl.Series("error", errors, dtype=pl.String)
     )
     trailing = ["label", "generated_text", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "error"]
-    # Batch lines do not ask for logprobs; embeddings lines have no place in a task that writes text.
+    # A line's log-probabilities are written out from `token_logprobs` (kept); embeddings lines have
+    # no place in a task that writes text.
     dropped = {"prompt", "request_params", "cumulative_logprob", *EMBEDDING_COLUMNS}
     middle = [c for c in frame.columns if c not in trailing and c not in dropped and c not in ("row_id", "source_line")]
     return frame.select("row_id", "source_line", *middle, *trailing)
@@ -126,7 +130,9 @@ def _response_body(row: dict, *, model: str, created: int, partition_key: str) -
         kind, prefix = "text_completion", "cmpl-"
     else:
         message = {"role": "assistant", "content": row["generated_text"], "refusal": None}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": row["finish_reason"]}
+        # A line that asked for `logprobs`: OpenAI's `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`.
+        logprobs = {"content": json.loads(row["token_logprobs"])} if row.get("token_logprobs") else None
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": row["finish_reason"]}
         kind, prefix = "chat.completion", "chatcmpl-"
     return {
         "id": _short_id(prefix, partition_key, row["row_id"]),

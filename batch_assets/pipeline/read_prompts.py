@@ -58,6 +58,7 @@ RESERVED_COLUMNS = frozenset(
         "finish_reason",
         "num_generated_tokens",
         "cumulative_logprob",
+        "token_logprobs",
         "confidence",
         "embedding",
         "similarity",

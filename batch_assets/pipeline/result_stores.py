@@ -26,6 +26,8 @@ RESULT_SCHEMA: dict[str, PolarsDataType] = {
     "num_generated_tokens": pl.Int64,
     "error": pl.String,
     "cumulative_logprob": pl.Float64,
+    # `Generation.token_logprobs`: an OpenAI batch line's per-token log-probabilities, as JSON text.
+    "token_logprobs": pl.String,
 }
 
 

@@ -282,6 +282,7 @@ class _TooLong:
     finish_reason: None = None
     num_generated_tokens: None = None
     cumulative_logprob: None = None
+    token_logprobs: None = None
 
 
 @dataclass
@@ -305,6 +306,7 @@ class _Chunk:
             "num_generated_tokens": [r.num_generated_tokens for r in results],
             "error": [r.error for r in results],
             "cumulative_logprob": [r.cumulative_logprob for r in results],
+            "token_logprobs": [r.token_logprobs for r in results],
         }
         return pl.DataFrame(columns, schema=RESULT_SCHEMA)
 

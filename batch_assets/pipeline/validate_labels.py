@@ -121,7 +121,7 @@ def _arrange(result: pl.DataFrame) -> pl.DataFrame:
         # Before `label`, so the trailing columns that readers of the table rely on keep their places.
         trailing.insert(0, "confidence")
     # The engine's log-probability lives on in inference_outputs; the result table has `confidence`.
-    dropped = {"prompt", "source_line", "cumulative_logprob", UNKNOWN_TOKENS_COLUMN}
+    dropped = {"prompt", "source_line", "cumulative_logprob", "token_logprobs", UNKNOWN_TOKENS_COLUMN}
     if "similarity" in result.columns and "embedding" in result.columns:
         # Similarity labels (pipeline/embeddings.py): the label's cosine similarity before its confidence;
         # the row embeddings stay in inference_outputs.

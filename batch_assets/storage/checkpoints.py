@@ -33,7 +33,7 @@ from batch_assets.pipeline.result_stores import RESULT_SCHEMA
 from batch_assets.storage.locations import write_bytes_atomically
 
 # Columns added after results were first stored: files written before lack them and read as null.
-_LATER_COLUMNS = ("cumulative_logprob",)
+_LATER_COLUMNS = ("cumulative_logprob", "token_logprobs")
 # Files whose change means "other weights" in a local model folder.
 _MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".json", ".model", ".jinja")
 

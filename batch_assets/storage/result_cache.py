@@ -81,6 +81,7 @@ RESULTS = sa.Table(
     sa.Column("num_generated_tokens", sa.BigInteger),
     sa.Column("cumulative_logprob", sa.Float),
     sa.Column("created_at", sa.BigInteger),  # POSIX seconds
+    sa.Column("token_logprobs", sa.Text),  # an OpenAI batch line's per-token log-probabilities, as JSON
     # The key is the row: no separate rowid b-tree in SQLite (half the size, one lookup per key).
     sqlite_with_rowid=False,
 )
@@ -183,24 +184,24 @@ def _create_engine(url: str) -> sa.Engine:
             # Two processes creating the table at once: one wins, and the other finds it made.
             if not sa.inspect(engine).has_table(table.name):
                 raise
-    _add_created_at(engine)
+    _add_later_columns(engine)
     return engine
 
 
-def _add_created_at(engine: sa.Engine) -> None:
-    """Give a table made before rows were dated its `created_at` column, dating its rows now (a
-    constant default: SQLite and Postgres add it without rewriting the table)."""
-    if "created_at" in {column["name"] for column in sa.inspect(engine).get_columns(RESULTS.name)}:
-        return
-    try:
-        with engine.begin() as connection:
-            connection.execute(
-                sa.text(f"ALTER TABLE {RESULTS.name} ADD COLUMN created_at BIGINT DEFAULT {int(time.time())}")
-            )
-    except sa.exc.SQLAlchemyError:
-        # Another process added it meanwhile.
-        if "created_at" not in {column["name"] for column in sa.inspect(engine).get_columns(RESULTS.name)}:
-            raise
+def _add_later_columns(engine: sa.Engine) -> None:
+    """Give a table made before a column was added that column: `created_at` dating its rows now,
+    `token_logprobs` null (constant defaults: SQLite and Postgres add them without rewriting the table)."""
+    later = {"created_at": f"BIGINT DEFAULT {int(time.time())}", "token_logprobs": "TEXT"}
+    for name, definition in later.items():
+        if name in {column["name"] for column in sa.inspect(engine).get_columns(RESULTS.name)}:
+            continue
+        try:
+            with engine.begin() as connection:
+                connection.execute(sa.text(f"ALTER TABLE {RESULTS.name} ADD COLUMN {name} {definition}"))
+        except sa.exc.SQLAlchemyError:
+            # Another process added it meanwhile.
+            if name not in {column["name"] for column in sa.inspect(engine).get_columns(RESULTS.name)}:
+                raise
 
 
 def _sqlite_pragmas(connection, _record) -> None:
