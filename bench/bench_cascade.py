@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_cascade.py --rows 20000     # the measurement in BENCHMARKS.md
     .venv/bin/python bench/bench_cascade.py --rows 2000      # a smoke run
+    .venv/bin/python bench/bench_cascade.py --rows 2000 --chat-teacher   # the embedded chat model teaches
 
 1. Generates `--rows` labelled company names (bench/generate_industries.py; 10 % with no cue to their
    industry; none of the shipped sample's names).
@@ -61,6 +62,37 @@ output:
   cascade: {{teacher: {{column: Industry}}}}
 checks: {{gold_field: Industry}}
 """
+# `--chat-teacher`: the embedded chat model as the teacher, with the industry_fewshot example's system
+# prompt and one example per label (none of them in the generated set's names).
+FEW_SHOT = [
+    ("Whitfield & Marsh Attorneys", "Law Firm"),
+    ("Quantum Byte Labs Inc.", "Technology"),
+    ("Sunset Travel Agency", "Other"),
+    ("Riverside Pediatric Associates", "Healthcare"),
+    ("First Harbor Credit Union", "Finance"),
+    ("Maple Street Boutique", "Retail"),
+    ("Oakmont Realty Partners", "Real Estate"),
+    ("Ironclad Steel Fabrication Ltd.", "Manufacturing"),
+    ("Bridgewater Strategy Advisors", "Consulting"),
+]
+CHAT_TEACHER_TASK = f"""
+input: {{text_fields: [Company]}}
+prompt:
+  system: >-
+    You are a helpful assistant that infers company industries. Based on the company name
+    provided, output only the industry category. Choose from: {", ".join(CHOICES)}.
+  template: "{{Company}}"
+  examples:
+{"".join(f"    - {{input: {{Company: '{name}'}}, answer: '{label}'}}" + chr(10) for name, label in FEW_SHOT)}
+engine: {{max_model_len: 256, vllm_args: {{dtype: float32}}}}
+sampling: {{temperature: 0, max_tokens: 16}}
+output:
+  kind: choices
+  method: cascade
+  choices: {CHOICES}
+  cascade: {{teacher: llm}}
+checks: {{gold_field: Industry}}
+"""
 DEFER_SETTINGS = (0.4, 0.6, 0.8)
 
 
@@ -112,17 +144,56 @@ def core_row(vectors: np.ndarray, gold: list[str], defer_below: float) -> dict:
     }
 
 
+def generated_set(rows: int, no_cue_share: float, work: Path) -> Path:
+    exclude = {row["Company"] for row in pl.read_csv(SAMPLE).iter_rows(named=True)} | {name for name, _ in FEW_SHOT}
+    csv_path = work / "companies.csv"
+    write_csv(generate(rows, seed=1, no_cue_share=no_cue_share, exclude=exclude), csv_path)
+    return csv_path
+
+
+def chat_teacher(rows: int, no_cue_share: float) -> None:
+    """The cascade with the embedded chat model as teacher: its agreement with the student on the
+    audit rows, its share, and both against gold, whatever they are."""
+    with tempfile.TemporaryDirectory(prefix="bench_cascade_chat_") as tmp:
+        work = Path(tmp)
+        csv_path = generated_set(rows, no_cue_share, work)
+        tasks = work / "tasks"
+        tasks.mkdir()
+        (tasks / "bench_cascade_chat.yaml").write_text(CHAT_TEACHER_TASK)
+        print(f"{rows} rows, {no_cue_share:.0%} without a cue; teacher = embedded:SmolLM2-135M-Instruct, 9 examples")
+        wall, labels_path = run_task("bench_cascade_chat", csv_path, work / "chat", tasks)
+        labels = pl.read_parquet(labels_path)
+        ok = labels.filter(pl.col("error").is_null())
+        teacher = ok.filter(pl.col("labelled_by") == "teacher")
+        audit = ok.filter(pl.col("cascade_role") == "audit")
+        agreed = int((audit["student_label"] == audit["label"]).sum())
+        low, high = wilson_interval(agreed, audit.height)
+        print(f"batch-assets run, cascade with a chat teacher: {wall:.1f} s wall")
+        share = float((labels["labelled_by"] == "teacher").mean() or 0.0)
+        print(f"teacher share {share:.4f}, error rows {labels.height - ok.height}")
+        print(f"audit: student agrees with the teacher on {agreed}/{audit.height} [{low:.3f}, {high:.3f}]")
+        print(
+            f"accuracy vs gold: all labels {float((ok['label'] == ok['Industry']).mean() or 0.0):.4f}, "
+            f"the teacher's own labels {float((teacher['label'] == teacher['Industry']).mean() or 0.0):.4f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=20_000)
     parser.add_argument("--no-cue-share", type=float, default=0.1)
+    parser.add_argument(
+        "--chat-teacher",
+        action="store_true",
+        help="the embedded chat model (few-shot) as the teacher, not the gold column",
+    )
     args = parser.parse_args()
+    if args.chat_teacher:
+        chat_teacher(args.rows, args.no_cue_share)
+        return
     with tempfile.TemporaryDirectory(prefix="bench_cascade_") as tmp:
         work = Path(tmp)
-        exclude = {row["Company"] for row in pl.read_csv(SAMPLE).iter_rows(named=True)}
-        rows = generate(args.rows, seed=1, no_cue_share=args.no_cue_share, exclude=exclude)
-        csv_path = work / "companies.csv"
-        write_csv(rows, csv_path)
+        csv_path = generated_set(args.rows, args.no_cue_share, work)
         tasks = work / "tasks"
         tasks.mkdir()
         (tasks / "bench_embed.yaml").write_text(EMBED_TASK)
