@@ -4,11 +4,11 @@
 validators: the cascade's settings and their defaults live here.
 
 Defaults (measured by `bench/bench_cascade.py` on 20,000 generated rows with a perfect teacher:
-accuracy 0.994 with the teacher on 21.4 % of rows; docs/cascade.md): a sample of 1,000 rows per partition, about a hundred per label on nine labels;
-`defer_below: 0.6` sends the rows the student is least sure of to the teacher; `max_teacher_share:
-0.25` caps every teacher request (sample, deferred and audit rows together) at a quarter of a
-partition's rows (the issue's target); 200 audit rows measure agreement to about ±3 percentage
-points (the 95 % Wilson interval near 95 %).
+accuracy 0.994 with the teacher on 21.4 % of rows; docs/cascade.md): a sample of 1,000 rows per
+partition, about a hundred per label on nine labels; `defer_below: 0.6` sends the rows the student
+is least sure of to the teacher; `max_teacher_share: 0.25` caps every teacher request (sample,
+deferred and audit rows together) at a quarter of a partition's rows (the issue's target); 200 audit
+rows measure agreement to about ±3 percentage points (the 95 % Wilson interval near 95 %).
 """
 
 from __future__ import annotations
