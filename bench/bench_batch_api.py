@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/bench_batch_api.py --rows 3000 [--model PATH]
 
-The shipped `sentiment` task (confidence off on both sides: `batch-assets serve` returns no
-logprobs) on N posts, each side in a fresh DAGSTER_HOME and data folder (no result cache):
+The shipped `sentiment` task (with its confidence: `batch-assets serve` answers `logprobs`)
+on N posts, each side in a fresh DAGSTER_HOME and data folder (no result cache):
 (a) `batch-assets run sentiment posts.jsonl` on the in-process vLLM engine; (b) a fresh
 `batch-assets serve` on the same model, then the same task with `engine.kind: batch_api` pointed at
 it (`poll_seconds` 1): upload, batch, poll, download, match. (b) is timed from the server's launch to
@@ -34,7 +34,7 @@ CLI = [sys.executable, "-m", "batch_assets.cli"]
 
 def task_dir(work: Path, engine: str) -> Path:
     text = (REPO / "batch_assets" / "tasks" / "sentiment.yaml").read_text(encoding="utf-8")
-    text = text.replace("engine:\n", engine, 1).replace("output:\n", "output:\n  confidence: false\n", 1)
+    text = text.replace("engine:\n", engine, 1)
     folder = work / "tasks"
     folder.mkdir(parents=True)
     (folder / "sentiment.yaml").write_text(text, encoding="utf-8")
