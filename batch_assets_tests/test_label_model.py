@@ -115,23 +115,38 @@ def test_a_stored_label_model_reads_back_as_it_was_written(data_dir: Path) -> No
     assert back is not None and (back.digest, back.partitions, back.labels) == (model.digest, ["a"], model.labels)
     assert back.student.cv_agreement == model.student.cv_agreement
     assert back.student.predict(x[500:])[0] == model.student.predict(x[500:])[0]
-    # A newer model replaces it: current.json names it, the earlier folder is gone.
+    # A newer model replaces it: current.json names it; the previous folder stays (a run that read
+    # current.json just before the switch still finds it); one older than that is removed.
     newer = fit_label_model({"a": partition_outputs(x[:500], y[:500]), "b": partition_outputs(x[500:], y[500:])}, "v1")
     write_label_model("cascaded", newer)
     current = label_model_dir("cascaded", "v1") / "current.json"
     assert json.loads(current.read_text())["digest"] == newer.digest
-    assert sorted(p.name for p in label_model_dir("cascaded", "v1").iterdir()) == sorted(["current.json", newer.digest])
-    # Pickled by another scikit-learn: never unpickled (here it could not be), retrained from the rows
-    # beside it, to the same labels.
-    pinned = json.loads(current.read_text()) | {"scikit_learn": "0.0"}
-    current.write_text(json.dumps(pinned))
-    (label_model_dir("cascaded", "v1") / newer.digest / "model.joblib").write_bytes(b"not a pickle")
+    names = sorted(p.name for p in label_model_dir("cascaded", "v1").iterdir())
+    assert names == sorted(["current.json", model.digest, newer.digest])
+    newest = fit_label_model({"b": partition_outputs(x[500:], y[500:])}, "v1")
+    write_label_model("cascaded", newest)
+    names = sorted(p.name for p in label_model_dir("cascaded", "v1").iterdir())
+    assert names == sorted(["current.json", newer.digest, newest.digest])
+    write_label_model("cascaded", newer)
+    # Nothing is unpickled: the student is trained again from the stored rows, to the same labels.
+    assert not list(label_model_dir("cascaded", "v1").rglob("*.joblib"))
     retrained = read_label_model("cascaded", "v1", print)
     assert retrained is not None and retrained.student.predict(x)[0] == newer.student.predict(x)[0]
+    pinned = json.loads(current.read_text())
+    # A digest this project never writes (a path) is refused before anything is read.
+    current.write_text(json.dumps(pinned | {"digest": "../../elsewhere"}))
+    refused: list[str] = []
+    assert read_label_model("cascaded", "v1", refused.append) is None
+    assert refused and "is not one this project writes" in refused[0]
+    # A current model whose folder is gone (removed under a reader) is a warning, not a failed run.
+    current.write_text(json.dumps(pinned | {"digest": "0123456789ab"}))
+    gone: list[str] = []
+    assert read_label_model("cascaded", "v1", gone.append) is None
+    assert gone and "could not be read" in gone[0]
     # Training rows that do not match their digest are not used, and the warning says why.
     current.write_text(json.dumps(pinned | {"digest": model.digest}))
-    (label_model_dir("cascaded", "v1") / model.digest).mkdir()
-    (label_model_dir("cascaded", "v1") / newer.digest / "training.parquet").rename(
+    (label_model_dir("cascaded", "v1") / model.digest).mkdir(exist_ok=True)
+    (label_model_dir("cascaded", "v1") / newer.digest / "training.parquet").replace(
         label_model_dir("cascaded", "v1") / model.digest / "training.parquet"
     )
     warnings: list[str] = []

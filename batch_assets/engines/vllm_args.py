@@ -80,9 +80,11 @@ def output_vllm_args(*layers: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # Prints the field names of vLLM's public `AsyncEngineArgs` dataclass, one JSON list.
+# Marked, as vLLM may log to stdout around it.
+_NAMES_MARK = "batch-assets-engine-args:"
 _ASK_VLLM = (
     "import dataclasses, json; from vllm import AsyncEngineArgs; "
-    "print(json.dumps(sorted(f.name for f in dataclasses.fields(AsyncEngineArgs))))"
+    f"print({_NAMES_MARK!r} + json.dumps(sorted(f.name for f in dataclasses.fields(AsyncEngineArgs))))"
 )
 
 
@@ -104,16 +106,22 @@ def engine_argument_names() -> frozenset[str]:
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("vLLM is not installed")
-    source = Path(next(iter(spec.submodule_search_locations))) / "engine" / "arg_utils.py"
-    stat = source.stat()
-    key = hashlib.sha256(f"{source}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    kept = cache_dir() / f"vllm-engine-args-{key}.json"
-    with contextlib.suppress(OSError, ValueError):
-        return frozenset(json.loads(kept.read_text(encoding="utf-8")))
-    asked = subprocess.run([sys.executable, "-c", _ASK_VLLM], capture_output=True, text=True, check=False)
-    if asked.returncode != 0:
-        raise ImportError(f"vLLM's AsyncEngineArgs could not be read: {asked.stderr.strip()[-500:]}")
-    names = json.loads(asked.stdout.strip().splitlines()[-1])
+    stderr = ""
+    try:
+        source = Path(next(iter(spec.submodule_search_locations))) / "engine" / "arg_utils.py"
+        stat = source.stat()
+        key = hashlib.sha256(f"{source}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+        kept = cache_dir() / f"vllm-engine-args-{key}.json"
+        with contextlib.suppress(OSError, ValueError):
+            return frozenset(json.loads(kept.read_text(encoding="utf-8")))
+        asked = subprocess.run(
+            [sys.executable, "-c", _ASK_VLLM], capture_output=True, text=True, check=False, timeout=300
+        )
+        stderr = asked.stderr.strip()[-500:]
+        marked = [line for line in asked.stdout.splitlines() if line.startswith(_NAMES_MARK)]
+        names = json.loads(marked[-1].removeprefix(_NAMES_MARK))
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired) as exc:
+        raise ImportError(f"vLLM's AsyncEngineArgs could not be read: {stderr or exc!r}") from exc
     with contextlib.suppress(OSError):  # a read-only cache folder: asked again next time
         kept.parent.mkdir(parents=True, exist_ok=True)
         partial = kept.with_name(f"{kept.name}.{os.getpid()}.tmp")

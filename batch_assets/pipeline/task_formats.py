@@ -512,8 +512,12 @@ class CascadeRecords(_EmbeddedRecords):
         assert output.cascade is not None  # method cascade requires it (OutputSpec)
         inferred = []
         for part, (frame, stats) in zip(parts, stream.run(parts), strict=True):
+            # A partition the stored student learned from (a re-run, a replaced file) trains its own:
+            # the stored one has seen its teacher rows, and its audit would measure them again.
+            stored = stream.label_model
+            learned_here = stored is not None and part.label in stored.partitions
             labelled, measured = cascade_outputs(
-                frame, output.cascade, output.choices or [], part.label, stream.teach, stream.label_model
+                frame, output.cascade, output.choices or [], part.label, stream.teach, None if learned_here else stored
             )
             inferred.append((labelled, replace(stats, format_metadata=measured)))
         return inferred

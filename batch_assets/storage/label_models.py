@@ -1,38 +1,36 @@
 """A cascade task's stored student (`<task>/label_model`), kept by task version:
 
     <storage>/<task>/label_model/<task version>/current.json            which model is current (written last)
-    <storage>/<task>/label_model/<task version>/<digest>/model.joblib     the fitted scikit-learn classifier
     <storage>/<task>/label_model/<task version>/<digest>/training.parquet its training rows: embedding, label
 
 A new model goes into a folder of its own (named by its training rows' digest), and only then does
 `current.json` name it, written atomically: a run killed at any moment leaves the previous model
-current and whole. The folders of earlier models of the same version are removed after the switch.
+current and whole. After the switch, folders older than the previous model are removed (a partition
+run that read `current.json` just before the switch still finds the previous one).
 
-The model is a joblib file, scikit-learn's documented way to persist an estimator: joblib comes with
-scikit-learn (no dependency of its own) and keeps numpy arrays whole. Like any pickle it runs code
-when loaded, so it is read only from this task's storage, which only the pipeline writes (skops,
-the format that loads untrusted files safely, would be a new dependency for the same trust). A
-model pickled by another scikit-learn version is not loaded (its behaviour may differ, scikit-learn
-only warns): it is retrained from the training rows beside it, the same rows giving the same student.
+What is stored is the training rows, not a fitted estimator: task storage is often a shared bucket,
+and unpickling an estimator from it (joblib, scikit-learn's own persistence) would run whatever code
+the file holds. A partition trains the student again from the rows (logistic regression on a few
+thousand rows: seconds; the same rows and seed give the same student, in any scikit-learn version).
 """
 
 from __future__ import annotations
 
 import io
 import json
+import re
 from collections.abc import Callable
 
-import joblib
 import numpy as np
 import polars as pl
 import sklearn
 from upath import UPath
 
-from batch_assets.pipeline.cascade import Student, train_student
+from batch_assets.pipeline.cascade import train_student
 from batch_assets.pipeline.embeddings import vectors_matrix
 from batch_assets.pipeline.label_model import TRAINING_COLUMNS, LabelModel, training_digest
 from batch_assets.storage.checkpoints import remove_path
-from batch_assets.storage.errors import storage_errors
+from batch_assets.storage.errors import StorageError, storage_errors
 from batch_assets.storage.locations import one_name, output_path, task_storage_dir, write_bytes_atomically
 
 CURRENT = "current.json"
@@ -56,9 +54,6 @@ def write_label_model(task: str, model: LabelModel) -> UPath:
     """Store `model` under its task version and make it current; its folder."""
     folder = label_model_dir(task, model.version)
     target = folder / model.digest
-    model_bytes = io.BytesIO()
-    joblib.dump(model.student.model, model_bytes)
-    write_bytes_atomically(target / "model.joblib", model_bytes.getvalue())
     training = pl.DataFrame(
         {"embedding": pl.Series(model.vectors.astype(np.float32)), "label": pl.Series(model.labels, dtype=pl.String)}
     )
@@ -77,39 +72,42 @@ def write_label_model(task: str, model: LabelModel) -> UPath:
         "note": student.note,
         "scikit_learn": sklearn.__version__,
     }
+    with storage_errors("reading", folder):
+        previous = json.loads((folder / CURRENT).read_bytes()).get("digest") if (folder / CURRENT).exists() else None
     write_bytes_atomically(folder / CURRENT, json.dumps(current, indent=2).encode("utf-8"))
     with storage_errors("cleaning up", folder):
         for earlier in folder.iterdir():
-            if earlier.name not in (CURRENT, model.digest) and not earlier.name.startswith("."):
+            if earlier.name not in (CURRENT, model.digest, previous) and not earlier.name.startswith("."):
                 remove_path(earlier)
     return target
 
 
 def read_label_model(task: str, version: str, warn: Callable[[str], None], seed: int = 0) -> LabelModel | None:
     """The current label model of `task` at `version`; None when there is none (or it cannot be
-    used: `warn` says why, and the partition trains its own student as without one)."""
+    used: `warn` says why, and the partition trains its own student as without one).
+
+    The student is trained again from the stored training rows (deterministic with `seed`), never
+    unpickled: task storage is often a shared bucket, and a pickle from it would run its code here.
+    """
     folder = label_model_dir(task, version)
-    with storage_errors("reading", folder):
-        if not (folder / CURRENT).exists():
-            return None
-        current = json.loads((folder / CURRENT).read_bytes())
-        target = folder / current["digest"]
-        training = pl.read_parquet(io.BytesIO((target / "training.parquet").read_bytes()))
-        vectors, labels = vectors_matrix(training["embedding"]), training["label"].to_list()
-        if training_digest(vectors, labels) != current["digest"]:
-            warn(f"{target}: its training rows do not match their digest; not used: materialize label_model again")
-            return None
-        if current["scikit_learn"] == sklearn.__version__:
-            estimator = joblib.load(io.BytesIO((target / "model.joblib").read_bytes()))
-            student = Student(
-                estimator,
-                current["classes"],
-                len(labels),
-                current["cv_agreement"],
-                current["calibration_error"],
-                current["calibrated"],
-                current["note"],
-            )
-        else:
-            student = train_student(vectors, labels, seed)
-    return LabelModel(student, vectors, labels, current["partitions"], version, current["digest"])
+    try:
+        with storage_errors("reading", folder):
+            if not (folder / CURRENT).exists():
+                return None
+            current = json.loads((folder / CURRENT).read_bytes())
+            digest = str(current["digest"])
+            if not re.fullmatch(r"[0-9a-f]{8,64}", digest):
+                warn(f"{folder / CURRENT}: its digest {digest!r} is not one this project writes; not used")
+                return None
+            target = folder / digest
+            training = pl.read_parquet(io.BytesIO((target / "training.parquet").read_bytes()))
+    except (StorageError, KeyError, ValueError) as exc:
+        # A label_model run replacing it right now, or a damaged file: this run goes without it.
+        warn(f"{folder}: the label model could not be read ({exc}); not used: materialize label_model again")
+        return None
+    vectors, labels = vectors_matrix(training["embedding"]), training["label"].to_list()
+    if training_digest(vectors, labels) != digest:
+        warn(f"{target}: its training rows do not match their digest; not used: materialize label_model again")
+        return None
+    student = train_student(vectors, labels, seed)
+    return LabelModel(student, vectors, labels, current["partitions"], version, digest)
