@@ -763,7 +763,6 @@ class VLLMSession:
 
     def __init__(self, engine: VLLMEngine, task: TaskSpec, settings: VLLMSettings, log: Callable[[str], None]) -> None:
         self._task, self._settings, self._log = task, settings, log
-        self._resource = engine
         self._structured = engine.structured_outputs
         self._engine: _AsyncEngine | None = None
         self.started_here = False

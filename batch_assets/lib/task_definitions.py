@@ -22,6 +22,7 @@ import dagster as dg
 from batch_assets.engines.kinds import ENGINE_KINDS, default_engines, resolve_settings
 from batch_assets.engines.openai_engine import OpenAIEngine
 from batch_assets.engines.vllm_engine import VLLMEngine
+from batch_assets.lib.asset_metadata import asset_key
 from batch_assets.lib.assets import IO_MANAGER_KEY, build_task_assets
 from batch_assets.lib.automation import build_automation_sensor
 from batch_assets.lib.checks import build_task_checks
@@ -176,7 +177,7 @@ def build_task_job(task: TaskSpec):
     selection: dg.AssetSelection = dg.AssetSelection.groups(task.name)
     if task.output.cascade is not None:
         # A cascade's label_model (unpartitioned, over every partition) is materialized on its own.
-        selection -= dg.AssetSelection.assets(dg.AssetKey([task.name, "label_model"]))
+        selection -= dg.AssetSelection.assets(asset_key(task.name, "label_model"))
     return dg.define_asset_job(
         name=pipeline_job_name(task.name),
         selection=selection,

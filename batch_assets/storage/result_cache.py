@@ -192,8 +192,9 @@ def _add_later_columns(engine: sa.Engine) -> None:
     """Give a table made before a column was added that column: `created_at` dating its rows now,
     `token_logprobs` null (constant defaults: SQLite and Postgres add them without rewriting the table)."""
     later = {"created_at": f"BIGINT DEFAULT {int(time.time())}", "token_logprobs": "TEXT"}
+    present = {column["name"] for column in sa.inspect(engine).get_columns(RESULTS.name)}
     for name, definition in later.items():
-        if name in {column["name"] for column in sa.inspect(engine).get_columns(RESULTS.name)}:
+        if name in present:
             continue
         try:
             with engine.begin() as connection:

@@ -1,6 +1,6 @@
 """`engine:`: the model, the engine kind (in-process vLLM or an OpenAI-compatible endpoint), its
 settings and price, and the checks of `engine.vllm_args` that need no vLLM (whether vLLM takes a
-name is asked of vLLM itself before the engine starts: engines/vllm_args.py)."""
+name is checked when the vLLM engine resolves the task's settings: engines/vllm_args.py)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class EngineSpec(_Strict):
 
     First-class fields are those the pipeline itself reads (hints, checks, GPU requests); every
     other vLLM engine argument goes into `vllm_args`, checked against vLLM's own `AsyncEngineArgs`
-    before the engine starts (and by `batch-assets tasks`).
+    when the vLLM engine resolves the task's settings (engines/vllm_args.py).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
@@ -173,8 +173,8 @@ FIXED_VLLM_ARGS = {"logprobs_mode": "the labels' `confidence` is computed from v
 
 def check_vllm_args(vllm_args: dict[str, Any]) -> None:
     """Refuse the names set through first-class `engine:` fields and those the pipeline relies on.
-    Whether vLLM takes the others is asked of vLLM before the engine starts (engines/vllm_args.py):
-    importing it here would cost every load of the tasks seconds."""
+    Whether vLLM takes the others is checked when the vLLM engine resolves the task's settings
+    (engines/vllm_args.py): this core never imports vLLM."""
     for name in vllm_args:
         if name in RESERVED_VLLM_ARGS:
             hint = "kv_cache_memory_gib" if name == "kv_cache_memory_bytes" else name
