@@ -148,25 +148,16 @@ def cascade_outputs(
     else:
         assert teach is not None  # the inference step opens the teacher's session for `teacher: llm`
         teacher = llm_teacher(embedded, teach, source_file, counts)
-    result = run_cascade(vectors_matrix(embedding.filter(ok)), counted(teacher, counts), spec, choices, stored)
+    result = run_cascade(vectors_matrix(embedding.filter(ok)), teacher, spec, choices, stored)
     positions = np.flatnonzero(ok.to_numpy())
     measured = {
         **result.metadata(),
-        "teacher_rows_asked": counts.get("rows_asked", 0),
+        # Every row the teacher was asked about has its answer (and cost) in the result.
+        "teacher_rows_asked": sum(answer is not None for answer in result.teacher_costs),
         **{f"teacher_{name}": counts.get(name, 0) for name in TEACHER_STATS if teach is not None},
         **(stored.usage_metadata() if stored is not None else {}),
     }
     return _with_cascade_columns(results, embedding, positions, result), measured
-
-
-def counted(teacher: Teacher, counts: dict[str, int]) -> Teacher:
-    """`teacher`, counting the rows it is asked about (`rows_asked` in `counts`)."""
-
-    def answer(positions: np.ndarray) -> list[TeacherAnswer]:
-        counts["rows_asked"] = counts.get("rows_asked", 0) + positions.size
-        return teacher(positions)
-
-    return answer
 
 
 def _with_cascade_columns(
