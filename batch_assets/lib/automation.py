@@ -2,20 +2,30 @@
 {rematerialize_stale: true}`): the asset condition and the sensor that evaluates it; with the same
 option, a cascade task's label_model retrained after new partitions."""
 
+from collections.abc import Iterable
+
 import dagster as dg
 
-from batch_assets.lib.materializations import latest_materialization
+from batch_assets.lib.materializations import latest_materializations
 from batch_assets.pipeline.task_spec import TaskSpec
 
 # The code version Dagster records on each materialization.
 CODE_VERSION_TAG = "dagster/code_version"
 
 
-def materialized_code_version(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str) -> str | None:
-    """The code version the partition's latest materialization recorded (None: none recorded)."""
-    record = latest_materialization(instance, key, partition)
-    materialization = record.asset_materialization if record else None
-    return materialization.tags.get(CODE_VERSION_TAG) if materialization and materialization.tags else None
+def materialized_code_versions(
+    instance: dg.DagsterInstance, key: dg.AssetKey, partitions: Iterable[str]
+) -> dict[str, str | None]:
+    """The code version each partition's latest materialization recorded (None: none recorded, or
+    never materialized), read for all of them at once."""
+    records = latest_materializations(instance, key, partitions)
+    versions: dict[str, str | None] = {}
+    for partition, record in records.items():
+        materialization = record.asset_materialization
+        versions[partition] = (
+            materialization.tags.get(CODE_VERSION_TAG) if materialization and materialization.tags else None
+        )
+    return versions
 
 
 class MadeWithOlderCodeVersion(dg.AutomationCondition):
@@ -34,12 +44,10 @@ class MadeWithOlderCodeVersion(dg.AutomationCondition):
     def evaluate(self, context: dg.AutomationContext) -> dg.AutomationResult:
         current = context.asset_graph.get(context.key).code_version
         instance = context.asset_graph_view.instance
-        # One lookup per partition: evaluated on the first tick only (see stale_partitions_condition).
-        outdated = {
-            partition
-            for partition in context.candidate_subset.expensively_compute_partition_keys()
-            if materialized_code_version(instance, context.key, partition) not in (None, current)
-        }
+        # Evaluated on the first tick only (see stale_partitions_condition).
+        candidates = context.candidate_subset.expensively_compute_partition_keys()
+        versions = materialized_code_versions(instance, context.key, candidates)
+        outdated = {partition for partition, version in versions.items() if version not in (None, current)}
         if not outdated or context.partitions_def is None:
             return dg.AutomationResult(context, context.get_empty_subset())
         subset = context.asset_graph_view.get_subset_from_partition_keys(context.key, context.partitions_def, outdated)

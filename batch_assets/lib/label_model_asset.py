@@ -19,7 +19,7 @@ materialize --select '<task>/label_model'`).
 import dagster as dg
 
 from batch_assets.lib.asset_metadata import asset_key
-from batch_assets.lib.automation import label_model_condition, materialized_code_version
+from batch_assets.lib.automation import label_model_condition, materialized_code_versions
 from batch_assets.pipeline.label_model import LabelModelError, fit_label_model
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.drop_files import partitions_def_name
@@ -73,5 +73,6 @@ def partitions_by_version(instance: dg.DagsterInstance, task: TaskSpec, version:
     upstream = asset_key(task.name, "inference_outputs")
     current = set(instance.get_dynamic_partitions(partitions_def_name(task.name)))
     materialized = sorted(current & instance.get_materialized_partitions(upstream))
-    same = [key for key in materialized if materialized_code_version(instance, upstream, key) == version]
+    versions = materialized_code_versions(instance, upstream, materialized)
+    same = [key for key in materialized if versions.get(key) == version]
     return same, [key for key in materialized if key not in same]
