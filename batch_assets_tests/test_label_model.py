@@ -25,7 +25,6 @@ from batch_assets.pipeline.cascade import (
     StoredStudent,
     TeacherCost,
     run_cascade,
-    train_student,
 )
 from batch_assets.pipeline.cascade_labels import cascade_outputs
 from batch_assets.pipeline.code_versions import code_versions
@@ -60,7 +59,7 @@ def partition_outputs(x: np.ndarray, y: np.ndarray, **settings) -> pl.DataFrame:
 def test_a_stored_student_takes_the_place_of_the_partitions_sample() -> None:
     x, y = blobs(1200, noise=1.0, seed=4)
     labels = [CHOICES[i] for i in y[:150]]
-    stored = StoredStudent(train_student(x[:150], labels), x[:150], labels)
+    stored = StoredStudent(x[:150], labels, 0)
     asked: list[int] = []
     settings = spec(sample_rows=100, audit_rows=30)
     result = run_cascade(x[150:], perfect_teacher(y[150:], asked), settings, CHOICES, stored)
@@ -72,9 +71,11 @@ def test_a_stored_student_takes_the_place_of_the_partitions_sample() -> None:
     # Without it the same partition samples 100 rows.
     assert Counter(run_cascade(x[150:], perfect_teacher(y[150:]), settings, CHOICES).roles)["sample"] == 100
     # A stored student of 60 rows: the partition samples the 40 it lacks and retrains on all 100.
-    few = StoredStudent(train_student(x[:60], labels[:60]), x[:60], labels[:60])
+    few = StoredStudent(x[:60], labels[:60], 0)
     result = run_cascade(x[150:], perfect_teacher(y[150:]), settings, CHOICES, few)
     assert Counter(result.roles)["sample"] == 40 and result.student.training_rows == 100
+    # The stored rows' own student was never trained: the partition's student is the only training.
+    assert "student" not in vars(few)
     with pytest.raises(ValueError, match="the stored label_model's vectors have 24 dimensions, this partition's 8"):
         run_cascade(x[150:, :8], perfect_teacher(y[150:]), settings, CHOICES, stored)
 

@@ -31,6 +31,7 @@ and what the labels cost against asking the teacher for every row (`CascadeSumma
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -113,12 +114,17 @@ class Student:
 
 @dataclass(frozen=True)
 class StoredStudent:
-    """A student kept across partitions (`<task>/label_model`, pipeline/label_model.py) and the
-    teacher-labelled rows it was trained on, which a partition's own sample adds to."""
+    """The teacher-labelled rows kept across partitions (`<task>/label_model`, pipeline/label_model.py),
+    which a partition's own sample adds to, and the student trained on them alone (`student`, trained
+    when first asked: read back from storage, the rows are all there is)."""
 
-    student: Student
     vectors: np.ndarray  # (rows, dimension)
     labels: list[str]
+    seed: int
+
+    @functools.cached_property
+    def student(self) -> Student:
+        return train_student(self.vectors, self.labels, self.seed)
 
 
 @dataclass
@@ -332,8 +338,8 @@ def run_cascade(
 
 def partition_student(vectors: np.ndarray, labels: list[str], stored: StoredStudent | None, seed: int = 0) -> Student:
     """The student of a partition whose teacher labelled `labels` of `vectors`: trained on them alone;
-    with a stored student, the stored one as it is when the partition adds no label, else one
-    retrained on the stored training rows and the partition's together."""
+    with stored rows, the stored student when the partition adds no label, else one trained on the
+    stored rows and the partition's together (each trained once)."""
     if stored is None:
         return train_student(vectors, labels, seed)
     if stored.vectors.shape[1] != vectors.shape[1]:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from batch_assets.pipeline.cascade import StoredStudent, train_student
+from batch_assets.pipeline.cascade import StoredStudent
 from batch_assets.pipeline.embeddings import vectors_matrix
 
 # The inference_outputs columns a label model is trained from.
@@ -104,7 +104,7 @@ def fit_label_model(frames: dict[str, pl.DataFrame], version: str, seed: int = 0
     vectors, labels = distinct_rows(
         np.vstack([parts[key][0] for key in learned]), [label for key in learned for label in parts[key][1]]
     )
-    student = train_student(vectors, labels, seed)
-    if student.model is None:
-        raise LabelModelError(f"{student.note}: materialize more partitions, or raise output.cascade.sample_rows")
-    return LabelModel(student, vectors, labels, learned, version, training_digest(vectors, labels))
+    model = LabelModel(vectors, labels, seed, learned, version, training_digest(vectors, labels))
+    if model.student.model is None:
+        raise LabelModelError(f"{model.student.note}: materialize more partitions, or raise output.cascade.sample_rows")
+    return model

@@ -26,7 +26,6 @@ import polars as pl
 import sklearn
 from upath import UPath
 
-from batch_assets.pipeline.cascade import train_student
 from batch_assets.pipeline.embeddings import vectors_matrix
 from batch_assets.pipeline.label_model import TRAINING_COLUMNS, LabelModel, training_digest
 from batch_assets.storage.checkpoints import remove_path
@@ -86,8 +85,9 @@ def read_label_model(task: str, version: str, warn: Callable[[str], None], seed:
     """The current label model of `task` at `version`; None when there is none (or it cannot be
     used: `warn` says why, and the partition trains its own student as without one).
 
-    The student is trained again from the stored training rows (deterministic with `seed`), never
-    unpickled: task storage is often a shared bucket, and a pickle from it would run its code here.
+    Only the training rows come back; the student is trained from them when a partition uses it
+    (deterministic with `seed`), never unpickled: task storage is often a shared bucket, and a
+    pickle from it would run its code here.
     """
     folder = label_model_dir(task, version)
     try:
@@ -109,5 +109,5 @@ def read_label_model(task: str, version: str, warn: Callable[[str], None], seed:
     if training_digest(vectors, labels) != digest:
         warn(f"{target}: its training rows do not match their digest; not used: materialize label_model again")
         return None
-    student = train_student(vectors, labels, seed)
-    return LabelModel(student, vectors, labels, current["partitions"], version, digest)
+    # The student is trained by the partition that uses it (`StoredStudent.student`), once.
+    return LabelModel(vectors, labels, seed, current["partitions"], version, digest)
