@@ -4,6 +4,7 @@ per-request chat prompts and sampling, request keys, and the output / error file
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -509,13 +510,40 @@ def test_shipped_openai_batch_task_and_format_rules(tmp_path) -> None:
         load_task_spec(bad)
 
 
-def test_run_inference_sends_each_request_once_with_its_own_sampling(tokenizer, tmp_path) -> None:
+def run_lines(formatted, tokenizer, generate, checkpoints: Path):
+    """`formatted` batch lines through run_inference with checkpoints at `checkpoints`, answered by
+    `generate` (prompts → Generations) as a chat engine's session would: (frame, stats)."""
     from upath import UPath
 
-    from batch_assets.pipeline.engine_contract import Generation, batched_stream
+    from batch_assets.pipeline.engine_contract import batched_stream
     from batch_assets.pipeline.openai_batch import batch_prompt_encoder
     from batch_assets.pipeline.run_inference import PartitionInput, run_inference
     from batch_assets.storage.checkpoints import CheckpointStore
+
+    class Session:
+        started_here, start_seconds, metadata = True, 0.0, {}
+
+        def start(self) -> None:
+            pass
+
+        def stream(self, prompts):
+            return batched_stream(generate, 64)(prompts)
+
+    class Engine:
+        sends_chat_messages = True
+
+    part = PartitionInput(
+        formatted, batch_prompt_encoder(Engine(), None, tokenizer, formatted), CheckpointStore(UPath(checkpoints), "fp")
+    )
+    [(frame, stats)] = run_inference(
+        [part], session=Session(), max_model_len=512, max_tokens=64, batch_size=64, deduplicate=True
+    )
+    return frame, stats
+
+
+def test_run_inference_sends_each_request_once_with_its_own_sampling(tokenizer, tmp_path) -> None:
+
+    from batch_assets.pipeline.engine_contract import Generation
 
     same = [{"role": "user", "content": "same question"}]
     data = jsonl(
@@ -531,28 +559,8 @@ def test_run_inference_sends_each_request_once_with_its_own_sampling(tokenizer, 
         seen.extend(prompts)
         return [Generation(f"max {p.sampling.max_tokens}", "stop", len(p.token_ids), 1) for p in prompts]
 
-    class Session:
-        started_here, start_seconds, metadata = True, 0.0, {}
-
-        def start(self) -> None:
-            pass
-
-        def stream(self, prompts):
-            return batched_stream(generate, 64)(prompts)
-
-    class Engine:
-        sends_chat_messages = True
-
     def run():
-        part = PartitionInput(
-            formatted,
-            batch_prompt_encoder(Engine(), None, tokenizer, formatted),
-            CheckpointStore(UPath(tmp_path / "ck"), "fp"),
-        )
-        [(frame, stats)] = run_inference(
-            [part], session=Session(), max_model_len=512, max_tokens=64, batch_size=64, deduplicate=True
-        )
-        return frame, stats
+        return run_lines(formatted, tokenizer, generate, tmp_path / "ck")
 
     frame, stats = run()
     assert frame["generated_text"].to_list() == ["max 5", "max 5", "max 7", "max 6"]
@@ -623,12 +631,8 @@ def test_a_chat_lines_logprobs_reach_the_engine_and_come_back_in_openais_shape(t
     """`logprobs` / `top_logprobs` of a chat line: asked of the engine with the line's own sampling,
     part of its request key (a line without them keeps the key it always had), kept in the
     checkpoints, and written as the choice's `logprobs.content`."""
-    from upath import UPath
 
-    from batch_assets.pipeline.engine_contract import Generation, batched_stream
-    from batch_assets.pipeline.openai_batch import batch_prompt_encoder
-    from batch_assets.pipeline.run_inference import PartitionInput, run_inference
-    from batch_assets.storage.checkpoints import CheckpointStore
+    from batch_assets.pipeline.engine_contract import Generation
 
     same = [{"role": "user", "content": "same question"}]
     data = jsonl(
@@ -663,28 +667,8 @@ def test_a_chat_lines_logprobs_reach_the_engine_and_come_back_in_openais_shape(t
             out.append(Generation("A", "stop", len(p.token_ids), 1, cumulative_logprob=-0.1, token_logprobs=tokens))
         return out
 
-    class Session:
-        started_here, start_seconds, metadata = True, 0.0, {}
-
-        def start(self) -> None:
-            pass
-
-        def stream(self, prompts):
-            return batched_stream(generate, 64)(prompts)
-
-    class Engine:
-        sends_chat_messages = True
-
     def run():
-        part = PartitionInput(
-            formatted,
-            batch_prompt_encoder(Engine(), None, tokenizer, formatted),
-            CheckpointStore(UPath(tmp_path / "ck"), "fp"),
-        )
-        [(frame, _)] = run_inference(
-            [part], session=Session(), max_model_len=512, max_tokens=64, batch_size=64, deduplicate=True
-        )
-        return frame
+        return run_lines(formatted, tokenizer, generate, tmp_path / "ck")[0]
 
     run()
     assert sorted(asked, key=lambda n: -1 if n is None else n) == [None, 0, 2]
