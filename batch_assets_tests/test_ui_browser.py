@@ -50,6 +50,9 @@ CHECKS = {
 SAMPLE = SAMPLES / "sentiment" / "posts-sample.jsonl"
 # Engine start-up plus inference on a shared 2-core machine; generous because other tests may run.
 RUN_TIMEOUT_MS = 600_000
+# How long a page may take to show what is asserted. Playwright's 5 s default is too short for a graph
+# whose nodes load their live data on a 2-core machine under two test workers (CI saw it fail).
+UI_TIMEOUT_MS = 60_000
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")
 if not CHROMIUM.exists():
@@ -146,10 +149,12 @@ def page(ui) -> Iterator[sync_api.Page]:
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
         page = browser.new_page(viewport={"width": 1400, "height": 900})
-        page.set_default_timeout(60_000)
+        page.set_default_timeout(UI_TIMEOUT_MS)
+        sync_api.expect.set_options(timeout=UI_TIMEOUT_MS)
         try:
             yield page
         finally:
+            sync_api.expect.set_options(timeout=None)
             browser.close()
 
 

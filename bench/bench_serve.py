@@ -9,6 +9,14 @@ the `openai` client: upload, create the batch, poll every 0.5 s, download the ou
 server. (b) is timed from the server's launch to the output file downloaded (`serve_wall_s`; the
 upload-to-download part is `upload_to_download_s`). Prints medians, the ratio (b)/(a) (target
 <= 1.15) and how many answers differ from run-batch's.
+
+Greedy answers of a CPU engine depend on how requests happen to be batched (floating-point sums in
+another order can flip a near-tie between two tokens, and the rest of the answer follows the flip), so
+with two runs or more the benchmark also counts how many answers run-batch's own runs disagree on
+(`run_batch_vs_itself`), and for every differing answer how many leading words both sides share
+(`shared_leading_words`): a flip mid-answer is batching noise, a difference from the first word is not.
+`--order-check` runs run-batch once more on the same lines in reverse order and counts the answers
+that change with nothing but the order (`run_batch_reversed_vs_run_batch`).
 """
 
 from __future__ import annotations
@@ -94,14 +102,26 @@ def serve_side(source: Path, work: Path) -> tuple[float, float, dict[str, str]]:
     return done - started, done - uploaded_at, answers
 
 
+def leading_words_shared(a: str, b: str) -> int:
+    shared = 0
+    for left, right in zip(a.split(), b.split(), strict=False):
+        if left != right:
+            break
+        shared += 1
+    return shared
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--order-check", action="store_true", help="also run run-batch on the lines reversed")
     args = parser.parse_args()
     flags = vllm_flags()
-    peer_walls, serve_walls, mismatches = [], [], []
+    peer_walls, serve_walls, mismatches, shared_words = [], [], [], []
+    first_peer: dict[str, str] | None = None
+    peer_self: list[int] = []
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         source = Path(tmp) / "requests.jsonl"
         batch_file(source, args.requests, args.max_tokens, 0.0)
@@ -112,7 +132,13 @@ def main() -> None:
             serve_wall, served_part, ours = serve_side(source, work)
             peer_walls.append(peer_wall)
             serve_walls.append(serve_wall)
-            mismatches.append(sum(ours.get(k) != v for k, v in theirs.items()))
+            differing = [k for k, v in theirs.items() if ours.get(k) != v]
+            mismatches.append(len(differing))
+            shared_words += [leading_words_shared(theirs[k], ours.get(k) or "") for k in differing]
+            if first_peer is None:
+                first_peer = theirs
+            else:
+                peer_self.append(sum(first_peer.get(k) != v for k, v in theirs.items()))
             row = {
                 "run": attempt,
                 "run_batch_wall_s": round(peer_wall, 1),
@@ -121,6 +147,12 @@ def main() -> None:
                 "answers_differing": mismatches[-1],
             }
             print(json.dumps(row), flush=True)
+        reversed_differing = None
+        if args.order_check and first_peer is not None:
+            reversed_source = Path(tmp) / "requests-reversed.jsonl"
+            reversed_source.write_text("".join(reversed(source.read_text().splitlines(keepends=True))))
+            _, reordered = run_batch(reversed_source, Path(tmp), flags)
+            reversed_differing = sum(first_peer.get(k) != v for k, v in reordered.items())
     peer, ours = statistics.median(peer_walls), statistics.median(serve_walls)
     summary = {
         "requests": args.requests,
@@ -130,6 +162,13 @@ def main() -> None:
         "serve_wall_s": round(ours, 1),
         "ratio": round(ours / peer, 3),
         "answers_differing": mismatches,
+        "run_batch_vs_itself": peer_self,
+        "run_batch_reversed_vs_run_batch": reversed_differing,
+        "shared_leading_words": {
+            "none": sum(n == 0 for n in shared_words),
+            "one_to_three": sum(1 <= n <= 3 for n in shared_words),
+            "more": sum(n > 3 for n in shared_words),
+        },
     }
     print(json.dumps(summary))
 
