@@ -31,7 +31,7 @@ from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.label_model import LabelModelError, fit_label_model, training_digest
 from batch_assets.pipeline.task_spec import PriceSpec, load_task_spec
 from batch_assets.storage.drop_files import partitions_def_name
-from batch_assets.storage.label_models import label_model_dir, read_label_model, write_label_model
+from batch_assets.storage.label_models import label_model_dir, read_label_model, read_training_rows, write_label_model
 from batch_assets.storage.locations import output_path
 from batch_assets_tests.test_cascade import CHOICES, blobs, embedded_results, perfect_teacher, spec
 
@@ -153,6 +153,63 @@ def test_a_stored_label_model_reads_back_as_it_was_written(data_dir: Path) -> No
     warnings: list[str] = []
     assert read_label_model("cascaded", "v1", warnings.append) is None
     assert warnings and "do not match their digest; not used: materialize label_model again" in warnings[0]
+
+
+def write_partition(task: str, key: str, teacher: dict[str, int], rng: np.random.Generator) -> pl.DataFrame:
+    """A cascade partition's inference_outputs file, in row groups of 16 rows: `teacher` rows per
+    label, 5 teacher errors and 50 student rows, shuffled. Each embedding says its row and label."""
+    kinds = [("teacher", label, None) for label, count in teacher.items() for _ in range(count)]
+    kinds += [("teacher", None, "teacher_no_label: f.csv line 2: empty")] * 5 + [("student", "alpha", None)] * 50
+    kinds = [kinds[i] for i in rng.permutation(len(kinds))]
+    frame = pl.DataFrame(
+        {
+            "row_id": range(len(kinds)),
+            "embedding": [[float(label == "beta"), i / 100, rng.normal()] for i, (_, label, _) in enumerate(kinds)],
+            "generated_text": [label for _, label, _ in kinds],
+            "labelled_by": [by for by, _, _ in kinds],
+            "error": [error for _, _, error in kinds],
+        },
+        schema_overrides={"embedding": pl.Array(pl.Float32, 3), "error": pl.String},
+    )
+    path = output_path(task, "inference_outputs", key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame.write_parquet(path.path, row_group_size=16)
+    return frame
+
+
+def test_the_label_model_reads_teacher_rows_alone_and_at_most_its_cap_spread_over_partitions_and_labels(
+    data_dir: Path,
+) -> None:
+    """Before, every partition's whole inference_outputs (each row's embedding) was read and every
+    teacher label trained on. Now the files' teacher rows alone come back, and past
+    `max_training_rows` each label keeps its share (alpha 70 of 120 rows: 35 of 60), spread evenly
+    over the partitions that have it: a partition with fewer rows than its share keeps them all."""
+    rng = np.random.default_rng(0)
+    teacher = {"a": {"alpha": 40, "beta": 20}, "b": {"alpha": 10, "beta": 30}, "c": {"alpha": 20}}
+    files = {key: write_partition("capped", key, counts, rng) for key, counts in teacher.items()}
+
+    rows = read_training_rows("capped", ["a", "b", "c"], 60, seed=0)
+    spread = {key: dict(sorted(Counter(frame["generated_text"]).items())) for key, frame in rows.items()}
+    # alpha's 35: b's 10 (all it has), then c 12 and a 13; beta's 25: a 12, b 13.
+    assert spread == {"a": {"alpha": 13, "beta": 12}, "b": {"alpha": 10, "beta": 13}, "c": {"alpha": 12}}
+    for key, frame in rows.items():
+        assert frame["labelled_by"].to_list() == ["teacher"] * frame.height and frame["error"].null_count() == frame.height
+        # Each embedding is that of the file's row with the same label (row order kept).
+        positions = [round(vector[1] * 100) for vector in frame["embedding"].to_list()]
+        assert positions == sorted(positions)
+        assert files[key]["generated_text"].gather(positions).to_list() == frame["generated_text"].to_list()
+        assert files[key]["embedding"].gather(positions).to_list() == frame["embedding"].to_list()
+    assert read_training_rows("capped", ["a", "b", "c"], 60, seed=0)["a"].equals(rows["a"])  # the same rows again
+    # Under the cap: every teacher label, and the model trains on the cap's rows.
+    assert {key: frame.height for key, frame in read_training_rows("capped", ["a", "b", "c"], 1000, 0).items()} == {
+        "a": 60,
+        "b": 40,
+        "c": 20,
+    }
+    model = fit_label_model(rows, "v1", seed=0, max_rows=60)
+    assert (model.training_rows, Counter(model.labels)) == (60, Counter(alpha=35, beta=25))
+    # The pure path caps the same way from whole frames: the same rows, the same digest.
+    assert fit_label_model(files, "v1", seed=0, max_rows=60).digest == model.digest
 
 
 # --- the asset on a Dagster instance ----------------------------------------------------------------

@@ -23,6 +23,10 @@ DEFAULT_SAMPLE_ROWS = 1000
 DEFAULT_DEFER_BELOW = 0.6
 DEFAULT_MAX_TEACHER_SHARE = 0.25
 DEFAULT_AUDIT_ROWS = 200
+# The label model's training rows at most: logistic regression and its 3-fold calibration on 50,000
+# rows take seconds to a minute, and 50,000 rows of 1,024-dimension float32 vectors are 200 MB held
+# and stored; past a few thousand rows per label more rows change the student little.
+DEFAULT_MAX_TRAINING_ROWS = 50_000
 # `checks.min_agreement` when unset: the audit's 95 % lower bound under this fails the WARN check.
 DEFAULT_MIN_AGREEMENT = 0.8
 
@@ -53,6 +57,9 @@ class CascadeSpec(_Strict):
     max_teacher_share: float = Field(default=DEFAULT_MAX_TEACHER_SHARE, gt=0, le=1)
     # Random student-labelled rows also sent to the teacher, to measure their agreement.
     audit_rows: int = Field(default=DEFAULT_AUDIT_ROWS, ge=0)
+    # The `<task>/label_model` trains on at most this many teacher labels of its partitions: each
+    # label keeps its share, spread evenly over the partitions (pipeline/label_model.py).
+    max_training_rows: int = Field(default=DEFAULT_MAX_TRAINING_ROWS, ge=2)
     seed: int = 0
 
 
