@@ -265,20 +265,31 @@ def test_the_label_model_asset_learns_the_partitions_of_its_version_and_is_retra
 # --- what the labels cost -----------------------------------------------------------------------------
 
 
-def test_the_labels_cost_in_dollars_with_a_price_and_in_engine_seconds_without() -> None:
+def test_the_labels_cost_each_model_at_its_own_price_and_in_engine_seconds_without() -> None:
+    """`engine.price` is the embedding model's; before, it priced the chat teacher's tokens too (a
+    chat model's cost many times more). The teacher is in dollars at `output.cascade.teacher_price`."""
     spent = TeacherCost(rows=25, prompt_tokens=2500, generated_tokens=100, timed_rows=10, seconds=2.0)
     summary = CascadeSummary(100, 20, 75, 5, 10, 9, spent, embedding_prompt_tokens=1000)
-    priced = replace(summary, price=PriceSpec(input_per_million_tokens=2.0, output_per_million_tokens=10.0))
-    # Embedding 1,000 × $2/M; teacher 2,500 × $2/M + 100 × $10/M; every row: its $0.006 / 25 rows × 100.
+    embedding_priced = replace(summary, price=PriceSpec(input_per_million_tokens=2.0))
+    # Embedding 1,000 × $2/M; the teacher, unpriced, in engine seconds: 2 s over 10 inferred rows,
+    # times the 25 rows asked and the 100 rows.
+    seconds = {"teacher_engine_seconds": 5.0, "all_teacher_engine_seconds": 20.0}
+    assert embedding_priced.cost_metadata() == {"embedding_cost_usd": 0.002, **seconds}
+    priced = replace(
+        embedding_priced, teacher_price=PriceSpec(input_per_million_tokens=4.0, output_per_million_tokens=10.0)
+    )
+    # Teacher 2,500 × $4/M + 100 × $10/M; every row: its $0.011 / 25 rows × 100.
     assert priced.cost_metadata() == {
         "embedding_cost_usd": 0.002,
-        "teacher_cost_usd": 0.006,
-        "cascade_cost_usd": 0.008,
-        "all_teacher_cost_usd": 0.024,
+        "teacher_cost_usd": 0.011,
+        "all_teacher_cost_usd": 0.044,
+        "cascade_cost_usd": 0.013,
     }
     assert priced.metadata()["cost_vs_all_teacher"] == 0.2  # the share, as before
-    # No price: 2 s over 10 inferred rows, times the 25 rows asked and the 100 rows.
-    assert summary.cost_metadata() == {"teacher_engine_seconds": 5.0, "all_teacher_engine_seconds": 20.0}
+    # The teacher's price alone: its dollars, no embedding cost and so no total.
+    assert replace(priced, price=None).cost_metadata() == {"teacher_cost_usd": 0.011, "all_teacher_cost_usd": 0.044}
+    # No price: engine seconds.
+    assert summary.cost_metadata() == seconds
     # A column teacher costs nothing measurable: the share alone, and the embedding's price.
     column = CascadeSummary(100, 20, 75, 5, 10, 9, embedding_prompt_tokens=1000)
     assert column.cost_metadata() == {}
@@ -298,3 +309,9 @@ def test_the_run_summary_says_what_the_labels_cost_against_the_teacher_on_every_
         notes = _quality_notes("cascaded", ["a", "b"], instance)
         assert notes[-1] == "cost $0.0100 against $0.0500 with the teacher on every row"
         assert _quality_notes("cascaded", ["c"], instance)[-1] == "teacher engine 5.0 s against 20.0 s on every row"
+        # The embedding priced, the teacher not: each as measured.
+        labelled(instance, "d", **counts, embedding_cost_usd=0.002, teacher_engine_seconds=5.0, all_teacher_engine_seconds=20.0)
+        assert _quality_notes("cascaded", ["d"], instance)[-2:] == [
+            "embedding cost $0.0020",
+            "teacher engine 5.0 s against 20.0 s on every row",
+        ]

@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import Field
 
 from .base import _Strict
+from .engine import PriceSpec
 
 DEFAULT_SAMPLE_ROWS = 1000
 DEFAULT_DEFER_BELOW = 0.6
@@ -48,6 +49,9 @@ class CascadeSpec(_Strict):
     # The chat model of `teacher: llm` (resolved as a chat task's `engine.model` is: BATCH_ASSETS_MODEL
     # or the engine resource's `model` take precedence, as for every chat task).
     teacher_model: str | None = None
+    # What the chat teacher's tokens cost (`engine.price` is the embedding model's: a chat model's
+    # tokens cost many times more). Without it the teacher's cost is in engine seconds, not dollars.
+    teacher_price: PriceSpec | None = None
     # Rows per partition the teacher labels to train the student, chosen to cover the data (one
     # draw per embedding cluster, in proportion to its size), not the head of the file.
     sample_rows: int = Field(default=DEFAULT_SAMPLE_ROWS, ge=2)
@@ -83,10 +87,11 @@ def cascade_problem(kind: str, method: str, cascade: CascadeSpec | None) -> tupl
             "output.method cascade needs output.cascade: {teacher: {column: NAME}} (who labels the sample)",
             ("method",),
         )
-    if cascade.teacher_model is not None and cascade.teacher != "llm":
-        return (
-            "output.cascade.teacher_model names the chat model of teacher: llm; the teacher here is a column: "
-            "remove teacher_model, or set teacher: llm",
-            ("cascade", "teacher_model"),
-        )
+    for name in ("teacher_model", "teacher_price"):
+        if getattr(cascade, name) is not None and cascade.teacher != "llm":
+            return (
+                f"output.cascade.{name} is the chat teacher's (teacher: llm); the teacher here is a column: "
+                f"remove {name}, or set teacher: llm",
+                ("cascade", name),
+            )
     return None

@@ -127,13 +127,14 @@ class OutputSpec(_Strict):
         code_versions counts it for validated_labels). `method` and `descriptions` are left out at
         their defaults, so tasks written before them keep their code versions. `cascade.max_training_rows`
         is left out too: it decides what `<task>/label_model` trains on when next materialized, not
-        how a partition's rows are labelled with the model it finds."""
+        how a partition's rows are labelled with the model it finds; and `cascade.teacher_price`,
+        which prices the labels, never makes them."""
         defaults = {"method"} if self.method == "generate" else set()
         defaults |= {"descriptions"} if self.descriptions is None else set()
         defaults |= {"cascade"} if self.cascade is None else set()
         exclude: dict[str, Any] = {name: True for name in ("confidence", "calibrate", *defaults)}
         if self.cascade is not None:
-            exclude["cascade"] = {"max_training_rows"}
+            exclude["cascade"] = {"max_training_rows", "teacher_price"}
         return self.model_dump(exclude=exclude)
 
 
