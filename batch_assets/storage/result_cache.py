@@ -25,6 +25,9 @@ A store that is down or full fails the step with a `StorageError` naming it and 
 change; the partition's checkpoints still hold every row inferred, so a re-run infers nothing again.
 A SQLite file that is not a database or is damaged is set aside as `<name>.corrupt-<time>` (its
 WAL with it), with a warning naming both, and the run goes on with a fresh, empty cache there.
+A store this process may not write (a read-only SQLite file or folder, `?mode=ro` in a `file:` URI,
+a Postgres role without INSERT or ALTER, a standby) is read as it is, columns of later versions it
+lacks as null, and written nothing, with one warning per cache naming it and the setting.
 
 Caches of earlier versions (`_result_cache/<fingerprint>/part-*.parquet`) are imported into the
 table the first time their fingerprint is used, then removed.
