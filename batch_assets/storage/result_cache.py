@@ -243,7 +243,8 @@ def write_refused(exc: BaseException) -> bool:
     if isinstance(orig, sqlite3.Error):
         code = getattr(orig, "sqlite_errorcode", None)
         return code & 0xFF == _SQLITE_READONLY if code is not None else "readonly database" in str(orig)
-    return getattr(orig, "pgcode", None) in _PG_REFUSED
+    # psycopg2 names the SQLSTATE `pgcode`, psycopg 3 `sqlstate`.
+    return (getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)) in _PG_REFUSED
 
 
 def _first_line(exc: sa.exc.SQLAlchemyError) -> str:
@@ -515,7 +516,7 @@ class ResultCache:
         # The driver's first line says what failed; its further lines are its guesses (e.g. "Is the
         # server running on that host...?", read as being about the LLM server) and SQLAlchemy's link.
         return StorageError(
-            f"{action} the result cache {shown_url(self.url)} failed: {_first_line(exc)} (point {URL_ENV} at a working database, "
-            "or run without the cache: `batch-assets run --no-result-cache`, or materialize inference_outputs "
-            "with use_result_cache: false)"
+            f"{action} the result cache {shown_url(self.url)} failed: {_first_line(exc)} (point {URL_ENV} at a "
+            "working database, or run without the cache: `batch-assets run --no-result-cache`, or materialize "
+            "inference_outputs with use_result_cache: false)"
         )
