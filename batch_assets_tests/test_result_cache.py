@@ -315,7 +315,7 @@ def test_a_read_only_cache_of_an_earlier_version_is_read_and_never_written(
     assert cache.add(results_frame(["new"])) == 0  # nothing stored, and no failure
     assert cache.lookup()["request_key"].to_list() == ["old"]
     [warning] = warnings
-    assert f"the result cache {url} cannot be written here (attempt to write a readonly database)" in warning
+    assert f"the result cache {path} cannot be written here (attempt to write a readonly database)" in warning
     assert "its column(s) token_logprobs read as empty" in warning
     assert result_cache.URL_ENV in warning and "--no-result-cache" in warning
     # A partition over it: every row inferred, none cached, no error.

@@ -406,10 +406,11 @@ class ResultCache:
             self._said_read_only = True
             missing = sorted(set(_VALUE_COLUMNS) - _columns.get(self.url, frozenset()))
             lacks = f"; its column(s) {', '.join(missing)} read as empty" if _columns.get(self.url) and missing else ""
+            where = sqlite_file(self.url) or shown_url(self.url)
             self.warn(
-                f"the result cache {shown_url(self.url)} cannot be written here ({reason}){lacks}: this run "
-                f"reuses what it holds and caches nothing new (point {URL_ENV} at a database this run may write, "
-                "or let it write this one, or run without the cache: `batch-assets run --no-result-cache`)"
+                f"the result cache {where} cannot be written here ({reason}){lacks}: this run reuses what it holds "
+                f"and caches nothing new (point {URL_ENV} at a database this run may write, or let it write this "
+                "one, or run without the cache: `batch-assets run --no-result-cache`)"
             )
         return reason is None
 
