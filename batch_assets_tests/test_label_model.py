@@ -193,7 +193,8 @@ def test_the_label_model_reads_teacher_rows_alone_and_at_most_its_cap_spread_ove
     # alpha's 35: b's 10 (all it has), then c 12 and a 13; beta's 25: a 12, b 13.
     assert spread == {"a": {"alpha": 13, "beta": 12}, "b": {"alpha": 10, "beta": 13}, "c": {"alpha": 12}}
     for key, frame in rows.items():
-        assert frame["labelled_by"].to_list() == ["teacher"] * frame.height and frame["error"].null_count() == frame.height
+        assert frame["labelled_by"].to_list() == ["teacher"] * frame.height
+        assert frame["error"].null_count() == frame.height
         # Each embedding is that of the file's row with the same label (row order kept).
         positions = [round(vector[1] * 100) for vector in frame["embedding"].to_list()]
         assert positions == sorted(positions)
@@ -310,7 +311,8 @@ def test_the_run_summary_says_what_the_labels_cost_against_the_teacher_on_every_
         assert notes[-1] == "cost $0.0100 against $0.0500 with the teacher on every row"
         assert _quality_notes("cascaded", ["c"], instance)[-1] == "teacher engine 5.0 s against 20.0 s on every row"
         # The embedding priced, the teacher not: each as measured.
-        labelled(instance, "d", **counts, embedding_cost_usd=0.002, teacher_engine_seconds=5.0, all_teacher_engine_seconds=20.0)
+        seconds = {"teacher_engine_seconds": 5.0, "all_teacher_engine_seconds": 20.0}
+        labelled(instance, "d", **counts, embedding_cost_usd=0.002, **seconds)
         assert _quality_notes("cascaded", ["d"], instance)[-2:] == [
             "embedding cost $0.0020",
             "teacher engine 5.0 s against 20.0 s on every row",

@@ -5,7 +5,8 @@
 Unpartitioned, downstream of the task's `inference_outputs`. Materializing it reads every
 materialized partition of the task's current version (partitions made with another version hold
 another teacher's or another embedding's rows, and are left out, named in the metadata), trains the
-student on their teacher-labelled rows, at most `output.cascade.max_training_rows` (pipeline/label_model.py) and stores it by task version
+student on their teacher-labelled rows, at most `output.cascade.max_training_rows`
+(pipeline/label_model.py) and stores it by task version
 (storage/label_models.py). A partition inferred after that starts from it (lib/assets.py); the
 partition records which model it used in its own metadata, since that dependency cannot be declared
 (label_model already depends on inference_outputs: the graph would have a cycle).

@@ -59,7 +59,8 @@ def read_training_rows(task: str, partition_keys: list[str], max_rows: int, seed
             who = pl.from_arrow(pq.ParquetFile(handle).read(columns=["generated_text", "labelled_by", "error"]))
         assert isinstance(who, pl.DataFrame)
         taught[key] = who.with_row_index("row").filter(teacher_labelled())
-    chosen = training_selection({key: frame["generated_text"].to_list() for key, frame in taught.items()}, max_rows, seed)
+    labels = {key: frame["generated_text"].to_list() for key, frame in taught.items()}
+    chosen = training_selection(labels, max_rows, seed)
     frames = {}
     for key, frame in taught.items():
         rows = frame.select(pl.all().gather(chosen[key]))
