@@ -257,7 +257,7 @@ def sqlite_file(url: str) -> Path | None:
     read-only one), else None."""
     parsed = sa.make_url(url)
     database = parsed.database
-    if parsed.get_backend_name() != "sqlite" or database in (None, "", ":memory:"):
+    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:":
         return None
     if parsed.query.get("uri") in ("true", "1") and database.startswith("file:"):
         database = database.removeprefix("file:").split("?", 1)[0]
