@@ -132,7 +132,7 @@ class OutputSpec(_Strict):
         defaults = {"method"} if self.method == "generate" else set()
         defaults |= {"descriptions"} if self.descriptions is None else set()
         defaults |= {"cascade"} if self.cascade is None else set()
-        exclude: dict[str, Any] = {name: True for name in ("confidence", "calibrate", *defaults)}
+        exclude: dict[str, Any] = dict.fromkeys(("confidence", "calibrate", *defaults), True)
         if self.cascade is not None:
             exclude["cascade"] = {"max_training_rows", "teacher_price"}
         return self.model_dump(exclude=exclude)
