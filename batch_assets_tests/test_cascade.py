@@ -336,12 +336,12 @@ def test_a_cascade_task_loads_with_the_documented_defaults(tmp_path: Path) -> No
         (
             "{teacher: {column: gold}, sample_rows: 150",
             "{teacher: {column: gold}, teacher_model: m, sample_rows: 150",
-            "output.cascade.teacher_model is the chat teacher's (teacher: llm); the teacher here is a column",
+            "output.cascade.teacher_model is the chat teacher.s .teacher: llm.; the teacher here is a column",
         ),
         (
             "{teacher: {column: gold}, sample_rows: 150",
             "{teacher: {column: gold}, teacher_price: {input_per_million_tokens: 1.0}, sample_rows: 150",
-            "output.cascade.teacher_price is the chat teacher's (teacher: llm); the teacher here is a column",
+            "output.cascade.teacher_price is the chat teacher.s .teacher: llm.; the teacher here is a column",
         ),
         (
             'prompt: {template: "{name}"}',
