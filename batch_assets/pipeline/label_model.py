@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,7 +80,7 @@ def teacher_rows(outputs: pl.DataFrame) -> tuple[np.ndarray, list[str]]:
     return vectors_matrix(taught["embedding"]), taught["generated_text"].to_list()
 
 
-def training_selection(labels: dict[str, Sequence[str]], max_rows: int, seed: int) -> dict[str, np.ndarray]:
+def training_selection(labels: Mapping[str, Sequence[str]], max_rows: int, seed: int) -> dict[str, np.ndarray]:
     """Which of each partition's teacher labels to train on (positions into `labels[key]`, ascending):
     all of them when there are at most `max_rows`, else `max_rows`. Each label keeps its share of the
     rows (at least one row): the student's calibration learns how often each label occurs, and a
