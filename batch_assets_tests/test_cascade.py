@@ -336,7 +336,12 @@ def test_a_cascade_task_loads_with_the_documented_defaults(tmp_path: Path) -> No
         (
             "{teacher: {column: gold}, sample_rows: 150",
             "{teacher: {column: gold}, teacher_model: m, sample_rows: 150",
-            "output.cascade.teacher_model names the chat model of teacher: llm",
+            "output.cascade.teacher_model is the chat teacher.s .teacher: llm.; the teacher here is a column",
+        ),
+        (
+            "{teacher: {column: gold}, sample_rows: 150",
+            "{teacher: {column: gold}, teacher_price: {input_per_million_tokens: 1.0}, sample_rows: 150",
+            "output.cascade.teacher_price is the chat teacher.s .teacher: llm.; the teacher here is a column",
         ),
         (
             'prompt: {template: "{name}"}',
@@ -446,15 +451,23 @@ def test_an_llm_teachers_error_is_an_error_row_never_the_students_label(tmp_path
     assert outputs.filter(~pl.col("row_id").is_in(asked_rows))["teacher_prompt_tokens"].null_count() == 300 - len(
         asked_rows
     )
-    price = PriceSpec(input_per_million_tokens=1.0, output_per_million_tokens=4.0)
-    priced = task.model_copy(update={"engine": task.engine.model_copy(update={"price": price})})
+    price = PriceSpec(input_per_million_tokens=0.5)
+    teacher_price = PriceSpec(input_per_million_tokens=1.0, output_per_million_tokens=4.0)
+    priced = task.model_copy(
+        update={
+            "engine": task.engine.model_copy(update={"price": price}),
+            "output": task.output.model_copy(
+                update={"cascade": cascade.model_copy(update={"teacher_price": teacher_price})}
+            ),
+        }
+    )
     fmt = task_format(priced)
     cost = fmt.label_metadata(fmt.validate(outputs))
-    # 40 prompt tokens at $1/M and 2 generated at $4/M per asked row; the embedding's 3 tokens a row at $1/M.
+    # 40 prompt tokens at $1/M and 2 generated at $4/M per asked row; the embedding's 3 tokens a row at $0.5/M.
     assert cost["teacher_cost_usd"] == pytest.approx(len(asked_rows) * 48 / 1e6)
     assert cost["all_teacher_cost_usd"] == pytest.approx(300 * 48 / 1e6)
-    assert cost["embedding_cost_usd"] == pytest.approx(900 / 1e6)
-    assert cost["cascade_cost_usd"] == pytest.approx((len(asked_rows) * 48 + 900) / 1e6)
+    assert cost["embedding_cost_usd"] == pytest.approx(450 / 1e6)
+    assert cost["cascade_cost_usd"] == pytest.approx((len(asked_rows) * 48 + 450) / 1e6)
     unpriced = task_format(task).label_metadata(task_format(task).validate(outputs))
     assert unpriced["all_teacher_engine_seconds"] == pytest.approx(30.0)  # 0.1 s a row, 300 rows
     by_id = dict(zip(outputs["row_id"], outputs["error"], strict=True))

@@ -130,12 +130,18 @@ engine:
   model: embedded:all-MiniLM-L6-v2
   max_model_len: 256
   vllm_args: {dtype: float32}
-  price: {input_per_million_tokens: 0.5, output_per_million_tokens: 2.0}
+  price: {input_per_million_tokens: 0.02}
 output:
   kind: choices
   method: cascade
   choices: [Law Firm, Healthcare, Technology, Retail, Consulting, Manufacturing, Finance, Real Estate, Other]
-  cascade: {teacher: llm, sample_rows: 12, audit_rows: 4, defer_below: 0.6, max_teacher_share: 0.5}
+  cascade:
+    teacher: llm
+    teacher_price: {input_per_million_tokens: 0.5, output_per_million_tokens: 2.0}
+    sample_rows: 12
+    audit_rows: 4
+    defer_below: 0.6
+    max_teacher_share: 0.5
 """
 
 
@@ -177,14 +183,14 @@ def test_a_chat_teacher_labels_the_sample_the_unsure_and_the_audit_once_then_fro
         == measured[0]["teacher_rows_inferred"] + measured[0]["teacher_rows_from_cache"]
     )
     assert again.select("label", "labelled_by", "error").equals(first.select("label", "labelled_by", "error"))
-    # The cost at engine.price: the teacher's tokens as its calls used them, every row at their mean per
-    # asked row, the embedding's tokens besides.
+    # The cost at teacher_price: the teacher's tokens as its calls used them, every row at their mean per
+    # asked row; the embedding's tokens at engine.price besides.
     taught = first.filter(pl.col("teacher_prompt_tokens").is_not_null())
     assert taught.height == measured[0]["teacher_rows_asked"] >= 12
     teacher_usd = (taught["teacher_prompt_tokens"].sum() * 0.5 + taught["teacher_generated_tokens"].sum() * 2.0) / 1e6
     assert teacher_usd > 0 and costs[0]["teacher_cost_usd"] == pytest.approx(teacher_usd, abs=1e-6)
     assert costs[0]["all_teacher_cost_usd"] == pytest.approx(teacher_usd / taught.height * 80, abs=1e-6)
-    assert costs[0]["embedding_cost_usd"] == pytest.approx(first["num_prompt_tokens"].sum() * 0.5 / 1e6, abs=1e-6)
+    assert costs[0]["embedding_cost_usd"] == pytest.approx(first["num_prompt_tokens"].sum() * 0.02 / 1e6, abs=1e-6)
     assert costs[0]["cascade_cost_usd"] < costs[0]["all_teacher_cost_usd"]
     # The teacher's checkpoints have served their purpose once the labels are stored.
     teacher_checkpoints = data_dir / "storage" / task.name / "_teacher_checkpoints"

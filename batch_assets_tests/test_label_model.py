@@ -31,7 +31,7 @@ from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.label_model import LabelModelError, fit_label_model, training_digest
 from batch_assets.pipeline.task_spec import PriceSpec, load_task_spec
 from batch_assets.storage.drop_files import partitions_def_name
-from batch_assets.storage.label_models import label_model_dir, read_label_model, write_label_model
+from batch_assets.storage.label_models import label_model_dir, read_label_model, read_training_rows, write_label_model
 from batch_assets.storage.locations import output_path
 from batch_assets_tests.test_cascade import CHOICES, blobs, embedded_results, perfect_teacher, spec
 
@@ -155,6 +155,64 @@ def test_a_stored_label_model_reads_back_as_it_was_written(data_dir: Path) -> No
     assert warnings and "do not match their digest; not used: materialize label_model again" in warnings[0]
 
 
+def write_partition(task: str, key: str, teacher: dict[str, int], rng: np.random.Generator) -> pl.DataFrame:
+    """A cascade partition's inference_outputs file, in row groups of 16 rows: `teacher` rows per
+    label, 5 teacher errors and 50 student rows, shuffled. Each embedding says its row and label."""
+    kinds = [("teacher", label, None) for label, count in teacher.items() for _ in range(count)]
+    kinds += [("teacher", None, "teacher_no_label: f.csv line 2: empty")] * 5 + [("student", "alpha", None)] * 50
+    kinds = [kinds[i] for i in rng.permutation(len(kinds))]
+    frame = pl.DataFrame(
+        {
+            "row_id": range(len(kinds)),
+            "embedding": [[float(label == "beta"), i / 100, rng.normal()] for i, (_, label, _) in enumerate(kinds)],
+            "generated_text": [label for _, label, _ in kinds],
+            "labelled_by": [by for by, _, _ in kinds],
+            "error": [error for _, _, error in kinds],
+        },
+        schema_overrides={"embedding": pl.Array(pl.Float32, 3), "error": pl.String},
+    )
+    path = output_path(task, "inference_outputs", key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame.write_parquet(path.path, row_group_size=16)
+    return frame
+
+
+def test_the_label_model_reads_teacher_rows_alone_and_at_most_its_cap_spread_over_partitions_and_labels(
+    data_dir: Path,
+) -> None:
+    """Before, every partition's whole inference_outputs (each row's embedding) was read and every
+    teacher label trained on. Now the files' teacher rows alone come back, and past
+    `max_training_rows` each label keeps its share (alpha 70 of 120 rows: 35 of 60), spread evenly
+    over the partitions that have it: a partition with fewer rows than its share keeps them all."""
+    rng = np.random.default_rng(0)
+    teacher = {"a": {"alpha": 40, "beta": 20}, "b": {"alpha": 10, "beta": 30}, "c": {"alpha": 20}}
+    files = {key: write_partition("capped", key, counts, rng) for key, counts in teacher.items()}
+
+    rows = read_training_rows("capped", ["a", "b", "c"], 60, seed=0)
+    spread = {key: dict(sorted(Counter(frame["generated_text"]).items())) for key, frame in rows.items()}
+    # alpha's 35: b's 10 (all it has), then c 12 and a 13; beta's 25: a 12, b 13.
+    assert spread == {"a": {"alpha": 13, "beta": 12}, "b": {"alpha": 10, "beta": 13}, "c": {"alpha": 12}}
+    for key, frame in rows.items():
+        assert frame["labelled_by"].to_list() == ["teacher"] * frame.height
+        assert frame["error"].null_count() == frame.height
+        # Each embedding is that of the file's row with the same label (row order kept).
+        positions = [round(vector[1] * 100) for vector in frame["embedding"].to_list()]
+        assert positions == sorted(positions)
+        assert files[key]["generated_text"].gather(positions).to_list() == frame["generated_text"].to_list()
+        assert files[key]["embedding"].gather(positions).to_list() == frame["embedding"].to_list()
+    assert read_training_rows("capped", ["a", "b", "c"], 60, seed=0)["a"].equals(rows["a"])  # the same rows again
+    # Under the cap: every teacher label, and the model trains on the cap's rows.
+    assert {key: frame.height for key, frame in read_training_rows("capped", ["a", "b", "c"], 1000, 0).items()} == {
+        "a": 60,
+        "b": 40,
+        "c": 20,
+    }
+    model = fit_label_model(rows, "v1", seed=0, max_rows=60)
+    assert (model.training_rows, Counter(model.labels)) == (60, Counter(alpha=35, beta=25))
+    # The pure path caps the same way from whole frames: the same rows, the same digest.
+    assert fit_label_model(files, "v1", seed=0, max_rows=60).digest == model.digest
+
+
 # --- the asset on a Dagster instance ----------------------------------------------------------------
 
 
@@ -208,20 +266,31 @@ def test_the_label_model_asset_learns_the_partitions_of_its_version_and_is_retra
 # --- what the labels cost -----------------------------------------------------------------------------
 
 
-def test_the_labels_cost_in_dollars_with_a_price_and_in_engine_seconds_without() -> None:
+def test_the_labels_cost_each_model_at_its_own_price_and_in_engine_seconds_without() -> None:
+    """`engine.price` is the embedding model's; before, it priced the chat teacher's tokens too (a
+    chat model's cost many times more). The teacher is in dollars at `output.cascade.teacher_price`."""
     spent = TeacherCost(rows=25, prompt_tokens=2500, generated_tokens=100, timed_rows=10, seconds=2.0)
     summary = CascadeSummary(100, 20, 75, 5, 10, 9, spent, embedding_prompt_tokens=1000)
-    priced = replace(summary, price=PriceSpec(input_per_million_tokens=2.0, output_per_million_tokens=10.0))
-    # Embedding 1,000 × $2/M; teacher 2,500 × $2/M + 100 × $10/M; every row: its $0.006 / 25 rows × 100.
+    embedding_priced = replace(summary, price=PriceSpec(input_per_million_tokens=2.0))
+    # Embedding 1,000 × $2/M; the teacher, unpriced, in engine seconds: 2 s over 10 inferred rows,
+    # times the 25 rows asked and the 100 rows.
+    seconds = {"teacher_engine_seconds": 5.0, "all_teacher_engine_seconds": 20.0}
+    assert embedding_priced.cost_metadata() == {"embedding_cost_usd": 0.002, **seconds}
+    priced = replace(
+        embedding_priced, teacher_price=PriceSpec(input_per_million_tokens=4.0, output_per_million_tokens=10.0)
+    )
+    # Teacher 2,500 × $4/M + 100 × $10/M; every row: its $0.011 / 25 rows × 100.
     assert priced.cost_metadata() == {
         "embedding_cost_usd": 0.002,
-        "teacher_cost_usd": 0.006,
-        "cascade_cost_usd": 0.008,
-        "all_teacher_cost_usd": 0.024,
+        "teacher_cost_usd": 0.011,
+        "all_teacher_cost_usd": 0.044,
+        "cascade_cost_usd": 0.013,
     }
     assert priced.metadata()["cost_vs_all_teacher"] == 0.2  # the share, as before
-    # No price: 2 s over 10 inferred rows, times the 25 rows asked and the 100 rows.
-    assert summary.cost_metadata() == {"teacher_engine_seconds": 5.0, "all_teacher_engine_seconds": 20.0}
+    # The teacher's price alone: its dollars, no embedding cost and so no total.
+    assert replace(priced, price=None).cost_metadata() == {"teacher_cost_usd": 0.011, "all_teacher_cost_usd": 0.044}
+    # No price: engine seconds.
+    assert summary.cost_metadata() == seconds
     # A column teacher costs nothing measurable: the share alone, and the embedding's price.
     column = CascadeSummary(100, 20, 75, 5, 10, 9, embedding_prompt_tokens=1000)
     assert column.cost_metadata() == {}
@@ -241,3 +310,10 @@ def test_the_run_summary_says_what_the_labels_cost_against_the_teacher_on_every_
         notes = _quality_notes("cascaded", ["a", "b"], instance)
         assert notes[-1] == "cost $0.0100 against $0.0500 with the teacher on every row"
         assert _quality_notes("cascaded", ["c"], instance)[-1] == "teacher engine 5.0 s against 20.0 s on every row"
+        # The embedding priced, the teacher not: each as measured.
+        seconds = {"teacher_engine_seconds": 5.0, "all_teacher_engine_seconds": 20.0}
+        labelled(instance, "d", **counts, embedding_cost_usd=0.002, **seconds)
+        assert _quality_notes("cascaded", ["d"], instance)[-2:] == [
+            "embedding cost $0.0020",
+            "teacher engine 5.0 s against 20.0 s on every row",
+        ]

@@ -723,3 +723,33 @@ def test_vllms_logprobs_are_written_as_vllms_openai_server_writes_them() -> None
     assert (content[1]["logprob"], content[1]["top_logprobs"][0]["logprob"]) == (-9999.0, -9999.0)
     assert (content[2]["token"], content[2]["bytes"]) == ("token_id:5", None)
     assert [len(entry["top_logprobs"]) for entry in chat_logprobs([7, 4, 5], steps, 0)] == [0, 0, 0]
+
+
+def test_a_completion_whose_logprobs_miss_a_token_is_that_rows_error_only() -> None:
+    """vLLM's outputs for two lines of one stream, one with a log-probability step per generated
+    token and one short a step: the first gets its `logprobs.content`, the second is an error row
+    naming the counts (its text kept, nothing cut to the shorter), where before the mismatch raised
+    and failed the whole stream."""
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    from batch_assets.engines.vllm_engine import _generation
+    from batch_assets.pipeline.engine_contract import Prompt
+    from batch_assets.pipeline.openai_batch import RequestSampling
+
+    def output(token_ids: list[int], steps: list[dict]) -> RequestOutput:
+        completion = CompletionOutput(0, "ab", token_ids, -0.75, steps, finish_reason="stop")
+        return RequestOutput("r", None, [1, 2, 3], None, [completion], finished=True)
+
+    steps = [{7: Logprob(-0.5, 1, "a")}, {4: Logprob(-0.25, 1, "b")}]
+    prompt = Prompt((1, 2, 3), sampling=RequestSampling(logprobs=0))
+    whole, short = _generation(output([7, 4], steps), prompt), _generation(output([7, 4, 9], steps), prompt)
+    assert whole.error is None and whole.token_logprobs is not None
+    assert [(e["token"], e["logprob"]) for e in json.loads(whole.token_logprobs)] == [("a", -0.5), ("b", -0.25)]
+    assert short.error == (
+        "logprobs_mismatch: the engine returned 2 log-probability steps for 3 generated tokens; re-run the file, "
+        "or drop `logprobs` from the line"
+    )
+    assert (short.token_logprobs, short.text, short.num_generated_tokens, short.num_prompt_tokens) == (None, "ab", 3, 3)
+    # A line that asked for none is not looked at.
+    assert _generation(output([7, 4, 9], steps), Prompt((1, 2, 3))).error is None

@@ -280,6 +280,52 @@ def test_a_table_made_before_token_logprobs_gets_the_column_and_keeps_its_rows(t
     assert found["new"]["token_logprobs"] == tokens
 
 
+def write_earlier_cache(folder: Path) -> Path:
+    """A cache file of an earlier version: no `token_logprobs`, no `created_at`, no versions table;
+    one result, `old`, under fingerprint `fp`."""
+    folder.mkdir(parents=True)
+    path = folder / result_cache.SQLITE_NAME
+    with contextlib.closing(sqlite3.connect(path)) as connection, connection:
+        connection.execute(
+            "CREATE TABLE batch_assets_result_cache (fingerprint VARCHAR(64), request_key VARCHAR(64), "
+            "generated_text TEXT, finish_reason VARCHAR(32), num_prompt_tokens BIGINT, num_generated_tokens BIGINT, "
+            "cumulative_logprob FLOAT, PRIMARY KEY (fingerprint, request_key))"
+        )
+        connection.execute("INSERT INTO batch_assets_result_cache VALUES ('fp', 'old', 'x', 'stop', 1, 1, -0.5)")
+    return path
+
+
+def test_a_read_only_cache_of_an_earlier_version_is_read_and_never_written(
+    task_dir: UPath, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening it used to add the later columns (ALTER TABLE), which a read-only store refuses: the
+    partition failed. Now its rows read with the missing columns empty, adds write nothing, one
+    warning names the store and the setting, and a partition over it infers and finishes.
+    Read-only as SQLite's `mode=ro` opens it (tests may run as root, whom file permissions do not stop)."""
+    path = write_earlier_cache(tmp_path / "shared")
+    before = path.read_bytes()
+    url = f"sqlite:///file:{path}?mode=ro&uri=true"
+    monkeypatch.setenv(result_cache.URL_ENV, url)
+    warnings: list[str] = []
+    cache = ResultCache(task_dir, "fp", warn=warnings.append)
+
+    [old] = cache.lookup(pl.Series(["old", "missing"])).to_dicts()
+    assert (old["request_key"], old["generated_text"], old["cumulative_logprob"]) == ("old", "x", -0.5)
+    assert old["token_logprobs"] is None
+    assert cache.add(results_frame(["new"])) == 0  # nothing stored, and no failure
+    assert cache.lookup()["request_key"].to_list() == ["old"]
+    [warning] = warnings
+    assert f"the result cache {path} cannot be written here (attempt to write a readonly database)" in warning
+    assert "its column(s) token_logprobs read as empty" in warning
+    assert result_cache.URL_ENV in warning and "--no-result-cache" in warning
+    # A partition over it: every row inferred, none cached, no error.
+    out, stats = infer(formatted_frame(["Acme", "Globex"]), Engine(), ResultCache(task_dir, "fp", warn=warnings.append))
+    assert (stats.rows_inferred, stats.rows_from_cache, stats.rows_cached) == (2, 0, 0)
+    assert out["error"].to_list() == [None, None] and len(warnings) == 2
+    assert path.read_bytes() == before and not list(path.parent.glob("*-wal"))
+    assert not Path("file:").exists()  # no folder named after the URI's text
+
+
 def results_frame(keys: list[str]) -> pl.DataFrame:
     return pl.DataFrame(
         {

@@ -219,16 +219,27 @@ class VLLMSettings:
 def _generation(output, prompt: Prompt) -> Generation:
     completion = output.outputs[0]
     top = getattr(prompt.sampling, "logprobs", None)  # an OpenAI batch line's `top_logprobs`, when it asked
-    return Generation(
+    generation = Generation(
         text=completion.text,
         finish_reason=completion.finish_reason,
         num_prompt_tokens=len(output.prompt_token_ids or []),
         num_generated_tokens=len(completion.token_ids),
         cumulative_logprob=completion.cumulative_logprob,  # None unless the request asked for logprobs
-        token_logprobs=None
-        if top is None or completion.logprobs is None
-        else json.dumps(chat_logprobs(completion.token_ids, completion.logprobs, top), ensure_ascii=False),
     )
+    if top is None or completion.logprobs is None:
+        return generation
+    steps, tokens = len(completion.logprobs), len(completion.token_ids)
+    if steps != tokens:
+        # An error row, not logprobs cut to the shorter: the line asked for one entry per generated
+        # token, and a list that silently stops short (or pairs a step with the wrong token) is wrong
+        # data its user cannot see. The row is not cached, so a re-run asks again; the text stays.
+        return replace(
+            generation,
+            error=f"logprobs_mismatch: the engine returned {steps} log-probability steps for {tokens} generated "
+            "tokens; re-run the file, or drop `logprobs` from the line",
+        )
+    content = chat_logprobs(completion.token_ids, completion.logprobs, top)
+    return replace(generation, token_logprobs=json.dumps(content, ensure_ascii=False))
 
 
 def chat_logprobs(token_ids, logprobs, top: int) -> list[dict[str, Any]]:

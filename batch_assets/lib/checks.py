@@ -43,7 +43,7 @@ from batch_assets.pipeline.budget import budget_overruns, estimate_cost
 from batch_assets.pipeline.cascade_labels import cascade_summary
 from batch_assets.pipeline.embeddings import NORM_TOLERANCE, embedding_report
 from batch_assets.pipeline.label_quality import accuracy_report, confidence_report, label_counts, label_drift
-from batch_assets.pipeline.prices import engine_price
+from batch_assets.pipeline.prices import engine_price, teacher_price
 from batch_assets.pipeline.task_formats import TaskFormat, task_format
 from batch_assets.pipeline.task_spec import PriceSpec, TaskSpec
 from batch_assets.pipeline.task_spec.cascade import DEFAULT_MIN_AGREEMENT
@@ -517,18 +517,24 @@ def _agreement_checks(task: TaskSpec, fmt: TaskFormat) -> list[dg.AssetChecksDef
     )
     def agreement_at_least(context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame]):
         yield from evaluate_per_partition(
-            context, lambda key: agreement_result(validated_labels[key], minimum, engine_price(task.engine))
+            context,
+            lambda key: agreement_result(
+                validated_labels[key], minimum, engine_price(task.engine), teacher_price(task)
+            ),
         )
 
     return [agreement_at_least]
 
 
 def agreement_result(
-    validated_labels: pl.DataFrame, minimum: float, price: PriceSpec | None = None
+    validated_labels: pl.DataFrame,
+    minimum: float,
+    price: PriceSpec | None = None,
+    teacher_price: PriceSpec | None = None,
 ) -> dg.AssetCheckResult:
     """Passes when the audit's 95 % lower bound reaches `minimum`; skipped (passing, with a note) when no
     row was audited (a partition the teacher labelled whole, or `audit_rows: 0`)."""
-    summary = cascade_summary(validated_labels, price)
+    summary = cascade_summary(validated_labels, price, teacher_price)
     metadata: dict[str, Any] = {**summary.metadata(), "min_agreement": minimum}
     if summary.agreement is None:
         note = "skipped: no row was audited (the teacher labelled every row, or output.cascade.audit_rows is 0)"

@@ -5,7 +5,8 @@
 Unpartitioned, downstream of the task's `inference_outputs`. Materializing it reads every
 materialized partition of the task's current version (partitions made with another version hold
 another teacher's or another embedding's rows, and are left out, named in the metadata), trains the
-student on their teacher-labelled rows (pipeline/label_model.py) and stores it by task version
+student on their teacher-labelled rows, at most `output.cascade.max_training_rows`
+(pipeline/label_model.py) and stores it by task version
 (storage/label_models.py). A partition inferred after that starts from it (lib/assets.py); the
 partition records which model it used in its own metadata, since that dependency cannot be declared
 (label_model already depends on inference_outputs: the graph would have a cycle).
@@ -23,7 +24,7 @@ from batch_assets.lib.automation import label_model_condition, materialized_code
 from batch_assets.pipeline.label_model import LabelModelError, fit_label_model
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.drop_files import partitions_def_name
-from batch_assets.storage.label_models import read_inference_outputs, write_label_model
+from batch_assets.storage.label_models import read_training_rows, write_label_model
 
 
 def label_model_assets(task: TaskSpec, version: str) -> list[dg.AssetsDefinition]:
@@ -53,7 +54,8 @@ def label_model_assets(task: TaskSpec, version: str) -> list[dg.AssetsDefinition
     def label_model(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         keys, other = partitions_by_version(context.instance, task, version)
         try:
-            model = fit_label_model(read_inference_outputs(task.name, keys), version, cascade.seed)
+            rows = read_training_rows(task.name, keys, cascade.max_training_rows, cascade.seed)
+            model = fit_label_model(rows, version, cascade.seed, cascade.max_training_rows)
         except LabelModelError as exc:
             raise dg.Failure(description=f"{task.name}/label_model: {exc}", allow_retries=False) from exc
         folder = write_label_model(task.name, model)

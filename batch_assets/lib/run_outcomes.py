@@ -264,7 +264,9 @@ def _cascade_notes(records: list[dg.EventLogRecord | None]) -> list[str]:
 
 def _cascade_cost_notes(records: list[dg.EventLogRecord | None]) -> list[str]:
     """What the labels cost against the teacher on every row, summed over the partitions: in dollars
-    where the engine has a price, else in the chat teacher's engine seconds (none for a column teacher)."""
+    where both the embedding and the chat teacher have a price, else each as it is measured (the
+    embedding in dollars at engine.price, the teacher at output.cascade.teacher_price or in engine
+    seconds; none for a column teacher)."""
 
     def total(name: str) -> float | None:
         values = [_metadata_value(r, name) for r in records]
@@ -273,12 +275,15 @@ def _cascade_cost_notes(records: list[dg.EventLogRecord | None]) -> list[str]:
     cascade, all_teacher = total("cascade_cost_usd"), total("all_teacher_cost_usd")
     if cascade is not None and all_teacher is not None:
         return [f"cost ${cascade:,.4f} against ${all_teacher:,.4f} with the teacher on every row"]
+    notes = []
     if (embedding := total("embedding_cost_usd")) is not None:
-        return [f"embedding cost ${embedding:,.4f}"]
+        notes.append(f"embedding cost ${embedding:,.4f}")
+    if (teacher := total("teacher_cost_usd")) is not None and all_teacher is not None:
+        notes.append(f"teacher cost ${teacher:,.4f} against ${all_teacher:,.4f} on every row")
     seconds, all_seconds = total("teacher_engine_seconds"), total("all_teacher_engine_seconds")
     if seconds is not None and all_seconds is not None:
-        return [f"teacher engine {seconds:,.1f} s against {all_seconds:,.1f} s on every row"]
-    return []
+        notes.append(f"teacher engine {seconds:,.1f} s against {all_seconds:,.1f} s on every row")
+    return notes
 
 
 def summary_line(

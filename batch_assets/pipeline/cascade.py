@@ -397,9 +397,12 @@ class CascadeSummary:
     audit_agreed: int
     teacher_cost: TeacherCost = TeacherCost()
     embedding_prompt_tokens: int = 0
-    # engine.price (prices.engine_price: a batch API's discount applied): the embedding's and the
-    # chat teacher's, which run on the task's engine kind. None: costs in engine seconds.
+    # engine.price (prices.engine_price: a batch API's discount applied), the embedding model's. None:
+    # no embedding cost.
     price: PriceSpec | None = None
+    # output.cascade.teacher_price (prices.teacher_price), the chat teacher's. None: its cost in
+    # engine seconds (a chat model's tokens do not cost what the embedding model's do).
+    teacher_price: PriceSpec | None = None
 
     @property
     def teacher_share(self) -> float:
@@ -431,26 +434,24 @@ class CascadeSummary:
         }
 
     def cost_metadata(self) -> dict[str, Any]:
-        """The labels' estimated cost against asking the teacher for every row: in dollars with a
-        price (the teacher's tokens as used; all-teacher: their mean per asked row times the rows),
-        else in engine seconds (seconds per inferred teacher row times the rows asked, and all rows).
-        Empty for a column teacher without a price."""
+        """The labels' estimated cost against asking the teacher for every row. The embedding in
+        dollars at `price`; the chat teacher in dollars at `teacher_price` (its tokens as used;
+        all-teacher: their mean per asked row times the rows), and the two together, else in engine
+        seconds (seconds per inferred teacher row times the rows asked, and all rows). Each price
+        costs its own model's tokens alone. Empty for a column teacher without a price."""
         cost, rows = self.teacher_cost, self.rows
+        spent: dict[str, Any] = {}
         if self.price is not None:
-            embedding = cost_usd(self.embedding_prompt_tokens, 0, self.price) or 0.0
-            dollars: dict[str, Any] = {"embedding_cost_usd": embedding}
-            if cost.rows:
-                teacher = cost_usd(cost.prompt_tokens, cost.generated_tokens, self.price) or 0.0
-                dollars |= {
-                    "teacher_cost_usd": teacher,
-                    "cascade_cost_usd": round(teacher + embedding, 6),
-                    "all_teacher_cost_usd": round(teacher / cost.rows * rows, 6),
-                }
-            return dollars
-        if not cost.timed_rows:
-            return {}
-        per_row = cost.seconds / cost.timed_rows
-        return {
-            "teacher_engine_seconds": round(per_row * cost.rows, 3),
-            "all_teacher_engine_seconds": round(per_row * rows, 3),
-        }
+            spent["embedding_cost_usd"] = cost_usd(self.embedding_prompt_tokens, 0, self.price) or 0.0
+        if self.teacher_price is not None and cost.rows:
+            teacher = cost_usd(cost.prompt_tokens, cost.generated_tokens, self.teacher_price) or 0.0
+            spent |= {"teacher_cost_usd": teacher, "all_teacher_cost_usd": round(teacher / cost.rows * rows, 6)}
+            if self.price is not None:
+                spent["cascade_cost_usd"] = round(teacher + spent["embedding_cost_usd"], 6)
+        elif cost.timed_rows:
+            per_row = cost.seconds / cost.timed_rows
+            spent |= {
+                "teacher_engine_seconds": round(per_row * cost.rows, 3),
+                "all_teacher_engine_seconds": round(per_row * rows, 3),
+            }
+        return spent

@@ -190,10 +190,13 @@ def _with_cascade_columns(
     )
 
 
-def cascade_summary(labels: pl.DataFrame, price: PriceSpec | None = None) -> CascadeSummary:
+def cascade_summary(
+    labels: pl.DataFrame, price: PriceSpec | None = None, teacher_price: PriceSpec | None = None
+) -> CascadeSummary:
     """What a partition's validated labels say of the cascade: who labelled how many rows, the audit
-    (rows the student labelled and the teacher checked) agreement, and what the teacher and the
-    embedding cost (at `price`, the task's `prices.engine_price`; else in engine seconds)."""
+    (rows the student labelled and the teacher checked) agreement, and what the embedding (at
+    `price`, the task's `prices.engine_price`) and the chat teacher (at `teacher_price`,
+    `prices.teacher_price`; else in engine seconds) cost."""
     by = labels["labelled_by"]
     role = labels["cascade_role"]
     audit = labels.filter(role == "audit")
@@ -207,6 +210,7 @@ def cascade_summary(labels: pl.DataFrame, price: PriceSpec | None = None) -> Cas
         teacher_cost=_teacher_cost(labels),
         embedding_prompt_tokens=int(labels["num_prompt_tokens"].sum() or 0) if "num_prompt_tokens" in labels else 0,
         price=price,
+        teacher_price=teacher_price,
     )
 
 

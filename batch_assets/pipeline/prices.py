@@ -1,9 +1,11 @@
 """What tokens cost at a task's `engine.price`: the budget's estimate and actual cost
-(pipeline/budget.py) and a cascade's cost against its teacher on every row (pipeline/cascade.py)."""
+(pipeline/budget.py) and a cascade's cost against its teacher on every row (pipeline/cascade.py),
+whose chat teacher's tokens are at `output.cascade.teacher_price` (`engine.price` is the embedding
+model's)."""
 
 from __future__ import annotations
 
-from batch_assets.pipeline.task_spec import EngineSpec, PriceSpec
+from batch_assets.pipeline.task_spec import EngineSpec, PriceSpec, TaskSpec
 from batch_assets.pipeline.task_spec.batch_api import BATCH_API_KIND
 
 MILLION = 1_000_000
@@ -11,7 +13,17 @@ MILLION = 1_000_000
 
 def engine_price(spec: EngineSpec) -> PriceSpec | None:
     """The price a task's tokens cost: `engine.price`, times `batch_price_factor` for a batch API."""
-    price = spec.price
+    return _on_engine(spec.price, spec)
+
+
+def teacher_price(task: TaskSpec) -> PriceSpec | None:
+    """The price a cascade's chat teacher's tokens cost: `output.cascade.teacher_price`, times
+    `batch_price_factor` where the teacher runs on a batch API (the task's engine kind)."""
+    cascade = task.output.cascade
+    return _on_engine(cascade.teacher_price if cascade is not None else None, task.engine)
+
+
+def _on_engine(price: PriceSpec | None, spec: EngineSpec) -> PriceSpec | None:
     if price is None or spec.kind != BATCH_API_KIND:
         return price
     factor = spec.batch_price_factor

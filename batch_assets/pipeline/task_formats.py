@@ -69,7 +69,7 @@ from batch_assets.pipeline.openai_batch_output import (
     validate_batch_embeddings,
     validate_batch_outputs,
 )
-from batch_assets.pipeline.prices import engine_price
+from batch_assets.pipeline.prices import engine_price, teacher_price
 from batch_assets.pipeline.prompt_tokens import PROMPT_TOKEN_IDS
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput
 from batch_assets.pipeline.task_spec import TaskSpec
@@ -529,7 +529,7 @@ class CascadeRecords(_EmbeddedRecords):
         return [*self.task.input.text_fields, "label", "confidence", "labelled_by", "error"]
 
     def label_metadata(self, labels: pl.DataFrame) -> dict[str, Any]:
-        summary = cascade_summary(labels, engine_price(self.task.engine))
+        summary = cascade_summary(labels, engine_price(self.task.engine), teacher_price(self.task))
         return {**super().label_metadata(labels), **summary.metadata()}
 
 

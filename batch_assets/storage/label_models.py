@@ -23,11 +23,19 @@ from collections.abc import Callable
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 import sklearn
 from upath import UPath
 
 from batch_assets.pipeline.embeddings import vectors_matrix
-from batch_assets.pipeline.label_model import TRAINING_COLUMNS, LabelModel, training_digest
+from batch_assets.pipeline.label_model import (
+    TRAINING_COLUMNS,
+    LabelModel,
+    teacher_labelled,
+    training_digest,
+    training_selection,
+)
 from batch_assets.storage.checkpoints import remove_path
 from batch_assets.storage.errors import StorageError, storage_errors
 from batch_assets.storage.locations import one_name, output_path, task_storage_dir, write_bytes_atomically
@@ -39,14 +47,45 @@ def label_model_dir(task: str, version: str) -> UPath:
     return task_storage_dir(task) / "label_model" / one_name(version)
 
 
-def read_inference_outputs(task: str, partition_keys: list[str]) -> dict[str, pl.DataFrame]:
-    """The training columns of each partition's stored inference_outputs."""
-    frames = {}
+def read_training_rows(task: str, partition_keys: list[str], max_rows: int, seed: int) -> dict[str, pl.DataFrame]:
+    """The teacher-labelled rows of each partition's stored inference_outputs (its training columns),
+    at most `max_rows` in all, chosen by `training_selection`. Each file is read twice, a column set
+    at a time: its labels (who gave them, and errors) first, then the embeddings of the chosen rows
+    alone, a row group at a time; memory holds the chosen rows, never every partition's embeddings."""
+    taught = {}
     for key in partition_keys:
         path = output_path(task, "inference_outputs", key)
+        with storage_errors("reading", path), path.open("rb") as handle:
+            who = pl.from_arrow(pq.ParquetFile(handle).read(columns=["generated_text", "labelled_by", "error"]))
+        assert isinstance(who, pl.DataFrame)
+        taught[key] = who.with_row_index("row").filter(teacher_labelled())
+    labels = {key: frame["generated_text"].to_list() for key, frame in taught.items()}
+    chosen = training_selection(labels, max_rows, seed)
+    frames = {}
+    for key, frame in taught.items():
+        rows = frame.select(pl.all().gather(chosen[key]))
+        path = output_path(task, "inference_outputs", key)
         with storage_errors("reading", path):
-            frames[key] = pl.read_parquet(io.BytesIO(path.read_bytes()), columns=list(TRAINING_COLUMNS))
+            embeddings = _rows_of_column(path, "embedding", rows["row"].to_numpy())
+        frames[key] = rows.select(*(pl.col(c) for c in TRAINING_COLUMNS if c != "embedding")).with_columns(embeddings)
     return frames
+
+
+def _rows_of_column(path: UPath, column: str, rows: np.ndarray) -> pl.Series:
+    """`column` of a parquet file at `rows` (ascending), read one row group at a time: a row group
+    with none of them is never read."""
+    with path.open("rb") as handle:
+        parquet = pq.ParquetFile(handle)
+        pieces, start = [parquet.schema_arrow.empty_table().select([column])], 0
+        for group in range(parquet.num_row_groups):
+            size = parquet.metadata.row_group(group).num_rows
+            inside = rows[(rows >= start) & (rows < start + size)] - start
+            if inside.size:
+                pieces.append(parquet.read_row_group(group, columns=[column]).take(pa.array(inside)))
+            start += size
+    values = pl.from_arrow(pa.concat_tables(pieces).column(column))
+    assert isinstance(values, pl.Series)
+    return values.alias(column)
 
 
 def write_label_model(task: str, model: LabelModel) -> UPath:

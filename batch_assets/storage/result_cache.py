@@ -25,6 +25,9 @@ A store that is down or full fails the step with a `StorageError` naming it and 
 change; the partition's checkpoints still hold every row inferred, so a re-run infers nothing again.
 A SQLite file that is not a database or is damaged is set aside as `<name>.corrupt-<time>` (its
 WAL with it), with a warning naming both, and the run goes on with a fresh, empty cache there.
+A store this process may not write (a read-only SQLite file or folder, `?mode=ro` in a `file:` URI,
+a Postgres role without INSERT or ALTER, a standby) is read as it is, columns of later versions it
+lacks as null, and written nothing, with one warning per cache naming it and the setting.
 
 Caches of earlier versions (`_result_cache/<fingerprint>/part-*.parquet`) are imported into the
 table the first time their fingerprint is used, then removed.
@@ -97,6 +100,13 @@ VERSIONS = sa.Table(
 _VALUE_COLUMNS = [column.name for column in RESULTS.columns if column.name not in ("fingerprint", "created_at")]
 
 _engines: dict[str, sa.Engine] = {}
+# Per URL, as this process found its store: the results table's columns (a table of an earlier
+# version that could not be given the later ones lacks them), and why it may not write there (a
+# read-only SQLite file, a Postgres role without ALTER or INSERT), if so. Reads go on; writes stop.
+_columns: dict[str, frozenset[str]] = {}
+_read_only: dict[str, str] = {}
+_SQLITE_READONLY = 8
+_PG_REFUSED = {"42501", "25006"}
 _engines_lock = Lock()
 # SQLite's primary result codes of a damaged file: SQLITE_CORRUPT, SQLITE_NOTADB.
 _CORRUPT_CODES = {11, 26}
@@ -159,6 +169,8 @@ def _engine(url: str) -> sa.Engine:
 def _forget_engine(url: str) -> None:
     with _engines_lock:
         engine = _engines.pop(url, None)
+        _columns.pop(url, None)
+        _read_only.pop(url, None)
     if engine is not None:
         engine.dispose()
 
@@ -172,44 +184,93 @@ def _create_engine(url: str) -> sa.Engine:
     elif parsed.get_backend_name() != "sqlite":
         engine = sa.create_engine(url, pool_pre_ping=True)
     else:
-        if parsed.database:
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        path = sqlite_file(url)
+        if path is not None and parsed.query.get("mode") != "ro":
+            path.parent.mkdir(parents=True, exist_ok=True)
         # A writer holds SQLite's lock for one short insert; another run waits for it, not fails.
         engine = sa.create_engine(url, connect_args={"timeout": 120})
         sa.event.listen(engine, "connect", _sqlite_pragmas)
     for table in (RESULTS, VERSIONS):
         try:
             table.create(engine, checkfirst=True)
-        except sa.exc.SQLAlchemyError:
+        except sa.exc.SQLAlchemyError as exc:
             # Two processes creating the table at once: one wins, and the other finds it made.
-            if not sa.inspect(engine).has_table(table.name):
+            if sa.inspect(engine).has_table(table.name):
+                continue
+            if not write_refused(exc):
                 raise
-    _add_later_columns(engine)
+            _read_only.setdefault(url, _first_line(exc))
+    _add_later_columns(url, engine)
     return engine
 
 
-def _add_later_columns(engine: sa.Engine) -> None:
+def _add_later_columns(url: str, engine: sa.Engine) -> None:
     """Give a table made before a column was added that column: `created_at` dating its rows now,
-    `token_logprobs` null (constant defaults: SQLite and Postgres add them without rewriting the table)."""
+    `token_logprobs` null (constant defaults: SQLite and Postgres add them without rewriting the table).
+    A store this process may not alter (a read-only file, a role without ALTER) keeps the table as it
+    is: the columns it lacks read as null, and the cache writes nothing (`_read_only`)."""
     later = {"created_at": f"BIGINT DEFAULT {int(time.time())}", "token_logprobs": "TEXT"}
-    present = {column["name"] for column in sa.inspect(engine).get_columns(RESULTS.name)}
+    present = _table_columns(engine)
     for name, definition in later.items():
-        if name in present:
+        if name in present or not present:
             continue
         try:
             with engine.begin() as connection:
                 connection.execute(sa.text(f"ALTER TABLE {RESULTS.name} ADD COLUMN {name} {definition}"))
-        except sa.exc.SQLAlchemyError:
-            # Another process added it meanwhile.
-            if name not in {column["name"] for column in sa.inspect(engine).get_columns(RESULTS.name)}:
+            present.add(name)
+        except sa.exc.SQLAlchemyError as exc:
+            present = _table_columns(engine)
+            if name in present:
+                continue  # another process added it meanwhile
+            if not write_refused(exc):
                 raise
+            _read_only.setdefault(url, _first_line(exc))
+    _columns[url] = frozenset(present)
+
+
+def _table_columns(engine: sa.Engine) -> set[str]:
+    """The columns of the results table as stored (none when there is no table)."""
+    if not sa.inspect(engine).has_table(RESULTS.name):
+        return set()
+    return {column["name"] for column in sa.inspect(engine).get_columns(RESULTS.name)}
+
+
+def write_refused(exc: BaseException) -> bool:
+    """Whether `exc` says this process may not write the store: a read-only SQLite file or folder
+    (SQLITE_READONLY), a Postgres role without the privilege (42501) or a read-only transaction, as
+    on a standby (25006)."""
+    orig = getattr(exc, "orig", None) or exc
+    if isinstance(orig, sqlite3.Error):
+        code = getattr(orig, "sqlite_errorcode", None)
+        return code & 0xFF == _SQLITE_READONLY if code is not None else "readonly database" in str(orig)
+    # psycopg2 names the SQLSTATE `pgcode`, psycopg 3 `sqlstate`.
+    return (getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)) in _PG_REFUSED
+
+
+def _first_line(exc: sa.exc.SQLAlchemyError) -> str:
+    """The driver's first line of `exc`: what failed (its further lines are guesses and links)."""
+    return scrub((str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0])
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The file of a SQLite `url` (its `file:` URI form too, as `?mode=ro&uri=true` spells a
+    read-only one), else None."""
+    parsed = sa.make_url(url)
+    database = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:":
+        return None
+    if parsed.query.get("uri") in ("true", "1") and database.startswith("file:"):
+        database = database.removeprefix("file:").split("?", 1)[0]
+    return Path(database)
 
 
 def _sqlite_pragmas(connection, _record) -> None:
     cursor = connection.cursor()
     # WAL: readers never wait for a writer. NORMAL sync survives a killed process; a power cut may
-    # lose the last adds, which the partitions' checkpoints still hold.
-    cursor.execute("PRAGMA journal_mode=WAL")
+    # lose the last adds, which the partitions' checkpoints still hold. A file opened read-only keeps
+    # the mode it has (switching writes its header): nothing is written to it.
+    with contextlib.suppress(sqlite3.OperationalError):
+        cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
     # 64 MiB of pages per connection (SQLite's default is 2 MiB): an add of a partition's new keys
     # touches one random leaf page per key of a large cache; the OS caches the rest.
@@ -219,11 +280,9 @@ def _sqlite_pragmas(connection, _record) -> None:
 
 def corrupt_sqlite_file(url: str, exc: sa.exc.SQLAlchemyError) -> Path | None:
     """The SQLite file of `url` when `exc` says it is not a database or is damaged, else None."""
-    parsed = sa.make_url(url)
     orig = getattr(exc, "orig", None)
-    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
-        return None
-    return Path(parsed.database) if isinstance(orig, sqlite3.DatabaseError) and _is_corruption(orig) else None
+    path = sqlite_file(url)
+    return path if isinstance(orig, sqlite3.DatabaseError) and _is_corruption(orig) else None
 
 
 def _is_corruption(exc: sqlite3.Error) -> bool:
@@ -279,6 +338,7 @@ class ResultCache:
         self.legacy_folder = task_dir / "_result_cache" / fingerprint
         self._imported = False
         self._recorded = False
+        self._said_read_only = False
 
     def lookup(self, keys: pl.Series | None = None) -> pl.DataFrame:
         """Cached results for `keys` (all cached results when None), each key once."""
@@ -287,17 +347,19 @@ class ResultCache:
         return conform_results(frame.with_columns(pl.lit(None, dtype=pl.String).alias("error")))
 
     def add(self, results: pl.DataFrame) -> int:
-        """Store finished results (rows with an error are not cached). Returns rows offered."""
+        """Store finished results (rows with an error are not cached). Returns rows offered (none
+        where the store may not be written: said once, and the run goes on without caching)."""
         finished = conform_results(results.filter(pl.col("error").is_null())).unique("request_key")
         if finished.height == 0:
             return 0
-        self._use_store("write to", lambda: self._write(finished))
-        return finished.height
+        return finished.height if self._use_store("write to", lambda: self._write(finished)) else 0
 
     def _read(self, keys: pl.Series | None) -> list[tuple]:
+        engine = _engine(self.url)
         self._import_legacy()
         self._record_use()
-        engine = _engine(self.url)
+        if not _columns.get(self.url):
+            return []  # a read-only store without the table: nothing cached there
         with engine.connect() as connection:
             if keys is None:
                 return [tuple(row) for row in connection.execute(self._select())]
@@ -313,25 +375,55 @@ class ResultCache:
                 for row in connection.execute(query, {"keys": unique[start : start + KEYS_PER_QUERY]})
             ]
 
-    def _write(self, finished: pl.DataFrame) -> None:
+    def _write(self, finished: pl.DataFrame) -> bool:
+        _engine(self.url)
         self._record_use()
-        self._insert(finished)
+        return self._writable() and self._try_write(lambda: self._insert(finished))
 
     def _record_use(self) -> None:
         """Note that the task uses this fingerprint now (once per cache object: a step's)."""
-        if self._recorded:
+        if self._recorded or not self._writable():
             return
         engine = _engine(self.url)
         dialect = postgresql if engine.dialect.name == "postgresql" else sqlite
         row = {"task": self.task, "fingerprint": self.fingerprint, "last_used": int(time.time())}
         statement = dialect.insert(VERSIONS).values(row)
-        with engine.begin() as connection:
-            connection.execute(
-                statement.on_conflict_do_update(
-                    index_elements=["task", "fingerprint"], set_={"last_used": row["last_used"]}
+
+        def record() -> None:
+            with engine.begin() as connection:
+                connection.execute(
+                    statement.on_conflict_do_update(
+                        index_elements=["task", "fingerprint"], set_={"last_used": row["last_used"]}
+                    )
                 )
+
+        self._recorded = self._try_write(record)
+
+    def _writable(self) -> bool:
+        """Whether this process may write the store; where not, a warning (once) says so."""
+        reason = _read_only.get(self.url)
+        if reason is not None and not self._said_read_only:
+            self._said_read_only = True
+            missing = sorted(set(_VALUE_COLUMNS) - _columns.get(self.url, frozenset()))
+            lacks = f"; its column(s) {', '.join(missing)} read as empty" if _columns.get(self.url) and missing else ""
+            where = sqlite_file(self.url) or shown_url(self.url)
+            self.warn(
+                f"the result cache {where} cannot be written here ({reason}){lacks}: this run reuses what it holds "
+                f"and caches nothing new (point {URL_ENV} at a database this run may write, or let it write this "
+                "one, or run without the cache: `batch-assets run --no-result-cache`)"
             )
-        self._recorded = True
+        return reason is None
+
+    def _try_write(self, work: Callable[[], None]) -> bool:
+        """`work`, a write; False where the store refuses it (read-only from then on, said once)."""
+        try:
+            work()
+        except sa.exc.SQLAlchemyError as exc:
+            if not write_refused(exc):
+                raise
+            _read_only.setdefault(self.url, _first_line(exc))
+            return self._writable()
+        return True
 
     def _read_sqlite(self, connection: sa.Connection, keys: pl.Series) -> list[tuple]:
         """The rows of `keys` in one query: the keys bound as one JSON array that SQLite's
@@ -345,7 +437,9 @@ class ResultCache:
         return list(connection.exec_driver_sql(str(compiled), tuple(values[name] for name in compiled.positiontup)))
 
     def _select(self) -> sa.Select:
-        columns = [RESULTS.c[name] for name in _VALUE_COLUMNS]
+        # A column the stored table lacks (one of a later version it could not be given) reads as null.
+        present = _columns.get(self.url, frozenset(_VALUE_COLUMNS))
+        columns = [RESULTS.c[name] if name in present else sa.null().label(name) for name in _VALUE_COLUMNS]
         return sa.select(*columns).where(RESULTS.c.fingerprint == self.fingerprint)
 
     def _insert(self, frame: pl.DataFrame) -> None:
@@ -378,7 +472,7 @@ class ResultCache:
         if self._imported:
             return
         self._imported = True
-        if not self.legacy_folder.exists():
+        if self.url in _read_only or not self.legacy_folder.exists():
             return
         for path in sorted(self.legacy_folder.glob("part-*.parquet"), key=lambda p: p.name):
             try:
@@ -420,12 +514,10 @@ class ResultCache:
             )
 
     def _storage_error(self, action: str, exc: sa.exc.SQLAlchemyError) -> StorageError:
-        where = sa.make_url(self.url).render_as_string(hide_password=True)
         # The driver's first line says what failed; its further lines are its guesses (e.g. "Is the
         # server running on that host...?", read as being about the LLM server) and SQLAlchemy's link.
-        reason = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0]
         return StorageError(
-            f"{action} the result cache {where} failed: {scrub(reason)} (point {URL_ENV} at a working database, "
-            "or run without the cache: `batch-assets run --no-result-cache`, or materialize inference_outputs "
-            "with use_result_cache: false)"
+            f"{action} the result cache {shown_url(self.url)} failed: {_first_line(exc)} (point {URL_ENV} at a "
+            "working database, or run without the cache: `batch-assets run --no-result-cache`, or materialize "
+            "inference_outputs with use_result_cache: false)"
         )

@@ -18,11 +18,16 @@ from typing import Literal
 from pydantic import Field
 
 from .base import _Strict
+from .engine import PriceSpec
 
 DEFAULT_SAMPLE_ROWS = 1000
 DEFAULT_DEFER_BELOW = 0.6
 DEFAULT_MAX_TEACHER_SHARE = 0.25
 DEFAULT_AUDIT_ROWS = 200
+# The label model's training rows at most: logistic regression and its 3-fold calibration on 50,000
+# rows take seconds to a minute, and 50,000 rows of 1,024-dimension float32 vectors are 200 MB held
+# and stored; past a few thousand rows per label more rows change the student little.
+DEFAULT_MAX_TRAINING_ROWS = 50_000
 # `checks.min_agreement` when unset: the audit's 95 % lower bound under this fails the WARN check.
 DEFAULT_MIN_AGREEMENT = 0.8
 
@@ -44,6 +49,9 @@ class CascadeSpec(_Strict):
     # The chat model of `teacher: llm` (resolved as a chat task's `engine.model` is: BATCH_ASSETS_MODEL
     # or the engine resource's `model` take precedence, as for every chat task).
     teacher_model: str | None = None
+    # What the chat teacher's tokens cost (`engine.price` is the embedding model's: a chat model's
+    # tokens cost many times more). Without it the teacher's cost is in engine seconds, not dollars.
+    teacher_price: PriceSpec | None = None
     # Rows per partition the teacher labels to train the student, chosen to cover the data (one
     # draw per embedding cluster, in proportion to its size), not the head of the file.
     sample_rows: int = Field(default=DEFAULT_SAMPLE_ROWS, ge=2)
@@ -53,6 +61,9 @@ class CascadeSpec(_Strict):
     max_teacher_share: float = Field(default=DEFAULT_MAX_TEACHER_SHARE, gt=0, le=1)
     # Random student-labelled rows also sent to the teacher, to measure their agreement.
     audit_rows: int = Field(default=DEFAULT_AUDIT_ROWS, ge=0)
+    # The `<task>/label_model` trains on at most this many teacher labels of its partitions: each
+    # label keeps its share, spread evenly over the partitions (pipeline/label_model.py).
+    max_training_rows: int = Field(default=DEFAULT_MAX_TRAINING_ROWS, ge=2)
     seed: int = 0
 
 
@@ -76,10 +87,11 @@ def cascade_problem(kind: str, method: str, cascade: CascadeSpec | None) -> tupl
             "output.method cascade needs output.cascade: {teacher: {column: NAME}} (who labels the sample)",
             ("method",),
         )
-    if cascade.teacher_model is not None and cascade.teacher != "llm":
-        return (
-            "output.cascade.teacher_model names the chat model of teacher: llm; the teacher here is a column: "
-            "remove teacher_model, or set teacher: llm",
-            ("cascade", "teacher_model"),
-        )
+    for name in ("teacher_model", "teacher_price"):
+        if getattr(cascade, name) is not None and cascade.teacher != "llm":
+            return (
+                f"output.cascade.{name} is the chat teacher's (teacher: llm); the teacher here is a column: "
+                f"remove {name}, or set teacher: llm",
+                ("cascade", name),
+            )
     return None

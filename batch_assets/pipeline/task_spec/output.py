@@ -125,11 +125,17 @@ class OutputSpec(_Strict):
         which tokens are sampled, so `confidence` is left out (checkpoints, cached results and code
         versions stay valid when it is switched), and so is `calibrate` (it maps the labels afterwards:
         code_versions counts it for validated_labels). `method` and `descriptions` are left out at
-        their defaults, so tasks written before them keep their code versions."""
+        their defaults, so tasks written before them keep their code versions. `cascade.max_training_rows`
+        is left out too: it decides what `<task>/label_model` trains on when next materialized, not
+        how a partition's rows are labelled with the model it finds; and `cascade.teacher_price`,
+        which prices the labels, never makes them."""
         defaults = {"method"} if self.method == "generate" else set()
         defaults |= {"descriptions"} if self.descriptions is None else set()
         defaults |= {"cascade"} if self.cascade is None else set()
-        return self.model_dump(exclude={"confidence", "calibrate", *defaults})
+        exclude: dict[str, Any] = dict.fromkeys(("confidence", "calibrate", *defaults), True)
+        if self.cascade is not None:
+            exclude["cascade"] = {"max_training_rows", "teacher_price"}
+        return self.model_dump(exclude=exclude)
 
 
 def check_descriptions(descriptions: dict[str, str], choices: list[str], method: str) -> None:
