@@ -128,7 +128,7 @@ class Daemon:
         self.process, self.log = process, log
 
     def wait_until(self, done: Callable[[], T | None], what: Callable[[], str], timeout: float) -> T:
-        """Polls `done` every 3 s until it returns something (returned); fails with `what()` and the
+        """Polls `done` every second until it returns something (returned); fails with `what()` and the
         log's tail when the daemon exits or `timeout` seconds pass first."""
         deadline = time.monotonic() + timeout
         while True:
@@ -137,7 +137,7 @@ class Daemon:
             if result:
                 return result
             assert time.monotonic() < deadline, f"{what()} within {timeout} s:\n{self.log.read_text()[-3000:]}"
-            time.sleep(3)
+            time.sleep(1)
 
 
 @contextlib.contextmanager
