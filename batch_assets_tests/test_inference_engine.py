@@ -121,10 +121,7 @@ def engine_core_processes() -> list[psutil.Process]:
 def test_an_engine_killed_mid_partition_fails_with_its_message_and_the_retry_resumes(
     data_dir: Path, tiny_model: str
 ) -> None:
-    # The engine is killed as the first 50-row checkpoint chunk appears (polled every 0.02 s): the
-    # other 950 rows keep it busy for seconds, long enough to be killed mid-partition.
-    rows = 1000
-    drop(data_dir, "sentiment", "big.jsonl", posts(rows, "big"))
+    drop(data_dir, "sentiment", "big.jsonl", posts(3000, "big"))
     task = sentiment(engine={"batch_size": 50})
     checkpoints = data_dir / "storage" / "sentiment" / "_checkpoints" / "big.jsonl"
     killed: list[int] = []
@@ -153,12 +150,12 @@ def test_an_engine_killed_mid_partition_fails_with_its_message_and_the_retry_res
     assert result.success
     metadata = inference_metadata(result)
     assert metadata["rows_from_checkpoint"] >= 50
-    assert metadata["rows_from_checkpoint"] + metadata["rows_inferred"] == rows
+    assert metadata["rows_from_checkpoint"] + metadata["rows_inferred"] == 3000
     labels = labels_of(data_dir, "big.jsonl")
     assert (
-        labels.height == rows
-        and labels["row_id"].to_list() == list(range(rows))
-        and labels["error"].null_count() == rows
+        labels.height == 3000
+        and labels["row_id"].to_list() == list(range(3000))
+        and labels["error"].null_count() == 3000
     )
 
 
