@@ -19,10 +19,11 @@ demo: setup
 # Two pytest-xdist workers: one test keeps about one core busy (engine start-ups, subprocesses and
 # waits leave the rest idle), so two workers fill CI's two cores. `--dist loadgroup` with the groups
 # conftest.py gives runs each test file on one worker, so a file's module and session fixtures
-# (engines, servers) are built once. `PYTEST_WORKERS=0` runs in one process; `--durations` lists the
-# slowest tests in the log.
+# (engines, servers) are built once; `--no-loadscope-reorder` hands the groups out in the order
+# conftest.py gives (longest first, so both workers end together), not by number of tests.
+# `PYTEST_WORKERS=0` runs in one process; `--durations` lists the slowest tests in the log.
 PYTEST_WORKERS ?= 2
-XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
+XDIST := -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 test: setup lint
 	bash scripts/install_system_deps.sh

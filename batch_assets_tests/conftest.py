@@ -128,7 +128,7 @@ class Daemon:
         self.process, self.log = process, log
 
     def wait_until(self, done: Callable[[], T | None], what: Callable[[], str], timeout: float) -> T:
-        """Polls `done` every 3 s until it returns something (returned); fails with `what()` and the
+        """Polls `done` every second until it returns something (returned); fails with `what()` and the
         log's tail when the daemon exits or `timeout` seconds pass first."""
         deadline = time.monotonic() + timeout
         while True:
@@ -137,7 +137,7 @@ class Daemon:
             if result:
                 return result
             assert time.monotonic() < deadline, f"{what()} within {timeout} s:\n{self.log.read_text()[-3000:]}"
-            time.sleep(3)
+            time.sleep(1)
 
 
 @contextlib.contextmanager
@@ -183,6 +183,37 @@ def xdist_group(test_file: Path) -> str:
     return _SHARED_GROUPS.get(test_file.name, test_file.stem)
 
 
+# The groups that take longest, in seconds of one worker (the durations `make test` listed on the
+# 2-core machine of 2026-11-27, each group's slowest tests plus ~20 s for each of its other engine
+# tests). `make test` (`--no-loadscope-reorder`) hands groups out in collection order, which
+# pytest_collection_modifyitems makes longest first: a long group that started last would leave the
+# other worker idle until it ends (xdist's own order, by number of tests, put the one-test groups of
+# several minutes, such as Postgres, the browser and `serve`, last). The other groups, short, follow
+# in file order and even out the end. A stale figure only costs balance, never a test.
+_GROUP_SECONDS = {
+    "test_cli_hardening": 560,
+    "test_cli": 510,
+    "test_inference_engine": 500,
+    "test_resume_kill": 420,
+    "test_s3_drops": 340,
+    "vllm_server": 290,
+    "test_postgres_storage": 250,
+    "test_hostile_defects": 210,
+    "test_ui_browser": 160,
+    "test_embedded_model": 160,
+    "test_endpoint_embeddings": 140,
+    "test_gates_pipeline": 140,
+    "test_bad_input_pipeline": 120,
+    "test_embedding_engine": 120,
+    "test_openai_batch_pipeline": 120,
+    "test_range_failures_daemon": 110,
+    "test_pipeline_materialize": 100,
+    "test_serve": 100,
+    "test_openai_batch_embeddings": 100,
+    "test_cascade_engine": 90,
+}
+
+
 # tryfirst: xdist's worker reads the `xdist_group` marks in its own collection hook.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -195,3 +226,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError("tests that use a model must be marked `pytest.mark.slow`: " + ", ".join(unmarked))
     for item in items:
         item.add_marker(pytest.mark.xdist_group(xdist_group(item.path)))
+    # Stable: each file's tests keep their order, and so do the files of the groups not listed.
+    items.sort(key=lambda item: -_GROUP_SECONDS.get(xdist_group(item.path), 0))

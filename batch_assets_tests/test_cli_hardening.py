@@ -500,8 +500,10 @@ def test_an_edited_file_runs_again_and_a_namesake_is_refused_or_replaced_after_c
     assert [line.split(": ")[0] for line in lines] == ["industry/e.csv", "industry/f.csv"]
     assert "2 rows, 0 error rows" in lines[0], lines
 
-    # Another folder's e.csv: refused, naming the file the drop came from; nothing copied.
-    namesake.write_text("Company\nUmbrella Pharmacy\n")
+    # Another folder's e.csv: refused, naming the file the drop came from; nothing copied. Its company
+    # was labelled above, so the --replace run below takes its label from the result cache (no second
+    # engine start; what it checks is the replacing).
+    namesake.write_text("Company\nGlobex Hospital\n")
     refused = run_cli(["run", "industry", "r2/e.csv"], env, tmp_path)
     assert refused.returncode == 2, refused.stdout + refused.stderr[-3000:]
     assert f"already holds a different e.csv (from {edited})" in refused.stdout and "--replace" in refused.stdout
@@ -513,6 +515,7 @@ def test_an_edited_file_runs_again_and_a_namesake_is_refused_or_replaced_after_c
     assert f"r2/e.csv: replaces the drop file e.csv (from {edited}) as asked (--replace)" in replaced.stdout
     [line] = summary_lines(replaced.stdout)
     assert line.startswith("industry/e.csv: OK run ") and "1 rows, 0 error rows" in line
+    assert line.endswith("nothing inferred: 1 rows from the result cache"), line
     assert (zone / "e.csv").read_bytes() == namesake.read_bytes()
 
     # The newest run decides where the drop came from: now r2, so r1's file is the namesake.

@@ -63,10 +63,12 @@ def test_a_burst_of_drops_becomes_grouped_runs_recorded_in_postgres(
     # server can take longer than Dagster's default 180 s to start while engines start beside it.
     with (home / "dagster.yaml").open("a") as config:
         config.write("\ncode_servers:\n  local_startup_timeout: 900\n")
-    # The shipped sentiment task, with ranges of at most two partitions per run.
+    # The shipped sentiment task, with ranges of at most two partitions per run, and a tick every 5 s
+    # (the least allowed) instead of 30: the later drops are each picked up by the next tick.
     sentiment = yaml.safe_load((BUNDLED_TASKS_DIR / "sentiment.yaml").read_text(encoding="utf-8"))
+    sensor = {**sentiment.get("sensor", {}), "minimum_interval_seconds": 5}
     (tasks / "sentiment.yaml").write_text(
-        yaml.safe_dump({**sentiment, "runs": {"max_partitions_per_run": 2}}), encoding="utf-8"
+        yaml.safe_dump({**sentiment, "runs": {"max_partitions_per_run": 2}, "sensor": sensor}), encoding="utf-8"
     )
     # Three drops: four real posts, then two files of posts with an empty text, which become error
     # rows without reaching the engine (one engine start on a CPU is the slow part of this test).

@@ -1,9 +1,9 @@
 """kill -9 in the middle of inference, then re-run: every record once, finished work reused.
 
 A real `batch-assets run` child process (its own process group, with vLLM's engine processes)
-is killed with SIGKILL once a checkpoint chunk of the 5,000-row partition exists. The re-run then
+is killed with SIGKILL once a checkpoint chunk of the 1,000-row partition exists. The re-run then
 materializes only the partitions Dagster does not have yet ("backfill failed and missing"), and
-the 5,000-row partition resumes from its checkpoints.
+the 1,000-row partition resumes from its checkpoints.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ pytestmark = pytest.mark.slow
 
 CLI = REPO_ROOT / ".venv" / "bin" / "batch-assets"
 SHIPPED_TASKS = REPO_ROOT / "batch_assets" / "tasks"
+# The rows of the file killed mid-run: the first checkpoint chunk (100 rows, `small_batch_tasks`) is
+# seen within 0.05 s and killed at once, with some 900 rows (seconds of the engine's work) still to
+# go; a bigger file only makes the re-run longer.
+BIG = 1000
 
 
 def small_batch_tasks(folder: Path, batch_size: int, task: str = "sentiment") -> Path:
@@ -87,7 +91,7 @@ def test_kill_9_mid_inference_then_rerun_gives_each_row_once_and_reuses_checkpoi
     inputs = tmp_path / "inputs"
     inputs.mkdir()
     write_posts(inputs / "a.jsonl", 200, "a")
-    write_posts(inputs / "b.jsonl", 5000, "b")
+    write_posts(inputs / "b.jsonl", BIG, "b")
     write_posts(inputs / "c.jsonl", 200, "c")
     log = tmp_path / "cli.log"
 
@@ -113,7 +117,7 @@ def test_kill_9_mid_inference_then_rerun_gives_each_row_once_and_reuses_checkpoi
     outputs = data_dir / "storage" / "sentiment" / "validated_labels"
     assert not any((outputs / f"{name}.jsonl.parquet").exists() for name in "abc")
     checkpointed = sum(pl.read_parquet(chunk).height for chunk in chunks_of(data_dir, "b.jsonl"))
-    assert 0 < checkpointed < 5000
+    assert 0 < checkpointed < BIG
 
     # 2. Re-run what Dagster does not have (the "failed and missing" partitions of a backfill).
     instance = dg.DagsterInstance.get()
@@ -126,10 +130,10 @@ def test_kill_9_mid_inference_then_rerun_gives_each_row_once_and_reuses_checkpoi
 
     # 3. Every record exactly once, in input order; b resumed from its checkpoints; a not redone.
     b = pl.read_parquet(outputs / "b.jsonl.parquet")
-    assert b.height == 5000
-    assert b["row_id"].to_list() == list(range(5000))
-    assert b["id"].to_list() == [f"b-{i}" for i in range(5000)]
-    assert b["label"].null_count() == 0 and b["error"].null_count() == 5000
+    assert b.height == BIG
+    assert b["row_id"].to_list() == list(range(BIG))
+    assert b["id"].to_list() == [f"b-{i}" for i in range(BIG)]
+    assert b["label"].null_count() == 0 and b["error"].null_count() == BIG
     assert pl.read_parquet(outputs / "c.jsonl.parquet").height == 200
     assert pl.read_parquet(outputs / "a.jsonl.parquet")["id"].to_list() == [f"a-{i}" for i in range(200)]
     assert (
@@ -148,7 +152,7 @@ def test_kill_9_mid_inference_then_rerun_gives_each_row_once_and_reuses_checkpoi
     metadata = record.asset_materialization.metadata
     reused, inferred = metadata["rows_from_checkpoint"].value, metadata["rows_inferred"].value
     assert reused >= checkpointed > 0
-    assert reused + inferred == 5000
+    assert reused + inferred == BIG
     # The run the kill left STARTED (holding the `gpu` pool slot) was closed by the re-run.
     assert not instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))
     assert "died" in log.read_text()
@@ -201,7 +205,7 @@ def test_kill_9_mid_embedding_then_rerun_embeds_each_row_once_and_reuses_checkpo
     env = {**os.environ, "BATCH_ASSETS_TASKS_DIR": str(small_batch_tasks(tmp_path / "tasks", 100, "embeddings"))}
     inputs = tmp_path / "inputs"
     inputs.mkdir()
-    write_posts(inputs / "texts.jsonl", 5000, "t")
+    write_posts(inputs / "texts.jsonl", BIG, "t")
     log = tmp_path / "cli.log"
     child = run_cli(env, inputs, "texts.jsonl", log=log, task="embeddings")
     deadline = time.monotonic() + 600
@@ -217,21 +221,21 @@ def test_kill_9_mid_embedding_then_rerun_embeds_each_row_once_and_reuses_checkpo
         time.sleep(0.1)
     assert group_alive(child.pid) == []
     checkpointed = pl.concat([pl.read_parquet(c) for c in chunks_of(data_dir, "texts.jsonl", "embeddings")])
-    assert 0 < checkpointed.height < 5000
+    assert 0 < checkpointed.height < BIG
     assert checkpointed["error"].null_count() == checkpointed.height
 
     rerun = run_cli(env, inputs, "texts.jsonl", log=log, task="embeddings")
     assert rerun.wait(timeout=900) == 0, log.read_text()[-5000:]
 
     labels = pl.read_parquet(data_dir / "storage" / "embeddings" / "validated_labels" / "texts.jsonl.parquet")
-    assert labels["row_id"].to_list() == list(range(5000))
-    assert labels["id"].to_list() == [f"t-{i}" for i in range(5000)]
-    assert labels["error"].null_count() == 5000
+    assert labels["row_id"].to_list() == list(range(BIG))
+    assert labels["id"].to_list() == [f"t-{i}" for i in range(BIG)]
+    assert labels["error"].null_count() == BIG
     assert labels.schema["embedding"] == pl.Array(pl.Float32, 384)
     # Every checkpointed vector is in the result table as it was saved (the texts are distinct, so
     # their vectors are too).
     table_vectors = {encode_vector(vector) for vector in labels["embedding"].to_numpy()}
-    assert len(table_vectors) == 5000
+    assert len(table_vectors) == BIG
     assert set(checkpointed["generated_text"].to_list()) <= table_vectors
     instance = dg.DagsterInstance.get()
     record = instance.fetch_materializations(
@@ -243,5 +247,5 @@ def test_kill_9_mid_embedding_then_rerun_embeds_each_row_once_and_reuses_checkpo
     metadata = record.asset_materialization.metadata
     reused, inferred = metadata["rows_from_checkpoint"].value, metadata["rows_inferred"].value
     assert reused >= checkpointed.height
-    assert reused + inferred == 5000
+    assert reused + inferred == BIG
     assert not (data_dir / "storage" / "embeddings" / "_checkpoints" / "texts.jsonl").exists()
