@@ -55,7 +55,7 @@ def label_model_assets(task: TaskSpec, version: str) -> list[dg.AssetsDefinition
         keys, other = partitions_by_version(context.instance, task, version)
         try:
             rows = read_training_rows(task.name, keys, cascade.max_training_rows, cascade.seed)
-            model = fit_label_model(rows, version, cascade.seed, cascade.max_training_rows)
+            model = fit_label_model(rows, version, cascade.seed)
         except LabelModelError as exc:
             raise dg.Failure(description=f"{task.name}/label_model: {exc}", allow_retries=False) from exc
         folder = write_label_model(task.name, model)

@@ -4,7 +4,7 @@ every partition so far, reused by the partitions that come after.
 `teacher_rows` takes one partition's stored inference_outputs to its rows the teacher labelled
 without an error (sample, deferred and audit rows alike: every teacher label is a training row),
 their vectors and labels. `training_selection` keeps at most `output.cascade.max_training_rows` of
-them across the partitions (storage reads the embeddings of those alone). `fit_label_model` trains
+them across the partitions (storage reads the embeddings of those alone, once). `fit_label_model` trains
 the student (`train_student`: the same logistic regression and calibration as a partition's) on
 them, each identical (vector, label) pair once: a row repeated across files would otherwise sit in
 the training and the held-out folds of its own cross-validation. What is stored, and where, is
@@ -24,7 +24,6 @@ import polars as pl
 
 from batch_assets.pipeline.cascade import StoredStudent
 from batch_assets.pipeline.embeddings import vectors_matrix
-from batch_assets.pipeline.task_spec.cascade import DEFAULT_MAX_TRAINING_ROWS
 
 # The inference_outputs columns a label model is trained from.
 TRAINING_COLUMNS = ("embedding", "generated_text", "labelled_by", "error")
@@ -151,15 +150,11 @@ def distinct_rows(vectors: np.ndarray, labels: list[str]) -> tuple[np.ndarray, l
     return vectors[keep], [labels[i] for i in keep]
 
 
-def fit_label_model(
-    frames: dict[str, pl.DataFrame], version: str, seed: int = 0, max_rows: int = DEFAULT_MAX_TRAINING_ROWS
-) -> LabelModel:
+def fit_label_model(frames: dict[str, pl.DataFrame], version: str, seed: int = 0) -> LabelModel:
     """The student trained on the teacher's labels of every partition in `frames` (inference_outputs
-    by partition key), at most `max_rows` of them (`training_selection`). Raises LabelModelError when
-    they hold fewer than two distinct labels."""
+    by partition key, as storage read them: already at most `max_training_rows`, chosen by
+    `training_selection`). Raises LabelModelError when they hold fewer than two distinct labels."""
     parts = {key: teacher_rows(frame) for key, frame in sorted(frames.items())}
-    chosen = training_selection({key: labels for key, (_, labels) in parts.items()}, max_rows, seed)
-    parts = {key: (vectors[chosen[key]], [labels[i] for i in chosen[key]]) for key, (vectors, labels) in parts.items()}
     learned = [key for key, (_, labels) in parts.items() if labels]
     if not learned:
         raise LabelModelError(
