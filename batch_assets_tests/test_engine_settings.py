@@ -104,7 +104,7 @@ def test_on_a_cpu_the_engine_gets_a_fixed_kv_cache_and_no_chunked_prefill(tmp_pa
     assert args["enable_chunked_prefill"] is False and args["max_num_batched_tokens"] == 8192
 
 
-def test_on_a_cpu_in_eager_mode_the_engine_compiles_nothing_else_torch_is_left_alone(
+def test_on_a_cpu_in_eager_mode_only_a_large_stream_compiles_the_samplers_rank_counter(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
@@ -112,6 +112,9 @@ def test_on_a_cpu_in_eager_mode_the_engine_compiles_nothing_else_torch_is_left_a
     spawn = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}  # on every device: see the reaper
     settings = VLLMEngine().settings(load_task_spec(task_file(tmp_path, "  max_model_len: 512\n")))
     assert not settings.on_gpu and engine_process_environment(settings) == {**spawn, "TORCHDYNAMO_DISABLE": "1"}
+    assert engine_process_environment(settings, requests=9_999) == {**spawn, "TORCHDYNAMO_DISABLE": "1"}
+    # A stream this large repays the ~4-20 s compile: ~0.16 ms a generated token eagerly.
+    assert engine_process_environment(settings, requests=10_000) == spawn
     # A GPU, or a model vLLM compiles on purpose, keeps torch.compile.
     assert engine_process_environment(dataclasses.replace(settings, on_gpu=True)) == spawn
     compiled = load_task_spec(task_file(tmp_path / "c", "  vllm_args: {enforce_eager: false}\n"))
@@ -120,6 +123,8 @@ def test_on_a_cpu_in_eager_mode_the_engine_compiles_nothing_else_torch_is_left_a
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
     assert engine_process_environment(settings) == {}
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    assert engine_process_environment(settings, requests=50_000) == {}
 
 
 def test_task_files_with_engine_arguments_at_the_top_level_keep_working(tmp_path: Path) -> None:
@@ -444,7 +449,7 @@ def test_the_demo_starts_one_engine_per_model_of_the_shipped_tasks(monkeypatch: 
     monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
     started: list[tuple[str, int]] = []
 
-    def start(settings: vllm_engine.VLLMSettings) -> _WarmEngine:
+    def start(settings: vllm_engine.VLLMSettings, requests: int = 0) -> _WarmEngine:
         started.append((settings.runner, settings.max_model_len))
         engine = _WarmEngine()
         engine.settings, engine.dead = settings, False  # type: ignore[attr-defined]

@@ -523,7 +523,7 @@ def run_lines(formatted, tokenizer, generate, checkpoints: Path):
     class Session:
         started_here, start_seconds, metadata = True, 0.0, {}
 
-        def start(self) -> None:
+        def start(self, requests: int = 0) -> None:
             pass
 
         def stream(self, prompts):

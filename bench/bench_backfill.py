@@ -127,7 +127,7 @@ class CpuMeter:
             except psutil.Error:
                 continue
 
-    def start(self) -> None:
+    def start(self, requests: int = 0) -> None:
         self.sample()
         self.baseline = {pid: seconds for pid, (_, seconds) in self.last.items()}
 

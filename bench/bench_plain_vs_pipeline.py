@@ -229,6 +229,11 @@ def main() -> None:
             f"  ratios       : wall pipeline/plain {med(pipes, 'wall') / med(plains, 'wall'):.3f}   "
             f"engine rows/s pipeline/plain {med(pipes, 'engine_rows_per_s') / med(plains, 'engine_rows_per_s'):.3f}"
         )
+        pairs = [b["engine_rows_per_s"] / a["engine_rows_per_s"] for a, b in zip(plains, pipes, strict=True)]
+        print(
+            f"  engine rows/s pipeline/plain pair by pair: {', '.join(f'{ratio:.3f}' for ratio in pairs)}; "
+            f"median {statistics.median(pairs):.3f}"
+        )
         print(
             f"  rows/s whole process: plain {args.rows / med(plains, 'wall'):.1f}, "
             f"batch-assets {args.rows / med(pipes, 'wall'):.1f}"

@@ -36,7 +36,7 @@ class ZeroCostSession:
         self.answer = choices[0] if choices else "x"
         self.prompts_seen = 0
 
-    def start(self) -> None:
+    def start(self, requests: int = 0) -> None:
         pass
 
     @property

@@ -167,7 +167,7 @@ class BatchSession:
         self._collected: dict[str, dict] = {}  # records whose batch this session collected, by name
         self._wanted: set[str] = set()
 
-    def start(self) -> None:
+    def start(self, requests: int = 0) -> None:
         pass
 
     @property

@@ -725,7 +725,7 @@ class EndpointSession:
     def __init__(self, engine: OpenAIEngine, task: TaskSpec, settings: EndpointSettings) -> None:
         self._stream = batched_stream(lambda prompts: engine.generate(task, prompts, settings), settings.batch_size)
 
-    def start(self) -> None:
+    def start(self, requests: int = 0) -> None:
         pass
 
     @property

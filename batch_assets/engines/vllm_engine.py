@@ -405,24 +405,37 @@ class _Reaper:
             self._process.wait(timeout=10)
 
 
-def engine_process_environment(settings: VLLMSettings) -> dict[str, str]:
-    """Environment variables the engine's processes get on top of this process's.
+# On a CPU in eager mode nothing of the model is compiled, yet vLLM's sampler compiles its token-rank
+# counter (`vllm/v1/sample/ops/logprobs.py`, `torch.compile` with inductor) at the first request that
+# asks for log-probabilities, which every choices and regex task does (the labels' `confidence`):
+# ~20 s of g++ on 2 cores in a fresh container or pod, ~4 s with the compile cache an earlier engine
+# left in /tmp. Run eagerly the counter costs ~45 ms per 256-sequence step against ~4 ms compiled
+# (2 cores, a 49,152-token vocabulary: ~0.16 ms per generated token; BENCHMARKS.md, "The tiny model's
+# gap"). A stream of this many requests or more repays the compile; a smaller one (a demo, a test, a
+# small file) runs the counter eagerly and starts at once.
+COMPILE_SAMPLER_FROM_REQUESTS = 10_000
 
-    On a CPU in eager mode nothing of the model is compiled, yet vLLM's sampler compiles its
-    token-rank counter (`vllm/v1/sample/ops/logprobs.py`, `torch.compile` with inductor) at the
-    first request that asks for log-probabilities, which every choices and regex task does (the
-    labels' `confidence`): about 24 s of g++ on 2 cores inside the engine phase, once per machine
-    because the compile cache lives in /tmp, so in every fresh container or pod. Run eagerly, the
-    same counter is as fast at CPU batch sizes (BENCHMARKS.md), so dynamo is switched off there.
-    On a GPU, or with `enforce_eager: false` (vLLM compiles the model), nothing is changed; nor
-    when the user set the variable.
+
+def engine_process_environment(settings: VLLMSettings, requests: int = 0) -> dict[str, str]:
+    """Environment variables the engine's processes get on top of this process's, for an engine
+    started by a stream of `requests` requests.
+
+    On a CPU in eager mode, below `COMPILE_SAMPLER_FROM_REQUESTS` requests dynamo is switched off
+    (`TORCHDYNAMO_DISABLE=1`): vLLM's sampler then counts ranks eagerly instead of compiling. On a
+    GPU, with `enforce_eager: false` (vLLM compiles the model), for a larger stream, or when the
+    user set the variable, nothing is changed.
 
     Workers are spawned, never forked (vLLM forks them on a GPU when CUDA is not yet initialised): a
     spawned process carries the reaper's token in its environment from its first instruction, so
     it is found and killed even when the run dies a moment after starting it (reaper.py).
     """
     environment = {} if "VLLM_WORKER_MULTIPROC_METHOD" in os.environ else {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-    if settings.on_gpu or not settings.vllm_args.get("enforce_eager") or "TORCHDYNAMO_DISABLE" in os.environ:
+    if (
+        settings.on_gpu
+        or not settings.vllm_args.get("enforce_eager")
+        or "TORCHDYNAMO_DISABLE" in os.environ
+        or requests >= COMPILE_SAMPLER_FROM_REQUESTS
+    ):
         return environment
     return {**environment, "TORCHDYNAMO_DISABLE": "1"}
 
@@ -449,8 +462,9 @@ def _environment(overrides: dict[str, str]) -> Iterator[None]:
 class _AsyncEngine:
     """One `AsyncLLM` and the event loop (in a daemon thread) that drives it."""
 
-    def __init__(self, settings: VLLMSettings) -> None:
+    def __init__(self, settings: VLLMSettings, requests: int = 0) -> None:
         self.settings = settings
+        self._environment = engine_process_environment(settings, requests)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="batch-assets-vllm", daemon=True)
         self._thread.start()
@@ -473,7 +487,7 @@ class _AsyncEngine:
         # The engine's processes are started here and inherit this environment. The `LLM` class's
         # usage context: an offline batch, so vLLM's offline step budgets for the device (see
         # GPU_VLLM_ARG_DEFAULTS), the same engine a hand-written `LLM(...)` script gets.
-        with _environment({**engine_process_environment(self.settings), **self._reaper.environment}):
+        with _environment({**self._environment, **self._reaper.environment}):
             return AsyncLLM.from_engine_args(
                 AsyncEngineArgs(**self.settings.engine_args()), usage_context=UsageContext.LLM_CLASS
             )
@@ -580,14 +594,14 @@ class _ProcessEngine:
         self.wanted_later: Callable[[], bool] = lambda: False
         self._stopping: threading.Thread | None = None  # a shutdown in the background
 
-    def get(self, settings: VLLMSettings) -> tuple[_AsyncEngine, bool]:
+    def get(self, settings: VLLMSettings, requests: int = 0) -> tuple[_AsyncEngine, bool]:
         """The engine for `settings` (a warm one that serves them, `VLLMSettings.serves`), and whether
-        this call started it."""
+        this call started it (for a stream of `requests` requests: `engine_process_environment`)."""
         with self._lock:
             if self._engine is not None and self._engine.settings.serves(settings) and not self._engine.dead:
                 return self._engine, False
             self._shutdown_locked()
-            self._engine = _start_engine(settings)
+            self._engine = _start_engine(settings, requests)
             self.starts += 1
             return self._engine, True
 
@@ -698,12 +712,13 @@ def _wanted_elsewhere(log: Callable[[str], None]) -> bool:
         return False
 
 
-def _start_engine(settings: VLLMSettings) -> _AsyncEngine:
+def _start_engine(settings: VLLMSettings, requests: int = 0) -> _AsyncEngine:
     if settings.kv_cache_memory_gib is not None and not settings.on_gpu:
         _check_cpu_memory(settings.kv_cache_memory_gib)
-    log.info("starting vLLM engine: %s", settings.engine_args())
+    environment = engine_process_environment(settings, requests)
+    log.info("starting vLLM engine: %s, environment %s", settings.engine_args(), environment)
     try:
-        return _AsyncEngine(settings)
+        return _AsyncEngine(settings, requests)
     except Exception as exc:
         message = str(exc)
         lowered = message.lower()
@@ -780,11 +795,11 @@ class VLLMSession:
         self.start_seconds = 0.0
         self._default_params = None
 
-    def start(self) -> None:
+    def start(self, requests: int = 0) -> None:
         if self._engine is not None:
             return
         started = time.monotonic()
-        self._engine, self.started_here = process_engine_for(self._settings).get(self._settings)
+        self._engine, self.started_here = process_engine_for(self._settings).get(self._settings, requests)
         if self.started_here:
             self.start_seconds = time.monotonic() - started
             self._log(f"started the vLLM engine in {self.start_seconds:.1f} s")

@@ -129,9 +129,10 @@ class EngineSession(Protocol):
     started_here: bool  # this session started the engine (False: reused a warm one, or an endpoint)
     start_seconds: float
 
-    def start(self) -> None:
-        """Start the engine now (idempotent); `stream` starts it too. Never called when no request
-        needs the engine, so a fully cached partition costs no engine start."""
+    def start(self, requests: int = 0) -> None:
+        """Start the engine now (idempotent) for a stream of `requests` requests (an engine may
+        choose how it starts by that); `stream` starts it too. Never called when no request needs
+        the engine, so a fully cached partition costs no engine start."""
 
     @property
     def metadata(self) -> dict[str, Any]: ...

@@ -510,7 +510,7 @@ def run_inference(
     try:
         if requests.frame.height:
             started = time.monotonic()
-            session.start()
+            session.start(requests.frame.height)
             start_seconds = time.monotonic() - started
             with _checkpoint_timer(sinks, checkpoint_seconds):
                 engine_seconds = _stream(requests, plans, sinks, session, max_model_len, max_tokens, log)
