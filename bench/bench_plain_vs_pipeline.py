@@ -14,13 +14,12 @@ engine core's), sampled every 0.1 s. Medians, and ratios.
 `--model tiny`: the tests' 2-layer random-weight Llama (batch_assets_tests/tiny_model.py), so small
 that vLLM labels hundreds of rows a second here and the pipeline's own cost per row shows.
 `--engine-env`: the engine processes' environment on both sides. `shipped` (default): each side as
-users run it: the plain script with vLLM's defaults, the pipeline with what it sets on a CPU
-(`TORCHDYNAMO_DISABLE=1`, engines/vllm_engine.py `engine_process_environment`), so vLLM's sampler
-counts log-probability ranks eagerly on the pipeline's side and compiled (inductor) on the plain
-side. `eager` / `compiled`: both sides the same (`TORCHDYNAMO_DISABLE=1` / `0`, which the pipeline
-leaves as set), so the ratio is the pipeline's own cost and not the rank counter's (~45 ms per
-256-row step eagerly vs ~4 ms compiled here: a tenth of a step of the tiny model, under 1 % of the
-135M model's).
+users run it: the plain script with vLLM's defaults (vLLM's sampler compiles its log-probability rank
+counter), the pipeline with what it sets on a CPU (engines/vllm_engine.py `engine_process_environment`:
+the counter eager, `TORCHDYNAMO_DISABLE=1`, for a stream under 10,000 requests, else compiled).
+`eager` / `compiled`: both sides the same (`TORCHDYNAMO_DISABLE=1` / `0`, which the pipeline leaves
+as set), so the ratio is the pipeline's own cost and not the rank counter's (~45 ms per 256-row step
+eagerly vs ~4 ms compiled here: about a tenth of a step of the tiny model; bench_rank_counter.py).
 `--profile`: one more pipeline run under py-spy (`pip install py-spy`), every thread of the
 `batch-assets` process, and the functions where it spends its samples.
 """
