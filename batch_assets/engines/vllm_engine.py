@@ -462,9 +462,9 @@ def _environment(overrides: dict[str, str]) -> Iterator[None]:
 class _AsyncEngine:
     """One `AsyncLLM` and the event loop (in a daemon thread) that drives it."""
 
-    def __init__(self, settings: VLLMSettings, requests: int = 0) -> None:
+    def __init__(self, settings: VLLMSettings, environment: dict[str, str]) -> None:
         self.settings = settings
-        self._environment = engine_process_environment(settings, requests)
+        self._environment = environment  # `engine_process_environment`
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="batch-assets-vllm", daemon=True)
         self._thread.start()
@@ -718,7 +718,7 @@ def _start_engine(settings: VLLMSettings, requests: int = 0) -> _AsyncEngine:
     environment = engine_process_environment(settings, requests)
     log.info("starting vLLM engine: %s, environment %s", settings.engine_args(), environment)
     try:
-        return _AsyncEngine(settings, requests)
+        return _AsyncEngine(settings, environment)
     except Exception as exc:
         message = str(exc)
         lowered = message.lower()
