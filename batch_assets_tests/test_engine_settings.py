@@ -468,6 +468,33 @@ def test_the_demo_starts_one_engine_per_model_of_the_shipped_tasks(monkeypatch: 
     assert started == [("generate", 2048), ("pooling", 256)]
 
 
+def test_a_session_starts_its_engine_for_the_streams_size_and_a_warm_one_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request count run_inference hands `start` reaches the engine's start (where it decides
+    whether the sampler compiles); a warm engine serves the next, larger stream as it is."""
+    from batch_assets.engines import vllm_engine
+
+    started: list[int] = []
+
+    def start(settings: vllm_engine.VLLMSettings, requests: int = 0) -> _WarmEngine:
+        started.append(requests)
+        engine = _WarmEngine()
+        engine.settings, engine.dead = settings, False  # type: ignore[attr-defined]
+        return engine
+
+    monkeypatch.setattr(vllm_engine, "_start_engine", start)
+    task = load_task_spec(task_file(tmp_path, "  max_model_len: 512\n"))
+    settings = VLLMEngine().settings(task, gpus=0)
+    with vllm_engine.keep_engine_warm():  # as one `batch-assets run`
+        with VLLMEngine().session(task, settings) as first:
+            first.start(12_000)
+            first.start(5)  # idempotent
+        with VLLMEngine().session(task, settings) as second:
+            second.start(50_000)
+    assert started == [12_000] and first.started_here and not second.started_here
+
+
 def test_the_demo_note_passes_over_a_task_its_engine_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
     """A task whose context the model does not take is refused when it runs (the demo runs the
     others, `_engine_order`); the note after the demo must not fail on it."""

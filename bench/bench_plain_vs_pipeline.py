@@ -97,8 +97,8 @@ def tasks_without_confidence(folder: Path) -> Path:
     return folder
 
 
-def pipeline_env(work: Path, tasks_dir: Path | None, engine_env: dict[str, str] | None = None) -> dict[str, str]:
-    env = {**os.environ, **(engine_env or {})}
+def pipeline_env(work: Path, tasks_dir: Path | None, engine_env: dict[str, str]) -> dict[str, str]:
+    env = {**os.environ, **engine_env}
     env.update(DAGSTER_HOME=str(work / "home"), BATCH_ASSETS_DATA=str(work / "data"))
     if tasks_dir is not None:
         env["BATCH_ASSETS_TASKS_DIR"] = str(tasks_dir)
@@ -124,13 +124,15 @@ def pipeline(csv_path: Path, work: Path, tasks_dir: Path | None, engine_env: dic
     }
 
 
-def profile(csv_path: Path, work: Path, tasks_dir: Path | None, top: int = 30) -> None:
+def profile(csv_path: Path, work: Path, tasks_dir: Path | None, engine_env: dict[str, str], top: int = 30) -> None:
     """One pipeline run under py-spy (all threads, idle samples left out); the functions with the most
     samples of their own, and the batch_assets functions with the most samples under them."""
     output = work / "profile.txt"
     command = [str(VENV_BIN / "batch-assets"), "run", "industry", str(csv_path)]
     spy = [str(VENV_BIN / "py-spy"), "record", "--rate", "200", "--format", "raw", "--output", str(output), "--"]
-    subprocess.run(spy + command, env=pipeline_env(work, tasks_dir), cwd=work, capture_output=True, check=True)
+    subprocess.run(
+        spy + command, env=pipeline_env(work, tasks_dir, engine_env), cwd=work, capture_output=True, check=True
+    )
     own: dict[str, int] = {}
     under: dict[str, int] = {}
     total = 0
@@ -243,7 +245,7 @@ def main() -> None:
         if args.profile:
             work = Path(tmp) / "profile"
             work.mkdir()
-            profile(csv_path, work, tasks_dir)
+            profile(csv_path, work, tasks_dir, ENGINE_ENVIRONMENTS[args.engine_env])
 
 
 def tiny_model() -> str:
