@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -183,38 +184,37 @@ def xdist_group(test_file: Path) -> str:
     return _SHARED_GROUPS.get(test_file.name, test_file.stem)
 
 
-# The groups that take longest, in seconds of one worker (the durations `make test` listed on the
-# 2-core machine of 2026-11-27, each group's slowest tests plus ~20 s for each of its other engine
-# tests). `make test` (`--no-loadscope-reorder`) hands groups out in collection order, which
-# pytest_collection_modifyitems makes longest first: a long group that started last would leave the
-# other worker idle until it ends (xdist's own order, by number of tests, put the one-test groups of
-# several minutes, such as Postgres, the browser and `serve`, last). The other groups, short, follow
-# in file order and even out the end. A stale figure only costs balance, never a test.
-_GROUP_SECONDS = {
-    "test_cli_hardening": 560,
-    "test_cli": 510,
-    "test_inference_engine": 500,
-    "test_resume_kill": 420,
-    "test_s3_drops": 340,
-    "vllm_server": 290,
-    "test_postgres_storage": 250,
-    "test_hostile_defects": 210,
-    "test_ui_browser": 160,
-    "test_embedded_model": 160,
-    "test_endpoint_embeddings": 140,
-    "test_gates_pipeline": 140,
-    "test_bad_input_pipeline": 120,
-    "test_embedding_engine": 120,
-    "test_openai_batch_pipeline": 120,
-    "test_range_failures_daemon": 110,
-    "test_pipeline_materialize": 100,
-    "test_serve": 100,
-    "test_openai_batch_embeddings": 100,
-    "test_cascade_engine": 90,
-}
+# Each group's seconds in the last full `make test` (setup, call and teardown of its tests, summed
+# by the controller from the workers' reports), kept in GROUP_SECONDS_FILE and written again by every
+# full run that passes. `make test` (`--no-loadscope-reorder`) hands groups out in collection order,
+# which pytest_collection_modifyitems makes longest first: a long group that started last would leave
+# the other worker idle until it ends. A group not yet measured goes last, in file order; a stale
+# figure only costs balance, never a test.
+GROUP_SECONDS_FILE = Path(__file__).with_name("group_seconds.json")
 
 
-# tryfirst: xdist's worker reads the `xdist_group` marks in its own collection hook.
+def recorded_group_seconds() -> dict[str, float]:
+    try:
+        return json.loads(GROUP_SECONDS_FILE.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: xdist may be off (-p no:xdist)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadgroup` by test file (xdist_group): xdist's own loadgroup names each group in the test's
+    node id, which pytest 9.2 no longer lets a plugin change, so every test became a group of its own."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(Path(nodeid.split("::", 1)[0]))
+
+    return FileGroupScheduling(config, log)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     unmarked = [
@@ -224,7 +224,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ]
     if unmarked:
         raise pytest.UsageError("tests that use a model must be marked `pytest.mark.slow`: " + ", ".join(unmarked))
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item.path)))
-    # Stable: each file's tests keep their order, and so do the files of the groups not listed.
-    items.sort(key=lambda item: -_GROUP_SECONDS.get(xdist_group(item.path), 0))
+    seconds = recorded_group_seconds()
+    # Stable: each file's tests keep their order, and so do the files of the groups not measured.
+    items.sort(key=lambda item: -seconds.get(xdist_group(item.path), 0))
+
+
+class _GroupClock:
+    """Sums each group's seconds from the test reports; the controller's plugin under xdist."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        group = xdist_group(Path(report.fspath))
+        self.seconds[group] = self.seconds.get(group, 0.0) + report.duration
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        # Only a whole suite that passed: a filtered or failed run would leave groups out or short.
+        option = self.config.option
+        whole = not self.config.args or [Path(arg).resolve() for arg in self.config.args] == [Path(__file__).parent]
+        filtered = option.keyword or option.markexpr or option.deselect or getattr(option, "lf", False)
+        if exitstatus != 0 or not whole or filtered:
+            return
+        ordered = dict(sorted(((group, round(s)) for group, s in self.seconds.items()), key=lambda kv: -kv[1]))
+        GROUP_SECONDS_FILE.write_text(json.dumps(ordered, indent=1) + "\n", encoding="utf-8")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller (or the only process), not an xdist worker
+        config.pluginmanager.register(_GroupClock(config), "batch_assets_group_clock")

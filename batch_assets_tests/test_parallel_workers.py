@@ -11,8 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from batch_assets.runtime.instance import exclusive_file_lock
 from batch_assets_tests.conftest import REPO_ROOT, xdist_group
 
@@ -21,8 +19,28 @@ TESTS = REPO_ROOT / "batch_assets_tests"
 USES_VLLM_SERVER = re.compile(r"\bvllm_server: |getfixturevalue\(\"vllm_server\"\)")
 
 
-def test_a_test_is_in_the_group_of_its_file(request: pytest.FixtureRequest) -> None:
-    assert [mark.args for mark in request.node.iter_markers("xdist_group")] == [("test_parallel_workers",)]
+GROUPED_TEST = """
+import os, time
+def test_{n}(): time.sleep(0.3); open("ran", "a").write("{file} " + os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+"""
+
+
+def test_two_workers_run_each_file_on_one_worker(tmp_path: Path) -> None:
+    """Each file's tests on one worker, the files spread over both (xdist's own loadgroup gave every test
+    a group of its own under pytest 9.2: each worker built every module and session fixture)."""
+    (tmp_path / "conftest.py").write_text("from batch_assets_tests.conftest import pytest_xdist_make_scheduler\n")
+    for file in ("test_one", "test_two", "test_three"):
+        (tmp_path / f"{file}.py").write_text("".join(GROUPED_TEST.format(n=n, file=file) for n in range(4)))
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    command = [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider", "-q"]
+    done = subprocess.run([*command, str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+    ran = [line.split() for line in (tmp_path / "ran").read_text().splitlines()]
+    workers = {
+        file: {worker for name, worker in ran if name == file} for file in ("test_one", "test_two", "test_three")
+    }
+    assert len(ran) == 12 and all(len(used) == 1 for used in workers.values()), ran
+    assert set().union(*workers.values()) == {"gw0", "gw1"}, ran
 
 
 def test_the_files_that_share_the_vllm_server_are_one_group_and_the_others_their_own() -> None:
