@@ -3,7 +3,7 @@ VENV      := .venv
 STAMP     := $(VENV)/.batch_assets_installed
 export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 
-.PHONY: setup demo test test-fast lint ui clean
+.PHONY: setup demo test test-fast lint golden ui clean
 
 $(STAMP): pyproject.toml scripts/setup.sh scripts/uv_sources.sh requirements/cpu.txt requirements/gpu.txt requirements/extra.txt
 	bash scripts/setup.sh
@@ -32,6 +32,12 @@ test: setup lint
 # Pure functions and the definitions snapshot: no engine, daemon, browser or server (about a minute).
 test-fast: setup
 	$(VENV)/bin/python -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
+
+# vLLM's own answers that tests compare with (batch_assets_tests/golden/), made anew: after a change of
+# vLLM, torch, a model or the requests (a stale file makes its test run vLLM and warn).
+golden: setup
+	BATCH_ASSETS_WRITE_GOLDEN=1 $(VENV)/bin/python -m pytest -p no:xdist -k matches_vllm_run_batch \
+		batch_assets_tests/test_openai_batch_pipeline.py batch_assets_tests/test_openai_batch_embeddings.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -9,6 +9,7 @@ embedded SmolLM2 model where realism matters.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -108,6 +109,42 @@ def workdir(tmp_path: Path, tiny_model_path: str) -> tuple[Path, dict[str, str]]
         "DAGSTER_HOME": str(tmp_path / "home"),
     }
     return tmp_path, env
+
+
+@dataclasses.dataclass(frozen=True)
+class CliResult:
+    """What a `batch-assets` command returned and printed (as `subprocess.run` gives it)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli_in_process(
+    workdir: tuple[Path, dict[str, str]], monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> Callable[..., CliResult]:
+    """`batch-assets ARGS` through the command line's `main` in this process, in `workdir`'s folder and
+    environment (more variables by keyword), its output as the terminal gets it. The session's warm
+    engine serves it: a test of what a command prints and writes need not start an engine of its own;
+    tests where the process is the point (signals, kill -9, console noise, teardown) run the console script."""
+    from batch_assets import cli
+
+    folder, env = workdir
+    for name in ("BATCH_ASSETS_MODEL", "BATCH_ASSETS_DATA", "DAGSTER_HOME"):
+        monkeypatch.setenv(name, env[name])
+    monkeypatch.chdir(folder)
+
+    def run(args: list[str], **variables: str) -> CliResult:
+        with monkeypatch.context() as scoped:
+            for name, value in variables.items():
+                scoped.setenv(name, value)
+            capfd.readouterr()
+            code = cli.main(args)
+            out, err = capfd.readouterr()
+        return CliResult(code, out, err)
+
+    return run
 
 
 def stop_process_group(leader: subprocess.Popen) -> None:

@@ -1,4 +1,6 @@
-"""`batch-assets` as a user runs it: a separate process, a real Dagster home, files on disk."""
+"""`batch-assets` as a user runs it: a real Dagster home, files on disk. The demo runs the console
+script in a process of its own; the other commands go through the command line's `main` in the test's
+process (`cli_in_process`), on the session's warm engine."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 from batch_assets_tests.conftest import REPO_ROOT, SAMPLES
 from batch_assets_tests.test_pipeline_materialize import BAD_POSTS
 
-# The slow tier (`make test-fast` leaves it out): every test runs `batch-assets` in a subprocess, engine included.
+# The slow tier (`make test-fast` leaves it out): every test runs `batch-assets`, engine included.
 pytestmark = pytest.mark.slow
 
 CLI = str(Path(sys.executable).parent / "batch-assets")
@@ -38,11 +40,11 @@ def summary_lines(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if SUMMARY.match(line)]
 
 
-def test_run_mixed_sentiment_file_gives_one_row_per_record(workdir) -> None:
-    tmp_path, env = workdir
+def test_run_mixed_sentiment_file_gives_one_row_per_record(workdir, cli_in_process) -> None:
+    tmp_path, _ = workdir
     posts = tmp_path / "mixed posts.jsonl"
     posts.write_text(BAD_POSTS + "\n", encoding="utf-8")
-    result = run_cli(["run", "sentiment", str(posts)], env, tmp_path)
+    result = cli_in_process(["run", "sentiment", str(posts)])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     lines = summary_lines(result.stdout)
     assert len(lines) == 1 and "9 rows, 6 error rows" in lines[0], result.stdout
@@ -58,19 +60,9 @@ def test_run_mixed_sentiment_file_gives_one_row_per_record(workdir) -> None:
         assert len(runs) == 1 and runs[0].job_name == "sentiment_pipeline" and runs[0].is_success
 
 
-def test_run_exits_non_zero_when_a_partition_fails(workdir) -> None:
-    tmp_path, env = workdir
-    bad = tmp_path / "wrong-column.csv"
-    bad.write_text("Name,City\nAcme,Paris\n")
-    result = run_cli(["run", "industry", str(bad)], env, tmp_path)
-    assert result.returncode == 1
-    [line] = summary_lines(result.stdout)
-    assert "FAILED" in line and "Company" in line
-
-
-def test_tasks_lists_every_task_with_its_drop_zone(workdir) -> None:
-    tmp_path, env = workdir
-    result = run_cli(["tasks"], env, tmp_path)
+def test_tasks_lists_every_task_with_its_drop_zone(workdir, cli_in_process) -> None:
+    tmp_path, _ = workdir
+    result = cli_in_process(["tasks"])
     assert result.returncode == 0
     for task in ("industry", "sentiment", "answers"):
         assert f"drop zone: {tmp_path / 'data' / 'drops' / task}" in result.stdout
@@ -140,8 +132,8 @@ def test_repo_root_has_the_contract_files() -> None:
         assert (REPO_ROOT / name).exists(), name
 
 
-def test_run_over_budget_fails_naming_estimate_and_limit(workdir) -> None:
-    tmp_path, env = workdir
+def test_run_over_budget_fails_naming_estimate_and_limit(workdir, cli_in_process) -> None:
+    tmp_path, _ = workdir
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "budgeted.yaml").write_text(
@@ -152,7 +144,7 @@ def test_run_over_budget_fails_naming_estimate_and_limit(workdir) -> None:
     )
     items = tmp_path / "items.jsonl"
     items.write_text("".join(f'{{"text": "item {i}"}}\n' for i in range(10)))
-    result = run_cli(["run", "budgeted", str(items)], {**env, "BATCH_ASSETS_TASKS_DIR": str(tasks)}, tmp_path)
+    result = cli_in_process(["run", "budgeted", str(items)], BATCH_ASSETS_TASKS_DIR=str(tasks))
     assert result.returncode == 1
     [line] = summary_lines(result.stdout)
     assert (
@@ -167,15 +159,15 @@ def test_run_over_budget_fails_naming_estimate_and_limit(workdir) -> None:
     assert not (tmp_path / "data" / "storage" / "budgeted" / "inference_outputs").exists()
 
 
-def test_run_of_several_files_is_one_run_per_range_with_a_line_per_file(workdir) -> None:
+def test_run_of_several_files_is_one_run_per_range_with_a_line_per_file(workdir, cli_in_process) -> None:
     """Files of one command are grouped like a backfill: ranges of up to `runs.max_partitions_per_run`."""
-    tmp_path, env = workdir
+    tmp_path, _ = workdir
     names = ["a.csv", "b.csv", "c.csv"]
     for index, name in enumerate(names):
         (tmp_path / name).write_text(
             "Name,Company\n" + "".join(f"n{i},Firm {index} {i} LLP\n" for i in range(index + 2))
         )
-    result = run_cli(["run", "industry", *(str(tmp_path / n) for n in names)], env, tmp_path)
+    result = cli_in_process(["run", "industry", *(str(tmp_path / n) for n in names)])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     lines = summary_lines(result.stdout)
     assert [line.split(":")[0] for line in lines] == [f"industry/{n}" for n in names]
@@ -198,7 +190,7 @@ def test_run_of_several_files_is_one_run_per_range_with_a_line_per_file(workdir)
             assert record.run_id == run.run_id
 
     # The same files again: one more run of the range, every row from the result cache.
-    again = run_cli(["run", "industry", *(str(tmp_path / n) for n in names)], env, tmp_path)
+    again = cli_in_process(["run", "industry", *(str(tmp_path / n) for n in names)])
     assert again.returncode == 0 and len(summary_lines(again.stdout)) == 3
     # Issue 29.9: these lines said "0.0 generated tok/s"; they say where the rows came from.
     for line, rows in zip(summary_lines(again.stdout), (2, 3, 4), strict=True):
@@ -264,18 +256,19 @@ def test_progress_line_says_the_time_left_in_plain_words(message: str, line: str
     assert out.getvalue() == line + "\n"
 
 
-def test_a_file_over_max_rows_per_partition_runs_as_shards_with_one_line_and_one_dataset(workdir) -> None:
+def test_a_file_over_max_rows_per_partition_runs_as_shards_with_one_line_and_one_dataset(
+    workdir, cli_in_process
+) -> None:
     """Issue 26.2: each shard is a run of its own; the file gets one summary line; its result is one
     glob of shards whose rows carry the whole file's row_id and source_line."""
-    tmp_path, env = workdir
+    tmp_path, _ = workdir
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     bundled = (Path(__file__).parent.parent / "batch_assets" / "tasks" / "industry.yaml").read_text()
     (tasks / "industry.yaml").write_text(bundled.replace("input:\n", "input:\n  max_rows_per_partition: 10\n", 1))
     big = tmp_path / "big.csv"
     big.write_text("Name,Company\n" + "".join(f'n{i},"Firm {i}\nLLP"\n' for i in range(25)))
-    env = {**env, "BATCH_ASSETS_TASKS_DIR": str(tasks)}
-    result = run_cli(["run", "industry", str(big)], env, tmp_path)
+    result = cli_in_process(["run", "industry", str(big)], BATCH_ASSETS_TASKS_DIR=str(tasks))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     [line] = summary_lines(result.stdout)
     assert line.startswith("industry/big.csv~*: OK: 25 rows, 0 error rows, labels: ") and line.endswith("(3 shards)")

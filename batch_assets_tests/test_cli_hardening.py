@@ -168,12 +168,13 @@ def test_run_of_a_killed_process_on_another_host_is_failed_and_its_slot_freed_by
 
 
 @pytest.mark.slow
-def test_cli_waiting_for_the_gpu_pool_says_so_and_stops_on_sigterm(cli_env) -> None:
+def test_cli_waiting_for_the_gpu_pool_says_so_and_stops_on_sigterm(cli_env, monkeypatch) -> None:
     """Issue 17.2: before, the CLI blocked inside Dagster without a word and ignored SIGTERM."""
     tmp_path, env = cli_env
     posts = tmp_path / "posts.jsonl"
     posts.write_text('{"text": "fine"}\n')
-    run_cli(["tasks"], env, tmp_path)
+    monkeypatch.setenv("DAGSTER_HOME", env["DAGSTER_HOME"])
+    prepare_instance()
     holder, run_id = start_lease_holder(env)
     try:
         cli = subprocess.Popen(
@@ -230,9 +231,9 @@ def test_drop_sensor_leaves_a_file_that_a_live_cli_is_running_to_it(cli_env, mon
 
 
 @pytest.mark.slow
-def test_same_name_from_another_folder_is_refused_before_anything_is_copied(cli_env) -> None:
+def test_same_name_from_another_folder_is_refused_before_anything_is_copied(cli_env, cli_in_process) -> None:
     """Issue 17.3 / 16 defect 1: the second file replaced the first's drop and outputs without a word."""
-    tmp_path, env = cli_env
+    tmp_path, _ = cli_env
     for folder, text in (("d1", '{"text": "a"}\n{"text": "b"}\n{"text": "c"}\n'), ("d2", '{"text": "z"}\n')):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "posts.jsonl").write_text(text)
@@ -240,10 +241,10 @@ def test_same_name_from_another_folder_is_refused_before_anything_is_copied(cli_
     zone.mkdir(parents=True)
     (zone / "posts.jsonl").write_bytes((tmp_path / "d1" / "posts.jsonl").read_bytes())
 
-    both = run_cli(["run", "sentiment", "d1/posts.jsonl", "d2/posts.jsonl"], env, tmp_path)
+    both = cli_in_process(["run", "sentiment", "d1/posts.jsonl", "d2/posts.jsonl"])
     assert both.returncode == 2, both.stdout + both.stderr
     assert "d1/posts.jsonl and d2/posts.jsonl are different files with the same name" in both.stdout
-    second = run_cli(["run", "sentiment", "d2/posts.jsonl"], env, tmp_path)
+    second = cli_in_process(["run", "sentiment", "d2/posts.jsonl"])
     assert (
         second.returncode == 2
         and "already holds a different posts.jsonl" in second.stdout
@@ -257,11 +258,11 @@ def test_same_name_from_another_folder_is_refused_before_anything_is_copied(cli_
 
 
 @pytest.mark.slow
-def test_a_link_or_fifo_in_the_drop_zone_is_neither_followed_nor_waited_on(cli_env) -> None:
+def test_a_link_or_fifo_in_the_drop_zone_is_neither_followed_nor_waited_on(cli_env, cli_in_process) -> None:
     """A link to a secret or a FIFO planted under a file's name in a shared drop zone: the CLI neither
     reads through the link nor hangs on the FIFO; it refuses (a different drop file), and --replace
     replaces the planted entry itself, never the file a link points to."""
-    tmp_path, env = cli_env
+    tmp_path, _ = cli_env
     zone = tmp_path / "data" / "drops" / "sentiment"
     zone.mkdir(parents=True)
     secret = tmp_path / "secret.jsonl"
@@ -272,9 +273,9 @@ def test_a_link_or_fifo_in_the_drop_zone_is_neither_followed_nor_waited_on(cli_e
     (tmp_path / "queue.jsonl").write_text('{"text": "fine"}\n')
 
     for name in ("posts.jsonl", "queue.jsonl"):
-        refused = run_cli(["run", "sentiment", name], env, tmp_path)
+        refused = cli_in_process(["run", "sentiment", name])
         assert refused.returncode == 2 and f"already holds a different {name}" in refused.stdout, refused.stdout
-    replaced = run_cli(["run", "sentiment", "--replace", "posts.jsonl", "queue.jsonl"], env, tmp_path)
+    replaced = cli_in_process(["run", "sentiment", "--replace", "posts.jsonl", "queue.jsonl"])
     assert replaced.returncode == 0, replaced.stdout[-3000:]
     for name in ("posts.jsonl", "queue.jsonl"):
         assert (zone / name).is_file() and not (zone / name).is_symlink()
@@ -308,21 +309,19 @@ def test_replace_says_so_and_a_file_of_only_errors_fails_quietly(cli_env) -> Non
 
 
 @pytest.mark.slow
-def test_bad_models_fail_at_once_with_the_setting_to_change(cli_env) -> None:
+def test_bad_models_fail_at_once_with_the_setting_to_change(cli_env, cli_in_process) -> None:
     """Issue 17.9: a missing folder said "Repo id must be in the form…"; an uncached id failed after a DNS error."""
-    tmp_path, env = cli_env
+    tmp_path, _ = cli_env
     posts = tmp_path / "posts.jsonl"
     posts.write_text('{"text": "fine"}\n')
-    missing = run_cli(
-        ["run", "sentiment", str(posts)], {**env, "BATCH_ASSETS_MODEL": str(tmp_path / "no-model")}, tmp_path
-    )
+    missing = cli_in_process(["run", "sentiment", str(posts)], BATCH_ASSETS_MODEL=str(tmp_path / "no-model"))
     assert missing.returncode == 2
     assert (
         f"model folder {tmp_path / 'no-model'} does not exist" in missing.stdout
         and "BATCH_ASSETS_MODEL" in missing.stdout
     )
-    offline = {**env, "BATCH_ASSETS_MODEL": "nobody/not-a-cached-model", "HF_ENDPOINT": "http://127.0.0.1:9"}
-    uncached = run_cli(["run", "sentiment", str(posts)], offline, tmp_path)
+    offline = {"BATCH_ASSETS_MODEL": "nobody/not-a-cached-model", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    uncached = cli_in_process(["run", "sentiment", str(posts)], **offline)
     assert uncached.returncode == 2
     assert "'nobody/not-a-cached-model' is not in the local Hugging Face cache" in uncached.stdout
     assert "hf download nobody/not-a-cached-model" in uncached.stdout
@@ -330,16 +329,16 @@ def test_bad_models_fail_at_once_with_the_setting_to_change(cli_env) -> None:
 
 
 @pytest.mark.slow
-def test_too_long_max_model_len_names_the_setting_and_the_limit(cli_env) -> None:
+def test_too_long_max_model_len_names_the_setting_and_the_limit(cli_env, cli_in_process) -> None:
     """Issue 17.9: the CLI printed a pydantic documentation link."""
-    tmp_path, env = cli_env
+    tmp_path, _ = cli_env
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     spec = (REPO_ROOT / "batch_assets" / "tasks" / "sentiment.yaml").read_text()
     (tasks / "sentiment.yaml").write_text(spec.replace("max_model_len: 1024", "max_model_len: 100000"))
     posts = tmp_path / "posts.jsonl"
     posts.write_text('{"text": "fine"}\n')
-    result = run_cli(["run", "sentiment", str(posts)], {**env, "BATCH_ASSETS_TASKS_DIR": str(tasks)}, tmp_path)
+    result = cli_in_process(["run", "sentiment", str(posts)], BATCH_ASSETS_TASKS_DIR=str(tasks))
     # Refused before anything is copied or started, naming the model that runs (BATCH_ASSETS_MODEL here).
     assert result.returncode == 2
     assert "engine.max_model_len 100000 exceeds the 2048 tokens the model" in result.stdout
@@ -348,12 +347,13 @@ def test_too_long_max_model_len_names_the_setting_and_the_limit(cli_env) -> None
 
 
 @pytest.mark.slow
-def test_expected_errors_print_one_line_and_keep_the_traceback_in_the_run_log(cli_env) -> None:
-    """Issue 16 defect 2: a missing column printed a whole traceback before the message."""
-    tmp_path, env = cli_env
+def test_expected_errors_print_one_line_and_keep_the_traceback_in_the_run_log(cli_env, cli_in_process) -> None:
+    """Issue 16 defect 2: a missing column printed a whole traceback before the message. A file the
+    task cannot read fails its partition: exit status 1, its line FAILED naming the missing column."""
+    tmp_path, _ = cli_env
     bad = tmp_path / "wrong-column.csv"
     bad.write_text("Name,City\nAcme,Paris\n")
-    result = run_cli(["run", "industry", str(bad)], env, tmp_path)
+    result = cli_in_process(["run", "industry", str(bad)])
     assert result.returncode == 1
     [line] = summary_lines(result.stdout)
     assert "FAILED" in line and "Company" in line
@@ -366,7 +366,7 @@ def test_expected_errors_print_one_line_and_keep_the_traceback_in_the_run_log(cl
             if event.is_dagster_event and event.dagster_event.is_step_failure
         ]
         assert failures and failures[0].dagster_event.step_failure_data.error.stack
-    verbose = run_cli(["run", "industry", "--verbose", str(bad)], env, tmp_path)
+    verbose = cli_in_process(["run", "industry", "--verbose", str(bad)])
     assert verbose.returncode == 1 and "Stack Trace" in verbose.stdout + verbose.stderr
 
 
@@ -474,17 +474,19 @@ def test_the_cli_frees_its_warm_engine_before_waiting_for_a_slot_another_run_hol
 
 
 @pytest.mark.slow
-def test_an_edited_file_runs_again_and_a_namesake_is_refused_or_replaced_after_cli_runs(cli_env) -> None:
+def test_an_edited_file_runs_again_and_a_namesake_is_refused_or_replaced_after_cli_runs(
+    cli_env, cli_in_process
+) -> None:
     """Issue 29.1: once a file had a CLI run, running it again edited, or a file of the same name from
     another folder (with or without --replace), crashed with `AttributeError ... create_timestamp`."""
-    tmp_path, env = cli_env
+    tmp_path, _ = cli_env
     for folder in ("r1", "r2"):
         (tmp_path / folder).mkdir()
     edited, namesake, other = tmp_path / "r1" / "e.csv", tmp_path / "r2" / "e.csv", tmp_path / "r1" / "f.csv"
     zone = tmp_path / "data" / "drops" / "industry"
 
     edited.write_text('Company\n""\n')
-    first = run_cli(["run", "industry", "r1/e.csv"], env, tmp_path)
+    first = cli_in_process(["run", "industry", "r1/e.csv"])
     assert first.returncode == 1, first.stdout + first.stderr[-3000:]
     [line] = summary_lines(first.stdout)
     assert line.startswith("industry/e.csv: ALL ROWS FAILED") and "1 rows, 1 error rows" in line
@@ -493,7 +495,7 @@ def test_an_edited_file_runs_again_and_a_namesake_is_refused_or_replaced_after_c
     # files' origins in one tag).
     edited.write_text("Company\nAcme Holdings LLP\nGlobex Hospital\n")
     other.write_text("Company\nInitech\n")
-    second = run_cli(["run", "industry", "r1/e.csv", "r1/f.csv"], env, tmp_path)
+    second = cli_in_process(["run", "industry", "r1/e.csv", "r1/f.csv"])
     assert second.returncode == 0, second.stdout + second.stderr[-3000:]
     assert "r1/e.csv: changed since its last run; partition e.csv is run again from the new content" in second.stdout
     lines = summary_lines(second.stdout)
@@ -504,13 +506,13 @@ def test_an_edited_file_runs_again_and_a_namesake_is_refused_or_replaced_after_c
     # was labelled above, so the --replace run below takes its label from the result cache (no second
     # engine start; what it checks is the replacing).
     namesake.write_text("Company\nGlobex Hospital\n")
-    refused = run_cli(["run", "industry", "r2/e.csv"], env, tmp_path)
+    refused = cli_in_process(["run", "industry", "r2/e.csv"])
     assert refused.returncode == 2, refused.stdout + refused.stderr[-3000:]
     assert f"already holds a different e.csv (from {edited})" in refused.stdout and "--replace" in refused.stdout
     assert (zone / "e.csv").read_bytes() == edited.read_bytes()
 
     # With --replace it replaces the drop and the partition's outputs, and says what it replaced.
-    replaced = run_cli(["run", "industry", "--replace", "r2/e.csv"], env, tmp_path)
+    replaced = cli_in_process(["run", "industry", "--replace", "r2/e.csv"])
     assert replaced.returncode == 0, replaced.stdout + replaced.stderr[-3000:]
     assert f"r2/e.csv: replaces the drop file e.csv (from {edited}) as asked (--replace)" in replaced.stdout
     [line] = summary_lines(replaced.stdout)
@@ -519,7 +521,7 @@ def test_an_edited_file_runs_again_and_a_namesake_is_refused_or_replaced_after_c
     assert (zone / "e.csv").read_bytes() == namesake.read_bytes()
 
     # The newest run decides where the drop came from: now r2, so r1's file is the namesake.
-    back = run_cli(["run", "industry", "r1/e.csv"], env, tmp_path)
+    back = cli_in_process(["run", "industry", "r1/e.csv"])
     assert back.returncode == 2 and f"already holds a different e.csv (from {namesake})" in back.stdout, back.stdout
     for result in (first, second, refused, replaced, back):
         assert "AttributeError" not in result.stdout and "Traceback" not in result.stdout + result.stderr

@@ -6,10 +6,12 @@ file, with the same model and engine settings, and compares the answers line by 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import dagster as dg
@@ -133,31 +135,61 @@ def engine_flags(task: TaskSpec) -> list[str]:
     return args
 
 
+# vLLM's own run-batch answers, kept as files: a run-batch process costs a vLLM start and a model load
+# per CI run, and its answers change only with vLLM, torch, the model's weights, the engine flags or
+# the requests, which the file's key covers. A key that does not match runs vLLM again (nothing is
+# tested less); `make golden` writes the files anew.
+GOLDEN_DIR = Path(__file__).with_name("golden")
+WRITE_GOLDEN_ENV = "BATCH_ASSETS_WRITE_GOLDEN"
+
+
+def _content_digest(folder: Path) -> str:
+    """The model folder's files (names and bytes), not its path: the same weights anywhere."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(folder)).encode())
+        with path.open("rb") as handle:
+            while chunk := handle.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def golden_key(args: list[str], lines: list[dict], served: str) -> str:
+    import torch
+    import vllm
+
+    model = args[args.index("--model") + 1]
+    portable = [_content_digest(Path(arg)) if arg == model and Path(arg).is_dir() else arg for arg in args]
+    identity = {"vllm": vllm.__version__, "torch": torch.__version__, "args": portable, "served": served}
+    return hashlib.sha256(json.dumps([identity, lines], sort_keys=True).encode()).hexdigest()
+
+
 def run_vllm_batch(lines: list[dict], work: Path, task_name: str = TASK, served: str = "tiny") -> dict[str, dict]:
     """vLLM's own run-batch over `lines`, with the engine settings the task's engine uses, serving
-    the model under the name `served`."""
+    the model under the name `served`: from its golden file when that was made for the same key."""
     task = {t.name: t for t in load_task_specs()}[task_name]
     args = engine_flags(task)
+    golden = GOLDEN_DIR / f"run_batch-{task_name}-{served}.json"
+    key = golden_key(args, lines, served)
+    stored = json.loads(golden.read_text(encoding="utf-8")) if golden.exists() else {}
+    if stored.get("key") == key and not os.environ.get(WRITE_GOLDEN_ENV):
+        return stored["outputs"]
+    if not os.environ.get(WRITE_GOLDEN_ENV):
+        warnings.warn(f"{golden.name} was made for other versions, weights or requests: `make golden`", stacklevel=2)
+    outputs = _run_vllm_batch(lines, work, args, served)
+    if os.environ.get(WRITE_GOLDEN_ENV):
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(json.dumps({"key": key, "outputs": outputs}, indent=1, sort_keys=True) + "\n")
+    return outputs
+
+
+def _run_vllm_batch(lines: list[dict], work: Path, args: list[str], served: str) -> dict[str, dict]:
     source, target = work / "peer-in.jsonl", work / "peer-out.jsonl"
     source.write_text(as_jsonl(lines), encoding="utf-8")
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(source), "-o", str(target)]
     completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.run_batch",
-            "-i",
-            str(source),
-            "-o",
-            str(target),
-            *args,
-            "--served-model-name",
-            served,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
+        [*command, *args, "--served-model-name", served], capture_output=True, text=True, env=env, timeout=600
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
     return {record["custom_id"]: record for record in read_jsonl(target)}
