@@ -254,3 +254,18 @@ def test_a_kept_record_of_a_failed_batch_is_dropped_and_its_requests_sent_fresh(
 def _swallow(function) -> None:
     with contextlib.suppress(BaseException):  # the stop is what the caller expects
         function()
+
+
+def test_a_stop_between_two_results_cancels_the_batch_in_flight(tmp_path: Path, server: FaultServer) -> None:
+    # The stop reaches the stream's consumer (writing a checkpoint, say), not the stream: the
+    # session, left by that stop, cancels what the stream had in flight.
+    server.faults.refuse_upload_line, server.faults.hold = 1, True  # line 1 an error row at once, the rest held
+    task = batch_task(tmp_path, server.base_url)
+    engine = BatchApiEngine()
+    records = BatchRecordStore(UPath(tmp_path))
+    with pytest.raises(KeyboardInterrupt), engine.session(task, engine.settings(task), records=records) as session:
+        for position, generation in session.stream(prompts(3)):
+            assert (position, generation.error is not None) == (0, True)
+            raise KeyboardInterrupt
+    assert server.cancelled == list(server.batches) and len(server.cancelled) == 1
+    assert [record["cancelled_by_run"] for record in kept(tmp_path)] == [True]

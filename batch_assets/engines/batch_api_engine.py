@@ -21,8 +21,10 @@ Per stream:
    the files do not mention, become error rows, or are sent once more in a new batch when
    `resubmit_failed` is set; lines the provider refused by number (a failed batch's
    `errors.data[].line`, or a 400 naming a line) become error rows and the rest is sent again;
-5. an interrupt (Dagster's terminate, Ctrl-C, SIGTERM) cancels the batches in flight; a re-run
-   collects what they finished and sends the rest again.
+5. a stop (Dagster's terminate or a signal inside a step: `DagsterExecutionInterruptedError`;
+   Ctrl-C, SIGTERM: KeyboardInterrupt; SystemExit) cancels the batches in flight, whether it
+   reaches the stream or its consumer; a re-run collects what they finished and sends the rest
+   again. An ordinary failure cancels nothing: the retry collects the batches.
 Records of a stream that ended are removed when the session closes (after the checkpoints are
 written). Only chat tasks: embedding tasks use `engine.kind: openai`.
 """
@@ -131,7 +133,14 @@ class BatchApiEngine(OpenAIEngine):
     ) -> Iterator[BatchSession]:
         """`records`: where the batches are kept (storage/batch_records.py); required to submit any."""
         session = BatchSession(self, task, settings, log, records)
-        yield session
+        try:
+            yield session
+        except BaseException as stop:
+            # A stop that reached the stream's consumer rather than the stream (between two results):
+            # the stream's own handler never saw it.
+            if _is_stop(stop):
+                session.cancel_in_flight()
+            raise
         session.forget_collected()  # only after a stream that ended: its results are checkpointed
 
 
@@ -166,6 +175,7 @@ class BatchSession:
         self.batch_ids: list[str] = []
         self._collected: dict[str, dict] = {}  # records whose batch this session collected, by name
         self._wanted: set[str] = set()
+        self._runs: list[_Run] = []  # the streams not ended yet: what a stop must cancel
 
     def start(self, requests: int = 0) -> None:
         pass
@@ -175,7 +185,6 @@ class BatchSession:
         return {"engine_started_by_this_run": False, "batch_ids": ", ".join(self.batch_ids)}
 
     def stream(self, prompts: Iterable[Prompt]) -> Iterator[tuple[int, Generation]]:
-        import openai
 
         if self.records is None:
             raise BatchApiError("a batch API session needs somewhere to keep its batch ids (`records`)")
@@ -194,17 +203,37 @@ class BatchSession:
             },
         )
         self._wanted |= state.left
-        with openai.OpenAI(
-            base_url=self.settings.base_url,
+        with self._client() as client:
+            run = _Run(self, client, state)
+            # Kept while the stream may have batches in flight: also when its consumer stops
+            # between two results and the stream is closed before the stop reaches the session.
+            self._runs.append(run)
+            yield from run.run()
+            self._runs.remove(run)
+
+    def _client(self):
+        import openai
+
+        s = self.settings
+        return openai.OpenAI(
+            base_url=s.base_url,
             api_key=self.engine._api_key(self.task),
-            timeout=self.settings.request_timeout_s,
-            max_retries=self.settings.max_retries,
-        ) as client:
-            yield from _Run(self, client, state).run()
+            timeout=s.request_timeout_s,
+            max_retries=s.max_retries,
+        )
 
     def _params(self, prompt: Prompt) -> dict:
         s = self.settings
         return chat_request_params(self.task, s.model, s.structured_outputs, prompt.sampling, prompt.output, s.logprobs)
+
+    def cancel_in_flight(self) -> None:
+        """Cancel the batches of every stream not ended yet (the run was stopped), with a client of
+        its own: a stream closed by the stop has closed its client."""
+        if not any(run.in_flight for run in self._runs):
+            return
+        with self._client() as client:
+            for run in self._runs:
+                run.cancel_in_flight(client)
 
     def forget_collected(self) -> None:
         """Remove the records of batches collected whole by this session's streams."""
@@ -233,8 +262,9 @@ class _Run:
                 for record, batch in self._wait():
                     self.in_flight.remove(record)
                     yield from self._answer(self._collect(record, batch))
-        except KeyboardInterrupt:  # Dagster's terminate, Ctrl-C, SIGTERM (runtime/interrupts.py)
-            self._cancel_in_flight()
+        except BaseException as stop:
+            if _is_stop(stop):
+                self.cancel_in_flight()
             raise
         if self.state.left:
             raise BatchApiError(f"{len(self.state.left)} requests were neither answered nor failed by the batch API")
@@ -541,13 +571,25 @@ class _Run:
             self.records.remove(record["name"])  # the run fails; the next one must not adopt this batch
             raise
 
-    def _cancel_in_flight(self) -> None:
-        for record in self.in_flight:
-            with contextlib.suppress(Exception):
-                self.client.with_options(max_retries=0, timeout=10).batches.cancel(record["batch_id"])
+    def cancel_in_flight(self, client=None) -> None:
+        """Cancel the batches in flight, each once (a stop is seen by the stream and by its session):
+        the provider stops billing for them; their records stay, marked, so a re-run collects what
+        they finished and asks again for the rest."""
+        cancelling, self.in_flight = self.in_flight, []
+        for record in cancelling:
+            with contextlib.suppress(Exception):  # best effort: the stop goes on whatever the provider says
+                (client or self.client).with_options(max_retries=0, timeout=10).batches.cancel(record["batch_id"])
                 record["cancelled_by_run"] = True
                 self._save(record)
                 self.session.log(f"cancelled batch {record['batch_id']} (interrupted)")
+
+
+def _is_stop(error: BaseException) -> bool:
+    """Whether `error` stops the run: Dagster's terminate inside a step (its
+    `DagsterExecutionInterruptedError`, raised from the polling sleep), Ctrl-C and SIGTERM
+    (KeyboardInterrupt, runtime/interrupts.py), SystemExit. Not an ordinary failure, whose batches
+    are kept for the retry to collect, nor a consumer that closed the stream (GeneratorExit)."""
+    return not isinstance(error, Exception | GeneratorExit)
 
 
 class _Refused(Exception):
