@@ -37,6 +37,10 @@ class Faults:
     hold: bool = False  # batches stay in_progress until released
     quota: bool = False  # every upload answers 429
     lose_create_answer: bool = False  # the first batch create makes the batch, then answers 500
+    window_seconds: int = 24 * 3600  # a batch's `expires_at` is its `created_at` plus this
+    send_expires_at: bool = True  # else a batch has no `expires_at`, only `completion_window` ("<N>s")
+    answered_when_cancelled: int = 0  # requests a cancelled batch's output file answers
+    ignore_cancel: bool = False  # a cancel is counted and answered, but the batch goes on as it was
 
 
 @dataclass
@@ -163,8 +167,8 @@ class FaultServer:
             authorize(authorization)
             batch = self.batches[batch_id]
             self.cancelled.append(batch_id)
-            if batch.status not in ("completed", "failed", "expired"):
-                self._finish(batch, "cancelled", answered=0)
+            if batch.status not in ("completed", "failed", "expired", "cancelled") and not self.faults.ignore_cancel:
+                self._finish(batch, "cancelled", answered=self.faults.answered_when_cancelled)
             return self._batch(batch)
 
         return app
@@ -208,14 +212,16 @@ class FaultServer:
         self.faults.hold = False
 
     def _batch(self, batch: _Batch) -> dict:
+        window = self.faults.window_seconds
         return {
             "id": batch.id,
             "object": "batch",
             "endpoint": "/v1/chat/completions",
             "input_file_id": batch.input_file_id,
-            "completion_window": "24h",
+            "completion_window": "24h" if window == 24 * 3600 else f"{window}s",
             "status": batch.status,
             "created_at": batch.created_at,
+            "expires_at": batch.created_at + window if self.faults.send_expires_at else None,
             "output_file_id": batch.output_file_id,
             "error_file_id": batch.error_file_id,
             "errors": batch.errors,

@@ -269,3 +269,15 @@ def test_a_stop_between_two_results_cancels_the_batch_in_flight(tmp_path: Path, 
             raise KeyboardInterrupt
     assert server.cancelled == list(server.batches) and len(server.cancelled) == 1
     assert [record["cancelled_by_run"] for record in kept(tmp_path)] == [True]
+
+
+def test_a_batch_without_expires_at_ends_with_created_at_plus_its_window(tmp_path: Path, server: FaultServer) -> None:
+    # No `expires_at`: its created_at plus its completion_window ("1s") is the end of its window.
+    server.faults.hold, server.faults.window_seconds, server.faults.send_expires_at = True, 1, False
+    started = time.monotonic()
+    generations = run_stream(batch_task(tmp_path, server.base_url, expiry_grace_seconds=0.5), tmp_path / "r", 2)
+    assert time.monotonic() - started < 10
+    assert [g.text for g in generations] == [None, None]
+    assert all(g.error is not None and g.error.startswith("batch_expired: batch ") for g in generations)
+    assert server.cancelled == list(server.batches)
+    assert [b.status for b in server.batches.values()] == ["cancelled"]

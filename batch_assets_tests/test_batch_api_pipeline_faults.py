@@ -134,3 +134,38 @@ def test_a_stopped_run_cancels_its_batch_in_flight(tmp_path: Path, data_dir: Pat
     assert server.batches_created == 2
     assert labels(data_dir)["label"].to_list() == ["positive"] * POSTS
     assert kept_records(data_dir) == []
+
+
+# --- item 2: a batch the provider never finishes ends with its window ----------------------------
+
+
+@pytest.mark.parametrize("cancel", ["honoured, 5 answered", "ignored"])
+def test_a_batch_past_its_window_is_cancelled_and_its_rows_expire(
+    tmp_path: Path, data_dir: Path, server: FaultServer, cancel: str
+) -> None:
+    # The provider holds the batch in_progress past its expires_at (created_at + 2 s) and never ends it.
+    server.faults.hold, server.faults.window_seconds = True, 2
+    server.faults.answered_when_cancelled, server.faults.ignore_cancel = 5, cancel == "ignored"
+    started = time.monotonic()
+    child = start_run(tmp_path, task_env(tmp_path, server, expiry_grace_seconds=1))
+    status = finished(child, tmp_path, timeout=90)
+    output = (tmp_path / "cli.log").read_text()
+    [batch_id] = server.batches
+    assert server.cancelled == [batch_id], output[-3000:]
+    assert time.monotonic() - started < 60
+
+    # What the provider answered before the cancel is kept; every other row is a batch_expired error row.
+    rows = labels(data_dir)
+    answered = 5 if cancel.startswith("honoured") else 0
+    kept_answers = rows.filter(pl.col("error").is_null())
+    assert kept_answers["label"].to_list() == ["positive"] * answered, output[-3000:]
+    expired = rows.filter(pl.col("error").is_not_null())["error"].to_list()
+    assert len(expired) == POSTS - answered
+    assert all(
+        e.startswith(f"batch_expired: batch {batch_id} was not finished by the end of its window (") for e in expired
+    )
+    if answered:
+        assert f"{POSTS} rows, {POSTS - answered} error rows" in output, output[-3000:]
+    else:
+        assert status == 1 and "ALL ROWS FAILED" in output, output[-3000:]
+    assert server.batches_created == 1 and kept_records(data_dir) == []

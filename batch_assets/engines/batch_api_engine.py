@@ -20,7 +20,9 @@ Per stream:
    downloaded and matched by `custom_id`. Failed, expired or cancelled requests, and requests
    the files do not mention, become error rows, or are sent once more in a new batch when
    `resubmit_failed` is set; lines the provider refused by number (a failed batch's
-   `errors.data[].line`, or a 400 naming a line) become error rows and the rest is sent again;
+   `errors.data[].line`, or a 400 naming a line) become error rows and the rest is sent again; a
+   batch still unfinished at its `expires_at` plus `expiry_grace_seconds` is cancelled and
+   collected as expired (never waited for forever);
 5. a stop (Dagster's terminate or a signal inside a step: `DagsterExecutionInterruptedError`;
    Ctrl-C, SIGTERM: KeyboardInterrupt; SystemExit) cancels the batches in flight, whether it
    reaches the stream or its consumer; a re-run collects what they finished and sends the rest
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -88,6 +91,7 @@ class BatchApiSettings(EndpointSettings):
     max_requests_per_file: int
     max_bytes_per_file: int
     resubmit_failed: bool
+    expiry_grace_seconds: float
 
     def identity(self) -> dict[str, Any]:
         return {"engine": BATCH_API_KIND, "model": self.model, "base_url": self.base_url}
@@ -120,6 +124,7 @@ class BatchApiEngine(OpenAIEngine):
             max_requests_per_file=spec.max_requests_per_file,
             max_bytes_per_file=spec.max_bytes_per_file,
             resubmit_failed=spec.resubmit_failed,
+            expiry_grace_seconds=spec.expiry_grace_seconds,
         )
 
     # The contract's `Engine.session` (pipeline/engine_contract.py), not the endpoint's: another session type.
@@ -490,6 +495,8 @@ class _Run:
                 for record in self.in_flight:
                     batch = self._call("read the batch's status", self.client.batches.retrieve, record["batch_id"])
                     self._report(record, batch, last_seen)
+                    if batch.status not in TERMINAL:
+                        batch = self._past_window(record, batch)
                     if batch.status in TERMINAL:
                         finished.append((record, batch))
                 failed_polls = 0
@@ -503,6 +510,29 @@ class _Run:
             if finished:
                 return finished
             self._sleep(self.settings.poll_seconds)
+
+    def _past_window(self, record: dict, batch):
+        """A batch the provider has not ended by its `expires_at` plus `expiry_grace_seconds`: the run
+        cancels it (a provider that never ends it would hold the run, its slot and its pool for good)
+        and, once the cancel has landed or had the grace period too, collects it as expired: its
+        answers kept, the rest `batch_expired` error rows. Before that, `batch` as it is."""
+        grace = self.settings.expiry_grace_seconds
+        expires = _expires_at(batch, self.settings.completion_window)
+        now = time.time()
+        if now < expires + grace:
+            return batch
+        if not record.get("past_window"):
+            self.session.log(
+                f"batch {batch.id}: still {batch.status} {now - expires:.0f} s after its window ended "
+                f"(engine.expiry_grace_seconds: {grace:g}); cancelling it"
+            )
+            with contextlib.suppress(BatchApiError):  # not reached now: the next poll tells
+                batch = self._call("cancel the batch", self.client.batches.cancel, batch.id)
+            record["past_window"] = expires
+            self._save(record)
+        if batch.status in TERMINAL or now >= expires + 2 * grace:
+            return _Expired(batch.id, batch.output_file_id, batch.error_file_id, expires)
+        return batch
 
     def _report(self, record: dict, batch, last_seen: dict) -> None:
         counts = batch.request_counts
@@ -598,7 +628,40 @@ class _Refused(Exception):
         self.lines, self.detail, self.message = lines, detail, message
 
 
+@dataclass(frozen=True)
+class _Expired:
+    """A batch the run gave up on past its window (`_Run._past_window`), collected as expired: with
+    the files the provider gave it, if any."""
+
+    id: str
+    output_file_id: str | None
+    error_file_id: str | None
+    expires_at: float
+    status: str = "expired"
+
+
+# A completion window as providers write it: "24h", "7d", "30m".
+_WINDOW = re.compile(r"^\s*(\d+)\s*([smhd])\s*$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _expires_at(batch, completion_window: str) -> float:
+    """When the provider's window for `batch` ends: its `expires_at`, else its `created_at` plus its
+    completion window (the task's when the provider names none it can read)."""
+    if getattr(batch, "expires_at", None):
+        return float(batch.expires_at)
+    match = _WINDOW.match(getattr(batch, "completion_window", None) or "") or _WINDOW.match(completion_window)
+    window = int(match[1]) * _UNIT_SECONDS[match[2]] if match else 24 * 3600
+    return float(batch.created_at) + window
+
+
 def _unanswered(batch) -> str:
+    if isinstance(batch, _Expired):
+        ended = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(batch.expires_at))
+        return (
+            f"batch_expired: batch {batch.id} was not finished by the end of its window ({ended}) plus "
+            "engine.expiry_grace_seconds; the run cancelled it before this request was run"
+        )
     if batch.status in ("expired", "cancelled"):
         return f"batch_{batch.status}: batch {batch.id} {batch.status} before this request was run"
     return f"batch_missing: batch {batch.id} completed without an output or error line for this request"
