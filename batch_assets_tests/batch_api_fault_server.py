@@ -41,6 +41,12 @@ class Faults:
     send_expires_at: bool = True  # else a batch has no `expires_at`, only `completion_window` ("<N>s")
     answered_when_cancelled: int = 0  # requests a cancelled batch's output file answers
     ignore_cancel: bool = False  # a cancel is counted and answered, but the batch goes on as it was
+    # A completed batch's files contradicting themselves:
+    twice: int = 0  # its first N answered requests answered twice in the output file ...
+    twice_answer: str | None = None  # ... the second time with this content (None: the same again)
+    also_error: int = 0  # its first N answered requests also listed in the error file (HTTP 500)
+    unknown_ids: int = 0  # output lines answering custom_ids the batch never held
+    unreadable_lines: int = 0  # output lines that are not JSON
 
 
 @dataclass
@@ -199,14 +205,27 @@ class FaultServer:
         errored = requests[max(0, answered - drop - errors) : max(0, answered - drop)]
         out = [_output_line(r, self.faults.answer) for r in answered_ids]
         err = [_error_line(r) for r in errored]
-        if out:
+        odd: list[str] = []
+        if status == "completed":
+            out, err, odd = self._contradictions(answered_ids, out, err)
+        if out or odd:
             batch.output_file_id = f"file-{uuid.uuid4().hex[:12]}"
-            self.files[batch.output_file_id] = "".join(json.dumps(x) + "\n" for x in out).encode()
+            self.files[batch.output_file_id] = "".join([json.dumps(x) + "\n" for x in out] + odd).encode()
         if err:
             batch.error_file_id = f"file-{uuid.uuid4().hex[:12]}"
             self.files[batch.error_file_id] = "".join(json.dumps(x) + "\n" for x in err).encode()
         batch.status = status
         batch.counts = {"total": len(requests), "completed": len(out), "failed": len(err)}
+
+    def _contradictions(self, answered: list[dict], out: list[dict], err: list[dict]) -> tuple[list, list, list]:
+        """The output and error lines with the contradictions `faults` asks for added, and the
+        unreadable lines (text) to append to the output file."""
+        f = self.faults
+        again = [_output_line(r, f.twice_answer or f.answer) for r in answered[: f.twice]]
+        strangers = [_output_line({"custom_id": f"not-mine-{n}", "body": {}}, f.answer) for n in range(f.unknown_ids)]
+        errors = [_error_line(r) for r in answered[: f.also_error]]
+        garbage = [f'{{"custom_id": "cut off by a network error {n}\n' for n in range(f.unreadable_lines)]
+        return out + again + strangers, err + errors, garbage
 
     def release(self) -> None:
         self.faults.hold = False

@@ -96,14 +96,15 @@ def labels(data: Path) -> pl.DataFrame:
     return pl.read_parquet(data / "storage" / "sentiment" / "validated_labels" / "posts.jsonl.parquet")
 
 
-def inference_metadata(home: Path) -> dict:
-    instance = dg.DagsterInstance.from_config(str(home))
-    try:
-        records = instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=dg.AssetKey(["sentiment", "inference_outputs"])), limit=1
-        ).records
-    finally:
-        instance.dispose()
+def inference_metadata() -> dict:
+    """The metadata of the run's one materialization of inference_outputs, in the run's instance."""
+    records = (
+        dg.DagsterInstance.get()
+        .fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey(["sentiment", "inference_outputs"])), limit=5
+        )
+        .records
+    )
     assert len(records) == 1
     return {key: value.value for key, value in records[0].asset_materialization.metadata.items()}
 
@@ -169,3 +170,50 @@ def test_a_batch_past_its_window_is_cancelled_and_its_rows_expire(
     else:
         assert status == 1 and "ALL ROWS FAILED" in output, output[-3000:]
     assert server.batches_created == 1 and kept_records(data_dir) == []
+
+
+# --- item 5: answers that contradict each other ---------------------------------------------------
+
+ANSWER_COUNTS = ("batch_answer_conflicts", "batch_answers_repeated", "batch_errors_overridden")
+LINE_COUNTS = ("batch_unknown_ids", "batch_unreadable_lines")
+
+
+def test_a_request_answered_twice_differently_is_a_batch_conflict_row(
+    tmp_path: Path, data_dir: Path, server: FaultServer
+) -> None:
+    server.faults.twice, server.faults.twice_answer = 3, "negative"  # the last line would win: silently
+    status = finished(start_run(tmp_path, task_env(tmp_path, server)), tmp_path, timeout=120)
+    output = (tmp_path / "cli.log").read_text()
+    rows = labels(data_dir)
+    assert rows.filter(pl.col("error").is_null())["label"].to_list() == ["positive"] * (POSTS - 3), output[-3000:]
+    conflicts = rows.filter(pl.col("error").is_not_null())
+    assert conflicts["label"].to_list() == [None] * 3
+    assert (
+        conflicts["error"].to_list()
+        == [
+            "batch_conflict: the provider answered this request 2 times with different content "
+            "('positive', 'negative'); none of them is kept"
+        ]
+        * 3
+    )
+    metadata = inference_metadata()
+    assert [metadata[key] for key in ANSWER_COUNTS + LINE_COUNTS] == [3, 0, 0, 0, 0]
+    assert metadata["errors_by_code"] == {"batch_conflict": 3}
+    assert status == 0 and f"{POSTS} rows, 3 error rows" in output, output[-3000:]
+
+
+def test_a_200_answer_is_kept_over_the_error_file_and_odd_lines_are_counted(
+    tmp_path: Path, data_dir: Path, server: FaultServer
+) -> None:
+    # Every request answered (200) and also listed in the error file: the error file would win and
+    # every paid answer be thrown away. Two answered twice alike, two strangers, three broken lines.
+    faults = server.faults
+    faults.also_error, faults.twice, faults.unknown_ids, faults.unreadable_lines = POSTS, 2, 2, 3
+    status = finished(start_run(tmp_path, task_env(tmp_path, server)), tmp_path, timeout=120)
+    output = (tmp_path / "cli.log").read_text()
+    rows = labels(data_dir)
+    assert rows["label"].to_list() == ["positive"] * POSTS, output[-3000:]
+    assert rows["error"].to_list() == [None] * POSTS
+    metadata = inference_metadata()
+    assert [metadata[key] for key in ANSWER_COUNTS + LINE_COUNTS] == [0, 2, POSTS, 2, 3]
+    assert status == 0 and "OK run" in output, output[-3000:]

@@ -17,8 +17,9 @@ Per stream:
    upload, again with the file id, and again with the batch id, all before anything waits (a
    record with a file but no batch id is matched to the provider's batches by that file);
 4. the batches are polled every `poll_seconds`; each finished one's output and error files are
-   downloaded and matched by `custom_id`. Failed, expired or cancelled requests, and requests
-   the files do not mention, become error rows, or are sent once more in a new batch when
+   downloaded and matched by `custom_id` (contradictions settled and counted: `settle_answers`).
+   Failed, expired or cancelled requests, and requests the files do not mention, become error
+   rows, or are sent once more in a new batch when
    `resubmit_failed` is set; lines the provider refused by number (a failed batch's
    `errors.data[].line`, or a 400 naming a line) become error rows and the rest is sent again; a
    batch still unfinished at its `expires_at` plus `expiry_grace_seconds` is cancelled and
@@ -46,11 +47,12 @@ from pydantic import Field
 
 from batch_assets.engines.batch_api_files import (
     Answer,
+    AnswerCounts,
     RequestLine,
     chat_body,
-    parse_answers,
     refused_lines,
     request_lines,
+    settle_answers,
     split_files,
 )
 from batch_assets.engines.openai_engine import (
@@ -181,13 +183,18 @@ class BatchSession:
         self._collected: dict[str, dict] = {}  # records whose batch this session collected, by name
         self._wanted: set[str] = set()
         self._runs: list[_Run] = []  # the streams not ended yet: what a stop must cancel
+        self.answer_counts = AnswerCounts()  # over every batch collected: what did not add up
 
     def start(self, requests: int = 0) -> None:
         pass
 
     @property
     def metadata(self) -> dict[str, Any]:
-        return {"engine_started_by_this_run": False, "batch_ids": ", ".join(self.batch_ids)}
+        return {
+            "engine_started_by_this_run": False,
+            "batch_ids": ", ".join(self.batch_ids),
+            **self.answer_counts.metadata(),
+        }
 
     def stream(self, prompts: Iterable[Prompt]) -> Iterator[tuple[int, Generation]]:
 
@@ -553,11 +560,16 @@ class _Run:
     def _collect(self, record: dict, batch) -> dict[str, Answer]:
         """A finished batch's answers for this stream's requests; what it left unanswered (and its
         failures, with `resubmit_failed`) sent once more."""
-        answers: dict[str, Answer] = {}
-        for file_id in (batch.output_file_id, batch.error_file_id):
-            if file_id:
-                data = self._call("download the batch's results", self.client.files.content, file_id).content
-                answers |= parse_answers(data)
+        files = [
+            self._call("download the batch's results", self.client.files.content, file_id).content
+            for file_id in (batch.output_file_id, batch.error_file_id)
+            if file_id
+        ]
+        counts = AnswerCounts()
+        answers = settle_answers(files, record["id_set"], counts)
+        self.session.answer_counts.add(counts)
+        if said := counts.summary():
+            self.session.log(f"batch {batch.id}: its output and error files do not add up ({said})")
         self.session._collected[record["name"]] = record
         if batch.status == "failed":
             return self._failed_batch(record, batch, answers)
