@@ -41,6 +41,7 @@ class Faults:
     send_expires_at: bool = True  # else a batch has no `expires_at`, only `completion_window` ("<N>s")
     answered_when_cancelled: int = 0  # requests a cancelled batch's output file answers
     ignore_cancel: bool = False  # a cancel is counted and answered, but the batch goes on as it was
+    cancel_slowly: bool = False  # a cancel answers "cancelling"; the next status read finds it cancelled
     # A completed batch's files contradicting themselves:
     twice: int = 0  # its first N answered requests answered twice in the output file ...
     twice_answer: str | None = None  # ... the second time with this content (None: the same again)
@@ -174,12 +175,18 @@ class FaultServer:
             batch = self.batches[batch_id]
             self.cancelled.append(batch_id)
             if batch.status not in ("completed", "failed", "expired", "cancelled") and not self.faults.ignore_cancel:
-                self._finish(batch, "cancelled", answered=self.faults.answered_when_cancelled)
+                if self.faults.cancel_slowly:
+                    batch.status = "cancelling"
+                else:
+                    self._finish(batch, "cancelled", answered=self.faults.answered_when_cancelled)
             return self._batch(batch)
 
         return app
 
     def _advance(self, batch: _Batch) -> None:
+        if batch.status == "cancelling":
+            self._finish(batch, "cancelled", answered=self.faults.answered_when_cancelled)
+            return
         batch.status = "in_progress"
         if self.faults.hold or batch.polls < self.faults.polls_before_done:
             return

@@ -281,3 +281,17 @@ def test_a_batch_without_expires_at_ends_with_created_at_plus_its_window(tmp_pat
     assert all(g.error is not None and g.error.startswith("batch_expired: batch ") for g in generations)
     assert server.cancelled == list(server.batches)
     assert [b.status for b in server.batches.values()] == ["cancelled"]
+
+
+def test_a_batch_cancelled_slowly_past_its_window_keeps_its_answers_and_expires_the_rest(
+    tmp_path: Path, server: FaultServer
+) -> None:
+    # Past its window the run cancels it; the provider answers "cancelling", and "cancelled" (with
+    # one answer in its output file) at the next status read: collected as expired, not cancelled.
+    faults = server.faults
+    faults.hold, faults.window_seconds, faults.cancel_slowly, faults.answered_when_cancelled = True, 1, True, 1
+    generations = run_stream(batch_task(tmp_path, server.base_url, expiry_grace_seconds=2), tmp_path / "r", 3)
+    [batch] = server.batches.values()
+    assert batch.polls >= 2 and batch.status == "cancelled" and server.cancelled == [batch.id]
+    assert [g.text for g in generations] == ["positive", None, None]
+    assert all(g.error is not None and g.error.startswith("batch_expired: batch ") for g in generations[1:])

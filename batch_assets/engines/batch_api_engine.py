@@ -502,8 +502,7 @@ class _Run:
                 for record in self.in_flight:
                     batch = self._call("read the batch's status", self.client.batches.retrieve, record["batch_id"])
                     self._report(record, batch, last_seen)
-                    if batch.status not in TERMINAL:
-                        batch = self._past_window(record, batch)
+                    batch = self._past_window(record, batch)
                     if batch.status in TERMINAL:
                         finished.append((record, batch))
                 failed_polls = 0
@@ -524,11 +523,11 @@ class _Run:
         and, once the cancel has landed or had the grace period too, collects it as expired: its
         answers kept, the rest `batch_expired` error rows. Before that, `batch` as it is."""
         grace = self.settings.expiry_grace_seconds
-        expires = _expires_at(batch, self.settings.completion_window)
+        expires = record.get("past_window") or _expires_at(batch, self.settings.completion_window)
         now = time.time()
-        if now < expires + grace:
-            return batch
         if not record.get("past_window"):
+            if batch.status in TERMINAL or now < expires + grace:
+                return batch
             self.session.log(
                 f"batch {batch.id}: still {batch.status} {now - expires:.0f} s after its window ended "
                 f"(engine.expiry_grace_seconds: {grace:g}); cancelling it"
@@ -537,7 +536,9 @@ class _Run:
                 batch = self._call("cancel the batch", self.client.batches.cancel, batch.id)
             record["past_window"] = expires
             self._save(record)
-        if batch.status in TERMINAL or now >= expires + 2 * grace:
+        # Cancelled as asked (at once, or "cancelling" first), or never: expired either way. A batch
+        # that completed or failed meanwhile is collected as such.
+        if batch.status in ("cancelled", "expired") or (batch.status not in TERMINAL and now >= expires + 2 * grace):
             return _Expired(batch.id, batch.output_file_id, batch.error_file_id, expires)
         return batch
 
