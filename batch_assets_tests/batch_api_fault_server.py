@@ -37,6 +37,17 @@ class Faults:
     hold: bool = False  # batches stay in_progress until released
     quota: bool = False  # every upload answers 429
     lose_create_answer: bool = False  # the first batch create makes the batch, then answers 500
+    window_seconds: int = 24 * 3600  # a batch's `expires_at` is its `created_at` plus this
+    send_expires_at: bool = True  # else a batch has no `expires_at`, only `completion_window` ("<N>s")
+    answered_when_cancelled: int = 0  # requests a cancelled batch's output file answers
+    ignore_cancel: bool = False  # a cancel is counted and answered, but the batch goes on as it was
+    cancel_slowly: bool = False  # a cancel answers "cancelling"; the next status read finds it cancelled
+    # A completed batch's files contradicting themselves:
+    twice: int = 0  # its first N answered requests answered twice in the output file ...
+    twice_answer: str | None = None  # ... the second time with this content (None: the same again)
+    also_error: int = 0  # its first N answered requests also listed in the error file (HTTP 500)
+    unknown_ids: int = 0  # output lines answering custom_ids the batch never held
+    unreadable_lines: int = 0  # output lines that are not JSON
 
 
 @dataclass
@@ -163,13 +174,19 @@ class FaultServer:
             authorize(authorization)
             batch = self.batches[batch_id]
             self.cancelled.append(batch_id)
-            if batch.status not in ("completed", "failed", "expired"):
-                self._finish(batch, "cancelled", answered=0)
+            if batch.status not in ("completed", "failed", "expired", "cancelled") and not self.faults.ignore_cancel:
+                if self.faults.cancel_slowly:
+                    batch.status = "cancelling"
+                else:
+                    self._finish(batch, "cancelled", answered=self.faults.answered_when_cancelled)
             return self._batch(batch)
 
         return app
 
     def _advance(self, batch: _Batch) -> None:
+        if batch.status == "cancelling":
+            self._finish(batch, "cancelled", answered=self.faults.answered_when_cancelled)
+            return
         batch.status = "in_progress"
         if self.faults.hold or batch.polls < self.faults.polls_before_done:
             return
@@ -195,27 +212,42 @@ class FaultServer:
         errored = requests[max(0, answered - drop - errors) : max(0, answered - drop)]
         out = [_output_line(r, self.faults.answer) for r in answered_ids]
         err = [_error_line(r) for r in errored]
-        if out:
+        odd: list[str] = []
+        if status == "completed":
+            out, err, odd = self._contradictions(answered_ids, out, err)
+        if out or odd:
             batch.output_file_id = f"file-{uuid.uuid4().hex[:12]}"
-            self.files[batch.output_file_id] = "".join(json.dumps(x) + "\n" for x in out).encode()
+            self.files[batch.output_file_id] = "".join([json.dumps(x) + "\n" for x in out] + odd).encode()
         if err:
             batch.error_file_id = f"file-{uuid.uuid4().hex[:12]}"
             self.files[batch.error_file_id] = "".join(json.dumps(x) + "\n" for x in err).encode()
         batch.status = status
         batch.counts = {"total": len(requests), "completed": len(out), "failed": len(err)}
 
+    def _contradictions(self, answered: list[dict], out: list[dict], err: list[dict]) -> tuple[list, list, list]:
+        """The output and error lines with the contradictions `faults` asks for added, and the
+        unreadable lines (text) to append to the output file."""
+        f = self.faults
+        again = [_output_line(r, f.twice_answer or f.answer) for r in answered[: f.twice]]
+        strangers = [_output_line({"custom_id": f"not-mine-{n}", "body": {}}, f.answer) for n in range(f.unknown_ids)]
+        errors = [_error_line(r) for r in answered[: f.also_error]]
+        garbage = [f'{{"custom_id": "cut off by a network error {n}\n' for n in range(f.unreadable_lines)]
+        return out + again + strangers, err + errors, garbage
+
     def release(self) -> None:
         self.faults.hold = False
 
     def _batch(self, batch: _Batch) -> dict:
+        window = self.faults.window_seconds
         return {
             "id": batch.id,
             "object": "batch",
             "endpoint": "/v1/chat/completions",
             "input_file_id": batch.input_file_id,
-            "completion_window": "24h",
+            "completion_window": "24h" if window == 24 * 3600 else f"{window}s",
             "status": batch.status,
             "created_at": batch.created_at,
+            "expires_at": batch.created_at + window if self.faults.send_expires_at else None,
             "output_file_id": batch.output_file_id,
             "error_file_id": batch.error_file_id,
             "errors": batch.errors,

@@ -254,3 +254,44 @@ def test_a_kept_record_of_a_failed_batch_is_dropped_and_its_requests_sent_fresh(
 def _swallow(function) -> None:
     with contextlib.suppress(BaseException):  # the stop is what the caller expects
         function()
+
+
+def test_a_stop_between_two_results_cancels_the_batch_in_flight(tmp_path: Path, server: FaultServer) -> None:
+    # The stop reaches the stream's consumer (writing a checkpoint, say), not the stream: the
+    # session, left by that stop, cancels what the stream had in flight.
+    server.faults.refuse_upload_line, server.faults.hold = 1, True  # line 1 an error row at once, the rest held
+    task = batch_task(tmp_path, server.base_url)
+    engine = BatchApiEngine()
+    records = BatchRecordStore(UPath(tmp_path))
+    with pytest.raises(KeyboardInterrupt), engine.session(task, engine.settings(task), records=records) as session:
+        for position, generation in session.stream(prompts(3)):
+            assert (position, generation.error is not None) == (0, True)
+            raise KeyboardInterrupt
+    assert server.cancelled == list(server.batches) and len(server.cancelled) == 1
+    assert [record["cancelled_by_run"] for record in kept(tmp_path)] == [True]
+
+
+def test_a_batch_without_expires_at_ends_with_created_at_plus_its_window(tmp_path: Path, server: FaultServer) -> None:
+    # No `expires_at`: its created_at plus its completion_window ("1s") is the end of its window.
+    server.faults.hold, server.faults.window_seconds, server.faults.send_expires_at = True, 1, False
+    started = time.monotonic()
+    generations = run_stream(batch_task(tmp_path, server.base_url, expiry_grace_seconds=0.5), tmp_path / "r", 2)
+    assert time.monotonic() - started < 10
+    assert [g.text for g in generations] == [None, None]
+    assert all(g.error is not None and g.error.startswith("batch_expired: batch ") for g in generations)
+    assert server.cancelled == list(server.batches)
+    assert [b.status for b in server.batches.values()] == ["cancelled"]
+
+
+def test_a_batch_cancelled_slowly_past_its_window_keeps_its_answers_and_expires_the_rest(
+    tmp_path: Path, server: FaultServer
+) -> None:
+    # Past its window the run cancels it; the provider answers "cancelling", and "cancelled" (with
+    # one answer in its output file) at the next status read: collected as expired, not cancelled.
+    faults = server.faults
+    faults.hold, faults.window_seconds, faults.cancel_slowly, faults.answered_when_cancelled = True, 1, True, 1
+    generations = run_stream(batch_task(tmp_path, server.base_url, expiry_grace_seconds=2), tmp_path / "r", 3)
+    [batch] = server.batches.values()
+    assert batch.polls >= 2 and batch.status == "cancelled" and server.cancelled == [batch.id]
+    assert [g.text for g in generations] == ["positive", None, None]
+    assert all(g.error is not None and g.error.startswith("batch_expired: batch ") for g in generations[1:])

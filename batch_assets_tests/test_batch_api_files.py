@@ -10,10 +10,11 @@ import pytest
 
 from batch_assets.engines.batch_api_files import (
     Answer,
+    AnswerCounts,
     chat_body,
-    parse_answers,
     refused_lines,
     request_lines,
+    settle_answers,
     split_files,
 )
 from batch_assets.engines.kinds import ENGINE_KINDS
@@ -91,8 +92,10 @@ def test_answers_are_read_by_custom_id_from_output_and_error_lines() -> None:
         )
         + b"\nnot json\n"
     )
-    answers = parse_answers(data)
+    counts = AnswerCounts()
+    answers = settle_answers([data], {"a", "b", "c", "d", "e"}, counts)
     assert set(answers) == {"a", "b", "c", "d"}
+    assert counts == AnswerCounts(unreadable_lines=2)  # the line without a custom_id, and "not json"
     for key in ("a", "b"):
         generation = answers[key].generation
         assert generation is not None
@@ -167,3 +170,32 @@ def test_the_resources_poll_seconds_wins_even_when_zero(tmp_path: Path) -> None:
     assert BatchApiEngine(poll_seconds=0.0).settings(task).poll_seconds == 0.0
     assert BatchApiEngine(poll_seconds=2.0).settings(task).poll_seconds == 2.0
     assert BatchApiEngine().settings(task).poll_seconds == 5.0
+
+
+def _line(custom_id: str, text: str | None = None, status: int = 200) -> bytes:
+    """An output line answering `text` (status 200), or an error line with `status`."""
+    if text is None:
+        return json.dumps({"custom_id": custom_id, "response": {"status_code": status, "body": {}}}).encode() + b"\n"
+    body = {"choices": [{"message": {"content": text}, "finish_reason": "stop"}], "usage": {"prompt_tokens": 3}}
+    return json.dumps({"custom_id": custom_id, "response": {"status_code": 200, "body": body}}).encode() + b"\n"
+
+
+def test_contradicting_answers_are_settled_and_counted() -> None:
+    output = b"".join(
+        [_line("same", "positive"), _line("same", "positive"), _line("two", "positive"), _line("two", "negative")]
+        + [_line("paid", "neutral"), _line("stranger", "positive"), b'{"custom_id": "cut\n']
+    )
+    errors = _line("paid", status=500) + _line("failed", status=500) + _line("failed", status=500)
+    counts = AnswerCounts()
+    answers = settle_answers([output, errors], {"same", "two", "paid", "failed", "unmentioned"}, counts)
+    assert {key: (a.generation.text if a.generation else a.error) for key, a in answers.items()} == {
+        "same": "positive",
+        "two": "batch_conflict: the provider answered this request 2 times with different content "
+        "('positive', 'negative'); none of them is kept",
+        "paid": "neutral",  # answered 200: the error file's line for it does not throw it away
+        "failed": "batch_error: HTTP 500: no detail",
+    }
+    assert counts == AnswerCounts(conflicts=1, repeated=2, errors_overridden=1, unknown_ids=1, unreadable_lines=1)
+    assert counts.summary() == (
+        "answer conflicts: 1, answers repeated: 2, errors overridden: 1, unknown ids: 1, unreadable lines: 1"
+    )

@@ -17,12 +17,17 @@ Per stream:
    upload, again with the file id, and again with the batch id, all before anything waits (a
    record with a file but no batch id is matched to the provider's batches by that file);
 4. the batches are polled every `poll_seconds`; each finished one's output and error files are
-   downloaded and matched by `custom_id`. Failed, expired or cancelled requests, and requests
-   the files do not mention, become error rows, or are sent once more in a new batch when
+   downloaded and matched by `custom_id` (contradictions settled and counted: `settle_answers`).
+   Failed, expired or cancelled requests, and requests the files do not mention, become error
+   rows, or are sent once more in a new batch when
    `resubmit_failed` is set; lines the provider refused by number (a failed batch's
-   `errors.data[].line`, or a 400 naming a line) become error rows and the rest is sent again;
-5. an interrupt (Dagster's terminate, Ctrl-C, SIGTERM) cancels the batches in flight; a re-run
-   collects what they finished and sends the rest again.
+   `errors.data[].line`, or a 400 naming a line) become error rows and the rest is sent again; a
+   batch still unfinished at its `expires_at` plus `expiry_grace_seconds` is cancelled and
+   collected as expired (never waited for forever);
+5. a stop (Dagster's terminate or a signal inside a step: `DagsterExecutionInterruptedError`;
+   Ctrl-C, SIGTERM: KeyboardInterrupt; SystemExit) cancels the batches in flight, whether it
+   reaches the stream or its consumer; a re-run collects what they finished and sends the rest
+   again. An ordinary failure cancels nothing: the retry collects the batches.
 Records of a stream that ended are removed when the session closes (after the checkpoints are
 written). Only chat tasks: embedding tasks use `engine.kind: openai`.
 """
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -41,11 +47,12 @@ from pydantic import Field
 
 from batch_assets.engines.batch_api_files import (
     Answer,
+    AnswerCounts,
     RequestLine,
     chat_body,
-    parse_answers,
     refused_lines,
     request_lines,
+    settle_answers,
     split_files,
 )
 from batch_assets.engines.openai_engine import (
@@ -86,6 +93,7 @@ class BatchApiSettings(EndpointSettings):
     max_requests_per_file: int
     max_bytes_per_file: int
     resubmit_failed: bool
+    expiry_grace_seconds: float
 
     def identity(self) -> dict[str, Any]:
         return {"engine": BATCH_API_KIND, "model": self.model, "base_url": self.base_url}
@@ -118,6 +126,7 @@ class BatchApiEngine(OpenAIEngine):
             max_requests_per_file=spec.max_requests_per_file,
             max_bytes_per_file=spec.max_bytes_per_file,
             resubmit_failed=spec.resubmit_failed,
+            expiry_grace_seconds=spec.expiry_grace_seconds,
         )
 
     # The contract's `Engine.session` (pipeline/engine_contract.py), not the endpoint's: another session type.
@@ -131,7 +140,14 @@ class BatchApiEngine(OpenAIEngine):
     ) -> Iterator[BatchSession]:
         """`records`: where the batches are kept (storage/batch_records.py); required to submit any."""
         session = BatchSession(self, task, settings, log, records)
-        yield session
+        try:
+            yield session
+        except BaseException as stop:
+            # A stop that reached the stream's consumer rather than the stream (between two results):
+            # the stream's own handler never saw it.
+            if _is_stop(stop):
+                session.cancel_in_flight()
+            raise
         session.forget_collected()  # only after a stream that ended: its results are checkpointed
 
 
@@ -166,16 +182,21 @@ class BatchSession:
         self.batch_ids: list[str] = []
         self._collected: dict[str, dict] = {}  # records whose batch this session collected, by name
         self._wanted: set[str] = set()
+        self._runs: list[_Run] = []  # the streams not ended yet: what a stop must cancel
+        self.answer_counts = AnswerCounts()  # over every batch collected: what did not add up
 
     def start(self, requests: int = 0) -> None:
         pass
 
     @property
     def metadata(self) -> dict[str, Any]:
-        return {"engine_started_by_this_run": False, "batch_ids": ", ".join(self.batch_ids)}
+        return {
+            "engine_started_by_this_run": False,
+            "batch_ids": ", ".join(self.batch_ids),
+            **self.answer_counts.metadata(),
+        }
 
     def stream(self, prompts: Iterable[Prompt]) -> Iterator[tuple[int, Generation]]:
-        import openai
 
         if self.records is None:
             raise BatchApiError("a batch API session needs somewhere to keep its batch ids (`records`)")
@@ -194,17 +215,37 @@ class BatchSession:
             },
         )
         self._wanted |= state.left
-        with openai.OpenAI(
-            base_url=self.settings.base_url,
+        with self._client() as client:
+            run = _Run(self, client, state)
+            # Kept while the stream may have batches in flight: also when its consumer stops
+            # between two results and the stream is closed before the stop reaches the session.
+            self._runs.append(run)
+            yield from run.run()
+            self._runs.remove(run)
+
+    def _client(self):
+        import openai
+
+        s = self.settings
+        return openai.OpenAI(
+            base_url=s.base_url,
             api_key=self.engine._api_key(self.task),
-            timeout=self.settings.request_timeout_s,
-            max_retries=self.settings.max_retries,
-        ) as client:
-            yield from _Run(self, client, state).run()
+            timeout=s.request_timeout_s,
+            max_retries=s.max_retries,
+        )
 
     def _params(self, prompt: Prompt) -> dict:
         s = self.settings
         return chat_request_params(self.task, s.model, s.structured_outputs, prompt.sampling, prompt.output, s.logprobs)
+
+    def cancel_in_flight(self) -> None:
+        """Cancel the batches of every stream not ended yet (the run was stopped), with a client of
+        its own: a stream closed by the stop has closed its client."""
+        if not any(run.in_flight for run in self._runs):
+            return
+        with self._client() as client:
+            for run in self._runs:
+                run.cancel_in_flight(client)
 
     def forget_collected(self) -> None:
         """Remove the records of batches collected whole by this session's streams."""
@@ -233,8 +274,9 @@ class _Run:
                 for record, batch in self._wait():
                     self.in_flight.remove(record)
                     yield from self._answer(self._collect(record, batch))
-        except KeyboardInterrupt:  # Dagster's terminate, Ctrl-C, SIGTERM (runtime/interrupts.py)
-            self._cancel_in_flight()
+        except BaseException as stop:
+            if _is_stop(stop):
+                self.cancel_in_flight()
             raise
         if self.state.left:
             raise BatchApiError(f"{len(self.state.left)} requests were neither answered nor failed by the batch API")
@@ -460,6 +502,7 @@ class _Run:
                 for record in self.in_flight:
                     batch = self._call("read the batch's status", self.client.batches.retrieve, record["batch_id"])
                     self._report(record, batch, last_seen)
+                    batch = self._past_window(record, batch)
                     if batch.status in TERMINAL:
                         finished.append((record, batch))
                 failed_polls = 0
@@ -473,6 +516,31 @@ class _Run:
             if finished:
                 return finished
             self._sleep(self.settings.poll_seconds)
+
+    def _past_window(self, record: dict, batch):
+        """A batch the provider has not ended by its `expires_at` plus `expiry_grace_seconds`: the run
+        cancels it (a provider that never ends it would hold the run, its slot and its pool for good)
+        and, once the cancel has landed or had the grace period too, collects it as expired: its
+        answers kept, the rest `batch_expired` error rows. Before that, `batch` as it is."""
+        grace = self.settings.expiry_grace_seconds
+        expires = record.get("past_window") or _expires_at(batch, self.settings.completion_window)
+        now = time.time()
+        if not record.get("past_window"):
+            if batch.status in TERMINAL or now < expires + grace:
+                return batch
+            self.session.log(
+                f"batch {batch.id}: still {batch.status} {now - expires:.0f} s after its window ended "
+                f"(engine.expiry_grace_seconds: {grace:g}); cancelling it"
+            )
+            with contextlib.suppress(BatchApiError):  # not reached now: the next poll tells
+                batch = self._call("cancel the batch", self.client.batches.cancel, batch.id)
+            record["past_window"] = expires
+            self._save(record)
+        # Cancelled as asked (at once, or "cancelling" first), or never: expired either way. A batch
+        # that completed or failed meanwhile is collected as such.
+        if batch.status in ("cancelled", "expired") or (batch.status not in TERMINAL and now >= expires + 2 * grace):
+            return _Expired(batch.id, batch.output_file_id, batch.error_file_id, expires)
+        return batch
 
     def _report(self, record: dict, batch, last_seen: dict) -> None:
         counts = batch.request_counts
@@ -493,11 +561,16 @@ class _Run:
     def _collect(self, record: dict, batch) -> dict[str, Answer]:
         """A finished batch's answers for this stream's requests; what it left unanswered (and its
         failures, with `resubmit_failed`) sent once more."""
-        answers: dict[str, Answer] = {}
-        for file_id in (batch.output_file_id, batch.error_file_id):
-            if file_id:
-                data = self._call("download the batch's results", self.client.files.content, file_id).content
-                answers |= parse_answers(data)
+        files = [
+            self._call("download the batch's results", self.client.files.content, file_id).content
+            for file_id in (batch.output_file_id, batch.error_file_id)
+            if file_id
+        ]
+        counts = AnswerCounts()
+        answers = settle_answers(files, record["id_set"], counts)
+        self.session.answer_counts.add(counts)
+        if said := counts.summary():
+            self.session.log(f"batch {batch.id}: its output and error files do not add up ({said})")
         self.session._collected[record["name"]] = record
         if batch.status == "failed":
             return self._failed_batch(record, batch, answers)
@@ -541,13 +614,25 @@ class _Run:
             self.records.remove(record["name"])  # the run fails; the next one must not adopt this batch
             raise
 
-    def _cancel_in_flight(self) -> None:
-        for record in self.in_flight:
-            with contextlib.suppress(Exception):
-                self.client.with_options(max_retries=0, timeout=10).batches.cancel(record["batch_id"])
+    def cancel_in_flight(self, client=None) -> None:
+        """Cancel the batches in flight, each once (a stop is seen by the stream and by its session):
+        the provider stops billing for them; their records stay, marked, so a re-run collects what
+        they finished and asks again for the rest."""
+        cancelling, self.in_flight = self.in_flight, []
+        for record in cancelling:
+            with contextlib.suppress(Exception):  # best effort: the stop goes on whatever the provider says
+                (client or self.client).with_options(max_retries=0, timeout=10).batches.cancel(record["batch_id"])
                 record["cancelled_by_run"] = True
                 self._save(record)
                 self.session.log(f"cancelled batch {record['batch_id']} (interrupted)")
+
+
+def _is_stop(error: BaseException) -> bool:
+    """Whether `error` stops the run: Dagster's terminate inside a step (its
+    `DagsterExecutionInterruptedError`, raised from the polling sleep), Ctrl-C and SIGTERM
+    (KeyboardInterrupt, runtime/interrupts.py), SystemExit. Not an ordinary failure, whose batches
+    are kept for the retry to collect, nor a consumer that closed the stream (GeneratorExit)."""
+    return not isinstance(error, Exception | GeneratorExit)
 
 
 class _Refused(Exception):
@@ -556,7 +641,40 @@ class _Refused(Exception):
         self.lines, self.detail, self.message = lines, detail, message
 
 
+@dataclass(frozen=True)
+class _Expired:
+    """A batch the run gave up on past its window (`_Run._past_window`), collected as expired: with
+    the files the provider gave it, if any."""
+
+    id: str
+    output_file_id: str | None
+    error_file_id: str | None
+    expires_at: float
+    status: str = "expired"
+
+
+# A completion window as providers write it: "24h", "7d", "30m".
+_WINDOW = re.compile(r"^\s*(\d+)\s*([smhd])\s*$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _expires_at(batch, completion_window: str) -> float:
+    """When the provider's window for `batch` ends: its `expires_at`, else its `created_at` plus its
+    completion window (the task's when the provider names none it can read)."""
+    if getattr(batch, "expires_at", None):
+        return float(batch.expires_at)
+    match = _WINDOW.match(getattr(batch, "completion_window", None) or "") or _WINDOW.match(completion_window)
+    window = int(match[1]) * _UNIT_SECONDS[match[2]] if match else 24 * 3600
+    return float(batch.created_at) + window
+
+
 def _unanswered(batch) -> str:
+    if isinstance(batch, _Expired):
+        ended = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(batch.expires_at))
+        return (
+            f"batch_expired: batch {batch.id} was not finished by the end of its window ({ended}) plus "
+            "engine.expiry_grace_seconds; the run cancelled it before this request was run"
+        )
     if batch.status in ("expired", "cancelled"):
         return f"batch_{batch.status}: batch {batch.id} {batch.status} before this request was run"
     return f"batch_missing: batch {batch.id} completed without an output or error line for this request"

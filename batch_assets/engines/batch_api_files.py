@@ -5,7 +5,8 @@ object a line, the same format the `openai_batch` task reads: pipeline/openai_ba
 `custom_id` is a hash of its body and its request key (and its rank among identical ones of the
 stream), so the same request gets the same id in every run: that is what lets a re-run find the
 batch that already holds it (engines/batch_api_engine.py). Answers come back as output and error lines
-(`{"custom_id", "response": {"status_code", "body"}, "error"}`) and become `Generation`s.
+(`{"custom_id", "response": {"status_code", "body"}, "error"}`) and become `Generation`s, one per
+request however often the files mention it (`settle_answers`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from batch_assets.engines.openai_engine import token_logprobs_text
@@ -90,21 +91,88 @@ class Answer:
     retryable: bool = False
 
 
-def parse_answers(data: bytes) -> dict[str, Answer]:
-    """An output or error file's lines by `custom_id` (lines without one are skipped: nothing to
-    match them to; a request without a line is left for the caller to account for)."""
-    answers: dict[str, Answer] = {}
+@dataclass
+class AnswerCounts:
+    """What a provider's output and error files said that does not add up, counted (the metadata
+    of inference_outputs): each kind settled by `settle_answers` and counted, never silently."""
+
+    conflicts: int = 0  # requests answered more than once with different content: `batch_conflict` rows
+    repeated: int = 0  # answers repeated with the same content (or the same request failed twice): one kept
+    errors_overridden: int = 0  # failures (error file, non-200) of requests also answered 200: the 200 kept
+    unknown_ids: int = 0  # lines naming a `custom_id` the batch never held: ignored
+    unreadable_lines: int = 0  # lines that are not JSON objects with a `custom_id`: ignored
+
+    def add(self, other: AnswerCounts) -> None:
+        for name, value in vars(other).items():
+            setattr(self, name, getattr(self, name) + value)
+
+    def metadata(self) -> dict[str, int]:
+        return {
+            "batch_answer_conflicts": self.conflicts,
+            "batch_answers_repeated": self.repeated,
+            "batch_errors_overridden": self.errors_overridden,
+            "batch_unknown_ids": self.unknown_ids,
+            "batch_unreadable_lines": self.unreadable_lines,
+        }
+
+    def summary(self) -> str:
+        """The counts that are not zero, as a log line says them ("" when all are)."""
+        return ", ".join(
+            f"{key.removeprefix('batch_').replace('_', ' ')}: {n}" for key, n in self.metadata().items() if n
+        )
+
+
+def answer_lines(data: bytes, counts: AnswerCounts) -> Iterator[tuple[str, Answer]]:
+    """An output or error file's lines as (`custom_id`, answer), in file order; a line without a
+    `custom_id` (not JSON, cut off) has nothing to match it to: counted, skipped."""
     for raw in data.splitlines():
         if not raw.strip():
             continue
         try:
             record = json.loads(raw)
         except ValueError:
-            continue
+            record = None
         custom_id = record.get("custom_id") if isinstance(record, dict) else None
-        if isinstance(custom_id, str):
-            answers[custom_id] = _answer(record)
-    return answers
+        if not isinstance(custom_id, str):
+            counts.unreadable_lines += 1
+            continue
+        yield custom_id, _answer(record)
+
+
+def settle_answers(files: Sequence[bytes], ids: Collection[str], counts: AnswerCounts) -> dict[str, Answer]:
+    """One answer per request of a batch (`ids`) that its files (output first, then errors) mention;
+    a request they do not mention is left for the caller to account for. Contradictions are
+    settled and counted in `counts`: a 200 answer wins over failures of the same request (a paid
+    answer is never thrown away), the same answer twice is one, different answers are a
+    `batch_conflict` error row (which of them is right cannot be told)."""
+    by_id: dict[str, list[Answer]] = {}
+    for data in files:
+        for custom_id, answer in answer_lines(data, counts):
+            if custom_id in ids:
+                by_id.setdefault(custom_id, []).append(answer)
+            else:
+                counts.unknown_ids += 1
+    return {custom_id: _settled(answers, counts) for custom_id, answers in by_id.items()}
+
+
+def _settled(answers: list[Answer], counts: AnswerCounts) -> Answer:
+    answered = [a for a in answers if a.generation is not None]
+    if not answered:
+        counts.repeated += len(answers) - 1
+        return answers[0]
+    counts.errors_overridden += len(answers) - len(answered)
+    texts = list(dict.fromkeys((a.generation.text, a.generation.finish_reason) for a in answered if a.generation))
+    if len(texts) == 1:
+        counts.repeated += len(answered) - 1
+        return answered[0]
+    counts.conflicts += 1
+    shown = ", ".join(repr((text or "")[:40]) for text, _ in texts)
+    return Answer(
+        error=(
+            f"batch_conflict: the provider answered this request {len(answered)} times with different content "
+            f"({shown}); none of them is kept"
+        )[:300]
+    )
 
 
 def _answer(record: dict) -> Answer:

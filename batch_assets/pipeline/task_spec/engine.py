@@ -15,6 +15,7 @@ from .batch_api import (
     OPENAI_MAX_REQUESTS_PER_FILE,
     BytesPerFile,
     CompletionWindow,
+    GraceSeconds,
     PollSeconds,
     PriceFactor,
     RequestsPerFile,
@@ -71,6 +72,7 @@ class EngineSpec(_Strict):
     max_requests_per_file: RequestsPerFile = OPENAI_MAX_REQUESTS_PER_FILE
     max_bytes_per_file: BytesPerFile = OPENAI_MAX_BYTES_PER_FILE
     resubmit_failed: bool = False
+    expiry_grace_seconds: GraceSeconds = 3600.0
     batch_price_factor: PriceFactor = 0.5
 
     model: str = EMBEDDED_MODEL
