@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -144,6 +145,22 @@ def test_openai_client_drives_serve_end_to_end(workdir: tuple[Path, dict[str, st
         assert again.status == "completed" and again.output_file_id == done.output_file_id
         assert [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()] == outputs
         assert client.batches.retrieve(running.id).status == "cancelled"
+
+        # Deleting the input and the output files leaves nothing of their batches' partitions in
+        # the data folder: drop copies, assets, OpenAI files, checkpoints, cached answers.
+        data = tmp / "data"
+        batch_ids = (batch.id, queued.id, running.id)
+        assert any(b in path.name for path in data.rglob("*") for b in batch_ids)
+        for file_id in (uploaded.id, done.output_file_id, done.error_file_id):
+            assert client.files.delete(file_id).deleted
+        assert [path for path in data.rglob("*") if any(b in path.name for b in batch_ids)] == []
+        assert cached_answers(data / "storage" / "openai_batch") == 0
+        assert not (tmp / "home" / "serve" / "logs" / f"{batch.id}.log").exists()
+
+
+def cached_answers(task_storage: Path) -> int:
+    with contextlib.closing(sqlite3.connect(task_storage / "_result_cache" / "results.sqlite3")) as db:
+        return db.execute("SELECT count(*) FROM batch_assets_result_cache").fetchone()[0]
 
 
 def refused_requests_and_ids(client: openai.OpenAI, port: int, tmp: Path) -> None:

@@ -4,24 +4,41 @@ runs, is test_serve.py (slow)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import gzip
 import json
 import os
+import resource
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+import openai
+import polars as pl
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 from openai.types import Batch, FileObject
 from starlette.datastructures import UploadFile
 
+import batch_assets.serve.store as serve_store
+from batch_assets.pipeline.run_inference import request_keys
 from batch_assets.serve.app import build_app
 from batch_assets.serve.batch_runs import BatchRunner
-from batch_assets.serve.objects import CreateBatch, batch_object
+from batch_assets.serve.objects import CreateBatch, batch_object, file_object
 from batch_assets.serve.settings import CHAT_TASK, UploadLimits
-from batch_assets.serve.store import ServeStore, new_batch_id
+from batch_assets.serve.store import ServeStore, new_batch_id, new_file_id
 from batch_assets.storage.drop_files import partition_key_for
-from batch_assets.storage.locations import DATA_ENV, task_storage_dir
+from batch_assets.storage.errors import storage_errors
+from batch_assets.storage.locations import DATA_ENV, checkpoint_dir, drop_zone, output_path, task_storage_dir
+from batch_assets.storage.result_cache import ResultCache
+from batch_assets_tests.conftest import REPO_ROOT, stop_process_group
 
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
 
@@ -190,3 +207,331 @@ def test_the_runner_looks_at_its_batches_without_reading_a_file_and_a_restart_re
     assert statuses == {**dict.fromkeys(finished, "completed"), waiting: "in_progress"}
     assert again.batch_record(waiting)["run"]["started"] is True
     assert [r["batch"]["id"] for r in again.batch_records(("in_progress",))] == [waiting]
+
+
+# --- the real server (`batch-assets serve` in a subprocess, no model: no batch here reaches an engine) ---
+
+
+@dataclass
+class Served:
+    base: str  # http://127.0.0.1:<port>/v1
+    process: subprocess.Popen
+    output: list[bytes]
+
+    def post_file(self, content: bytes, headers: dict[str, str] | None = None, **fields: str) -> httpx.Response:
+        data = {"purpose": "batch", **fields}
+        return httpx.post(f"{self.base}/files", files={"file": ("in.jsonl", content)}, data=data, headers=headers)
+
+    def create_batch(self, file_id: str) -> httpx.Response:
+        body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        return httpx.post(f"{self.base}/batches", json=body)
+
+    def log(self) -> str:
+        return b"".join(self.output).decode(errors="replace")[-3000:]
+
+
+def _drain(stream, into: list[bytes]) -> None:
+    for line in iter(stream.readline, b""):
+        into.append(line)
+
+
+@contextlib.contextmanager
+def serve(*options: str) -> Iterator[Served]:
+    """`batch-assets serve` on a free port with this test's DATA and DAGSTER_HOME (the `data_dir`
+    fixture). Its output goes through a pipe (which a file size limit does not touch)."""
+    from batch_assets_tests.test_serve import free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "batch_assets.cli", "serve", "--port", str(port), *options]
+    process = subprocess.Popen(
+        command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    served = Served(f"http://127.0.0.1:{port}/v1", process, [])
+    threading.Thread(target=_drain, args=(process.stdout, served.output), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert process.poll() is None, served.log()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{served.base}/batches").is_success:
+                    break
+            assert time.monotonic() < deadline, served.log()
+            time.sleep(0.3)
+        yield served
+    finally:
+        stop_process_group(process)
+
+
+def fill_disk(served: Served) -> None:
+    """Every write of the server to a file fails from now on (RLIMIT_FSIZE 0: EFBIG, File too large),
+    as on a full disk."""
+    resource.prlimit(served.process.pid, resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+def lift_file_size_limit(served: Served) -> None:
+    """The disk has room again."""
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    resource.prlimit(served.process.pid, resource.RLIMIT_FSIZE, (hard, hard))
+
+
+def prepared_home() -> ServeStore:
+    """The home a server starts on, made before the test limits its writes (Dagster's storages)."""
+    subprocess.run(
+        [sys.executable, "-c", "from batch_assets.runtime.instance import prepare_instance; prepare_instance()"],
+        cwd=REPO_ROOT,
+        check=True,
+    )
+    return ServeStore(Path(os.environ["DAGSTER_HOME"]) / "serve")
+
+
+def is_openai_error(answer: httpx.Response) -> dict:
+    """OpenAI's error body, all four fields there; the error itself."""
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, answer.text
+    assert error["message"], answer.text
+    return error
+
+
+def until(check, timeout: float = 60.0, every: float = 0.3):
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(every)
+    return found
+
+
+@pytest.mark.slow
+def test_an_upload_or_a_batch_on_a_full_disk_gets_openai_error_shape(data_dir: Path) -> None:
+    """A full disk (every write to a file fails: RLIMIT_FSIZE 0 set on the running server) refuses an upload and a
+    batch with OpenAI's JSON error (507, and `x-should-retry: false`: the official client would
+    otherwise send a 200 MB file three more times); nothing half-stored stays; with room again, the
+    server goes on."""
+    store = prepared_home()
+    kept = store.add_file(LINE, file_object("file-" + "1" * 32, "in.jsonl", len(LINE), "batch"))
+    stored_before = sorted(store.files.iterdir())
+    with serve() as served:
+        fill_disk(served)
+        upload_answer = served.post_file(LINE * 3)
+        assert upload_answer.status_code == 507, upload_answer.text
+        error = is_openai_error(upload_answer)
+        assert (error["type"], error["code"]) == ("server_error", "insufficient_storage")
+        assert "File too large" in error["message"] and str(data_dir.parent) not in error["message"]
+        assert upload_answer.headers["x-should-retry"] == "false"
+
+        batch_answer = served.create_batch(kept["id"])
+        assert batch_answer.status_code == 507, batch_answer.text
+        assert is_openai_error(batch_answer)["code"] == "insufficient_storage"
+        assert sorted(store.files.iterdir()) == stored_before  # nothing half-stored
+        assert list(store.batches.iterdir()) == []
+
+        lift_file_size_limit(served)
+        assert served.post_file(LINE * 3).status_code == 200
+
+
+def finalizing_batch(store: ServeStore, answered: bytes) -> str:
+    """A batch whose run wrote its outputs and whose server was killed while finalizing it."""
+    batch_id, _ = waiting_batch(store)
+    store.update_batch(batch_id, lambda record: {**record, "batch": {**record["batch"], "status": "finalizing"}})
+    run_outputs(batch_id, answered, b"")
+    return batch_id
+
+
+@contextlib.contextmanager
+def serve_in_process(store: ServeStore) -> Iterator[Served]:
+    """The server `batch-assets serve` starts (store, runner, app, uvicorn), in this process on a free
+    port, so that a test can make its writes fail; real HTTP requests reach it."""
+    from batch_assets_tests.test_serve import free_port
+
+    port = free_port()
+    runner = BatchRunner(store, {"/v1/chat/completions": CHAT_TASK})
+    app = build_app(store, runner, UploadLimits(max_bytes=10_000, max_requests=100), None)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    runner.start()
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        until(lambda: server.started)
+        yield Served(f"http://127.0.0.1:{port}/v1", None, [])  # type: ignore[arg-type]  # no process
+    finally:
+        server.should_exit = True
+        thread.join()
+        runner.stop()
+
+
+@pytest.mark.slow
+def test_the_batch_runner_survives_failed_writes_and_the_server_refuses_work_meanwhile(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner's steps fail while the disk is full (the store's one write function raises ENOSPC,
+    as `write_bytes_atomically` raises it on a full disk): the runner backs off and tries again, the
+    server answers 503 to new files and batches (not 200 for work that would never run), reads
+    still answer; with room again the batch is finalized and new work is taken."""
+    store = prepared_home()
+    answered = b'{"custom_id": "a", "response": {"status_code": 200, "body": {}}, "error": null}\n'
+    batch_id = finalizing_batch(store, answered)  # a server was killed while it finalized this batch
+    input_id = store.batch_record(batch_id)["batch"]["input_file_id"]
+    full = threading.Event()
+    write = serve_store.write_bytes_atomically
+
+    def write_on_a_full_disk(path, data: bytes) -> None:
+        if full.is_set():
+            with storage_errors("writing", path):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        write(path, data)
+
+    monkeypatch.setattr(serve_store, "write_bytes_atomically", write_on_a_full_disk)
+    full.set()
+    with serve_in_process(store) as served:
+        refused = until(lambda: (answer := served.create_batch(input_id)).status_code == 503 and answer)
+        error = is_openai_error(refused)
+        assert (error["type"], error["code"]) == ("server_error", "batch_runner_unavailable")
+        assert "no space left on device" in error["message"].lower() and "/" not in error["message"]
+        assert is_openai_error(served.post_file(LINE))["code"] == "batch_runner_unavailable"
+        assert httpx.get(f"{served.base}/batches/{batch_id}").json()["status"] == "finalizing"
+
+        full.clear()
+        done = until(
+            lambda: (b := httpx.get(f"{served.base}/batches/{batch_id}").json())["status"] != "finalizing" and b
+        )
+        assert done["status"] == "completed", done
+        assert httpx.get(f"{served.base}/files/{done['output_file_id']}/content").content == answered
+        assert until(lambda: served.post_file(LINE).status_code == 200)
+        assert [b["id"] for b in httpx.get(f"{served.base}/batches").json()["data"]] == [batch_id]
+
+
+def request_line(marker: str) -> bytes:
+    body = {"messages": [{"role": "user", "content": f"prompt {marker}"}], "max_tokens": 4}
+    return (
+        json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}).encode() + b"\n"
+    )
+
+
+def completed_batch(store: ServeStore, marker: str) -> tuple[str, str, str]:
+    """A completed batch as its run left it: the input and output files of the server, and the
+    partition's drop copy, four assets' parquet, OpenAI output and error files, a checkpoint, the
+    result cache's row and the run's log, each holding `marker` (in the prompt or the answer).
+    (batch id, input file id, output file id)."""
+    content, answer = request_line(marker), f"answer {marker}"
+    output = json.dumps({"custom_id": "a", "response": {"status_code": 200, "body": answer}}).encode() + b"\n"
+    input_id, output_id = new_file_id(), new_file_id()
+    store.add_file(content, file_object(input_id, "in.jsonl", len(content), "batch"))
+    store.add_file(output, file_object(output_id, "out.jsonl", len(output), "batch_output"))
+    create = CreateBatch(input_file_id=input_id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = batch_object(new_batch_id(), create)
+    batch.update(status="completed", output_file_id=output_id)
+    store.save_batch({"batch": batch, "run": {"task": CHAT_TASK, "started": True, "exit_status": 0}})
+    (store.logs / f"{batch['id']}.log").write_text(f"OK run {marker}\n")
+
+    key = partition_key_for(f"{batch['id']}.jsonl")
+    drop = Path(str(drop_zone(CHAT_TASK) / f"{batch['id']}.jsonl"))
+    drop.parent.mkdir(parents=True, exist_ok=True)
+    drop.write_bytes(content)
+    prompt, params = f"<user>prompt {marker}</user>", '{"max_tokens": 4}'
+    formatted = pl.DataFrame({"row_id": [0], "prompt": [prompt], "request_params": [params], "error": [None]})
+    frames = {
+        "raw_prompts": pl.DataFrame({"row_id": [0], "body": [content.decode()], "error": [None]}),
+        "formatted_prompts": formatted,
+        "inference_outputs": formatted.with_columns(generated_text=pl.lit(answer)),
+        "validated_labels": formatted.with_columns(generated_text=pl.lit(answer)),
+    }
+    for asset, frame in frames.items():
+        path = Path(str(output_path(CHAT_TASK, asset, key)))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        frame.write_parquet(path, compression="uncompressed")  # the marker readable in the file's bytes
+    run_outputs(batch["id"], output, b"")
+    chunk = Path(str(checkpoint_dir(CHAT_TASK, key))) / "fp0" / "chunk-0.parquet"
+    chunk.parent.mkdir(parents=True)
+    pl.DataFrame({"request_key": ["k"], "generated_text": [answer]}).write_parquet(chunk, compression="uncompressed")
+    [request_key] = request_keys([prompt], [0], True, [params])
+    cached = pl.DataFrame(
+        {"request_key": [request_key], "generated_text": [answer], "finish_reason": ["stop"], "error": [None]}
+    ).with_columns(num_prompt_tokens=pl.lit(3), num_generated_tokens=pl.lit(2))
+    assert ResultCache(task_storage_dir(CHAT_TASK), "fp0").add(cached) == 1
+    return batch["id"], input_id, output_id
+
+
+def files_holding(folder: Path, text: str, *, cache: bool = True) -> list[Path]:
+    """`cache=False`: not the result cache's files (a checkpoint moves rows from its log to its file)."""
+    found = [path for path in folder.rglob("*") if path.is_file() and text.encode() in path.read_bytes()]
+    return [path for path in found if cache or "_result_cache" not in path.parts]
+
+
+@pytest.mark.slow
+def test_deleting_a_batch_file_removes_the_batch_partition_everywhere(data_dir: Path) -> None:
+    """DELETE /v1/files of a batch's input removes the partition's copies of its prompts and answers
+    in the data folder (drop copy, assets, OpenAI files, checkpoints, result cache rows) and the
+    server's run log; deleting its output file too leaves nothing of it. Another batch keeps all."""
+    store = prepared_home()
+    gone_id, gone_input, gone_output = completed_batch(store, "MARKER-GONE")
+    kept_id, _, _ = completed_batch(store, "MARKER-KEPT")
+    home_serve = store.root
+    assert (
+        len(files_holding(data_dir, "MARKER-GONE")) == 8
+    )  # drop copy, 4 assets, output, checkpoint, the cache (its file or its log)
+    kept_before = files_holding(data_dir, "MARKER-KEPT", cache=False)
+    with serve() as served:
+        client = openai.OpenAI(base_url=served.base, api_key="unused-on-loopback", max_retries=0)
+        assert client.files.delete(gone_input).deleted
+        with pytest.raises(openai.NotFoundError):
+            client.files.retrieve(gone_input)
+        assert files_holding(data_dir, "MARKER-GONE") == []
+        assert not (store.logs / f"{gone_id}.log").exists()
+        assert client.files.content(gone_output).text.count("MARKER-GONE") == 1  # the user's output file stays
+        assert client.files.delete(gone_output).deleted
+        assert files_holding(data_dir, "MARKER-GONE") == files_holding(home_serve, "MARKER-GONE") == []
+        assert client.batches.retrieve(gone_id).status == "completed"  # the batch object stays, as OpenAI's
+    assert files_holding(data_dir, "MARKER-KEPT", cache=False) == kept_before
+    cache = ResultCache(task_storage_dir(CHAT_TASK), "fp0")
+    assert cache.lookup()["generated_text"].to_list() == ["answer MARKER-KEPT"]
+    assert (store.logs / f"{kept_id}.log").exists()
+
+
+@pytest.mark.slow
+def test_a_keyless_server_refuses_cross_site_requests_and_bounds_what_it_stores(data_dir: Path) -> None:
+    """A web page the user visits must not drive a keyless server (a multipart upload needs no CORS
+    preflight); uploads count against a total quota and expire (30 days by default, `expires_after`
+    as OpenAI's)."""
+    prepared_home()
+    files = Path(os.environ["DAGSTER_HOME"]) / "serve" / "files"
+    with serve("--max-stored-mb", "0.02", "--file-expiry-days", "0.0001") as served:
+        port = served.base.split(":")[2].split("/")[0]
+        for headers in (
+            {"Origin": "http://evil.example"},
+            {"Origin": "null"},
+            {"Origin": "http://localhost:3000"},
+            {"Sec-Fetch-Site": "cross-site"},
+            {"Sec-Fetch-Site": "same-site"},
+        ):
+            answer = httpx.get(f"{served.base}/batches", headers=headers)
+            assert answer.status_code == 403, (headers, answer.text)
+            assert is_openai_error(answer)["code"] == "cross_site_request"
+        for headers in ({"Origin": f"http://127.0.0.1:{port}"}, {"Sec-Fetch-Site": "same-origin"}, {}):
+            assert httpx.get(f"{served.base}/batches", headers=headers).status_code == 200, headers
+        page_upload = served.post_file(
+            LINE * 90, headers={"Origin": "https://evil.example", "Sec-Fetch-Site": "cross-site"}
+        )
+        assert page_upload.status_code == 403
+        assert list(files.iterdir()) == []
+
+        client = openai.OpenAI(base_url=served.base, api_key="unused-on-loopback", max_retries=0)
+        soon = client.files.create(file=("a.jsonl", LINE * 90), purpose="batch")  # 7,110 bytes
+        assert soon.expires_at == soon.created_at + 8  # --file-expiry-days 0.0001: 8.64 s
+        later = client.files.create(
+            file=("b.jsonl", LINE * 90), purpose="batch", expires_after={"anchor": "created_at", "seconds": 3600}
+        )
+        assert later.expires_at == later.created_at + 3600
+        with pytest.raises(openai.BadRequestError, match="expires_after"):
+            client.files.create(
+                file=("c.jsonl", LINE), purpose="batch", expires_after={"anchor": "created_at", "seconds": 60}
+            )
+        over = served.post_file(LINE * 90)  # 21,330 bytes stored with it: over 0.02 MB
+        assert over.status_code == 400, over.text
+        error = is_openai_error(over)
+        assert (error["code"], error["param"]) == ("storage_quota_exceeded", "file")
+        assert "--max-stored-mb" in error["message"]
+        assert len(list(files.iterdir())) == 4  # two files, each content and object
+
+        until(lambda: httpx.get(f"{served.base}/files/{soon.id}").status_code == 404, timeout=30)
+        until(lambda: not (files / f"{soon.id}.jsonl").exists(), timeout=30)  # removed at the runner's next look
+        assert client.files.retrieve(later.id).id == later.id
+        assert served.post_file(LINE * 90).status_code == 200  # the expired file's bytes count no more

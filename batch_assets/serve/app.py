@@ -11,12 +11,18 @@
     POST /v1/batches/{id}/cancel
 
 With a key set (`SERVE_KEY_ENV`), every request must carry `Authorization: Bearer <key>` (401 otherwise);
-without one (loopback only), its `Host` must be a loopback name (400 otherwise).
+without one (loopback only), its `Host` must be a loopback name (400 otherwise), and a request a web
+page sends (an `Origin` other than the server's own, `Sec-Fetch-Site` other than `same-origin` or
+`none`) is refused (403). New files and batches get 503 while the batch runner cannot go on; a
+failed write (a full disk) is OpenAI's error body with 507, never a bare 500.
 """
 
 from __future__ import annotations
 
+import errno
 import hmac
+import logging
+import os
 import time
 from typing import Any
 
@@ -34,17 +40,27 @@ from batch_assets.serve.objects import (
     batch_object,
     create_problem,
     file_object,
+    output_expiry,
     page,
 )
 from batch_assets.serve.settings import CHAT_TASK, LOOPBACK_HOSTS, SERVE_KEY_ENV, UploadLimits
 from batch_assets.serve.store import ServeStore, new_batch_id, new_file_id
 from batch_assets.serve.uploads import UploadRefused, read_upload
+from batch_assets.storage.errors import StorageError
+
+logger = logging.getLogger(__name__)
+# A write that failed for want of room: a full disk, a quota, a file size limit.
+_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+# What a browser says of a request a page sent to its own origin, or a user typed: all a client sends.
+_OWN_SITE = {"same-origin", "none"}
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, code: str | None = None, param: str | None = None, kind: str = ""
+    ) -> None:
         super().__init__(message)
-        self.status, self.body = status, api_error(message, code=code, param=param)
+        self.status, self.body = status, api_error(message, code=code, param=param, kind=kind)
 
 
 def _not_found(kind: str, given: str) -> ApiError:
@@ -69,6 +85,8 @@ def build_app(
                     code="invalid_api_key",
                 )
                 return JSONResponse(body, status_code=401)
+        elif refusal := _cross_site(request):
+            return JSONResponse(api_error(refusal, code="cross_site_request"), status_code=403)
         return await call_next(request)
 
     if api_key is None:
@@ -76,12 +94,65 @@ def build_app(
         # 127.0.0.1 (DNS rebinding) could drive the server from a browser; it sends its own name
         # as Host, which is refused (400). Added last: it runs before the key check.
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=[*LOOPBACK_HOSTS, f"[{host}]" if ":" in host else host])
-    _add_file_routes(app, store, limits)
+    _add_file_routes(app, store, runner, limits)
     _add_batch_routes(app, store, runner)
     return app
 
 
+def _cross_site(request: Request) -> str | None:
+    """Why a keyless server refuses a request a web page sent, or None. A page the user visits may
+    send a multipart upload to 127.0.0.1 with no CORS preflight (nor a readable answer: it needs
+    none to fill the disk); the browser names the page in `Origin` and `Sec-Fetch-Site`, which a
+    page cannot change. Clients (the openai SDK, curl) send neither."""
+    origin = request.headers.get("origin")
+    own = f"{request.url.scheme}://{request.headers.get('host', '')}"
+    if origin is not None and origin.lower() != own.lower():
+        return (
+            f"a request from the web page at {origin[:100]!r} is refused: "
+            "this server has no key, so only this machine's clients may use it"
+        )
+    site = request.headers.get("sec-fetch-site")
+    if site is not None and site.lower() not in _OWN_SITE:
+        return (
+            f"a request a browser sent from another site (Sec-Fetch-Site: {site[:20]!r}) is refused: "
+            "this server has no key"
+        )
+    return None
+
+
+def _storage_failure(exc: OSError | StorageError) -> JSONResponse:
+    """A failed write as OpenAI's error body: 507 when there was no room (sent again at once, an
+    upload would fail again: `x-should-retry: false` tells the openai SDK), else 500. The cause
+    without the server's paths (the server's log has them)."""
+    cause = os.strerror(exc.errno) if exc.errno else type(exc).__name__
+    if exc.errno in _NO_ROOM:
+        message = f"the server has no room to store it ({cause}); try again once room is made on the server"
+        body = api_error(message, code="insufficient_storage", kind="server_error")
+        return JSONResponse(body, status_code=507, headers={"x-should-retry": "false"})
+    logger.warning("batch-assets serve: a request failed: %s", exc)
+    return JSONResponse(api_error(f"the server failed ({cause})", code="server_error", kind="server_error"), 500)
+
+
+def _refuse_new_work(runner: BatchRunner) -> None:
+    if trouble := runner.trouble():
+        raise ApiError(503, trouble, code="batch_runner_unavailable", kind="server_error")
+
+
 def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OSError)
+    async def os_errors(_request: Request, exc: OSError) -> JSONResponse:
+        return _storage_failure(exc)
+
+    @app.exception_handler(StorageError)
+    async def storage_errors(_request: Request, exc: StorageError) -> JSONResponse:
+        return _storage_failure(exc)
+
+    @app.exception_handler(Exception)
+    async def other_errors(_request: Request, exc: Exception) -> JSONResponse:
+        # Still logged (Starlette raises it on); clients read OpenAI's error body, not a bare text 500.
+        body = api_error(f"the server failed ({type(exc).__name__})", code="server_error", kind="server_error")
+        return JSONResponse(body, status_code=500)
+
     @app.exception_handler(ApiError)
     async def api_errors(_request: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body, status_code=exc.status)
@@ -102,12 +173,15 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(api_error(str(exc.detail), code=code), exc.status_code)
 
 
-def _add_file_routes(app: FastAPI, store: ServeStore, limits: UploadLimits) -> None:
+def _add_file_routes(app: FastAPI, store: ServeStore, runner: BatchRunner, limits: UploadLimits) -> None:
     @app.post("/v1/files")
     async def upload_file(request: Request) -> dict[str, Any]:
+        _refuse_new_work(runner)
+        runner.sweep_expired_files()  # an expired file's bytes count no more
         staged = store.staging_path()
-        upload = await read_upload(request, limits, staged)
-        obj = file_object(new_file_id(), upload.filename, upload.size, upload.purpose)
+        upload = await read_upload(request, limits, staged, store.stored_bytes())
+        expires_in = upload.expires_in or store.expiry_seconds
+        obj = file_object(new_file_id(), upload.filename, upload.size, upload.purpose, expires_in=expires_in)
         return store.add_staged_file(staged, obj)
 
     @app.get("/v1/files")
@@ -124,14 +198,14 @@ def _add_file_routes(app: FastAPI, store: ServeStore, limits: UploadLimits) -> N
 
     @app.get("/v1/files/{file_id}/content")
     def file_content(file_id: str) -> FileResponse:
-        path = store.content_path(file_id)
+        path = store.content_path(file_id) if store.file_object(file_id) is not None else None  # not expired
         if path is None:
             raise _not_found("file", file_id)
         return FileResponse(path, media_type="application/octet-stream")
 
     @app.delete("/v1/files/{file_id}")
     def delete_file(file_id: str) -> dict[str, Any]:
-        if not store.delete_file(file_id):
+        if not runner.forget_file(file_id):
             raise _not_found("file", file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
@@ -139,6 +213,7 @@ def _add_file_routes(app: FastAPI, store: ServeStore, limits: UploadLimits) -> N
 def _add_batch_routes(app: FastAPI, store: ServeStore, runner: BatchRunner) -> None:
     @app.post("/v1/batches")
     def create_batch(request: CreateBatch) -> dict[str, Any]:
+        _refuse_new_work(runner)
         problem = create_problem(request)
         if problem:
             raise ApiError(400, problem[0], param=problem[1], code="invalid_value")
@@ -150,7 +225,12 @@ def _add_batch_routes(app: FastAPI, store: ServeStore, runner: BatchRunner) -> N
         task = runner.tasks.get(request.endpoint, CHAT_TASK)
         # `created_at` is whole seconds (OpenAI's schema): batches made within one second are ordered
         # by `created_ns`, so they run and list in the order they were made.
-        run = {"task": task, "started": False, "created_ns": time.time_ns()}
+        run = {
+            "task": task,
+            "started": False,
+            "created_ns": time.time_ns(),
+            "output_expiry_seconds": output_expiry(request),
+        }
         record = {"batch": batch_object(new_batch_id(), request), "run": run}
         store.save_batch(record)
         runner.wake.set()

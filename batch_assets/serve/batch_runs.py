@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -34,11 +35,22 @@ from batch_assets.serve.objects import FINISHED, UNFINISHED, batch_errors, file_
 from batch_assets.serve.store import ServeStore, new_file_id
 from batch_assets.serve.uploads import scan_lines
 from batch_assets.storage.drop_files import partition_key_for
+from batch_assets.storage.errors import StorageError
 from batch_assets.storage.locations import task_storage_dir
+from batch_assets.storage.partition_purge import purge_partition
+
+logger = logging.getLogger(__name__)
 
 # How long a stopped run may take to end (it marks its Dagster run stopped) before it is killed.
 _STOP_SECONDS = 30.0
 _POLL_SECONDS = 0.5
+# A failed step (a full disk, say) is tried again after a wait that doubles from the first to the
+# last; after this many failures in a row the runner cannot go on for now, and the server refuses
+# new files and batches (503) until a step succeeds again.
+_BACKOFF_SECONDS = (0.5, 30.0)
+TROUBLE_AFTER = 3
+# How often expired files are looked for (each look reads every file object).
+_EXPIRY_SWEEP_SECONDS = 10.0
 
 
 def _now() -> int:
@@ -58,9 +70,19 @@ class BatchRunner:
         self.wake = threading.Event()
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="batch-assets-serve-runs", daemon=True)
+        self._started = False
+        self._recovered = False
+        self._failed_steps = 0
+        self._last_failure = ""
+        # What a failed step left to do, tried again at each step until it is written: batches to
+        # fail (batch id → code, message) and runs that ended but were not recorded (→ exit status).
+        self._unfailed: dict[str, tuple[str, str]] = {}
+        self._unsettled: dict[str, int | None] = {}
+        self._next_sweep = 0.0
 
     def start(self) -> None:
-        self._recover()
+        """The thread recovers what a stopped server left (its first step), then runs batches."""
+        self._started = True
         self.thread.start()
 
     def stop(self) -> None:
@@ -68,6 +90,18 @@ class BatchRunner:
         self.stopping.set()
         self.wake.set()
         self.thread.join()
+
+    def trouble(self) -> str | None:
+        """Why new work would not run now (the server answers 503), or None."""
+        if self._started and not self.thread.is_alive() and not self.stopping.is_set():
+            return "the batch runner has stopped; restart batch-assets serve"
+        if self._failed_steps >= TROUBLE_AFTER:
+            return (
+                f"the batch runner cannot go on: its last {self._failed_steps} steps failed, the last with "
+                f"{self._last_failure}; it tries again every {self._backoff():g} s, "
+                "and takes new work once a step succeeds"
+            )
+        return None
 
     def cancel(self, batch_id: str) -> dict[str, Any] | None:
         """A batch that has not started is cancelled at once; a running one is `cancelling` until its run stopped."""
@@ -89,16 +123,78 @@ class BatchRunner:
 
     def _loop(self) -> None:
         while not self.stopping.is_set():
-            self._validate_pending()
-            batch_id = self._claim_next()
-            if batch_id is None:
+            try:
+                busy = self._step()
+            except Exception as exc:  # noqa: BLE001 - a failed step is tried again after a wait; the thread goes on
+                self._stumbled(exc)
+                continue
+            self._failed_steps, self._last_failure = 0, ""
+            if not busy:
                 self.wake.wait(1.0)
                 self.wake.clear()
-                continue
+
+    def _step(self) -> bool:
+        """One round of the runner's work, each part safe to repeat after a failure; True when a batch ran."""
+        if not self._recovered:
+            self._recover()
+            self._recovered = True
+        self._record_failures()
+        self._settle_runs()
+        self._finalize_pending()
+        if time.monotonic() >= self._next_sweep:
+            self.sweep_expired_files()
+            self._next_sweep = time.monotonic() + _EXPIRY_SWEEP_SECONDS
+        self._validate_pending()
+        claimed = self._claim_next()
+        if claimed is None:
+            return False
+        self._run_claimed(claimed)
+        return True
+
+    def _run_claimed(self, batch_id: str) -> None:
+        try:
+            exit_status = self._run(batch_id)
+        except Exception as exc:
+            self._unfailed[batch_id] = ("batch_run_failed", f"the batch could not be run: {exc}")
+            raise
+        if exit_status is not None:
+            self._unsettled[batch_id] = exit_status  # recorded by a later step if this one fails
+            self._settle_runs()
+
+    def _settle_runs(self) -> None:
+        for batch_id, exit_status in list(self._unsettled.items()):
+            self._after_run(batch_id, exit_status)
+            del self._unsettled[batch_id]
+
+    def _stumbled(self, exc: Exception) -> None:
+        self._failed_steps += 1
+        # What clients are told (503): the cause, not the server's paths; the log has the whole error.
+        number = getattr(exc, "errno", None)
+        self._last_failure = os.strerror(number) if isinstance(number, int) else type(exc).__name__
+        logger.warning("batch-assets serve: a step of the batch runner failed (%s: %s)", type(exc).__name__, exc)
+        self.stopping.wait(self._backoff())
+
+    def _backoff(self) -> float:
+        first, last = _BACKOFF_SECONDS
+        return min(last, first * 2 ** max(0, self._failed_steps - 1))
+
+    def _record_failures(self) -> None:
+        for batch_id, (code, message) in list(self._unfailed.items()):
+            self._fail(batch_id, code, message)
+            del self._unfailed[batch_id]
+
+    def _finalize_pending(self) -> None:
+        """Batches left `finalizing`: by a server stopped meanwhile, or by a failed write (a full disk:
+        tried again, their outputs are on disk); another error fails the batch."""
+        for record in self.store.batch_records(("finalizing",)):
+            batch_id = record["batch"]["id"]
             try:
-                self._run(batch_id)
-            except Exception as exc:  # noqa: BLE001 - the batch fails with the reason; the server goes on
-                self._fail(batch_id, "batch_run_failed", f"the batch could not be run: {exc}")
+                self._finalize(batch_id)
+            except (OSError, StorageError):
+                raise
+            except Exception as exc:
+                self._unfailed[batch_id] = ("batch_run_failed", f"the batch's outputs could not be read: {exc}")
+                raise
 
     def _recover(self) -> None:
         """After a restart: a run left by a server that was killed is stopped (and resumes from its
@@ -111,9 +207,7 @@ class BatchRunner:
                 batch["status"], batch["cancelled_at"] = "cancelled", _now()
                 self._release_input(batch["id"])
             run.update(started=False, pid=None, pid_started=None)
-            self.store.save_batch(record)
-            if batch["status"] == "finalizing":
-                self._finalize(batch["id"])
+            self.store.save_batch(record)  # one left `finalizing` is finalized by the step
 
     def _validate_pending(self) -> None:
         for record in self.store.batch_records(("validating",)):
@@ -142,20 +236,23 @@ class BatchRunner:
                 if _now() > batch["expires_at"]:
                     batch.update(status="expired", expired_at=_now())
                     self.store.save_batch(record)
+                    self._release_input(batch["id"])
                     continue
                 record["run"]["started"] = True
                 self.store.save_batch(record)
                 return batch["id"]
         return None
 
-    def _run(self, batch_id: str) -> None:
+    def _run(self, batch_id: str) -> int | None:
+        """The batch's `batch-assets run`, until it ends or is stopped: its exit status (None: it
+        could not start, and the batch is to fail)."""
         record = self.store.batch_record(batch_id)
         assert record is not None
         task = record["run"]["task"]
         source = self.store.content_path(record["batch"]["input_file_id"])
         if source is None:
-            self._fail(batch_id, "invalid_file", "the input file was deleted before the batch started")
-            return
+            self._unfailed[batch_id] = ("invalid_file", "the input file was deleted before the batch started")
+            return None
         # The run's file is named after the batch: the partition key is the batch id.
         run_input = self.store.runs / f"{batch_id}.jsonl"
         if not run_input.exists():
@@ -167,17 +264,29 @@ class BatchRunner:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: stopped as a whole, like Ctrl-C stops it
             )
-        self._note_process(batch_id, process.pid)
+        try:
+            self._note_process(batch_id, process.pid)
+            self._watch(batch_id, process)
+        except BaseException:
+            # The batch fails (or the server stops): its run must not go on unwatched.
+            _stop_group(process.pid)
+            process.wait()
+            raise
+        return process.returncode
+
+    def _watch(self, batch_id: str, process: subprocess.Popen) -> None:
         while process.poll() is None:
             current = self.store.batch_record(batch_id)
             if self.stopping.is_set() or (current and current["batch"]["status"] == "cancelling"):
                 _stop_group(process.pid)
                 process.wait()
                 break
-            self._validate_pending()
+            try:
+                self._validate_pending()
+            except Exception as exc:  # noqa: BLE001 - validated at a later look; the run goes on
+                logger.warning("batch-assets serve: validating new batches failed (%s: %s)", type(exc).__name__, exc)
             self.wake.wait(_POLL_SECONDS)
             self.wake.clear()
-        self._after_run(batch_id, process.returncode)
 
     def _note_process(self, batch_id: str, pid: int) -> None:
         started = psutil.Process(pid).create_time()
@@ -203,7 +312,7 @@ class BatchRunner:
 
         record = self.store.update_batch(batch_id, change)
         if record and record["batch"]["status"] == "finalizing":
-            self._finalize(batch_id)
+            self._finalize(batch_id)  # failing, the batch stays `finalizing` and a later step finalizes it
 
     def _finalize(self, batch_id: str) -> None:
         """The run's output and error files become the batch's (those of a run that wrote none: a failed batch)."""
@@ -216,8 +325,22 @@ class BatchRunner:
             self._fail(batch_id, "batch_run_failed", f"the run of task {task} failed: {self._log_tail(batch_id)}")
             return
         outputs, errors = (path.read_bytes() for path in written)
-        output_id = self._result_file(batch_id, "output", outputs)
-        error_id = self._result_file(batch_id, "error", errors)
+        made: list[str] = []
+        try:
+            output_id = self._result_file(batch_id, "output", outputs, made)
+            error_id = self._result_file(batch_id, "error", errors, made)
+            self._complete(record, outputs, errors, output_id, error_id)
+        except BaseException:
+            for file_id in made:  # tried again whole: no orphan output file of this attempt stays
+                with contextlib.suppress(OSError):
+                    self.store.delete_file(file_id)
+            raise
+        self._release_input(batch_id)
+
+    def _complete(
+        self, record: dict[str, Any], outputs: bytes, errors: bytes, output_id: str | None, error_id: str | None
+    ) -> None:
+        batch_id, task = record["batch"]["id"], record["run"]["task"]
         lines = [json.loads(line) for line in outputs.splitlines() if line.strip()]
         # Outputs written by a run that then failed (a check at ERROR, say): the batch completed,
         # its `errors` say so (OpenAI's clients read `errors` on any batch).
@@ -246,19 +369,69 @@ class BatchRunner:
             return record
 
         self.store.update_batch(batch_id, change)
-        self._release_input(batch_id)
 
     def _release_input(self, batch_id: str) -> None:
-        """The run's input link (runs/<batch id>.jsonl) of a batch with no more to run: while it
-        exists, deleting the input file (DELETE /v1/files) frees no space."""
+        """A batch with no more to run: its run's input link (runs/<batch id>.jsonl) goes (while it
+        exists, deleting the input file frees no space), and when its input or output file was
+        deleted meanwhile, what its partition kept of it (`forget_file`)."""
         (self.store.runs / f"{batch_id}.jsonl").unlink(missing_ok=True)
+        with self.store.lock:
+            record = self.store.batch_record(batch_id)
+            gone = record is not None and any(
+                file_id and self.store.content_path(file_id) is None for file_id in _file_ids(record["batch"])
+            )
+        if gone and record is not None:
+            self._purge(record)
 
-    def _result_file(self, batch_id: str, kind: str, content: bytes) -> str | None:
-        """A batch's output or error file, as OpenAI gives them: only when it has lines."""
+    def forget_file(self, file_id: str) -> bool:
+        """Delete a file (False: there is none): for each finished batch it is the input, output or
+        error file of, the partition's copies of its prompts and answers (storage/partition_purge.py)
+        and the run's log, then the server's copy (last: a failed purge leaves a file to delete
+        again). An unfinished batch's partition goes when the batch ends (`_release_input`)."""
+        if self.store.content_path(file_id) is None:
+            return False
+        purged: set[str] = set()
+        self._purge_batches_of(file_id, purged)
+        with self.store.lock:
+            self.store.delete_file(file_id)
+        self._purge_batches_of(file_id, purged)  # those that finished meanwhile (later ones: `_release_input`)
+        return True
+
+    def _purge_batches_of(self, file_id: str, purged: set[str]) -> None:
+        for record in self.store.batch_records(FINISHED):
+            if file_id in _file_ids(record["batch"]) and record["batch"]["id"] not in purged:
+                self._purge(record)
+                purged.add(record["batch"]["id"])
+
+    def sweep_expired_files(self) -> None:
+        """Expired files deleted as DELETE deletes them; one that cannot be is tried at the next sweep
+        (it is gone for clients already), without holding up the batches."""
+        for file_id in self.store.expired_files(_now()):
+            try:
+                self.forget_file(file_id)
+            except Exception as exc:  # noqa: BLE001 - said, and tried again at the next sweep
+                logger.warning(
+                    "batch-assets serve: deleting expired file %s failed (%s: %s)", file_id, type(exc).__name__, exc
+                )
+
+    def _purge(self, record: dict[str, Any]) -> None:
+        batch_id = record["batch"]["id"]
+        name = f"{batch_id}.jsonl"
+        purge_partition(record["run"]["task"], partition_key_for(name), name)
+        (self.store.runs / name).unlink(missing_ok=True)
+        (self.store.logs / f"{batch_id}.log").unlink(missing_ok=True)
+
+    def _result_file(self, batch_id: str, kind: str, content: bytes, made: list[str]) -> str | None:
+        """A batch's output or error file, as OpenAI gives them: only when it has lines. It expires
+        as the batch asked (`output_expires_after`) or after the server's retention."""
         if not content.strip():
             return None
         file_id = new_file_id()
-        self.store.add_file(content, file_object(file_id, f"{batch_id}_{kind}.jsonl", len(content), "batch_output"))
+        record = self.store.batch_record(batch_id)
+        expiry = (record or {}).get("run", {}).get("output_expiry_seconds") or self.store.expiry_seconds
+        obj = file_object(file_id, f"{batch_id}_{kind}.jsonl", len(content), "batch_output", expires_in=expiry)
+        made.append(file_id)
+        self.store.add_file(content, obj)
         return file_id
 
     def _fail(self, batch_id: str, code: str, message: str) -> None:
@@ -274,6 +447,10 @@ class BatchRunner:
         lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.exists() else []
         last = lines[-1].strip() if lines else "it wrote nothing"
         return f"{last} (the server's log: serve/logs/{batch_id}.log under DAGSTER_HOME)"
+
+
+def _file_ids(batch: dict[str, Any]) -> list[str]:
+    return [batch[field] for field in ("input_file_id", "output_file_id", "error_file_id") if batch.get(field)]
 
 
 def _stop_group(pid: int) -> None:

@@ -13,7 +13,15 @@ import fcntl
 import os
 from collections.abc import Callable
 
-from batch_assets.serve.settings import CHAT_TASK, EMBEDDINGS_TASK, SERVE_KEY_ENV, UploadLimits, is_loopback
+from batch_assets.serve.settings import (
+    CHAT_TASK,
+    DEFAULT_EXPIRY_SECONDS,
+    DEFAULT_MAX_STORED_MB,
+    EMBEDDINGS_TASK,
+    SERVE_KEY_ENV,
+    UploadLimits,
+    is_loopback,
+)
 
 LOCK_NAME = ".serve.lock"
 
@@ -36,8 +44,11 @@ def command_serve(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     if missing := [name for name in (args.task, args.embeddings_task) if name not in known]:
         say(f"error: unknown task {missing[0]!r} (--task / --embeddings-task); tasks: {', '.join(sorted(known))}")
         return 2
+    if args.max_stored_mb <= 0 or args.file_expiry_days <= 0:
+        say("error: --max-stored-mb and --file-expiry-days must be more than 0")
+        return 2
     home = prepare_instance()
-    store = ServeStore(home / "serve")
+    store = ServeStore(home / "serve", expiry_seconds=max(1, int(args.file_expiry_days * 86_400)))
     lock = (store.root / LOCK_NAME).open("a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -46,7 +57,11 @@ def command_serve(args: argparse.Namespace, say: Callable[[str], None]) -> int:
         return 2
     tasks = {"/v1/chat/completions": args.task, "/v1/completions": args.task, "/v1/embeddings": args.embeddings_task}
     runner = BatchRunner(store, tasks)
-    limits = UploadLimits(max_bytes=int(args.max_file_mb * 1024 * 1024), max_requests=args.max_requests)
+    limits = UploadLimits(
+        max_bytes=int(args.max_file_mb * 1024 * 1024),
+        max_requests=args.max_requests,
+        max_stored_bytes=int(args.max_stored_mb * 1024 * 1024),
+    )
     app = build_app(store, runner, limits, key, host=args.host)
     runner.start()
     say(
@@ -76,6 +91,19 @@ def add_serve_parser(commands) -> None:
     serve.add_argument("--max-file-mb", type=float, default=200.0, help="largest upload in MB (default 200, as OpenAI)")
     serve.add_argument(
         "--max-requests", type=int, default=50_000, help="most lines in a batch file (default 50000, as OpenAI)"
+    )
+    serve.add_argument(
+        "--max-stored-mb",
+        type=float,
+        default=DEFAULT_MAX_STORED_MB,
+        help=f"most MB of files kept, uploads and outputs together (default {DEFAULT_MAX_STORED_MB})",
+    )
+    serve.add_argument(
+        "--file-expiry-days",
+        type=float,
+        default=DEFAULT_EXPIRY_SECONDS / 86_400,
+        help="days a file is kept unless its upload (expires_after) or batch (output_expires_after) says "
+        "otherwise; its batch's partition goes with it (default 30, as OpenAI)",
     )
     serve.add_argument("--task", default=CHAT_TASK, help="task for chat and completions batches")
     serve.add_argument("--embeddings-task", default=EMBEDDINGS_TASK, help="task for /v1/embeddings batches")

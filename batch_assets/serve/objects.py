@@ -24,8 +24,8 @@ UNFINISHED = tuple(status for status in get_args(Batch.model_fields["status"].an
 
 
 class CreateBatch(BaseModel):
-    """The body of `POST /v1/batches`; fields OpenAI added since (e.g. `output_expires_after`) are accepted
-    and have no effect here."""
+    """The body of `POST /v1/batches`; `output_expires_after` sets its output files' lifetime; other
+    fields OpenAI added since are accepted and have no effect here."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -40,16 +40,38 @@ def api_error(message: str, *, code: str | None = None, param: str | None = None
     return {"error": {"message": message, "type": kind or "invalid_request_error", "param": param, "code": code}}
 
 
-def file_object(file_id: str, filename: str, size: int, purpose: str) -> dict[str, Any]:
+# The lifetimes `expires_after` (an upload) and `output_expires_after` (a batch) may ask for, as OpenAI's.
+EXPIRY_RANGE = (3600, 30 * 86_400)
+
+
+def file_object(file_id: str, filename: str, size: int, purpose: str, expires_in: int | None = None) -> dict[str, Any]:
+    """`expires_in`: seconds from now until the file is deleted (None: kept until deleted)."""
+    now = int(time.time())
     return FileObject(
         id=file_id,
         object="file",
         bytes=size,
-        created_at=int(time.time()),
+        created_at=now,
         filename=filename,
         purpose=purpose,  # type: ignore[arg-type]  # "batch" or "batch_output": the SDK's Literal checks it
         status="processed",
+        expires_at=None if expires_in is None else now + expires_in,
     ).model_dump(mode="json")
+
+
+def expiry_seconds(anchor: object, seconds: object, param: str) -> int:
+    """The seconds of an `expires_after` ({"anchor": "created_at", "seconds": N}); `ValueError`
+    (message, param) when OpenAI would refuse it."""
+    low, high = EXPIRY_RANGE
+    if anchor != "created_at":
+        raise ValueError(f"{param}[anchor] must be 'created_at', not {anchor!r}", f"{param}[anchor]")
+    try:
+        number = int(str(seconds))
+    except ValueError:
+        number = -1
+    if not low <= number <= high:
+        raise ValueError(f"{param}[seconds] must be a whole number from {low} to {high}, not {seconds!r}", param)
+    return number
 
 
 def batch_object(batch_id: str, request: CreateBatch) -> dict[str, Any]:
@@ -82,7 +104,21 @@ def create_problem(request: CreateBatch) -> tuple[str, str] | None:
     metadata = request.metadata or {}
     if len(metadata) > 16 or any(len(key) > 64 or len(value) > 512 for key, value in metadata.items()):
         return "metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512", "metadata"
+    try:
+        output_expiry(request)
+    except ValueError as exc:
+        return exc.args[0], exc.args[1]
     return None
+
+
+def output_expiry(request: CreateBatch) -> int | None:
+    """The seconds the batch's output and error files are kept, when `output_expires_after` asks."""
+    asked = (request.model_extra or {}).get("output_expires_after")
+    if asked is None:
+        return None
+    if not isinstance(asked, dict):
+        raise ValueError("output_expires_after must be {'anchor': 'created_at', 'seconds': N}", "output_expires_after")
+    return expiry_seconds(asked.get("anchor"), asked.get("seconds"), "output_expires_after")
 
 
 def usage(outputs: list[dict[str, Any]]) -> dict[str, Any]:

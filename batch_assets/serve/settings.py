@@ -14,10 +14,18 @@ EMBEDDINGS_TASK = "openai_batch_embeddings"
 LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "[::1]"]
 
 
+# How long a file is kept unless its upload (`expires_after`) or its batch (`output_expires_after`)
+# says otherwise (`--file-expiry-days`): OpenAI's 30 days for batch files.
+DEFAULT_EXPIRY_SECONDS = 30 * 86_400
+# The bytes of all files kept (`--max-stored-mb`): fifty files of OpenAI's largest size.
+DEFAULT_MAX_STORED_MB = 10_000
+
+
 @dataclass(frozen=True)
 class UploadLimits:
     max_bytes: int  # the largest file accepted (`--max-file-mb`)
     max_requests: int  # the most lines a batch file may have (`--max-requests`)
+    max_stored_bytes: int = DEFAULT_MAX_STORED_MB * 1024 * 1024  # all files kept, this one with them
 
 
 def is_loopback(host: str) -> bool:

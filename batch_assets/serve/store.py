@@ -1,7 +1,7 @@
 """Files and batches of `batch-assets serve`, on disk under `$DAGSTER_HOME/serve`.
 
     serve/files/<file id>.jsonl      an uploaded file, or a batch's output or error file
-    serve/files/<file id>.json       its OpenAI file object
+    serve/files/<file id>.json       its OpenAI file object (with `expires_at`: an expired file is gone)
     serve/batches/<batch id>.json    {"batch": the OpenAI batch object, "run": what the server keeps of its run}
     serve/runs/<batch id>.jsonl      the input file under the batch's name, given to `batch-assets run`
     serve/logs/<batch id>.log        that command's output
@@ -18,11 +18,14 @@ batch each second, which re-reading the folder would make grow with the server's
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import math
 import os
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
@@ -30,6 +33,7 @@ from typing import Any
 
 from upath import UPath
 
+from batch_assets.serve.settings import DEFAULT_EXPIRY_SECONDS
 from batch_assets.storage.locations import write_bytes_atomically
 
 FILE_ID = re.compile(r"file-[0-9a-f]{32}")
@@ -52,8 +56,9 @@ class ServeStore:
     """The server's files and batches. One lock orders every change of a batch (the routes run in
     a thread pool, the batch runner in a thread of its own)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, expiry_seconds: int = DEFAULT_EXPIRY_SECONDS) -> None:
         self.root = root
+        self.expiry_seconds = expiry_seconds
         self.files, self.batches, self.runs, self.logs = (root / name for name in ("files", "batches", "runs", "logs"))
         for folder in (self.files, self.batches, self.runs, self.logs):
             folder.mkdir(parents=True, exist_ok=True)
@@ -67,24 +72,40 @@ class ServeStore:
     # Files
 
     def content_path(self, file_id: str) -> Path | None:
-        """Where a file's content is, or None for an id this server never made or a file deleted."""
+        """Where a file's content is, or None for an id this server never made or a file deleted.
+        Whether it expired is `file_object`'s to say (that reads its object; the runner's looks do not)."""
         if not FILE_ID.fullmatch(file_id):
             return None
         path = self.files / f"{file_id}.jsonl"
         return path if path.is_file() and (self.files / f"{file_id}.json").is_file() else None
 
     def file_object(self, file_id: str) -> dict[str, Any] | None:
+        found = self._stored_object(file_id)
+        # Expired: gone from now on, though the runner removes it at its next look only.
+        return None if found is None or (found.get("expires_at") or math.inf) <= time.time() else found
+
+    def _stored_object(self, file_id: str) -> dict[str, Any] | None:
         if self.content_path(file_id) is None:
             return None
         return json.loads((self.files / f"{file_id}.json").read_text(encoding="utf-8"))
 
     def add_file(self, content: bytes, file_object: dict[str, Any]) -> dict[str, Any]:
-        """Store a file (content first: an object always has its content) under its object's id."""
+        """Store a file (content first: an object always has its content) under its object's id;
+        failing (a full disk), nothing of it stays."""
         file_id = file_object["id"]
         assert FILE_ID.fullmatch(file_id), file_id
-        write_atomically(self.files / f"{file_id}.jsonl", content)
-        write_atomically(self.files / f"{file_id}.json", json.dumps(file_object).encode("utf-8"))
+        with self._or_nothing(file_id):
+            write_atomically(self.files / f"{file_id}.jsonl", content)
+            write_atomically(self.files / f"{file_id}.json", json.dumps(file_object).encode("utf-8"))
         return file_object
+
+    @contextlib.contextmanager
+    def _or_nothing(self, file_id: str) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            (self.files / f"{file_id}.jsonl").unlink(missing_ok=True)
+            raise
 
     def staging_path(self) -> Path:
         """Where an upload is copied while it is checked (no file id matches it: never listed or served)."""
@@ -94,12 +115,15 @@ class ServeStore:
         """A checked upload (`staging_path`) stored under its object's id, as `add_file` stores content."""
         file_id = file_object["id"]
         assert FILE_ID.fullmatch(file_id), file_id
-        os.replace(staged, self.files / f"{file_id}.jsonl")
-        write_atomically(self.files / f"{file_id}.json", json.dumps(file_object).encode("utf-8"))
+        with self._or_nothing(file_id):
+            os.replace(staged, self.files / f"{file_id}.jsonl")
+            write_atomically(self.files / f"{file_id}.json", json.dumps(file_object).encode("utf-8"))
         return file_object
 
     def delete_file(self, file_id: str) -> bool:
-        if self.content_path(file_id) is None:
+        """Remove a file (an expired one too); False when there is none. Its object goes first: a
+        file without one is never listed or served."""
+        if self._stored_object(file_id) is None:
             return False
         (self.files / f"{file_id}.json").unlink(missing_ok=True)
         (self.files / f"{file_id}.jsonl").unlink(missing_ok=True)
@@ -108,6 +132,15 @@ class ServeStore:
     def list_files(self) -> list[dict[str, Any]]:
         found = [self.file_object(path.stem) for path in self.files.glob("file-*.json")]
         return sorted((f for f in found if f), key=lambda f: (f["created_at"], f["id"]), reverse=True)
+
+    def expired_files(self, now: float) -> list[str]:
+        found = (self._stored_object(path.stem) for path in self.files.glob("file-*.json"))
+        return [f["id"] for f in found if f and (f.get("expires_at") or math.inf) <= now]
+
+    def stored_bytes(self) -> int:
+        """The bytes of the files kept (inputs, outputs and errors; expired ones until removed), as
+        the upload quota counts them."""
+        return sum(_size(path) for path in self.files.glob("file-*.jsonl"))
 
     # Batches
 
@@ -147,6 +180,13 @@ class ServeStore:
             records = sorted(kept, key=_creation_order)
             copies = [copy.deepcopy(record) for record in records]
         yield from copies
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:  # deleted since it was listed
+        return 0
 
 
 def _creation_order(record: dict[str, Any]) -> tuple[int, int, str]:

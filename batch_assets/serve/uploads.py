@@ -3,7 +3,8 @@
 The body is counted as it arrives and refused (413) past the limit, whatever Content-Length says
 (or leaves out), so a client cannot fill the disk; Starlette's multipart parser then spools the one
 file part, which is copied to the store a chunk at a time (never held whole in memory) and checked
-there before it gets an id: `purpose` is `batch`, the file is not empty, not
+there before it gets an id: the files kept, this one with them, fit in the server's quota
+(`--max-stored-mb`, counted as it arrives), `purpose` is `batch`, the file is not empty, not
 compressed, has at most `max_requests` lines and at least one line that is a JSON object (a PNG or a
 CSV is refused with the reason). Bad lines among good ones are not refused here: the batch answers
 each with an error line, as the `openai_batch` task does.
@@ -21,6 +22,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
+from batch_assets.serve.objects import expiry_seconds
 from batch_assets.serve.settings import UploadLimits
 
 # The part is copied to disk, and the stored file checked, this much at a time.
@@ -40,6 +42,7 @@ class Upload:
     filename: str
     purpose: str
     size: int
+    expires_in: int | None  # seconds, when `expires_after` asks (else the server's retention)
 
 
 def _too_large(limits: UploadLimits) -> UploadRefused:
@@ -61,9 +64,20 @@ async def _limited(request: Request, limits: UploadLimits) -> AsyncGenerator[byt
         yield chunk
 
 
-async def read_upload(request: Request, limits: UploadLimits, into: Path) -> Upload:
+def _over_quota(limits: UploadLimits, stored: int) -> UploadRefused:
+    megabytes, kept = limits.max_stored_bytes / 1024 / 1024, stored / 1024 / 1024
+    return UploadRefused(
+        400,
+        f"the files this server keeps ({kept:.1f} MB) and this one would pass its quota of {megabytes:g} MB "
+        "(batch-assets serve --max-stored-mb): delete files (DELETE /v1/files/{id}) or wait for them to expire",
+        "file",
+        "storage_quota_exceeded",
+    )
+
+
+async def read_upload(request: Request, limits: UploadLimits, into: Path, stored: int = 0) -> Upload:
     """The upload's file copied to `into` and checked there; `UploadRefused` says why not (and
-    `into` is removed)."""
+    `into` is removed). `stored`: the bytes of the files kept already (the quota's share used)."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise UploadRefused(400, "upload the file as multipart/form-data with fields `file` and `purpose`")
     declared = request.headers.get("content-length", "")
@@ -79,20 +93,31 @@ async def read_upload(request: Request, limits: UploadLimits, into: Path) -> Upl
         raise UploadRefused(400, "the `file` field is missing", "file")
     if purpose != "batch":
         raise UploadRefused(400, f"purpose must be 'batch' (this server runs batches), not {purpose!r}", "purpose")
+    expires_in = _expires_after(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"))
     # Only the name's last part is kept, for display: the file is stored under its id.
     filename = os.path.basename((part.filename or "upload.jsonl").replace("\\", "/"))[:255] or "upload.jsonl"
     try:
-        size = await _copy(part, into, limits)
+        size = await _copy(part, into, limits, stored)
         check_batch_file(into, filename, limits)
     except BaseException:
         into.unlink(missing_ok=True)
         raise
     finally:
         await part.close()
-    return Upload(filename, purpose, size)
+    return Upload(filename, purpose, size, expires_in)
 
 
-async def _copy(part: UploadFile, into: Path, limits: UploadLimits) -> int:
+def _expires_after(anchor: object, seconds: object) -> int | None:
+    """OpenAI's `expires_after` as multipart fields (`expires_after[anchor]`, `expires_after[seconds]`)."""
+    if anchor is None and seconds is None:
+        return None
+    try:
+        return expiry_seconds(anchor, seconds, "expires_after")
+    except ValueError as exc:
+        raise UploadRefused(400, exc.args[0], exc.args[1], "invalid_value") from None
+
+
+async def _copy(part: UploadFile, into: Path, limits: UploadLimits, stored: int) -> int:
     """The spooled part written to `into` a chunk at a time (never whole in memory); its size."""
     size = 0
     with into.open("wb") as out:
@@ -100,6 +125,8 @@ async def _copy(part: UploadFile, into: Path, limits: UploadLimits) -> int:
             size += len(chunk)
             if size > limits.max_bytes:
                 raise _too_large(limits)
+            if stored + size > limits.max_stored_bytes:
+                raise _over_quota(limits, stored)
             out.write(chunk)
     return size
 

@@ -47,7 +47,12 @@ _STORAGE_EXCEPTION_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "fss
 
 
 class StorageError(RuntimeError):
-    """Reading or writing the drop zone or the output storage failed; the message says where and why."""
+    """Reading or writing the drop zone or the output storage failed; the message says where and why.
+    `errno`: the OS error's number behind it, when there was one (a full disk: ENOSPC)."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
 
 
 def scrub(text: str) -> str:
@@ -168,7 +173,8 @@ def storage_error(action: str, url: object, exc: BaseException) -> StorageError:
     if reason in _FULL_OR_READ_ONLY.values():
         folder = str(url).rstrip("/").rsplit("/", 1)[0] or str(url)
         reason += f" in {folder}: free space there (or make it writable), or point BATCH_ASSETS_DATA at other storage"
-    return StorageError(scrub(f"{action} {url} failed: {reason}"))
+    number = next((cause.errno for cause in exception_chain(exc) if isinstance(cause, OSError) and cause.errno), None)
+    return StorageError(scrub(f"{action} {url} failed: {reason}"), errno=number)
 
 
 @contextmanager
