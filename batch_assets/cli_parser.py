@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from batch_assets.serve.command import add_serve_parser
 
@@ -77,5 +78,20 @@ def add_cache_parser(commands) -> None:
     )
     pruning.add_argument("--task", help="only this task (default: every task)")
     pruning.add_argument(
-        "--older-than", type=float, metavar="DAYS", help="remove results older than this, whatever max_age_days says"
+        "--older-than",
+        type=days,
+        metavar="DAYS",
+        help="remove results older than this many days (0 or more; 0: every result), whatever max_age_days says",
     )
+
+
+def days(text: str) -> float:
+    """An age in days, 0 or more: a negative one dates the limit in the future (every result is older),
+    NaN and infinity match nothing or everything alike."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of days, 0 or more (not {text})")
+    return value
