@@ -18,9 +18,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="run files through a task's pipeline",
         description=(
             "Copy each file into the task's drop zone, register it as a partition and materialize its assets "
-            "and checks in this process (one engine start for all files); prints one summary line per file. "
-            "Exit status: 0 when every file succeeded, 1 when one failed, failed a blocking check or had only "
-            "error rows, 2 for a usage error (nothing run), 130 when interrupted."
+            "and checks in this process (one engine start for all files); prints one summary line per file, naming "
+            "every check that failed (ERROR and WARN). Exit status: 0 when every file succeeded, 1 when one failed, "
+            "failed an ERROR check (or, with --fail-on-warn, a WARN check) or had only error rows, 2 for a usage "
+            "error (nothing run), 130 when interrupted."
         ),
     )
     run.add_argument("task", help="the task to run (its name as `batch-assets tasks` lists it)")
@@ -34,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--replace",
         action="store_true",
         help="let a file replace a different drop file of the same name (from another folder), with its outputs",
+    )
+    run.add_argument(
+        "--fail-on-warn",
+        action="store_true",
+        help="exit 1 also when a check of WARN severity failed (accuracy, confidence, agreement, error share, label "
+        "drift); without it those are named on the summary line and the exit status is 0",
     )
     commands.add_parser("tasks", help="list the tasks and their drop zones")
     demo = commands.add_parser("demo", help="run the bundled sample drops of every task")

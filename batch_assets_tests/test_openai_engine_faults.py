@@ -11,7 +11,9 @@ finished batches resume from checkpoints, and the API key never shows up in what
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import re
 import socket
 import threading
 import time
@@ -72,6 +74,9 @@ class FaultServer:
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                if self.path.endswith("/embeddings"):
+                    self._json(200, embeddings_response(body))
+                    return
                 user = body["messages"][-1]["content"]
                 action = server._next_action(user, body, {k.lower(): v for k, v in self.headers.items()})
                 with server._lock:
@@ -184,6 +189,17 @@ class FaultServer:
     def __exit__(self, *exc) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def embeddings_response(body: dict) -> dict:
+    """`/v1/embeddings`: a unit vector per text, the same for the same text (from its hash)."""
+    vectors = []
+    for text in body["input"]:
+        digest = hashlib.sha256(text.encode()).digest()[:8]
+        norm = sum(b * b for b in digest) ** 0.5
+        vectors.append([b / norm for b in digest])
+    data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+    return {"object": "list", "data": data, "model": body["model"], "usage": {"prompt_tokens": 1, "total_tokens": 1}}
 
 
 @pytest.fixture
@@ -528,3 +544,86 @@ def test_a_run_resolves_the_endpoint_settings_once_per_step_not_per_batch(
     metadata = result.asset_materializations_for_node("sentiment__inference_outputs")[0].metadata
     assert metadata["model"].value == MODEL
     assert metadata["model_chosen_by"].value == "`engine.model` in the task file of 'sentiment'"
+
+
+# --- What `batch-assets run` prints and exits with when the task's own checks fail (issue 47) --------
+
+
+def summary_line_of(output: str, partition: str) -> str:
+    [line] = [line for line in output.splitlines() if line.startswith(f"{partition}: ")]
+    return line
+
+
+def test_run_names_every_failed_warn_check_and_fails_on_them_only_when_asked(
+    tmp_path: Path,
+    data_dir: Path,
+    tiny_model_path: str,
+    fault_server: FaultServer,
+    endpoint_key: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Before: `OK run ...: 6 rows ... (accuracy 0% ...)`, exit 0, naming no failed check. The server
+    answers each post with choices[len(user message) % 3]; the hand labels are the next choice, so
+    accuracy is 0 and `accuracy_at_least` (WARN, min_accuracy 0.8) fails; the other checks pass."""
+    from batch_assets.cli import main
+
+    endpoint_task(tmp_path, fault_server.base_url, tiny_model_path)
+    monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(tmp_path / "tasks"))
+    choices = ["positive", "negative", "neutral"]
+    answered = [choices[len(f"Post: {text}\nSentiment:") % 3] for text in POSTS]
+    wrong = [choices[(choices.index(label) + 1) % 3] for label in answered]
+    rows = "".join(json.dumps({"text": t, "sentiment": g}) + "\n" for t, g in zip(POSTS, wrong, strict=True))
+    for name in ("posts.jsonl", "again.jsonl"):
+        (tmp_path / name).write_text(rows)
+    failed = "WARN CHECKS FAILED (sentiment/validated_labels:accuracy_at_least (WARN))"
+
+    assert main(["run", "sentiment", str(tmp_path / "posts.jsonl")]) == 0
+    line = summary_line_of(capfd.readouterr().out, "sentiment/posts.jsonl")
+    assert line.startswith(f"sentiment/posts.jsonl: {failed} run ")
+    assert "6 rows, 0 error rows" in line and "(accuracy 0% on 6 hand-labelled rows" in line
+
+    assert main(["run", "sentiment", "--fail-on-warn", str(tmp_path / "again.jsonl")]) == 1
+    line = summary_line_of(capfd.readouterr().out, "sentiment/again.jsonl")
+    assert line.startswith(f"sentiment/again.jsonl: {failed} run ")
+    assert labels_of(data_dir, "again.jsonl") == answered
+
+
+def labels_of(data: Path, file_name: str) -> list[str]:
+    from batch_assets.storage.drop_files import partition_key_for
+
+    return read_output(data, "sentiment", "validated_labels", partition_key_for(file_name))["label"].to_list()
+
+
+def test_a_degenerate_cascade_names_its_failed_error_share_check(
+    tmp_path: Path,
+    data_dir: Path,
+    fault_server: FaultServer,
+    endpoint_key: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Before: one choice and a teacher that gives that one label, on a 3-row file: 2 of the 3 rows
+    were `cascade_no_student` errors (no student trains on one label) and the run printed `OK`."""
+    from batch_assets.cli import main
+
+    text = (REPO_ROOT / "batch_assets" / "tasks" / "industry_cascade.yaml").read_text(encoding="utf-8")
+    text = re.sub(r"choices: \[Law Firm, .*\]", "choices: [Other]", text)
+    engine = f"engine:\n  kind: openai\n  base_url: {fault_server.base_url}\n  model: {MODEL}\n"
+    text = text.replace("engine:\n", engine + "  api_key_env: BATCH_ASSETS_TEST_ENDPOINT_KEY\n", 1)
+    (tmp_path / "tasks").mkdir()
+    for in_process_only in ("  model: embedded:all-MiniLM-L6-v2\n", "  vllm_args: {dtype: float32}\n"):
+        text = text.replace(in_process_only, "")
+    (tmp_path / "tasks" / "industry_cascade.yaml").write_text(text)
+    monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(tmp_path / "tasks"))
+    (tmp_path / "three.csv").write_text("Company,Industry\nAcme Corp,Other\nGlobex,Other\nInitech,Other\n")
+
+    assert main(["run", "industry_cascade", "--fail-on-warn", str(tmp_path / "three.csv")]) == 1
+    line = summary_line_of(capfd.readouterr().out, "industry_cascade/three.csv")
+    assert line.startswith(
+        "industry_cascade/three.csv: WARN CHECKS FAILED (industry_cascade/validated_labels:accuracy_at_least (WARN), "
+        "industry_cascade/validated_labels:error_share_below_threshold (WARN)) run "
+    )
+    assert "3 rows, 2 error rows, labels: Other=1 (accuracy 33% on 3 hand-labelled rows" in line
+    labels = read_output(data_dir, "industry_cascade", "validated_labels", "three.csv")
+    assert labels["error"].str.starts_with("cascade_no_student: ").sum() == 2
