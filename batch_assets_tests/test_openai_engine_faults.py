@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -43,7 +45,8 @@ MODEL = "fault-model"
 class FaultServer:
     """Chat completions with scripted faults: `plan[word]` lists what successive requests whose
     user message contains `word` get: "429", "500", "slow", "drop", "401", "garbage" (a 200 that
-    is not JSON), "400" (this request refused), "400-setting" (every request refused alike),
+    is not JSON), "sigint" (SIGINT to this process, then a slow answer),
+    "400" (this request refused), "400-setting" (every request refused alike),
     "400-logprobs" (a server refusing the `logprobs` field) or "ok". The last step repeats.
     Prompts matching no word get "ok"."""
 
@@ -114,6 +117,11 @@ class FaultServer:
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
                     self.wfile.write(data)
+                elif action == "sigint":  # Ctrl-C (as Dagster sees it in the step) while the request runs
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(server.slow_seconds)
+                    with contextlib.suppress(OSError):  # the stopped run may have closed the connection
+                        self._completion(body)
                 elif action == "slow":
                     time.sleep(server.slow_seconds)
                     with contextlib.suppress(OSError):  # the client gave up already
@@ -627,3 +635,57 @@ def test_a_degenerate_cascade_names_its_failed_error_share_check(
     assert "3 rows, 2 error rows, labels: Other=1 (accuracy 33% on 3 hand-labelled rows" in line
     labels = read_output(data_dir, "industry_cascade", "validated_labels", "three.csv")
     assert labels["error"].str.starts_with("cascade_no_student: ").sum() == 2
+
+
+def test_a_stop_during_a_range_run_keeps_every_finished_result_of_each_partition(
+    tmp_path: Path,
+    data_dir: Path,
+    tiny_model_path: str,
+    fault_server: FaultServer,
+    endpoint_key: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 47: a stop is a BaseException and only an engine Exception flushed the sinks. Two files,
+    one range run, calls of 4 requests: the first call answers a1-a3 (file a's last results: its
+    chunk is written) and b1 (file b's first: short of a chunk); a SIGINT arrives during the second
+    call. Before, b1 was in no checkpoint and nothing in the result cache."""
+    from batch_assets.lib.runner import run_partitions
+    from batch_assets.runtime import interrupts
+    from batch_assets.storage.checkpoints import CheckpointStore
+    from batch_assets.storage.locations import checkpoint_dir, task_storage_dir
+    from batch_assets.storage.result_cache import ResultCache
+
+    endpoint_task(tmp_path, fault_server.base_url, tiny_model_path, batch_size=4, concurrency=2)
+    monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(tmp_path / "tasks"))
+    fault_server.plan = {"b2": ["sigint"]}
+    files = []
+    for name, texts in (("a.jsonl", ["a1", "a2", "a3"]), ("b.jsonl", ["b1", "b2", "b3"])):
+        (tmp_path / name).write_text(posts_jsonl(texts))
+        files.append(tmp_path / name)
+    # Where an earlier test ran the command line in this process, its signal watcher sees the SIGINT
+    # too: the stop it records is this test's, and the runner then stops as the command would.
+    monkeypatch.setattr(interrupts, "STOP", threading.Event())
+    with contextlib.suppress(interrupts.Stopped):
+        run_partitions("sentiment", files)
+    with dg.DagsterInstance.get() as instance:
+        [run] = instance.get_runs()
+        failures = [
+            e.dagster_event
+            for e in instance.all_logs(run.run_id)
+            if e.dagster_event and e.dagster_event.is_step_failure
+        ]
+    assert [f.step_key for f in failures] == ["sentiment__inference_outputs"]
+    assert "stopped (interrupted)" in failures[0].step_failure_data.error.to_string()
+
+    fingerprint = next(checkpoint_dir("sentiment", "a.jsonl").iterdir()).name
+
+    def kept(partition: str) -> dict[str, str]:
+        frame = CheckpointStore(checkpoint_dir("sentiment", partition), fingerprint).load()
+        return dict(zip(frame["request_key"], frame["generated_text"], strict=True))
+
+    choices = ["positive", "negative", "neutral"]
+    answer = {text: choices[len(f"Post: {text}\nSentiment:") % 3] for text in ("a1", "a2", "a3", "b1")}
+    assert sorted(kept("a.jsonl").values()) == sorted(answer[t] for t in ("a1", "a2", "a3"))
+    assert list(kept("b.jsonl").values()) == [answer["b1"]]
+    cached = ResultCache(task_storage_dir("sentiment"), fingerprint).lookup()
+    assert dict(zip(cached["request_key"], cached["generated_text"], strict=True)) == kept("a.jsonl") | kept("b.jsonl")
