@@ -155,13 +155,20 @@ def _print_outcomes(outcomes: list[PartitionOutcome]) -> None:
         TERMINAL.say(outcome.line())
 
 
-def command_run(task_name: str, files: list[str], *, replace: bool = False, use_result_cache: bool = True) -> int:
+def command_run(
+    task_name: str,
+    files: list[str],
+    *,
+    replace: bool = False,
+    use_result_cache: bool = True,
+    fail_on_warn: bool = False,
+) -> int:
     from batch_assets.lib.runner import run_partitions
 
     outcomes = run_partitions(
         task_name, [Path(f) for f in files], replace=replace, reporter=_reporter(), use_result_cache=use_result_cache
     )
-    return 0 if all(outcome.ok for outcome in outcomes) else 1
+    return 0 if all(outcome.passed(fail_on_warn=fail_on_warn) for outcome in outcomes) else 1
 
 
 def command_demo(*, use_result_cache: bool = True) -> int:
@@ -180,7 +187,13 @@ def command_demo(*, use_result_cache: bool = True) -> int:
 
 def _command_run_or_demo(args: argparse.Namespace) -> int:
     if args.command == "run":
-        return command_run(args.task, args.files, replace=args.replace, use_result_cache=args.use_result_cache)
+        return command_run(
+            args.task,
+            args.files,
+            replace=args.replace,
+            use_result_cache=args.use_result_cache,
+            fail_on_warn=args.fail_on_warn,
+        )
     return command_demo(use_result_cache=args.use_result_cache)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from batch_assets.serve.command import add_serve_parser
 
@@ -17,9 +18,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="run files through a task's pipeline",
         description=(
             "Copy each file into the task's drop zone, register it as a partition and materialize its assets "
-            "and checks in this process (one engine start for all files); prints one summary line per file. "
-            "Exit status: 0 when every file succeeded, 1 when one failed, failed a blocking check or had only "
-            "error rows, 2 for a usage error (nothing run), 130 when interrupted."
+            "and checks in this process (one engine start for all files); prints one summary line per file, naming "
+            "every check that failed (ERROR and WARN). Exit status: 0 when every file succeeded, 1 when one failed, "
+            "failed an ERROR check (or, with --fail-on-warn, a WARN check) or had only error rows, 2 for a usage "
+            "error (nothing run), 130 when interrupted."
         ),
     )
     run.add_argument("task", help="the task to run (its name as `batch-assets tasks` lists it)")
@@ -33,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--replace",
         action="store_true",
         help="let a file replace a different drop file of the same name (from another folder), with its outputs",
+    )
+    run.add_argument(
+        "--fail-on-warn",
+        action="store_true",
+        help="exit 1 also when a check of WARN severity failed (accuracy, confidence, agreement, error share, label "
+        "drift); without it those are named on the summary line and the exit status is 0",
     )
     commands.add_parser("tasks", help="list the tasks and their drop zones")
     demo = commands.add_parser("demo", help="run the bundled sample drops of every task")
@@ -77,5 +85,20 @@ def add_cache_parser(commands) -> None:
     )
     pruning.add_argument("--task", help="only this task (default: every task)")
     pruning.add_argument(
-        "--older-than", type=float, metavar="DAYS", help="remove results older than this, whatever max_age_days says"
+        "--older-than",
+        type=days,
+        metavar="DAYS",
+        help="remove results older than this many days (0 or more; 0: every result), whatever max_age_days says",
     )
+
+
+def days(text: str) -> float:
+    """An age in days, 0 or more: a negative one dates the limit in the future (every result is older),
+    NaN and infinity match nothing or everything alike."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of days, 0 or more (not {text})")
+    return value

@@ -142,3 +142,51 @@ def test_cache_prune_command_prints_what_it_removed_and_what_is_left(
     assert served(url, "f1") == ["c"]
     assert main(["cache", "prune", "--task", "nope"]) == 2
     assert "unknown task 'nope'" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("age", ["-5", "nan", "inf"])
+def test_cache_prune_refuses_an_age_that_is_no_number_of_days_and_removes_nothing(
+    age: str, data_dir: Path, monkeypatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 47: `--older-than -5` dated the limit 5 days ahead and wiped the whole cache, exit 0."""
+    url = ResultCache(task_storage_dir("sentiment"), "f1").url
+    store(url, "sentiment", "f1", ["a", "b"], NOW - 40 * DAY, monkeypatch)
+    store(url, "sentiment", "f1", ["c"], NOW, monkeypatch)
+    with pytest.raises(SystemExit) as refused:
+        main(["cache", "prune", "--older-than", age])
+    assert refused.value.code == 2
+    assert f"argument --older-than: must be a number of days, 0 or more (not {age})" in capsys.readouterr().err
+    assert served(url, "f1") == ["a", "b", "c"]
+
+
+def test_cache_prune_older_than_0_removes_every_result_stored_before_now(
+    data_dir: Path, monkeypatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """0 days is an age like any other, not "unset" (it fell back to `cache.max_age_days`)."""
+    url = ResultCache(task_storage_dir("sentiment"), "f1").url
+    store(url, "sentiment", "f1", ["a", "b"], NOW - 40 * DAY, monkeypatch)
+    store(url, "sentiment", "f1", ["c"], NOW - 60, monkeypatch)
+    assert main(["cache", "prune", "--task", "sentiment", "--older-than", "0"]) == 0
+    assert "removed 3 results (30 bytes of text) by age" in capsys.readouterr().out
+    assert served(url, "f1") == []
+
+
+def test_cache_prune_of_a_damaged_sqlite_cache_names_the_file_and_the_cause_and_goes_on(
+    data_dir: Path, monkeypatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 47: SQLAlchemy's generic "(Background on this error at: ...)" line, no file, no cause.
+    The other tasks' caches are still pruned; the damaged file is left as it is for its next run."""
+    good = ResultCache(task_storage_dir("industry"), "f1").url
+    store(good, "industry", "f1", ["old"], NOW - 100 * DAY, monkeypatch)
+    damaged = task_storage_dir("sentiment") / "_result_cache" / "results.sqlite3"
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"this is not a database, just text that took its name" * 100)
+    assert main(["cache", "prune"]) == 1
+    out = capsys.readouterr().out
+    assert (
+        f"error: the result cache {damaged} is damaged (file is not a database): nothing pruned there; "
+        "the next run of its task sets it aside and starts an empty one (or delete the file)"
+    ) in out
+    assert "removed 1 results (12 bytes of text) by age" in out and "Background on this error" not in out
+    assert damaged.read_bytes().startswith(b"this is not a database")
+    assert served(good, "f1", task="industry") == []

@@ -19,7 +19,7 @@ import pytest
 from batch_assets.runtime import run_recovery
 from batch_assets.runtime.instance import prepare_instance
 from batch_assets_tests.conftest import REPO_ROOT
-from batch_assets_tests.test_cli import open_instance, run_cli, summary_lines
+from batch_assets_tests.test_cli import open_instance, passed, run_cli, summary_lines
 
 PYTHON = sys.executable
 CLI = str(Path(sys.executable).parent / "batch-assets")
@@ -299,7 +299,7 @@ def test_replace_says_so_and_a_file_of_only_errors_fails_quietly(cli_env) -> Non
     assert result.returncode == 1, output[-3000:]
     assert "replaces the drop file posts.jsonl" in result.stdout and "(--replace)" in result.stdout
     posts, garbage = summary_lines(result.stdout)
-    assert posts.startswith("sentiment/posts.jsonl: OK run ") and "2 rows, 0 error rows" in posts
+    assert passed(posts, "sentiment/posts.jsonl") and " run " in posts and "2 rows, 0 error rows" in posts
     assert garbage.startswith("sentiment/garbage.jsonl: ALL ROWS FAILED") and "2 rows, 2 error rows" in garbage
     assert "2/2 requests (100%)" in result.stdout  # the progress line of the run (both files, one stream)
     for noise in ("Traceback", "safetensors", "INFO", "WARNING", "vllm"):
@@ -516,7 +516,7 @@ def test_an_edited_file_runs_again_and_a_namesake_is_refused_or_replaced_after_c
     assert replaced.returncode == 0, replaced.stdout + replaced.stderr[-3000:]
     assert f"r2/e.csv: replaces the drop file e.csv (from {edited}) as asked (--replace)" in replaced.stdout
     [line] = summary_lines(replaced.stdout)
-    assert line.startswith("industry/e.csv: OK run ") and "1 rows, 0 error rows" in line
+    assert passed(line, "industry/e.csv") and " run " in line and "1 rows, 0 error rows" in line
     assert line.endswith("nothing inferred: 1 rows from the result cache"), line
     assert (zone / "e.csv").read_bytes() == namesake.read_bytes()
 

@@ -12,6 +12,7 @@ versions, SelfSubjectAccessReview's `allowed`).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pwd
 import shutil
@@ -19,7 +20,9 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import polars as pl
@@ -553,3 +556,77 @@ def test_a_run_meeting_a_driver_too_old_fails_with_doctors_words(monkeypatch: py
     # No NVIDIA driver at all: a CPU machine with a CUDA build of torch still runs on the CPU.
     monkeypatch.setattr(vllm_engine, "probe_nvml", lambda: NvmlProbe(error_code=NVML_ERROR_LIBRARY_NOT_FOUND))
     assert vllm_engine._cuda_device_count() == 0
+
+
+# --- Endpoints: the key's variable and whether the server answers ----------------------------------
+
+
+class ModelsServer:
+    """`GET /v1/models` on loopback, answering 200 to `Bearer <key>` and 401 to anything else, as
+    OpenAI and `vllm serve --api-key` do."""
+
+    def __init__(self, key: str) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # keep test output quiet
+                pass
+
+            def do_GET(self) -> None:
+                good = self.headers.get("Authorization") == f"Bearer {key}" and self.path == "/v1/models"
+                body = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]} if good else {})
+                self.send_response(200 if good else 401)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body.encode())
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def __enter__(self) -> ModelsServer:
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def endpoint_task_file(folder: Path, name: str, **engine: str) -> None:
+    """The shipped sentiment task as `name`, sent to an endpoint with `engine` settings."""
+    text = (tasks_dir() / "sentiment.yaml").read_text(encoding="utf-8")
+    settings = "".join(f"  {key}: {value}\n" for key, value in {"model": "m", **engine}.items())
+    (folder / f"{name}.yaml").write_text(text.replace("engine:\n", f"engine:\n{settings}", 1), encoding="utf-8")
+
+
+def test_endpoint_tasks_check_their_key_variable_and_that_the_server_answers(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 47: doctor said "ready for a first run" for endpoint tasks whose key variable was unset
+    and whose server did not answer; the run then failed at its first request."""
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    down = f"http://127.0.0.1:{free_port()}/v1"
+    monkeypatch.setenv("DOCTOR_TEST_KEY", "sk-doctor-test-0123456789")
+    monkeypatch.delenv("DOCTOR_UNSET_KEY", raising=False)
+    monkeypatch.setenv("DOCTOR_WRONG_KEY", "sk-wrong")
+    with ModelsServer("sk-doctor-test-0123456789") as server:
+        endpoint_task_file(folder, "batched", kind="batch_api", base_url=server.base_url, api_key_env="DOCTOR_TEST_KEY")
+        endpoint_task_file(folder, "keyless", kind="openai", base_url=down, api_key_env="DOCTOR_UNSET_KEY")
+        endpoint_task_file(folder, "refused", kind="openai", base_url=server.base_url, api_key_env="DOCTOR_WRONG_KEY")
+        monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(folder))
+        code, lines = doctor_lines(capsys)
+    assert status_of(lines, "endpoint batched") == [
+        f"OK    endpoint batched: {server.base_url} answers with the key in DOCTOR_TEST_KEY (GET /models: HTTP 200)"
+    ]
+    [unset] = status_of(lines, "endpoint keyless")
+    assert unset.startswith(
+        "FAIL  endpoint keyless: engine.api_key_env names DOCTOR_UNSET_KEY, which is not set here; and "
+        f"{down} does not answer (GET /models: "
+    )
+    assert unset.endswith("[set: DOCTOR_UNSET_KEY; engine.base_url in the task file of 'keyless']")
+    assert status_of(lines, "endpoint refused") == [
+        f"FAIL  endpoint refused: {server.base_url} refuses the key in DOCTOR_WRONG_KEY (GET /models: HTTP 401) "
+        "[set: DOCTOR_WRONG_KEY]"
+    ]
+    assert "sk-doctor-test" not in "\n".join(lines) and "sk-wrong" not in "\n".join(lines)
+    assert code == 1 and lines[-1].startswith("a first run would fail: fix the FAIL lines")

@@ -130,6 +130,14 @@ def garbage_cache(data: Path) -> tuple[Path, bytes]:
     return path, garbage
 
 
+def passed_line(output: str, file: str) -> bool:
+    """`file`'s summary line in `output` says it passed (`OK`, or WARN checks only: the tiny model's
+    labels are unsure, so its `confidence_at_least` check may fail)."""
+    from batch_assets_tests.test_cli import passed
+
+    return any(passed(line, file) and " run " in line for line in output.splitlines())
+
+
 def posts_file(tmp_path: Path) -> Path:
     posts = tmp_path / "posts.jsonl"
     posts.write_text(POSTS)
@@ -170,7 +178,7 @@ def test_a_damaged_sqlite_cache_is_set_aside_and_the_run_goes_on_with_a_fresh_on
     assert aside.read_bytes() == garbage
     warning = f"sentiment/posts.jsonl: warning: the result cache {path} is damaged (file is not a database)"
     assert warning in output and f"set aside as {aside.name}" in output
-    assert "sentiment/posts.jsonl: OK run " in output and labelled_rows(data_dir) == 4
+    assert passed_line(output, "sentiment/posts.jsonl") and labelled_rows(data_dir) == 4
     # A fresh cache in its place, holding this run's results.
     with sqlite3.connect(path) as database:
         assert database.execute("SELECT count(*) FROM batch_assets_result_cache").fetchone() == (4,)
@@ -191,6 +199,29 @@ def test_no_result_cache_neither_reads_nor_writes_the_cache(
     path, garbage = garbage_cache(data_dir)
     assert cli.main(["run", "sentiment", "--no-result-cache", str(posts_file(tmp_path))]) == 0
     output = capfd.readouterr().out
-    assert "sentiment/posts.jsonl: OK run " in output and labelled_rows(data_dir) == 4
+    assert passed_line(output, "sentiment/posts.jsonl") and labelled_rows(data_dir) == 4
     assert path.read_bytes() == garbage and sorted(p.name for p in path.parent.iterdir()) == [path.name]
     assert "result cache" not in output
+
+
+def test_a_summary_line_names_every_failed_check_and_only_error_checks_fail_the_command() -> None:
+    """Issue 47: a line named failed ERROR checks only; WARN failures left it `OK`."""
+    from batch_assets.lib.run_outcomes import PartitionOutcome
+
+    def outcome(errors: list[str], warnings: list[str]) -> PartitionOutcome:
+        return PartitionOutcome("t", "f.csv", True, "0123456789", "3 rows", errors, failed_warn_checks=warnings)
+
+    both = outcome(["t/validated_labels:labels_are_valid"], ["t/validated_labels:accuracy_at_least"])
+    assert both.line() == (
+        "t/f.csv: CHECKS FAILED (t/validated_labels:labels_are_valid (ERROR), "
+        "t/validated_labels:accuracy_at_least (WARN)) run 01234567: 3 rows"
+    )
+    assert not both.passed() and not both.passed(fail_on_warn=True)
+    warned = outcome([], ["t/validated_labels:error_share_below_threshold"])
+    assert (
+        warned.line()
+        == "t/f.csv: WARN CHECKS FAILED (t/validated_labels:error_share_below_threshold (WARN)) run 01234567: 3 rows"
+    )
+    assert warned.passed() and not warned.passed(fail_on_warn=True)
+    clean = outcome([], [])
+    assert clean.line() == "t/f.csv: OK run 01234567: 3 rows" and clean.passed(fail_on_warn=True)

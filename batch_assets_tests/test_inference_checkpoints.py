@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import dagster as dg
 import numpy as np
 import polars as pl
 import pytest
@@ -633,3 +634,42 @@ def test_requests_of_several_partitions_reach_the_engine_named_by_their_request_
     )
     prompts = [f"<prompt>{text}</prompt>" for text in ("x", "y", "z")]
     assert sorted(k for k in keys if k is not None) == sorted(request_keys(prompts, [0, 1, 2], True)) and len(keys) == 3
+
+
+class StoppedSession(Session):
+    """Answers `answered` prompts (the label is the text reversed), then the stop arrives while it waits
+    for the next result: Ctrl-C (KeyboardInterrupt) or, inside a Dagster step, Dagster's own error."""
+
+    def __init__(self, answered: int, stop: BaseException) -> None:
+        super().__init__(Engine(), 1024)
+        self.answered, self.stop = answered, stop
+
+    def stream(self, prompts):
+        for position, prompt in enumerate(list(prompts)[: self.answered]):
+            yield position, Engine()([prompt])[0]
+        raise self.stop
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt(), dg.DagsterExecutionInterruptedError()], ids=type)
+def test_a_stop_keeps_every_finished_result_in_the_checkpoints_and_the_cache(
+    stop: BaseException, tmp_path: Path, partition_dir: UPath
+) -> None:
+    """Issue 47: a stop is a BaseException, and only an engine Exception flushed the sinks: the 6
+    results finished before the stop (short of `batch_size` and of `checkpoint_seconds`) were lost."""
+    texts = [f"post {i}" for i in range(10)]
+    frame = formatted_frame(texts)
+    cache, store = ResultCache(UPath(tmp_path / "cache"), "fp"), CheckpointStore(partition_dir, "fp")
+    with pytest.raises(type(stop)):
+        infer(frame, Engine(), store, cache=cache, batch_size=1024, session=StoppedSession(6, stop))
+    keys = request_keys(frame["prompt"], range(10), True)
+    finished = {key: text[::-1] for key, text in zip(keys[:6], texts[:6], strict=True)}
+    kept = store.load()
+    assert dict(zip(kept["request_key"], kept["generated_text"], strict=True)) == finished
+    cached = cache.lookup()
+    assert dict(zip(cached["request_key"], cached["generated_text"], strict=True)) == finished
+    # The re-run sends only the 4 others, and says where the 6 came from: the stopped attempt.
+    engine = Engine()
+    out, stats = infer(frame, engine, CheckpointStore(partition_dir, "fp"), cache=cache, batch_size=1024)
+    assert (stats.rows_from_checkpoint, stats.rows_from_cache, stats.rows_inferred) == (6, 0, 4)
+    assert [bytes(ids[:-2]).decode() for ids in engine.seen] == texts[6:]
+    assert out["generated_text"].to_list() == [text[::-1] for text in texts]

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import signal
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -116,6 +119,71 @@ def engine_core_processes() -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return found
+
+
+def _stored_results(data: Path, partition: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(checkpointed, cached): request key → generated text, read from the stores' own files."""
+    chunks = list((data / "storage" / "sentiment" / "_checkpoints" / partition).glob("*/chunk-*.parquet"))
+    checkpointed = pl.concat([pl.read_parquet(c) for c in chunks]) if chunks else pl.DataFrame()
+    database = data / "storage" / "sentiment" / "_result_cache" / "results.sqlite3"
+    cached: dict[str, str] = {}
+    if database.exists():
+        with contextlib.closing(sqlite3.connect(database)) as connection:
+            cached = dict(connection.execute("SELECT request_key, generated_text FROM batch_assets_result_cache"))
+    if checkpointed.is_empty():
+        return {}, cached
+    return dict(zip(checkpointed["request_key"], checkpointed["generated_text"], strict=True)), cached
+
+
+def test_a_stop_mid_partition_keeps_what_finished_and_the_rerun_reuses_it(
+    data_dir: Path, tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 47: Ctrl-C (here SIGINT to this process, which Dagster raises in the step as
+    DagsterExecutionInterruptedError) before the first chunk was due left no checkpoint and an empty
+    result cache: every result finished so far was inferred again."""
+    from batch_assets.runtime import interrupts
+
+    # Where an earlier test ran the command line in this process, its signal watcher records the
+    # SIGINT too: as this test's, or the re-run would not start.
+    monkeypatch.setattr(interrupts, "STOP", threading.Event())
+    drop(data_dir, "sentiment", "big.jsonl", posts(3000, "big"))
+    run_id = dg.make_new_run_id()
+    progress: list[int] = []
+
+    def stop_at_first_progress_line(instance: dg.DagsterInstance) -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not progress:
+            for entry in instance.all_logs(run_id):
+                if match := re.match(r"inferred (\d+)/3000 requests \(", entry.user_message or ""):
+                    progress.append(int(match[1]))
+                    os.kill(os.getpid(), signal.SIGINT)
+                    return
+            time.sleep(0.05)
+
+    with dg.instance_for_test() as instance:
+        key = partition_key_for("big.jsonl")
+        instance.add_dynamic_partitions(partitions_def_name("sentiment"), [key])
+        job = build_definitions(tasks=[SENTIMENT]).resolve_job_def(pipeline_job_name("sentiment"))
+        stopper = threading.Thread(target=stop_at_first_progress_line, args=(instance,), daemon=True)
+        stopper.start()
+        stopped = job.execute_in_process(instance=instance, partition_key=key, raise_on_error=False, run_id=run_id)
+        stopper.join(timeout=5)
+        interrupts.STOP.clear()
+        assert progress and not stopped.success
+        assert any("stopped (interrupted)" in error for error in step_errors(stopped, "STEP_FAILURE"))
+        checkpointed, cached = _stored_results(data_dir, key)
+        # What had finished when the stop came is in both stores, the same texts (the default chunk
+        # of 1,024 results or 30 s was not due yet).
+        assert progress[0] <= len(checkpointed) < 3000 and cached == checkpointed
+        assert all(text is not None for text in checkpointed.values())
+
+        again = job.execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
+    assert again.success, step_errors(again, "STEP_FAILURE")
+    metadata = inference_metadata(again)
+    kept = len(checkpointed)
+    assert (metadata["rows_from_checkpoint"], metadata["rows_inferred"]) == (kept, 3000 - kept)
+    labels = labels_of(data_dir, "big.jsonl")
+    assert labels["row_id"].to_list() == list(range(3000)) and labels["error"].null_count() == 3000
 
 
 def test_an_engine_killed_mid_partition_fails_with_its_message_and_the_retry_resumes(

@@ -11,7 +11,11 @@ finished batches resume from checkpoints, and the API key never shows up in what
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import os
+import re
+import signal
 import socket
 import threading
 import time
@@ -41,7 +45,8 @@ MODEL = "fault-model"
 class FaultServer:
     """Chat completions with scripted faults: `plan[word]` lists what successive requests whose
     user message contains `word` get: "429", "500", "slow", "drop", "401", "garbage" (a 200 that
-    is not JSON), "400" (this request refused), "400-setting" (every request refused alike),
+    is not JSON), "sigint" (SIGINT to this process, then a slow answer),
+    "400" (this request refused), "400-setting" (every request refused alike),
     "400-logprobs" (a server refusing the `logprobs` field) or "ok". The last step repeats.
     Prompts matching no word get "ok"."""
 
@@ -72,6 +77,9 @@ class FaultServer:
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                if self.path.endswith("/embeddings"):
+                    self._json(200, embeddings_response(body))
+                    return
                 user = body["messages"][-1]["content"]
                 action = server._next_action(user, body, {k.lower(): v for k, v in self.headers.items()})
                 with server._lock:
@@ -109,6 +117,11 @@ class FaultServer:
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
                     self.wfile.write(data)
+                elif action == "sigint":  # Ctrl-C (as Dagster sees it in the step) while the request runs
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(server.slow_seconds)
+                    with contextlib.suppress(OSError):  # the stopped run may have closed the connection
+                        self._completion(body)
                 elif action == "slow":
                     time.sleep(server.slow_seconds)
                     with contextlib.suppress(OSError):  # the client gave up already
@@ -184,6 +197,17 @@ class FaultServer:
     def __exit__(self, *exc) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def embeddings_response(body: dict) -> dict:
+    """`/v1/embeddings`: a unit vector per text, the same for the same text (from its hash)."""
+    vectors = []
+    for text in body["input"]:
+        digest = hashlib.sha256(text.encode()).digest()[:8]
+        norm = sum(b * b for b in digest) ** 0.5
+        vectors.append([b / norm for b in digest])
+    data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+    return {"object": "list", "data": data, "model": body["model"], "usage": {"prompt_tokens": 1, "total_tokens": 1}}
 
 
 @pytest.fixture
@@ -528,3 +552,140 @@ def test_a_run_resolves_the_endpoint_settings_once_per_step_not_per_batch(
     metadata = result.asset_materializations_for_node("sentiment__inference_outputs")[0].metadata
     assert metadata["model"].value == MODEL
     assert metadata["model_chosen_by"].value == "`engine.model` in the task file of 'sentiment'"
+
+
+# --- What `batch-assets run` prints and exits with when the task's own checks fail (issue 47) --------
+
+
+def summary_line_of(output: str, partition: str) -> str:
+    [line] = [line for line in output.splitlines() if line.startswith(f"{partition}: ")]
+    return line
+
+
+def test_run_names_every_failed_warn_check_and_fails_on_them_only_when_asked(
+    tmp_path: Path,
+    data_dir: Path,
+    tiny_model_path: str,
+    fault_server: FaultServer,
+    endpoint_key: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Before: `OK run ...: 6 rows ... (accuracy 0% ...)`, exit 0, naming no failed check. The server
+    answers each post with choices[len(user message) % 3]; the hand labels are the next choice, so
+    accuracy is 0 and `accuracy_at_least` (WARN, min_accuracy 0.8) fails; the other checks pass."""
+    from batch_assets.cli import main
+
+    endpoint_task(tmp_path, fault_server.base_url, tiny_model_path)
+    monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(tmp_path / "tasks"))
+    choices = ["positive", "negative", "neutral"]
+    answered = [choices[len(f"Post: {text}\nSentiment:") % 3] for text in POSTS]
+    wrong = [choices[(choices.index(label) + 1) % 3] for label in answered]
+    rows = "".join(json.dumps({"text": t, "sentiment": g}) + "\n" for t, g in zip(POSTS, wrong, strict=True))
+    for name in ("posts.jsonl", "again.jsonl"):
+        (tmp_path / name).write_text(rows)
+    failed = "WARN CHECKS FAILED (sentiment/validated_labels:accuracy_at_least (WARN))"
+
+    assert main(["run", "sentiment", str(tmp_path / "posts.jsonl")]) == 0
+    line = summary_line_of(capfd.readouterr().out, "sentiment/posts.jsonl")
+    assert line.startswith(f"sentiment/posts.jsonl: {failed} run ")
+    assert "6 rows, 0 error rows" in line and "(accuracy 0% on 6 hand-labelled rows" in line
+
+    assert main(["run", "sentiment", "--fail-on-warn", str(tmp_path / "again.jsonl")]) == 1
+    line = summary_line_of(capfd.readouterr().out, "sentiment/again.jsonl")
+    assert line.startswith(f"sentiment/again.jsonl: {failed} run ")
+    assert labels_of(data_dir, "again.jsonl") == answered
+
+
+def labels_of(data: Path, file_name: str) -> list[str]:
+    from batch_assets.storage.drop_files import partition_key_for
+
+    return read_output(data, "sentiment", "validated_labels", partition_key_for(file_name))["label"].to_list()
+
+
+def test_a_degenerate_cascade_names_its_failed_error_share_check(
+    tmp_path: Path,
+    data_dir: Path,
+    fault_server: FaultServer,
+    endpoint_key: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Before: one choice and a teacher that gives that one label, on a 3-row file: 2 of the 3 rows
+    were `cascade_no_student` errors (no student trains on one label) and the run printed `OK`."""
+    from batch_assets.cli import main
+
+    text = (REPO_ROOT / "batch_assets" / "tasks" / "industry_cascade.yaml").read_text(encoding="utf-8")
+    text = re.sub(r"choices: \[Law Firm, .*\]", "choices: [Other]", text)
+    engine = f"engine:\n  kind: openai\n  base_url: {fault_server.base_url}\n  model: {MODEL}\n"
+    text = text.replace("engine:\n", engine + "  api_key_env: BATCH_ASSETS_TEST_ENDPOINT_KEY\n", 1)
+    (tmp_path / "tasks").mkdir()
+    for in_process_only in ("  model: embedded:all-MiniLM-L6-v2\n", "  vllm_args: {dtype: float32}\n"):
+        text = text.replace(in_process_only, "")
+    (tmp_path / "tasks" / "industry_cascade.yaml").write_text(text)
+    monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(tmp_path / "tasks"))
+    (tmp_path / "three.csv").write_text("Company,Industry\nAcme Corp,Other\nGlobex,Other\nInitech,Other\n")
+
+    assert main(["run", "industry_cascade", "--fail-on-warn", str(tmp_path / "three.csv")]) == 1
+    line = summary_line_of(capfd.readouterr().out, "industry_cascade/three.csv")
+    assert line.startswith(
+        "industry_cascade/three.csv: WARN CHECKS FAILED (industry_cascade/validated_labels:accuracy_at_least (WARN), "
+        "industry_cascade/validated_labels:error_share_below_threshold (WARN)) run "
+    )
+    assert "3 rows, 2 error rows, labels: Other=1 (accuracy 33% on 3 hand-labelled rows" in line
+    labels = read_output(data_dir, "industry_cascade", "validated_labels", "three.csv")
+    assert labels["error"].str.starts_with("cascade_no_student: ").sum() == 2
+
+
+def test_a_stop_during_a_range_run_keeps_every_finished_result_of_each_partition(
+    tmp_path: Path,
+    data_dir: Path,
+    tiny_model_path: str,
+    fault_server: FaultServer,
+    endpoint_key: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 47: a stop is a BaseException and only an engine Exception flushed the sinks. Two files,
+    one range run, calls of 4 requests: the first call answers a1-a3 (file a's last results: its
+    chunk is written) and b1 (file b's first: short of a chunk); a SIGINT arrives during the second
+    call. Before, b1 was in no checkpoint and nothing in the result cache."""
+    from batch_assets.lib.runner import run_partitions
+    from batch_assets.runtime import interrupts
+    from batch_assets.storage.checkpoints import CheckpointStore
+    from batch_assets.storage.locations import checkpoint_dir, task_storage_dir
+    from batch_assets.storage.result_cache import ResultCache
+
+    endpoint_task(tmp_path, fault_server.base_url, tiny_model_path, batch_size=4, concurrency=2)
+    monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(tmp_path / "tasks"))
+    fault_server.plan = {"b2": ["sigint"]}
+    files = []
+    for name, texts in (("a.jsonl", ["a1", "a2", "a3"]), ("b.jsonl", ["b1", "b2", "b3"])):
+        (tmp_path / name).write_text(posts_jsonl(texts))
+        files.append(tmp_path / name)
+    # Where an earlier test ran the command line in this process, its signal watcher sees the SIGINT
+    # too: the stop it records is this test's, and the runner then stops as the command would.
+    monkeypatch.setattr(interrupts, "STOP", threading.Event())
+    with contextlib.suppress(interrupts.Stopped):
+        run_partitions("sentiment", files)
+    with dg.DagsterInstance.get() as instance:
+        [run] = instance.get_runs()
+        failures = [
+            e.dagster_event
+            for e in instance.all_logs(run.run_id)
+            if e.dagster_event and e.dagster_event.is_step_failure
+        ]
+    assert [f.step_key for f in failures] == ["sentiment__inference_outputs"]
+    assert "stopped (interrupted)" in failures[0].step_failure_data.error.to_string()
+
+    fingerprint = next(checkpoint_dir("sentiment", "a.jsonl").iterdir()).name
+
+    def kept(partition: str) -> dict[str, str]:
+        frame = CheckpointStore(checkpoint_dir("sentiment", partition), fingerprint).load()
+        return dict(zip(frame["request_key"], frame["generated_text"], strict=True))
+
+    choices = ["positive", "negative", "neutral"]
+    answer = {text: choices[len(f"Post: {text}\nSentiment:") % 3] for text in ("a1", "a2", "a3", "b1")}
+    assert sorted(kept("a.jsonl").values()) == sorted(answer[t] for t in ("a1", "a2", "a3"))
+    assert list(kept("b.jsonl").values()) == [answer["b1"]]
+    cached = ResultCache(task_storage_dir("sentiment"), fingerprint).lookup()
+    assert dict(zip(cached["request_key"], cached["generated_text"], strict=True)) == kept("a.jsonl") | kept("b.jsonl")

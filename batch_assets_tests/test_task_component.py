@@ -6,7 +6,10 @@ defs folder (`create_defs_folder_sandbox`), as `dg` loads a project; no engine s
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import textwrap
 import warnings
 from collections.abc import Iterator
@@ -201,3 +204,80 @@ def test_the_docs_example_loads(sandbox: DefsFolderSandbox, monkeypatch: pytest.
     assert component.task.prompt is not None
     assert component.task.prompt.template == "Subject: {subject}\n\n{body}"
     assert len(defs.resolve_asset_graph().get_all_asset_keys()) == 4
+
+
+# A dg project of a user's, as `create-dagster project` lays it out, with a folder-of-tasks component.
+DG_PROJECT_FILES = {
+    "pyproject.toml": """\
+[project]
+name = "tasks_project"
+version = "0.1.0"
+
+[tool.dg]
+directory_type = "project"
+
+[tool.dg.project]
+root_module = "tasks_project"
+""",
+    "src/tasks_project/__init__.py": "",
+    "src/tasks_project/definitions.py": """\
+from pathlib import Path
+
+import dagster as dg
+
+
+@dg.definitions
+def defs() -> dg.Definitions:
+    return dg.load_from_defs_folder(path_within_project=Path(__file__).parent)
+""",
+    "src/tasks_project/defs/__init__.py": "",
+    "src/tasks_project/defs/labels/defs.yaml": """\
+type: batch_assets.TaskPipelinesComponent
+attributes:
+  tasks_dir: ../../../../tasks
+""",
+}
+
+
+def dg_check_defs(project: Path) -> subprocess.CompletedProcess[str]:
+    """The real `dg check defs`, run in `project` on this environment (its `.venv` is a link to it)."""
+    env = {**os.environ, "PYTHONPATH": str(project / "src"), "VIRTUAL_ENV": str(project / ".venv"), "NO_COLOR": "1"}
+    env.pop("BATCH_ASSETS_TASKS_DIR", None)
+    return subprocess.run(
+        [sys.executable, "-m", "dagster_dg_cli.cli", "check", "defs"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow  # `dg` loads the code location in a process of its own
+def test_dg_check_defs_fails_naming_each_broken_task_file_and_its_line(tmp_path: Path) -> None:
+    """Issue 47: five broken task files in a folder-of-tasks component, and `dg check defs` printed
+    "All definitions loaded successfully" with exit 0 (the UI shows each as a failing sensor, which
+    a CI gate never sees). The good task in the folder is not named; a component's own defs.yaml
+    is still checked by dg's schema (test_wheel_install.py)."""
+    project = tmp_path / "tasks_project"
+    for name, text in DG_PROJECT_FILES.items():
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text(text)
+    (project / ".venv").symlink_to(sys.prefix)
+    tasks = project / "tasks"
+    tasks.mkdir()
+    good = (BUNDLED_TASKS_DIR / "sentiment.yaml").read_text()
+    (tasks / "posts.yaml").write_text(good)
+    (tasks / "tokens.yaml").write_text(good.replace("max_tokens: 10", "max_tokens: many"))
+    (tasks / "broken.yaml").write_text("name: [\n")
+    (tasks / "engine.yaml").write_text(
+        good.replace("  max_model_len: 1024", "  max_model_len: 1024\n  vllm_args: {no_such_arg: 1}")
+    )
+    checked = dg_check_defs(project)
+    output = checked.stdout + checked.stderr
+    assert checked.returncode != 0, output
+    assert "All definitions loaded successfully" not in output
+    assert f"{tasks / 'tokens.yaml'}: sampling.max_tokens (line {_line_of(good, 'max_tokens:')})" in output
+    assert f"{tasks / 'broken.yaml'}: not valid YAML" in output and "line 2, column 1" in output
+    assert "engine.vllm_args.no_such_arg in the task file of 'engine' is not an argument of vLLM's engine" in output
+    assert "3 task files do not load" in output and "posts.yaml" not in output

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 from batch_assets.doctor.cluster import check_service_account
 from batch_assets.doctor.context import DoctorContext
+from batch_assets.doctor.endpoints import check_endpoints
 from batch_assets.doctor.gpus import check_gpus
 from batch_assets.doctor.instance_checks import check_instance_storage, check_run_launcher, check_run_pod_env
 from batch_assets.doctor.models import check_models, check_tasks
@@ -29,6 +30,7 @@ CHECKS: list[tuple[str, CheckFunction]] = [
     ("gpus", check_gpus),
     ("gpu pool", check_gpu_pool),
     ("models", check_models),
+    ("endpoints", check_endpoints),
     ("storage locations", check_locations),
     ("result cache", check_result_cache),
     ("service account", check_service_account),

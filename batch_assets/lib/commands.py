@@ -56,11 +56,35 @@ def command_cache(args: argparse.Namespace, say: Callable[[str], None]) -> int:
         by_url: dict[str, list[TaskSpec]] = {}
         for task in loaded.tasks:
             by_url.setdefault(cache_url(task_storage_dir(task.name), instance), []).append(task)
+    failed = False
     for url, at_url in by_url.items():
         pruned = {task.name for task in tasks} & {task.name for task in at_url}
         if pruned:
-            _prune_one(url, at_url, pruned if args.task else None, args.older_than, say)
-    return 0
+            failed |= not _prune_or_say_why(url, at_url, pruned if args.task else None, args.older_than, say)
+    return 1 if failed else 0
+
+
+def _prune_or_say_why(url: str, tasks: list[TaskSpec], pruned: set[str] | None, older_than: float | None, say) -> bool:
+    """Prune one cache; a cache that fails is one line naming it and the cause (the others are
+    pruned all the same). A damaged SQLite file is left as it is: the next run of its task sets it
+    aside, as runs do (storage/result_cache.py), and a prune deletes no file it did not make."""
+    import sqlalchemy as sa
+
+    from batch_assets.storage.result_cache import corrupt_sqlite_file, driver_line, shown_url
+
+    try:
+        _prune_one(url, tasks, pruned, older_than, say)
+    except sa.exc.SQLAlchemyError as exc:
+        damaged = corrupt_sqlite_file(url, exc) if isinstance(exc, sa.exc.DatabaseError) else None
+        if damaged is not None:
+            say(
+                f"error: the result cache {damaged} is damaged ({getattr(exc, 'orig', exc)}): nothing pruned there; "
+                "the next run of its task sets it aside and starts an empty one (or delete the file)"
+            )
+        else:
+            say(f"error: pruning the result cache {shown_url(url)} failed: {driver_line(exc)}")
+        return False
+    return True
 
 
 def _prune_one(url: str, tasks: list[TaskSpec], pruned: set[str] | None, older_than: float | None, say) -> None:

@@ -37,6 +37,9 @@ class PartitionOutcome:
     skipped: bool = False  # already validated from this file version: not run again
     rows: int | None = None
     error_rows: int | None = None
+    # Failed checks of WARN severity: named on the line; they fail the command only when asked to
+    # (`batch-assets run --fail-on-warn`).
+    failed_warn_checks: list[str] = field(default_factory=list)
 
     @property
     def all_rows_failed(self) -> bool:
@@ -44,19 +47,32 @@ class PartitionOutcome:
 
     @property
     def ok(self) -> bool:
+        """The run succeeded, no ERROR check failed and not every row is an error (WARN checks aside)."""
         return self.success and not self.failed_error_checks and not self.all_rows_failed
+
+    def passed(self, *, fail_on_warn: bool = False) -> bool:
+        """`ok`, and with `fail_on_warn` no WARN check failed either: what the exit status says."""
+        return self.ok and not (fail_on_warn and self.failed_warn_checks)
 
     @property
     def status(self) -> str:
+        """The line's verdict; every check that failed is named in it, whatever its severity (a cron
+        job or CI log reads this line, not the UI)."""
         if self.skipped:
             return "UP TO DATE"
         if not self.success:
             return "FAILED"
         if self.failed_error_checks:
-            return "CHECKS FAILED (" + ", ".join(self.failed_error_checks) + ")"
-        if self.all_rows_failed:
-            return "ALL ROWS FAILED"
-        return "OK"
+            verdict = "CHECKS FAILED"
+        elif self.all_rows_failed:
+            verdict = "ALL ROWS FAILED"
+        elif self.failed_warn_checks:
+            verdict = "WARN CHECKS FAILED"
+        else:
+            return "OK"
+        failed = [f"{check} (ERROR)" for check in self.failed_error_checks]
+        failed += [f"{check} (WARN)" for check in self.failed_warn_checks]
+        return f"{verdict} ({', '.join(failed)})" if failed else verdict
 
     def line(self) -> str:
         """`task/partition: STATUS run <id>: summary`, the line the command prints for the file."""
@@ -73,41 +89,47 @@ def partition_outcome(
     failure: str | None = None,
     failed_error_checks: list[str] | None = None,
     skipped: bool = False,
+    failed_warn_checks: list[str] | None = None,
 ) -> PartitionOutcome:
     """The outcome of one partition; `failure` says why its run failed (None: the run succeeded)."""
-    checks = failed_error_checks or []
+    checks, warnings = failed_error_checks or [], failed_warn_checks or []
     if failure is not None:
-        return PartitionOutcome(task_name, key, False, run_id, failure, checks, skipped)
+        return PartitionOutcome(task_name, key, False, run_id, failure, checks, skipped, failed_warn_checks=warnings)
     counts = _label_counts(task_name, [key])
     rows, errors = (counts[0], counts[1]) if counts else (None, None)
     summary = summary_line(task_name, [key], instance, counts=counts)
-    return PartitionOutcome(task_name, key, True, run_id, summary, checks, skipped, rows, errors)
+    return PartitionOutcome(task_name, key, True, run_id, summary, checks, skipped, rows, errors, warnings)
 
 
 def run_outcomes(
     task_name: str, keys: Sequence[str], result: dg.ExecuteInProcessResult, instance: dg.DagsterInstance
 ) -> list[PartitionOutcome]:
-    """The outcome of each partition of a finished run: its failed ERROR checks, and why the run failed."""
+    """The outcome of each partition of a finished run: its failed checks (ERROR and WARN), and why
+    the run failed."""
     evaluations = result.get_asset_check_evaluations()
     outcomes = []
     for key in keys:
-        failed = [
-            evaluation
-            for evaluation in evaluations
-            if evaluation.partition == key
-            and not evaluation.passed
-            and evaluation.severity == dg.AssetCheckSeverity.ERROR
-        ]
-        failed_checks = [f"{e.asset_key.to_user_string()}:{e.check_name}" for e in failed]
+        failed = [e for e in evaluations if e.partition == key and not e.passed]
+        errors = [e for e in failed if e.severity == dg.AssetCheckSeverity.ERROR]
         # A blocking check that stopped the run says why in its description (e.g. over budget).
-        stopped_by = [f"stopped by {e.check_name}: {e.description}" for e in failed if e.description]
+        stopped_by = [f"stopped by {e.check_name}: {e.description}" for e in errors if e.description]
         failure = None if result.success else (stopped_by[0] if stopped_by else failure_text(result))
         outcomes.append(
             partition_outcome(
-                task_name, key, instance, run_id=result.run_id, failure=failure, failed_error_checks=failed_checks
+                task_name,
+                key,
+                instance,
+                run_id=result.run_id,
+                failure=failure,
+                failed_error_checks=[_check_name(e) for e in errors],
+                failed_warn_checks=[_check_name(e) for e in failed if e.severity != dg.AssetCheckSeverity.ERROR],
             )
         )
     return outcomes
+
+
+def _check_name(evaluation: dg.AssetCheckEvaluation) -> str:
+    return f"{evaluation.asset_key.to_user_string()}:{evaluation.check_name}"
 
 
 def file_outcome(
@@ -135,6 +157,7 @@ def file_outcome(
         skipped=all(part.skipped for part in parts),
         rows=None if None in rows else sum(r for r in rows if r is not None),
         error_rows=None if None in errors else sum(e for e in errors if e is not None),
+        failed_warn_checks=[f"{part.partition_key}: {check}" for part in parts for check in part.failed_warn_checks],
     )
 
 

@@ -29,7 +29,7 @@ from batch_assets.lib.checks import build_task_checks
 from batch_assets.lib.drops_sensor import build_drops_sensor
 from batch_assets.lib.range_failures import RANGE_FAILURE_SENSOR_NAME, build_range_failure_sensor
 from batch_assets.lib.split_job import build_split_job
-from batch_assets.lib.task_file_errors import build_task_file_error_sensor
+from batch_assets.lib.task_file_errors import build_task_file_error_sensor, fail_validation_on
 from batch_assets.pipeline.task_spec import TaskFileError, TaskSpec, TaskSpecError, load_tasks
 from batch_assets.runtime.run_recovery import build_recovery_sensor
 from batch_assets.storage.parquet_io_manager import ParquetStorage
@@ -257,6 +257,7 @@ def pipelines_definitions(
         task_jobs.append((task, job))
         sensors.append(build_drops_sensor(task, job, split_job=split_job))
         sensors += build_automation_sensor(task)
+    fail_validation_on(task_errors)
     sensors = [build_task_file_error_sensor(error) for error in task_errors] + sensors
     range_failures = build_range_failure_sensor(task_jobs, range_failure_sensor)
     sensors += [range_failures] if range_failures is not None else []

@@ -141,15 +141,17 @@ def _plan(part: PartitionInput, *, deduplicate: bool, cache: ResultLookup | None
     )
     unique_requests = keyed.unique("request_key", keep="first", maintain_order=True)
     stats.rows_deduplicated = keyed.height - unique_requests.height
+    # The partition's own checkpoints first: a stopped attempt keeps its results in both stores, and
+    # they count as `rows_from_checkpoint` (reused from an interrupted attempt); the cache serves the rest.
+    done = part.checkpoints.load() if part.checkpoints is not None else pl.DataFrame(schema=RESULT_SCHEMA)
+    done = done.join(unique_requests.select("request_key"), on="request_key", how="semi")
+    remaining = unique_requests.join(done.select("request_key"), on="request_key", how="anti", maintain_order="left")
     cached = (
-        cache.lookup(unique_requests["request_key"])
+        cache.lookup(remaining["request_key"])
         if cache is not None and deduplicate
         else pl.DataFrame(schema=RESULT_SCHEMA)
     )
-    remaining = unique_requests.join(cached.select("request_key"), on="request_key", how="anti", maintain_order="left")
-    done = part.checkpoints.load() if part.checkpoints is not None else pl.DataFrame(schema=RESULT_SCHEMA)
-    done = done.join(remaining.select("request_key"), on="request_key", how="semi")
-    pending = remaining.join(done.select("request_key"), on="request_key", how="anti", maintain_order="left")
+    pending = remaining.join(cached.select("request_key"), on="request_key", how="anti", maintain_order="left")
     stats.rows_from_cache, stats.rows_from_checkpoint = cached.height, done.height
     # Prompts are encoded ~10 % of the work at a time, at least 64 (tiny partitions are not cut into
     # tiny engine calls), never more than `batch_size`.
@@ -517,6 +519,11 @@ def run_inference(
         for sink in sinks:
             sink.flush()
         writer.drain()
+    except BaseException:
+        # A stop (Ctrl-C, SIGTERM, the UI's Terminate: Dagster's DagsterExecutionInterruptedError) is
+        # no Exception, and the stream may end in one anywhere: what finished is kept all the same.
+        _keep_finished(sinks, writer)
+        raise
     finally:
         writer.close()
     results = []
@@ -531,6 +538,19 @@ def run_inference(
         plan.stats.rows_cached = sink.cached
         results.append(_join(plan, sink))
     return results
+
+
+def _keep_finished(sinks: list[_PartitionSink], writer: _ChunkWriter) -> None:
+    """Every finished result into the checkpoints, then the result cache, before the stream's error
+    or stop goes on: a re-run reuses them. A store that fails here must not hide why the stream ended
+    (a failed checkpoint write is the writer's sticky error, raised already or by the re-run)."""
+    with contextlib.suppress(Exception):
+        for sink in sinks:
+            sink.flush()
+        writer.drain()
+    for sink in sinks:
+        with contextlib.suppress(Exception):
+            sink.add_to_cache(sink.plan.reused[1])
 
 
 def _prefix(plan: _Plan, many: bool) -> str:

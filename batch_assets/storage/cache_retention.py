@@ -88,7 +88,8 @@ def prune(
         report.by_fingerprint = _delete(connection, RESULTS.c.fingerprint.in_(report.fingerprints))
         for task, fp in dropped:
             connection.execute(sa.delete(VERSIONS).where(VERSIONS.c.task == task, VERSIONS.c.fingerprint == fp))
-        ages = {task: older_than_days or _max_age(retention.get(task)) for task in pruned}
+        # `older_than_days` 0 is an age (every result stored before now), not "unset".
+        ages = {task: _max_age(retention.get(task)) if older_than_days is None else older_than_days for task in pruned}
         for task, days in sorted(ages.items()):
             if days is not None:
                 of_task = RESULTS.c.fingerprint.in_(sorted(kept.get(task, set())))

@@ -199,7 +199,7 @@ def _create_engine(url: str) -> sa.Engine:
                 continue
             if not write_refused(exc):
                 raise
-            _read_only.setdefault(url, _first_line(exc))
+            _read_only.setdefault(url, driver_line(exc))
     _add_later_columns(url, engine)
     return engine
 
@@ -224,7 +224,7 @@ def _add_later_columns(url: str, engine: sa.Engine) -> None:
                 continue  # another process added it meanwhile
             if not write_refused(exc):
                 raise
-            _read_only.setdefault(url, _first_line(exc))
+            _read_only.setdefault(url, driver_line(exc))
     _columns[url] = frozenset(present)
 
 
@@ -247,7 +247,7 @@ def write_refused(exc: BaseException) -> bool:
     return (getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)) in _PG_REFUSED
 
 
-def _first_line(exc: sa.exc.SQLAlchemyError) -> str:
+def driver_line(exc: sa.exc.SQLAlchemyError) -> str:
     """The driver's first line of `exc`: what failed (its further lines are guesses and links)."""
     return scrub((str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0])
 
@@ -421,7 +421,7 @@ class ResultCache:
         except sa.exc.SQLAlchemyError as exc:
             if not write_refused(exc):
                 raise
-            _read_only.setdefault(self.url, _first_line(exc))
+            _read_only.setdefault(self.url, driver_line(exc))
             return self._writable()
         return True
 
@@ -517,7 +517,7 @@ class ResultCache:
         # The driver's first line says what failed; its further lines are its guesses (e.g. "Is the
         # server running on that host...?", read as being about the LLM server) and SQLAlchemy's link.
         return StorageError(
-            f"{action} the result cache {shown_url(self.url)} failed: {_first_line(exc)} (point {URL_ENV} at a "
+            f"{action} the result cache {shown_url(self.url)} failed: {driver_line(exc)} (point {URL_ENV} at a "
             "working database, or run without the cache: `batch-assets run --no-result-cache`, or materialize "
             "inference_outputs with use_result_cache: false)"
         )
