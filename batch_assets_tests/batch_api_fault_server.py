@@ -12,7 +12,6 @@ counts) lives in the object, as a provider's lives in its database.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 import uuid
@@ -22,6 +21,8 @@ from typing import Annotated
 import uvicorn
 from fastapi import FastAPI, File, Form, Header, HTTPException, UploadFile
 from fastapi.responses import JSONResponse, Response
+
+from batch_assets_tests.support import free_port
 
 
 @dataclass
@@ -71,7 +72,7 @@ class FaultServer:
         self.batches: dict[str, _Batch] = {}
         self.batches_created = 0
         self.cancelled: list[str] = []
-        self.port = _free_port()
+        self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -293,9 +294,3 @@ def _line(request: dict, status: int, body: dict) -> dict:
         "response": response,
         "error": None,
     }
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

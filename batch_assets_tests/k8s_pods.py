@@ -25,7 +25,7 @@ from dagster_k8s.job import construct_dagster_k8s_job, get_job_name_from_run_id
 
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.task_spec import TaskSpec
-from batch_assets_tests.conftest import REPO_ROOT
+from batch_assets_tests.support import REPO_ROOT
 
 DEPLOY = REPO_ROOT / "deploy"
 IMAGE = "registry.example.com/batch-assets:0.1.0"

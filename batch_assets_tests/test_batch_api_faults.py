@@ -24,7 +24,7 @@ from batch_assets.pipeline.task_spec import TaskSpec, load_task_spec
 from batch_assets.runtime import interrupts
 from batch_assets.storage.batch_records import BatchRecordStore
 from batch_assets_tests.batch_api_fault_server import FaultServer
-from batch_assets_tests.conftest import REPO_ROOT
+from batch_assets_tests.support import REPO_ROOT
 
 KEY_ENV = "BATCH_API_TEST_KEY"
 

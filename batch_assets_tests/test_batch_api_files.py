@@ -23,7 +23,7 @@ from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.engine_contract import Prompt, ResolvedSettings
 from batch_assets.pipeline.prices import engine_price
 from batch_assets.pipeline.task_spec import PriceSpec, TaskSpec, TaskSpecError, load_task_spec
-from batch_assets_tests.conftest import REPO_ROOT
+from batch_assets_tests.support import REPO_ROOT
 
 
 def sentiment(tmp_path: Path, engine: str) -> TaskSpec:

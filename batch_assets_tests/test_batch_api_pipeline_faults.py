@@ -22,7 +22,7 @@ import polars as pl
 import pytest
 
 from batch_assets_tests.batch_api_fault_server import FaultServer
-from batch_assets_tests.conftest import REPO_ROOT
+from batch_assets_tests.support import REPO_ROOT
 from batch_assets_tests.test_resume_kill import CLI
 
 POSTS = 12

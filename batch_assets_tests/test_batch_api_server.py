@@ -34,10 +34,9 @@ import polars as pl
 import pytest
 
 from batch_assets.runtime.instance import exclusive_file_lock
-from batch_assets_tests.conftest import REPO_ROOT
-from batch_assets_tests.test_openai_engine import SERVER_KEY, Server, _free_port
+from batch_assets_tests.support import REPO_ROOT, SERVER_KEY, Server, free_port
 from batch_assets_tests.test_resume_kill import CLI, group_alive
-from batch_assets_tests.test_serve import free_port, running_server
+from batch_assets_tests.test_serve import running_server
 
 pytestmark = pytest.mark.slow
 
@@ -172,7 +171,7 @@ def _installer(venv: Path) -> list[str]:
 
 @contextlib.contextmanager
 def ogx_server(venv: Path, vllm: Server, folder: Path) -> Iterator[BatchServer]:
-    port = _free_port()
+    port = free_port()
     config = folder / "ogx.yaml"
     config.write_text(OGX_CONFIG)
     env = {**os.environ, "VLLM_URL": vllm.base_url, "VLLM_API_TOKEN": SERVER_KEY, "OGX_STATE": str(folder)}

@@ -11,7 +11,7 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from batch_assets_tests.conftest import REPO_ROOT, load_script
+from batch_assets_tests.support import REPO_ROOT, load_script
 
 # A Dagster run in this process and the tokenizer's load: tens of seconds, like the other runner tests.
 pytestmark = pytest.mark.slow

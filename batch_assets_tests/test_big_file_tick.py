@@ -17,7 +17,7 @@ from batch_assets.lib.split_job import RUN_KEY_TAG, failed_split_runs, split_job
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.drop_files import DropFile, partitions_def_name
-from batch_assets_tests.conftest import drop
+from batch_assets_tests.support import drop
 from batch_assets_tests.test_drops_sensor import settled, tick
 
 TASK = "sentiment"

@@ -5,48 +5,16 @@ process (`cli_in_process`), on the session's warm engine."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import dagster as dg
 import polars as pl
 import pytest
 
-from batch_assets_tests.conftest import REPO_ROOT, SAMPLES
-from batch_assets_tests.test_pipeline_materialize import BAD_POSTS
+from batch_assets_tests.support import BAD_POSTS, REPO_ROOT, SAMPLES, open_instance, passed, run_cli, summary_lines
 
 # The slow tier (`make test-fast` leaves it out): every test runs `batch-assets`, engine included.
 pytestmark = pytest.mark.slow
-
-CLI = str(Path(sys.executable).parent / "batch-assets")
-
-
-def open_instance(home: Path) -> dg.DagsterInstance:
-    from dagster._core.instance.ref import InstanceRef  # Dagster exposes no public "open this home" API
-
-    return dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home)))
-
-
-def run_cli(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([CLI, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
-
-
-SUMMARY = re.compile(r"^[\w-]+/\S+: (OK|FAILED|UP TO DATE|CHECKS FAILED|ALL ROWS FAILED|WARN CHECKS FAILED)\b")
-# The verdict of a file that passed (exit 0): `OK`, or `WARN CHECKS FAILED (...)` naming WARN checks
-# only: the tiny random-weight model's labels are unsure (and mostly wrong where a sample carries hand
-# labels), so its `confidence_at_least` and `accuracy_at_least` checks may fail.
-PASSED = r"(?:OK|WARN CHECKS FAILED \((?:[^()]+ \(WARN\)(?:, )?)+\))"
-
-
-def passed(line: str, file: str) -> bool:
-    """Whether `line` is the summary line of `file` (`task/partition`) with a verdict that passed."""
-    return re.match(rf"{re.escape(file)}: {PASSED}(?: run [0-9a-f]{{8}})?: ", line) is not None
-
-
-def summary_lines(stdout: str) -> list[str]:
-    """The one line per file (`task/partition: STATUS ...`), not the indented progress lines."""
-    return [line for line in stdout.splitlines() if SUMMARY.match(line)]
 
 
 def test_run_mixed_sentiment_file_gives_one_row_per_record(workdir, cli_in_process) -> None:

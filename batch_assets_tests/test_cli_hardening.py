@@ -18,21 +18,24 @@ import pytest
 
 from batch_assets.runtime import run_recovery
 from batch_assets.runtime.instance import prepare_instance
-from batch_assets_tests.conftest import REPO_ROOT
-from batch_assets_tests.test_cli import open_instance, passed, run_cli, summary_lines
+from batch_assets_tests.support import (
+    CLI,
+    REPO_ROOT,
+    free_port,
+    open_instance,
+    passed,
+    python_env,
+    run_cli,
+    summary_lines,
+)
 
 PYTHON = sys.executable
-CLI = str(Path(sys.executable).parent / "batch-assets")
 ROUNDS, PROCESSES = 3, 5
 
 
 @pytest.fixture
 def cli_env(workdir: tuple[Path, dict[str, str]]) -> tuple[Path, dict[str, str]]:
     return workdir
-
-
-def python_env(env: dict[str, str]) -> dict[str, str]:
-    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))}
 
 
 @pytest.mark.slow
@@ -368,14 +371,6 @@ def test_expected_errors_print_one_line_and_keep_the_traceback_in_the_run_log(cl
         assert failures and failures[0].dagster_event.step_failure_data.error.stack
     verbose = cli_in_process(["run", "industry", "--verbose", str(bad)])
     assert verbose.returncode == 1 and "Stack Trace" in verbose.stdout + verbose.stderr
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from markdown.extensions.toc import slugify
 
-from batch_assets_tests.conftest import REPO_ROOT
+from batch_assets_tests.support import REPO_ROOT
 
 DOCS = REPO_ROOT / "docs"
 PAGES = sorted(DOCS.glob("*.md"))

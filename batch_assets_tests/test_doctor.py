@@ -43,8 +43,7 @@ from batch_assets.pipeline.task_spec import load_task_spec, load_tasks, tasks_di
 from batch_assets.runtime.instance import prepare_instance
 from batch_assets.storage.locations import task_storage_dir
 from batch_assets.storage.result_cache import ResultCache
-from batch_assets_tests.conftest import REPO_ROOT
-from batch_assets_tests.postgres_server import free_port
+from batch_assets_tests.support import REPO_ROOT, free_port
 from batch_assets_tests.test_s3_drops import moto_endpoint, s3  # noqa: F401 - fixtures
 
 DEPLOY = REPO_ROOT / "deploy"

@@ -47,7 +47,7 @@ from batch_assets.storage.drop_files import (
 from batch_assets.storage.errors import StorageError, scrub
 from batch_assets.storage.locations import data_root, storage_path, write_bytes_atomically
 from batch_assets.storage.shards import partitions_by_file
-from batch_assets_tests.conftest import drop
+from batch_assets_tests.support import drop
 
 TASK = "sentiment"
 POST = '{"text": "Loving it"}\n'

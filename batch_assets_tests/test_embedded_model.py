@@ -16,8 +16,7 @@ from batch_assets.engines.embedded_model import (
     ensure_embedded_model,
     resolve_model,
 )
-from batch_assets_tests.conftest import SAMPLES, drop
-from batch_assets_tests.test_pipeline_materialize import failure_messages, read_output, run_partition
+from batch_assets_tests.support import SAMPLES, drop, failure_messages, read_output, run_partition
 
 # The slow tier (`make test-fast` leaves it out): the embedded SmolLM2 model: its conversion and the engine.
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ from batch_assets.lib.task_definitions import build_definitions, pipeline_job_na
 from batch_assets.pipeline.embeddings import vectors_matrix
 from batch_assets.pipeline.task_spec import TaskSpec, load_task_specs
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
-from batch_assets_tests.conftest import REPO_ROOT, SAMPLES, drop
+from batch_assets_tests.support import REPO_ROOT, SAMPLES, drop
 
 # The slow tier: every test runs vLLM's pooling runner (the embedded embedding model).
 pytestmark = pytest.mark.slow

@@ -482,7 +482,7 @@ def test_formatted_prompts_counts_and_logs_rows_of_unknown_tokens(data_dir: Path
     from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
     from batch_assets.pipeline.task_spec import load_task_specs
     from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
-    from batch_assets_tests.conftest import drop
+    from batch_assets_tests.support import drop
 
     task = next(task for task in load_task_specs() if task.name == "embeddings")
     lines = ["A plain sentence.", "y" * 150, "Another plain one.", "\U0001f600\U0001f600\U0001f600"]

@@ -17,10 +17,10 @@ import pytest
 from batch_assets.engines.openai_engine import EndpointError, OpenAIEngine
 from batch_assets.pipeline.embeddings import embedding_encoder, vectors_matrix
 from batch_assets.pipeline.engine_contract import Prompt
-from batch_assets_tests.conftest import SAMPLES, drop
+from batch_assets_tests.support import SAMPLES, SERVER_KEY, Server, drop, serving, task_on_endpoint
 from batch_assets_tests.test_embedding_engine import TASKS, TEXTS, cosines, jsonl, metadata_of, read, run
 from batch_assets_tests.test_openai_batch_pipeline import engine_flags
-from batch_assets_tests.test_openai_engine import SERVER_KEY, Server, server_key, serving, task_on_endpoint
+from batch_assets_tests.test_openai_engine import server_key
 
 # The slow tier: every test serves the embedding model with `vllm serve`.
 pytestmark = pytest.mark.slow

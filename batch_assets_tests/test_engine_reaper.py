@@ -21,13 +21,11 @@ import dagster as dg
 import psutil
 import pytest
 
-from batch_assets_tests.conftest import REPO_ROOT
-from batch_assets_tests.test_cli import open_instance
+from batch_assets_tests.support import CLI, REPO_ROOT, open_instance
 
 # The slow tier (`make test-fast` leaves it out): every test starts vLLM engine processes and kills them.
 pytestmark = pytest.mark.slow
 
-CLI = str(Path(sys.executable).parent / "batch-assets")
 
 # Starts the engine in this process and, once the engine's first process exists, a child of its
 # own that is not the engine's (it inherits the engine's environment all the same): the watcher

@@ -18,7 +18,7 @@ import pytest
 from batch_assets.engines.vllm_engine import VLLMEngine, engine_process_environment, resolve_data_parallel_size
 from batch_assets.pipeline.engine_contract import EngineStartError, Generation, Prompt
 from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec, load_task_specs
-from batch_assets_tests.conftest import REPO_ROOT
+from batch_assets_tests.support import REPO_ROOT
 
 GOOD = """
 input: {text_fields: [text]}

@@ -133,7 +133,7 @@ def garbage_cache(data: Path) -> tuple[Path, bytes]:
 def passed_line(output: str, file: str) -> bool:
     """`file`'s summary line in `output` says it passed (`OK`, or WARN checks only: the tiny model's
     labels are unsure, so its `confidence_at_least` check may fail)."""
-    from batch_assets_tests.test_cli import passed
+    from batch_assets_tests.support import passed
 
     return any(passed(line, file) and " run " in line for line in output.splitlines())
 

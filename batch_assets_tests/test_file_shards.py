@@ -28,7 +28,7 @@ from batch_assets.storage.shards import (
     retired_partitions,
     shard_plan,
 )
-from batch_assets_tests.conftest import drop
+from batch_assets_tests.support import drop
 
 OPTIONS = ParseOptions(text_fields=("text",))
 TASK = "sentiment"

@@ -35,9 +35,8 @@ from batch_assets.storage.shards import (
     outdated_shards,
     read_partition_rows,
 )
-from batch_assets_tests.conftest import REPO_ROOT, drop
-from batch_assets_tests.test_cli import open_instance as home_instance
-from batch_assets_tests.test_cli_hardening import CLI, python_env
+from batch_assets_tests.support import CLI, REPO_ROOT, drop, python_env
+from batch_assets_tests.support import open_instance as home_instance
 from batch_assets_tests.test_file_shards import OPTIONS, jsonl_with_bad_lines
 
 TASK = "sentiment"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from batch_assets_tests.conftest import REPO_ROOT, load_script
+from batch_assets_tests.support import REPO_ROOT, load_script
 
 SCRIPT = REPO_ROOT / "deploy" / "install_into_image.py"
 UV_VERSION = "0.13.9"

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from batch_assets_tests.conftest import REPO_ROOT
+from batch_assets_tests.support import REPO_ROOT
 
 ROOT_PACKAGE = "batch_assets"
 

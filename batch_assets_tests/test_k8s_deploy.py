@@ -28,7 +28,7 @@ from batch_assets.lib.task_definitions import (
     run_tags_for,
 )
 from batch_assets.pipeline.task_spec import load_task_spec, load_task_specs
-from batch_assets_tests.conftest import REPO_ROOT, load_script
+from batch_assets_tests.support import REPO_ROOT, load_script
 
 dagster_k8s = pytest.importorskip("dagster_k8s", reason="dagster-k8s is not installed (pip install -e '.[test]')")
 from dagster._config import process_config, resolve_to_config_type  # noqa: E402

@@ -24,7 +24,7 @@ from batch_assets.engines.vllm_engine import VLLMEngine
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR, TaskSpec, load_task_specs
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
-from batch_assets_tests.conftest import SAMPLES, drop
+from batch_assets_tests.support import SAMPLES, drop
 
 TASK = "openai_batch"
 SCHEMA = {

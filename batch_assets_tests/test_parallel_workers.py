@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from batch_assets.runtime.instance import exclusive_file_lock
-from batch_assets_tests.conftest import REPO_ROOT, xdist_group
+from batch_assets_tests.conftest import xdist_group
+from batch_assets_tests.support import REPO_ROOT
 
 TESTS = REPO_ROOT / "batch_assets_tests"
 # A test's argument or a `request.getfixturevalue` of the session's `vllm serve`.

@@ -9,10 +9,9 @@ import polars as pl
 import pytest
 
 from batch_assets.engines.vllm_engine import VLLMEngine
-from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
+from batch_assets.lib.task_definitions import build_definitions
 from batch_assets.pipeline.task_spec import load_task_specs
-from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
-from batch_assets_tests.conftest import SAMPLES, drop
+from batch_assets_tests.support import BAD_POSTS, SAMPLES, drop, failure_messages, read_output, run_partition
 
 # The slow tier (`make test-fast` leaves it out): every test materializes through Dagster on the engine (tiny model).
 pytestmark = pytest.mark.slow
@@ -23,22 +22,6 @@ SAMPLE_FILES = {
     "sentiment": SAMPLES / "sentiment" / "posts-sample.jsonl",
     "answers": SAMPLES / "answers" / "questions-sample.txt",
 }
-
-
-def run_partition(task: str, file_name: str, instance: dg.DagsterInstance, defs: dg.Definitions | None = None):
-    defs = defs or build_definitions()
-    key = partition_key_for(file_name)
-    instance.add_dynamic_partitions(partitions_def_name(task), [key])
-    job = defs.resolve_job_def(pipeline_job_name(task))
-    return key, job.execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
-
-
-def failure_messages(result) -> list[str]:
-    return [e.step_failure_data.error.to_string() for e in result.all_events if e.is_step_failure]
-
-
-def read_output(data: Path, task: str, asset: str, key: str) -> pl.DataFrame:
-    return pl.read_parquet(data / "storage" / task / asset / f"{key}.parquet")
 
 
 @pytest.mark.parametrize("task", ["industry", "sentiment", "answers"])
@@ -109,21 +92,6 @@ def test_industry_repeated_companies_are_inferred_once(data_dir: Path, tiny_mode
         labels = read_output(data_dir, "industry", "validated_labels", key)
         # Same company, same label: deduplication must not mix rows up.
         assert labels.group_by("Company").agg(pl.col("label").n_unique())["label"].max() == 1
-
-
-BAD_POSTS = "\n".join(
-    [
-        '{"id": 1, "text": "Loving the new update, everything is faster!"}',
-        '{"id": 2, "text": ""}',
-        '{"id": 3, "text": null}',
-        '{"id": 4, "body": "no text field here"}',
-        '{"id": 5, "text": "broken json',
-        '{"id": 6, "text": "' + "very long post " * 600 + '"}',
-        '{"id": 7, "text": "Worst service ever 😡😡 never again"}',
-        '{"id": 8, "text": 42}',
-        '{"id": 9, "text": "Meeting moved to 3pm, room 204."}',
-    ]
-)
 
 
 def test_bad_records_become_error_rows_and_nothing_is_lost(data_dir: Path, tiny_model: str) -> None:

@@ -26,8 +26,8 @@ import yaml
 
 from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
-from batch_assets_tests.conftest import REPO_ROOT, SAMPLES, running_daemon
 from batch_assets_tests.postgres_server import PostgresServer, running_postgres
+from batch_assets_tests.support import REPO_ROOT, SAMPLES, running_daemon
 
 # The slow tier (`make test-fast` leaves it out): a PostgreSQL server and the real daemon.
 pytestmark = pytest.mark.slow

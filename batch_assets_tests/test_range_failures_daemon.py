@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from batch_assets.storage.drop_files import partition_key_for
-from batch_assets_tests.conftest import REPO_ROOT, running_daemon
+from batch_assets_tests.support import REPO_ROOT, running_daemon
 
 # The slow tier (`make test-fast` leaves it out): the real daemon and the engine (tiny model).
 pytestmark = pytest.mark.slow

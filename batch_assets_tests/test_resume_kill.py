@@ -19,7 +19,7 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from batch_assets_tests.conftest import REPO_ROOT
+from batch_assets_tests.support import REPO_ROOT
 
 # The slow tier (`make test-fast` leaves it out): kills a run mid-inference on the engine and runs it again.
 pytestmark = pytest.mark.slow

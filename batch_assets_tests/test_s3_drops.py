@@ -39,6 +39,7 @@ from batch_assets.pipeline.read_prompts import DropFileError
 from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.drop_files import find_drop_file, list_drop_files, partition_key_for, partitions_def_name
 from batch_assets.storage.errors import StorageError
+from batch_assets_tests.support import free_port
 
 # The slow tier (`make test-fast` leaves it out): an S3 server (moto) and the engine.
 pytestmark = pytest.mark.slow
@@ -313,12 +314,6 @@ def test_keys_with_dot_parts_are_skipped_as_unsafe_names(s3: S3, relative: str) 
 
 
 # --- failures -------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run_partition_expecting_failure(instance: dg.DagsterInstance, file_name: str = "posts.jsonl"):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -23,17 +22,11 @@ import httpx
 import openai
 import pytest
 
-from batch_assets_tests.conftest import REPO_ROOT, stop_process_group
+from batch_assets_tests.support import REPO_ROOT, free_port, stop_process_group
 from batch_assets_tests.test_openai_batch_pipeline import as_jsonl, chat
 
 pytestmark = pytest.mark.slow
 KEY = "serve-test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -38,7 +38,7 @@ from batch_assets.storage.drop_files import partition_key_for
 from batch_assets.storage.errors import storage_errors
 from batch_assets.storage.locations import DATA_ENV, checkpoint_dir, drop_zone, output_path, task_storage_dir
 from batch_assets.storage.result_cache import ResultCache
-from batch_assets_tests.conftest import REPO_ROOT, stop_process_group
+from batch_assets_tests.support import REPO_ROOT, stop_process_group
 
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
 

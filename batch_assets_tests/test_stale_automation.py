@@ -11,7 +11,7 @@ import pytest
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
-from batch_assets_tests.conftest import drop
+from batch_assets_tests.support import drop
 
 # The slow tier (`make test-fast` leaves it out): every test materializes on the engine (tiny model).
 pytestmark = pytest.mark.slow

@@ -22,7 +22,7 @@ from batch_assets.pipeline.task_formats import (
     task_format,
 )
 from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR, load_task_spec, load_task_specs
-from batch_assets_tests.conftest import REPO_ROOT
+from batch_assets_tests.support import REPO_ROOT
 
 EXPECTED = {
     "answers": ChatRecords,

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ import pytest
 
 from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
-from batch_assets_tests.conftest import REPO_ROOT, SAMPLES, stop_process_group
+from batch_assets_tests.support import REPO_ROOT, SAMPLES, free_port, stop_process_group
 
 # The slow tier (`make test-fast` leaves it out): a browser, the UI server and the engine.
 pytestmark = pytest.mark.slow
@@ -60,12 +59,6 @@ if not CHROMIUM.exists():
         f"{CHROMIUM} not found: install Debian's chromium (scripts/install_system_deps.sh does it as root)",
         allow_module_level=True,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def graphql(base_url: str, query: str) -> dict:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from batch_assets.pipeline.task_spec import TaskSpec
-from batch_assets_tests.conftest import REPO_ROOT
+from batch_assets_tests.support import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 
