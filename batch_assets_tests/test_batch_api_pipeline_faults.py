@@ -25,6 +25,9 @@ from batch_assets_tests.batch_api_fault_server import FaultServer
 from batch_assets_tests.support import REPO_ROOT
 from batch_assets_tests.test_resume_kill import CLI
 
+# The slow tier (`make test-fast` leaves it out): each test runs `batch-assets run` against a server.
+pytestmark = pytest.mark.slow
+
 POSTS = 12
 
 

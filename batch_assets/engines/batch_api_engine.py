@@ -146,7 +146,10 @@ class BatchApiEngine(OpenAIEngine):
             # A stop that reached the stream's consumer rather than the stream (between two results):
             # the stream's own handler never saw it.
             if _is_stop(stop):
-                session.cancel_in_flight()
+                try:
+                    session.cancel_in_flight()
+                except Exception as exc:  # noqa: BLE001 - the stop goes on; a failed cancel must not turn it into a failure
+                    log(f"could not cancel the batches in flight ({exc}); a re-run adopts them")
             raise
         session.forget_collected()  # only after a stream that ended: its results are checkpointed
 

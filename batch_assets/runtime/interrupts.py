@@ -57,8 +57,12 @@ def _watch(read_end: int, say: Callable[[str], None]) -> None:
     while data := os.read(read_end, 64):
         if not any(number in STOP_SIGNALS for number in data):
             continue
-        STOP.set()
         now = time.monotonic()
+        if first is not None and not STOP.is_set():
+            # The stop was handled and the flag cleared (a process that runs `main` again, as tests
+            # do): this signal starts a new stop, it is not the second of the old one.
+            first = None
+        STOP.set()
         if first is None:
             first = now
             _say(say, "stopping (interrupted): the running step ends without a retry; interrupt again to stop at once")
