@@ -160,7 +160,9 @@ def golden_key(args: list[str], lines: list[dict], served: str) -> str:
 
     model = args[args.index("--model") + 1]
     portable = [_content_digest(Path(arg)) if arg == model and Path(arg).is_dir() else arg for arg in args]
-    identity = {"vllm": vllm.__version__, "torch": torch.__version__, "args": portable, "served": served}
+    # The CPU's vector instructions too: kernels differ with them, and near-ties can flip.
+    cpu = torch.backends.cpu.get_cpu_capability()
+    identity = {"vllm": vllm.__version__, "torch": torch.__version__, "cpu": cpu, "args": portable, "served": served}
     return hashlib.sha256(json.dumps([identity, lines], sort_keys=True).encode()).hexdigest()
 
 
