@@ -32,6 +32,7 @@ from upath import UPath
 from batch_assets.cli import main
 from batch_assets.doctor.cluster import AccessAnswer, access_decision, check_service_account
 from batch_assets.doctor.context import DoctorContext, env_references
+from batch_assets.doctor.endpoints import Probe, probe
 from batch_assets.doctor.gpus import gpu_decision, gpu_expected
 from batch_assets.doctor.instance_checks import check_instance_storage, check_run_pod_env, run_pod_env_check
 from batch_assets.doctor.models import model_check
@@ -629,3 +630,45 @@ def test_endpoint_tasks_check_their_key_variable_and_that_the_server_answers(
     ]
     assert "sk-doctor-test" not in "\n".join(lines) and "sk-wrong" not in "\n".join(lines)
     assert code == 1 and lines[-1].startswith("a first run would fail: fix the FAIL lines")
+
+
+def test_the_endpoint_probe_does_not_send_the_key_on_to_where_a_redirect_points() -> None:
+    """urllib re-sends a request's headers to where a redirect points, another host included: the
+    key goes to the server the task names, never on from there."""
+    seen: dict[str, str | None] = {}
+
+    def server(answer) -> ThreadingHTTPServer:
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # keep test output quiet
+                pass
+
+            def do_GET(self) -> None:
+                answer(self)
+
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        return httpd
+
+    def elsewhere(handler: BaseHTTPRequestHandler) -> None:
+        seen["elsewhere"] = handler.headers.get("Authorization")
+        handler.send_response(200)
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+
+    target = server(elsewhere)
+
+    def redirect(handler: BaseHTTPRequestHandler) -> None:
+        seen["named"] = handler.headers.get("Authorization")
+        handler.send_response(302)
+        handler.send_header("Location", f"http://localhost:{target.server_address[1]}/v1/models")
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+
+    named = server(redirect)
+    try:
+        assert probe(f"http://127.0.0.1:{named.server_address[1]}/v1", "sk-doctor-redirect") == Probe(200)
+    finally:
+        for httpd in (named, target):
+            httpd.shutdown()
+            httpd.server_close()
+    assert seen == {"named": "Bearer sk-doctor-redirect", "elsewhere": None}

@@ -4,6 +4,7 @@ runs, is test_serve.py (slow)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import gzip
@@ -27,6 +28,7 @@ from fastapi.testclient import TestClient
 from openai.types import Batch, FileObject
 from starlette.datastructures import UploadFile
 
+import batch_assets.serve.batch_runs as batch_runs
 import batch_assets.serve.store as serve_store
 from batch_assets.pipeline.run_inference import request_keys
 from batch_assets.serve.app import build_app
@@ -207,6 +209,192 @@ def test_the_runner_looks_at_its_batches_without_reading_a_file_and_a_restart_re
     assert statuses == {**dict.fromkeys(finished, "completed"), waiting: "in_progress"}
     assert again.batch_record(waiting)["run"]["started"] is True
     assert [r["batch"]["id"] for r in again.batch_records(("in_progress",))] == [waiting]
+
+
+ANSWERED = b'{"custom_id": "a", "response": {"status_code": 200, "body": {}}, "error": null}\n'
+
+
+def batch_of(store: ServeStore, batch_id: str) -> dict:
+    record = store.batch_record(batch_id)
+    assert record is not None
+    return record["batch"]
+
+
+def test_a_completed_batch_whose_cleanup_fails_is_never_finalized_again(
+    store: ServeStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The purge after a batch completed failed: the batch stays completed with its one output
+    file; the purge is tried again on its own, and a second look at the ended run changes nothing."""
+    monkeypatch.setenv(DATA_ENV, str(tmp_path / "data"))
+    runner = BatchRunner(store, {"/v1/chat/completions": CHAT_TASK})
+    batch_id, _ = waiting_batch(store)
+    run_outputs(batch_id, ANSWERED, b"")
+    store.delete_file(batch_of(store, batch_id)["input_file_id"])  # deleted while it ran: purged when it ends
+    purges: list[str] = []
+
+    def purge(task: str, key: str, name: str) -> int:
+        purges.append(name)
+        if len(purges) == 1:
+            raise RuntimeError("the result cache is locked")
+        return 0
+
+    monkeypatch.setattr(batch_runs, "purge_partition", purge)
+    runner._unsettled[batch_id] = 0
+    runner._settle_runs()
+    done = batch_of(store, batch_id)
+    assert done["status"] == "completed" and done["output_file_id"]
+    assert runner._unsettled == {} and runner._unreleased == {batch_id}
+
+    runner._after_run(batch_id, 0)  # as an unsettled run would be looked at again: nothing changes
+    assert batch_of(store, batch_id) == done
+    runner._release_pending()
+    assert purges == [f"{batch_id}.jsonl"] * 2 and runner._unreleased == set()
+    assert batch_of(store, batch_id) == done
+    assert sorted(path.name for path in store.files.glob("file-*.json")) == [f"{done['output_file_id']}.json"]
+
+
+def test_a_batch_that_cannot_be_settled_fails_and_only_a_full_disk_is_waited_out(
+    store: ServeStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lasting error (a malformed output line, a write refused for another cause than room) fails
+    its batch, naming the cause, and the runner goes on; a full disk keeps the batch to settle later."""
+    monkeypatch.setenv(DATA_ENV, str(tmp_path / "data"))
+    runner = BatchRunner(store, {"/v1/chat/completions": CHAT_TASK})
+
+    malformed, _ = waiting_batch(store)
+    run_outputs(malformed, b"not json\n", b"")
+    runner._unsettled[malformed] = 0
+    runner._settle_runs()  # no error: the step goes on
+    batch = batch_of(store, malformed)
+    assert batch["status"] == "failed" and runner._unsettled == {}
+    [error] = batch["errors"]["data"]
+    assert error["code"] == "batch_run_failed" and "JSONDecodeError" in error["message"]
+
+    refused = finalizing_batch(store, ANSWERED)
+    full = waiting_batch(store)[0]
+    run_outputs(full, ANSWERED, b"")
+    cause = {"errno": errno.EACCES}
+    add_file = store.add_file
+
+    def add_file_refused(content: bytes, obj: dict) -> dict:
+        raise OSError(cause["errno"], os.strerror(cause["errno"]))
+
+    monkeypatch.setattr(store, "add_file", add_file_refused)
+    runner._finalize_pending()  # EACCES would fail again: the batch fails, the step goes on
+    batch = batch_of(store, refused)
+    assert batch["status"] == "failed" and "Permission denied" in batch["errors"]["data"][0]["message"]
+
+    cause["errno"] = errno.ENOSPC
+    runner._unsettled[full] = 0
+    with pytest.raises(OSError, match="No space left"):
+        runner._settle_runs()  # the runner backs off and tries again
+    assert batch_of(store, full)["status"] == "finalizing" and runner._unsettled == {full: 0}
+    monkeypatch.setattr(store, "add_file", add_file)  # room again
+    runner._settle_runs()
+    assert batch_of(store, full)["status"] == "completed" and runner._unsettled == {}
+
+
+def test_a_cancel_while_a_restarted_server_stops_an_orphan_run_is_kept(
+    store: ServeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`_recover` runs while the server answers, and stopping a run left by a killed server takes
+    up to 30 s: a client's cancel meanwhile must not be overwritten."""
+    running, _ = waiting_batch(store)  # in_progress, its run started by the killed server
+    validating = new_batch_id()
+    create = CreateBatch(input_file_id="file-" + "0" * 32, endpoint="/v1/chat/completions", completion_window="24h")
+    store.save_batch({"batch": batch_object(validating, create), "run": {"task": CHAT_TASK, "started": False}})
+    runner = BatchRunner(store, {"/v1/chat/completions": CHAT_TASK})
+
+    def stop_orphan(pid: int | None, started: float | None) -> None:
+        for batch_id in (running, validating):
+            runner.cancel(batch_id)  # a client, while the orphan is being stopped
+
+    monkeypatch.setattr(batch_runs, "_stop_orphan", stop_orphan)
+    runner._recover()
+    assert batch_of(store, running)["status"] == "cancelled"
+    assert batch_of(store, validating)["status"] == "cancelled"
+
+
+def test_a_batch_reset_by_a_restart_and_cancelled_at_once_purges_its_deleted_input(
+    store: ServeStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch that ran before a restart has a partition; cancelled before it runs again, with its
+    input deleted meanwhile, that partition goes as any ended batch's does."""
+    monkeypatch.setenv(DATA_ENV, str(tmp_path / "data"))
+    batch_id, _ = waiting_batch(store)
+    run_outputs(batch_id, ANSWERED, b"")  # what its run wrote before the server stopped
+    runner = BatchRunner(store, {"/v1/chat/completions": CHAT_TASK})
+    runner._recover()
+    assert store.batch_record(batch_id)["run"]["started"] is False
+    assert runner.forget_file(batch_of(store, batch_id)["input_file_id"])  # not finished: nothing purged yet
+    output = Path(str(task_storage_dir(CHAT_TASK) / "batch_output" / f"{partition_key_for(f'{batch_id}.jsonl')}.jsonl"))
+    assert output.exists()
+    assert runner.cancel(batch_id)["batch"]["status"] == "cancelled"
+    assert not output.exists()
+
+
+def test_a_file_asked_to_be_forgotten_twice_at_once_is_purged_once(
+    store: ServeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DELETE and the sweeps (the runner's, an upload's) may forget the same file at once."""
+    runner = BatchRunner(store, {"/v1/chat/completions": CHAT_TASK})
+    batch_id, _ = waiting_batch(store)
+    output = store.add_file(ANSWERED, file_object(new_file_id(), "out.jsonl", len(ANSWERED), "batch_output"))
+    store.update_batch(
+        batch_id,
+        lambda record: {**record, "batch": {**record["batch"], "status": "completed", "output_file_id": output["id"]}},
+    )
+    purges: list[str] = []
+
+    def slow_purge(task: str, key: str, name: str) -> int:
+        purges.append(name)
+        time.sleep(0.3)
+        return 0
+
+    monkeypatch.setattr(batch_runs, "purge_partition", slow_purge)
+    answers: list[bool | BaseException] = []
+
+    def forget() -> None:
+        try:
+            answers.append(runner.forget_file(output["id"]))
+        except BaseException as exc:  # noqa: BLE001 - the test's answer
+            answers.append(exc)
+
+    threads = [threading.Thread(target=forget) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(answers, key=str) == [False, True] and purges == [f"{batch_id}.jsonl"]
+
+
+def test_an_upload_sweeps_expired_files_off_the_event_loop(store: ServeStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep reads and deletes files and purges partitions: not on the server's event loop."""
+    swept: list[bool] = []
+
+    def sweep(self: BatchRunner) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            swept.append(True)  # a worker thread: no loop runs here
+        else:
+            swept.append(False)
+
+    monkeypatch.setattr(BatchRunner, "sweep_expired_files", sweep)
+    assert upload(client(store), LINE).status_code == 200
+    assert swept == [True]
+
+
+def test_serve_refuses_sizes_and_days_that_are_not_finite_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    from batch_assets.cli import build_parser
+
+    for option in ("--max-stored-mb", "--file-expiry-days", "--max-file-mb"):
+        for value in ("nan", "inf", "0", "-1", "ten"):
+            with pytest.raises(SystemExit) as exited:
+                build_parser().parse_args(["serve", option, value])
+            assert exited.value.code == 2
+            assert f"argument {option}: must be a number more than 0 (not {value})" in capsys.readouterr().err
+    assert build_parser().parse_args(["serve", "--file-expiry-days", "0.5"]).file_expiry_days == 0.5
 
 
 # --- the real server (`batch-assets serve` in a subprocess, no model: no batch here reaches an engine) ---

@@ -68,7 +68,10 @@ def endpoint_check(task: TaskSpec, env: Mapping[str, str], probes: dict[tuple[st
 
 def probe(base_url: str, key: str | None) -> Probe:
     """`GET <base_url>/models`, as the OpenAI client sends it; any HTTP status means the server answers."""
-    request = urllib.request.Request(f"{base_url}/models", headers={"Authorization": f"Bearer {key}"} if key else {})
+    request = urllib.request.Request(f"{base_url}/models")
+    if key:
+        # Not sent on to where a redirect points (urllib re-sends a request's other headers there).
+        request.add_unredirected_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(request, timeout=PROBE_TIMEOUT_S) as response:
             return Probe(response.status)

@@ -19,7 +19,6 @@ failed write (a full disk) is OpenAI's error body with 507, never a bare 500.
 
 from __future__ import annotations
 
-import errno
 import hmac
 import logging
 import os
@@ -29,6 +28,7 @@ from typing import Any
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
@@ -43,14 +43,12 @@ from batch_assets.serve.objects import (
     output_expiry,
     page,
 )
-from batch_assets.serve.settings import CHAT_TASK, LOOPBACK_HOSTS, SERVE_KEY_ENV, UploadLimits
+from batch_assets.serve.settings import CHAT_TASK, LOOPBACK_HOSTS, NO_ROOM, SERVE_KEY_ENV, UploadLimits
 from batch_assets.serve.store import ServeStore, new_batch_id, new_file_id
 from batch_assets.serve.uploads import UploadRefused, read_upload
 from batch_assets.storage.errors import StorageError
 
 logger = logging.getLogger(__name__)
-# A write that failed for want of room: a full disk, a quota, a file size limit.
-_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 # What a browser says of a request a page sent to its own origin, or a user typed: all a client sends.
 _OWN_SITE = {"same-origin", "none"}
 
@@ -125,7 +123,7 @@ def _storage_failure(exc: OSError | StorageError) -> JSONResponse:
     upload would fail again: `x-should-retry: false` tells the openai SDK), else 500. The cause
     without the server's paths (the server's log has them)."""
     cause = os.strerror(exc.errno) if exc.errno else type(exc).__name__
-    if exc.errno in _NO_ROOM:
+    if exc.errno in NO_ROOM:
         message = f"the server has no room to store it ({cause}); try again once room is made on the server"
         body = api_error(message, code="insufficient_storage", kind="server_error")
         return JSONResponse(body, status_code=507, headers={"x-should-retry": "false"})
@@ -177,7 +175,9 @@ def _add_file_routes(app: FastAPI, store: ServeStore, runner: BatchRunner, limit
     @app.post("/v1/files")
     async def upload_file(request: Request) -> dict[str, Any]:
         _refuse_new_work(runner)
-        runner.sweep_expired_files()  # an expired file's bytes count no more
+        # An expired file's bytes count no more. In a worker thread: it reads and deletes files (and
+        # purges partitions), which must not hold up the event loop.
+        await run_in_threadpool(runner.sweep_expired_files)
         staged = store.staging_path()
         upload = await read_upload(request, limits, staged, store.stored_bytes())
         expires_in = upload.expires_in or store.expiry_seconds

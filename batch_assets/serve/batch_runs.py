@@ -32,6 +32,7 @@ from typing import Any
 import psutil
 
 from batch_assets.serve.objects import FINISHED, UNFINISHED, batch_errors, file_object, usage
+from batch_assets.serve.settings import NO_ROOM
 from batch_assets.serve.store import ServeStore, new_file_id
 from batch_assets.serve.uploads import scan_lines
 from batch_assets.storage.drop_files import partition_key_for
@@ -78,6 +79,12 @@ class BatchRunner:
         # fail (batch id → code, message) and runs that ended but were not recorded (→ exit status).
         self._unfailed: dict[str, tuple[str, str]] = {}
         self._unsettled: dict[str, int | None] = {}
+        # Batches that ended but whose cleanup (`_release_input`) failed: tried again at each sweep,
+        # on their own (the batch's status stands; it is never settled or finalized again).
+        self._unreleased: set[str] = set()
+        # Held while a file is forgotten or a partition purged (by DELETE, an upload's sweep, the
+        # runner's sweep and cleanups), so that none is purged twice at once; taken before the store's.
+        self._purging = threading.RLock()
         self._next_sweep = 0.0
 
     def start(self) -> None:
@@ -106,7 +113,10 @@ class BatchRunner:
     def cancel(self, batch_id: str) -> dict[str, Any] | None:
         """A batch that has not started is cancelled at once; a running one is `cancelling` until its run stopped."""
 
+        cancelled = False
+
         def change(record: dict[str, Any]) -> dict[str, Any] | None:
+            nonlocal cancelled
             batch = record["batch"]
             if batch["status"] in (*FINISHED, "cancelling"):
                 return None
@@ -115,9 +125,13 @@ class BatchRunner:
                 batch["status"] = "cancelling"
             else:
                 batch["status"], batch["cancelled_at"] = "cancelled", batch["cancelling_at"]
+                cancelled = True
             return record
 
         record = self.store.update_batch(batch_id, change)
+        if cancelled:
+            # One that ran before a restart (`_recover` reset it) has a partition, purged if its input went.
+            self._release(batch_id)
         self.wake.set()
         return record
 
@@ -142,6 +156,7 @@ class BatchRunner:
         self._settle_runs()
         self._finalize_pending()
         if time.monotonic() >= self._next_sweep:
+            self._release_pending()
             self.sweep_expired_files()
             self._next_sweep = time.monotonic() + _EXPIRY_SWEEP_SECONDS
         self._validate_pending()
@@ -162,9 +177,25 @@ class BatchRunner:
             self._settle_runs()
 
     def _settle_runs(self) -> None:
+        """Each ended run recorded, one batch at a time: one whose settling failed for want of room
+        stays to be settled at a later step (this one fails: the runner backs off); any other
+        failure would fail again, and fails the batch."""
+        no_room: Exception | None = None
         for batch_id, exit_status in list(self._unsettled.items()):
-            self._after_run(batch_id, exit_status)
+            try:
+                self._after_run(batch_id, exit_status)
+            except Exception as exc:
+                if _no_room(exc):
+                    no_room = no_room or exc
+                    continue
+                logger.warning(
+                    "batch-assets serve: settling batch %s failed (%s: %s)", batch_id, type(exc).__name__, exc
+                )
+                self._unfailed[batch_id] = ("batch_run_failed", f"the batch's run could not be settled: {_cause(exc)}")
             del self._unsettled[batch_id]
+        self._record_failures()
+        if no_room is not None:
+            raise no_room
 
     def _stumbled(self, exc: Exception) -> None:
         self._failed_steps += 1
@@ -184,30 +215,54 @@ class BatchRunner:
             del self._unfailed[batch_id]
 
     def _finalize_pending(self) -> None:
-        """Batches left `finalizing`: by a server stopped meanwhile, or by a failed write (a full disk:
-        tried again, their outputs are on disk); another error fails the batch."""
+        """Batches left `finalizing`: by a server stopped meanwhile, or by a write that failed for want
+        of room (tried again: their outputs are on disk); any other error fails the batch."""
+        no_room: Exception | None = None
         for record in self.store.batch_records(("finalizing",)):
             batch_id = record["batch"]["id"]
             try:
                 self._finalize(batch_id)
-            except (OSError, StorageError):
-                raise
             except Exception as exc:
-                self._unfailed[batch_id] = ("batch_run_failed", f"the batch's outputs could not be read: {exc}")
-                raise
+                if _no_room(exc):
+                    no_room = no_room or exc
+                    continue
+                logger.warning(
+                    "batch-assets serve: finalizing batch %s failed (%s: %s)", batch_id, type(exc).__name__, exc
+                )
+                self._unfailed[batch_id] = ("batch_run_failed", f"the batch could not be finalized: {_cause(exc)}")
+        self._record_failures()
+        if no_room is not None:
+            raise no_room
 
     def _recover(self) -> None:
         """After a restart: a run left by a server that was killed is stopped (and resumes from its
         checkpoints when run again), a batch that was being cancelled is cancelled, one that was
-        being finalized is finalized."""
+        being finalized is finalized. The server answers meanwhile: each batch is changed as it is
+        then (a client may have cancelled it while its orphan was being stopped)."""
         for record in self.store.batch_records(UNFINISHED):
-            batch, run = record["batch"], record["run"]
+            run = record["run"]
             _stop_orphan(run.get("pid"), run.get("pid_started"))
+            if self._recovered_batch(record["batch"]["id"]):
+                self._release(record["batch"]["id"])
+
+    def _recovered_batch(self, batch_id: str) -> bool:
+        """The batch's run marked not started (one left `finalizing` is finalized by the step); True
+        when it was being cancelled, and now is."""
+        cancelled = False
+
+        def change(record: dict[str, Any]) -> dict[str, Any] | None:
+            nonlocal cancelled
+            batch = record["batch"]
+            if batch["status"] in FINISHED:
+                return None  # cancelled meanwhile (one not started: at once)
             if batch["status"] == "cancelling":
                 batch["status"], batch["cancelled_at"] = "cancelled", _now()
-                self._release_input(batch["id"])
-            run.update(started=False, pid=None, pid_started=None)
-            self.store.save_batch(record)  # one left `finalizing` is finalized by the step
+                cancelled = True
+            record["run"].update(started=False, pid=None, pid_started=None)
+            return record
+
+        self.store.update_batch(batch_id, change)
+        return cancelled
 
     def _validate_pending(self) -> None:
         for record in self.store.batch_records(("validating",)):
@@ -228,6 +283,8 @@ class BatchRunner:
 
     def _claim_next(self) -> str | None:
         """The oldest batch waiting to run, marked started (a cancel from now on has to stop its run)."""
+        expired: list[str] = []
+        claimed: str | None = None
         with self.store.lock:
             for record in self.store.batch_records(("in_progress",)):
                 batch = record["batch"]
@@ -236,12 +293,15 @@ class BatchRunner:
                 if _now() > batch["expires_at"]:
                     batch.update(status="expired", expired_at=_now())
                     self.store.save_batch(record)
-                    self._release_input(batch["id"])
+                    expired.append(batch["id"])
                     continue
                 record["run"]["started"] = True
                 self.store.save_batch(record)
-                return batch["id"]
-        return None
+                claimed = batch["id"]
+                break
+        for batch_id in expired:  # without the store's lock: a purge takes `_purging` first
+            self._release(batch_id)
+        return claimed
 
     def _run(self, batch_id: str) -> int | None:
         """The batch's `batch-assets run`, until it ends or is stopped: its exit status (None: it
@@ -298,12 +358,17 @@ class BatchRunner:
         self.store.update_batch(batch_id, change)
 
     def _after_run(self, batch_id: str, exit_status: int | None) -> None:
-        def change(record: dict[str, Any]) -> dict[str, Any]:
+        cancelled = False
+
+        def change(record: dict[str, Any]) -> dict[str, Any] | None:
+            nonlocal cancelled
             batch = record["batch"]
+            if batch["status"] in FINISHED:
+                return None  # settled by an earlier try (never finalized twice); its cleanup is `_release`'s
             record["run"].update(pid=None, pid_started=None, exit_status=exit_status)
             if batch["status"] == "cancelling":
                 batch.update(status="cancelled", cancelled_at=_now())
-                self._release_input(batch_id)
+                cancelled = True
             elif self.stopping.is_set():
                 record["run"]["started"] = False  # resumes when the server starts again
             else:
@@ -311,7 +376,9 @@ class BatchRunner:
             return record
 
         record = self.store.update_batch(batch_id, change)
-        if record and record["batch"]["status"] == "finalizing":
+        if cancelled:
+            self._release(batch_id)
+        elif record and record["batch"]["status"] == "finalizing":
             self._finalize(batch_id)  # failing, the batch stays `finalizing` and a later step finalizes it
 
     def _finalize(self, batch_id: str) -> None:
@@ -335,7 +402,7 @@ class BatchRunner:
                 with contextlib.suppress(OSError):
                     self.store.delete_file(file_id)
             raise
-        self._release_input(batch_id)
+        self._release(batch_id)  # completed: a cleanup that fails is tried again on its own
 
     def _complete(
         self, record: dict[str, Any], outputs: bytes, errors: bytes, output_id: str | None, error_id: str | None
@@ -370,6 +437,29 @@ class BatchRunner:
 
         self.store.update_batch(batch_id, change)
 
+    def _release(self, batch_id: str) -> None:
+        """`_release_input` of a batch that has ended; failing, it is logged and tried again at the
+        runner's later sweeps (`_release_pending`), and the batch's status stands."""
+        with self._purging:
+            try:
+                self._release_input(batch_id)
+            except Exception as exc:  # noqa: BLE001 - said, and tried again at the next sweep
+                self._unreleased.add(batch_id)
+                logger.warning(
+                    "batch-assets serve: cleaning up after batch %s failed, tried again later (%s: %s)",
+                    batch_id,
+                    type(exc).__name__,
+                    exc,
+                )
+            else:
+                self._unreleased.discard(batch_id)
+
+    def _release_pending(self) -> None:
+        with self._purging:
+            pending = sorted(self._unreleased)
+        for batch_id in pending:
+            self._release(batch_id)
+
     def _release_input(self, batch_id: str) -> None:
         """A batch with no more to run: its run's input link (runs/<batch id>.jsonl) goes (while it
         exists, deleting the input file frees no space), and when its input or output file was
@@ -387,15 +477,18 @@ class BatchRunner:
         """Delete a file (False: there is none): for each finished batch it is the input, output or
         error file of, the partition's copies of its prompts and answers (storage/partition_purge.py)
         and the run's log, then the server's copy (last: a failed purge leaves a file to delete
-        again). An unfinished batch's partition goes when the batch ends (`_release_input`)."""
-        if self.store.content_path(file_id) is None:
-            return False
-        purged: set[str] = set()
-        self._purge_batches_of(file_id, purged)
-        with self.store.lock:
-            self.store.delete_file(file_id)
-        self._purge_batches_of(file_id, purged)  # those that finished meanwhile (later ones: `_release_input`)
-        return True
+        again). An unfinished batch's partition goes when the batch ends (`_release_input`). One
+        file at a time (DELETE and the sweeps may ask for the same file at once): a file gone
+        meanwhile is False, as one never made."""
+        with self._purging:
+            if self.store.content_path(file_id) is None:
+                return False
+            purged: set[str] = set()
+            self._purge_batches_of(file_id, purged)
+            with self.store.lock:
+                self.store.delete_file(file_id)
+            self._purge_batches_of(file_id, purged)  # those that finished meanwhile (later ones: `_release_input`)
+            return True
 
     def _purge_batches_of(self, file_id: str, purged: set[str]) -> None:
         for record in self.store.batch_records(FINISHED):
@@ -417,9 +510,10 @@ class BatchRunner:
     def _purge(self, record: dict[str, Any]) -> None:
         batch_id = record["batch"]["id"]
         name = f"{batch_id}.jsonl"
-        purge_partition(record["run"]["task"], partition_key_for(name), name)
-        (self.store.runs / name).unlink(missing_ok=True)
-        (self.store.logs / f"{batch_id}.log").unlink(missing_ok=True)
+        with self._purging:
+            purge_partition(record["run"]["task"], partition_key_for(name), name)
+            (self.store.runs / name).unlink(missing_ok=True)
+            (self.store.logs / f"{batch_id}.log").unlink(missing_ok=True)
 
     def _result_file(self, batch_id: str, kind: str, content: bytes, made: list[str]) -> str | None:
         """A batch's output or error file, as OpenAI gives them: only when it has lines. It expires
@@ -435,18 +529,33 @@ class BatchRunner:
         return file_id
 
     def _fail(self, batch_id: str, code: str, message: str) -> None:
-        def change(record: dict[str, Any]) -> dict[str, Any]:
+        def change(record: dict[str, Any]) -> dict[str, Any] | None:
+            if record["batch"]["status"] in FINISHED:
+                return None  # it ended meanwhile (cancelled, completed): that stands
             record["batch"].update(status="failed", failed_at=_now(), errors=batch_errors(code, message))
             return record
 
         self.store.update_batch(batch_id, change)
-        self._release_input(batch_id)
+        self._release(batch_id)
 
     def _log_tail(self, batch_id: str) -> str:
         log = self.store.logs / f"{batch_id}.log"
         lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.exists() else []
         last = lines[-1].strip() if lines else "it wrote nothing"
         return f"{last} (the server's log: serve/logs/{batch_id}.log under DAGSTER_HOME)"
+
+
+def _no_room(exc: BaseException) -> bool:
+    """A write that failed for want of room (a full disk): it succeeds once room is made."""
+    return isinstance(exc, (OSError, StorageError)) and getattr(exc, "errno", None) in NO_ROOM
+
+
+def _cause(exc: BaseException) -> str:
+    """What went wrong, for a batch's `errors` (clients read it): an OS error by its cause, not the paths."""
+    number = getattr(exc, "errno", None)
+    if isinstance(exc, (OSError, StorageError)) and isinstance(number, int):
+        return f"{type(exc).__name__}: {os.strerror(number)}"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _file_ids(batch: dict[str, Any]) -> list[str]:

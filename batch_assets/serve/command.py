@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import math
 import os
 from collections.abc import Callable
 
@@ -44,9 +45,6 @@ def command_serve(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     if missing := [name for name in (args.task, args.embeddings_task) if name not in known]:
         say(f"error: unknown task {missing[0]!r} (--task / --embeddings-task); tasks: {', '.join(sorted(known))}")
         return 2
-    if args.max_stored_mb <= 0 or args.file_expiry_days <= 0:
-        say("error: --max-stored-mb and --file-expiry-days must be more than 0")
-        return 2
     home = prepare_instance()
     store = ServeStore(home / "serve", expiry_seconds=max(1, int(args.file_expiry_days * 86_400)))
     lock = (store.root / LOCK_NAME).open("a+")
@@ -75,6 +73,18 @@ def command_serve(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     return 0
 
 
+def positive(text: str) -> float:
+    """A size or a number of days, more than 0 and finite (`nan` and `inf` are refused by argparse,
+    with its usage line, as `cli_parser.days` refuses them)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number more than 0 (not {text})")
+    return value
+
+
 def add_serve_parser(commands) -> None:
     serve = commands.add_parser(
         "serve",
@@ -88,19 +98,21 @@ def add_serve_parser(commands) -> None:
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    serve.add_argument("--max-file-mb", type=float, default=200.0, help="largest upload in MB (default 200, as OpenAI)")
+    serve.add_argument(
+        "--max-file-mb", type=positive, default=200.0, help="largest upload in MB (default 200, as OpenAI)"
+    )
     serve.add_argument(
         "--max-requests", type=int, default=50_000, help="most lines in a batch file (default 50000, as OpenAI)"
     )
     serve.add_argument(
         "--max-stored-mb",
-        type=float,
+        type=positive,
         default=DEFAULT_MAX_STORED_MB,
         help=f"most MB of files kept, uploads and outputs together (default {DEFAULT_MAX_STORED_MB})",
     )
     serve.add_argument(
         "--file-expiry-days",
-        type=float,
+        type=positive,
         default=DEFAULT_EXPIRY_SECONDS / 86_400,
         help="days a file is kept unless its upload (expires_after) or batch (output_expires_after) says "
         "otherwise; its batch's partition goes with it (default 30, as OpenAI)",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 from dataclasses import dataclass
 
@@ -17,6 +18,9 @@ LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "[::1]"]
 # How long a file is kept unless its upload (`expires_after`) or its batch (`output_expires_after`)
 # says otherwise (`--file-expiry-days`): OpenAI's 30 days for batch files.
 DEFAULT_EXPIRY_SECONDS = 30 * 86_400
+# A write that failed for want of room: a full disk, a quota, a file size limit. Such a failure
+# passes once room is made (the runner tries again); any other does not.
+NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 # The bytes of all files kept (`--max-stored-mb`): fifty files of OpenAI's largest size.
 DEFAULT_MAX_STORED_MB = 10_000
 

@@ -87,7 +87,10 @@ class ServeStore:
     def _stored_object(self, file_id: str) -> dict[str, Any] | None:
         if self.content_path(file_id) is None:
             return None
-        return json.loads((self.files / f"{file_id}.json").read_text(encoding="utf-8"))
+        try:
+            return json.loads((self.files / f"{file_id}.json").read_text(encoding="utf-8"))
+        except FileNotFoundError:  # deleted since it was looked for
+            return None
 
     def add_file(self, content: bytes, file_object: dict[str, Any]) -> dict[str, Any]:
         """Store a file (content first: an object always has its content) under its object's id;
