@@ -9,10 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dagster as dg
 import polars as pl
 import pytest
 
 from batch_assets.engines.kinds import resolve_settings
+from batch_assets.lib.asset_metadata import labels_metadata
 from batch_assets.pipeline.budget import actual_cost_metadata, budget_overruns, estimate_cost
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.label_quality import NO_LABEL, accuracy_report, confidence_report, label_drift
@@ -186,6 +188,83 @@ def test_accuracy_precision_recall_and_confusion() -> None:
         "| neutral | 0 | 1 | 0 |",
         "| positive | 1 | 1 | 0 |",
     ]
+
+
+def test_every_choice_is_a_confusion_column_and_a_per_label_row() -> None:
+    labels = pl.DataFrame({"truth": ["positive", "negative", "negative"], "label": ["positive", "positive", None]})
+    report = accuracy_report(labels, "truth", choices=["positive", "negative", "neutral"])
+    # "negative" and "neutral" are never predicted: still columns, in the task's order, `(error)` last.
+    assert report.confusion_markdown().splitlines() == [
+        "| gold \\ predicted | positive | negative | neutral | (error) |",
+        "|---|---|---|---|---|",
+        "| positive | 1 | 0 | 0 | 0 |",
+        "| negative | 1 | 0 | 0 | 1 |",
+    ]
+    assert report.per_label_records() == [
+        {"label": "positive", "precision": 0.5, "recall": 1.0, "support": 1},
+        {"label": "negative", "precision": None, "recall": 0.0, "support": 2},
+        {"label": "neutral", "precision": None, "recall": None, "support": 0},
+    ]
+
+
+def test_validated_labels_metadata_a_person_reads() -> None:
+    task = spec(checks__gold_field="truth")
+    labels = pl.DataFrame(
+        {
+            "row_id": [0, 1, 2, 3],
+            "source_line": [2, 3, 5, 6],
+            "text": ["great", "awful", "", "meh"],
+            "truth": ["positive", "negative", "neutral", "neutral"],
+            "confidence": [0.8731892456817627, 0.5, None, 0.3333333333],
+            "label": ["positive", "positive", None, "neutral"],
+            "error": [None, None, "empty_text: the field 'text' is empty", None],
+        }
+    )
+    metadata = labels_metadata(labels, task, task_format(task))
+    # The preview: the gold column right after the label, confidence to 3 digits.
+    assert metadata["preview"].value.splitlines() == [
+        "| text | label | truth | confidence | error |",
+        "|---|---|---|---|---|",
+        "| great | positive | positive | 0.873 |  |",
+        "| awful | positive | negative | 0.5 |  |",
+        "|  |  | neutral |  | empty_text: the field 'text' is empty |",
+        "| meh | neutral | neutral | 0.333 |  |",
+    ]
+    # One error row in four is under the task's max_error_share, and still listed with its file line.
+    assert metadata["error_rows_preview"].value.splitlines() == [
+        "| row_id | source_line | error |",
+        "|---|---|---|",
+        "| 2 | 5 | empty_text: the field 'text' is empty |",
+    ]
+    # per_label is a table, one row per choice; "negative" was never predicted.
+    per_label = metadata["per_label"]
+    assert isinstance(per_label, dg.TableMetadataValue)
+    assert [column.name for column in per_label.schema.columns] == ["label", "precision", "recall", "support"]
+    assert [record.data for record in per_label.records] == [
+        {"label": "positive", "precision": 0.5, "recall": 1.0, "support": 1},
+        {"label": "negative", "precision": None, "recall": 0.0, "support": 1},
+        {"label": "neutral", "precision": 1.0, "recall": 0.5, "support": 2},
+    ]
+    assert metadata["confusion"].value.splitlines()[0] == (
+        "| gold \\ predicted | positive | negative | neutral | (error) |"
+    )
+
+
+def test_error_rows_listed_are_the_first_five() -> None:
+    labels = pl.DataFrame(
+        {
+            "row_id": range(8),
+            "source_line": range(2, 10),
+            "text": ["x"] * 8,
+            "label": [None] * 7 + ["positive"],
+            "error": [f"too_long: prompt {i}" for i in range(7)] + [None],
+        }
+    )
+    task = spec()
+    metadata = labels_metadata(labels, task, task_format(task))
+    rows = metadata["error_rows_preview"].value.splitlines()[2:]
+    assert rows == [f"| {i} | {i + 2} | too_long: prompt {i} |" for i in range(5)]
+    assert "error_rows_preview" not in labels_metadata(labels.tail(1), task, task_format(task))
 
 
 def test_accuracy_on_a_json_field_and_without_gold() -> None:

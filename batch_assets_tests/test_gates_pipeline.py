@@ -141,10 +141,10 @@ def test_drift_accuracy_and_stale_partitions(data_dir: Path, tiny_model: str) ->
         labels = latest_metadata(instance, "letters", "validated_labels", late)
         assert labels["accuracy"] == pytest.approx(0.6667)
         assert (labels["rows_with_gold"], labels["correct_rows"]) == (3, 2)
-        assert labels["per_label"] == {
-            "x": {"precision": 0.6667, "recall": 1.0, "support": 2},
-            "y": {"precision": None, "recall": 0.0, "support": 1},
-        }
+        assert [record.data for record in labels["per_label"].records] == [
+            {"label": "x", "precision": 0.6667, "recall": 1.0, "support": 2},
+            {"label": "y", "precision": None, "recall": 0.0, "support": 1},
+        ]
         assert "| y | 1 |" in labels["confusion"]
         accuracy = checks["accuracy_at_least"]
         assert not accuracy.passed and accuracy.severity == dg.AssetCheckSeverity.WARN

@@ -189,6 +189,39 @@ HEAD = 'input: {text_fields: [text]}\nprompt: {system: "Classify.", template: "T
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
+        (
+            HEAD + "output: {kind: text}\nsampling:\n  temprature: 0.2\n",
+            "sampling.temprature (line 5): Extra inputs are not permitted; did you mean temperature?",
+        ),
+        (
+            HEAD + "output: {kind: text}\nsamplng: {max_tokens: 5}\n",
+            "samplng (line 4): Extra inputs are not permitted; did you mean sampling?",
+        ),
+        (
+            HEAD + "output: {kind: text}\nengine:\n  price: {input_per_million: 1}\n",
+            "engine.price.input_per_million (line 5): Extra inputs are not permitted; "
+            "did you mean input_per_million_tokens, output_per_million_tokens?",
+        ),
+        (
+            'input: {text_fields: [text]}\nprompt:\n  template: "Text: {text}"\n  examples:\n'
+            "    - {input: {text: a}, answr: b}\noutput: {kind: text}\n",
+            "prompt.examples.0.answer (line 5): Field required; "
+            "prompt.examples.0.answr (line 5): Extra inputs are not permitted; did you mean answer?",
+        ),
+        # Nothing close: pydantic's message alone.
+        (HEAD + "output: {kind: text}\nzzz: 1\n", "zzz (line 4): Extra inputs are not permitted"),
+    ],
+)
+def test_a_misspelt_key_is_refused_with_the_closest_valid_keys(tmp_path: Path, body: str, expected: str) -> None:
+    path = write(tmp_path, "typo", body)
+    with pytest.raises(TaskSpecError) as info:
+        load_task_spec(path)
+    assert str(info.value) == f"{path}: {expected}"
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
         # A regex Python cannot compile (`re.error` is no ValueError: it used to escape every check).
         (HEAD + 'output: {kind: regex, regex: "[a-"}\n', "output.regex (line 3): not a valid regular expression"),
         # Regexes that can only match the empty string, or nothing: every label would be invalid.

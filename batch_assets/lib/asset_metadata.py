@@ -16,13 +16,16 @@ import polars as pl
 from batch_assets.pipeline.budget import actual_cost_metadata, estimate_cost
 from batch_assets.pipeline.calibration import calibration_report
 from batch_assets.pipeline.engine_contract import EngineSession, EngineSettings
-from batch_assets.pipeline.label_quality import accuracy_report, confidence_report
+from batch_assets.pipeline.label_quality import AccuracyReport, accuracy_report, confidence_report
 from batch_assets.pipeline.prices import engine_price
 from batch_assets.pipeline.run_inference import InferenceStats
 from batch_assets.pipeline.task_formats import TaskFormat
 from batch_assets.pipeline.task_spec import TaskSpec
 
 PREVIEW_ROWS = 5
+PREVIEW_DIGITS = 3  # floats in the preview (confidence, similarity): 0.873, not 0.8731892456817627
+ERROR_ROWS_SHOWN = 5  # error rows listed in validated_labels' metadata, whatever their share
+ERROR_ROWS_COLUMNS = ("row_id", "source_line", "error")
 # Engine-neutral: resources can route a task to an engine other than its YAML's `engine.kind`.
 NO_CONFIDENCE_REASONS = (
     "their results were reused from checkpoints or the result cache stored before confidence was measured "
@@ -44,11 +47,11 @@ def error_code_counts(frame: pl.DataFrame) -> dict[str, int]:
     }
 
 
-def markdown_table(rows: list[dict], columns: list[str]) -> str:
+def markdown_table(rows: list[dict], columns: list[str], *, width: int = 80) -> str:
     def cell(value: object) -> str:
         text = "" if value is None else str(value)
         text = text.replace("|", "\\|").replace("\n", " ")
-        return text if len(text) <= 80 else text[:77] + "..."
+        return text if len(text) <= width else text[: width - 3] + "..."
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
@@ -124,11 +127,35 @@ def inference_metadata(
     }
 
 
+def gold_choices(task: TaskSpec) -> list[str]:
+    """The labels a choices task can give, each a column of its confusion table and a row of
+    `per_label` even when never predicted; none for other tasks (or a gold JSON field)."""
+    if task.output.kind != "choices" or task.checks.gold_json_field is not None:
+        return []
+    return list(task.output.choices or [])
+
+
+PER_LABEL_SCHEMA = dg.TableSchema(
+    columns=[
+        dg.TableColumn("label", "string"),
+        dg.TableColumn("precision", "float", description="empty: the label was never predicted"),
+        dg.TableColumn("recall", "float", description="empty: no gold row has the label"),
+        dg.TableColumn("support", "int", description="gold rows with the label"),
+    ]
+)
+
+
+def per_label_table(report: AccuracyReport) -> dg.MetadataValue:
+    """Precision, recall and support per label, one table row each (the UI shows it as a table)."""
+    records = [dg.TableRecord(row) for row in report.per_label_records()]
+    return dg.MetadataValue.table(records, schema=PER_LABEL_SCHEMA)
+
+
 def accuracy_metadata(labels: pl.DataFrame, task: TaskSpec) -> dict[str, Any]:
     """Accuracy against the task's `checks.gold_field`, when the partition carries one."""
     if not task.checks.gold_field:
         return {}
-    report = accuracy_report(labels, task.checks.gold_field, task.checks.gold_json_field)
+    report = accuracy_report(labels, task.checks.gold_field, task.checks.gold_json_field, gold_choices(task))
     if report is None:
         note = f"no row has a value in the gold column {task.checks.gold_field!r}: accuracy not measured"
         return {"accuracy_note": note}
@@ -136,7 +163,7 @@ def accuracy_metadata(labels: pl.DataFrame, task: TaskSpec) -> dict[str, Any]:
         "accuracy": round(report.accuracy, 4),
         "rows_with_gold": report.rows_with_gold,
         "correct_rows": report.correct,
-        "per_label": report.per_label_metadata(),
+        "per_label": per_label_table(report),
         "confusion": dg.MetadataValue.md(report.confusion_markdown()),
         **calibration_metadata(labels, task),
     }
@@ -170,16 +197,39 @@ def label_distribution(counts: dict[str, int], rows: int) -> dg.MetadataValue:
     return dg.MetadataValue.md(markdown_table(shares, ["label", "rows", "share"]))
 
 
+def preview_markdown(labels: pl.DataFrame, columns: list[str], gold_field: str | None = None) -> str:
+    """The first rows of a partition as a table: floats to PREVIEW_DIGITS digits, and the gold
+    column (`checks.gold_field`), where the partition has it, right after `label`."""
+    if gold_field and gold_field in labels.columns and "label" in columns:
+        columns = [c for c in columns if c != gold_field]
+        columns.insert(columns.index("label") + 1, gold_field)
+    head = labels.head(PREVIEW_ROWS)
+    head = head.with_columns(pl.col(pl.Float32, pl.Float64).round(PREVIEW_DIGITS))
+    return markdown_table(head.to_dicts(), columns)
+
+
+def error_rows_markdown(labels: pl.DataFrame) -> str | None:
+    """The first ERROR_ROWS_SHOWN rows with an error (row id, line in the drop file, the error);
+    None when no row has one."""
+    errors = labels.filter(pl.col("error").is_not_null()).head(ERROR_ROWS_SHOWN)
+    if errors.height == 0:
+        return None
+    columns = [c for c in ERROR_ROWS_COLUMNS if c in labels.columns]
+    return markdown_table(errors.to_dicts(), columns, width=200)
+
+
 def labels_metadata(labels: pl.DataFrame, task: TaskSpec, fmt: TaskFormat) -> dict[str, Any]:
-    """A partition of validated_labels: what its kind reports, rows, errors, a preview, accuracy,
-    confidence and, for labels from a closed set, their counts."""
+    """A partition of validated_labels: what its kind reports, rows, errors (and the first few error
+    rows), a preview, accuracy, confidence and, for labels from a closed set, their counts."""
     errors = error_code_counts(labels)
-    preview = markdown_table(labels.head(PREVIEW_ROWS).to_dicts(), fmt.preview_columns(labels))
+    preview = preview_markdown(labels, fmt.preview_columns(labels), task.checks.gold_field)
+    error_rows = error_rows_markdown(labels)
     metadata: dict[str, Any] = {
         **fmt.label_metadata(labels),
         "rows": labels.height,
         "error_rows": sum(errors.values()),
         "errors_by_code": errors,
+        **({"error_rows_preview": dg.MetadataValue.md(error_rows)} if error_rows else {}),
         "preview": dg.MetadataValue.md(preview),
         "dagster/row_count": labels.height,
         "dagster/column_schema": column_schema(labels),

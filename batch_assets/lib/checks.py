@@ -37,7 +37,13 @@ from typing import Any, cast
 import dagster as dg
 import polars as pl
 
-from batch_assets.lib.asset_metadata import asset_key, calibration_metadata, error_code_counts, markdown_table
+from batch_assets.lib.asset_metadata import (
+    asset_key,
+    calibration_metadata,
+    error_code_counts,
+    gold_choices,
+    markdown_table,
+)
 from batch_assets.lib.materializations import latest_materialization
 from batch_assets.pipeline.budget import budget_overruns, estimate_cost
 from batch_assets.pipeline.cascade_labels import cascade_summary
@@ -429,7 +435,7 @@ def _accuracy_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         yield from evaluate_per_partition(context, lambda key: accuracy_result(validated_labels[key]))
 
     def accuracy_result(validated_labels: pl.DataFrame) -> dg.AssetCheckResult:
-        report = accuracy_report(validated_labels, gold_field, task.checks.gold_json_field)
+        report = accuracy_report(validated_labels, gold_field, task.checks.gold_json_field, gold_choices(task))
         if report is None:
             note = f"skipped: no row has a value in the gold column {gold_field!r}"
             return dg.AssetCheckResult(passed=True, metadata={"note": note, "min_accuracy": minimum})

@@ -4,7 +4,8 @@ frames and label counts.
 
 Accuracy: the share of rows with a non-empty gold value whose label equals it (both compared as
 text with surrounding spaces removed; an error row counts as wrong), per-label precision, recall
-and support, and a confusion table (gold label by row, predicted label by column).
+and support, and a confusion table (gold label by row, predicted label by column; given the task's
+choices, every choice is a column, predicted or not).
 
 Confidence: of the labelled rows, how many have a `confidence` under the task's `min_confidence`
 (rows the model was unsure of: the ones to read first), and how many have none (the engine gave no
@@ -17,7 +18,8 @@ the recent partitions, 0 (same distribution) to 1 (no label in common), and the 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import polars as pl
 
@@ -39,18 +41,26 @@ class AccuracyReport:
     correct: int
     per_label: list[LabelScore]
     confusion: dict[str, dict[str, int]]  # gold label -> predicted label (or NO_LABEL) -> rows
+    choices: tuple[str, ...] = ()  # the task's closed label set, in its order (empty: open labels)
 
     @property
     def accuracy(self) -> float:
         return self.correct / self.rows_with_gold if self.rows_with_gold else 0.0
 
+    def _ordered(self, labels: set[str]) -> list[str]:
+        """The task's choices in their order, then any other label sorted, `(error)` last."""
+        others = sorted(labels - set(self.choices) - {NO_LABEL})
+        return [*self.choices, *others, *([NO_LABEL] if NO_LABEL in labels else [])]
+
     def confusion_markdown(self) -> str:
-        predicted = sorted({p for row in self.confusion.values() for p in row}, key=lambda p: (p == NO_LABEL, p))
+        """Gold label by row, predicted label by column: every choice is a column (a choice never
+        predicted shows its zeros), then other predictions, then `(error)` for rows without a label."""
+        predicted = self._ordered({p for row in self.confusion.values() for p in row})
         lines = [
             "| gold \\ predicted | " + " | ".join(_cell(p) for p in predicted) + " |",
             "|" + "---|" * (len(predicted) + 1),
         ]
-        for gold in sorted(self.confusion):
+        for gold in [g for g in self._ordered(set(self.confusion)) if g in self.confusion]:
             lines.append(
                 f"| {_cell(gold)} | " + " | ".join(str(self.confusion[gold].get(p, 0)) for p in predicted) + " |"
             )
@@ -65,6 +75,10 @@ class AccuracyReport:
             }
             for score in self.per_label
         }
+
+    def per_label_records(self) -> list[dict[str, str | int | float | None]]:
+        """`per_label_metadata` as table rows: label, precision, recall, support (None: undefined)."""
+        return [{"label": label, **scores} for label, scores in self.per_label_metadata().items()]
 
 
 def _cell(text: str) -> str:
@@ -81,9 +95,13 @@ def _json_field(label: str | None, name: str) -> str | None:
     return found if isinstance(found, str) else json.dumps(found)
 
 
-def accuracy_report(labels: pl.DataFrame, gold_field: str, gold_json_field: str | None = None) -> AccuracyReport | None:
+def accuracy_report(
+    labels: pl.DataFrame, gold_field: str, gold_json_field: str | None = None, choices: Sequence[str] = ()
+) -> AccuracyReport | None:
     """Accuracy of `label` against the input column `gold_field`; None when the partition has no
-    such column or no row with a gold value. JSON tasks compare the label's `gold_json_field`."""
+    such column or no row with a gold value. JSON tasks compare the label's `gold_json_field`.
+    `choices` (a choices task's label set) orders the labels and makes each a confusion column and
+    a `per_label` row, predicted or not."""
     if gold_field not in labels.columns:
         return None
     gold = labels[gold_field].cast(pl.String).str.strip_chars()
@@ -106,7 +124,10 @@ def accuracy_report(labels: pl.DataFrame, gold_field: str, gold_json_field: str 
         for label, count in row.items():
             predicted_totals[label] = predicted_totals.get(label, 0) + count
     scores = []
-    for label in sorted((set(support) | set(predicted_totals)) - {NO_LABEL}):
+    report = AccuracyReport(frame.height, correct, [], confusion, tuple(choices))
+    for label in report._ordered(set(support) | set(predicted_totals) | set(choices)):
+        if label == NO_LABEL:
+            continue
         hits = confusion.get(label, {}).get(label, 0)
         scores.append(
             LabelScore(
@@ -116,7 +137,7 @@ def accuracy_report(labels: pl.DataFrame, gold_field: str, gold_json_field: str 
                 support=support.get(label, 0),
             )
         )
-    return AccuracyReport(frame.height, correct, scores, confusion)
+    return replace(report, per_label=scores)
 
 
 @dataclass(frozen=True)

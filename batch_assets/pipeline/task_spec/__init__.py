@@ -52,7 +52,7 @@ def load_task_spec(path: Path) -> TaskSpec:
     try:
         spec = TaskSpec.model_validate(raw)
     except ValidationError as exc:
-        raise TaskSpecError(f"{path}: {problems(exc, document)}") from None
+        raise TaskSpecError(f"{path}: {problems(exc, document, TaskSpec)}") from None
     except ValueError as exc:
         raise TaskSpecError(f"{path}: {exc}") from exc
     if spec.name != path.stem:

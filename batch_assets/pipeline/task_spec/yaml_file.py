@@ -3,12 +3,15 @@ errors given as `setting (line N): rule`."""
 
 from __future__ import annotations
 
+import difflib
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from .base import SettingError, TaskSpecError
 
@@ -103,17 +106,20 @@ def read_task_file(path: Path) -> str:
     return data.decode("utf-8")
 
 
-def problems(exc: ValidationError, document: yaml.Node | None) -> str:
-    """Pydantic's errors as `field (line N): rule` (no input values, no documentation links)."""
-    return "; ".join(_problem(error, document) for error in exc.errors(include_url=False, include_input=False))
+def problems(exc: ValidationError, document: yaml.Node | None, model: type[BaseModel] | None = None) -> str:
+    """Pydantic's errors as `field (line N): rule` (no input values, no documentation links); an
+    unknown key of `model` (or of a section in it) with the closest valid names."""
+    return "; ".join(_problem(error, document, model) for error in exc.errors(include_url=False, include_input=False))
 
 
-def _problem(error: Any, document: yaml.Node | None) -> str:
+def _problem(error: Any, document: yaml.Node | None, model: type[BaseModel] | None = None) -> str:
     cause = (error.get("ctx") or {}).get("error")
     located = cause if isinstance(cause, SettingError) else SettingError("")
     loc = (*error["loc"], *located.key)
     where = ".".join(str(part) for part in loc)
     message = str(error["msg"]).removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden" and model is not None and loc:
+        message += did_you_mean(str(loc[-1]), setting_names(model, loc[:-1]))
     line = line_of(document, loc)
     # A rule's own message that already names its setting needs the setting only once.
     if where and message.startswith(where + ": "):
@@ -127,6 +133,45 @@ def _problem(error: Any, document: yaml.Node | None) -> str:
             message = message.replace(key, f"{key} (line {key_line})", 1)
     at = f"{where} (line {line})" if where and line else where
     return f"{at}: {message}" if at else message
+
+
+def did_you_mean(name: str, valid: list[str]) -> str:
+    """`; did you mean a, b?` with the valid names closest to a misspelt one (as `engine.vllm_args`
+    suggests vLLM's); empty when none is close."""
+    close = difflib.get_close_matches(name, sorted(valid), n=3, cutoff=0.6)
+    return f"; did you mean {', '.join(close)}?" if close else ""
+
+
+def setting_names(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The keys the section at `loc` of a task file takes (`()`: the top level), from the models'
+    fields; none where `loc` leads to no model (a free mapping such as `engine.vllm_args`)."""
+    models = [model]
+    for part in loc:
+        if isinstance(part, int):
+            continue  # an item of a list: its models are already the list's item models
+        found = [m.model_fields[str(part)].annotation for m in models if str(part) in m.model_fields]
+        if not found:
+            continue  # a union member's tag in pydantic's location, not a key
+        models = [m for annotation in found for m in _models_in(annotation)]
+    return sorted({name for m in models for name in m.model_fields})
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation holds: itself, the members of a union (`X | None`), the
+    items of a list or the values of a dict."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    origin = typing.get_origin(annotation)
+    if origin is None:
+        return []
+    args = typing.get_args(annotation)
+    if origin is dict:
+        args = args[1:]
+    elif origin is typing.Annotated:
+        args = args[:1]
+    elif origin not in (list, tuple, typing.Union, types.UnionType):
+        return []
+    return [m for arg in args for m in _models_in(arg)]
 
 
 def line_of(document: yaml.Node | None, loc: tuple, *, exact: bool = False) -> int | None:
