@@ -10,6 +10,7 @@ import signal
 import sqlite3
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import dagster as dg
@@ -147,7 +148,7 @@ def test_a_stop_mid_partition_keeps_what_finished_and_the_rerun_reuses_it(
     # SIGINT too: as this test's, or the re-run would not start.
     monkeypatch.setattr(interrupts, "STOP", threading.Event())
     drop(data_dir, "sentiment", "big.jsonl", posts(3000, "big"))
-    run_id = dg.make_new_run_id()
+    run_id = str(uuid.uuid4())  # the id Dagster gives a run: a UUID
     progress: list[int] = []
 
     def stop_at_first_progress_line(instance: dg.DagsterInstance) -> None:
