@@ -197,6 +197,7 @@ def _run_vllm_batch(lines: list[dict], work: Path, args: list[str], served: str)
     return {record["custom_id"]: record for record in read_jsonl(target)}
 
 
+@pytest.mark.slow  # the embedded SmolLM2 model in the pipeline: no model fixture tells collection
 def test_batch_file_through_dagster_matches_vllm_run_batch(data_dir: Path, tmp_path: Path, monkeypatch) -> None:
     # The embedded SmolLM2 model: real text to compare (the tiny random model mostly repeats one token).
     monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
