@@ -19,6 +19,7 @@ starts (nothing else needs to be started), and not through the instance's run qu
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -78,6 +80,7 @@ class BatchRunner:
         # What a failed step left to do, tried again at each step until it is written: batches to
         # fail (batch id → code, message) and runs that ended but were not recorded (→ exit status).
         self._unfailed: dict[str, tuple[str, str]] = {}
+        self._no_room: Exception | None = None  # the first no-room failure of this step's batches
         self._unsettled: dict[str, int | None] = {}
         # Batches that ended but whose cleanup (`_release_input`) failed: tried again at each sweep,
         # on their own (the batch's status stands; it is never settled or finalized again).
@@ -180,20 +183,27 @@ class BatchRunner:
         """Each ended run recorded, one batch at a time: one whose settling failed for want of room
         stays to be settled at a later step (this one fails: the runner backs off); any other
         failure would fail again, and fails the batch."""
-        no_room: Exception | None = None
         for batch_id, exit_status in list(self._unsettled.items()):
-            try:
-                self._after_run(batch_id, exit_status)
-            except Exception as exc:
-                if _no_room(exc):
-                    no_room = no_room or exc
-                    continue
-                logger.warning(
-                    "batch-assets serve: settling batch %s failed (%s: %s)", batch_id, type(exc).__name__, exc
-                )
-                self._unfailed[batch_id] = ("batch_run_failed", f"the batch's run could not be settled: {_cause(exc)}")
-            del self._unsettled[batch_id]
+            if self._settle_one(batch_id, "settling", functools.partial(self._after_run, batch_id, exit_status)):
+                del self._unsettled[batch_id]
         self._record_failures()
+        self._raise_no_room()
+
+    def _settle_one(self, batch_id: str, what: str, step: Callable[[], object]) -> bool:
+        """Run one batch's step; False when it failed for want of room (kept for a later step, which the
+        runner backs off for). Any other failure would fail again: the batch is failed, and True."""
+        try:
+            step()
+        except Exception as exc:
+            if _no_room(exc):
+                self._no_room = self._no_room or exc
+                return False
+            logger.warning("batch-assets serve: %s batch %s failed (%s: %s)", what, batch_id, type(exc).__name__, exc)
+            self._unfailed[batch_id] = ("batch_run_failed", f"the batch's {what} failed: {_cause(exc)}")
+        return True
+
+    def _raise_no_room(self) -> None:
+        no_room, self._no_room = self._no_room, None
         if no_room is not None:
             raise no_room
 
@@ -217,22 +227,11 @@ class BatchRunner:
     def _finalize_pending(self) -> None:
         """Batches left `finalizing`: by a server stopped meanwhile, or by a write that failed for want
         of room (tried again: their outputs are on disk); any other error fails the batch."""
-        no_room: Exception | None = None
         for record in self.store.batch_records(("finalizing",)):
             batch_id = record["batch"]["id"]
-            try:
-                self._finalize(batch_id)
-            except Exception as exc:
-                if _no_room(exc):
-                    no_room = no_room or exc
-                    continue
-                logger.warning(
-                    "batch-assets serve: finalizing batch %s failed (%s: %s)", batch_id, type(exc).__name__, exc
-                )
-                self._unfailed[batch_id] = ("batch_run_failed", f"the batch could not be finalized: {_cause(exc)}")
+            self._settle_one(batch_id, "finalizing", functools.partial(self._finalize, batch_id))
         self._record_failures()
-        if no_room is not None:
-            raise no_room
+        self._raise_no_room()
 
     def _recover(self) -> None:
         """After a restart: a run left by a server that was killed is stopped (and resumes from its
