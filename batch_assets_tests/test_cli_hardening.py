@@ -26,6 +26,7 @@ from batch_assets_tests.support import (
     passed,
     python_env,
     run_cli,
+    stop_process_group,
     summary_lines,
 )
 
@@ -395,8 +396,9 @@ def test_a_second_ui_on_the_same_home_is_refused(cli_env) -> None:
         assert f"the Dagster UI and daemon of {tmp_path / 'home'} already run (pid {first.pid}" in second.stdout
         assert first.poll() is None
     finally:
-        os.killpg(first.pid, signal.SIGTERM)
-        first.wait(timeout=60)
+        # How fast `dg dev` stops when interrupted mid-start is not what this test checks (CI saw it
+        # take over 60 s under load): interrupt it, then kill what is left.
+        stop_process_group(first)
 
 
 def test_every_run_argument_has_help() -> None:
