@@ -3,7 +3,7 @@ VENV      := .venv
 STAMP     := $(VENV)/.batch_assets_installed
 export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 
-.PHONY: setup demo test test-fast lint golden ui clean
+.PHONY: setup demo test test-fast lint golden ui image image-check deploy-check clean
 
 $(STAMP): pyproject.toml scripts/setup.sh scripts/uv_sources.sh requirements/cpu.txt requirements/gpu.txt requirements/extra.txt
 	bash scripts/setup.sh
@@ -27,7 +27,7 @@ XDIST := -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 test: setup lint
 	bash scripts/install_system_deps.sh
-	$(VENV)/bin/python -m pytest $(XDIST) --durations=40 $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "not image" $(XDIST) --durations=40 $(PYTEST_ARGS)
 
 # Pure functions and the definitions snapshot: no engine, daemon, browser or server (about a minute).
 test-fast: setup
@@ -47,6 +47,20 @@ lint: setup
 # `dg dev` (webserver + daemon); a second `make ui` on the same home is refused with a message.
 ui: setup
 	$(VENV)/bin/batch-assets ui --host 127.0.0.1 --port 3000
+
+# The CPU image (ENGINE=gpu for the GPU one) built on this machine: dockerd started when none runs, a
+# Debian base made with debootstrap once (deploy/README.md, "The image").
+image:
+	bash deploy/build_image.sh
+
+# The demo in that image as a platform engineer runs it: another UID, a read-only root, volumes.
+image-check: setup
+	$(VENV)/bin/python -m pytest -p no:xdist -m image batch_assets_tests/test_image_run.py $(PYTEST_ARGS)
+
+# The deployment as containers (deploy/docker/topology.py: Postgres, S3, code server, daemon, webserver,
+# a container per run) driven for real: `make image` first.
+deploy-check: setup
+	$(VENV)/bin/python -m pytest -p no:xdist -m image batch_assets_tests/test_deploy_docker.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .dagster_home data

@@ -39,6 +39,8 @@ def load_script(path: Path):
     spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    # Registered first: dataclasses look their module up in sys.modules while the script runs.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 

@@ -506,3 +506,31 @@ def test_the_demo_note_passes_over_a_task_its_engine_refuses(monkeypatch: pytest
     engine.model_fields_set.add("max_model_len")
     refused = task.model_copy(update={"engine": engine})
     assert demo_note([refused]) is None and demo_note([refused, task]) is not None
+
+
+def test_a_small_dev_shm_is_named_as_the_cause_with_the_flag_to_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`docker run` gives a container 64 MiB of /dev/shm; vLLM needs 160 MiB there. The real case runs
+    in the image (test_image_run.py); here the message and the threshold, on this machine's sizes."""
+    from batch_assets.engines import vllm_engine
+
+    assert vllm_engine.shared_memory_shortage(str(tmp_path / "absent")) is None
+    monkeypatch.setattr(vllm_engine.shutil, "disk_usage", lambda _path: _Usage(64))
+    shortage = vllm_engine.shared_memory_shortage()
+    assert shortage is not None
+    assert shortage.startswith("/dev/shm has 64 MiB free and vLLM's engine needs 160 MiB there")
+    assert "`docker run --shm-size=1g`" in shortage and "`medium: Memory`" in shortage
+    monkeypatch.setattr(vllm_engine.shutil, "disk_usage", lambda _path: _Usage(160))
+    assert vllm_engine.shared_memory_shortage() is None
+    monkeypatch.setenv("VLLM_MQ_MAX_CHUNK_BYTES_MB", "32")
+    assert "needs 320 MiB" in (vllm_engine.shared_memory_shortage() or "")
+
+
+@dataclasses.dataclass
+class _Usage:
+    free_mib: int
+
+    @property
+    def free(self) -> int:
+        return self.free_mib << 20

