@@ -84,24 +84,39 @@ def wait_for_runs(instance: dg.DagsterInstance, count: int, timeout: float, logs
     raise AssertionError(f"runs not finished after {timeout:.0f} s: {instance.get_runs()}\n{logs()}")
 
 
-def test_doctor_in_the_code_server_says_ready(topology: tuple) -> None:
+def test_doctor_in_the_code_server_says_ready_and_every_service_runs_as_10001_on_a_read_only_root(
+    topology: tuple,
+) -> None:
     _, containers = topology
     result = containers["code"].exec_run(["batch-assets", "doctor"])
     output = result.output.decode()
     assert result.exit_code == 0, output
     assert "FAIL" not in output, output
+    for name in ("s3", "code", "daemon", "webserver"):
+        inspected = TOPOLOGY.client().api.inspect_container(containers[name].id)
+        assert (inspected["Config"]["User"], inspected["HostConfig"]["ReadonlyRootfs"]) == ("10001", True), name
 
 
-def test_an_s3_drop_becomes_one_sensor_run_whose_container_labels_it(
-    topology: tuple, instance: dg.DagsterInstance
-) -> None:
-    settings, containers = topology
-    client = s3(settings)
-    client.upload_file(str(SAMPLE), TOPOLOGY.BUCKET, "data/drops/sentiment/posts-sample.jsonl")
+@pytest.fixture(scope="module")
+def sensor_on(topology: tuple) -> None:
+    _, containers = topology
     started = containers["daemon"].exec_run(["dagster", "sensor", "start", "sentiment_drops_sensor", *WORKSPACE])
     assert started.exit_code == 0, started.output.decode()
 
-    (run,) = wait_for_runs(instance, 1, timeout=1200, logs=service_logs)
+
+def runs_of(instance: dg.DagsterInstance, partition: str) -> list[dg.DagsterRun]:
+    return [run for run in instance.get_runs() if run.tags.get("dagster/partition") == partition]
+
+
+def test_an_s3_drop_becomes_one_sensor_run_whose_container_labels_it(
+    topology: tuple, instance: dg.DagsterInstance, sensor_on: None
+) -> None:
+    settings, _ = topology
+    client = s3(settings)
+    client.upload_file(str(SAMPLE), TOPOLOGY.BUCKET, "data/drops/sentiment/posts-sample.jsonl")
+
+    wait_for_runs(instance, 1, timeout=1200, logs=service_logs)
+    (run,) = runs_of(instance, "posts-sample.jsonl")
     assert run.status == dg.DagsterRunStatus.SUCCESS, service_logs()
     assert run.tags["dagster/partition"] == "posts-sample.jsonl"
 
@@ -118,7 +133,7 @@ def test_an_s3_drop_becomes_one_sensor_run_whose_container_labels_it(
             "Contents"
         ]
     ]
-    assert len(keys) == 1, keys
+    assert keys == ["data/storage/sentiment/validated_labels/posts-sample.jsonl.parquet"], keys
     labels = pl.read_parquet(client.get_object(Bucket=TOPOLOGY.BUCKET, Key=keys[0])["Body"].read())
     assert labels.height == 36
     assert set(labels["label"].drop_nulls()) <= {"positive", "negative", "neutral"}
@@ -126,3 +141,110 @@ def test_an_s3_drop_becomes_one_sensor_run_whose_container_labels_it(
     assert event is not None and event.run_id == run.run_id
     metadata = event.asset_materialization.metadata
     assert metadata["dagster/row_count"].value == 36, json.dumps({k: str(v) for k, v in metadata.items()})
+
+
+# Enough rows that the first checkpoint (after 30 s) comes well before the end on two cores.
+BIG = 1200
+
+
+def test_a_run_container_killed_mid_partition_is_retried_by_the_daemon_each_row_once(
+    topology: tuple, instance: dg.DagsterInstance, sensor_on: None, tmp_path: Path
+) -> None:
+    """kill -9 of a run's container once it checkpointed: run monitoring marks the run failed, run
+    retries start it again in a new container, which reuses the checkpoints."""
+    settings, _ = topology
+    client = s3(settings)
+    drop = tmp_path / "big.jsonl"
+    drop.write_text(
+        "".join(
+            json.dumps({"post_id": f"b{i}", "text": f"post {i}: the delivery took {i % 9} days"}) + "\n"
+            for i in range(BIG)
+        )
+    )
+    client.upload_file(str(drop), TOPOLOGY.BUCKET, "data/drops/sentiment/big.jsonl")
+    checkpoints = "data/storage/sentiment/_checkpoints/big.jsonl/"
+
+    def checkpointed() -> int:
+        listed = client.list_objects_v2(Bucket=TOPOLOGY.BUCKET, Prefix=checkpoints).get("Contents", [])
+        return sum(
+            pl.read_parquet(client.get_object(Bucket=TOPOLOGY.BUCKET, Key=item["Key"])["Body"].read()).height
+            for item in listed
+        )
+
+    deadline = time.monotonic() + 900
+    while not (runs_of(instance, "big.jsonl") and checkpointed()):
+        assert time.monotonic() < deadline, service_logs()
+        time.sleep(1)
+    (first,) = runs_of(instance, "big.jsonl")
+    container = TOPOLOGY.client().containers.get(first.tags["docker/container_id"])
+    container.kill(signal="SIGKILL")
+    done_before_kill = checkpointed()
+    assert 0 < done_before_kill < BIG
+
+    deadline = time.monotonic() + 1200
+    while True:
+        runs = runs_of(instance, "big.jsonl")
+        if len(runs) == 2 and all(run.status in FINISHED for run in runs):
+            break
+        assert time.monotonic() < deadline, f"{runs}\n{service_logs()}"
+        time.sleep(3)
+    retry, killed = runs  # newest first
+    assert killed.run_id == first.run_id and killed.status == dg.DagsterRunStatus.FAILURE
+    assert retry.status == dg.DagsterRunStatus.SUCCESS, service_logs()
+    assert retry.tags["dagster/parent_run_id"] == first.run_id
+    assert retry.tags["docker/container_id"] != first.tags["docker/container_id"]
+
+    labels = pl.read_parquet(
+        client.get_object(Bucket=TOPOLOGY.BUCKET, Key="data/storage/sentiment/validated_labels/big.jsonl.parquet")[
+            "Body"
+        ].read()
+    )
+    assert labels["post_id"].to_list() == [f"b{i}" for i in range(BIG)]
+    assert labels["label"].null_count() == 0
+    record = instance.fetch_materializations(
+        dg.AssetRecordsFilter(
+            asset_key=dg.AssetKey(["sentiment", "inference_outputs"]), asset_partitions=["big.jsonl"]
+        ),
+        limit=10,
+    ).records
+    assert [r.run_id for r in record] == [retry.run_id]
+    metadata = record[0].asset_materialization.metadata
+    assert metadata["rows_from_checkpoint"].value >= done_before_kill
+    assert metadata["rows_from_checkpoint"].value + metadata["rows_inferred"].value == BIG
+
+
+def test_a_daemon_restarted_during_a_burst_of_ten_drops_loses_none_and_runs_none_twice(
+    topology: tuple, instance: dg.DagsterInstance, sensor_on: None, tmp_path: Path
+) -> None:
+    settings, containers = topology
+    client = s3(settings)
+    names = [f"burst-{i}.jsonl" for i in range(10)]
+    for number, name in enumerate(names):
+        drop = tmp_path / name
+        drop.write_text(
+            "".join(
+                json.dumps({"post_id": f"{number}-{i}", "text": f"burst {number}, post {i}"}) + "\n" for i in range(4)
+            )
+        )
+        client.upload_file(str(drop), TOPOLOGY.BUCKET, f"data/drops/sentiment/{name}")
+    containers["daemon"].restart(timeout=30)
+
+    labels_key = dg.AssetKey(["sentiment", "validated_labels"])
+    deadline = time.monotonic() + 1200
+    while not set(names) <= instance.get_materialized_partitions(labels_key):
+        assert time.monotonic() < deadline, service_logs()
+        time.sleep(3)
+    wait_for_runs(instance, 1, timeout=600, logs=service_logs)
+    for name in names:
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=labels_key, asset_partitions=[name]), limit=10
+        ).records
+        assert len(records) == 1, (name, [r.run_id for r in records])
+    # Each file in exactly one run (a run covers one file or a range of them).
+    burst_runs = [
+        run
+        for run in instance.get_runs()
+        if run.tags.get("dagster/partition", "").startswith("burst-")
+        or run.tags.get("dagster/asset_partition_range_start", "").startswith("burst-")
+    ]
+    assert burst_runs and all(run.status == dg.DagsterRunStatus.SUCCESS for run in burst_runs), burst_runs

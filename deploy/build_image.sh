@@ -60,6 +60,6 @@ done
 "$PYTHON" -m http.server --bind 127.0.0.1 --directory "$served" "$port" >/dev/null 2>&1 &
 server=$!
 
-docker build --network host -f deploy/Dockerfile -t "$TAG" \
+docker build --network host --force-rm -f deploy/Dockerfile -t "$TAG" \
   --build-arg "BASE=$BASE" --build-arg "ENGINE=$ENGINE" --build-arg "BUILD_SOURCES=$url" .
 echo "image: $TAG built in $((SECONDS - started)) s ($(docker image inspect -f '{{.Size}}' "$TAG" | awk '{printf "%.1f GB", $1 / 1e9}'))"
