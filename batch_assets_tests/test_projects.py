@@ -12,7 +12,7 @@ import pytest
 from batch_assets import cli
 from batch_assets.lib.projects import BUNDLED, ProjectRefused, TaskSource, find_task_source
 from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR
-from batch_assets_tests.support import REPO_ROOT
+from batch_assets_tests.support import REPO_ROOT, open_instance
 
 
 def _project(root: Path, module: str, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -72,6 +72,27 @@ def test_a_projects_tasks_are_its_components_tasks(
         ("reviews", f"drop zone: {drops / 'reviews'}"),
         ("tickets", f"drop zone: {drops / 'tickets'}"),
     ]
+
+
+def test_drop_registers_a_files_partition_for_dg_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`batch-assets drop` in a project: the file in the project's drop zone, its partition in the
+    instance, and the `dg launch` line that runs it (test_wheel_install.py launches such a partition)."""
+    _task_component(_project(tmp_path / "shop", "shop_drop", monkeypatch), "tickets")
+    monkeypatch.delenv("BATCH_ASSETS_DATA", raising=False)
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "shop" / ".dagster_home"))
+    (tmp_path / "more.csv").write_text("text\nThe app crashes on start\n")
+    monkeypatch.chdir(tmp_path)
+
+    assert cli.main(["drop", "tickets", "more.csv", "--project", "shop"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "tickets/more.csv: partition 'more.csv' registered; "
+        "run it: dg launch --assets group:tickets --partition more.csv"
+    )
+    assert (tmp_path / "shop" / "data" / "drops" / "tickets" / "more.csv").is_file()
+    with open_instance(tmp_path / "shop" / ".dagster_home") as instance:
+        assert instance.get_dynamic_partitions("tickets_drops") == ["more.csv"]
 
 
 def test_what_cannot_give_tasks_is_refused_naming_the_folder(
