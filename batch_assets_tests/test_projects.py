@@ -8,8 +8,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from batch_assets import cli
+from batch_assets.lib.commands import _ui_target
 from batch_assets.lib.projects import BUNDLED, ProjectRefused, TaskSource, find_task_source
 from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR
 from batch_assets_tests.support import REPO_ROOT, open_instance
@@ -115,3 +117,20 @@ def test_what_cannot_give_tasks_is_refused_naming_the_folder(
     (tmp_path / "ws" / "dg.toml").write_text('directory_type = "workspace"\n\n[workspace]\nprojects = []\n')
     with pytest.raises(ProjectRefused, match=f"{tmp_path / 'ws'} is a dg workspace"):
         find_task_source(str(tmp_path / "ws"))
+
+
+def test_ui_serves_the_project_else_the_bundled_code_location_from_any_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `batch-assets ui` hands `dg dev`: a project's own discovery, the checkout's workspace.yaml,
+    or, in any other folder (an installed package), the bundled code location under its own name."""
+    home = tmp_path / "home"
+    home.mkdir()
+    assert _ui_target(None, TaskSource(tmp_path / "shop"), home) == []
+    assert _ui_target("mine.yaml", BUNDLED, home) == ["-w", "mine.yaml"]
+    monkeypatch.chdir(REPO_ROOT)
+    assert _ui_target(None, BUNDLED, home) == ["-w", "workspace.yaml"]
+    monkeypatch.chdir(tmp_path)
+    assert _ui_target(None, BUNDLED, home) == ["-w", str(home / "workspace.yaml")]
+    location = yaml.safe_load((home / "workspace.yaml").read_text())["load_from"][0]["python_module"]
+    assert location == {"module_name": "batch_assets.definitions", "attribute": "defs", "location_name": "batch_assets"}

@@ -98,19 +98,32 @@ def command_ui(host: str, port: int, workspace: str | None, source: TaskSource, 
     # The lock travels into `dg dev` through exec and lasts as long as it does.
     os.set_inheritable(handle.fileno(), True)
     dg = shutil.which("dg", path=str(Path(sys.executable).parent)) or "dg"
-    os.execv(dg, [dg, "dev", "-h", host, "-p", str(port), *_ui_target(workspace, source)])
+    os.execv(dg, [dg, "dev", "-h", host, "-p", str(port), *_ui_target(workspace, source, home)])
     return 1  # not reached
 
 
-def _ui_target(workspace: str | None, source: TaskSource) -> list[str]:
-    """What `dg dev` loads: nothing named in a project (dg finds it), else a workspace file or our module."""
+# The bundled code location where no workspace file is at hand (an installed package): the checkout's
+# workspace.yaml without its working directory, so the location has the same name.
+INSTALLED_WORKSPACE = """load_from:
+  - python_module:
+      module_name: batch_assets.definitions
+      attribute: defs
+      location_name: batch_assets
+"""
+
+
+def _ui_target(workspace: str | None, source: TaskSource, home: Path) -> list[str]:
+    """What `dg dev` loads: nothing named in a project (dg finds it), else a workspace file: the one
+    named, workspace.yaml where there is one, or the bundled code location's (written in the home)."""
     if workspace is not None:
         return ["-w", workspace]
     if source.project_root is not None:
         return []
     if Path(BUNDLED_WORKSPACE).is_file():
         return ["-w", BUNDLED_WORKSPACE]
-    return ["-m", "batch_assets.definitions", "-a", "defs", "-l", "batch_assets"]
+    installed = home / "workspace.yaml"
+    installed.write_text(INSTALLED_WORKSPACE)
+    return ["-w", str(installed)]
 
 
 def command_cache(args: argparse.Namespace, say: Callable[[str], None]) -> int:
