@@ -17,7 +17,7 @@ the run's log (and `$DAGSTER_HOME/logs/`), tracebacks too (`--verbose` shows eve
 `run` and `demo` is lib/runner.py's, imported when needed so that `--help` stays quick; that of
 `tasks` and `cache` is lib/commands.py's.
 
-`run`, `drop`, `tasks`, `doctor` and `ui` work on the tasks of the dg project the working folder is
+`run`, `drop`, `tasks`, `doctor`, `ui` and `serve` work on the tasks of the dg project the working folder is
 in (or `--project PATH` names), from that project's folder; elsewhere on the bundled tasks
 (lib/projects.py).
 """

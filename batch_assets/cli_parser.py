@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_drop_parser(commands, in_project)
     add_cache_parser(commands)
-    add_serve_parser(commands)
+    add_serve_parser(commands, in_project)
     return parser
 
 

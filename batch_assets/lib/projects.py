@@ -91,7 +91,7 @@ def enter_project(args: argparse.Namespace) -> TaskSource:
     """The tasks of a `batch-assets` command: a dg project's (then the command works from the project's
     folder, as `dg` does, so that `data/` and `.dagster_home/` are the project's whichever folder it
     started in; file arguments are made absolute first), or the bundled ones."""
-    if not hasattr(args, "project"):  # a command on the bundled tasks only (demo, cache, serve)
+    if not hasattr(args, "project"):  # a command on the bundled tasks only (demo, cache)
         return BUNDLED
     source = find_task_source(args.project)
     if source.project_root is not None:
