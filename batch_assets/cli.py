@@ -2,6 +2,8 @@
 
     batch-assets run TASK FILE...   copy each file into TASK's drop zone, register its partition and
                                     materialize its four assets and checks; one summary line each
+    batch-assets drop TASK FILE...  what `run` does before running: copy into the drop zone, register
+                                    the partitions (for `dg launch`, the launchpad or the sensor to run)
     batch-assets tasks              the tasks and their drop zones
     batch-assets demo               the bundled sample drops of every task, skipping partitions
                                     that already succeeded with the same file
@@ -14,6 +16,10 @@ The terminal shows one line per file and progress lines; the engine's and librar
 the run's log (and `$DAGSTER_HOME/logs/`), tracebacks too (`--verbose` shows everything). The work of
 `run` and `demo` is lib/runner.py's, imported when needed so that `--help` stays quick; that of
 `tasks` and `cache` is lib/commands.py's.
+
+`run`, `drop`, `tasks`, `doctor`, `ui` and `serve` work on the tasks of the dg project the working folder is
+in (or `--project PATH` names), from that project's folder; elsewhere on the bundled tasks
+(lib/projects.py).
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from batch_assets.cli_parser import build_parser
-from batch_assets.lib.commands import command_cache, command_tasks
-from batch_assets.runtime.instance import dagster_home, prepare_instance
+from batch_assets.lib.commands import command_cache, command_drop, command_tasks, command_ui
+from batch_assets.lib.projects import BUNDLED, ProjectRefused, TaskSource, enter_project
+from batch_assets.runtime.instance import dagster_home
 from batch_assets.runtime.interrupts import STOPPED, watch_stop_signals
 from batch_assets.runtime.process_exit import exit_without_teardown
 
@@ -40,10 +47,6 @@ if TYPE_CHECKING:
 
     from batch_assets.lib.run_outcomes import PartitionOutcome
     from batch_assets.lib.runner import RunReporter
-
-
-class CliError(Exception):
-    """A problem the user can fix: printed as one line, no traceback."""
 
 
 class Terminal:
@@ -162,11 +165,17 @@ def command_run(
     replace: bool = False,
     use_result_cache: bool = True,
     fail_on_warn: bool = False,
+    source: TaskSource = BUNDLED,
 ) -> int:
     from batch_assets.lib.runner import run_partitions
 
     outcomes = run_partitions(
-        task_name, [Path(f) for f in files], replace=replace, reporter=_reporter(), use_result_cache=use_result_cache
+        task_name,
+        [Path(f) for f in files],
+        replace=replace,
+        reporter=_reporter(),
+        use_result_cache=use_result_cache,
+        source=source,
     )
     return 0 if all(outcome.passed(fail_on_warn=fail_on_warn) for outcome in outcomes) else 1
 
@@ -193,37 +202,9 @@ def _command_run_or_demo(args: argparse.Namespace) -> int:
             replace=args.replace,
             use_result_cache=args.use_result_cache,
             fail_on_warn=args.fail_on_warn,
+            source=args.source,
         )
     return command_demo(use_result_cache=args.use_result_cache)
-
-
-UI_LOCK_NAME = ".batch_assets_ui.lock"
-
-
-def command_ui(host: str, port: int, workspace: str) -> int:
-    """`dg dev` (webserver and daemon) on this home, at most one per home: a second one is refused."""
-    import fcntl
-    import shutil
-
-    home = prepare_instance()
-    handle = (home / UI_LOCK_NAME).open("a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        raise CliError(
-            f"the Dagster UI and daemon of {home} already run ({holder}); open that UI, or stop it "
-            "(Ctrl-C in its terminal) before starting another"
-        ) from None
-    handle.truncate(0)
-    handle.write(f"pid {os.getpid()}, http://{host}:{port}")
-    handle.flush()
-    # The lock travels into `dg dev` through exec and lasts as long as it does.
-    os.set_inheritable(handle.fileno(), True)
-    dg = shutil.which("dg", path=str(Path(sys.executable).parent)) or "dg"
-    os.execv(dg, [dg, "dev", "-h", host, "-p", str(port), "-w", workspace])
-    return 1  # not reached
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,14 +213,17 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM stops the command like Ctrl-C does (a run being executed is then marked failed).
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
+        args.source = enter_project(args)
         if args.command == "tasks":
-            return command_tasks()
+            return command_tasks(args.source)
         if args.command == "ui":
-            return command_ui(args.host, args.port, args.workspace)
+            return command_ui(args.host, args.port, args.workspace, args.source, TERMINAL.say)
+        if args.command == "drop":
+            return command_drop(args, TERMINAL.say)
         if args.command == "doctor":
             from batch_assets.doctor.run import run_doctor
 
-            return run_doctor(TERMINAL.say, verbose=TERMINAL.verbose)
+            return run_doctor(TERMINAL.say, verbose=TERMINAL.verbose, source=args.source)
         if args.command == "cache":
             return command_cache(args, TERMINAL.say)
         if args.command == "serve":
@@ -264,10 +248,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _is_refusal(error: Exception) -> bool:
-    """A problem the user can fix, found before anything ran (exit status 2). Refusals come from here or
-    the runner; when it raised one it is imported already (so other commands' errors do not import it)."""
+    """A problem the user can fix, found before anything ran (exit status 2): a dg project that gives no
+    tasks, or one of the runner's refusals (when it raised one it is imported already, so other
+    commands' errors do not import it)."""
     runner = sys.modules.get("batch_assets.lib.runner")
-    return isinstance(error, CliError) or (runner is not None and isinstance(error, runner.REFUSALS))
+    return isinstance(error, ProjectRefused) or (runner is not None and isinstance(error, runner.REFUSALS))
 
 
 def _unexpected(error: BaseException) -> int:

@@ -13,8 +13,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="batch-assets", description="Offline LLM batch inference as Dagster assets.")
     commands = parser.add_subparsers(dest="command", required=True)
+    in_project = project_option()
     run = commands.add_parser(
         "run",
+        parents=[in_project],
         help="run files through a task's pipeline",
         description=(
             "Copy each file into the task's drop zone, register it as a partition and materialize its assets "
@@ -42,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 1 also when a check of WARN severity failed (accuracy, confidence, agreement, error share, label "
         "drift); without it those are named on the summary line and the exit status is 0",
     )
-    commands.add_parser("tasks", help="list the tasks and their drop zones")
+    commands.add_parser("tasks", parents=[in_project], help="list the tasks and their drop zones")
     demo = commands.add_parser("demo", help="run the bundled sample drops of every task")
     for command in (run, demo):
         command.add_argument(
@@ -56,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
     doctor = commands.add_parser(
         "doctor",
+        parents=[in_project],
         help="check what a first run needs here (instance, GPUs, models, storage, cluster), one line each",
         description=(
             "One line per check: OK, WARN, FAIL or SKIP, what was found and, for a problem, the setting to change. "
@@ -64,13 +67,54 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     doctor.add_argument("--verbose", action="store_true", help="print the traceback of a check that could not run")
-    ui = commands.add_parser("ui", help="start the Dagster UI and daemon (`dg dev`) on this DAGSTER_HOME; one per home")
+    ui = commands.add_parser(
+        "ui",
+        parents=[in_project],
+        help="start the Dagster UI and daemon (`dg dev`) on this DAGSTER_HOME; one per home",
+        description="In a dg project: `dg dev` of that project, from its folder. Elsewhere: the bundled tasks' "
+        "code location (workspace.yaml where the folder has one).",
+    )
     ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ui.add_argument("--port", type=int, default=3000, help="port to listen on (default 3000)")
-    ui.add_argument("--workspace", default="workspace.yaml", help="Dagster workspace file (default workspace.yaml)")
+    ui.add_argument(
+        "--workspace",
+        help="Dagster workspace file (default: workspace.yaml where there is one, else the bundled code location)",
+    )
+    add_drop_parser(commands, in_project)
     add_cache_parser(commands)
-    add_serve_parser(commands)
+    add_serve_parser(commands, in_project)
     return parser
+
+
+def project_option() -> argparse.ArgumentParser:
+    """`--project PATH`, the one definition of the option, shared by the commands that read tasks."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "--project",
+        metavar="PATH",
+        help="the dg project whose tasks to use (its folder or one inside it); default: the dg project the "
+        "working folder is in (as `dg` finds it), else the bundled tasks",
+    )
+    return parent
+
+
+def add_drop_parser(commands, in_project: argparse.ArgumentParser) -> None:
+    """`drop TASK FILE...`: what `run` does before it runs, for Dagster's own verbs to run the partitions."""
+    drop = commands.add_parser(
+        "drop",
+        parents=[in_project],
+        help="copy files into a task's drop zone and register their partitions, without running them",
+        description="Copy each file into the task's drop zone and register its partition(s), as `run` does first; "
+        "prints each partition and the `dg launch` line that materializes it (or let the drops sensor, or the UI's "
+        "launchpad, run them).",
+    )
+    drop.add_argument("task", help="the task (its name as `batch-assets tasks` lists it)")
+    drop.add_argument("files", nargs="+", help="input files; each becomes one partition named after the file")
+    drop.add_argument(
+        "--replace",
+        action="store_true",
+        help="let a file replace a different drop file of the same name (from another folder)",
+    )
 
 
 def add_cache_parser(commands) -> None:

@@ -1,6 +1,7 @@
 """The wheel, installed outside the checkout as the Docker image installs it, carries everything the
 code location and the CLI load: every shipped task's four assets and drops sensor, the instance
-template, the sample drops.
+template, the sample drops; and a user's own dg project on that environment runs a task through
+`batch-assets`, `dg launch` and `batch-assets ui` (docs/own-project.md).
 
 The wheel goes into a fresh virtual environment whose only other path is this venv's site-packages,
 added by a `.pth` line: Python does not process the `.pth` files of a directory added that way, so
@@ -10,22 +11,27 @@ wheel (the test asserts where it was imported from).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
+import time
+import urllib.request
 import venv
 from pathlib import Path
 
+import polars as pl
 import pytest
 
-from batch_assets.pipeline.task_spec import TaskSpec
-from batch_assets_tests.support import REPO_ROOT
+from batch_assets_tests.support import REPO_ROOT, free_port, passed, stop_process_group, summary_lines
 
 pytestmark = pytest.mark.slow
 
+TASK_ASSETS = ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels")
 SHIPPED_TASKS = sorted(path.stem for path in (REPO_ROOT / "batch_assets" / "tasks").glob("*.yaml"))
 # What a checkout holds that is no part of the source tree; some of it (the Hypothesis database, the
 # screenshots, a Dagster home) another test may be writing while this one copies the tree.
@@ -37,11 +43,13 @@ NOT_SOURCE = shutil.ignore_patterns(
 LOAD_DEFINITIONS = """
 import json, batch_assets
 from batch_assets.definitions import defs
+from batch_assets.lib.runner import SAMPLES_DIR
 from batch_assets.runtime.instance import prepare_instance
 home = prepare_instance()
 graph = defs.resolve_asset_graph()
 print(json.dumps({
     "package": batch_assets.__file__,
+    "samples": sorted(path.name for path in SAMPLES_DIR.iterdir()),
     "assets": sorted(key.to_user_string() for key in graph.get_all_asset_keys()),
     "sensors": sorted(sensor.name for sensor in defs.sensors or []),
     "instance_config": (home / "dagster.yaml").read_text(),
@@ -75,6 +83,11 @@ def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dic
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", site_packages, wheel], check=True
     )
+    # The console scripts pip would install with the wheel (`--target` installs none): `batch-assets ui`
+    # runs the `dg` next to its python.
+    for script, module in (("dg", "dagster_dg_cli.cli"), ("batch-assets", "batch_assets.cli")):
+        (environment / "bin" / script).write_text(f'#!/bin/sh\nexec "$(dirname "$0")/python" -m {module} "$@"\n')
+        (environment / "bin" / script).chmod(0o755)
     env = {
         **{name: value for name, value in os.environ.items() if name != "PYTHONPATH"},
         "DAGSTER_HOME": str(root / "home"),
@@ -104,11 +117,7 @@ def test_wheel_loads_every_shipped_task(installed_wheel: tuple[Path, dict[str, s
     ]
     expected_assets = sorted(
         [
-            *(
-                f"{task}/{asset}"
-                for task in SHIPPED_TASKS
-                for asset in ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels")
-            ),
+            *(f"{task}/{asset}" for task in SHIPPED_TASKS for asset in TASK_ASSETS),
             "industry_cascade/label_model",  # the cascade's student, unpartitioned
         ]
     )
@@ -118,11 +127,11 @@ def test_wheel_loads_every_shipped_task(installed_wheel: tuple[Path, dict[str, s
     template = (REPO_ROOT / "batch_assets" / "lib" / "dagster.yaml").read_text()
     assert loaded["instance_config"] == template
     assert "granularity: op" in loaded["instance_config"]
+    # The sample drops `batch-assets demo` runs ship with it, one folder per task.
+    assert set(SHIPPED_TASKS) <= set(loaded["samples"])
 
 
-def test_installed_cli_lists_tasks_and_ships_samples(
-    installed_wheel: tuple[Path, dict[str, str]], tmp_path: Path
-) -> None:
+def test_installed_cli_lists_tasks(installed_wheel: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
     python, env = installed_wheel
     result = subprocess.run(
         [python, "-m", "batch_assets.cli", "tasks"], cwd=tmp_path, env=env, capture_output=True, text=True
@@ -130,23 +139,8 @@ def test_installed_cli_lists_tasks_and_ships_samples(
     assert result.returncode == 0, result.stderr
     listed = sorted(line.split("\t")[0] for line in result.stdout.splitlines())
     assert listed == SHIPPED_TASKS
-    samples = subprocess.run(
-        [
-            python,
-            "-c",
-            "from batch_assets.lib.runner import SAMPLES_DIR; print(sorted(p.name for p in SAMPLES_DIR.iterdir()))",
-        ],
-        cwd=tmp_path,
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    for task in SHIPPED_TASKS:
-        assert f"'{task}'" in samples.stdout
 
 
-# A user's own dg project, as `create-dagster project` lays it out: no Python of theirs for a task.
 USER_PROJECT_FILES = {
     "pyproject.toml": """\
 [project]
@@ -181,49 +175,149 @@ def _dg(python: Path, project: Path, env: dict[str, str], *args: str) -> subproc
     )
 
 
-def test_a_users_dg_project_adds_a_task_with_no_python(
-    installed_wheel: tuple[Path, dict[str, str]], tmp_path: Path
-) -> None:
-    """`dg scaffold defs batch_assets.TaskComponent tickets`, an edit, `dg check defs` (a bad value named
-    with its line), `dg list defs` (the task's four assets), from the wheel: the component type is
-    found through the package's `dagster_dg_cli.registry_modules` entry point."""
-    python, env = installed_wheel
-    project = tmp_path / "my_project"
+def _user_project(python: Path, env: dict[str, str], folder: Path) -> tuple[Path, dict[str, str]]:
+    """A user's dg project in `folder` on the wheel's environment, and the environment to run in it."""
+    project = folder / "my_project"
     for name, text in USER_PROJECT_FILES.items():
         (project / name).parent.mkdir(parents=True, exist_ok=True)
         (project / name).write_text(text)
     # dg runs the project's `.venv`; PYTHONPATH stands for the editable install of the user's project.
     (project / ".venv").symlink_to(python.parent.parent)
     env = {**env, "PYTHONPATH": str(project / "src"), "VIRTUAL_ENV": str(project / ".venv"), "NO_COLOR": "1"}
+    # The project's own data and home, as its commands pick them from its folder (docs/own-project.md).
+    for name in ("BATCH_ASSETS_DATA", "DAGSTER_HOME"):
+        env.pop(name)
+    return project, {**env, "DAGSTER_HOME": str(project / ".dagster_home")}
 
-    # The schema editors get (`dg utils configure-editor` installs the same) has the task's fields.
-    schema = _dg(
-        python, project, env, "utils", "inspect-component", "batch_assets.TaskComponent", "--defs-yaml-json-schema"
+
+OWN_PROJECT_PAGE = REPO_ROOT / "docs" / "own-project.md"
+TICKETS_CSV = """\
+ticket_id,customer,text
+101,acme,The new dashboard is great
+102,globex,I was charged twice and nobody answers
+103,initech,How do I export my invoices?
+"""
+ASSET_KEYS_QUERY = "{ assetNodes { assetKey { path } } }"
+
+
+def _docs_sample(marker: str) -> str:
+    """The ```python block of docs/own-project.md whose marker line names `marker`: what users copy is what runs."""
+    match = re.search(rf"^<!-- [^\n]*{re.escape(marker)}[^\n]* -->\n```python\n(.*?)^```$", _page(), re.M | re.S)
+    assert match, f"docs/own-project.md has no sample marked {marker}"
+    return match[1]
+
+
+def _page() -> str:
+    return OWN_PROJECT_PAGE.read_text(encoding="utf-8")
+
+
+def _documented_label_columns() -> dict[str, str]:
+    """The labels' schema as docs/own-project.md gives it: {column: polars type}, input columns left out."""
+    section = _page().split("## The labels' schema", 1)[1].split("\n## ", 1)[0]
+    return dict(re.findall(r"^\| `(\w+)` \| (\w+) \|", section, re.M))
+
+
+def _served_asset_keys(python: Path, env: dict[str, str], folder: Path, log: Path) -> set[str]:
+    """The asset keys `batch-assets ui`, started in `folder`, serves once its code location has loaded."""
+    port = free_port()
+    ui = subprocess.Popen(
+        [python.parent / "batch-assets", "ui", "--port", str(port)],
+        cwd=folder,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+        start_new_session=True,
     )
-    assert schema.returncode == 0, schema.stderr
-    attributes = json.loads(schema.stdout)["properties"]["attributes"]
-    assert attributes["properties"] == TaskSpec.model_json_schema()["properties"]
+    try:
+        return _asset_keys_from(port, ui, deadline_s=240)
+    finally:
+        stop_process_group(ui)
+
+
+def _asset_keys_from(port: int, ui: subprocess.Popen, deadline_s: float) -> set[str]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/graphql",
+        data=json.dumps({"query": ASSET_KEYS_QUERY}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline and ui.poll() is None:
+        with contextlib.suppress(OSError, ValueError):
+            with urllib.request.urlopen(request, timeout=10) as response:
+                nodes = json.load(response)["data"]["assetNodes"]
+            if nodes:
+                return {"/".join(node["assetKey"]["path"]) for node in nodes}
+        time.sleep(2)
+    raise AssertionError(f"no asset served on port {port} (exit status {ui.poll()})")
+
+
+def test_a_users_dg_project_runs_a_task_feeds_its_asset_and_serves_the_ui(
+    installed_wheel: tuple[Path, dict[str, str]], tmp_path: Path, tiny_model_path: str
+) -> None:
+    """Issue 49's walk, from the wheel in a dg project outside the checkout, with no Python of the user's
+    for the task: `dg scaffold defs batch_assets.TaskComponent tickets` (found through the package's
+    `dagster_dg_cli.registry_modules` entry point), an edit, `dg check defs`; `batch-assets run` from a
+    folder inside the project labels a file with the project's task (the labels' columns and types are
+    the documented ones); `dg launch --partition` materializes the docs' own asset joining them back to
+    the table; `batch-assets ui` from there serves both; a bad value fails `dg check defs` naming its
+    line. One engine start in all (the run's)."""
+    python, env = installed_wheel
+    project, env = _user_project(python, env, tmp_path)
+    env["BATCH_ASSETS_MODEL"] = tiny_model_path
 
     scaffolded = _dg(python, project, env, "scaffold", "defs", "batch_assets.TaskComponent", "tickets")
     assert scaffolded.returncode == 0, scaffolded.stderr
-    defs_yaml = project / "src" / "my_project" / "defs" / "tickets" / "defs.yaml"
-    text = defs_yaml.read_text()
+    defs = project / "src" / "my_project" / "defs"
+    text = (defs / "tickets" / "defs.yaml").read_text()
     assert "type: batch_assets.TaskComponent" in text
     assert "name: tickets" in text
-    defs_yaml.write_text(text.replace("[positive, negative, neutral]", "[positive, negative, neutral, mixed]"))
-
+    (defs / "tickets" / "defs.yaml").write_text(text.replace("[positive, negative,", "[positive, mixed, negative,"))
+    (defs / "labelled_tickets.py").write_text(_docs_sample("labelled_tickets.py"))
+    (project / "tickets.csv").write_text(TICKETS_CSV)
     checked = _dg(python, project, env, "check", "defs")
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
-    listed_defs = _dg(python, project, env, "list", "defs", "--json")
-    assert listed_defs.returncode == 0, listed_defs.stderr
-    assets = sorted(asset["asset_key"] for asset in json.loads(listed_defs.stdout)["assets"])
-    expected = ["formatted_prompts", "inference_outputs", "raw_prompts", "validated_labels"]
-    assert assets == [f"tickets/{asset}" for asset in expected]
+    labels = _labels_of_a_run(python, env, defs)
+    assert set(labels["label"]) <= {"positive", "mixed", "negative", "neutral"}
 
-    defs_yaml.write_text(text.replace("max_tokens: 10", "max_tokens: many"))
+    # The partition `batch-assets run` added, launched by dg; the user's asset reads the labels.
+    launched = _dg(python, project, env, "launch", "--assets", "labelled_tickets", "--partition", "tickets.csv")
+    assert launched.returncode == 0, launched.stderr[-4000:]
+    joined = pl.read_parquet(project / "data" / "storage" / "labelled_tickets" / "tickets.csv.parquet")
+    assert joined["ticket_id"].to_list() == [101, 102, 103]
+    assert joined["customer"].to_list() == ["acme", "globex", "initech"]
+    assert joined["label"].to_list() == labels.sort("row_id")["label"].to_list()
+
+    assert _served_asset_keys(python, env, defs, tmp_path / "ui.log") == {
+        "labelled_tickets",
+        *(f"tickets/{asset}" for asset in TASK_ASSETS),
+    }
+
+    (defs / "tickets" / "defs.yaml").write_text(text.replace("max_tokens: 10", "max_tokens: many"))
     line = next(number for number, line in enumerate(text.splitlines(), 1) if "max_tokens:" in line)
     bad = _dg(python, project, env, "check", "defs")
     assert bad.returncode != 0
     assert f"defs.yaml:{line}" in bad.stdout + bad.stderr
     assert "max_tokens" in bad.stdout + bad.stderr
+
+
+def _labels_of_a_run(python: Path, env: dict[str, str], folder: Path) -> pl.DataFrame:
+    """`batch-assets run tickets tickets.csv` from `folder` (in the project): its summary line, and
+    the labels it stored in the project's data/, their columns those docs/own-project.md gives."""
+    ran = subprocess.run(
+        [python.parent / "batch-assets", "run", "tickets", "../../../tickets.csv"],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    lines = summary_lines(ran.stdout)
+    assert ran.returncode == 0 and len(lines) == 1 and passed(lines[0], "tickets/tickets.csv"), ran.stdout + ran.stderr
+    assert ": 3 rows" in lines[0]
+    project = folder.parents[2]
+    labels = pl.read_parquet(project / "data" / "storage" / "tickets" / "validated_labels" / "tickets.csv.parquet")
+    documented = list(_documented_label_columns().items())
+    # The input columns come after `source_line`, as read (CSV: text).
+    expected = [*documented[:2], ("ticket_id", "String"), ("customer", "String"), ("text", "String"), *documented[2:]]
+    assert [(name, str(dtype)) for name, dtype in labels.schema.items()] == expected
+    return labels

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from batch_assets.lib.projects import BUNDLED, TaskSource
+
 if TYPE_CHECKING:
     import dagster as dg
 
@@ -28,6 +30,7 @@ class DoctorContext:
     env: Mapping[str, str] = field(default_factory=lambda: os.environ)
     instance: dg.DagsterInstance | None = None  # set by the storage check when the instance loads
     visible_gpus: int | None = None  # set by the GPU check when NVML answers
+    source: TaskSource = BUNDLED  # whose tasks are checked: a dg project's, or the bundled ones
 
     @property
     def instance_file(self) -> Path:
@@ -54,9 +57,7 @@ class DoctorContext:
 
     @cached_property
     def tasks(self) -> TaskLoad:
-        from batch_assets.pipeline.task_spec import load_tasks
-
-        return load_tasks()
+        return self.source.load_tasks()
 
 
 def env_references(config: Any, path: str = "") -> Iterator[tuple[str, str]]:

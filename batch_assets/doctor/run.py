@@ -19,6 +19,7 @@ from batch_assets.doctor.pools import check_gpu_pool
 from batch_assets.doctor.report import Check, exit_status, fail, summary
 from batch_assets.doctor.storage_checks import check_locations, check_result_cache
 from batch_assets.lib.error_causes import error_line
+from batch_assets.lib.projects import BUNDLED, TaskSource
 from batch_assets.runtime.instance import dagster_home
 
 CheckFunction = Callable[[DoctorContext], Iterable[Check]]
@@ -37,10 +38,10 @@ CHECKS: list[tuple[str, CheckFunction]] = [
 ]
 
 
-def run_doctor(say: Callable[[str], None], *, verbose: bool = False) -> int:
+def run_doctor(say: Callable[[str], None], *, verbose: bool = False, source: TaskSource = BUNDLED) -> int:
     """Every check's lines through `say`, then a summary; 1 when any check failed, else 0. `verbose`:
-    a check that could not run prints its traceback too."""
-    context = DoctorContext(home=dagster_home())
+    a check that could not run prints its traceback too. `source`: whose tasks are checked."""
+    context = DoctorContext(home=dagster_home(), source=source)
     results: list[Check] = []
     with _quiet_libraries():
         try:

@@ -1,6 +1,9 @@
 """The CLI's commands that run no pipeline (cli.py holds their arguments and exit codes):
 
 - `batch-assets tasks`: the tasks and their drop zones;
+- `batch-assets drop TASK FILE...`: files copied into the drop zone, their partitions registered, and
+  the `dg launch` line that runs each;
+- `batch-assets ui`: `dg dev`, one per Dagster home;
 - `batch-assets cache prune [--task T] [--older-than DAYS]`: prune the tasks' result caches by their
   `cache:` settings (storage/cache_retention.py) and print what went and what is left, per task.
 """
@@ -8,25 +11,30 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from batch_assets.lib.projects import TaskSource
     from batch_assets.pipeline.task_spec import TaskSpec
     from batch_assets.storage.cache_retention import Removed
 
 
-def command_tasks() -> int:
-    """The loaded tasks; each task file that failed to load is named on stderr, and the exit is 1.
+def command_tasks(source: TaskSource) -> int:
+    """The loaded tasks (of a dg project, or the bundled ones); each task file that failed to load is
+    named on stderr, and the exit is 1.
 
     A task whose settings do not resolve (e.g. an `engine.vllm_args` name vLLM's engine does not
     take) is named the same way."""
     from batch_assets.engines.kinds import resolve_settings
-    from batch_assets.pipeline.task_spec import TaskFileError, TaskSpecError, load_tasks
+    from batch_assets.pipeline.task_spec import TaskFileError, TaskSpecError
     from batch_assets.storage.locations import drop_zone
 
-    loaded = load_tasks()
+    loaded = source.load_tasks()
     for task in loaded.tasks:
         try:
             settings = resolve_settings(task)
@@ -38,6 +46,84 @@ def command_tasks() -> int:
     for error in loaded.errors:
         print(f"ERROR: task {error.name!r} not loaded: {error.message}", file=sys.stderr)
     return 1 if loaded.errors else 0
+
+
+def command_drop(args: argparse.Namespace, say: Callable[[str], None]) -> int:
+    """Each file's partitions, registered, with the `dg launch` line that runs them."""
+    from batch_assets.lib.runner import register_partitions
+
+    files = [Path(file) for file in args.files]
+    registered = register_partitions(args.task, files, args.source, say, replace=args.replace)
+    for file_key, partition_keys in registered.items():
+        for key in partition_keys:
+            say(f"{args.task}/{file_key}: partition {key!r} registered; run it: {launch_line(args.task, key)}")
+    return 0
+
+
+def launch_line(task_name: str, partition_key: str) -> str:
+    """The `dg launch` command that materializes one partition of a task's four assets and their checks."""
+    return f"dg launch --assets {shlex.quote(f'group:{task_name}')} --partition {shlex.quote(partition_key)}"
+
+
+UI_LOCK_NAME = ".batch_assets_ui.lock"
+# The checkout's workspace file (its code location's working directory and name).
+BUNDLED_WORKSPACE = "workspace.yaml"
+
+
+def command_ui(host: str, port: int, workspace: str | None, source: TaskSource, say: Callable[[str], None]) -> int:
+    """`dg dev` (webserver and daemon) on this home, at most one per home: a second one is refused.
+
+    In a dg project, `dg dev` of that project (the working folder is its root by then); elsewhere the
+    workspace file named, or workspace.yaml where there is one, or the bundled code location."""
+    import fcntl
+    import shutil
+
+    from batch_assets.runtime.instance import prepare_instance
+
+    home = prepare_instance()
+    handle = (home / UI_LOCK_NAME).open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        say(
+            f"error: the Dagster UI and daemon of {home} already run ({holder}); open that UI, or stop it "
+            "(Ctrl-C in its terminal) before starting another"
+        )
+        return 2
+    handle.truncate(0)
+    handle.write(f"pid {os.getpid()}, http://{host}:{port}")
+    handle.flush()
+    # The lock travels into `dg dev` through exec and lasts as long as it does.
+    os.set_inheritable(handle.fileno(), True)
+    dg = shutil.which("dg", path=str(Path(sys.executable).parent)) or "dg"
+    os.execv(dg, [dg, "dev", "-h", host, "-p", str(port), *_ui_target(workspace, source, home)])
+    return 1  # not reached
+
+
+# The bundled code location where no workspace file is at hand (an installed package): the checkout's
+# workspace.yaml without its working directory, so the location has the same name.
+INSTALLED_WORKSPACE = """load_from:
+  - python_module:
+      module_name: batch_assets.definitions
+      attribute: defs
+      location_name: batch_assets
+"""
+
+
+def _ui_target(workspace: str | None, source: TaskSource, home: Path) -> list[str]:
+    """What `dg dev` loads: nothing named in a project (dg finds it), else a workspace file: the one
+    named, workspace.yaml where there is one, or the bundled code location's (written in the home)."""
+    if workspace is not None:
+        return ["-w", workspace]
+    if source.project_root is not None:
+        return []
+    if Path(BUNDLED_WORKSPACE).is_file():
+        return ["-w", BUNDLED_WORKSPACE]
+    installed = home / "workspace.yaml"
+    installed.write_text(INSTALLED_WORKSPACE)
+    return ["-w", str(installed)]
 
 
 def command_cache(args: argparse.Namespace, say: Callable[[str], None]) -> int:

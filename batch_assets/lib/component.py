@@ -14,7 +14,7 @@ from typing import Any
 
 import dagster as dg
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 from pydantic_core import InitErrorDetails
 
 from batch_assets.lib.task_definitions import component_definitions
@@ -22,6 +22,7 @@ from batch_assets.pipeline.task_spec import (
     BUNDLED_TASKS_DIR,
     TASK_NAME_PATTERN,
     SettingError,
+    TaskLoad,
     TaskSpec,
     load_tasks,
     tasks_dir,
@@ -169,6 +170,14 @@ class TaskPipelinesComponent(PipelineComponent, dg.Model, dg.Resolvable):
             "Unset: BATCH_ASSETS_TASKS_DIR, else the tasks bundled with batch_assets."
         ),
     )
+    # What the last `build_defs` loaded: `batch-assets` reads a project's tasks here (lib/projects.py).
+    _loaded: TaskLoad | None = PrivateAttr(default=None)
+
+    @property
+    def loaded_tasks(self) -> TaskLoad:
+        if self._loaded is None:
+            raise RuntimeError("the component's definitions are not built yet: its tasks are read then")
+        return self._loaded
 
     def resolved_tasks_dir(self, component_path: Path) -> Path:
         if self.tasks_dir is None:
@@ -177,7 +186,7 @@ class TaskPipelinesComponent(PipelineComponent, dg.Model, dg.Resolvable):
         return folder if folder.is_absolute() else (component_path / folder).resolve()
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
-        loaded = load_tasks(self.resolved_tasks_dir(context.path))
+        loaded = self._loaded = load_tasks(self.resolved_tasks_dir(context.path))
         return component_definitions(
             loaded.tasks, task_errors=loaded.errors, recovery_sensor=self.carries_location_sensors(context)
         )

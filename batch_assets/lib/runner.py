@@ -36,6 +36,7 @@ from batch_assets.lib.drops_sensor import (
     file_validated_from_version,
     partition_ranges,
 )
+from batch_assets.lib.projects import BUNDLED, ProjectRefused, TaskSource
 from batch_assets.lib.run_outcomes import (
     PartitionOutcome,
     accuracy_side_by_side,
@@ -47,7 +48,7 @@ from batch_assets.lib.run_outcomes import (
 )
 from batch_assets.pipeline.engine_contract import ResolvedSettings
 from batch_assets.pipeline.read_prompts import DropFileError
-from batch_assets.pipeline.task_spec import EMBEDDED_MODEL, TaskSpec, TaskSpecError, load_tasks
+from batch_assets.pipeline.task_spec import EMBEDDED_MODEL, TaskSpec, TaskSpecError
 from batch_assets.runtime.instance import dagster_home, home_lock, open_instance
 from batch_assets.runtime.interrupts import Stopped, raise_if_stopped, stop_requested
 from batch_assets.runtime.pool_waits import install_pool_workarounds
@@ -76,7 +77,7 @@ class RunRefused(Exception):
 
 
 # Problems the user can fix, found before anything was copied or run (exit status 2 at the command line).
-REFUSALS: tuple[type[Exception], ...] = (RunRefused, CopyRefused, ModelNotFound)
+REFUSALS: tuple[type[Exception], ...] = (RunRefused, CopyRefused, ModelNotFound, ProjectRefused)
 
 
 def _ignore(*_args: object) -> None:
@@ -130,24 +131,43 @@ def run_partitions(
     reporter: RunReporter = QUIET,
     definitions: dg.Definitions | None = None,
     use_result_cache: bool = True,
+    source: TaskSource = BUNDLED,
 ) -> list[PartitionOutcome]:
     """Run the files through the task's job: one outcome per file, in the order named. With
     `skip_succeeded`, a file already validated from the same content is not run again.
     `definitions`: the code location's, when the caller built them already (the demo, for every task).
-    `use_result_cache=False`: the runs neither read nor write the task's result cache."""
+    `use_result_cache=False`: the runs neither read nor write the task's result cache.
+    `source`: where the task and its definitions come from (a user's dg project, or the bundled tasks)."""
     # Imported here: importing the code location builds its definitions.
-    from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
+    from batch_assets.lib.task_definitions import pipeline_job_name
 
     install_pool_workarounds()  # this process executes the runs (runtime/pool_waits.py)
-    task = _loaded_task(task_name)
+    task = _loaded_task(task_name, source)
     named = read_named_files(files)
-    definitions = definitions or build_definitions()
+    definitions = definitions or source.definitions()
     check_model(_resolved(task, definitions))
     # One process runs every named file, so the in-process engine is started once.
     job = definitions.resolve_job_def(pipeline_job_name(task_name))
     with open_instance() as instance:
         context = _RunContext(task, instance, job, ProcessLease(dagster_home()), reporter, use_result_cache)
         return _run_files(context, named, replace, skip_succeeded)
+
+
+def register_partitions(
+    task_name: str, files: list[Path], source: TaskSource, say: Callable[[str], None], replace: bool = False
+) -> dict[str, list[str]]:
+    """What `run_partitions` does before it runs, and no more: the files copied into the task's drop
+    zone and their partitions registered, for Dagster's own verbs (`dg launch`, the launchpad, the
+    drops sensor) to run. {file key: its partition keys (its own, or its shards')}."""
+    from batch_assets.lib.task_definitions import pipeline_job_name
+
+    task = _loaded_task(task_name, source)
+    named = read_named_files(files)
+    job = source.definitions().resolve_job_def(pipeline_job_name(task_name))
+    with open_instance() as instance:
+        context = _RunContext(task, instance, job, ProcessLease(dagster_home()), RunReporter(say=say))
+        with context.lease:  # released on return: the partitions are anyone's to run
+            return {file.named.key: file.partition_keys for file in _register_files(context, named, replace=replace)}
 
 
 def _run_files(
@@ -244,14 +264,14 @@ def _resolved(task: TaskSpec, definitions: dg.Definitions) -> ResolvedSettings:
         raise RunRefused(str(exc)) from None
 
 
-def _loaded_task(task_name: str) -> TaskSpec:
-    loaded = load_tasks()
+def _loaded_task(task_name: str, source: TaskSource) -> TaskSpec:
+    loaded = source.load_tasks()
     tasks = {task.name: task for task in loaded.tasks}
     for error in loaded.errors:
         if error.name == task_name:
             raise RunRefused(f"task {task_name!r} cannot be loaded: {error.message}")
     if task_name not in tasks:
-        raise RunRefused(f"unknown task {task_name!r}; tasks: {', '.join(sorted(tasks))}")
+        raise RunRefused(f"unknown task {task_name!r} in {source.describe()}; tasks: {', '.join(sorted(tasks))}")
     return tasks[task_name]
 
 

@@ -31,7 +31,6 @@ def command_serve(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     # Imported here: `batch-assets --help` stays quick.
     import uvicorn
 
-    from batch_assets.pipeline.task_spec import load_tasks
     from batch_assets.runtime.instance import prepare_instance
     from batch_assets.serve.app import build_app
     from batch_assets.serve.batch_runs import BatchRunner
@@ -41,7 +40,9 @@ def command_serve(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     if key is None and not is_loopback(args.host):
         say(f"error: serving on {args.host} (not this machine only) needs a key: set {SERVE_KEY_ENV}")
         return 2
-    known = {task.name for task in load_tasks().tasks}
+    # The tasks of the dg project the command stands in, else the bundled ones (`args.source`, set by
+    # cli.py); each batch's `batch-assets run` starts in the same folder and finds the same.
+    known = {task.name for task in args.source.load_tasks().tasks}
     if missing := [name for name in (args.task, args.embeddings_task) if name not in known]:
         say(f"error: unknown task {missing[0]!r} (--task / --embeddings-task); tasks: {', '.join(sorted(known))}")
         return 2
@@ -85,9 +86,11 @@ def positive(text: str) -> float:
     return value
 
 
-def add_serve_parser(commands) -> None:
+def add_serve_parser(commands, in_project) -> None:
+    """`serve` under the CLI's subcommands; `in_project`: the parser of the `--project` option."""
     serve = commands.add_parser(
         "serve",
+        parents=[in_project],
         help="serve OpenAI's Files and Batches API; each batch runs as a partition of the openai_batch task",
         description=(
             "POST /v1/files, GET /v1/files/{id}[/content], POST /v1/batches, GET /v1/batches[/{id}], "
