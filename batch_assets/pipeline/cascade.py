@@ -45,9 +45,10 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import StratifiedKFold, cross_val_predict
 
+from batch_assets.pipeline.cascade_target import TargetChoice, choose_threshold
 from batch_assets.pipeline.prices import cost_usd
 from batch_assets.pipeline.task_spec import PriceSpec
-from batch_assets.pipeline.task_spec.cascade import CascadeSpec
+from batch_assets.pipeline.task_spec.cascade import CascadeSpec, TargetSpec
 
 # Inverse regularization of the student: sentence embeddings are unit vectors spread over hundreds of
 # dimensions, so each coordinate is small and sklearn's default C=1 regularizes them towards one
@@ -143,12 +144,15 @@ class CascadeResult:
     over_budget_rows: int = 0  # rows under defer_below the budget left with the student
     # Per row the teacher was asked about: what it cost (TeacherAnswer); None elsewhere.
     teacher_costs: list[TeacherAnswer | None] = field(default_factory=list)
+    # With output.cascade.target: the threshold chosen, what it guarantees, or why it was refused.
+    target: TargetChoice | None = None
 
     def metadata(self) -> dict[str, Any]:
         return {
             **self.student.metadata(),
             "unseen_choices": self.unseen_choices,
             "deferred_over_budget_rows": self.over_budget_rows,
+            **(self.target.metadata() if self.target is not None else {}),
         }
 
 
@@ -320,6 +324,9 @@ def run_cascade(
     for i, label, p in zip(rest, labels, confidence, strict=True):
         result.student_labels[i], result.confidence[i] = label, float(p)
         result.labels[i], result.labelled_by[i], result.roles[i] = label, "student", "student"
+    if spec.target is not None:
+        _defer_by_target(teacher, spec, spec.target, result, rest, confidence, left, rows, taught.size)
+        return result
     # Deferral fixes labels, the audit only measures them: the unsure rows get first claim on at least
     # half of what is left (the audit's reserve is at most the other half), and the audit takes what
     # deferral did not use, so a weak student is still measured.
@@ -334,6 +341,58 @@ def run_cascade(
     _ask(teacher, np.sort(deferred), result, role="deferred")
     _ask(teacher, audit, result, role="audit")
     return result
+
+
+def _defer_by_target(
+    teacher: Teacher,
+    spec: CascadeSpec,
+    target: TargetSpec,
+    result: CascadeResult,
+    rest: np.ndarray,
+    confidence: np.ndarray,
+    left: int,
+    rows: int,
+    taught: int,
+) -> None:
+    """`output.cascade.target`: the teacher labels a random calibration set of the rows the student
+    labelled, the threshold is chosen from it (pipeline/cascade_target.py), and only then, when the
+    budget (`left` teacher rows) pays for it, are the rows under it deferred; what deferral leaves goes
+    to the audit. A target the budget cannot meet asks the teacher for nothing more."""
+    rng = np.random.default_rng(spec.seed + 2)
+    held = np.sort(rng.choice(rest, size=min(target.calibration_rows, left, rest.size), replace=False))
+    answered = _ask(teacher, held, result, role="calibration")
+    asked, labelled = np.isin(rest, held), np.isin(rest, answered)
+    # A calibration row the teacher gave no label for is an error row: out of the bound's rows.
+    usable = ~asked | labelled
+    agrees = labelled & (
+        np.asarray(result.student_labels, dtype=object)[rest] == np.asarray(result.labels, dtype=object)[rest]
+    )
+    left -= held.size
+    result.target = choice = choose_threshold(
+        confidence[usable],
+        labelled[usable],
+        agrees[usable],
+        teacher_rows=taught,
+        rows=rows,
+        target=target,
+        budget=left,
+    )
+    if not choice.met:
+        return
+    open_rows = ~asked
+    under = open_rows & (confidence < (math.inf if choice.threshold is None else choice.threshold))
+    deferred = rest[under]
+    if "defer_below" in spec.model_fields_set:
+        # A floor written beside the target: its unsure rows go to the teacher too, least sure first,
+        # while the budget lasts (a stricter threshold only adds teacher labels, so the bound holds).
+        extra = open_rows & ~under & (confidence < spec.defer_below)
+        floor = rest[extra][np.argsort(confidence[extra], kind="stable")]
+        deferred = np.concatenate([deferred, floor[: max(0, left - deferred.size)]])
+        result.over_budget_rows = int(max(0, floor.size - (left - under.sum())))
+    kept = np.setdiff1d(rest[open_rows], deferred)
+    audit = np.sort(rng.choice(kept, size=min(spec.audit_rows, left - deferred.size, kept.size), replace=False))
+    _ask(teacher, np.sort(deferred), result, role="deferred")
+    _ask(teacher, audit, result, role="audit")
 
 
 def partition_student(vectors: np.ndarray, labels: list[str], stored: StoredStudent | None, seed: int = 0) -> Student:

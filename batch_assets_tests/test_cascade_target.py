@@ -1,0 +1,149 @@
+"""The cascade by target (`output.cascade.target`): the bound, its guarantee, the refusal and the
+settings. Pure: no engine."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from batch_assets.pipeline.cascade import run_cascade
+from batch_assets.pipeline.cascade_target import choose_threshold, clopper_pearson_lower
+from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec
+from batch_assets.pipeline.task_spec.cascade import TargetSpec
+from batch_assets_tests.test_cascade import CASCADE_TASK, CHOICES, blobs, perfect_teacher, spec, write
+
+TARGET = TargetSpec(agreement=0.95, confidence=0.95)
+
+
+def calibrated(rows: int, right: np.ndarray, held: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each row's confidence (uniform), a random calibration set of `held` rows, and whether the
+    student agreed on them (`right`: per row, whether its label is the teacher's)."""
+    rng = np.random.default_rng(seed)
+    confidence = rng.uniform(0.2, 1.0, rows)
+    calibration = np.zeros(rows, dtype=bool)
+    calibration[rng.choice(rows, held, replace=False)] = True
+    return confidence, calibration, right & calibration
+
+
+def test_clopper_pearson_has_the_textbook_values() -> None:
+    # One-sided 95 % lower bounds: 10/10 -> 0.05 ** (1/10); 0 successes -> 0; 50/100 -> 0.4136 (the lower
+    # end of the 90 % two-sided interval).
+    low = clopper_pearson_lower(np.array([10, 0, 50]), np.array([10, 10, 100]), 0.95)
+    assert low == pytest.approx([0.05 ** (1 / 10), 0.0, 0.4136], abs=1e-4)
+
+
+def test_a_student_that_is_always_right_keeps_every_row() -> None:
+    confidence, calibration, agrees = calibrated(5000, np.ones(5000, dtype=bool), 500)
+    choice = choose_threshold(confidence, calibration, agrees, teacher_rows=300, rows=5300, target=TARGET, budget=1000)
+    assert choice.met and choice.deferred_rows == 0
+    assert choice.threshold == pytest.approx(confidence.min())
+    # 500 of 500 right: the bound on the kept rows is 0.05 ** (1/500) = 0.994.
+    assert 0.95 <= choice.lower_bound <= 1.0 and choice.lower_bound == pytest.approx(0.994, abs=0.002)
+
+
+def test_a_student_that_is_always_wrong_keeps_no_more_rows_than_the_target_can_lose() -> None:
+    confidence, calibration, agrees = calibrated(5000, np.zeros(5000, dtype=bool), 500)
+    choice = choose_threshold(confidence, calibration, agrees, teacher_rows=300, rows=5300, target=TARGET, budget=5000)
+    # 5 % of 5,300 rows may disagree: the student keeps 265 rows, the teacher labels the other 5,035.
+    assert choice.met and choice.deferred_rows == 5300 - 300 - 500 - 265
+    assert choice.lower_bound == pytest.approx(0.95)
+    # With 99.99 % asked (half a row to lose), it keeps none.
+    strict = choose_threshold(
+        confidence,
+        calibration,
+        agrees,
+        teacher_rows=300,
+        rows=5300,
+        target=TargetSpec(agreement=0.9999, confidence=0.95),
+        budget=5000,
+    )
+    assert strict.threshold is None and strict.lower_bound == 1.0 and strict.deferred_rows == 4500
+
+
+def test_a_budget_too_small_for_the_target_is_refused_saying_what_it_can_guarantee() -> None:
+    confidence, calibration, agrees = calibrated(5000, np.zeros(5000, dtype=bool), 500)
+    choice = choose_threshold(confidence, calibration, agrees, teacher_rows=300, rows=5300, target=TARGET, budget=1000)
+    assert not choice.met
+    # The budget defers the 1,000 least sure rows: 300 + 500 + 1,000 teacher rows of 5,300 agree.
+    assert choice.budget_bound == pytest.approx(1800 / 5300)
+    refusal = choice.refusal()
+    assert refusal is not None and "max_teacher_share leaves 1000" in refusal and "can guarantee 34.0%" in refusal
+    assert choice.metadata()["target_met"] is False and choice.metadata()["target_lower_bound"] == 0.3396
+
+
+def test_a_random_student_holds_the_guarantee_over_many_files() -> None:
+    """A student right with probability rising with its confidence (0.5 to 1.0): over 300 files, the
+    chosen threshold's agreement is under the target in at most 5 % of them (the confidence asked)."""
+    rng = np.random.default_rng(7)
+    misses, shares = 0, []
+    for seed in range(300):
+        confidence = rng.uniform(0.0, 1.0, 4000)
+        right = rng.uniform(size=4000) < 0.5 + 0.5 * confidence
+        _, calibration, agrees = calibrated(4000, right, 400, seed)
+        choice = choose_threshold(
+            confidence, calibration, agrees, teacher_rows=0, rows=4000, target=TARGET, budget=4000
+        )
+        assert choice.met
+        kept = ~calibration & (confidence >= (np.inf if choice.threshold is None else choice.threshold))
+        agreement = 1 - (kept & ~right).sum() / 4000
+        misses += agreement < TARGET.agreement
+        shares.append(1 - kept.mean())
+    assert misses <= 0.05 * 300
+    # ...and it keeps rows with the student: the teacher does not label everything.
+    assert np.median(shares) < 0.75
+
+
+def test_the_cascade_by_target_defers_the_threshold_s_rows_and_audits_the_rest() -> None:
+    x, y = blobs(3000, noise=1.0, seed=3)
+    asked: list[int] = []
+    target = TargetSpec(agreement=0.95, confidence=0.9, calibration_rows=300)
+    result = run_cascade(
+        x,
+        perfect_teacher(y, asked),
+        spec(sample_rows=200, audit_rows=100, target=target, max_teacher_share=0.6),
+        CHOICES,
+    )
+    choice = result.target
+    assert choice is not None and choice.met and choice.threshold is not None
+    roles = Counter(result.roles)
+    assert roles["sample"] == 200 and roles["calibration"] == 300 and roles["audit"] == 100
+    assert roles["deferred"] == choice.deferred_rows and len(asked) == len(set(asked)) <= 0.6 * 3000
+    # The student keeps exactly the rows at or above the threshold (calibration rows aside).
+    for role, p in zip(result.roles, result.confidence, strict=True):
+        if role == "student":
+            assert p >= choice.threshold
+    accuracy = np.mean([label == CHOICES[i] for label, i in zip(result.labels, y, strict=True)])
+    assert accuracy >= choice.lower_bound - 0.01 and choice.lower_bound >= 0.95
+    assert result.metadata()["target_met"] is True
+
+
+def test_a_refused_target_asks_the_teacher_for_nothing_beyond_the_sample() -> None:
+    x, y = blobs(2000, noise=2.0, seed=4)
+    asked: list[int] = []
+    target = TargetSpec(agreement=0.99, confidence=0.95, calibration_rows=100)
+    result = run_cascade(
+        x, perfect_teacher(y, asked), spec(sample_rows=100, target=target, max_teacher_share=0.15), CHOICES
+    )
+    assert result.target is not None and not result.target.met
+    assert Counter(result.roles) == Counter({"student": 1800, "sample": 100, "calibration": 100})
+    assert len(asked) == 200
+    assert "target_refused" in result.metadata()
+
+
+def test_a_target_loads_and_bad_values_are_refused_naming_the_setting(tmp_path: Path) -> None:
+    with_target = CASCADE_TASK.replace("audit_rows: 30}", "audit_rows: 30, target: {agreement: 0.95, confidence: 0.9}}")
+    assert with_target != CASCADE_TASK
+    cascade = load_task_spec(write(tmp_path, with_target)).output.cascade
+    assert cascade is not None and cascade.target == TargetSpec(agreement=0.95, confidence=0.9, calibration_rows=500)
+    with pytest.raises(TaskSpecError, match=r"cascaded.yaml: output.cascade.target.agreement \(line 8\)"):
+        load_task_spec(write(tmp_path, with_target.replace("agreement: 0.95", "agreement: 95")))
+    with pytest.raises(TaskSpecError, match=r"output.cascade.target.confidence"):
+        load_task_spec(write(tmp_path, with_target.replace("confidence: 0.9", "confidence: 1")))
+
+
+def test_a_task_without_a_target_keeps_its_code_version(tmp_path: Path) -> None:
+    task = load_task_spec(write(tmp_path, CASCADE_TASK))
+    assert "target" not in task.output.decision()["cascade"]
