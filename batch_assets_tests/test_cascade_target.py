@@ -4,14 +4,19 @@ settings. Pure: no engine."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
+import dagster as dg
 import numpy as np
+import polars as pl
 import pytest
 
-from batch_assets.pipeline.cascade import run_cascade
-from batch_assets.pipeline.cascade_target import choose_threshold, clopper_pearson_lower
-from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec
+from batch_assets.lib.checks import target_result
+from batch_assets.pipeline.cascade import TeacherCost, run_cascade, wilson_interval
+from batch_assets.pipeline.cascade_labels import cascade_summary
+from batch_assets.pipeline.cascade_target import TargetChoice, choose_threshold, clopper_pearson_lower
+from batch_assets.pipeline.task_spec import PriceSpec, TaskSpecError, load_task_spec
 from batch_assets.pipeline.task_spec.cascade import TargetSpec
 from batch_assets_tests.test_cascade import CASCADE_TASK, CHOICES, blobs, perfect_teacher, spec, write
 
@@ -147,3 +152,60 @@ def test_a_target_loads_and_bad_values_are_refused_naming_the_setting(tmp_path: 
 def test_a_task_without_a_target_keeps_its_code_version(tmp_path: Path) -> None:
     task = load_task_spec(write(tmp_path, CASCADE_TASK))
     assert "target" not in task.output.decision()["cascade"]
+
+
+def audited_labels(agreeing: int) -> pl.DataFrame:
+    """100 rows: 10 deferred and 20 audited by the teacher, 70 the student's; on `agreeing` of the 20
+    audited rows the student's label was the teacher's."""
+    roles = ["deferred"] * 10 + ["audit"] * 20 + ["student"] * 70
+    student = ["a"] * 10 + ["a"] * agreeing + ["b"] * (20 - agreeing) + ["a"] * 70
+    return pl.DataFrame(
+        {
+            "labelled_by": ["teacher"] * 30 + ["student"] * 70,
+            "cascade_role": roles,
+            "label": ["a"] * 100,
+            "student_label": student,
+        }
+    )
+
+
+MET = {"target_met": True, "target_lower_bound": 0.95, "target_threshold": 0.4, "target_confidence": 0.95}
+
+
+def test_the_audit_estimates_the_agreement_of_all_rows_and_the_cost_per_correct_label() -> None:
+    summary = replace(
+        cascade_summary(audited_labels(19)),
+        teacher_cost=TeacherCost(rows=30, prompt_tokens=3000),
+        price=PriceSpec(input_per_million_tokens=1.0),
+        teacher_price=PriceSpec(input_per_million_tokens=1000.0),
+    )
+    estimate = summary.all_rows_agreement()
+    assert estimate is not None and estimate[0] == pytest.approx((30 + 0.95 * 70) / 100)
+    low, high = wilson_interval(19, 20)
+    assert estimate[1:] == pytest.approx(((30 + low * 70) / 100, (30 + high * 70) / 100))
+    cost = summary.cost_metadata()
+    # $3 of teacher tokens for 96.5 rows agreeing; the teacher alone: $10 for 100 rows, its own labels.
+    assert cost["cost_per_1000_correct_usd"] == pytest.approx(3.0 / 96.5 * 1000, rel=1e-4)
+    assert cost["all_teacher_cost_per_1000_correct_usd"] == pytest.approx(100.0)
+
+
+def test_the_target_check_passes_when_the_audit_agrees_with_the_bound() -> None:
+    result = target_result(audited_labels(19), MET)
+    assert result.passed and result.severity == dg.AssetCheckSeverity.ERROR
+    assert result.metadata["all_rows_agreement"].value == 0.965
+
+
+def test_the_target_check_fails_when_the_audit_contradicts_the_bound() -> None:
+    result = target_result(audited_labels(5), MET)
+    assert not result.passed
+    assert result.description is not None and "under the guaranteed 95.0%" in result.description
+
+
+def test_the_target_check_fails_a_refused_target_by_name() -> None:
+    refused = TargetChoice(TARGET, None, 0.9, 2000, 500, 1000, False, 0.34).metadata()
+    result = target_result(audited_labels(20), refused)
+    assert not result.passed
+    assert result.description is not None and result.description.startswith(
+        "output.cascade.target agreement 95.0% at confidence 95% needs 2000 rows deferred to the teacher, "
+        "output.cascade.max_teacher_share leaves 1000: the budget can guarantee 34.0%"
+    )

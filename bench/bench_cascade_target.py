@@ -37,8 +37,7 @@ sys.path.insert(0, str(HERE))
 from bench_cascade import CHOICES, EMBED_TASK, SAMPLE  # noqa: E402
 from generate_industries import generate, write_csv  # noqa: E402
 
-from batch_assets.pipeline.cascade import StoredStudent, TeacherAnswer, run_cascade, wilson_interval  # noqa: E402
-from batch_assets.pipeline.cascade_target import audit_interval  # noqa: E402
+from batch_assets.pipeline.cascade import CascadeSummary, StoredStudent, TeacherAnswer, run_cascade  # noqa: E402
 from batch_assets.pipeline.embeddings import vectors_matrix  # noqa: E402
 from batch_assets.pipeline.task_spec.cascade import CascadeSpec, ColumnTeacher, TargetSpec  # noqa: E402
 from batch_assets.storage.drop_files import partition_key_for  # noqa: E402
@@ -118,11 +117,15 @@ def file_row(path: Path, spec: CascadeSpec, stored: StoredStudent | None) -> tup
     chosen = result.target
     assert chosen is not None
     audit = [i for i, role in enumerate(result.roles) if role == "audit"]
-    agreed = sum(result.student_labels[i] == result.labels[i] for i in audit)
-    low, high = wilson_interval(agreed, len(audit))
-    teacher_rows, student_rows = int(by_teacher.sum()), len(labels) - int(by_teacher.sum())
-    estimate = audit_interval(teacher_rows, student_rows, agreed / max(len(audit), 1), 0.0, len(labels))[0]
-    overall_low, overall_high = audit_interval(teacher_rows, student_rows, low, high, len(labels))
+    summary = CascadeSummary(
+        rows=len(labels),
+        teacher_rows=int(by_teacher.sum()),
+        student_rows=sum(by == "student" for by in result.labelled_by),
+        deferred_rows=sum(role == "deferred" for role in result.roles),
+        audited_rows=len(audit),
+        audit_agreed=sum(result.student_labels[i] == result.labels[i] for i in audit),
+    )
+    estimate = summary.all_rows_agreement()
     taught = np.flatnonzero(by_teacher)
     before = (
         (np.zeros((0, vectors.shape[1]), dtype=vectors.dtype), [])
@@ -139,7 +142,7 @@ def file_row(path: Path, spec: CascadeSpec, stored: StoredStudent | None) -> tup
         else ("none" if chosen.threshold is None else f"{chosen.threshold:.4f}"),
         "bound": chosen.metadata()["target_lower_bound"],
         "started_from": 0 if stored is None else len(stored.labels),
-        "audit": f"{estimate:.4f} [{overall_low:.4f}, {overall_high:.4f}] on {len(audit)} rows" if audit else "none",
+        "audit": "none" if estimate is None else "{:.4f} [{:.4f}, {:.4f}] on {} rows".format(*estimate, len(audit)),
         "seconds": seconds,
     }
     return row, grown

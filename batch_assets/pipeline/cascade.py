@@ -64,6 +64,8 @@ ROWS_PER_CLUSTER = 10
 MAX_CLUSTERS = 100
 ECE_BINS = 10
 WILSON_Z = 1.959963984540054  # the 97.5th percentile of the normal distribution: a 95 % interval
+# validated_labels' metadata: the share of all rows agreeing with the teacher as the audit estimates it.
+ALL_ROWS_AGREEMENT_KEYS = ("all_rows_agreement", "all_rows_agreement_95_low", "all_rows_agreement_95_high")
 
 
 @dataclass(frozen=True)
@@ -475,6 +477,19 @@ class CascadeSummary:
     def agreement_interval(self) -> tuple[float, float]:
         return wilson_interval(self.audit_agreed, self.audited_rows)
 
+    def all_rows_agreement(self) -> tuple[float, float, float] | None:
+        """The share of all rows whose label is the teacher's, estimated from the audit, with its 95 %
+        interval (the audit's Wilson interval on the student's rows; teacher rows agree, error rows
+        do not): what `output.cascade.target` guarantees a lower bound of. None with no audit."""
+        if self.agreement is None or not self.rows:
+            return None
+        low, high = self.agreement_interval
+
+        def of_all(share: float) -> float:
+            return (self.teacher_rows + share * self.student_rows) / self.rows
+
+        return of_all(self.agreement), of_all(low), of_all(high)
+
     def metadata(self) -> dict[str, Any]:
         low, high = self.agreement_interval
         return {
@@ -490,6 +505,24 @@ class CascadeSummary:
             "audit_agreement": None if self.agreement is None else round(self.agreement, 4),
             "audit_agreement_95_low": round(low, 4),
             "audit_agreement_95_high": round(high, 4),
+            **self.all_rows_metadata(),
+        }
+
+    def all_rows_metadata(self) -> dict[str, Any]:
+        estimate = self.all_rows_agreement()
+        if estimate is None:
+            return {}
+        return dict(zip(ALL_ROWS_AGREEMENT_KEYS, (round(value, 4) for value in estimate), strict=True))
+
+    def _per_correct_label(self, cascade_usd: float, all_teacher_usd: float) -> dict[str, Any]:
+        """Dollars per thousand labels that agree with the teacher: the cascade's (its rows agreeing as
+        the audit estimates) and the teacher's alone (every row its own label). Empty with no audit."""
+        estimate = self.all_rows_agreement()
+        if estimate is None or not estimate[0]:
+            return {}
+        return {
+            "cost_per_1000_correct_usd": round(cascade_usd / (estimate[0] * self.rows) * 1000, 6),
+            "all_teacher_cost_per_1000_correct_usd": round(all_teacher_usd / self.rows * 1000, 6),
         }
 
     def cost_metadata(self) -> dict[str, Any]:
@@ -507,6 +540,7 @@ class CascadeSummary:
             spent |= {"teacher_cost_usd": teacher, "all_teacher_cost_usd": round(teacher / cost.rows * rows, 6)}
             if self.price is not None:
                 spent["cascade_cost_usd"] = round(teacher + spent["embedding_cost_usd"], 6)
+                spent |= self._per_correct_label(spent["cascade_cost_usd"], spent["all_teacher_cost_usd"])
         elif cost.timed_rows:
             per_row = cost.seconds / cost.timed_rows
             spent |= {

@@ -12,6 +12,7 @@ The cascade itself is pipeline/cascade.py.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -43,6 +44,7 @@ from batch_assets.pipeline.task_spec.engine import EMBEDDED_MODEL
 Teach = Callable[[str, pl.DataFrame], tuple[pl.DataFrame, InferenceStats]]
 EMBEDDING_RESULTS = [c for c in RESULT_SCHEMA if c not in ("error", "num_prompt_tokens")]
 TEACHER_STATS = ("rows_inferred", "rows_from_cache", "rows_from_checkpoint", "error_rows")
+log = logging.getLogger(__name__)
 
 
 def teacher_task(task: TaskSpec) -> TaskSpec:
@@ -149,6 +151,9 @@ def cascade_outputs(
         assert teach is not None  # the inference step opens the teacher's session for `teacher: llm`
         teacher = llm_teacher(embedded, teach, source_file, counts)
     result = run_cascade(vectors_matrix(embedding.filter(ok)), teacher, spec, choices, stored)
+    if result.target is not None and (refusal := result.target.refusal()):
+        # Said as soon as it is known; the check agreement_target_met fails the partition by name.
+        log.warning("%s: %s", source_file, refusal)
     positions = np.flatnonzero(ok.to_numpy())
     measured = {
         **result.metadata(),

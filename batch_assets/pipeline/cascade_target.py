@@ -33,7 +33,6 @@ as disagreeing and is left out of the calibration sample.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,11 +146,3 @@ def choose_threshold(
         met=bool(met),
         budget_bound=float(lower[budget_cut]),
     )
-
-
-def audit_interval(teacher_rows: int, student_rows: int, low: float, high: float, rows: int) -> tuple[float, float]:
-    """The share of all `rows` agreeing with the teacher, from the audit's interval [low, high] on
-    the student's rows: teacher-labelled rows agree, error rows do not."""
-    if rows == 0:
-        return math.nan, math.nan
-    return (teacher_rows + low * student_rows) / rows, (teacher_rows + high * student_rows) / rows
