@@ -133,7 +133,7 @@ class StoredStudent:
 @dataclass
 class CascadeResult:
     """Per row of the partition's embedded rows: label, confidence, who labelled it, its role
-    (sample, deferred, audit or student), the student's own label where it made one, and an error."""
+    (sample, calibration, deferred, audit or student), the student's own label where it made one, and an error."""
 
     labels: list[str | None]
     confidence: list[float | None]
@@ -358,8 +358,8 @@ def _defer_by_target(
 ) -> None:
     """`output.cascade.target`: the teacher labels a random calibration set of the rows the student
     labelled, the threshold is chosen from it (pipeline/cascade_target.py), and only then, when the
-    budget (`left` teacher rows) pays for it, are the rows under it deferred; what deferral leaves goes
-    to the audit. A target the budget cannot meet asks the teacher for nothing more."""
+    budget (`left` teacher rows, less the audit's reserve) pays for it, are the rows under it deferred;
+    the audit takes what deferral leaves. A target the budget cannot meet asks the teacher for nothing more."""
     rng = np.random.default_rng(spec.seed + 2)
     held = np.sort(rng.choice(rest, size=min(target.calibration_rows, left, rest.size), replace=False))
     answered = _ask(teacher, held, result, role="calibration")
@@ -369,7 +369,10 @@ def _defer_by_target(
     agrees = labelled & (
         np.asarray(result.student_labels, dtype=object)[rest] == np.asarray(result.labels, dtype=object)[rest]
     )
+    # The audit's rows are set aside before the threshold is chosen (at most half of what is left), so
+    # the guarantee is always checked by an audit; it takes whatever deferral leaves besides.
     left -= held.size
+    audit_reserve = min(spec.audit_rows, left // 2)
     result.target = choice = choose_threshold(
         confidence[usable],
         labelled[usable],
@@ -377,7 +380,7 @@ def _defer_by_target(
         teacher_rows=taught,
         rows=rows,
         target=target,
-        budget=left,
+        budget=left - audit_reserve,
     )
     if not choice.met:
         return
@@ -389,8 +392,9 @@ def _defer_by_target(
         # while the budget lasts (a stricter threshold only adds teacher labels, so the bound holds).
         extra = open_rows & ~under & (confidence < spec.defer_below)
         floor = rest[extra][np.argsort(confidence[extra], kind="stable")]
-        deferred = np.concatenate([deferred, floor[: max(0, left - deferred.size)]])
-        result.over_budget_rows = int(max(0, floor.size - (left - under.sum())))
+        room = max(0, left - audit_reserve - deferred.size)
+        deferred = np.concatenate([deferred, floor[:room]])
+        result.over_budget_rows = int(max(0, floor.size - room))
     kept = np.setdiff1d(rest[open_rows], deferred)
     audit = np.sort(rng.choice(kept, size=min(spec.audit_rows, left - deferred.size, kept.size), replace=False))
     _ask(teacher, np.sort(deferred), result, role="deferred")

@@ -3,7 +3,7 @@
 `cascade_outputs` turns one partition's embedding results into inference_outputs shaped as a choices
 task's (the label in `generated_text`, the log of its confidence in `cumulative_logprob`, so
 validation, accuracy, confidence and drift apply unchanged), with `labelled_by` (teacher or student),
-`cascade_role` (sample, deferred, audit or student), `student_label` (the student's own label on
+`cascade_role` (sample, calibration, deferred, audit or student), `student_label` (the student's own label on
 rows it labelled, audited ones included) and, on rows a chat teacher was asked about, what asking
 cost (`teacher_prompt_tokens`, `teacher_generated_tokens`, `teacher_seconds`). `cascade_summary`
 reads a partition's labels back into what the metadata and the `agreement_at_least` check report.
