@@ -209,3 +209,9 @@ def test_the_target_check_fails_a_refused_target_by_name() -> None:
         "output.cascade.target agreement 95.0% at confidence 95% needs 2000 rows deferred to the teacher, "
         "output.cascade.max_teacher_share leaves 1000: the budget can guarantee 34.0%"
     )
+
+
+def test_the_target_check_passes_a_partition_with_nothing_left_to_the_student() -> None:
+    empty = audited_labels(20).clear()
+    assert target_result(empty, {}).passed
+    assert not target_result(audited_labels(20), {}).passed  # student rows, but no choice recorded

@@ -1,6 +1,6 @@
 """The cascade by target (`output.cascade.target`) on six generated files, with a perfect column teacher.
 
-    .venv/bin/python bench/bench_cascade_target.py                       # the measurement in BENCHMARKS.md
+    .venv/bin/python bench/bench_cascade_target.py --alone               # the measurement in BENCHMARKS.md
     .venv/bin/python bench/bench_cascade_target.py --vectors DIR         # keep (or reuse) the embedded files
 
 1. Generates six files of 5,000 labelled company names (bench/generate_industries.py, seeds 11-16, 12 %
@@ -8,9 +8,11 @@
 2. Embeds them once, in one `batch-assets run` of an embedding task (the embedded all-MiniLM-L6-v2),
    one partition per file: the cascade's own first step, done once rather than once per setting.
 3. On each file's vectors, the cascade core (pipeline/cascade.py, the code a cascade task's run calls)
-   with `target: {agreement: 0.95, confidence: 0.95}` and the gold column as the teacher: accuracy
-   against gold, teacher share, the chosen threshold, the guaranteed lower bound and the audit's
-   agreement of all rows with its 95 % interval.
+   with `target: {agreement: 0.95, confidence: 0.95}` and the gold column as the teacher (SETTINGS for
+   the rest), the files in order, each starting from the label model of the files before (every
+   teacher label so far, as `<task>/label_model` holds them); with `--alone` also each file alone.
+   Per file: accuracy against gold, teacher share, the chosen threshold, the guaranteed lower bound and
+   the audit's estimate of the share of all rows agreeing, with its 95 % interval.
 
 Targets (issue 52): at least 5 of the 6 files reach accuracy >= 0.95 and the median teacher share is
 <= 0.20.

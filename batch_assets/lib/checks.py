@@ -605,8 +605,16 @@ def target_result(validated_labels: pl.DataFrame, choice: dict[str, Any]) -> dg.
     audit = summary.all_rows_agreement()
     metadata: dict[str, Any] = {**choice, **summary.all_rows_metadata()}
     if "target_met" not in choice:
-        description = "inference_outputs recorded no output.cascade.target choice: materialize it again"
-        passed = False
+        # No threshold was chosen: fine when no row was left to the student (an empty or all-error
+        # partition, a teacher on every row); else the student could not be trained (inference_outputs'
+        # student_note says why) or the outputs were made before the target was set.
+        passed = summary.student_rows == 0
+        description = (
+            None
+            if passed
+            else "inference_outputs recorded no output.cascade.target choice: see its student_note, or "
+            "materialize it again"
+        )
     elif not choice["target_met"]:
         description, passed = str(choice.get("target_refused")), False
     elif audit is not None and audit[2] < choice["target_lower_bound"]:

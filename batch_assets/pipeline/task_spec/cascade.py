@@ -9,6 +9,10 @@ partition, about a hundred per label on nine labels; `defer_below: 0.6` sends th
 is least sure of to the teacher; `max_teacher_share: 0.25` caps every teacher request (sample,
 deferred and audit rows together) at a quarter of a partition's rows (the issue's target); 200 audit
 rows measure agreement to about ±3 percentage points (the 95 % Wilson interval near 95 %).
+
+`target` (`TargetSpec`) replaces the fixed `defer_below` by a threshold chosen per partition to meet a
+stated agreement with a stated confidence (pipeline/cascade_target.py); a `defer_below` written beside
+it is a floor. Unset, it is left out of the code versions.
 """
 
 from __future__ import annotations
