@@ -13,6 +13,7 @@ import polars as pl
 import pytest
 
 from batch_assets.lib.checks import target_result
+from batch_assets.lib.run_outcomes import _quality_notes
 from batch_assets.pipeline.cascade import TeacherCost, run_cascade, wilson_interval
 from batch_assets.pipeline.cascade_labels import cascade_summary
 from batch_assets.pipeline.cascade_target import TargetChoice, choose_threshold, clopper_pearson_lower
@@ -215,3 +216,35 @@ def test_the_target_check_passes_a_partition_with_nothing_left_to_the_student() 
     empty = audited_labels(20).clear()
     assert target_result(empty, {}).passed
     assert not target_result(audited_labels(20), {}).passed  # student rows, but no choice recorded
+
+
+def test_the_run_summary_says_what_the_target_guarantees_or_why_it_was_refused() -> None:
+    def report(instance: dg.DagsterInstance, asset: str, key: str, **metadata) -> None:
+        event = dg.AssetMaterialization(dg.AssetKey(["cascaded", asset]), partition=key, metadata=metadata)
+        instance.report_runless_asset_event(event)
+
+    counts = {"rows": 1000, "teacher_rows": 200, "student_rows": 800, "audited_rows": 100, "audit_agreement": 0.95}
+    met = TargetChoice(TARGET, 0.2941, 0.9512, 100, 400, 500, True, 0.99).metadata()
+    refused = TargetChoice(TARGET, None, 0.9, 2000, 500, 1000, False, 0.34).metadata()
+    with dg.instance_for_test() as instance:
+        for key, choice in (("a", met), ("b", refused)):
+            report(instance, "inference_outputs", key, **{k: v for k, v in choice.items() if v is not None})
+            report(
+                instance,
+                "validated_labels",
+                key,
+                **counts,
+                all_rows_agreement=0.96,
+                cascade_cost_usd=0.5,
+                all_teacher_cost_usd=2.0,
+            )
+        notes = _quality_notes("cascaded", ["a"], instance)
+        assert notes[-2:] == [
+            "cost $0.5000 against $2.0000 with the teacher on every row; $0.5208 per 1,000 labels agreeing with "
+            "the teacher (the audit's estimate) against $2.0000 with the teacher alone",
+            "target: 95.1% of rows agree with the teacher or more, with probability 95% (the student keeps "
+            "confidence >= 0.294)",
+        ]
+        assert _quality_notes("cascaded", ["b"], instance)[-1].startswith(
+            "target refused: output.cascade.target agreement 95.0% at confidence 95% needs 2000 rows deferred"
+        )
