@@ -248,3 +248,17 @@ def test_the_run_summary_says_what_the_target_guarantees_or_why_it_was_refused()
         assert _quality_notes("cascaded", ["b"], instance)[-1].startswith(
             "target refused: output.cascade.target agreement 95.0% at confidence 95% needs 2000 rows deferred"
         )
+
+
+def test_a_defer_below_written_beside_the_target_is_a_floor() -> None:
+    x, y = blobs(2000, noise=1.0, seed=5)
+    target = TargetSpec(agreement=0.8, confidence=0.9, calibration_rows=200)
+    settings = {"sample_rows": 200, "audit_rows": 50, "target": target, "max_teacher_share": 1.0}
+    alone = run_cascade(x, perfect_teacher(y), spec(**settings), CHOICES)
+    floored = run_cascade(x, perfect_teacher(y), spec(**settings, defer_below=0.99), CHOICES)
+    assert alone.target == floored.target and alone.target is not None and alone.target.met
+
+    def kept(result) -> list[float]:
+        return [p for p, role in zip(result.confidence, result.roles, strict=True) if role == "student"]
+
+    assert min(kept(alone)) < 0.99 <= min(kept(floored))

@@ -15,6 +15,11 @@ answers) and decides, row by row, who labels it:
 4. **audit**: `audit_rows` random student-labelled rows also go to the teacher; the share on which
    both agree, with its 95 % Wilson interval, is what the `agreement_at_least` check holds.
 
+With `output.cascade.target` (`_defer_by_target`), step 3 is instead: a random calibration set of the
+student's rows goes to the teacher, the threshold is the laxest that guarantees the target
+(pipeline/cascade_target.py), and its rows are deferred only when the budget pays for them; else
+nothing more is asked (the partition's check says why).
+
 Rows the teacher saw keep the teacher's label. What cannot be labelled honestly is an error row, never
 a silent label: a teacher error on a sample or deferred row; every row the student would label when the
 teacher's sample has fewer than two distinct labels. Choices the teacher never gave in the sample are
