@@ -15,7 +15,8 @@ import polars as pl
 import pytest
 
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
-from batch_assets.pipeline.task_spec import PriceSpec, load_task_spec, load_task_specs
+from batch_assets.pipeline.task_spec import PriceSpec, TaskSpec, load_task_spec, load_task_specs
+from batch_assets.pipeline.task_spec.cascade import TargetSpec
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.support import SAMPLES, drop
 
@@ -121,6 +122,51 @@ def test_the_cascade_sample_labels_every_row_within_the_teachers_budget(data_dir
     # Bad teacher values the teacher was never asked about do not matter: the student labels those rows.
     unasked = relabelled.filter((pl.col("Industry") == "Aerospace") & (pl.col("labelled_by") == "student"))
     assert unasked.height > 0 and unasked["label"].null_count() == 0
+
+
+def target_task(name: str, agreement: float, max_teacher_share: float) -> TaskSpec:
+    """The shipped cascade with `output.cascade.target` (a calibration set of 100 of its 800 rows)."""
+    target = TargetSpec(agreement=agreement, confidence=0.9, calibration_rows=100)
+    cascade = SHIPPED.output.cascade
+    assert cascade is not None
+    cascade = cascade.model_copy(update={"target": target, "max_teacher_share": max_teacher_share})
+    return SHIPPED.model_copy(update={"name": name, "output": SHIPPED.output.model_copy(update={"cascade": cascade})})
+
+
+def test_a_target_chooses_the_threshold_or_is_refused_by_the_check_on_the_shipped_sample(data_dir: Path) -> None:
+    met, refused = target_task("industry_target", 0.85, 0.6), target_task("industry_refused", 0.999, 0.3)
+    results = {}
+    with dg.instance_for_test() as instance:
+        for task in (met, refused):
+            drop(data_dir, task.name, SAMPLE.name, SAMPLE.read_bytes())
+            key = partition_key_for(SAMPLE.name)
+            instance.add_dynamic_partitions(partitions_def_name(task.name), [key])
+            job = build_definitions(tasks=[task]).resolve_job_def(pipeline_job_name(task.name))
+            results[task.name] = job.execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
+    chosen = results["industry_target"]
+    assert chosen.success
+    inference = metadata_of(chosen, "industry_target__inference_outputs")
+    labels_meta = metadata_of(chosen, "industry_target__validated_labels")
+    check = {e.check_name: e for e in chosen.get_asset_check_evaluations()}["agreement_target_met"]
+    assert check.passed and inference["target_met"] is True and inference["target_calibration_rows"] == 100
+    assert inference["target_lower_bound"] >= 0.85
+    assert labels_meta["teacher_share"] <= 0.6
+    # The labels reach what the bound guarantees (the gold column is the teacher).
+    assert labels_meta["accuracy"] >= inference["target_lower_bound"]
+    assert labels_meta["all_rows_agreement_95_high"] >= inference["target_lower_bound"]
+    # 99.9 % cannot be guaranteed within 30 % of the rows: nothing past the sample and the calibration
+    # set is asked, and the check fails by name, saying what the budget can guarantee.
+    failed = results["industry_refused"]
+    check = {e.check_name: e for e in failed.get_asset_check_evaluations()}["agreement_target_met"]
+    assert not check.passed and check.severity == dg.AssetCheckSeverity.ERROR
+    assert check.description.startswith("output.cascade.target agreement 99.9% at confidence 90% needs ")
+    assert "the budget can guarantee" in check.description
+    roles = set(metadata_of(failed, "industry_refused__validated_labels")) and set(
+        pl.read_parquet(
+            data_dir / "storage" / "industry_refused" / "validated_labels" / f"{partition_key_for(SAMPLE.name)}.parquet"
+        )["cascade_role"]
+    )
+    assert roles == {"sample", "calibration", "student"}
 
 
 LLM_TASK = """

@@ -283,6 +283,9 @@ def test_the_labels_cost_each_model_at_its_own_price_and_in_engine_seconds_witho
         "teacher_cost_usd": 0.011,
         "all_teacher_cost_usd": 0.044,
         "cascade_cost_usd": 0.013,
+        # Per 1,000 rows agreeing with the teacher: 20 teacher rows and 0.9 (the audit) × 75 student rows.
+        "cost_per_1000_correct_usd": round(0.013 / 87.5 * 1000, 6),
+        "all_teacher_cost_per_1000_correct_usd": 0.44,
     }
     assert priced.metadata()["cost_vs_all_teacher"] == 0.2  # the share, as before
     # The teacher's price alone: its dollars, no embedding cost and so no total.

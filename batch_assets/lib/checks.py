@@ -19,6 +19,10 @@
 - `agreement_at_least` on validated_labels (WARN; cascade tasks): the 95 % Wilson lower bound of the
   audit's agreement (student-labelled rows the teacher also labelled) is at least
   `checks.min_agreement`.
+- `agreement_target_met` on validated_labels (ERROR; cascades with `output.cascade.target`): the
+  threshold the target needs was within the budget (else the partition's student labels stand and the
+  check says what the budget can guarantee), and the audit's 95 % interval of the share of all rows
+  agreeing with the teacher reaches the guaranteed lower bound (it contradicts the bound otherwise).
 - `embeddings_are_valid` on inference_outputs (ERROR, blocking; embedding tasks, in place of the two
   label checks above): one dimension for every vector, every value finite, every vector of unit L2
   norm (vLLM's embed normalizes, as the model's own Normalize module does), and no row without an
@@ -139,6 +143,7 @@ def build_task_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
         *_accuracy_checks(task),
         *_confidence_checks(task, fmt),
         *_agreement_checks(task, fmt),
+        *_target_checks(task),
     ]
     return [*OUTPUT_CHECKS[fmt.result](task), *_row_checks(task), *gates]
 
@@ -506,20 +511,27 @@ def _confidence_checks(task: TaskSpec, fmt: TaskFormat) -> list[dg.AssetChecksDe
     return [confidence_at_least]
 
 
+def _cascade_labels_check(task: TaskSpec, name: str, description: str):
+    """The decorator of a cascade's check on its validated_labels, per partition."""
+    return dg.asset_check(
+        asset=asset_key(task.name, "validated_labels"),
+        name=name,
+        partitions_def=drop_partitions(task.name),
+        description=description,
+    )
+
+
 def _agreement_checks(task: TaskSpec, fmt: TaskFormat) -> list[dg.AssetChecksDefinition]:
     if not fmt.audits_agreement:
         return []
     minimum = DEFAULT_MIN_AGREEMENT if task.checks.min_agreement is None else task.checks.min_agreement
 
-    @dg.asset_check(
-        asset=asset_key(task.name, "validated_labels"),
-        name="agreement_at_least",
-        partitions_def=drop_partitions(task.name),
-        description=(
-            f"The student's labels agree with the teacher's on the audited rows (random student-labelled rows the "
-            f"teacher also labelled) with a 95 % lower bound of at least {minimum:.0%} (task settings "
-            "`checks.min_agreement`, `output.cascade.audit_rows`)."
-        ),
+    @_cascade_labels_check(
+        task,
+        "agreement_at_least",
+        f"The student's labels agree with the teacher's on the audited rows (random student-labelled rows the "
+        f"teacher also labelled) with a 95 % lower bound of at least {minimum:.0%} (task settings "
+        "`checks.min_agreement`, `output.cascade.audit_rows`).",
     )
     def agreement_at_least(context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame]):
         yield from evaluate_per_partition(
@@ -556,4 +568,64 @@ def agreement_result(
     )
     return dg.AssetCheckResult(
         passed=passed, severity=dg.AssetCheckSeverity.WARN, description=description, metadata=metadata
+    )
+
+
+def _target_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
+    cascade = task.output.cascade
+    if cascade is None or cascade.target is None:
+        return []
+    target = cascade.target
+    outputs = asset_key(task.name, "inference_outputs")
+
+    @_cascade_labels_check(
+        task,
+        "agreement_target_met",
+        f"The cascade guarantees that at least {target.agreement:.0%} of the rows agree with the teacher, with "
+        f"probability {target.confidence:.0%}, within its budget, and the audit does not contradict it (task "
+        "settings `output.cascade.target`, `output.cascade.max_teacher_share`).",
+    )
+    def agreement_target_met(context: dg.AssetCheckExecutionContext, validated_labels: dict[str, pl.DataFrame]):
+        def evaluate(key: str) -> dg.AssetCheckResult:
+            record = latest_materialization(context.instance, outputs, key)
+            metadata = record.asset_materialization.metadata if record and record.asset_materialization else {}
+            choice = {name: entry.value for name, entry in metadata.items() if name.startswith("target_")}
+            return target_result(validated_labels[key], choice)
+
+        yield from evaluate_per_partition(context, evaluate)
+
+    return [agreement_target_met]
+
+
+def target_result(validated_labels: pl.DataFrame, choice: dict[str, Any]) -> dg.AssetCheckResult:
+    """Fails when the target was refused (`target_refused` of inference_outputs' metadata says why and
+    what the budget can guarantee) or when the audit's interval of all rows' agreement lies under the
+    guaranteed `target_lower_bound`."""
+    summary = cascade_summary(validated_labels)
+    audit = summary.all_rows_agreement()
+    metadata: dict[str, Any] = {**choice, **summary.all_rows_metadata()}
+    if "target_met" not in choice:
+        # No threshold was chosen: fine when no row was left to the student (an empty or all-error
+        # partition, a teacher on every row); else the student could not be trained (inference_outputs'
+        # student_note says why) or the outputs were made before the target was set.
+        passed = summary.student_rows == 0
+        description = (
+            None
+            if passed
+            else "inference_outputs recorded no output.cascade.target choice: see its student_note, or "
+            "materialize it again"
+        )
+    elif not choice["target_met"]:
+        description, passed = str(choice.get("target_refused")), False
+    elif audit is not None and audit[2] < choice["target_lower_bound"]:
+        description = (
+            f"the audit estimates {audit[0]:.1%} of the rows agree with the teacher (95 % interval "
+            f"{audit[1]:.1%}-{audit[2]:.1%}): under the guaranteed {choice['target_lower_bound']:.1%}, so the "
+            "rows are not exchangeable as the bound assumes (or this is the 1 - confidence case)"
+        )
+        passed = False
+    else:
+        description, passed = None, True
+    return dg.AssetCheckResult(
+        passed=passed, severity=dg.AssetCheckSeverity.ERROR, description=description, metadata=metadata
     )

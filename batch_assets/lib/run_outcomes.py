@@ -261,7 +261,29 @@ def _quality_notes(task_name: str, partition_keys: list[str], instance: dg.Dagst
     if low and minimum is not None:
         share = sum(share * rows for share, rows in low) / sum(rows for _, rows in low)
         notes.append(f"{share:.0%} of labels with confidence under {minimum}")
-    return notes + _cascade_notes(records)
+    return notes + _cascade_notes(records) + _target_notes(task_name, partition_keys, instance)
+
+
+def _target_notes(task_name: str, partition_keys: list[str], instance: dg.DagsterInstance) -> list[str]:
+    """What a cascade by target chose per partition (inference_outputs' metadata): the threshold and
+    its guaranteed lower bound, or the refusal; none for other tasks."""
+    key = dg.AssetKey([task_name, "inference_outputs"])
+    notes = []
+    for partition in partition_keys:
+        record = latest_materialization(instance, key, partition)
+        if _metadata_value(record, "target_met") is None:
+            continue
+        where = f" for {partition}" if len(partition_keys) > 1 else ""
+        if not _metadata_value(record, "target_met"):
+            notes.append(f"target refused{where}: {_metadata_value(record, 'target_refused')}")
+            continue
+        threshold = _metadata_value(record, "target_threshold")
+        kept = "the student keeps none" if threshold is None else f"the student keeps confidence >= {threshold:.3f}"
+        notes.append(
+            f"target{where}: {_metadata_value(record, 'target_lower_bound'):.1%} of rows agree with the teacher or "
+            f"more, with probability {_metadata_value(record, 'target_confidence'):.0%} ({kept})"
+        )
+    return notes
 
 
 def _cascade_notes(records: list[dg.EventLogRecord | None]) -> list[str]:
@@ -297,7 +319,10 @@ def _cascade_cost_notes(records: list[dg.EventLogRecord | None]) -> list[str]:
 
     cascade, all_teacher = total("cascade_cost_usd"), total("all_teacher_cost_usd")
     if cascade is not None and all_teacher is not None:
-        return [f"cost ${cascade:,.4f} against ${all_teacher:,.4f} with the teacher on every row"]
+        return [
+            f"cost ${cascade:,.4f} against ${all_teacher:,.4f} with the teacher on every row"
+            + _per_correct_label(records, cascade, all_teacher)
+        ]
     notes = []
     if (embedding := total("embedding_cost_usd")) is not None:
         notes.append(f"embedding cost ${embedding:,.4f}")
@@ -307,6 +332,22 @@ def _cascade_cost_notes(records: list[dg.EventLogRecord | None]) -> list[str]:
     if seconds is not None and all_seconds is not None:
         notes.append(f"teacher engine {seconds:,.1f} s against {all_seconds:,.1f} s on every row")
     return notes
+
+
+def _per_correct_label(records: list[dg.EventLogRecord | None], cascade: float, all_teacher: float) -> str:
+    """Dollars per 1,000 labels agreeing with the teacher over the partitions (each partition's rows
+    agreeing as its audit estimates, `all_rows_agreement`), the cascade's and the teacher's alone;
+    empty unless every partition was audited."""
+    estimates = [(_metadata_value(r, "all_rows_agreement"), _metadata_value(r, "rows") or 0) for r in records]
+    if any(share is None for share, _ in estimates):
+        return ""
+    correct, rows = sum(share * count for share, count in estimates), sum(count for _, count in estimates)
+    if not correct:
+        return ""
+    return (
+        f"; ${cascade / correct * 1000:,.4f} per 1,000 labels agreeing with the teacher (the audit's estimate) "
+        f"against ${all_teacher / rows * 1000:,.4f} with the teacher alone"
+    )
 
 
 def summary_line(

@@ -15,6 +15,11 @@ answers) and decides, row by row, who labels it:
 4. **audit**: `audit_rows` random student-labelled rows also go to the teacher; the share on which
    both agree, with its 95 % Wilson interval, is what the `agreement_at_least` check holds.
 
+With `output.cascade.target` (`_defer_by_target`), step 3 is instead: a random calibration set of the
+student's rows goes to the teacher, the threshold is the laxest that guarantees the target
+(pipeline/cascade_target.py), and its rows are deferred only when the budget pays for them; else
+nothing more is asked (the partition's check says why).
+
 Rows the teacher saw keep the teacher's label. What cannot be labelled honestly is an error row, never
 a silent label: a teacher error on a sample or deferred row; every row the student would label when the
 teacher's sample has fewer than two distinct labels. Choices the teacher never gave in the sample are
@@ -45,9 +50,10 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import StratifiedKFold, cross_val_predict
 
+from batch_assets.pipeline.cascade_target import TargetChoice, choose_threshold
 from batch_assets.pipeline.prices import cost_usd
 from batch_assets.pipeline.task_spec import PriceSpec
-from batch_assets.pipeline.task_spec.cascade import CascadeSpec
+from batch_assets.pipeline.task_spec.cascade import CascadeSpec, TargetSpec
 
 # Inverse regularization of the student: sentence embeddings are unit vectors spread over hundreds of
 # dimensions, so each coordinate is small and sklearn's default C=1 regularizes them towards one
@@ -63,6 +69,8 @@ ROWS_PER_CLUSTER = 10
 MAX_CLUSTERS = 100
 ECE_BINS = 10
 WILSON_Z = 1.959963984540054  # the 97.5th percentile of the normal distribution: a 95 % interval
+# validated_labels' metadata: the share of all rows agreeing with the teacher as the audit estimates it.
+ALL_ROWS_AGREEMENT_KEYS = ("all_rows_agreement", "all_rows_agreement_95_low", "all_rows_agreement_95_high")
 
 
 @dataclass(frozen=True)
@@ -130,7 +138,7 @@ class StoredStudent:
 @dataclass
 class CascadeResult:
     """Per row of the partition's embedded rows: label, confidence, who labelled it, its role
-    (sample, deferred, audit or student), the student's own label where it made one, and an error."""
+    (sample, calibration, deferred, audit or student), the student's own label where it made one, and an error."""
 
     labels: list[str | None]
     confidence: list[float | None]
@@ -143,12 +151,15 @@ class CascadeResult:
     over_budget_rows: int = 0  # rows under defer_below the budget left with the student
     # Per row the teacher was asked about: what it cost (TeacherAnswer); None elsewhere.
     teacher_costs: list[TeacherAnswer | None] = field(default_factory=list)
+    # With output.cascade.target: the threshold chosen, what it guarantees, or why it was refused.
+    target: TargetChoice | None = None
 
     def metadata(self) -> dict[str, Any]:
         return {
             **self.student.metadata(),
             "unseen_choices": self.unseen_choices,
             "deferred_over_budget_rows": self.over_budget_rows,
+            **(self.target.metadata() if self.target is not None else {}),
         }
 
 
@@ -320,6 +331,9 @@ def run_cascade(
     for i, label, p in zip(rest, labels, confidence, strict=True):
         result.student_labels[i], result.confidence[i] = label, float(p)
         result.labels[i], result.labelled_by[i], result.roles[i] = label, "student", "student"
+    if spec.target is not None:
+        _defer_by_target(teacher, spec, spec.target, result, rest, confidence, left, rows, taught.size)
+        return result
     # Deferral fixes labels, the audit only measures them: the unsure rows get first claim on at least
     # half of what is left (the audit's reserve is at most the other half), and the audit takes what
     # deferral did not use, so a weak student is still measured.
@@ -334,6 +348,62 @@ def run_cascade(
     _ask(teacher, np.sort(deferred), result, role="deferred")
     _ask(teacher, audit, result, role="audit")
     return result
+
+
+def _defer_by_target(
+    teacher: Teacher,
+    spec: CascadeSpec,
+    target: TargetSpec,
+    result: CascadeResult,
+    rest: np.ndarray,
+    confidence: np.ndarray,
+    left: int,
+    rows: int,
+    taught: int,
+) -> None:
+    """`output.cascade.target`: the teacher labels a random calibration set of the rows the student
+    labelled, the threshold is chosen from it (pipeline/cascade_target.py), and only then, when the
+    budget (`left` teacher rows, less the audit's reserve) pays for it, are the rows under it deferred;
+    the audit takes what deferral leaves. A target the budget cannot meet asks the teacher for nothing more."""
+    rng = np.random.default_rng(spec.seed + 2)
+    held = np.sort(rng.choice(rest, size=min(target.calibration_rows, left, rest.size), replace=False))
+    answered = _ask(teacher, held, result, role="calibration")
+    asked, labelled = np.isin(rest, held), np.isin(rest, answered)
+    # A calibration row the teacher gave no label for is an error row: out of the bound's rows.
+    usable = ~asked | labelled
+    agrees = labelled & (
+        np.asarray(result.student_labels, dtype=object)[rest] == np.asarray(result.labels, dtype=object)[rest]
+    )
+    # The audit's rows are set aside before the threshold is chosen (at most half of what is left), so
+    # the guarantee is always checked by an audit; it takes whatever deferral leaves besides.
+    left -= held.size
+    audit_reserve = min(spec.audit_rows, left // 2)
+    result.target = choice = choose_threshold(
+        confidence[usable],
+        labelled[usable],
+        agrees[usable],
+        teacher_rows=taught,
+        rows=rows,
+        target=target,
+        budget=left - audit_reserve,
+    )
+    if not choice.met:
+        return
+    open_rows = ~asked
+    under = open_rows & (confidence < (math.inf if choice.threshold is None else choice.threshold))
+    deferred = rest[under]
+    if "defer_below" in spec.model_fields_set:
+        # A floor written beside the target: its unsure rows go to the teacher too, least sure first,
+        # while the budget lasts (a stricter threshold only adds teacher labels, so the bound holds).
+        extra = open_rows & ~under & (confidence < spec.defer_below)
+        floor = rest[extra][np.argsort(confidence[extra], kind="stable")]
+        room = max(0, left - audit_reserve - deferred.size)
+        deferred = np.concatenate([deferred, floor[:room]])
+        result.over_budget_rows = int(max(0, floor.size - room))
+    kept = np.setdiff1d(rest[open_rows], deferred)
+    audit = np.sort(rng.choice(kept, size=min(spec.audit_rows, left - deferred.size, kept.size), replace=False))
+    _ask(teacher, np.sort(deferred), result, role="deferred")
+    _ask(teacher, audit, result, role="audit")
 
 
 def partition_student(vectors: np.ndarray, labels: list[str], stored: StoredStudent | None, seed: int = 0) -> Student:
@@ -416,6 +486,19 @@ class CascadeSummary:
     def agreement_interval(self) -> tuple[float, float]:
         return wilson_interval(self.audit_agreed, self.audited_rows)
 
+    def all_rows_agreement(self) -> tuple[float, float, float] | None:
+        """The share of all rows whose label is the teacher's, estimated from the audit, with its 95 %
+        interval (the audit's Wilson interval on the student's rows; teacher rows agree, error rows
+        do not): what `output.cascade.target` guarantees a lower bound of. None with no audit."""
+        if self.agreement is None or not self.rows:
+            return None
+        low, high = self.agreement_interval
+
+        def of_all(share: float) -> float:
+            return (self.teacher_rows + share * self.student_rows) / self.rows
+
+        return of_all(self.agreement), of_all(low), of_all(high)
+
     def metadata(self) -> dict[str, Any]:
         low, high = self.agreement_interval
         return {
@@ -431,6 +514,24 @@ class CascadeSummary:
             "audit_agreement": None if self.agreement is None else round(self.agreement, 4),
             "audit_agreement_95_low": round(low, 4),
             "audit_agreement_95_high": round(high, 4),
+            **self.all_rows_metadata(),
+        }
+
+    def all_rows_metadata(self) -> dict[str, Any]:
+        estimate = self.all_rows_agreement()
+        if estimate is None:
+            return {}
+        return dict(zip(ALL_ROWS_AGREEMENT_KEYS, (round(value, 4) for value in estimate), strict=True))
+
+    def _per_correct_label(self, cascade_usd: float, all_teacher_usd: float) -> dict[str, Any]:
+        """Dollars per thousand labels that agree with the teacher: the cascade's (its rows agreeing as
+        the audit estimates) and the teacher's alone (every row its own label). Empty with no audit."""
+        estimate = self.all_rows_agreement()
+        if estimate is None or not estimate[0]:
+            return {}
+        return {
+            "cost_per_1000_correct_usd": round(cascade_usd / (estimate[0] * self.rows) * 1000, 6),
+            "all_teacher_cost_per_1000_correct_usd": round(all_teacher_usd / self.rows * 1000, 6),
         }
 
     def cost_metadata(self) -> dict[str, Any]:
@@ -448,6 +549,7 @@ class CascadeSummary:
             spent |= {"teacher_cost_usd": teacher, "all_teacher_cost_usd": round(teacher / cost.rows * rows, 6)}
             if self.price is not None:
                 spent["cascade_cost_usd"] = round(teacher + spent["embedding_cost_usd"], 6)
+                spent |= self._per_correct_label(spent["cascade_cost_usd"], spent["all_teacher_cost_usd"])
         elif cost.timed_rows:
             per_row = cost.seconds / cost.timed_rows
             spent |= {

@@ -3,7 +3,7 @@
 `cascade_outputs` turns one partition's embedding results into inference_outputs shaped as a choices
 task's (the label in `generated_text`, the log of its confidence in `cumulative_logprob`, so
 validation, accuracy, confidence and drift apply unchanged), with `labelled_by` (teacher or student),
-`cascade_role` (sample, deferred, audit or student), `student_label` (the student's own label on
+`cascade_role` (sample, calibration, deferred, audit or student), `student_label` (the student's own label on
 rows it labelled, audited ones included) and, on rows a chat teacher was asked about, what asking
 cost (`teacher_prompt_tokens`, `teacher_generated_tokens`, `teacher_seconds`). `cascade_summary`
 reads a partition's labels back into what the metadata and the `agreement_at_least` check report.
@@ -12,6 +12,7 @@ The cascade itself is pipeline/cascade.py.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -43,6 +44,7 @@ from batch_assets.pipeline.task_spec.engine import EMBEDDED_MODEL
 Teach = Callable[[str, pl.DataFrame], tuple[pl.DataFrame, InferenceStats]]
 EMBEDDING_RESULTS = [c for c in RESULT_SCHEMA if c not in ("error", "num_prompt_tokens")]
 TEACHER_STATS = ("rows_inferred", "rows_from_cache", "rows_from_checkpoint", "error_rows")
+log = logging.getLogger(__name__)
 
 
 def teacher_task(task: TaskSpec) -> TaskSpec:
@@ -149,6 +151,9 @@ def cascade_outputs(
         assert teach is not None  # the inference step opens the teacher's session for `teacher: llm`
         teacher = llm_teacher(embedded, teach, source_file, counts)
     result = run_cascade(vectors_matrix(embedding.filter(ok)), teacher, spec, choices, stored)
+    if result.target is not None and (refusal := result.target.refusal()):
+        # Said as soon as it is known; the check agreement_target_met fails the partition by name.
+        log.warning("%s: %s", source_file, refusal)
     positions = np.flatnonzero(ok.to_numpy())
     measured = {
         **result.metadata(),

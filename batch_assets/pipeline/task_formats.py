@@ -494,7 +494,7 @@ class CascadeRecords(_EmbeddedRecords):
     def validated_description(self) -> str:
         return (
             f"The `{self.task.name}` result table: every input column, `label` and its `confidence`, "
-            "`labelled_by` (teacher or student), `cascade_role` (sample, deferred, audit or student), "
+            "`labelled_by` (teacher or student), `cascade_role` (sample, calibration, deferred, audit or student), "
             "`student_label` and `error`. Exactly one row per input record, in input order."
         )
 

@@ -9,6 +9,10 @@ partition, about a hundred per label on nine labels; `defer_below: 0.6` sends th
 is least sure of to the teacher; `max_teacher_share: 0.25` caps every teacher request (sample,
 deferred and audit rows together) at a quarter of a partition's rows (the issue's target); 200 audit
 rows measure agreement to about ±3 percentage points (the 95 % Wilson interval near 95 %).
+
+`target` (`TargetSpec`) replaces the fixed `defer_below` by a threshold chosen per partition to meet a
+stated agreement with a stated confidence (pipeline/cascade_target.py); a `defer_below` written beside
+it is a floor. Unset, it is left out of the code versions.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ DEFAULT_SAMPLE_ROWS = 1000
 DEFAULT_DEFER_BELOW = 0.6
 DEFAULT_MAX_TEACHER_SHARE = 0.25
 DEFAULT_AUDIT_ROWS = 200
+DEFAULT_CALIBRATION_ROWS = 500
 # The label model's training rows at most: logistic regression and its 3-fold calibration on 50,000
 # rows take seconds to a minute, and 50,000 rows of 1,024-dimension float32 vectors are 200 MB held
 # and stored; past a few thousand rows per label more rows change the student little.
@@ -38,6 +43,18 @@ class ColumnTeacher(_Strict):
     cascade asks the teacher about."""
 
     column: str = Field(min_length=1)
+
+
+class TargetSpec(_Strict):
+    """`output.cascade.target`: the share of a partition's rows whose final label is the teacher's must
+    be at least `agreement`, with probability at least `confidence` (pipeline/cascade_target.py)."""
+
+    agreement: float = Field(gt=0, lt=1)
+    confidence: float = Field(gt=0, lt=1)
+    # Rows drawn at random from those the student did not train on, labelled by the teacher to choose
+    # the threshold (at most a quarter of the teacher's budget). The bound's margin shrinks with it:
+    # about +-2 points of agreement at 500 rows near 95 %.
+    calibration_rows: int = Field(default=DEFAULT_CALIBRATION_ROWS, ge=1)
 
 
 class CascadeSpec(_Strict):
@@ -57,6 +74,9 @@ class CascadeSpec(_Strict):
     sample_rows: int = Field(default=DEFAULT_SAMPLE_ROWS, ge=2)
     # A row the student labels with a (calibrated) confidence under this goes to the teacher...
     defer_below: float = Field(default=DEFAULT_DEFER_BELOW, ge=0, le=1)
+    # ...or, with a target, under the threshold chosen to meet it (pipeline/cascade_target.py); a
+    # `defer_below` written beside the target is then a floor: rows under it go to the teacher too.
+    target: TargetSpec | None = None
     # ...within this share of the partition's rows for every teacher request together.
     max_teacher_share: float = Field(default=DEFAULT_MAX_TEACHER_SHARE, gt=0, le=1)
     # Random student-labelled rows also sent to the teacher, to measure their agreement.

@@ -134,7 +134,12 @@ class OutputSpec(_Strict):
         defaults |= {"cascade"} if self.cascade is None else set()
         exclude: dict[str, Any] = dict.fromkeys(("confidence", "calibrate", *defaults), True)
         if self.cascade is not None:
-            exclude["cascade"] = {"max_training_rows", "teacher_price"}
+            # An unset target is left out too, so cascades written before it keep their code versions.
+            exclude["cascade"] = {
+                "max_training_rows",
+                "teacher_price",
+                *(("target",) if self.cascade.target is None else ()),
+            }
         return self.model_dump(exclude=exclude)
 
 
