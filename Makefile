@@ -21,9 +21,11 @@ demo: setup
 # conftest.py gives runs each test file on one worker, so a file's module and session fixtures
 # (engines, servers) are built once; `--no-loadscope-reorder` hands the groups out in the order
 # conftest.py gives (longest first, so both workers end together), not by number of tests.
+# A crashed worker ends the run (`--max-worker-restart=0`): xdist's loadscope scheduler hands the
+# crashed file's remaining tests to a replacement worker and then waited forever (CI, 2026-11-28).
 # `PYTEST_WORKERS=0` runs in one process; `--durations` lists the slowest tests in the log.
 PYTEST_WORKERS ?= 2
-XDIST := -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+XDIST := -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder --max-worker-restart=0
 
 test: setup lint
 	bash scripts/install_system_deps.sh

@@ -193,7 +193,9 @@ class _GroupClock:
         # Only a whole suite that passed: a filtered or failed run would leave groups out or short.
         option = self.config.option
         whole = not self.config.args or [Path(arg).resolve() for arg in self.config.args] == [Path(__file__).parent]
-        filtered = option.keyword or option.markexpr or option.deselect or getattr(option, "lf", False)
+        # `make test` leaves out the `image` tier (Docker): the rest is still the whole suite.
+        marks = option.markexpr not in ("", "not image")
+        filtered = option.keyword or marks or option.deselect or getattr(option, "lf", False)
         filtered = filtered or option.collectonly or not self.seconds
         if exitstatus != 0 or not whole or filtered:
             return

@@ -248,3 +248,58 @@ def test_a_daemon_restarted_during_a_burst_of_ten_drops_loses_none_and_runs_none
         or run.tags.get("dagster/asset_partition_range_start", "").startswith("burst-")
     ]
     assert burst_runs and all(run.status == dg.DagsterRunStatus.SUCCESS for run in burst_runs), burst_runs
+
+
+def test_postgres_restarted_during_a_run_records_nothing_twice(
+    topology: tuple, instance: dg.DagsterInstance, sensor_on: None, tmp_path: Path
+) -> None:
+    """The run goes on (or fails loudly and is retried); either way each row is labelled once and
+    the partition's labels are recorded once."""
+    settings, containers = topology
+    client = s3(settings)
+    rows = 600
+    drop = tmp_path / "pg.jsonl"
+    drop.write_text(
+        "".join(
+            json.dumps({"post_id": f"pg{i}", "text": f"pg post {i}: it arrived {i % 7} days late"}) + "\n"
+            for i in range(rows)
+        )
+    )
+    client.upload_file(str(drop), TOPOLOGY.BUCKET, "data/drops/sentiment/pg.jsonl")
+    deadline = time.monotonic() + 900
+    while not any(run.status == dg.DagsterRunStatus.STARTED for run in runs_of(instance, "pg.jsonl")):
+        assert time.monotonic() < deadline, service_logs()
+        time.sleep(1)
+    time.sleep(20)  # into the run's steps (the engine starting, events being written)
+    containers["postgres"].restart(timeout=10)
+
+    deadline = time.monotonic() + 1200
+    while True:
+        try:
+            runs = runs_of(instance, "pg.jsonl")
+        except Exception:  # noqa: BLE001 - the host's connection to the restarted database: ask again
+            runs = []
+        if runs and all(run.status in FINISHED for run in runs) and runs[0].status == dg.DagsterRunStatus.SUCCESS:
+            break
+        assert time.monotonic() < deadline, f"{runs}\n{service_logs()}"
+        time.sleep(3)
+    for failed in runs[1:]:
+        # A run that failed said why, in its own event log.
+        assert failed.status == dg.DagsterRunStatus.FAILURE
+        failures = [
+            event
+            for event in instance.all_logs(failed.run_id)
+            if event.is_dagster_event and event.dagster_event.is_failure
+        ]
+        assert failures, failed.run_id
+    labels_key = dg.AssetKey(["sentiment", "validated_labels"])
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=labels_key, asset_partitions=["pg.jsonl"]), limit=10
+    ).records
+    assert len(records) == 1, [r.run_id for r in records]
+    labels = pl.read_parquet(
+        client.get_object(Bucket=TOPOLOGY.BUCKET, Key="data/storage/sentiment/validated_labels/pg.jsonl.parquet")[
+            "Body"
+        ].read()
+    )
+    assert labels["post_id"].to_list() == [f"pg{i}" for i in range(rows)]
