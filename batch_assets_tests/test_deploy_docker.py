@@ -108,6 +108,19 @@ def runs_of(instance: dg.DagsterInstance, partition: str) -> list[dg.DagsterRun]
     return [run for run in instance.get_runs() if run.tags.get("dagster/partition") == partition]
 
 
+def drop_posts(client, folder: Path, name: str, texts: list[str]) -> None:
+    """A JSONL file of posts (`post_id` <name's stem><i>) into the sentiment drop zone on S3."""
+    stem = name.split(".")[0]
+    drop = folder / name
+    drop.write_text("".join(json.dumps({"post_id": f"{stem}{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
+    client.upload_file(str(drop), TOPOLOGY.BUCKET, f"data/drops/sentiment/{name}")
+
+
+def labels_in_s3(client, partition: str) -> pl.DataFrame:
+    key = f"data/storage/sentiment/validated_labels/{partition}.parquet"
+    return pl.read_parquet(client.get_object(Bucket=TOPOLOGY.BUCKET, Key=key)["Body"].read())
+
+
 def test_an_s3_drop_becomes_one_sensor_run_whose_container_labels_it(
     topology: tuple, instance: dg.DagsterInstance, sensor_on: None
 ) -> None:
@@ -134,7 +147,7 @@ def test_an_s3_drop_becomes_one_sensor_run_whose_container_labels_it(
         ]
     ]
     assert keys == ["data/storage/sentiment/validated_labels/posts-sample.jsonl.parquet"], keys
-    labels = pl.read_parquet(client.get_object(Bucket=TOPOLOGY.BUCKET, Key=keys[0])["Body"].read())
+    labels = labels_in_s3(client, "posts-sample.jsonl")
     assert labels.height == 36
     assert set(labels["label"].drop_nulls()) <= {"positive", "negative", "neutral"}
     event = instance.get_latest_materialization_event(dg.AssetKey(["sentiment", "validated_labels"]))
@@ -154,14 +167,7 @@ def test_a_run_container_killed_mid_partition_is_retried_by_the_daemon_each_row_
     retries start it again in a new container, which reuses the checkpoints."""
     settings, _ = topology
     client = s3(settings)
-    drop = tmp_path / "big.jsonl"
-    drop.write_text(
-        "".join(
-            json.dumps({"post_id": f"b{i}", "text": f"post {i}: the delivery took {i % 9} days"}) + "\n"
-            for i in range(BIG)
-        )
-    )
-    client.upload_file(str(drop), TOPOLOGY.BUCKET, "data/drops/sentiment/big.jsonl")
+    drop_posts(client, tmp_path, "big.jsonl", [f"post {i}: the delivery took {i % 9} days" for i in range(BIG)])
     checkpoints = "data/storage/sentiment/_checkpoints/big.jsonl/"
 
     def checkpointed() -> int:
@@ -194,12 +200,8 @@ def test_a_run_container_killed_mid_partition_is_retried_by_the_daemon_each_row_
     assert retry.tags["dagster/parent_run_id"] == first.run_id
     assert retry.tags["docker/container_id"] != first.tags["docker/container_id"]
 
-    labels = pl.read_parquet(
-        client.get_object(Bucket=TOPOLOGY.BUCKET, Key="data/storage/sentiment/validated_labels/big.jsonl.parquet")[
-            "Body"
-        ].read()
-    )
-    assert labels["post_id"].to_list() == [f"b{i}" for i in range(BIG)]
+    labels = labels_in_s3(client, "big.jsonl")
+    assert labels["post_id"].to_list() == [f"big{i}" for i in range(BIG)]
     assert labels["label"].null_count() == 0
     record = instance.fetch_materializations(
         dg.AssetRecordsFilter(
@@ -220,13 +222,7 @@ def test_a_daemon_restarted_during_a_burst_of_ten_drops_loses_none_and_runs_none
     client = s3(settings)
     names = [f"burst-{i}.jsonl" for i in range(10)]
     for number, name in enumerate(names):
-        drop = tmp_path / name
-        drop.write_text(
-            "".join(
-                json.dumps({"post_id": f"{number}-{i}", "text": f"burst {number}, post {i}"}) + "\n" for i in range(4)
-            )
-        )
-        client.upload_file(str(drop), TOPOLOGY.BUCKET, f"data/drops/sentiment/{name}")
+        drop_posts(client, tmp_path, name, [f"burst {number}, post {i}" for i in range(4)])
     containers["daemon"].restart(timeout=30)
 
     labels_key = dg.AssetKey(["sentiment", "validated_labels"])
@@ -258,14 +254,7 @@ def test_postgres_restarted_during_a_run_records_nothing_twice(
     settings, containers = topology
     client = s3(settings)
     rows = 600
-    drop = tmp_path / "pg.jsonl"
-    drop.write_text(
-        "".join(
-            json.dumps({"post_id": f"pg{i}", "text": f"pg post {i}: it arrived {i % 7} days late"}) + "\n"
-            for i in range(rows)
-        )
-    )
-    client.upload_file(str(drop), TOPOLOGY.BUCKET, "data/drops/sentiment/pg.jsonl")
+    drop_posts(client, tmp_path, "pg.jsonl", [f"pg post {i}: it arrived {i % 7} days late" for i in range(rows)])
     deadline = time.monotonic() + 900
     while not any(run.status == dg.DagsterRunStatus.STARTED for run in runs_of(instance, "pg.jsonl")):
         assert time.monotonic() < deadline, service_logs()
@@ -297,9 +286,5 @@ def test_postgres_restarted_during_a_run_records_nothing_twice(
         dg.AssetRecordsFilter(asset_key=labels_key, asset_partitions=["pg.jsonl"]), limit=10
     ).records
     assert len(records) == 1, [r.run_id for r in records]
-    labels = pl.read_parquet(
-        client.get_object(Bucket=TOPOLOGY.BUCKET, Key="data/storage/sentiment/validated_labels/pg.jsonl.parquet")[
-            "Body"
-        ].read()
-    )
+    labels = labels_in_s3(client, "pg.jsonl")
     assert labels["post_id"].to_list() == [f"pg{i}" for i in range(rows)]

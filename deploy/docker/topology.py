@@ -72,6 +72,13 @@ def client() -> docker.DockerClient:
     return docker.from_env(timeout=600)
 
 
+# The Dagster home (instance files, compute logs) and the caches, on every container of the image.
+SHARED_VOLUMES = {
+    VOLUMES["home"]: {"bind": DAGSTER_HOME, "mode": "rw"},
+    VOLUMES["cache"]: {"bind": "/cache", "mode": "rw"},
+}
+
+
 def as_batch_user(settings: Settings, **kwargs) -> dict:
     """The run options of a container of the image: UID 10001, read-only root, the shared volumes."""
     return {
@@ -81,10 +88,7 @@ def as_batch_user(settings: Settings, **kwargs) -> dict:
         "tmpfs": {"/tmp": ""},
         "network": NETWORK,
         "environment": settings.environment(),
-        "volumes": {
-            VOLUMES["home"]: {"bind": DAGSTER_HOME, "mode": "rw"},
-            VOLUMES["cache"]: {"bind": "/cache", "mode": "rw"},
-        },
+        "volumes": SHARED_VOLUMES,
         "labels": {LABEL: "service"},
         "detach": True,
         **kwargs,
@@ -182,10 +186,7 @@ def up(settings: Settings) -> dict[str, Container]:
             command=["dagster-daemon", "run", *workspace],
             # The run launcher starts each run's container through the engine: its socket, and the
             # socket's group so that UID 10001 may use it.
-            volumes={
-                **as_batch_user(settings)["volumes"],
-                socket: {"bind": socket, "mode": "rw"},
-            },
+            volumes={**SHARED_VOLUMES, socket: {"bind": socket, "mode": "rw"}},
             group_add=[str(os.stat(socket).st_gid)],
         )
     )
