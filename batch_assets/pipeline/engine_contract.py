@@ -28,7 +28,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec, TaskSpec
+from batch_assets.pipeline.task_spec import OutputSpec, ResolvedLora, SamplingSpec, TaskSpec
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,9 @@ class ResolvedSettings:
     teacher: ResolvedSettings | None = None
     # The endpoint is sent no model name and the run asks the server which model it serves.
     model_from_server: bool = False
+    # The task's LoRA adapter (`engine.lora`): its identity (a hash of its files) counts in the code
+    # versions and the fingerprint; its path does not.
+    lora: ResolvedLora | None = None
 
 
 class EngineSettings(Protocol):
