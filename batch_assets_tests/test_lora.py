@@ -34,7 +34,7 @@ WRITE_GOLDEN_ENV = "BATCH_ASSETS_WRITE_GOLDEN"
 ROWS = 500
 
 
-def task_yaml(name: str, model: str, adapter: Path | str, *, extra: str = "") -> str:
+def task_yaml(name: str, model: str, adapter: Path | str, *, extra: str = "", lora_name: str = "") -> str:
     return f"""name: {name}
 input: {{text_fields: [text]}}
 prompt:
@@ -45,16 +45,18 @@ engine:
   kv_cache_memory_gib: 0.25
 {extra}  lora:
     path: {adapter}
-output: {{kind: text}}
+{f"    name: {lora_name}" + chr(10) if lora_name else ""}output: {{kind: text}}
 sampling: {{max_tokens: 8, temperature: 0.0}}
 automation: {{rematerialize_stale: true}}
 """
 
 
-def write_task(folder: Path, name: str, model: str, adapter: Path | str, *, extra: str = "") -> Path:
+def write_task(
+    folder: Path, name: str, model: str, adapter: Path | str, *, extra: str = "", lora_name: str = ""
+) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.yaml"
-    path.write_text(task_yaml(name, model, adapter, extra=extra), encoding="utf-8")
+    path.write_text(task_yaml(name, model, adapter, extra=extra, lora_name=lora_name), encoding="utf-8")
     return path
 
 
@@ -265,3 +267,31 @@ def test_adapters_match_plain_vllm_share_one_engine_and_key_the_cache(
             ROWS * 0.9
         )
         assert PROCESS_ENGINE.starts - starts <= 1  # the changed adapter is loaded by the same engine
+
+
+def test_an_endpoint_is_sent_the_adapter_name_and_serve_routes_a_batch_naming_it(tmp_path: Path) -> None:
+    """kind openai / batch_api: the server holds the adapter (`vllm serve --lora-modules NAME=FOLDER`),
+    requests name it as their model, prompts are counted with the base model's tokenizer; a batch
+    sent to `batch-assets serve` whose lines name an adapter runs the task of that adapter."""
+    from batch_assets.engines.batch_api_engine import BatchApiEngine
+    from batch_assets.engines.openai_engine import OpenAIEngine, chat_request_params
+    from batch_assets.serve.batch_runs import BatchRunner
+
+    base = fake_base_model(tmp_path / "base")
+    adapter = build_tiny_adapter(tmp_path / "tickets", str(base))
+    endpoint = "  kind: openai\n  base_url: http://127.0.0.1:9/v1\n"
+    task = load_task_spec(
+        write_task(tmp_path / "tasks", "named", str(base), adapter, extra=endpoint, lora_name="tickets-v2")
+    )
+    for engine in (OpenAIEngine(), BatchApiEngine()):
+        settings = engine.settings(task)
+        assert settings.model == "tickets-v2" and settings.tokenizer == str(base.resolve())
+        assert chat_request_params(task, settings.model)["model"] == "tickets-v2"
+        assert settings.identity()["lora"].startswith("sha256:")  # the local copy's files identify it
+    chat = {"/v1/chat/completions": "openai_batch"}
+    runner = BatchRunner(store=None, tasks=chat, adapters={"tickets-v2": "tickets"})  # type: ignore[arg-type]
+    lines = tmp_path / "batch.jsonl"
+    lines.write_text(json.dumps({"custom_id": "1", "body": {"model": "tickets-v2", "messages": []}}) + "\n")
+    assert runner.task_for("/v1/chat/completions", lines) == "tickets"
+    lines.write_text(json.dumps({"custom_id": "1", "body": {"model": "other", "messages": []}}) + "\n")
+    assert runner.task_for("/v1/chat/completions", lines) == "openai_batch"

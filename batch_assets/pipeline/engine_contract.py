@@ -123,7 +123,10 @@ class EngineSettings(Protocol):
 
 def model_name(settings: EngineSettings) -> str:
     """The model as a user names it: as resolved (an `embedded:` name unexpanded), or the name an
-    endpoint serves when the task named none."""
+    endpoint serves when the task named none; with a LoRA adapter, the adapter's name (what `vllm
+    serve --lora-modules` serves it as, and what an OpenAI batch line names)."""
+    if settings.resolved.lora is not None:
+        return settings.resolved.lora.name
     return settings.model if settings.resolved.model_from_server else settings.resolved.model
 
 
