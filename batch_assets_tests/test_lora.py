@@ -225,8 +225,9 @@ def test_adapters_match_plain_vllm_share_one_engine_and_key_the_cache(
     adapter_b = build_tiny_adapter(adapters / "b", tiny_model, seed=2)
     task_a = load_task_spec(write_task(tasks, "lora_a", tiny_model, adapter_a))
     task_b = load_task_spec(write_task(tasks, "lora_b", tiny_model, adapter_b))
-    for task in (task_a, task_b):
-        drop(data_dir, task.name, "posts.jsonl", posts("p"))
+    drop(data_dir, "lora_a", "posts.jsonl", posts("p"))
+    # The second adapter's task needs fewer rows to show it answers otherwise (CPU LoRA is slow).
+    drop(data_dir, "lora_b", "posts.jsonl", "".join(posts("p").splitlines(keepends=True)[:100]))
     starts = PROCESS_ENGINE.starts
     with dg.instance_for_test() as instance:
         first = run_partition(task_a, "posts.jsonl", instance)
@@ -241,7 +242,7 @@ def test_adapters_match_plain_vllm_share_one_engine_and_key_the_cache(
         assert len(with_a) == ROWS and with_a == plain["lora"]  # vLLM's own answers with the same LoRARequest
         differ = sum(a != base for a, base in zip(with_a, plain["base"], strict=True))
         assert differ > ROWS * 0.9, f"the adapter changed only {differ} of {ROWS} answers"
-        assert sum(a != b for a, b in zip(with_a, with_b, strict=True)) > ROWS * 0.9
+        assert len(with_b) == 100 and sum(a != b for a, b in zip(with_a, with_b, strict=False)) > 90
         assert first["rows_from_cache"] == 0 and stale_partitions(task_a, instance) == set()
 
         # The same adapter in another folder: the partition stays fresh and a new file is answered

@@ -209,7 +209,7 @@ class VLLMSettings:
         """vLLM's `LoRARequest` for the task's adapter, or None."""
         if self.lora is None:
             return None
-        from vllm.lora.request import LoRARequest
+        from batch_assets.runtime.vllm_private import LoRARequest
 
         return LoRARequest(self.lora.name, self.lora.int_id, self.lora.path)
 
