@@ -237,6 +237,12 @@ class VLLMSettings:
             "structured_outputs": self.structured_outputs,
             "runner": self.runner,
             "vllm_args": dict(sorted(self.vllm_args.items())),
+            # Which adapter answered (its name, folder and files' hash), where the task has one.
+            **(
+                {"lora": {"name": self.lora.name, "path": self.lora.path, "identity": self.lora.identity}}
+                if self.lora
+                else {}
+            ),
         }
 
 
