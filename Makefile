@@ -2,6 +2,12 @@
 VENV      := .venv
 STAMP     := $(VENV)/.batch_assets_installed
 export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
+# Python's compiled bytecode in one folder inside .venv (none next to the sources), written by the first
+# process that imports a module and read by every later one. An engine start is three interpreters
+# importing torch and vLLM; where PYTHONDONTWRITEBYTECODE is set (CI's machines set it) each of them
+# compiled those from source again: the tiny model's engine start took twice as long (BENCHMARKS.md).
+export PYTHONPYCACHEPREFIX ?= $(CURDIR)/$(VENV)/pycache
+export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: setup demo test test-fast lint golden ui image image-check deploy-check clean
 

@@ -25,6 +25,9 @@ from batch_assets_tests.support import drop
 
 # The slow tier (`make test-fast` leaves it out): every test runs the real vLLM engine (tiny model).
 pytestmark = pytest.mark.slow
+# The tests run in the order written (xdist's `loadgroup` gives a file's tests to one worker in order):
+# those served by the warm engine of the shipped settings come first, those that need an engine of other
+# settings, a fresh one or none come after, so the file starts 7 engines instead of 10 (~35 s each in CI).
 
 SENTIMENT = next(task for task in load_task_specs() if task.name == "sentiment")
 
@@ -72,34 +75,6 @@ def step_errors(result, event_type: str) -> list[str]:
     return found
 
 
-def test_temperature_zero_gives_the_same_labels_on_every_run(data_dir: Path, tiny_model: str) -> None:
-    drop(data_dir, "sentiment", "posts.jsonl", posts(120))
-    task = sentiment(engine={"batch_size": 50})
-    with dg.instance_for_test() as instance:
-        assert run(task, "posts.jsonl", instance).success
-        first = labels_of(data_dir, "posts.jsonl")
-        # Inferred again (nothing from checkpoints or the result cache), with other checkpoint chunks.
-        result = run(sentiment(engine={"batch_size": 7}), "posts.jsonl", instance, use_result_cache=False)
-        metadata = inference_metadata(result)
-        assert result.success and metadata["rows_inferred"] == 120 and metadata["rows_from_cache"] == 0
-    assert labels_of(data_dir, "posts.jsonl")["generated_text"].to_list() == first["generated_text"].to_list()
-
-
-def test_sampling_with_a_seed_gives_the_same_labels_on_every_run(data_dir: Path, tiny_model: str) -> None:
-    drop(data_dir, "sentiment", "posts.jsonl", posts(120))
-    runs = []
-    with dg.instance_for_test() as instance:
-        for batch_size in (50, 7):
-            task = sentiment(engine={"batch_size": batch_size}, sampling={"temperature": 1.0, "seed": 1234})
-            assert run(task, "posts.jsonl", instance, use_result_cache=False).success
-            runs.append(labels_of(data_dir, "posts.jsonl")["label"].to_list())
-        # The random tiny model really samples: another seed gives other labels.
-        assert run(sentiment(sampling={"temperature": 1.0, "seed": 99}), "posts.jsonl", instance).success
-        other_seed = labels_of(data_dir, "posts.jsonl")["label"].to_list()
-    assert runs[0] == runs[1]
-    assert other_seed != runs[0]
-
-
 def own_descendants() -> list[psutil.Process]:
     """This process's descendants in its own process group: the in-process engine's, not those of the
     session's servers (`vllm serve`, `batch-assets serve`), which run in sessions of their own."""
@@ -134,6 +109,42 @@ def _stored_results(data: Path, partition: str) -> tuple[dict[str, str], dict[st
     if checkpointed.is_empty():
         return {}, cached
     return dict(zip(checkpointed["request_key"], checkpointed["generated_text"], strict=True)), cached
+
+
+def _live_engine_process(process: psutil.Process) -> bool:
+    """A vLLM process still running; one that exited and waits to be reaped (a zombie) is gone."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE and "VLLM" in " ".join(process.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+
+
+def test_temperature_zero_gives_the_same_labels_on_every_run(data_dir: Path, tiny_model: str) -> None:
+    drop(data_dir, "sentiment", "posts.jsonl", posts(120))
+    task = sentiment(engine={"batch_size": 50})
+    with dg.instance_for_test() as instance:
+        assert run(task, "posts.jsonl", instance).success
+        first = labels_of(data_dir, "posts.jsonl")
+        # Inferred again (nothing from checkpoints or the result cache), with other checkpoint chunks.
+        result = run(sentiment(engine={"batch_size": 7}), "posts.jsonl", instance, use_result_cache=False)
+        metadata = inference_metadata(result)
+        assert result.success and metadata["rows_inferred"] == 120 and metadata["rows_from_cache"] == 0
+    assert labels_of(data_dir, "posts.jsonl")["generated_text"].to_list() == first["generated_text"].to_list()
+
+
+def test_sampling_with_a_seed_gives_the_same_labels_on_every_run(data_dir: Path, tiny_model: str) -> None:
+    drop(data_dir, "sentiment", "posts.jsonl", posts(120))
+    runs = []
+    with dg.instance_for_test() as instance:
+        for batch_size in (50, 7):
+            task = sentiment(engine={"batch_size": batch_size}, sampling={"temperature": 1.0, "seed": 1234})
+            assert run(task, "posts.jsonl", instance, use_result_cache=False).success
+            runs.append(labels_of(data_dir, "posts.jsonl")["label"].to_list())
+        # The random tiny model really samples: another seed gives other labels.
+        assert run(sentiment(sampling={"temperature": 1.0, "seed": 99}), "posts.jsonl", instance).success
+        other_seed = labels_of(data_dir, "posts.jsonl")["label"].to_list()
+    assert runs[0] == runs[1]
+    assert other_seed != runs[0]
 
 
 def test_a_stop_mid_partition_keeps_what_finished_and_the_rerun_reuses_it(
@@ -187,6 +198,42 @@ def test_a_stop_mid_partition_keeps_what_finished_and_the_rerun_reuses_it(
     assert labels["row_id"].to_list() == list(range(3000)) and labels["error"].null_count() == 3000
 
 
+def test_a_request_the_engine_refuses_is_an_error_row_not_a_failed_partition(data_dir: Path, tiny_model: str) -> None:
+    """A pattern Python accepts but vLLM's structured-output backend cannot compile (a back-reference):
+    vLLM refuses each request, and each row says so; the partition and its range still succeed."""
+    from batch_assets.pipeline.task_spec import OutputSpec
+
+    drop(data_dir, "sentiment", "posts.jsonl", posts(3))
+    task = sentiment().model_copy(update={"output": OutputSpec(kind="regex", regex=r"(pos|neg)\1")})
+    with dg.instance_for_test() as instance:
+        result = run(task, "posts.jsonl", instance)
+    # The step did not fail (nor retry): every row got its result, an error row each.
+    assert not step_errors(result, "STEP_UP_FOR_RETRY")
+    assert inference_metadata(result)["error_rows"] == 3
+    outputs = pl.read_parquet(
+        data_dir / "storage" / "sentiment" / "inference_outputs" / f"{partition_key_for('posts.jsonl')}.parquet"
+    )
+    assert outputs.height == 3 and outputs["generated_text"].null_count() == 3
+    assert all(error.startswith("invalid_request: the engine refused the request") for error in outputs["error"])
+
+
+def test_a_warm_engine_is_kept_for_the_next_range_unless_another_run_waits_for_the_device(
+    data_dir: Path, tiny_model: str
+) -> None:
+    from batch_assets.engines.vllm_engine import PROCESS_ENGINE, keep_engine_warm
+
+    drop(data_dir, "sentiment", "posts.jsonl", posts(4))
+    with dg.instance_for_test() as instance:
+        for someone_waits in (False, True):
+            with keep_engine_warm(wanted_elsewhere=lambda waits=someone_waits: waits):
+                result = run(sentiment(), "posts.jsonl", instance, use_result_cache=False)
+                metadata = inference_metadata(result)
+                assert result.success and metadata["rows_inferred"] == 4
+                assert PROCESS_ENGINE.running is not someone_waits
+        # The second run found the first one's engine kept for it, and shut it down after.
+        assert metadata["engine_started_by_this_run"] is False
+
+
 def test_an_engine_killed_mid_partition_fails_with_its_message_and_the_retry_resumes(
     data_dir: Path, tiny_model: str
 ) -> None:
@@ -226,6 +273,55 @@ def test_an_engine_killed_mid_partition_fails_with_its_message_and_the_retry_res
         and labels["row_id"].to_list() == list(range(3000))
         and labels["error"].null_count() == 3000
     )
+
+
+def test_no_engine_starts_for_a_cached_an_empty_or_an_all_error_file(data_dir: Path, tiny_model: str) -> None:
+    from batch_assets.engines.vllm_engine import PROCESS_ENGINE
+
+    drop(data_dir, "sentiment", "posts.jsonl", posts(5))
+    drop(data_dir, "sentiment", "empty.jsonl", "")
+    drop(data_dir, "sentiment", "errors.jsonl", 'not json\n{"id": 1, "text": ""}\n')
+    task = sentiment()
+    with dg.instance_for_test() as instance:
+        assert run(task, "posts.jsonl", instance).success
+        PROCESS_ENGINE.shutdown()
+        starts = PROCESS_ENGINE.starts
+        for name in ("empty.jsonl", "errors.jsonl", "posts.jsonl"):
+            result = run(task, name, instance)
+            metadata = inference_metadata(result)
+            assert result.success
+            assert metadata["engine_started_by_this_run"] is False and metadata["engine_start_seconds"] == 0.0
+            assert metadata["rows_inferred"] == 0
+    assert PROCESS_ENGINE.starts == starts and not PROCESS_ENGINE.running
+
+
+def test_a_run_frees_its_engine_before_its_step_frees_the_pool_slot(
+    data_dir: Path, tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon's or the UI's run (no `keep_engine_warm`): the next run's step may start its engine
+    as soon as this step frees the `gpu` slot, so this engine must be gone by then, not at the end
+    of the run (on a GPU it would still hold the memory the next engine needs)."""
+    from batch_assets.engines.vllm_engine import PROCESS_ENGINE
+
+    drop(data_dir, "sentiment", "posts.jsonl", posts(6))
+    monkeypatch.setattr(PROCESS_ENGINE, "keep_warm_depth", 0)  # as in a run worker process
+    PROCESS_ENGINE.shutdown()
+    starts = PROCESS_ENGINE.starts
+    with dg.instance_for_test() as instance:
+        result = run(sentiment(), "posts.jsonl", instance, use_result_cache=False)
+        assert result.success and inference_metadata(result)["engine_started_by_this_run"] is True
+        assert PROCESS_ENGINE.starts == starts + 1 and not PROCESS_ENGINE.running
+        logs = instance.all_logs(result.run_id)
+    shut_down_at = [e.timestamp for e in logs if "shut the vLLM engine down" in e.user_message]
+    step_done_at = [
+        e.timestamp
+        for e in logs
+        if e.dagster_event is not None
+        and e.dagster_event.event_type_value == "STEP_SUCCESS"
+        and e.step_key == "sentiment__inference_outputs"
+    ]
+    assert len(shut_down_at) == 1 and len(step_done_at) == 1 and shut_down_at[0] <= step_done_at[0]
+    assert [child for child in own_descendants() if _live_engine_process(child)] == []
 
 
 def test_a_kv_cache_larger_than_memory_fails_at_once_naming_the_setting(data_dir: Path, tiny_model: str) -> None:
@@ -319,26 +415,6 @@ def test_the_stream_returns_every_result_once_honours_per_request_overrides_and_
     assert compiled == [], f"the engine compiled {len(compiled)} files, e.g. {compiled[:3]}"
 
 
-def test_no_engine_starts_for_a_cached_an_empty_or_an_all_error_file(data_dir: Path, tiny_model: str) -> None:
-    from batch_assets.engines.vllm_engine import PROCESS_ENGINE
-
-    drop(data_dir, "sentiment", "posts.jsonl", posts(5))
-    drop(data_dir, "sentiment", "empty.jsonl", "")
-    drop(data_dir, "sentiment", "errors.jsonl", 'not json\n{"id": 1, "text": ""}\n')
-    task = sentiment()
-    with dg.instance_for_test() as instance:
-        assert run(task, "posts.jsonl", instance).success
-        PROCESS_ENGINE.shutdown()
-        starts = PROCESS_ENGINE.starts
-        for name in ("empty.jsonl", "errors.jsonl", "posts.jsonl"):
-            result = run(task, name, instance)
-            metadata = inference_metadata(result)
-            assert result.success
-            assert metadata["engine_started_by_this_run"] is False and metadata["engine_start_seconds"] == 0.0
-            assert metadata["rows_inferred"] == 0
-    assert PROCESS_ENGINE.starts == starts and not PROCESS_ENGINE.running
-
-
 def test_two_data_parallel_engine_replicas_give_the_labels_of_one(
     tiny_model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -362,76 +438,3 @@ def test_two_data_parallel_engine_replicas_give_the_labels_of_one(
             labels[size] = [g.text for _, g in sorted(session.stream(prompts), key=lambda item: item[0])]
         PROCESS_ENGINE.shutdown()
     assert labels["1"] == labels["2"] and set(labels["2"]) <= {"positive", "negative", "neutral"}
-
-
-def test_a_run_frees_its_engine_before_its_step_frees_the_pool_slot(
-    data_dir: Path, tiny_model: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A daemon's or the UI's run (no `keep_engine_warm`): the next run's step may start its engine
-    as soon as this step frees the `gpu` slot, so this engine must be gone by then, not at the end
-    of the run (on a GPU it would still hold the memory the next engine needs)."""
-    from batch_assets.engines.vllm_engine import PROCESS_ENGINE
-
-    drop(data_dir, "sentiment", "posts.jsonl", posts(6))
-    monkeypatch.setattr(PROCESS_ENGINE, "keep_warm_depth", 0)  # as in a run worker process
-    PROCESS_ENGINE.shutdown()
-    starts = PROCESS_ENGINE.starts
-    with dg.instance_for_test() as instance:
-        result = run(sentiment(), "posts.jsonl", instance, use_result_cache=False)
-        assert result.success and inference_metadata(result)["engine_started_by_this_run"] is True
-        assert PROCESS_ENGINE.starts == starts + 1 and not PROCESS_ENGINE.running
-        logs = instance.all_logs(result.run_id)
-    shut_down_at = [e.timestamp for e in logs if "shut the vLLM engine down" in e.user_message]
-    step_done_at = [
-        e.timestamp
-        for e in logs
-        if e.dagster_event is not None
-        and e.dagster_event.event_type_value == "STEP_SUCCESS"
-        and e.step_key == "sentiment__inference_outputs"
-    ]
-    assert len(shut_down_at) == 1 and len(step_done_at) == 1 and shut_down_at[0] <= step_done_at[0]
-    assert [child for child in own_descendants() if _live_engine_process(child)] == []
-
-
-def _live_engine_process(process: psutil.Process) -> bool:
-    """A vLLM process still running; one that exited and waits to be reaped (a zombie) is gone."""
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE and "VLLM" in " ".join(process.cmdline())
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return False
-
-
-def test_a_warm_engine_is_kept_for_the_next_range_unless_another_run_waits_for_the_device(
-    data_dir: Path, tiny_model: str
-) -> None:
-    from batch_assets.engines.vllm_engine import PROCESS_ENGINE, keep_engine_warm
-
-    drop(data_dir, "sentiment", "posts.jsonl", posts(4))
-    with dg.instance_for_test() as instance:
-        for someone_waits in (False, True):
-            with keep_engine_warm(wanted_elsewhere=lambda waits=someone_waits: waits):
-                result = run(sentiment(), "posts.jsonl", instance, use_result_cache=False)
-                metadata = inference_metadata(result)
-                assert result.success and metadata["rows_inferred"] == 4
-                assert PROCESS_ENGINE.running is not someone_waits
-        # The second run found the first one's engine kept for it, and shut it down after.
-        assert metadata["engine_started_by_this_run"] is False
-
-
-def test_a_request_the_engine_refuses_is_an_error_row_not_a_failed_partition(data_dir: Path, tiny_model: str) -> None:
-    """A pattern Python accepts but vLLM's structured-output backend cannot compile (a back-reference):
-    vLLM refuses each request, and each row says so; the partition and its range still succeed."""
-    from batch_assets.pipeline.task_spec import OutputSpec
-
-    drop(data_dir, "sentiment", "posts.jsonl", posts(3))
-    task = sentiment().model_copy(update={"output": OutputSpec(kind="regex", regex=r"(pos|neg)\1")})
-    with dg.instance_for_test() as instance:
-        result = run(task, "posts.jsonl", instance)
-    # The step did not fail (nor retry): every row got its result, an error row each.
-    assert not step_errors(result, "STEP_UP_FOR_RETRY")
-    assert inference_metadata(result)["error_rows"] == 3
-    outputs = pl.read_parquet(
-        data_dir / "storage" / "sentiment" / "inference_outputs" / f"{partition_key_for('posts.jsonl')}.parquet"
-    )
-    assert outputs.height == 3 and outputs["generated_text"].null_count() == 3
-    assert all(error.startswith("invalid_request: the engine refused the request") for error in outputs["error"])

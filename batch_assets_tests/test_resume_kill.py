@@ -1,10 +1,11 @@
 """kill -9 in the middle of inference, then re-run: every record once, finished work reused.
 
 A real `batch-assets run` child process (its own process group, with vLLM's engine processes)
-is killed with SIGKILL once a checkpoint chunk of the 1,000-row partition exists. The re-run (the
-command line's `main` in the test's process) then
-materializes only the partitions Dagster does not have yet ("backfill failed and missing"), and
-the 1,000-row partition resumes from its checkpoints.
+is killed with SIGKILL once a checkpoint chunk of the 1,000-row partition exists: its main process
+alone for the labelling task (what the out-of-memory killer does), its whole group for the embedding
+task. The re-run (the command line's `main` in the test's process) then materializes only the
+partitions Dagster does not have yet ("backfill failed and missing"), and the 1,000-row partition
+resumes from its checkpoints.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import dagster as dg
 import polars as pl
+import psutil
 import pytest
 
 from batch_assets_tests.support import REPO_ROOT
@@ -112,18 +114,28 @@ def test_kill_9_mid_inference_then_rerun_gives_each_row_once_and_reuses_checkpoi
     write_posts(inputs / "c.jsonl", 200, "c")
     log = tmp_path / "cli.log"
 
-    # 1. One command, one range run over a, b and c (one engine stream), killed with SIGKILL (whole
-    #    process group) once b has checkpoints.
+    # 1. One command, one range run over a, b and c (one engine stream), killed with SIGKILL once b has
+    #    checkpoints: the main process alone, as the out-of-memory killer does. vLLM's engine core would
+    #    outlive it, holding its memory (or GPU); the engine's watcher kills it. (A SIGKILL to the whole
+    #    group is the embedding test's.)
     child = run_cli(child_env, inputs, "a.jsonl", "b.jsonl", "c.jsonl", log=log)
     deadline = time.monotonic() + 600
     while not chunks_of(data_dir, "b.jsonl"):
         assert child.poll() is None, f"the run ended before it could be killed:\n{log.read_text()[-3000:]}"
         assert time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.05)
-    os.killpg(child.pid, signal.SIGKILL)
+    main = psutil.Process(child.pid)
+    engine = [
+        p for p in main.children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()
+    ]
+    assert engine, [p.cmdline() for p in main.children(recursive=True)]
+    os.kill(child.pid, signal.SIGKILL)
     child.wait(timeout=30)
     assert child.returncode == -signal.SIGKILL
-    for _ in range(100):  # vLLM's engine processes are in the group too
+    gone, alive = psutil.wait_procs(engine, timeout=30)
+    assert not alive, f"engine processes outlived their run: {[p.pid for p in alive]}"
+    # Nothing of the run is left: the watcher exits once its work is done.
+    for _ in range(100):
         if not group_alive(child.pid):
             break
         time.sleep(0.1)
@@ -176,40 +188,6 @@ def test_kill_9_mid_inference_then_rerun_gives_each_row_once_and_reuses_checkpoi
     # The checkpoints of finished partitions are gone.
     for name in ("a.jsonl", "b.jsonl", "c.jsonl"):
         assert not (data_dir / "storage" / "sentiment" / "_checkpoints" / name).exists()
-
-
-def test_engine_processes_die_with_a_run_whose_main_process_alone_is_killed(
-    data_dir: Path, child_env: dict[str, str], tmp_path: Path
-) -> None:
-    """What the out-of-memory killer does: SIGKILL to the main process only, not its group. vLLM's
-    engine core would outlive it, holding its memory (or GPU); the engine's watcher kills it."""
-    import psutil
-
-    inputs = tmp_path / "inputs"
-    inputs.mkdir()
-    write_posts(inputs / "big.jsonl", 5000, "big")
-    log = tmp_path / "cli.log"
-    child = run_cli(child_env, inputs, "big.jsonl", log=log)
-    deadline = time.monotonic() + 600
-    while not chunks_of(data_dir, "big.jsonl"):
-        assert child.poll() is None, f"the run ended before it could be killed:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.05)
-    main = psutil.Process(child.pid)
-    engine = [
-        p for p in main.children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()
-    ]
-    assert engine, [p.cmdline() for p in main.children(recursive=True)]
-    os.kill(child.pid, signal.SIGKILL)
-    child.wait(timeout=30)
-    gone, alive = psutil.wait_procs(engine, timeout=30)
-    assert not alive, f"engine processes outlived their run: {[p.pid for p in alive]}"
-    # Nothing of the run is left: the watcher exits once its work is done.
-    for _ in range(100):
-        if not group_alive(child.pid):
-            break
-        time.sleep(0.1)
-    assert group_alive(child.pid) == []
 
 
 def test_kill_9_mid_embedding_then_rerun_embeds_each_row_once_and_reuses_checkpointed_vectors(

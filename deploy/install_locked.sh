@@ -11,7 +11,9 @@ step="$1" engine="$2" sources="${3:-}"
 VENV=/opt/venv
 UV_TOOL=/opt/uv
 UV_VERSION=0.13.9
-export UV_NO_CACHE=1 UV_LINK_MODE=copy PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# UV_COMPILE_BYTECODE: the image runs on a read-only root, where Python cannot write the bytecode it
+# compiles; without it every run's interpreter and engine processes would compile torch and vLLM again.
+export UV_NO_CACHE=1 UV_LINK_MODE=copy UV_COMPILE_BYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
 fetch() { python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())' "$1"; }
 
