@@ -44,8 +44,9 @@ test-fast: setup
 # vLLM's own answers that tests compare with (batch_assets_tests/golden/), made anew: after a change of
 # vLLM, torch, a model or the requests (a stale file makes its test run vLLM and warn).
 golden: setup
-	BATCH_ASSETS_WRITE_GOLDEN=1 $(VENV)/bin/python -m pytest -p no:xdist -k matches_vllm_run_batch \
-		batch_assets_tests/test_openai_batch_pipeline.py batch_assets_tests/test_openai_batch_embeddings.py
+	BATCH_ASSETS_WRITE_GOLDEN=1 $(VENV)/bin/python -m pytest -p no:xdist -k "matches_vllm_run_batch or match_plain_vllm" \
+		batch_assets_tests/test_openai_batch_pipeline.py batch_assets_tests/test_openai_batch_embeddings.py \
+		batch_assets_tests/test_lora.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -313,7 +313,9 @@ class _StreamingEngine:
         self.shutdown_seconds = shutdown_seconds
         self.stopped = False
 
-    def stream(self, prompts: Iterable[Prompt], params_for: object) -> Iterator[tuple[int, Generation]]:
+    def stream(
+        self, prompts: Iterable[Prompt], params_for: object, lora_request: object = None
+    ) -> Iterator[tuple[int, Generation]]:
         for position, prompt in enumerate(prompts):
             yield position, Generation("yes", "stop", len(prompt), 1)
 

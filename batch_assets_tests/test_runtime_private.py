@@ -52,6 +52,7 @@ def test_private_dagster_and_vllm_imports_live_only_in_the_runtime_package() -> 
         "dagster._core.storage.event_log",
         "dagster._utils.error",
         "vllm.exceptions",
+        "vllm.lora.request",
         "vllm.usage.usage_lib",
         "vllm.v1.engine.exceptions",
     }
@@ -93,7 +94,7 @@ def test_vllm_internals_keep_the_shapes_relied_on() -> None:
     import vllm
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from batch_assets.runtime.vllm_private import EngineGenerateError, UsageContext, VLLMClientError
+    from batch_assets.runtime.vllm_private import EngineGenerateError, LoRARequest, UsageContext, VLLMClientError
 
     assert vllm.__version__.startswith("0.32."), "re-check runtime/vllm_private.py for this vLLM version"
     assert vllm.AsyncLLMEngine is AsyncLLM  # the public name the engine is created by
@@ -101,6 +102,9 @@ def test_vllm_internals_keep_the_shapes_relied_on() -> None:
     assert isinstance(UsageContext.LLM_CLASS, UsageContext)
     assert issubclass(EngineGenerateError, Exception) and issubclass(VLLMClientError, Exception)
     assert isinstance(inspect.getattr_static(AsyncLLM, "errored"), property)
+    # engine.lora: each request's adapter, by name, number and folder, passed to `generate`.
+    assert list(inspect.signature(LoRARequest).parameters)[:3] == ["lora_name", "lora_int_id", "lora_path"]
+    assert "lora_request" in inspect.signature(AsyncLLM.generate).parameters
 
 
 def _graph():

@@ -65,3 +65,54 @@ def build_tiny_model(destination: Path) -> Path:
     shutil.rmtree(destination, ignore_errors=True)  # a folder left without its weights
     staging.rename(destination)
     return destination
+
+
+TINY_ADAPTER_TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
+
+
+def build_tiny_adapter(destination: Path, base_model: str, seed: int = 1, rank: int = 8, scale: float = 0.5) -> Path:
+    """A LoRA adapter in PEFT's format (adapter_config.json + adapter_model.safetensors) for the tiny model.
+
+    Written with safetensors and torch alone (peft is not installed). lora_B is non-zero (PEFT starts it at
+    zero, which would leave the model unchanged) and large enough that greedy answers change: the point of
+    the tests is that the adapter is really applied. A different `seed` gives a different adapter."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(base_model) / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    shapes = {  # (out, in) of each targeted projection
+        "q_proj": (heads * head_dim, hidden),
+        "v_proj": (kv_heads * head_dim, hidden),
+        "o_proj": (hidden, heads * head_dim),
+        "down_proj": (hidden, inter),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module in TINY_ADAPTER_TARGETS:
+            group = "mlp" if module == "down_proj" else "self_attn"
+            prefix = f"base_model.model.model.layers.{layer}.{group}.{module}"
+            out_features, in_features = shapes[module]
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * scale
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * scale
+    destination.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(destination / "adapter_model.safetensors"), metadata={"format": "pt"})
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base_model),
+        "r": rank,
+        "lora_alpha": rank * 2,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": list(TINY_ADAPTER_TARGETS),
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+    (destination / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
+    return destination

@@ -96,7 +96,7 @@ class BatchApiSettings(EndpointSettings):
     expiry_grace_seconds: float
 
     def identity(self) -> dict[str, Any]:
-        return {"engine": BATCH_API_KIND, "model": self.model, "base_url": self.base_url}
+        return {**super().identity(), "engine": BATCH_API_KIND}
 
 
 class BatchApiEngine(OpenAIEngine):

@@ -53,6 +53,7 @@ from batch_assets.pipeline.task_spec import (
     SamplingSpec,
     TaskSpec,
     check_base_url,
+    resolve_lora,
 )
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,10 @@ class EndpointSettings:
     def identity(self) -> dict[str, Any]:
         """What decides the outputs besides sampling and the output constraint: the model and the
         server it is served from."""
-        return {"engine": "openai", "model": self.model, "base_url": self.base_url}
+        identity = {"engine": "openai", "model": self.model, "base_url": self.base_url}
+        if self.resolved.lora is not None:  # absent otherwise, so other tasks keep their fingerprints
+            identity["lora"] = self.resolved.lora.identity
+        return identity
 
     def metadata(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k not in ("model", "resolved")}
@@ -381,6 +385,7 @@ class OpenAIEngine(dg.ConfigurableResource):
             max_model_len=self.max_model_len or spec.max_model_len,
             # Unused by an endpoint; kept, so its code versions stay what they were.
             vllm_args=output_vllm_args(spec.vllm_args),
+            lora=resolve_lora(spec.lora) if spec.lora is not None else None,
         )
 
     def settings(self, task: TaskSpec) -> EndpointSettings:
@@ -411,6 +416,10 @@ class OpenAIEngine(dg.ConfigurableResource):
             else resolved.model
         )
         tokenizer = self._tokenizer_source(task, model)
+        if resolved.lora is not None:
+            # The server serves the adapter under its name (`vllm serve --lora-modules NAME=...`); the
+            # prompts are still rendered and counted with the base model's tokenizer (above).
+            model = resolved.lora.name
         if task.output.pooling and not self.max_model_len and "max_model_len" not in spec.model_fields_set:
             # As in process: an embedding model takes what it was trained with (its tokenizer's folder
             # says so: 256 tokens for all-MiniLM-L6-v2), not the chat default.

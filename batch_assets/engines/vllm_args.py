@@ -44,6 +44,11 @@ THROUGHPUT_ONLY_VLLM_ARGS = frozenset(
         "compilation_config",
         "distributed_executor_backend",
         "async_scheduling",
+        # LoRA capacity: the adapter itself (`engine.lora`) is versioned by its files' hash.
+        "enable_lora",
+        "max_lora_rank",
+        "max_loras",
+        "max_cpu_loras",
     }
 )
 # Decide outputs, with the values the pipeline runs when a task sets none (vLLM's own dtype; a fixed seed).

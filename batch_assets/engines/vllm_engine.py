@@ -72,11 +72,15 @@ from batch_assets.engines.vllm_args import (
 from batch_assets.pipeline.engine_contract import EngineStartError, Generation, Prompt, ResolvedSettings
 from batch_assets.pipeline.task_spec import (
     OutputSpec,
+    ResolvedLora,
     SamplingSpec,
     TaskSpec,
     TaskSpecError,
+    base_model_problem,
     check_vllm_args,
+    engine_lora_rank,
     max_model_len_problem,
+    resolve_lora,
 )
 
 log = logging.getLogger(__name__)
@@ -162,6 +166,9 @@ class VLLMSettings:
     runner: str = "generate"
     # What it was made from; the same engine serves a model however it was chosen.
     resolved: ResolvedSettings = field(kw_only=True, compare=False)
+    # The task's LoRA adapter, sent with each request: tasks of one base model that differ only in it
+    # share the engine (its `enable_lora` and capacity are in `vllm_args`).
+    lora: ResolvedLora | None = field(default=None, kw_only=True, compare=False)
 
     @property
     def max_num_seqs(self) -> int:
@@ -194,7 +201,17 @@ class VLLMSettings:
             identity["vllm_args"] = others
         if self.runner != "generate":  # likewise: chat tasks keep their fingerprints
             identity["runner"] = self.runner
+        if self.lora is not None:  # the adapter's files, not its path: a copy elsewhere is the same
+            identity["lora"] = self.lora.identity
         return identity
+
+    def lora_request(self):
+        """vLLM's `LoRARequest` for the task's adapter, or None."""
+        if self.lora is None:
+            return None
+        from batch_assets.runtime.vllm_private import LoRARequest
+
+        return LoRARequest(self.lora.name, self.lora.int_id, self.lora.path)
 
     def serves(self, wanted: VLLMSettings) -> bool:
         """Whether an engine started with these settings answers as one started with `wanted` would:
@@ -202,7 +219,13 @@ class VLLMSettings:
         long for the task's own `max_model_len` before it reaches the engine (prompt tokens plus
         `max_tokens`), so the longer context changes no output; tasks of one model that differ only
         in their context share a warm engine."""
-        return self.max_model_len >= wanted.max_model_len and replace(wanted, max_model_len=self.max_model_len) == self
+        if self.max_model_len < wanted.max_model_len or not _lora_capacity_serves(self.vllm_args, wanted.vllm_args):
+            return False
+        as_served = {
+            **wanted.vllm_args,
+            **{name: self.vllm_args[name] for name in LORA_CAPACITY_ARGS & self.vllm_args.keys()},
+        }
+        return replace(wanted, max_model_len=self.max_model_len, vllm_args=as_served) == self
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -214,7 +237,25 @@ class VLLMSettings:
             "structured_outputs": self.structured_outputs,
             "runner": self.runner,
             "vllm_args": dict(sorted(self.vllm_args.items())),
+            # Which adapter answered (its name, folder and files' hash), where the task has one.
+            **(
+                {"lora": {"name": self.lora.name, "path": self.lora.path, "identity": self.lora.identity}}
+                if self.lora
+                else {}
+            ),
         }
+
+
+# How many adapters an engine holds and how large: capacity, never outputs (an adapter's weights are
+# padded to `max_lora_rank`). An engine with room for a task's adapter serves it (`VLLMSettings.serves`).
+LORA_CAPACITY_ARGS = frozenset({"max_lora_rank", "max_loras", "max_cpu_loras"})
+
+
+def _lora_capacity_serves(engine: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    """Whether an engine started with `engine`'s LoRA arguments has room for what `wanted` asks."""
+    if bool(engine.get("enable_lora")) != bool(wanted.get("enable_lora")):
+        return False  # an engine without LoRA cannot load one; a base task keeps its own engine's kernels
+    return all(wanted.get(name) is None or (engine.get(name) or 0) >= wanted[name] for name in LORA_CAPACITY_ARGS)
 
 
 def _generation(output, prompt: Prompt) -> Generation:
@@ -501,8 +542,9 @@ class _AsyncEngine:
         return self.llm is None or bool(self.llm.errored)
 
     def stream(
-        self, prompts: Iterable[Prompt], params_for: Callable[[Prompt], Any]
+        self, prompts: Iterable[Prompt], params_for: Callable[[Prompt], Any], lora_request: Any = None
     ) -> Iterator[tuple[int, Generation]]:
+        """Each prompt's result as it finishes; `lora_request`: the adapter every request carries."""
         from vllm import TokensPrompt
 
         window = 2 * self.settings.max_num_seqs * self.settings.data_parallel_size
@@ -520,7 +562,9 @@ class _AsyncEngine:
         async def run_one(request_id: str, prompt: Prompt, params) -> None:
             try:
                 final = None
-                async for output in request(TokensPrompt(prompt_token_ids=list(prompt.token_ids)), params, request_id):
+                tokens = TokensPrompt(prompt_token_ids=list(prompt.token_ids))
+                extra = {"lora_request": lora_request} if lora_request is not None else {}
+                async for output in request(tokens, params, request_id, **extra):
                     final = output
                 finished.put((request_id, result(final, prompt)))
             except BaseException as exc:  # EngineDeadError, a rejected request, cancellation
@@ -849,7 +893,7 @@ class VLLMSession:
     def stream(self, prompts: Iterable[Prompt]) -> Iterator[tuple[int, Generation]]:
         self.start()
         assert self._engine is not None  # start() sets it
-        return self._let_go_after(self._engine.stream(prompts, self._params_for))
+        return self._let_go_after(self._engine.stream(prompts, self._params_for, self._settings.lora_request()))
 
     def _let_go_after(self, results: Iterator[tuple[int, Generation]]) -> Iterator[tuple[int, Generation]]:
         yield from results
@@ -865,6 +909,24 @@ class VLLMSession:
     def metadata(self) -> dict[str, Any]:
         starts = PROCESS_ENGINES[self._settings.runner].starts
         return {"engine_started_by_this_run": self.started_here, "engine_starts_in_process": starts}
+
+
+def _resolved_lora(task: TaskSpec, model: str, model_setting: str) -> ResolvedLora | None:
+    """The task's adapter, checked against the model the engine runs: the task's load checked it
+    against `engine.model`, but a resource or BATCH_ASSETS_MODEL may name another."""
+    if task.engine.lora is None:
+        return None
+    lora = resolve_lora(task.engine.lora)
+    if lora.path is not None and lora.rank is not None and model != task.engine.model:
+        from batch_assets.pipeline.task_spec.lora import read_adapter_config
+
+        problem = base_model_problem(read_adapter_config(Path(lora.path)), model)
+        if problem:
+            raise TaskSpecError(
+                f"task {task.name!r}: engine.lora: {problem} (set by {model_setting}); run the task on the "
+                "adapter's base model, or use an adapter trained on this one"
+            )
+    return lora
 
 
 class VLLMEngine(dg.ConfigurableResource):
@@ -919,12 +981,14 @@ class VLLMEngine(dg.ConfigurableResource):
         problem = max_model_len_problem(task, model, setting, self.max_model_len, length_setting)
         if problem:
             raise TaskSpecError(f"task {task.name!r}: {problem}")
+        lora = _resolved_lora(task, model, setting)
         return ResolvedSettings(
             kind="vllm",
             model=model,
             model_setting=setting,
             max_model_len=self.max_model_len or spec.max_model_len,
             vllm_args=output_vllm_args(spec.vllm_args, self.vllm_args),
+            lora=lora,
         )
 
     def engine_argument_problem(self, task: TaskSpec) -> str | None:
@@ -959,6 +1023,11 @@ class VLLMEngine(dg.ConfigurableResource):
             kv_gib = kv_gib or CPU_DEFAULT_KV_CACHE_GIB
             # Without chunked prefill a step must take a whole prompt.
             vllm_args.setdefault("max_num_batched_tokens", max(max_model_len, 8192))
+        if resolved.lora is not None:
+            # The engine's rank is the adapter's rounded up to vLLM's sizes, at least vLLM's default 16,
+            # so tasks whose adapters are of the usual ranks share one engine (`VLLMSettings.serves`).
+            vllm_args.setdefault("enable_lora", True)
+            vllm_args.setdefault("max_lora_rank", engine_lora_rank(resolved.lora.rank or 0))
         return VLLMSettings(
             model=model,
             max_model_len=max_model_len,
@@ -970,6 +1039,7 @@ class VLLMEngine(dg.ConfigurableResource):
             on_gpu=bool(gpus),
             runner="pooling" if pooling else "generate",
             resolved=resolved,
+            lora=resolved.lora,
         )
 
     def tokenizer(self, settings: VLLMSettings):

@@ -48,7 +48,7 @@ from batch_assets.lib.run_outcomes import (
 )
 from batch_assets.pipeline.engine_contract import ResolvedSettings
 from batch_assets.pipeline.read_prompts import DropFileError
-from batch_assets.pipeline.task_spec import EMBEDDED_MODEL, TaskSpec, TaskSpecError
+from batch_assets.pipeline.task_spec import EMBEDDED_MODEL, TaskSpec, TaskSpecError, engine_lora_rank
 from batch_assets.runtime.instance import dagster_home, home_lock, open_instance
 from batch_assets.runtime.interrupts import Stopped, raise_if_stopped, stop_requested
 from batch_assets.runtime.pool_waits import install_pool_workarounds
@@ -224,12 +224,15 @@ def run_demo(tasks: Sequence[TaskSpec], reporter: RunReporter, *, use_result_cac
 
 
 def _engine_order(task: TaskSpec, definitions: dg.Definitions) -> tuple:
-    """Where the demo runs a task: by engine and model, the longest context first, then by name."""
+    """Where the demo runs a task: by engine and model, the tasks with a LoRA adapter after the others
+    (their engine has LoRA on), the largest adapter rank and the longest context first, then by name."""
     try:
         settings = resolve_settings(task, definitions.resources)
     except TaskSpecError:
-        return ("~", "", 0, task.name)  # refused when it runs, with the reason, after the others
-    return (settings.kind, settings.model, -settings.max_model_len, task.name)
+        return ("~", "", False, 0, 0, task.name)  # refused when it runs, with the reason, after the others
+    lora = settings.lora
+    rank = engine_lora_rank(lora.rank or 0) if lora is not None else 0
+    return (settings.kind, settings.model, lora is not None, -rank, -settings.max_model_len, task.name)
 
 
 def demo_note(tasks: Sequence[TaskSpec]) -> str | None:

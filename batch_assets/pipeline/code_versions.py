@@ -51,7 +51,7 @@ def _digest(parts: dict) -> str:
 
 def code_versions(task: TaskSpec, settings: ResolvedSettings) -> dict[str, str]:
     """The code version of each versioned asset of `task` run with `settings`, by asset name."""
-    engine = task.engine.model_dump(exclude={*THROUGHPUT_ONLY_ENGINE_FIELDS, "vllm_args"})
+    engine = task.engine.model_dump(exclude={*THROUGHPUT_ONLY_ENGINE_FIELDS, "vllm_args", "lora"})
     # vLLM arguments count like engine fields (dtype and seed were engine fields before vllm_args);
     # the engine's resolver left out those that change speed only.
     engine.update(settings.vllm_args)
@@ -59,6 +59,10 @@ def code_versions(task: TaskSpec, settings: ResolvedSettings) -> dict[str, str]:
     # resolved settings name the task's default for it.
     engine["model"] = settings.model
     engine["max_model_len"] = settings.max_model_len
+    if settings.lora is not None:
+        # The adapter's files (a hash), not its folder: changed weights make partitions stale, a copy
+        # elsewhere does not. Absent without one, so other tasks keep their versions.
+        engine["lora"] = settings.lora.identity
     formatting = {
         # How rows are grouped into partitions changes no row's prompt.
         # `truncate` only when on: tasks written before it keep their versions.

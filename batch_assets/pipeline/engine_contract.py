@@ -28,7 +28,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec, TaskSpec
+from batch_assets.pipeline.task_spec import OutputSpec, ResolvedLora, SamplingSpec, TaskSpec
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,9 @@ class ResolvedSettings:
     teacher: ResolvedSettings | None = None
     # The endpoint is sent no model name and the run asks the server which model it serves.
     model_from_server: bool = False
+    # The task's LoRA adapter (`engine.lora`): its identity (a hash of its files) counts in the code
+    # versions and the fingerprint; its path does not.
+    lora: ResolvedLora | None = None
 
 
 class EngineSettings(Protocol):
@@ -120,7 +123,10 @@ class EngineSettings(Protocol):
 
 def model_name(settings: EngineSettings) -> str:
     """The model as a user names it: as resolved (an `embedded:` name unexpanded), or the name an
-    endpoint serves when the task named none."""
+    endpoint serves when the task named none; with a LoRA adapter, the adapter's name (what `vllm
+    serve --lora-modules` serves it as, and what an OpenAI batch line names)."""
+    if settings.resolved.lora is not None:
+        return settings.resolved.lora.name
     return settings.model if settings.resolved.model_from_server else settings.resolved.model
 
 

@@ -8,12 +8,15 @@ Imported lazily (by the engine, once it starts), since importing vLLM imports to
   `__cause__` means vLLM refused that request (a grammar its backend cannot compile), which becomes
   the row's error instead of the run's failure.
 - `VLLMClientError`: vLLM's error for a request it refuses outright.
+- `LoRARequest`: the adapter a request carries (`engine.lora`); vLLM's LoRA docs import it from
+  `vllm.lora.request`, not from `vllm`.
 """
 
 from __future__ import annotations
 
 from vllm.exceptions import VLLMClientError
+from vllm.lora.request import LoRARequest
 from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.exceptions import EngineGenerateError
 
-__all__ = ["EngineGenerateError", "UsageContext", "VLLMClientError"]
+__all__ = ["EngineGenerateError", "LoRARequest", "UsageContext", "VLLMClientError"]

@@ -43,7 +43,7 @@ from batch_assets.serve.objects import (
     output_expiry,
     page,
 )
-from batch_assets.serve.settings import CHAT_TASK, LOOPBACK_HOSTS, NO_ROOM, SERVE_KEY_ENV, UploadLimits
+from batch_assets.serve.settings import LOOPBACK_HOSTS, NO_ROOM, SERVE_KEY_ENV, UploadLimits
 from batch_assets.serve.store import ServeStore, new_batch_id, new_file_id
 from batch_assets.serve.uploads import UploadRefused, read_upload
 from batch_assets.storage.errors import StorageError
@@ -222,7 +222,7 @@ def _add_batch_routes(app: FastAPI, store: ServeStore, runner: BatchRunner) -> N
             raise ApiError(400, f"no file with id {request.input_file_id[:80]!r}", param="input_file_id")
         if input_file["purpose"] != "batch":
             raise ApiError(400, "input_file_id must name a file uploaded with purpose 'batch'", param="input_file_id")
-        task = runner.tasks.get(request.endpoint, CHAT_TASK)
+        task = runner.task_for(request.endpoint, store.content_path(request.input_file_id))
         # `created_at` is whole seconds (OpenAI's schema): batches made within one second are ordered
         # by `created_ns`, so they run and list in the order they were made.
         run = {

@@ -29,12 +29,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
 
 from batch_assets.serve.objects import FINISHED, UNFINISHED, batch_errors, file_object, usage
-from batch_assets.serve.settings import NO_ROOM
+from batch_assets.serve.settings import CHAT_TASK, NO_ROOM
 from batch_assets.serve.store import ServeStore, new_file_id
 from batch_assets.serve.uploads import scan_lines
 from batch_assets.storage.drop_files import partition_key_for
@@ -67,9 +68,10 @@ def count_lines(content: bytes) -> int:
 class BatchRunner:
     """The thread that validates, runs, finalizes and cancels batches."""
 
-    def __init__(self, store: ServeStore, tasks: dict[str, str]) -> None:
+    def __init__(self, store: ServeStore, tasks: dict[str, str], adapters: dict[str, str] | None = None) -> None:
         self.store = store
         self.tasks = tasks  # endpoint → task name
+        self.adapters = adapters or {}  # a LoRA adapter's name → the task that runs it (`engine.lora`)
         self.wake = threading.Event()
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="batch-assets-serve-runs", daemon=True)
@@ -137,6 +139,12 @@ class BatchRunner:
             self._release(batch_id)
         self.wake.set()
         return record
+
+    def task_for(self, endpoint: str, input_path: Path | None) -> str:
+        """The task that runs a batch: the one whose adapter its lines name as `body.model` (read from
+        the first line: a batch is one model's, as at OpenAI), else the endpoint's."""
+        model = first_line_model(input_path) if input_path is not None and self.adapters else None
+        return self.adapters.get(model or "", self.tasks.get(endpoint, CHAT_TASK))
 
     def _loop(self) -> None:
         while not self.stopping.is_set():
@@ -586,3 +594,14 @@ def _stop_orphan(pid: int | None, started: float | None) -> None:
     with contextlib.suppress(psutil.Error):
         if abs(psutil.Process(pid).create_time() - (started or 0)) < 0.01:
             _stop_group(pid)
+
+
+def first_line_model(path: Path) -> str | None:
+    """`body.model` of the file's first line, or None (an unreadable line is the run's error row)."""
+    try:
+        with path.open("rb") as handle:
+            line = handle.readline(1 << 20)
+        model = json.loads(line).get("body", {}).get("model")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return model if isinstance(model, str) else None

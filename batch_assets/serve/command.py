@@ -42,7 +42,8 @@ def command_serve(args: argparse.Namespace, say: Callable[[str], None]) -> int:
         return 2
     # The tasks of the dg project the command stands in, else the bundled ones (`args.source`, set by
     # cli.py); each batch's `batch-assets run` starts in the same folder and finds the same.
-    known = {task.name for task in args.source.load_tasks().tasks}
+    loaded = args.source.load_tasks().tasks
+    known = {task.name for task in loaded}
     if missing := [name for name in (args.task, args.embeddings_task) if name not in known]:
         say(f"error: unknown task {missing[0]!r} (--task / --embeddings-task); tasks: {', '.join(sorted(known))}")
         return 2
@@ -55,7 +56,13 @@ def command_serve(args: argparse.Namespace, say: Callable[[str], None]) -> int:
         say(f"error: a batch-assets serve already runs on {home}; stop it before starting another")
         return 2
     tasks = {"/v1/chat/completions": args.task, "/v1/completions": args.task, "/v1/embeddings": args.embeddings_task}
-    runner = BatchRunner(store, tasks)
+    # A batch whose lines name a task's LoRA adapter as their model runs that task (engine.lora).
+    adapters = {
+        task.engine.lora.served_name(): task.name
+        for task in loaded
+        if task.engine.lora is not None and task.input.format == "openai_batch"
+    }
+    runner = BatchRunner(store, tasks, adapters)
     limits = UploadLimits(
         max_bytes=int(args.max_file_mb * 1024 * 1024),
         max_requests=args.max_requests,

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from .base import SettingError, TaskSpecError
 from .checks import BudgetSpec
 from .engine import EMBEDDED_EMBEDDING_MODEL, EMBEDDED_MODEL, EngineSpec, PriceSpec, check_base_url, check_vllm_args
+from .lora import LoraSpec, ResolvedLora, base_model_problem, engine_lora_rank, resolve_lora
 from .model_folders import EMBEDDED_MODEL_LIMITS
 from .output import OutputSpec, SamplingSpec, schema_error
 from .prompt import DEFAULT_RAW_EXAMPLE_TEMPLATE, example_answer_text
@@ -136,8 +137,10 @@ __all__ = [
     "EMBEDDED_MODEL",
     "EMBEDDED_MODEL_LIMITS",
     "EngineSpec",
+    "LoraSpec",
     "OutputSpec",
     "PriceSpec",
+    "ResolvedLora",
     "SamplingSpec",
     "SettingError",
     "TASKS_DIR_ENV",
@@ -146,13 +149,16 @@ __all__ = [
     "TaskLoad",
     "TaskSpec",
     "TaskSpecError",
+    "base_model_problem",
     "check_base_url",
     "check_vllm_args",
+    "engine_lora_rank",
     "example_answer_text",
     "load_task_spec",
     "load_task_specs",
     "load_tasks",
     "max_model_len_problem",
+    "resolve_lora",
     "schema_error",
     "tasks_dir",
 ]

