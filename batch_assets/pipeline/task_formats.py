@@ -70,6 +70,7 @@ from batch_assets.pipeline.openai_batch_output import (
     validate_batch_outputs,
 )
 from batch_assets.pipeline.prices import engine_price, teacher_price
+from batch_assets.pipeline.images import IMAGES_COLUMN
 from batch_assets.pipeline.prompt_tokens import PROMPT_TOKEN_IDS
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput
 from batch_assets.pipeline.task_spec import TaskSpec
@@ -272,7 +273,8 @@ class ChatRecords(TaskFormat):
 
     def infer(self, parts: list[PartitionInput], stream: InferenceStream) -> list[tuple[pl.DataFrame, InferenceStats]]:
         # The ids were for the engine: inference_outputs and the result table keep the prompt text.
-        return [(frame.drop(PROMPT_TOKEN_IDS, strict=False), stats) for frame, stats in stream.run(parts)]
+        # An image task's image bytes likewise: the rows keep the images' digest and pixel count.
+        return [(frame.drop(PROMPT_TOKEN_IDS, IMAGES_COLUMN, strict=False), stats) for frame, stats in stream.run(parts)]
 
     def output_identity(self, settings: EngineSettings) -> dict[str, Any]:
         parts = super().output_identity(settings)
