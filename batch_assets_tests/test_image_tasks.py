@@ -84,7 +84,12 @@ def reference_labels(pictures: Path, vlm: str, work: Path) -> list[str]:
         warnings.warn(f"{GOLDEN.name} was made for other versions, weights or pictures: `make golden`", stacklevel=2)
     target = work / "plain.parquet"
     completed = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "plain_vlm_script.py"), str(pictures / "pictures.jsonl"), str(target)],
+        [
+            sys.executable,
+            str(REPO_ROOT / "bench" / "plain_vlm_script.py"),
+            str(pictures / "pictures.jsonl"),
+            str(target),
+        ],
         capture_output=True,
         text=True,
         env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
@@ -231,9 +236,9 @@ def test_pictures_in_s3_get_the_plain_vllm_labels(vlm: str, pictures: Path, s3_d
     records = [json.loads(line) for line in (pictures / "pictures.jsonl").read_text().splitlines()]
     # One picture by its s3:// URI, one inline as a data: URL: the same bytes, the same labels.
     records[5]["image"] = f"s3://{BUCKET}/{zone}/{records[5]['image']}"
-    records[6]["image"] = "data:image/png;base64," + base64.b64encode(
-        (pictures / records[6]["image"]).read_bytes()
-    ).decode()
+    records[6]["image"] = (
+        "data:image/png;base64," + base64.b64encode((pictures / records[6]["image"]).read_bytes()).decode()
+    )
     body = "".join(json.dumps(record) + "\n" for record in records)
     s3_data.put_object(Bucket=BUCKET, Key=f"{zone}/pictures.jsonl", Body=body.encode())
     with dg.instance_for_test() as instance:

@@ -63,7 +63,15 @@ def build_tiny_vlm(destination: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(ensure_embedded_model())
     grid = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]  # the processor looks them up
     tokenizer.add_special_tokens(
-        {"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *grid]}
+        {
+            "additional_special_tokens": [
+                "<fake_token_around_image>",
+                "<image>",
+                "<end_of_utterance>",
+                "<global-img>",
+                *grid,
+            ]
+        }
     )
     text = LlamaConfig(
         vocab_size=len(tokenizer),

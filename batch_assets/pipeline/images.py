@@ -89,7 +89,9 @@ def image_source(value: object, drop_relative_path: str) -> ImageSource:
             "relative to the drop file), in the data root's S3 bucket, or inline it as a data: URL",
         )
     if text.startswith("/") or text.startswith("\\"):
-        raise ImageInputError("unsafe_image_path", f"{text[:80]} is an absolute path; paths are relative to the drop file")
+        raise ImageInputError(
+            "unsafe_image_path", f"{text[:80]} is an absolute path; paths are relative to the drop file"
+        )
     joined = posixpath.normpath(posixpath.join(posixpath.dirname(drop_relative_path), text))
     if joined == ".." or joined.startswith("../") or joined in ("", "."):
         raise ImageInputError("unsafe_image_path", f"{text[:80]} leads outside the drop zone")

@@ -647,7 +647,9 @@ def _encode(batch: pl.DataFrame, plans: list[_Plan]) -> list[Prompt]:
         part = batch if rows is None else batch[rows]
         texts, keys = part["prompt"].to_list(), part["request_key"].to_list()
         # An image task's encoder is also told each request's images, by their digest.
-        images = {"image_digests": part[DIGEST_COLUMN].to_list()} if DIGEST_COLUMN in plans[owner].pending.columns else {}
+        images = (
+            {"image_digests": part[DIGEST_COLUMN].to_list()} if DIGEST_COLUMN in plans[owner].pending.columns else {}
+        )
         if "request_params" in plans[owner].pending.columns:
             encoded = plans[owner].part.encode(texts, part["request_params"].to_list(), keys=keys, **images)
         else:
