@@ -85,7 +85,8 @@ def main() -> None:
     print(
         f"{args.images} pictures, medians of {args.runs} pairs: plain {plain_median:.1f} s "
         f"({args.images / plain_median:.1f} rows/s), batch-assets run {pipeline_median:.1f} s "
-        f"({args.images / pipeline_median:.1f} rows/s); pipeline/plain rows/s ratio {plain_median / pipeline_median:.2f}"
+        f"({args.images / pipeline_median:.1f} rows/s); "
+        f"pipeline/plain rows/s ratio {plain_median / pipeline_median:.2f}"
     )
 
 
