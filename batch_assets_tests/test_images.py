@@ -12,7 +12,7 @@ from batch_assets.pipeline.format_prompts import PromptFormat, render_prompt
 from batch_assets.pipeline.images import ImageInputError, ImageSource, check_image, image_digest, image_source
 from batch_assets.pipeline.run_inference import request_keys
 from batch_assets.pipeline.task_spec.input import ImageLimits, InputSpec
-from batch_assets_tests.tiny_vlm import CHAT_TEMPLATE
+from batch_assets_tests.tiny_vlm import CHAT_TEMPLATE, REPO_ROOT
 
 
 def picture(fmt: str = "PNG", size: tuple[int, int] = (20, 10)) -> bytes:
@@ -112,3 +112,15 @@ def test_image_fields_may_stand_alone_but_never_share_a_text_field() -> None:
         InputSpec(image_fields=["x"], text_fields=["x"])
     with pytest.raises(ValueError, match="image_url parts"):
         InputSpec(format="openai_batch", image_fields=["x"])
+
+
+def test_an_image_task_runs_on_the_in_process_engine_only() -> None:
+    import yaml
+
+    from batch_assets.pipeline.task_spec import TaskSpec
+
+    raw = yaml.safe_load((REPO_ROOT / "examples" / "tasks" / "images.yaml").read_text())
+    assert TaskSpec.model_validate({**raw, "name": "images"}).input.image_fields == ["image"]
+    for engine in ({"kind": "openai", "base_url": "http://127.0.0.1:1/v1"}, {"kind": "batch_api"}):
+        with pytest.raises(ValueError, match="in-process engine"):
+            TaskSpec.model_validate({**raw, "name": "images", "engine": {**raw["engine"], **engine}})
