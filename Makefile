@@ -47,6 +47,8 @@ golden: setup
 	BATCH_ASSETS_WRITE_GOLDEN=1 $(VENV)/bin/python -m pytest -p no:xdist -k "matches_vllm_run_batch or match_plain_vllm" \
 		batch_assets_tests/test_openai_batch_pipeline.py batch_assets_tests/test_openai_batch_embeddings.py \
 		batch_assets_tests/test_lora.py
+	BATCH_ASSETS_WRITE_GOLDEN=1 $(VENV)/bin/python -m pytest -p no:xdist -k labels_equal_plain_vllm \
+		batch_assets_tests/test_image_tasks.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

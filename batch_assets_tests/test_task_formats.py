@@ -35,6 +35,7 @@ EXPECTED = {
     "openai_batch_embeddings": OpenAIBatchEmbeddings,
     "sentiment": ChatRecords,
     "industry_fewshot": ChatRecords,
+    "images": ChatRecords,  # records with image fields: the same chat format, images beside the text
 }
 # The Dagster modules that build a task's assets and checks: they call the task's format object.
 FACTORIES = ("batch_assets/lib/assets.py", "batch_assets/lib/checks.py")
@@ -96,6 +97,7 @@ def test_what_each_kind_asks_of_inference() -> None:
         "industry_cascade",
         "sentiment",
         "industry_fewshot",
+        "images",
     }
     assert not by_name["openai_batch"].measures_confidence
     assert not by_name["openai_batch_embeddings"].measures_confidence

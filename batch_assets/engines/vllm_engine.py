@@ -70,6 +70,7 @@ from batch_assets.engines.vllm_args import (
     unknown_engine_argument,
 )
 from batch_assets.pipeline.engine_contract import EngineStartError, Generation, Prompt, ResolvedSettings
+from batch_assets.pipeline.images import decoded_image
 from batch_assets.pipeline.task_spec import (
     OutputSpec,
     ResolvedLora,
@@ -559,10 +560,12 @@ class _AsyncEngine:
         request = self.llm.encode if pooling else self.llm.generate
         result = _embedding if pooling else _generation
 
-        async def run_one(request_id: str, prompt: Prompt, params) -> None:
+        async def run_one(request_id: str, prompt: Prompt, params, images: list | None) -> None:
             try:
                 final = None
                 tokens = TokensPrompt(prompt_token_ids=list(prompt.token_ids))
+                if images:  # the model's processor expands each image placeholder of the ids into its tokens
+                    tokens["multi_modal_data"] = {"image": images}
                 extra = {"lora_request": lora_request} if lora_request is not None else {}
                 async for output in request(tokens, params, request_id, **extra):
                     final = output
@@ -570,8 +573,8 @@ class _AsyncEngine:
             except BaseException as exc:  # EngineDeadError, a rejected request, cancellation
                 finished.put((request_id, exc))
 
-        def submit(request_id: str, prompt: Prompt, params) -> None:
-            task = self._loop.create_task(run_one(request_id, prompt, params))
+        def submit(request_id: str, prompt: Prompt, params, images: list | None) -> None:
+            task = self._loop.create_task(run_one(request_id, prompt, params, images))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -586,7 +589,9 @@ class _AsyncEngine:
                         break
                     request_id = f"{prefix}{position}"
                     in_flight[request_id] = (position, len(prompt.token_ids))
-                    self._loop.call_soon_threadsafe(submit, request_id, prompt, params_for(prompt))
+                    # Images are decoded here, in the caller's thread, never in the engine's loop.
+                    images = [decoded_image(data) for data in prompt.images] if prompt.images else None
+                    self._loop.call_soon_threadsafe(submit, request_id, prompt, params_for(prompt), images)
                     position += 1
                 if not in_flight:
                     return

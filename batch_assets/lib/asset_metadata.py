@@ -240,3 +240,14 @@ def labels_metadata(labels: pl.DataFrame, task: TaskSpec, fmt: TaskFormat) -> di
         metadata["label_counts"] = counts
         metadata["label_distribution"] = label_distribution(counts, labels.height)
     return metadata
+
+
+def image_metadata(frame: pl.DataFrame, errors: dict[str, int]) -> dict[str, int]:
+    """An image task's raw_prompts metadata: images read, their pixels, and rows whose image failed."""
+    from batch_assets.pipeline.images import IMAGE_ERROR_CODES, IMAGES_COLUMN, PIXELS_COLUMN
+
+    return {
+        "images": int(frame[IMAGES_COLUMN].list.len().sum() or 0),
+        "image_pixels": int(frame[PIXELS_COLUMN].sum() or 0),
+        "image_error_rows": sum(count for code, count in errors.items() if code in IMAGE_ERROR_CODES),
+    }

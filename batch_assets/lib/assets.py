@@ -32,6 +32,7 @@ from batch_assets.lib.asset_metadata import (
     column_schema,
     error_code_counts,
     formatted_metadata,
+    image_metadata,
     inference_metadata,
     labels_metadata,
 )
@@ -58,6 +59,7 @@ from batch_assets.runtime.interrupts import STOPPED, stop_instead_of, stop_reque
 from batch_assets.storage.batch_records import BatchRecordStore, batch_records_dir
 from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
 from batch_assets.storage.drop_files import DropFile, drop_partitions, find_drop_file, shard_index_of, version_digest
+from batch_assets.storage.image_sources import attach_images
 from batch_assets.storage.label_models import read_label_model
 from batch_assets.storage.locations import checkpoint_dir, one_name, task_storage_dir, write_bytes_atomically
 from batch_assets.storage.result_cache import ResultCache
@@ -190,6 +192,8 @@ def read_partition(
             "not run on another version than its siblings. The new version's shards are run instead"
         )
     frame = read_partition_rows(task.name, drop, partition_key, options, task.input.shard_rows)
+    if task.input.image_fields:
+        frame = attach_images(frame, drop, task.input)
     errors = error_code_counts(frame)
     if errors:
         first = frame.filter(pl.col("error").is_not_null()).head(3)["error"].to_list()
@@ -209,6 +213,7 @@ def read_partition(
             "columns": [c for c in frame.columns if c not in ("row_id", "source_line", "error")],
             "dagster/row_count": frame.height,
             "dagster/column_schema": column_schema(frame),
+            **(image_metadata(frame, errors) if task.input.image_fields else {}),
         },
     )
     return frame, drop

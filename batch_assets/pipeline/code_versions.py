@@ -66,8 +66,13 @@ def code_versions(task: TaskSpec, settings: ResolvedSettings) -> dict[str, str]:
     formatting = {
         # How rows are grouped into partitions changes no row's prompt.
         # `truncate` only when on: tasks written before it keep their versions.
+        # Image settings likewise only with image fields: text tasks keep their versions.
         "input": task.input.model_dump(
-            exclude={"max_rows_per_partition", *(set() if task.input.truncate else {"truncate"})}
+            exclude={
+                "max_rows_per_partition",
+                *(set() if task.input.truncate else {"truncate"}),
+                *(set() if task.input.image_fields else {"image_fields", "images"}),
+            }
         ),
         "prompt": task.prompt.decision() if task.prompt is not None else None,
         # The tokenizer renders the chat template and counts tokens; the context decides which rows

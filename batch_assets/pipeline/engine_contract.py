@@ -66,6 +66,9 @@ class Prompt:
     output: OutputSpec | None = None
     text: str | None = None
     key: str | None = None
+    # An image task's images (encoded bytes, one per image field): the in-process engine hands them
+    # to the model's processor with the ids, whose image placeholder tokens say where they go.
+    images: tuple[bytes, ...] = ()
 
     def __len__(self) -> int:
         return len(self.token_ids)

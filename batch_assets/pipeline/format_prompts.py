@@ -23,11 +23,12 @@ import re
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import polars as pl
 
 from batch_assets.pipeline.engine_contract import Engine, Prompt, keys_of
+from batch_assets.pipeline.images import DIGEST_COLUMN, IMAGES_COLUMN
 from batch_assets.pipeline.prompt_tokens import (
     PROMPT_TOKEN_IDS,
     TOKENIZE_CHUNK,
@@ -59,6 +60,8 @@ class PromptFormat:
     # the task's template over the example's fields, exactly as a row's is.
     examples: tuple[tuple[str, str], ...] = ()
     raw_example_template: str = DEFAULT_RAW_EXAMPLE_TEMPLATE
+    # Images sent with each row's message (`input.image_fields`): that many image parts before its text.
+    image_count: int = 0
 
     @classmethod
     def of(cls, task) -> PromptFormat:
@@ -75,6 +78,7 @@ class PromptFormat:
             tuple(task.input.text_fields),
             examples,
             prompt.raw_example_template or DEFAULT_RAW_EXAMPLE_TEMPLATE,
+            len(task.input.image_fields),
         )
 
 
@@ -83,12 +87,18 @@ def fill_template(template: str, fields: dict[str, str]) -> str:
     return template.format(**fields)
 
 
-def messages_for(system: str, user: str, examples: Sequence[tuple[str, str]] = ()) -> list[dict[str, str]]:
+def messages_for(
+    system: str, user: str, examples: Sequence[tuple[str, str]] = (), images: int = 0
+) -> list[dict[str, Any]]:
     """The chat: the system prompt, each example as a user turn and its answer as the assistant's
-    turn, then the row's message."""
-    messages = [{"role": "system", "content": system}] if system else []
+    turn, then the row's message; with `images`, the message is that many image parts and then its
+    text (OpenAI's content parts, which vision-language chat templates and `LLM.chat` read)."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     for example_user, answer in examples:
         messages += [{"role": "user", "content": example_user}, {"role": "assistant", "content": answer}]
+    if images:
+        parts: list[dict[str, str]] = [{"type": "image"}] * images
+        return [*messages, {"role": "user", "content": [*parts, {"type": "text", "text": user}]}]
     return [*messages, {"role": "user", "content": user}]
 
 
@@ -106,7 +116,7 @@ def render_prompt(fmt: PromptFormat, tokenizer: Tokenizer, user: str) -> str:
             "the model's tokenizer has no chat template; set `prompt.raw_template` in the task YAML "
             "(e.g. '[INST] <<SYS>>\\n{system}\\n<</SYS>>\\n\\n{user} [/INST]')"
         )
-    messages = messages_for(fmt.system, user, fmt.examples)
+    messages = messages_for(fmt.system, user, fmt.examples, fmt.image_count)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
@@ -249,7 +259,12 @@ def format_prompts(
     sent) and `num_prompt_tokens`, flags unusable rows; `log` is told how the ids were made."""
     refuse_special_tokens_in_examples(fmt, tokenizer)
     ok = pl.col("error").is_null()
-    empty = pl.any_horizontal([pl.col(f).fill_null("").str.strip_chars().str.len_chars() == 0 for f in fmt.text_fields])
+    # An image task may have no text field (the template is the whole message): nothing to be empty.
+    empty = (
+        pl.any_horizontal([pl.col(f).fill_null("").str.strip_chars().str.len_chars() == 0 for f in fmt.text_fields])
+        if fmt.text_fields
+        else pl.lit(False)
+    )
     frame = raw.with_columns(
         error=pl.when(ok & empty)
         .then(pl.format("empty_text: {} line {}: the text is empty", pl.lit(source_file), pl.col("source_line")))
@@ -395,6 +410,22 @@ def prompt_encoders(
     def for_partition(formatted: pl.DataFrame) -> Callable[..., list[Prompt]]:
         valid = formatted.filter(pl.col("error").is_null())
         ids_of = stored_token_ids(valid) if PROMPT_TOKEN_IDS in valid.columns else token_ids
+        if IMAGES_COLUMN in valid.columns:
+            if engine.sends_chat_messages:
+                raise ValueError("image tasks run on the in-process vLLM engine only (`engine.kind: vllm`)")
+            # Equal digests are equal bytes: one row's images serve every request of that digest.
+            images_of = dict(zip(valid[DIGEST_COLUMN].to_list(), valid[IMAGES_COLUMN].to_list(), strict=True))
+
+            def encode_images(
+                prompts: list[str], keys: list[str] | None = None, image_digests: list[str] | None = None
+            ) -> list[Prompt]:
+                assert image_digests is not None  # run_inference passes them for every image task
+                return [
+                    Prompt(tuple(ids), key=key, images=tuple(images_of[digest]))
+                    for ids, key, digest in zip(ids_of(prompts), keys_of(prompts, keys), image_digests, strict=True)
+                ]
+
+            return encode_images
         if not engine.sends_chat_messages:
 
             def encode_ids(prompts: list[str], keys: list[str] | None = None) -> list[Prompt]:

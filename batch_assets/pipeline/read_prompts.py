@@ -63,6 +63,9 @@ RESERVED_COLUMNS = frozenset(
         "embedding",
         "similarity",
         "truncated",
+        "images",
+        "image_digest",
+        "image_pixels",
     }
 )
 # Records are collected into polars frames this many at a time, so a file of millions of rows

@@ -31,6 +31,7 @@ import polars as pl
 
 from batch_assets.pipeline.embeddings import encode_vector
 from batch_assets.pipeline.engine_contract import EngineSession, Generation, Prompt
+from batch_assets.pipeline.images import DIGEST_COLUMN
 from batch_assets.pipeline.result_stores import RESULT_SCHEMA, Checkpoints, ResultLookup
 
 MIN_PROGRESS_BATCH = 64
@@ -95,15 +96,23 @@ class PartitionInput:
 
 
 def request_keys(
-    prompts: Sequence[str], row_ids: Sequence[int], deduplicate: bool, params: Sequence[str | None] | None = None
+    prompts: Sequence[str],
+    row_ids: Sequence[int],
+    deduplicate: bool,
+    params: Sequence[str | None] | None = None,
+    image_digests: Sequence[str | None] | None = None,
 ) -> list[str]:
     """Identical prompts share a key when decoding is deterministic, so they are inferred once.
 
     `params`: per-request sampling and output constraint (canonical JSON, e.g. each line of an
     OpenAI batch file), part of the key so requests that differ in them never share a result.
+    `image_digests`: the content digest of each request's images (pipeline/images.py), so the same
+    image under two names is one request and a replaced image under the same name a new one.
     """
     if params is not None:
         prompts = [p if q is None else f"{q}\x00{p}" for p, q in zip(prompts, params, strict=True)]
+    if image_digests is not None:
+        prompts = [p if d is None else f"image:{d}\x00{p}" for p, d in zip(prompts, image_digests, strict=True)]
     if deduplicate:
         return [hashlib.sha1(p.encode("utf-8")).hexdigest() for p in prompts]
     return [hashlib.sha1(f"{r}\x00{p}".encode()).hexdigest() for p, r in zip(prompts, row_ids, strict=True)]
@@ -127,6 +136,8 @@ def _plan(part: PartitionInput, *, deduplicate: bool, cache: ResultLookup | None
     stats = InferenceStats(rows=part.formatted.height)
     # `request_params`: per-request sampling and output (OpenAI batch lines); absent for task-wide sampling.
     params = ["request_params"] if "request_params" in part.formatted.columns else []
+    # An image task's rows: the images' content digest names the request and finds its images.
+    params += [DIGEST_COLUMN] if DIGEST_COLUMN in part.formatted.columns else []
     valid = part.formatted.filter(pl.col("error").is_null()).select("row_id", "prompt", *params)
     keyed = valid.with_columns(
         request_key=pl.Series(
@@ -134,7 +145,8 @@ def _plan(part: PartitionInput, *, deduplicate: bool, cache: ResultLookup | None
                 valid["prompt"].to_list(),
                 valid["row_id"].to_list(),
                 deduplicate,
-                valid[params[0]].to_list() if params else None,
+                valid["request_params"].to_list() if "request_params" in params else None,
+                valid[DIGEST_COLUMN].to_list() if DIGEST_COLUMN in params else None,
             ),
             dtype=pl.String,
         )
@@ -195,6 +207,9 @@ def _requests(plans: list[_Plan], deduplicate: bool) -> _Requests:
                 pl.col("request_params")
                 if "request_params" in plan.pending.columns
                 else pl.lit(None, dtype=pl.String).alias("request_params"),
+                pl.col(DIGEST_COLUMN)
+                if DIGEST_COLUMN in plan.pending.columns
+                else pl.lit(None, dtype=pl.String).alias(DIGEST_COLUMN),
                 owner=pl.lit(index, dtype=pl.Int64),
             )
             for index, plan in enumerate(plans)
@@ -203,7 +218,7 @@ def _requests(plans: list[_Plan], deduplicate: bool) -> _Requests:
     if not deduplicate:
         return _Requests(pending, pending["owner"].to_list(), {})
     grouped = pending.group_by("request_key", maintain_order=True).agg(
-        pl.col("prompt").first(), pl.col("request_params").first(), pl.col("owner")
+        pl.col("prompt").first(), pl.col("request_params").first(), pl.col(DIGEST_COLUMN).first(), pl.col("owner")
     )
     # Stable, as Python's sort: requests with the same prompt text keep their order.
     grouped = grouped.sort(shared_prefix_order(), maintain_order=True)
@@ -631,10 +646,14 @@ def _encode(batch: pl.DataFrame, plans: list[_Plan]) -> list[Prompt]:
     for owner, rows in groups:
         part = batch if rows is None else batch[rows]
         texts, keys = part["prompt"].to_list(), part["request_key"].to_list()
+        # An image task's encoder is also told each request's images, by their digest.
+        images = (
+            {"image_digests": part[DIGEST_COLUMN].to_list()} if DIGEST_COLUMN in plans[owner].pending.columns else {}
+        )
         if "request_params" in plans[owner].pending.columns:
-            encoded = plans[owner].part.encode(texts, part["request_params"].to_list(), keys=keys)
+            encoded = plans[owner].part.encode(texts, part["request_params"].to_list(), keys=keys, **images)
         else:
-            encoded = plans[owner].part.encode(texts, keys=keys)
+            encoded = plans[owner].part.encode(texts, keys=keys, **images)
         if len(encoded) != len(texts):
             raise RuntimeError(f"encoding {len(texts)} prompts gave {len(encoded)}")
         if rows is None:

@@ -55,6 +55,7 @@ from batch_assets.pipeline.embeddings import (
 )
 from batch_assets.pipeline.engine_contract import Engine, EngineSettings, Prompt, model_name
 from batch_assets.pipeline.format_prompts import PromptFormat, Tokenizer, format_prompts, prompt_encoders
+from batch_assets.pipeline.images import IMAGES_COLUMN
 from batch_assets.pipeline.label_model import LabelModel
 from batch_assets.pipeline.label_quality import label_counts
 from batch_assets.pipeline.openai_batch import (
@@ -272,7 +273,10 @@ class ChatRecords(TaskFormat):
 
     def infer(self, parts: list[PartitionInput], stream: InferenceStream) -> list[tuple[pl.DataFrame, InferenceStats]]:
         # The ids were for the engine: inference_outputs and the result table keep the prompt text.
-        return [(frame.drop(PROMPT_TOKEN_IDS, strict=False), stats) for frame, stats in stream.run(parts)]
+        # An image task's image bytes likewise: the rows keep the images' digest and pixel count.
+        return [
+            (frame.drop(PROMPT_TOKEN_IDS, IMAGES_COLUMN, strict=False), stats) for frame, stats in stream.run(parts)
+        ]
 
     def output_identity(self, settings: EngineSettings) -> dict[str, Any]:
         parts = super().output_identity(settings)

@@ -243,6 +243,20 @@ class DropFile:
                 yield file
 
 
+def read_zone_file(zone: UPath, relative_path: str, max_bytes: int) -> bytes:
+    """Another file of the drop zone (an image a record names), read as a drop file is: locally
+    without following a link anywhere below the data root, regular files only (`DropFileError`
+    otherwise); a missing file raises `FileNotFoundError`. More than `max_bytes` is refused by
+    reading one byte past it, never the whole of a huge file."""
+    if is_local(zone):
+        with _open_local_regular_file(zone, relative_path) as file:
+            data = file.read(max_bytes + 1)
+    else:
+        with zone.fs.open(_full_path(zone, relative_path), "rb") as file:
+            data = file.read(max_bytes + 1)
+    return data
+
+
 def _zone_root(zone: UPath) -> str:
     return zone.path.rstrip("/") or "/"
 

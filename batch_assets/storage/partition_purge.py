@@ -28,6 +28,7 @@ import polars as pl
 import sqlalchemy as sa
 from upath import UPath
 
+from batch_assets.pipeline.images import DIGEST_COLUMN
 from batch_assets.pipeline.run_inference import request_keys
 from batch_assets.storage.checkpoints import remove_path
 from batch_assets.storage.drop_files import SHARD_MARK
@@ -76,8 +77,9 @@ def _cached_keys(folder: UPath, key: str) -> list[str]:
             continue
         frame = pl.read_parquet(path.read_bytes()).filter(pl.col("error").is_null() & pl.col("prompt").is_not_null())
         params = frame["request_params"].to_list() if "request_params" in frame.columns else None
+        digests = frame[DIGEST_COLUMN].to_list() if DIGEST_COLUMN in frame.columns else None
         prompts, rows = frame["prompt"].to_list(), frame["row_id"].to_list()
-        keys += request_keys(prompts, rows, True, params) + request_keys(prompts, rows, False, params)
+        keys += request_keys(prompts, rows, True, params, digests) + request_keys(prompts, rows, False, params, digests)
     return keys
 
 

@@ -36,6 +36,11 @@ class InputSpec(_Strict):
     # Embedding and similarity tasks: a text longer than the model's limit is cut to it (the row's
     # `truncated` is true) instead of becoming an `input_too_long` error row.
     truncate: bool = Field(default=False, strict=True)
+    # Fields whose values are images (a path relative to the drop file, an `s3://` URI in the data
+    # root's bucket, a `data:` URL, or a parquet binary cell), each sent with the row's message to a
+    # vision-language model (pipeline/images.py); `images` limits them.
+    image_fields: list[str] = Field(default_factory=list)
+    images: ImageLimits = Field(default_factory=lambda: ImageLimits())
 
     @model_validator(mode="before")
     @classmethod
@@ -66,12 +71,20 @@ class InputSpec(_Strict):
                     "remove it",
                     ("text_fields",),
                 )
+            if self.image_fields:
+                raise SettingError(
+                    "input.image_fields is not used with format openai_batch (a line's messages carry their "
+                    "images as image_url parts); remove it",
+                    ("image_fields",),
+                )
             return self
         if self.require_model_match:
             raise SettingError(
                 "input.require_model_match applies to format openai_batch only", ("require_model_match",)
             )
-        if not self.text_fields:
+        if set(self.image_fields) & set(self.text_fields):
+            raise SettingError("input.image_fields and input.text_fields must not share a field", ("image_fields",))
+        if not self.text_fields and not self.image_fields:
             raise SettingError("input.text_fields must name at least one input field", ("text_fields",))
         # Only a txt_field the task sets must be a text field: the default matters for .txt drops alone.
         if "txt_field" in self.model_fields_set and self.txt_field not in self.text_fields:
@@ -79,3 +92,18 @@ class InputSpec(_Strict):
                 f"txt_field {self.txt_field!r} must be one of text_fields {self.text_fields}", ("txt_field",)
             )
         return self
+
+
+# Image formats read unless a task names its own (`input.images.formats`): what vision-language
+# models' processors take and Pillow decodes safely; anything else is an `unsupported_image_format` row.
+DEFAULT_IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+
+
+class ImageLimits(_Strict):
+    """`input.images`: limits on each image an `image_fields` value names; an image over a limit is
+    that row's `image_too_large` error, never read further (decompression bombs included: the pixel
+    count is checked from the header, before any pixel is decoded)."""
+
+    max_bytes: int = Field(default=20 * 1024 * 1024, ge=1, strict=True)
+    max_pixels: int = Field(default=40_000_000, ge=1, strict=True)
+    formats: list[str] = Field(default_factory=lambda: list(DEFAULT_IMAGE_FORMATS))

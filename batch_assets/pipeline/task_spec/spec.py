@@ -118,6 +118,20 @@ class TaskSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _images_go_to_an_in_process_chat_model(self) -> TaskSpec:
+        # Endpoints and batch APIs would need the images as content parts (not built yet); an
+        # embedding or similarity task embeds text only.
+        if self.input.image_fields and (
+            self.engine.kind != "vllm" or self.output.method != "generate" or self.output.pooling
+        ):
+            raise SettingError(
+                "input.image_fields needs a chat task on the in-process engine (`engine.kind: vllm`); "
+                "endpoints, batch APIs, embeddings and cascades take text only",
+                ("input", "image_fields"),
+            )
+        return self
+
+    @model_validator(mode="after")
     def _prompt_fits_the_input_format(self) -> TaskSpec:
         if self.input.format == "openai_batch" and self.prompt is not None:
             raise SettingError(

@@ -1,0 +1,126 @@
+"""Image values and bytes (pipeline/images.py), and the chat an image task renders: no engine."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+from PIL import Image
+
+from batch_assets.pipeline.format_prompts import PromptFormat, render_prompt
+from batch_assets.pipeline.images import ImageInputError, ImageSource, check_image, image_digest, image_source
+from batch_assets.pipeline.run_inference import request_keys
+from batch_assets.pipeline.task_spec.input import ImageLimits, InputSpec
+from batch_assets_tests.tiny_vlm import CHAT_TEMPLATE, REPO_ROOT
+
+
+def picture(fmt: str = "PNG", size: tuple[int, int] = (20, 10)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, (200, 30, 30)).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("a.png", ImageSource(path="batch/a.png")),
+        ("./sub/../b.jpg", ImageSource(path="batch/b.jpg")),
+        ("../top.png", ImageSource(path="top.png")),  # still inside the zone: the drop file is in batch/
+        ("s3://bucket/x.png", ImageSource(s3="s3://bucket/x.png")),
+        (b"\x89PNG", ImageSource(inline=b"\x89PNG")),
+        ("data:image/png;base64," + base64.b64encode(b"abc").decode(), ImageSource(inline=b"abc")),
+        ("data:,a%20b", ImageSource(inline=b"a b")),
+    ],
+)
+def test_a_value_names_its_bytes_relative_to_the_drop_file(value: object, expected: ImageSource) -> None:
+    assert image_source(value, "batch/pictures.jsonl") == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "code"),
+    [
+        ("../../etc/passwd", "unsafe_image_path"),
+        ("..", "unsafe_image_path"),
+        ("/etc/passwd", "unsafe_image_path"),
+        ("https://example.com/a.png", "image_url_not_allowed"),
+        ("file:///etc/passwd", "image_url_not_allowed"),
+        (None, "missing_image"),
+        ("  ", "missing_image"),
+        (b"", "missing_image"),
+        ("data:image/png;base64,@@@", "unreadable_image"),
+    ],
+)
+def test_a_value_that_may_not_be_read_is_refused_before_any_read(value: object, code: str) -> None:
+    with pytest.raises(ImageInputError) as refused:
+        image_source(value, "batch/pictures.jsonl")
+    assert refused.value.code == code
+
+
+def test_limits_formats_and_broken_bytes_are_each_named() -> None:
+    limits = ImageLimits(max_bytes=100_000, max_pixels=10_000)
+    assert check_image(picture(), limits) == 200
+    assert check_image(picture("JPEG"), limits) == 200
+    cases = [
+        (picture(size=(200, 100)), "image_too_large", "20000 pixels"),
+        (picture("TIFF"), "unsupported_image_format", "a TIFF image"),
+        (picture()[:45], "unreadable_image", "image file is truncated"),
+        (b"just text", "unreadable_image", "not an image"),
+        (b"x" * 100_001, "image_too_large", "100001 bytes"),
+    ]
+    for data, code, words in cases:
+        with pytest.raises(ImageInputError) as refused:
+            check_image(data, limits)
+        assert refused.value.code == code and words in refused.value.cause, refused.value.cause
+
+
+def test_a_decompression_bomb_is_refused_from_its_header() -> None:
+    # A 20,000 x 20,000 PNG of one colour is a few hundred kB; decoded it would be 1.2 GB.
+    buffer = io.BytesIO()
+    Image.new("1", (20_000, 20_000)).save(buffer, format="PNG")
+    with pytest.raises(ImageInputError) as refused:
+        check_image(buffer.getvalue(), ImageLimits())
+    assert refused.value.code == "image_too_large" and "400000000 pixels" in refused.value.cause
+
+
+def test_a_request_is_named_by_its_image_bytes_not_its_name() -> None:
+    one, other = picture(), picture(size=(21, 10))
+    prompts, rows = ["same prompt"] * 3, [0, 1, 2]
+    digests = [image_digest([one]), image_digest([one]), image_digest([other])]
+    keys = request_keys(prompts, rows, True, None, digests)
+    assert keys[0] == keys[1] != keys[2]
+    assert request_keys(prompts, rows, True)[0] not in keys  # a text-only request never shares an image's key
+
+
+def test_the_chat_template_gets_an_image_part_before_the_text() -> None:
+    class Tokenizer:
+        chat_template = CHAT_TEMPLATE
+
+        def apply_chat_template(self, conversation, tokenize=False, add_generation_prompt=True):
+            from jinja2 import Template
+
+            return Template(CHAT_TEMPLATE).render(messages=conversation, add_generation_prompt=add_generation_prompt)
+
+    fmt = PromptFormat("Label it.", "What is {caption}?", None, ("caption",), image_count=1)
+    rendered = render_prompt(fmt, Tokenizer(), "a thing")
+    assert "<|im_start|>user\n<image>\na thing<|im_end|>" in rendered
+
+
+def test_image_fields_may_stand_alone_but_never_share_a_text_field() -> None:
+    assert InputSpec(image_fields=["image"]).text_fields == []
+    with pytest.raises(ValueError, match="must not share"):
+        InputSpec(image_fields=["x"], text_fields=["x"])
+    with pytest.raises(ValueError, match="image_url parts"):
+        InputSpec(format="openai_batch", image_fields=["x"])
+
+
+def test_an_image_task_runs_on_the_in_process_engine_only() -> None:
+    import yaml
+
+    from batch_assets.pipeline.task_spec import TaskSpec
+
+    raw = yaml.safe_load((REPO_ROOT / "examples" / "tasks" / "images.yaml").read_text())
+    assert TaskSpec.model_validate({**raw, "name": "images"}).input.image_fields == ["image"]
+    for engine in ({"kind": "openai", "base_url": "http://127.0.0.1:1/v1"}, {"kind": "batch_api"}):
+        with pytest.raises(ValueError, match="in-process engine"):
+            TaskSpec.model_validate({**raw, "name": "images", "engine": {**raw["engine"], **engine}})
