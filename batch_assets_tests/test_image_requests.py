@@ -28,6 +28,7 @@ from batch_assets.pipeline.openai_batch import (
     format_batch_prompts,
     read_batch_requests,
 )
+from batch_assets.pipeline.openai_batch_output import error_object
 from batch_assets.pipeline.prompt_tokens import PROMPT_TOKEN_IDS
 from batch_assets.pipeline.run_inference import request_keys
 from batch_assets.pipeline.task_spec import SamplingSpec, TaskSpec
@@ -289,6 +290,8 @@ def test_each_bad_picture_is_its_lines_error_naming_the_part() -> None:
         assert words in error, (part, error)
         assert code in REQUEST_ERROR_CODES  # a bad request: HTTP 400 in the batch's error file
     assert "body.messages[1].content[1].image_url.url: " in raw["error"][0]
+    # The batch's error file names the part as OpenAI's `param`.
+    assert error_object(raw["error"][3], 4)["param"] == "messages[1].content[1].image_url.url"
     # With `input.images.fetch_urls` (an endpoint's server fetches): the URL passes, and names the request.
     fetched = read([lines[6]], fetch_urls=True)
     assert fetched["error"][0] is None and fetched[PIXELS_COLUMN][0] == 0
