@@ -299,3 +299,28 @@ def test_each_bad_picture_is_its_lines_error_naming_the_part() -> None:
         fetched[DIGEST_COLUMN][0] != read([lines[6].replace("cat.png", "dog.png")], fetch_urls=True)[DIGEST_COLUMN][0]
     )
     assert json.loads(fetched["messages"][0])[1]["content"][1] == image_part("https://example.com/cat.png")
+
+
+def test_a_batch_tasks_image_limits_count_in_its_versions_only_once_set() -> None:
+    from batch_assets.pipeline.code_versions import code_versions
+    from batch_assets.pipeline.engine_contract import ResolvedSettings
+
+    resolved = ResolvedSettings(kind="openai", model="m", model_setting="", max_model_len=1024)
+
+    def versions(images: dict | None) -> dict[str, str]:
+        task = TaskSpec.model_validate(
+            {
+                "name": "batch",
+                "input": {"format": "openai_batch", **({"images": images} if images is not None else {})},
+                "engine": {"kind": "openai", "base_url": "http://127.0.0.1:1/v1"},
+                "output": {"kind": "text"},
+            }
+        )
+        return code_versions(task, resolved)
+
+    plain = versions(None)
+    # The limits decide which lines are errors: set, they count; at their defaults, nothing changes
+    # for tasks written before pictures were read (`fetch_urls` counts only when on).
+    assert versions({}) == plain
+    assert versions({"max_pixels": 1000})["formatted_prompts"] != plain["formatted_prompts"]
+    assert versions({"fetch_urls": True})["formatted_prompts"] != plain["formatted_prompts"]

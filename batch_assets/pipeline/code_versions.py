@@ -19,7 +19,7 @@ from typing import Any
 from batch_assets.pipeline.engine_contract import ResolvedSettings
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.pipeline.task_spec.batch_api import BATCH_API_FIELDS
-from batch_assets.pipeline.task_spec.input import InputSpec
+from batch_assets.pipeline.task_spec.input import ImageLimits, InputSpec
 
 # Raise when a change in this package's code changes what an asset writes for the same task.
 PIPELINE_OUTPUT_VERSION = 1
@@ -67,8 +67,8 @@ def code_versions(task: TaskSpec, settings: ResolvedSettings) -> dict[str, str]:
     formatting = {
         # How rows are grouped into partitions changes no row's prompt.
         # `truncate` only when on: tasks written before it keep their versions.
-        # Image settings likewise only with image fields, or set (an openai_batch task's limits on its
-        # lines' images), and `fetch_urls` only when on: other tasks keep their versions.
+        # Image settings likewise only with image fields, or off their defaults (an openai_batch task's
+        # limits on its lines' pictures), and `fetch_urls` only when on: other tasks keep their versions.
         "input": task.input.model_dump(exclude=_input_left_out(task.input)),
         "prompt": task.prompt.decision() if task.prompt is not None else None,
         # The tokenizer renders the chat template and counts tokens; the context decides which rows
@@ -116,7 +116,7 @@ def _input_left_out(spec: InputSpec) -> dict[str, Any]:
         left_out["truncate"] = True
     if not spec.image_fields:
         left_out["image_fields"] = True
-    if not spec.image_fields and "images" not in spec.model_fields_set:
+    if not spec.image_fields and spec.images == ImageLimits():
         left_out["images"] = True
     elif not spec.images.fetch_urls:
         left_out["images"] = {"fetch_urls": True}
