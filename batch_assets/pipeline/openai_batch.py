@@ -65,8 +65,8 @@ engine's) is a server failure (500).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import io
 import json
 import math
 from dataclasses import dataclass
@@ -352,16 +352,10 @@ def _parse_body(body: dict, url: str, row: dict, limits: ImageLimits) -> None:
         row["top_logprobs"] = _top_logprobs(given)
         if "response_format" in given:
             row["response_format"] = json.dumps(_response_format(given["response_format"]), ensure_ascii=False)
-        images: list[bytes] = []
-        row["messages"] = json.dumps(_messages(body.get("messages"), _ImageReader(limits, images)), ensure_ascii=False)
-        if images:
-            # The pictures' bytes (a fetched URL: the URL) name the request, and so does a `detail`
-            # other than OpenAI's default (it changes the answer); pixels of the pictures read here.
-            details = [part["image_url"].get("detail", "auto") for part in _image_parts(json.loads(row["messages"]))]
-            row[DIGEST_COLUMN] = image_digest(
-                images if set(details) == {"auto"} else [*images, json.dumps(details).encode()]
-            )
-            row[PIXELS_COLUMN] = sum(_pixels(data) for data in images)
+        images = _ImageReader(limits)
+        row["messages"] = json.dumps(_messages(body.get("messages"), images), ensure_ascii=False)
+        if images.found:
+            row[DIGEST_COLUMN], row[PIXELS_COLUMN] = images.digest(), images.pixels
     elif url == EMBEDDINGS_URL:
         row["encoding_format"] = given.get("encoding_format", "float")
         row[_TEXTS] = _embedding_texts(body.get("input"))
@@ -549,10 +543,20 @@ def _task_check(check: Any, value: Any, key: str, field: str) -> None:
 @dataclass
 class _ImageReader:
     """Reads a line's `image_url` parts: `found` gets each picture's bytes (a URL the endpoint
-    fetches: `_URL_MARK` and the URL), in the order of the line's parts."""
+    fetches: `_URL_MARK` and the URL) and `details` its `detail`, in the order of the line's parts;
+    `pixels` counts the pixels of the pictures read here."""
 
     limits: ImageLimits
-    found: list[bytes]
+    found: list[bytes] = dataclasses.field(default_factory=list)
+    details: list[str] = dataclasses.field(default_factory=list)
+    pixels: int = 0
+
+    def digest(self) -> str:
+        """The request's picture name: the pictures' bytes (a fetched URL: the URL), and a `detail`
+        other than OpenAI's default, which changes the answer; never the data URL's text."""
+        if set(self.details) == {"auto"}:
+            return image_digest(self.found)
+        return image_digest([*self.found, json.dumps(self.details).encode()])
 
     def part(self, part: dict, where: str) -> dict:
         unknown = sorted(set(part) - {"type", "image_url"})
@@ -577,13 +581,14 @@ class _ImageReader:
             self.found.append(self._image(url))
         except ImageInputError as exc:
             raise _LineError(exc.code, f"{where}.image_url.url: {exc.cause}") from None
+        self.details.append(image_url.get("detail", "auto"))
         return {"type": "image_url", "image_url": {**image_url, "url": url}}
 
     def _image(self, url: str) -> bytes:
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
         if scheme == "data":
             data = data_url_bytes(url)
-            check_image(data, self.limits)
+            self.pixels += check_image(data, self.limits)
             return data
         if scheme in ("http", "https") and self.limits.fetch_urls:
             return _URL_MARK + url.encode("utf-8")
@@ -598,16 +603,6 @@ class _ImageReader:
 
 # Marks a fetched URL among a line's image bytes: no image's bytes begin so.
 _URL_MARK = b"url\x00"
-
-
-def _pixels(data: bytes) -> int:
-    """Pixels of a checked image (0 for a URL the endpoint fetches: not known here)."""
-    if data.startswith(_URL_MARK):
-        return 0
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as image:
-        return image.width * image.height
 
 
 def _image_parts(messages: list[dict]) -> list[dict]:
