@@ -250,3 +250,80 @@ def test_pictures_in_s3_get_the_plain_vllm_labels(vlm: str, pictures: Path, s3_d
     labels = pl.read_parquet(io.BytesIO(output["Body"].read())).sort("row_id")
     assert labels["error"].null_count() == PICTURES
     assert labels["label"].to_list() == expected
+
+
+BATCH_TASK, BATCH_PICTURES = "images_batch", 40
+
+
+def test_openai_batch_lines_with_pictures_get_the_image_tasks_labels(
+    vlm: str, pictures: Path, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same pictures as `image_url` parts of OpenAI batch lines (`data:` URLs), with the image
+    task's system prompt, text and choices, get the image task's labels, on the same warm engine."""
+    import yaml
+
+    expected = reference_labels(pictures, vlm, tmp_path)
+    images_task = yaml.safe_load((TASKS_DIR / f"{TASK}.yaml").read_text())
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    batch_task = {
+        "description": "OpenAI batch lines with pictures",
+        "input": {"format": "openai_batch", "images": images_task["input"]["images"]},
+        "engine": images_task["engine"],  # the image task's engine: the session's warm one serves both
+        "sampling": images_task["sampling"],
+        "output": {"kind": "text"},
+    }
+    (tasks / f"{BATCH_TASK}.yaml").write_text(yaml.safe_dump(batch_task))
+    monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(tasks))
+
+    def line(custom_id: str, url: str) -> str:
+        user = [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": images_task["prompt"]["template"]},
+        ]
+        body = {
+            "model": "tiny-vlm",
+            "messages": [
+                {"role": "system", "content": images_task["prompt"]["system"]},
+                {"role": "user", "content": user},
+            ],
+            "structured_outputs": {"choice": images_task["output"]["choices"]},
+        }
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+    records = [json.loads(text) for text in (pictures / "pictures.jsonl").read_text().splitlines()][:BATCH_PICTURES]
+    urls = []
+    for record in records:
+        path = pictures / record["image"]
+        mime = "image/png" if path.suffix == ".png" else "image/jpeg"
+        urls.append(f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}")
+    lines = [line(f"p{index}", url) for index, url in enumerate(urls)]
+    lines += [
+        line("again", urls[0]),  # the first picture again: the same request, answered once
+        line("broken", "data:image/png;base64," + base64.b64encode(b"not a picture").decode()),
+        line("remote", "https://example.com/cat.png"),  # the in-process engine fetches nothing
+    ]
+    zone = data_dir / "drops" / BATCH_TASK
+    zone.mkdir(parents=True)
+    (zone / "pictures.jsonl").write_text("\n".join(lines) + "\n")
+    key = partition_key_for("pictures.jsonl")
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(partitions_def_name(BATCH_TASK), [key])
+        job = build_definitions().resolve_job_def(pipeline_job_name(BATCH_TASK))
+        result = job.execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
+        assert result.success, [e.message for e in result.all_events if e.is_failure]
+    storage = data_dir / "storage" / BATCH_TASK
+    labels = pl.read_parquet(storage / "validated_labels" / "pictures.jsonl.parquet").sort("row_id")
+    assert labels.height == BATCH_PICTURES + 3
+    assert labels["label"].to_list()[:BATCH_PICTURES] == expected[:BATCH_PICTURES]
+    assert labels["label"][BATCH_PICTURES] == expected[0]
+    assert metadata(result, "inference_outputs")["rows_deduplicated"] == 1
+    errors = labels["error"].to_list()[BATCH_PICTURES + 1 :]
+    assert errors[0].startswith("unreadable_image: pictures.jsonl line 42: body.messages[1].content[0].image_url.url:")
+    assert errors[1].startswith("image_url_not_allowed: pictures.jsonl line 43: ")
+    # OpenAI's output file answers each good line; the error file each bad one, as a bad request.
+    outputs = [json.loads(text) for text in (storage / "batch_output" / f"{key}.jsonl").read_text().splitlines()]
+    answers = {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in outputs}
+    assert answers["p1"] == expected[1] and len(answers) == BATCH_PICTURES + 1
+    failed = [json.loads(text) for text in (storage / "batch_errors" / f"{key}.jsonl").read_text().splitlines()]
+    assert [(f["custom_id"], f["response"]["status_code"]) for f in failed] == [("broken", 400), ("remote", 400)]

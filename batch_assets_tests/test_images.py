@@ -114,13 +114,47 @@ def test_image_fields_may_stand_alone_but_never_share_a_text_field() -> None:
         InputSpec(format="openai_batch", image_fields=["x"])
 
 
-def test_an_image_task_runs_on_the_in_process_engine_only() -> None:
+def test_an_image_task_runs_on_every_engine_kind_but_only_as_a_chat_task() -> None:
     import yaml
 
     from batch_assets.pipeline.task_spec import TaskSpec
 
-    raw = yaml.safe_load((REPO_ROOT / "examples" / "tasks" / "images.yaml").read_text())
-    assert TaskSpec.model_validate({**raw, "name": "images"}).input.image_fields == ["image"]
+    raw = {**yaml.safe_load((REPO_ROOT / "examples" / "tasks" / "images.yaml").read_text()), "name": "images"}
+    assert TaskSpec.model_validate(raw).input.image_fields == ["image"]
+    # Endpoints and batch APIs take the pictures as image_url content parts (format_prompts.py).
     for engine in ({"kind": "openai", "base_url": "http://127.0.0.1:1/v1"}, {"kind": "batch_api"}):
-        with pytest.raises(ValueError, match="in-process engine"):
-            TaskSpec.model_validate({**raw, "name": "images", "engine": {**raw["engine"], **engine}})
+        task = TaskSpec.model_validate({**raw, "engine": {**raw["engine"], **engine}})
+        assert task.engine.kind == engine["kind"] and task.input.image_fields == ["image"]
+    # A completion-style prompt has no place for a picture; an embedding or similarity task embeds text.
+    with pytest.raises(ValueError, match="raw_template"):
+        TaskSpec.model_validate({**raw, "prompt": {**raw["prompt"], "raw_template": "{system} {user}"}})
+    plain = {**raw, "prompt": {"template": raw["prompt"]["template"]}, "engine": {"max_model_len": 256}}
+    with pytest.raises(ValueError, match="needs a chat task"):
+        TaskSpec.model_validate({**plain, "output": {**raw["output"], "method": "similarity"}})
+    with pytest.raises(ValueError, match="needs a chat task"):
+        TaskSpec.model_validate({**plain, "output": {"kind": "embedding"}})
+
+
+def test_image_urls_are_fetched_only_by_an_endpoint_for_openai_batch_lines() -> None:
+    from batch_assets.pipeline.task_spec import TaskSpec
+
+    batch = {
+        "name": "batch",
+        "input": {"format": "openai_batch", "images": {"fetch_urls": True}},
+        "output": {"kind": "text"},
+    }
+    for kind in ("openai", "batch_api"):
+        engine = {"kind": kind, "base_url": "http://127.0.0.1:1/v1"} if kind == "openai" else {"kind": kind}
+        assert TaskSpec.model_validate({**batch, "engine": engine}).input.images.fetch_urls
+    # The in-process engine fetches nothing; a records task's image fields read the drop zone and S3.
+    with pytest.raises(ValueError, match="fetch_urls"):
+        TaskSpec.model_validate(batch)
+    records = {
+        "name": "pictures",
+        "input": {"image_fields": ["image"], "images": {"fetch_urls": True}},
+        "prompt": {"template": "What is it?"},
+        "engine": {"kind": "openai", "base_url": "http://127.0.0.1:1/v1"},
+        "output": {"kind": "text"},
+    }
+    with pytest.raises(ValueError, match="fetch_urls"):
+        TaskSpec.model_validate(records)

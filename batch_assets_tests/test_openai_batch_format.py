@@ -126,8 +126,8 @@ def test_valid_lines_keep_custom_id_model_messages_and_sampling() -> None:
         (chat_line("role", [{"role": "tool", "content": "x"}]), "invalid_message", "tool calls are not supported"),
         (
             chat_line("img", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-            "invalid_message",
-            "image_url",
+            "image_url_not_allowed",
+            "body.messages[0].content[0].image_url.url: x is neither a data: URL nor an http(s) URL",
         ),
         (chat_line("temp", temperature="hot"), "invalid_field", "body.temperature is a string"),
         (

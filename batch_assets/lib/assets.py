@@ -138,7 +138,10 @@ def build_task_assets(task: TaskSpec, settings: ResolvedSettings) -> list[dg.Ass
 
 def raw_prompts_asset(task: TaskSpec, args: AssetArgs) -> dg.AssetsDefinition:
     options = ParseOptions(
-        text_fields=tuple(task.input.text_fields), txt_field=task.input.txt_field, format=task.input.format
+        text_fields=tuple(task.input.text_fields),
+        txt_field=task.input.txt_field,
+        format=task.input.format,
+        images=task.input.images,
     )
 
     @dg.asset(

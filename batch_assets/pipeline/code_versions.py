@@ -19,6 +19,7 @@ from typing import Any
 from batch_assets.pipeline.engine_contract import ResolvedSettings
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.pipeline.task_spec.batch_api import BATCH_API_FIELDS
+from batch_assets.pipeline.task_spec.input import ImageLimits, InputSpec
 
 # Raise when a change in this package's code changes what an asset writes for the same task.
 PIPELINE_OUTPUT_VERSION = 1
@@ -66,14 +67,9 @@ def code_versions(task: TaskSpec, settings: ResolvedSettings) -> dict[str, str]:
     formatting = {
         # How rows are grouped into partitions changes no row's prompt.
         # `truncate` only when on: tasks written before it keep their versions.
-        # Image settings likewise only with image fields: text tasks keep their versions.
-        "input": task.input.model_dump(
-            exclude={
-                "max_rows_per_partition",
-                *(set() if task.input.truncate else {"truncate"}),
-                *(set() if task.input.image_fields else {"image_fields", "images"}),
-            }
-        ),
+        # Image settings likewise only with image fields, or off their defaults (an openai_batch task's
+        # limits on its lines' pictures), and `fetch_urls` only when on: other tasks keep their versions.
+        "input": task.input.model_dump(exclude=_input_left_out(task.input)),
         "prompt": task.prompt.decision() if task.prompt is not None else None,
         # The tokenizer renders the chat template and counts tokens; the context decides which rows
         # are too long and max_tokens how much room they need.
@@ -111,3 +107,17 @@ def _validation(task: TaskSpec) -> dict[str, Any]:
         # Fitted on the gold column's labels: another column, another calibration.
         validation["calibrate"] = {"gold_field": task.checks.gold_field}
     return validation
+
+
+def _input_left_out(spec: InputSpec) -> dict[str, Any]:
+    """The `input` settings that do not count in the code versions (see `formatting` above)."""
+    left_out: dict[str, Any] = {"max_rows_per_partition": True}
+    if not spec.truncate:
+        left_out["truncate"] = True
+    if not spec.image_fields:
+        left_out["image_fields"] = True
+    if not spec.image_fields and spec.images == ImageLimits():
+        left_out["images"] = True
+    elif not spec.images.fetch_urls:
+        left_out["images"] = {"fetch_urls": True}
+    return left_out

@@ -61,7 +61,7 @@ class Prompt:
     that must find a request again in a later run (the batch API's `custom_id`)."""
 
     token_ids: tuple[int, ...]
-    messages: tuple[dict[str, str], ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
     sampling: SamplingSpec | None = None
     output: OutputSpec | None = None
     text: str | None = None

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import polars as pl
 
 from batch_assets.pipeline.engine_contract import Engine, Prompt, keys_of
-from batch_assets.pipeline.images import DIGEST_COLUMN, IMAGES_COLUMN
+from batch_assets.pipeline.images import DIGEST_COLUMN, IMAGES_COLUMN, image_data_url, image_url_part
 from batch_assets.pipeline.prompt_tokens import (
     PROMPT_TOKEN_IDS,
     TOKENIZE_CHUNK,
@@ -88,16 +88,18 @@ def fill_template(template: str, fields: dict[str, str]) -> str:
 
 
 def messages_for(
-    system: str, user: str, examples: Sequence[tuple[str, str]] = (), images: int = 0
+    system: str, user: str, examples: Sequence[tuple[str, str]] = (), images: int | Sequence[dict[str, Any]] = 0
 ) -> list[dict[str, Any]]:
     """The chat: the system prompt, each example as a user turn and its answer as the assistant's
     turn, then the row's message; with `images`, the message is that many image parts and then its
-    text (OpenAI's content parts, which vision-language chat templates and `LLM.chat` read)."""
+    text (OpenAI's content parts, which vision-language chat templates and `LLM.chat` read).
+    `images` as a count: placeholder parts (`{"type": "image"}`, what a chat template renders); as
+    parts: those parts (an endpoint's `image_url` parts, `images.image_url_part`)."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     for example_user, answer in examples:
         messages += [{"role": "user", "content": example_user}, {"role": "assistant", "content": answer}]
     if images:
-        parts: list[dict[str, str]] = [{"type": "image"}] * images
+        parts = [{"type": "image"}] * images if isinstance(images, int) else list(images)
         return [*messages, {"role": "user", "content": [*parts, {"type": "text", "text": user}]}]
     return [*messages, {"role": "user", "content": user}]
 
@@ -411,10 +413,10 @@ def prompt_encoders(
         valid = formatted.filter(pl.col("error").is_null())
         ids_of = stored_token_ids(valid) if PROMPT_TOKEN_IDS in valid.columns else token_ids
         if IMAGES_COLUMN in valid.columns:
-            if engine.sends_chat_messages:
-                raise ValueError("image tasks run on the in-process vLLM engine only (`engine.kind: vllm`)")
             # Equal digests are equal bytes: one row's images serve every request of that digest.
             images_of = dict(zip(valid[DIGEST_COLUMN].to_list(), valid[IMAGES_COLUMN].to_list(), strict=True))
+            if engine.sends_chat_messages:
+                return image_messages_encoder(prompt_format, valid, images_of, ids_of)
 
             def encode_images(
                 prompts: list[str], keys: list[str] | None = None, image_digests: list[str] | None = None
@@ -452,6 +454,36 @@ def prompt_encoders(
         return encode
 
     return for_partition
+
+
+def image_messages_encoder(
+    fmt: PromptFormat,
+    valid: pl.DataFrame,
+    images_of: dict[str, list[bytes]],
+    ids_of: Callable[[list[str]], list[list[int]]],
+) -> Callable[..., list[Prompt]]:
+    """An image task's encoder for an engine that sends chat messages (an endpoint, a batch API): the
+    row's user message is its images as `image_url` parts with `data:` URLs of their bytes, in the
+    task's field order, then its text, as OpenAI's chat API takes pictures. The ids (counted, keyed)
+    stay those of the rendered prompt with its image placeholders."""
+    users = valid.select(user_message_expr(fmt.template).alias("user"))["user"].to_list()
+    # A rendered prompt holds no image, so a request is found by its prompt and its images' digest.
+    user_of = dict(zip(zip(valid["prompt"].to_list(), valid[DIGEST_COLUMN].to_list(), strict=True), users, strict=True))
+
+    def encode(
+        prompts: list[str], keys: list[str] | None = None, image_digests: list[str] | None = None
+    ) -> list[Prompt]:
+        assert image_digests is not None  # run_inference passes them for every image task
+        out = []
+        for prompt, ids, key, digest in zip(
+            prompts, ids_of(prompts), keys_of(prompts, keys), image_digests, strict=True
+        ):
+            parts = [image_url_part(image_data_url(data)) for data in images_of[digest]]
+            messages = messages_for(fmt.system, user_of[(prompt, digest)], fmt.examples, parts)
+            out.append(Prompt(tuple(ids), tuple(messages), key=key))
+        return out
+
+    return encode
 
 
 def stored_token_ids(valid: pl.DataFrame) -> Callable[[list[str]], list[list[int]]]:

@@ -162,6 +162,21 @@ def image_error(code: str, file_name: str, line: int, field: str, cause: str) ->
     return f"{code}: {file_name} line {line}: field {field!r}: {cause}"
 
 
+def image_data_url(data: bytes) -> str:
+    """The `data:image/<fmt>;base64,...` URL of checked image bytes: how an endpoint or a batch API
+    is sent a picture (an OpenAI `image_url` content part); the type is read from the image's header."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        mime = Image.MIME.get(image.format or "", "application/octet-stream")
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def image_url_part(url: str) -> dict[str, object]:
+    """An OpenAI chat content part carrying one image by URL (a `data:` URL or one the server fetches)."""
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
 def decoded_image(data: bytes) -> Image:
     """The RGB image a model is given (the bytes were checked when the row was read)."""
     from PIL import Image

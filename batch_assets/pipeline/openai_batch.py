@@ -38,12 +38,25 @@ answered is a row with an `error` (`code: file line N: message`), which ends up 
                         prompt in the model's context included)
     empty_messages      `messages` missing or empty (chat), `prompt` missing or empty (completions)
     empty_input         `input` missing, empty or blank (embeddings), or a blank text in its list
-    invalid_message     a message without a known role or with content that is not text
+    invalid_message     a message without a known role, with content that is neither text nor
+                        text and `image_url` parts, or with an image part outside a user message
+    missing_image, unreadable_image, unsupported_image_format, image_too_large, image_url_not_allowed
+                        an `image_url` part whose `data:` URL is empty, not an image, of a format or
+                        over a limit the task's `input.images` refuses (pipeline/images.py), or an
+                        http(s) URL where the task does not let the endpoint fetch it
+                        (`input.images.fetch_urls`), or another scheme
     model_mismatch      with `input.require_model_match`: `body.model` is not the task's model
     chat_template_error the model's chat template refused the messages (e.g. roles not alternating)
     prompt_too_long     prompt tokens + max_tokens exceed the model's context
     input_too_long      an embeddings text longer than the model takes (`input.truncate: true` in the
                         task cuts it instead, as sentence-transformers does)
+
+A chat line's `image_url` parts are accepted as OpenAI takes them: a `data:` URL is decoded and
+checked here (its bytes' digest names the request, `image_digest`); an http(s) URL only with
+`input.images.fetch_urls` (an endpoint's server fetches it; the URL names the request). The
+messages keep the parts as written: an endpoint is sent them as they are, the in-process engine
+the decoded pictures with the ids (`batch_prompt_encoder`), and the chat template renders each as
+the model's image placeholder (`template_messages`).
 
 Only a file that is not `.jsonl` (or `.jsonl.gz`), or a broken gzip file, raises `DropFileError`.
 Every code above is a bad request (HTTP 400 in the error file); any other code on a row (the
@@ -52,6 +65,7 @@ engine's) is a server failure (500).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -63,8 +77,18 @@ import polars as pl
 from batch_assets.pipeline.embeddings import format_embedding_prompts
 from batch_assets.pipeline.engine_contract import Prompt, keys_of
 from batch_assets.pipeline.format_prompts import Tokenizer, count_tokens
+from batch_assets.pipeline.images import (
+    DIGEST_COLUMN,
+    IMAGE_ERROR_CODES,
+    PIXELS_COLUMN,
+    ImageInputError,
+    check_image,
+    data_url_bytes,
+    image_digest,
+)
 from batch_assets.pipeline.read_prompts import DropFileError, _gunzip, input_suffix
 from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec, SettingError
+from batch_assets.pipeline.task_spec.input import ImageLimits
 from batch_assets.pipeline.task_spec.output import check_choices, check_label_regex
 
 CHAT_URL = "/v1/chat/completions"
@@ -135,6 +159,7 @@ REQUEST_ERROR_CODES = frozenset(
         "empty_text",
         # The engine refused the request (e.g. a pattern its structured-output backend cannot compile).
         "invalid_request",
+        *IMAGE_ERROR_CODES,
     }
 )
 INVALID_CUSTOM_ID = "invalid_custom_id"
@@ -176,6 +201,11 @@ GENERATION_COLUMNS = (
 EMBEDDING_COLUMNS = ("input", "input_index", "encoding_format")
 # Where `_parse_body` leaves an embeddings line's texts for `read_batch_requests` to spread over rows.
 _TEXTS = "_texts"
+# The columns a file with image lines has besides RAW_SCHEMA's (null on its text lines): a file
+# without images keeps the text schema, and its requests their keys.
+IMAGE_SCHEMA = {DIGEST_COLUMN: pl.String, PIXELS_COLUMN: pl.Int64}
+# An image part's `image_url.detail` values (OpenAI's; recorded and passed to an endpoint).
+IMAGE_DETAILS = ("auto", "low", "high")
 
 
 class _LineError(Exception):
@@ -199,8 +229,10 @@ def _json_text(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def read_batch_requests(data: bytes, file_name: str) -> pl.DataFrame:
-    """Parse an OpenAI batch request file into raw_prompts rows (see the module docstring)."""
+def read_batch_requests(data: bytes, file_name: str, images: ImageLimits | None = None) -> pl.DataFrame:
+    """Parse an OpenAI batch request file into raw_prompts rows (see the module docstring); `images`:
+    the task's limits on its lines' images (`input.images`)."""
+    limits = images or ImageLimits()
     suffix = input_suffix(file_name)
     if suffix not in (".jsonl", ".jsonl.gz"):
         raise DropFileError(
@@ -219,7 +251,7 @@ def read_batch_requests(data: bytes, file_name: str) -> pl.DataFrame:
         number = index + 1
         row: dict[str, Any] = {"row_id": len(rows), "source_line": number}
         try:
-            _parse_line(raw_line.removesuffix(b"\r"), row, first_line_of)
+            _parse_line(raw_line.removesuffix(b"\r"), row, first_line_of, limits)
         except _LineError as exc:
             row.pop(_TEXTS, None)
             row["error"] = _error(exc.code, file_name, number, str(exc))
@@ -230,10 +262,11 @@ def read_batch_requests(data: bytes, file_name: str) -> pl.DataFrame:
         # An embeddings line: one row per text (its own vector, deduplicated and cached as any text).
         for position, text in enumerate(texts):
             rows.append({**row, "row_id": len(rows), "input": text, "input_index": position})
-    return pl.DataFrame(rows, schema=RAW_SCHEMA)
+    with_images = any(DIGEST_COLUMN in row for row in rows)
+    return pl.DataFrame(rows, schema={**RAW_SCHEMA, **IMAGE_SCHEMA} if with_images else RAW_SCHEMA)
 
 
-def _parse_line(raw_line: bytes, row: dict, first_line_of: dict[str, int]) -> None:
+def _parse_line(raw_line: bytes, row: dict, first_line_of: dict[str, int], limits: ImageLimits) -> None:
     try:
         text = raw_line.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -276,10 +309,10 @@ def _parse_line(raw_line: bytes, row: dict, first_line_of: dict[str, int]) -> No
         raise _LineError(
             "invalid_body", f"body is {_kind(body)}, not a JSON object" if "body" in request else "the line has no body"
         )
-    _parse_body(body, url, row)
+    _parse_body(body, url, row, limits)
 
 
-def _parse_body(body: dict, url: str, row: dict) -> None:
+def _parse_body(body: dict, url: str, row: dict, limits: ImageLimits) -> None:
     model = body.get("model")
     row["model"] = model if isinstance(model, str) else None
     unknown = sorted(set(body) - BODY_FIELDS[url])
@@ -319,7 +352,10 @@ def _parse_body(body: dict, url: str, row: dict) -> None:
         row["top_logprobs"] = _top_logprobs(given)
         if "response_format" in given:
             row["response_format"] = json.dumps(_response_format(given["response_format"]), ensure_ascii=False)
-        row["messages"] = json.dumps(_messages(body.get("messages")), ensure_ascii=False)
+        images = _ImageReader(limits)
+        row["messages"] = json.dumps(_messages(body.get("messages"), images), ensure_ascii=False)
+        if images.found:
+            row[DIGEST_COLUMN], row[PIXELS_COLUMN] = images.digest(), images.pixels
     elif url == EMBEDDINGS_URL:
         row["encoding_format"] = given.get("encoding_format", "float")
         row[_TEXTS] = _embedding_texts(body.get("input"))
@@ -504,7 +540,99 @@ def _task_check(check: Any, value: Any, key: str, field: str) -> None:
         raise _LineError("invalid_field", str(exc).replace(key, field, 1)) from None
 
 
-def _messages(value: object) -> list[dict]:
+@dataclass
+class _ImageReader:
+    """Reads a line's `image_url` parts: `found` gets each picture's bytes (a URL the endpoint
+    fetches: `_URL_MARK` and the URL) and `details` its `detail`, in the order of the line's parts;
+    `pixels` counts the pixels of the pictures read here."""
+
+    limits: ImageLimits
+    found: list[bytes] = dataclasses.field(default_factory=list)
+    details: list[str] = dataclasses.field(default_factory=list)
+    pixels: int = 0
+
+    def digest(self) -> str:
+        """The request's picture name: the pictures' bytes (a fetched URL: the URL), and a `detail`
+        other than OpenAI's default, which changes the answer; never the data URL's text."""
+        if set(self.details) == {"auto"}:
+            return image_digest(self.found)
+        return image_digest([*self.found, json.dumps(self.details).encode()])
+
+    def part(self, part: dict, where: str) -> dict:
+        unknown = sorted(set(part) - {"type", "image_url"})
+        if unknown:
+            raise _LineError("unsupported_field", f"{where}.{unknown[0]} is not supported (type and image_url are)")
+        image_url = part.get("image_url")
+        if not isinstance(image_url, dict) or not isinstance(image_url.get("url"), str):
+            given = _kind(image_url) if not isinstance(image_url, dict) else f"url {_kind(image_url.get('url'))}"
+            raise _LineError("invalid_message", f"{where}.image_url is {given}; it must be an object with a url string")
+        unknown = sorted(set(image_url) - {"url", "detail"})
+        if unknown:
+            raise _LineError(
+                "unsupported_field", f"{where}.image_url.{unknown[0]} is not supported (url and detail are)"
+            )
+        if "detail" in image_url and image_url["detail"] not in IMAGE_DETAILS:
+            raise _LineError(
+                "invalid_field",
+                f"{where}.image_url.detail {_json_text(image_url['detail'])} is not one of {', '.join(IMAGE_DETAILS)}",
+            )
+        url = image_url["url"].strip()
+        try:
+            self.found.append(self._image(url))
+        except ImageInputError as exc:
+            raise _LineError(exc.code, f"{where}.image_url.url: {exc.cause}") from None
+        self.details.append(image_url.get("detail", "auto"))
+        return {"type": "image_url", "image_url": {**image_url, "url": url}}
+
+    def _image(self, url: str) -> bytes:
+        scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+        if scheme == "data":
+            data = data_url_bytes(url)
+            self.pixels += check_image(data, self.limits)
+            return data
+        if scheme in ("http", "https") and self.limits.fetch_urls:
+            return _URL_MARK + url.encode("utf-8")
+        if scheme in ("http", "https"):
+            raise ImageInputError(
+                "image_url_not_allowed",
+                f"{url[:80]} is fetched only where the task lets its endpoint fetch image URLs "
+                "(input.images.fetch_urls: true, engine.kind openai or batch_api); else send a data: URL",
+            )
+        raise ImageInputError("image_url_not_allowed", f"{url[:80]} is neither a data: URL nor an http(s) URL")
+
+
+# Marks a fetched URL among a line's image bytes: no image's bytes begin so.
+_URL_MARK = b"url\x00"
+
+
+def _image_parts(messages: list[dict]) -> list[dict]:
+    return [
+        part
+        for message in messages
+        if isinstance(message["content"], list)
+        for part in message["content"]
+        if part["type"] == "image_url"
+    ]
+
+
+def line_images(messages: list[dict]) -> list[bytes]:
+    """The pictures of a line's messages as the in-process engine is given them: each `data:`
+    URL's bytes, in order (its lines never carry a URL to fetch: the task spec refuses it)."""
+    return [data_url_bytes(part["image_url"]["url"]) for part in _image_parts(messages)]
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """The messages a chat template renders: each `image_url` part as the image placeholder part
+    (`{"type": "image"}`), which a vision-language model's template turns into its image token."""
+    return [
+        {**message, "content": [{"type": "image"} if p["type"] == "image_url" else p for p in message["content"]]}
+        if isinstance(message["content"], list)
+        else message
+        for message in messages
+    ]
+
+
+def _messages(value: object, images: _ImageReader) -> list[dict]:
     if value is None or value == []:
         raise _LineError("empty_messages", "body.messages is missing or empty")
     if not isinstance(value, list):
@@ -521,22 +649,35 @@ def _messages(value: object) -> list[dict]:
         for field in message:
             if field not in ("role", "content", "name"):
                 raise _LineError("unsupported_field", f"{where}.{field} is not supported (role, content and name are)")
-        normalized = {"role": role, "content": _content(message.get("content"), where)}
+        normalized = {"role": role, "content": _content(message.get("content"), where, images, role)}
         if isinstance(message.get("name"), str):
             normalized["name"] = message["name"]
         messages.append(normalized)
     return messages
 
 
-def _content(content: object, where: str) -> str:
-    """Text content; a list of text parts is joined with newlines, as vLLM does for string templates."""
+def _content(content: object, where: str, images: _ImageReader, role: str) -> str | list[dict]:
+    """Text content; a list of text parts is joined with newlines, as vLLM does for string templates.
+    A list with `image_url` parts (a user message's only, as OpenAI has it) stays a list of text
+    and image parts in the line's order, each picture read and checked."""
     if isinstance(content, str):
         return content
     if content == []:
         raise _LineError("invalid_message", f"{where}.content is an empty list")
-    if isinstance(content, list):
+    if not isinstance(content, list):
+        raise _LineError("invalid_message", f"{where}.content is {_kind(content)}, not text")
+    if not any(isinstance(part, dict) and part.get("type") == "image_url" for part in content):
         return "\n".join(_text_part(part, f"{where}.content[{index}]") for index, part in enumerate(content))
-    raise _LineError("invalid_message", f"{where}.content is {_kind(content)}, not text")
+    if role != "user":
+        raise _LineError("invalid_message", f"{where} is a {role} message; only user messages may hold image_url parts")
+    parts: list[dict] = []
+    for index, part in enumerate(content):
+        at = f"{where}.content[{index}]"
+        if isinstance(part, dict) and part.get("type") == "image_url":
+            parts.append(images.part(part, at))
+        else:
+            parts.append({"type": "text", "text": _text_part(part, at)})
+    return parts
 
 
 def _text_part(part: object, where: str) -> str:
@@ -544,7 +685,8 @@ def _text_part(part: object, where: str) -> str:
         raise _LineError("invalid_message", f"{where} is {_kind(part)}, not a content part object")
     if part.get("type") != "text":
         raise _LineError(
-            "invalid_message", f"{where} is a part of type {part.get('type')!r}; only text parts are supported"
+            "invalid_message",
+            f"{where} is a part of type {part.get('type')!r}; only text and image_url parts are supported",
         )
     text = part.get("text")
     if not isinstance(text, str):
@@ -839,7 +981,7 @@ def _format_line(row: dict, how: _LineFormat) -> tuple[str | None, str | None, R
             return how.error("chat_template_error", line, NO_CHAT_TEMPLATE), None, spec
         try:
             prompt = how.tokenizer.apply_chat_template(
-                json.loads(row["messages"]), tokenize=False, add_generation_prompt=True
+                template_messages(json.loads(row["messages"])), tokenize=False, add_generation_prompt=True
             )
         except Exception as exc:  # a template may raise on roles it does not accept
             return how.error("chat_template_error", line, f"{type(exc).__name__}: {exc}"), None, spec
@@ -879,24 +1021,43 @@ def _refuse_too_long(
 def batch_prompt_encoder(engine, task, tokenizer: Tokenizer, formatted: pl.DataFrame):
     """`encode(texts, request_params)` for `run_inference`: each request as an engine `Prompt` with
     its own sampling (stop strings included) and output constraint, and, for an engine that sends
-    chat messages, the line's messages."""
-    messages_by_prompt: dict[str, str] = {}
-    if engine.sends_chat_messages:
-        valid = formatted.filter(pl.col("error").is_null())
-        # Identical prompt texts come from identical messages, so the prompt is a safe key for them.
-        messages_by_prompt = dict(zip(valid["prompt"].to_list(), valid["messages"].to_list(), strict=True))
+    chat messages, the line's messages (its `image_url` parts as written); for the in-process
+    engine, a line's pictures (`Prompt.images`, decoded from its data: URLs)."""
+    valid = formatted.filter(pl.col("error").is_null())
+    digests = valid[DIGEST_COLUMN].to_list() if DIGEST_COLUMN in valid.columns else [None] * valid.height
+    # Identical prompt texts come from identical messages, so the prompt is a safe key for them; a
+    # rendered prompt holds no picture, so an image line's is found with its pictures' digest. The
+    # in-process engine needs only image lines' messages (for their pictures).
+    messages_of = {
+        (prompt, digest): messages
+        for prompt, digest, messages in zip(
+            valid["prompt"].to_list(), digests, valid["messages"].to_list(), strict=True
+        )
+        if engine.sends_chat_messages or digest is not None
+    }
 
-    def encode(prompts: list[str], params: list[str], keys: list[str] | None = None) -> list[Prompt]:
+    def encode(
+        prompts: list[str],
+        params: list[str],
+        keys: list[str] | None = None,
+        image_digests: list[str | None] | None = None,
+    ) -> list[Prompt]:
         token_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
         out = []
-        for prompt, ids, param, key in zip(prompts, token_ids, params, keys_of(prompts, keys), strict=True):
+        digests_of = image_digests if image_digests is not None else [None] * len(prompts)
+        for prompt, ids, param, key, digest in zip(
+            prompts, token_ids, params, keys_of(prompts, keys), digests_of, strict=True
+        ):
             spec = RequestSpec.from_params_json(param)
-            messages = messages_by_prompt.get(prompt)
-            out.append(
-                Prompt(
-                    tuple(ids), tuple(json.loads(messages)) if messages else None, spec.sampling, spec.output, key=key
+            text = messages_of.get((prompt, digest))
+            messages = json.loads(text) if text else None
+            if engine.sends_chat_messages:
+                out.append(
+                    Prompt(tuple(ids), tuple(messages) if messages else None, spec.sampling, spec.output, key=key)
                 )
-            )
+            else:
+                images = tuple(line_images(messages)) if messages else ()
+                out.append(Prompt(tuple(ids), None, spec.sampling, spec.output, key=key, images=images))
         return out
 
     return encode

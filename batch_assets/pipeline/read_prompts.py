@@ -38,8 +38,12 @@ import sys
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import polars as pl
+
+if TYPE_CHECKING:
+    from batch_assets.pipeline.task_spec.input import ImageLimits
 
 SUPPORTED_SUFFIXES = (".jsonl", ".csv", ".parquet", ".txt", ".jsonl.gz", ".csv.gz", ".txt.gz")
 # Columns the pipeline adds or uses on the way; an input column with one of these names is kept
@@ -85,6 +89,8 @@ class ParseOptions:
     text_fields: tuple[str, ...]
     txt_field: str = "text"
     format: str = "records"  # or "openai_batch": OpenAI Batch API request lines (openai_batch.py reads them)
+    # `input.images`: an openai_batch file's limits on its lines' `image_url` parts (None: the defaults).
+    images: ImageLimits | None = None
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ from batch_assets.storage.locations import (
 # The reader of a whole file, by the task's input format.
 WHOLE_FILE_READERS: dict[str, Callable[[bytes, str, ParseOptions], pl.DataFrame]] = {
     "records": read_prompts,
-    "openai_batch": lambda data, file_name, _options: read_batch_requests(data, file_name),
+    "openai_batch": lambda data, file_name, options: read_batch_requests(data, file_name, options.images),
 }
 # Run tag: JSON {shard key: digest of the file version it read}, set by raw_prompts (lib/assets.py).
 SHARD_VERSIONS_TAG = "batch_assets/shard_versions"

@@ -107,3 +107,7 @@ class ImageLimits(_Strict):
     max_bytes: int = Field(default=20 * 1024 * 1024, ge=1, strict=True)
     max_pixels: int = Field(default=40_000_000, ge=1, strict=True)
     formats: list[str] = Field(default_factory=lambda: list(DEFAULT_IMAGE_FORMATS))
+    # OpenAI batch lines' `image_url` parts with an http(s) URL are passed to the endpoint, whose
+    # server fetches them (openai_batch tasks on `engine.kind: openai` or `batch_api` only); off,
+    # such a line is an `image_url_not_allowed` error. `data:` URLs are always read (and checked).
+    fetch_urls: bool = Field(default=False, strict=True)

@@ -118,16 +118,32 @@ class TaskSpec(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _images_go_to_an_in_process_chat_model(self) -> TaskSpec:
-        # Endpoints and batch APIs would need the images as content parts (not built yet); an
-        # embedding or similarity task embeds text only.
-        if self.input.image_fields and (
-            self.engine.kind != "vllm" or self.output.method != "generate" or self.output.pooling
+    def _images_go_to_a_chat_model(self) -> TaskSpec:
+        # Every engine kind takes images with a chat request: in process as multi-modal data with the
+        # ids, an endpoint or batch API as `image_url` content parts. An embedding, similarity or
+        # cascade task embeds text only, and a raw_template (completion-style) prompt has no place for
+        # an image the model's processor or a chat API could fill.
+        if self.input.image_fields and (self.output.method != "generate" or self.output.pooling):
+            raise SettingError(
+                "input.image_fields needs a chat task (output.kind text, choices or json); embeddings, "
+                "similarity and cascades take text only",
+                ("input", "image_fields"),
+            )
+        if self.input.image_fields and self.prompt is not None and self.prompt.raw_template is not None:
+            raise SettingError(
+                "input.image_fields needs the model's chat template to place the images; a prompt.raw_template "
+                "(completion-style) has no place for them: remove prompt.raw_template",
+                ("prompt", "raw_template"),
+            )
+        # URLs are fetched by the server an endpoint engine sends them to; the in-process engine
+        # fetches nothing, and a records task's image fields read the drop zone and S3 only.
+        if self.input.images.fetch_urls and (
+            self.input.format != "openai_batch" or self.engine.kind not in ("openai", "batch_api")
         ):
             raise SettingError(
-                "input.image_fields needs a chat task on the in-process engine (`engine.kind: vllm`); "
-                "endpoints, batch APIs, embeddings and cascades take text only",
-                ("input", "image_fields"),
+                "input.images.fetch_urls lets the server of an endpoint engine fetch the http(s) image URLs of "
+                "OpenAI batch lines: it needs input.format: openai_batch and engine.kind openai or batch_api",
+                ("input", "images", "fetch_urls"),
             )
         return self
 
