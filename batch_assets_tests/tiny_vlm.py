@@ -54,11 +54,11 @@ def build_tiny_vlm(destination: Path) -> Path:
         Idefics3ForConditionalGeneration,
         Idefics3Processor,
         Idefics3VisionConfig,
-        LlamaConfig,
     )
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     from batch_assets.engines.embedded_model import ensure_embedded_model
+    from batch_assets_tests.tiny_model import tiny_llama_config
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_embedded_model())
     grid = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]  # the processor looks them up
@@ -73,19 +73,7 @@ def build_tiny_vlm(destination: Path) -> Path:
             ]
         }
     )
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    text = tiny_llama_config(tokenizer)
     # A wider initialisation than the default 0.02, so an image visibly moves the random model's answers.
     vision = Idefics3VisionConfig(
         hidden_size=64,
