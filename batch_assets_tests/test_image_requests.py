@@ -1,7 +1,8 @@
 """Pictures to endpoints and from OpenAI batch lines, no engine: the chat requests an image task sends
 an endpoint or a batch API (`image_url` parts with `data:` URLs of the bytes, in field order, before
 the text), what an endpoint server receives, and how batch lines with `image_url` parts are read,
-checked, rendered, keyed and handed to each kind of engine."""
+checked, rendered, keyed and handed to each kind of engine; a tokenizer with no place for a picture is
+refused before anything is sent."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ from types import SimpleNamespace
 
 import polars as pl
 import pytest
+import yaml
 from jinja2 import Template
 from PIL import Image
 
 from batch_assets.engines.batch_api_files import chat_body
+from batch_assets.engines.embedded_model import ensure_embedded_model
 from batch_assets.engines.openai_engine import OpenAIEngine
-from batch_assets.pipeline.format_prompts import PromptFormat, prompt_encoders
+from batch_assets.engines.tokenizers import load_tokenizer
+from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts, prompt_encoders, render_prompt
 from batch_assets.pipeline.images import DIGEST_COLUMN, IMAGES_COLUMN, PIXELS_COLUMN, image_digest
 from batch_assets.pipeline.openai_batch import (
     REQUEST_ERROR_CODES,
@@ -33,7 +37,7 @@ from batch_assets.pipeline.prompt_tokens import PROMPT_TOKEN_IDS
 from batch_assets.pipeline.run_inference import request_keys
 from batch_assets.pipeline.task_spec import SamplingSpec, TaskSpec
 from batch_assets.pipeline.task_spec.input import ImageLimits
-from batch_assets_tests.tiny_vlm import CHAT_TEMPLATE
+from batch_assets_tests.tiny_vlm import CHAT_TEMPLATE, REPO_ROOT
 
 
 def picture(fmt: str = "PNG", size: tuple[int, int] = (20, 10), colour: tuple[int, int, int] = (200, 30, 30)) -> bytes:
@@ -76,21 +80,27 @@ def image_task(engine: dict) -> TaskSpec:
             "name": "pictures",
             "input": {"image_fields": ["front", "back"], "text_fields": ["caption"]},
             "prompt": {"system": "Label it.", "template": "Caption: {caption}"},
-            "engine": {"max_model_len": 512, **engine},
+            "engine": {"max_model_len": 512, "tokenizer": "a vision tokenizer", **engine},
             "sampling": {"temperature": 0, "max_tokens": 5},
             "output": {"kind": "choices", "choices": ["cat", "dog"]},
         }
     )
 
 
-def formatted_rows(rows: list[tuple[str, list[bytes]]]) -> pl.DataFrame:
+def example_task(engine: dict) -> TaskSpec:
+    """examples/tasks/images.yaml (`text_fields: []`, a template naming no field) on another engine."""
+    raw = yaml.safe_load((REPO_ROOT / "examples" / "tasks" / "images.yaml").read_text())
+    return TaskSpec.model_validate({**raw, "name": "images", "engine": {**raw["engine"], **engine}})
+
+
+def formatted_rows(
+    rows: list[tuple[str, list[bytes]]], fmt: PromptFormat | None = None, template: str = "Caption: {}"
+) -> pl.DataFrame:
     """formatted_prompts rows of an image task: the prompt texts rendered (a placeholder per image),
     their ids, each row's image bytes in field order and their digest."""
-    fmt = PromptFormat.of(image_task({"kind": "openai", "base_url": "http://127.0.0.1:1/v1"}))
+    fmt = fmt or PromptFormat.of(image_task({"kind": "openai", "base_url": "http://127.0.0.1:1/v1"}))
     tokenizer = TemplateTokenizer()
-    from batch_assets.pipeline.format_prompts import render_prompt
-
-    prompts = [render_prompt(fmt, tokenizer, f"Caption: {caption}") for caption, _ in rows]
+    prompts = [render_prompt(fmt, tokenizer, template.format(caption)) for caption, _ in rows]
     return pl.DataFrame(
         {
             "row_id": list(range(len(rows))),
@@ -130,6 +140,24 @@ def test_an_endpoint_is_sent_each_picture_as_a_data_url_part_before_the_text_in_
         formatted["prompt"].to_list()[:1], image_digests=formatted[DIGEST_COLUMN].to_list()[:1]
     )
     assert local.images == (front, back) and local.messages is None
+
+
+@pytest.mark.parametrize("kind", ["openai", "batch_api"])
+def test_a_template_naming_no_field_sends_every_row_its_own_picture(kind: str) -> None:
+    # The documented example: `text_fields: []` and a constant template, on an endpoint or a batch API.
+    engine = {"kind": kind, "base_url": "http://127.0.0.1:1/v1", "tokenizer": "a vision tokenizer"}
+    task = example_task(engine)
+    fmt = PromptFormat.of(task)
+    pictures = [picture(colour=(60 * n, 0, 0)) for n in range(3)]
+    formatted = formatted_rows([("", [data]) for data in pictures], fmt, template=task.prompt.template)
+    prompts = prompt_encoders(ENDPOINT, fmt, TemplateTokenizer())(formatted)(
+        formatted["prompt"].to_list(), image_digests=formatted[DIGEST_COLUMN].to_list()
+    )
+    assert len(prompts) == 3
+    for prompt, data in zip(prompts, pictures, strict=True):
+        image, text = prompt.messages[1]["content"]
+        assert decoded(image["image_url"]["url"]) == ("data:image/png;base64", data)
+        assert text == {"type": "text", "text": "What does the picture show?"}
 
 
 @pytest.fixture
@@ -182,6 +210,39 @@ def test_the_endpoint_engine_posts_the_picture_parts_to_the_server(recording_ser
     assert [decoded(part["image_url"]["url"])[1] for part in parts[:2]] == [front, back]
     assert parts[2] == {"type": "text", "text": "Caption: a tabby"}
     assert body["model"] == "vlm" and body["max_tokens"] == 5
+
+
+def text_only_tokenizer():
+    """The tokenizer an endpoint falls back to without `engine.tokenizer`: the embedded text model's,
+    whose chat template joins strings and has no place for a picture."""
+    return load_tokenizer(str(ensure_embedded_model()))
+
+
+def test_a_tokenizer_without_a_place_for_pictures_is_refused_before_anything_is_sent() -> None:
+    task = example_task({"kind": "batch_api", "tokenizer": "HuggingFaceTB/SmolLM2-135M-Instruct"})
+    raw = pl.DataFrame(
+        {
+            "row_id": [0, 1],
+            "source_line": [1, 2],
+            "image": ["a.png", "b.png"],
+            IMAGES_COLUMN: [[picture()], [picture("JPEG")]],
+            DIGEST_COLUMN: [image_digest([picture()]), image_digest([picture("JPEG")])],
+            "error": [None, None],
+        },
+        schema_overrides={IMAGES_COLUMN: pl.List(pl.Binary), "error": pl.String},
+    )
+    with pytest.raises(ValueError) as refused:
+        format_prompts(
+            raw, PromptFormat.of(task), text_only_tokenizer(), max_model_len=512, max_tokens=5, source_file="p.jsonl"
+        )
+    message = str(refused.value)
+    assert "engine.tokenizer" in message and "vision-language" in message, message
+    assert "\n" not in message and "concatenate" not in message
+    # A tokenizer whose chat template places pictures formats the same rows.
+    formatted = format_prompts(
+        raw, PromptFormat.of(task), TemplateTokenizer(), max_model_len=512, max_tokens=5, source_file="p.jsonl"
+    )
+    assert formatted["error"].null_count() == 2 and "<image>" in formatted["prompt"][0]
 
 
 # --- OpenAI batch lines with image_url parts ----------------------------------------------------
@@ -262,6 +323,26 @@ def test_batch_lines_with_pictures_keep_their_parts_in_order_and_are_named_by_th
     local = batch_prompt_encoder(IN_PROCESS, None, tokenizer, formatted)(prompts, params, image_digests=digests)
     assert [p.images for p in local] == [(png,), (png, jpeg), (), (png,), (png,)]
     assert all(p.messages is None for p in local)
+
+
+def test_batch_lines_with_pictures_and_a_text_only_tokenizer_are_error_lines_naming_engine_tokenizer() -> None:
+    png = picture("PNG")
+    lines = [
+        batch_line("a", [{"type": "text", "text": "Look:"}, image_part(data_url(png))]),
+        batch_line("b", "plain text"),
+    ]
+    formatted = format_batch_prompts(
+        read(lines),
+        text_only_tokenizer(),
+        sampling_defaults=SamplingSpec(temperature=0),
+        max_model_len=4096,
+        source_file="batch.jsonl",
+    )
+    error = formatted["error"][0]
+    assert error.startswith("chat_template_error: batch.jsonl line 1: "), error
+    assert "engine.tokenizer" in error and "image_url" in error and "TypeError" not in error, error
+    # A line without pictures is rendered and counted as before.
+    assert formatted["error"][1] is None and formatted["num_prompt_tokens"][1] > 0
 
 
 def test_each_bad_picture_is_its_lines_error_naming_the_part() -> None:

@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import base64
 import io
+from pathlib import Path
 
 import pytest
+import yaml
 from PIL import Image
 
 from batch_assets.pipeline.format_prompts import PromptFormat, render_prompt
-from batch_assets.pipeline.images import ImageInputError, ImageSource, check_image, image_digest, image_source
+from batch_assets.pipeline.images import (
+    ImageInputError,
+    ImageSource,
+    check_image,
+    image_digest,
+    image_source,
+)
 from batch_assets.pipeline.run_inference import request_keys
+from batch_assets.pipeline.task_spec import TaskSpec, TaskSpecError, load_task_spec
 from batch_assets.pipeline.task_spec.input import ImageLimits, InputSpec
 from batch_assets_tests.tiny_vlm import CHAT_TEMPLATE, REPO_ROOT
+
+EXAMPLE_TASK = REPO_ROOT / "examples" / "tasks" / "images.yaml"
 
 
 def picture(fmt: str = "PNG", size: tuple[int, int] = (20, 10)) -> bytes:
@@ -114,15 +125,17 @@ def test_image_fields_may_stand_alone_but_never_share_a_text_field() -> None:
         InputSpec(format="openai_batch", image_fields=["x"])
 
 
-def test_an_image_task_runs_on_every_engine_kind_but_only_as_a_chat_task() -> None:
-    import yaml
-
-    from batch_assets.pipeline.task_spec import TaskSpec
-
-    raw = {**yaml.safe_load((REPO_ROOT / "examples" / "tasks" / "images.yaml").read_text()), "name": "images"}
+def test_an_image_task_runs_on_every_engine_kind_but_only_as_a_chat_task(tmp_path: Path) -> None:
+    raw = {**yaml.safe_load(EXAMPLE_TASK.read_text()), "name": "images"}
     assert TaskSpec.model_validate(raw).input.image_fields == ["image"]
-    # Endpoints and batch APIs take the pictures as image_url content parts (format_prompts.py).
-    for engine in ({"kind": "openai", "base_url": "http://127.0.0.1:1/v1"}, {"kind": "batch_api"}):
+    # Endpoints and batch APIs take the pictures as image_url content parts (format_prompts.py), with
+    # the vision-language model's tokenizer: a Hugging Face id, or the model's own local folder.
+    (tmp_path / "vlm").mkdir()
+    for engine in (
+        {"kind": "openai", "base_url": "http://127.0.0.1:1/v1", "tokenizer": "HuggingFaceTB/SmolVLM-256M-Instruct"},
+        {"kind": "batch_api", "tokenizer": "HuggingFaceTB/SmolVLM-256M-Instruct"},
+        {"kind": "batch_api", "model": str(tmp_path / "vlm")},
+    ):
         task = TaskSpec.model_validate({**raw, "engine": {**raw["engine"], **engine}})
         assert task.engine.kind == engine["kind"] and task.input.image_fields == ["image"]
     # A completion-style prompt has no place for a picture; an embedding or similarity task embeds text.
@@ -153,8 +166,25 @@ def test_image_urls_are_fetched_only_by_an_endpoint_for_openai_batch_lines() -> 
         "name": "pictures",
         "input": {"image_fields": ["image"], "images": {"fetch_urls": True}},
         "prompt": {"template": "What is it?"},
-        "engine": {"kind": "openai", "base_url": "http://127.0.0.1:1/v1"},
+        "engine": {"kind": "openai", "base_url": "http://127.0.0.1:1/v1", "tokenizer": "a vision tokenizer"},
         "output": {"kind": "text"},
     }
     with pytest.raises(ValueError, match="fetch_urls"):
         TaskSpec.model_validate(records)
+
+
+@pytest.mark.parametrize(
+    "engine", ["kind: openai\n  base_url: http://127.0.0.1:1/v1", "kind: batch_api\n  model: gpt-4o"]
+)
+def test_an_image_task_on_an_endpoint_without_a_vision_tokenizer_is_refused_when_it_loads(
+    engine: str, tmp_path: Path
+) -> None:
+    # Without engine.tokenizer an endpoint renders and counts prompts with the embedded text model's
+    # tokenizer, whose chat template has no place for a picture.
+    path = tmp_path / "images.yaml"
+    path.write_text(EXAMPLE_TASK.read_text().replace("engine:\n", f"engine:\n  {engine}\n"))
+    with pytest.raises(TaskSpecError) as refused:
+        load_task_spec(path)
+    message = str(refused.value)
+    assert message.startswith(f"{path}: engine.tokenizer"), message
+    assert "vision-language model" in message and "\n" not in message, message

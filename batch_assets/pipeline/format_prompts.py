@@ -109,6 +109,34 @@ def raw_examples(fmt: PromptFormat) -> str:
     return "".join(fmt.raw_example_template.format(user=user, answer=answer) for user, answer in fmt.examples)
 
 
+# Why an image task's prompts cannot be rendered with this tokenizer, and the setting that fixes it.
+NO_PLACE_FOR_PICTURES = (
+    "the tokenizer's chat template has no place for a picture (it renders text only), so the prompts cannot be "
+    "rendered or counted: set engine.tokenizer to the vision-language model's tokenizer (a local folder or a "
+    "Hugging Face id whose chat template takes image parts, e.g. HuggingFaceTB/SmolVLM-256M-Instruct); on the "
+    "in-process engine, engine.model (or BATCH_ASSETS_MODEL) must name a vision-language model"
+)
+
+
+def places_pictures(tokenizer: Tokenizer) -> bool:
+    """Whether the tokenizer's chat template puts something in a message for each image part, as a
+    vision-language model's does (`<image>`, `<|image_pad|>`, ...). A text model's template raises on
+    content parts, prints them as Python text or drops the picture: no place for it."""
+    if not getattr(tokenizer, "chat_template", None):
+        return False
+    text = {"type": "text", "text": _SENTINEL}
+    try:
+        with_picture, without = (
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True
+            )
+            for parts in ([{"type": "image"}, text], [text])
+        )
+    except Exception:  # a template may raise on content parts (a string concatenation, raise_exception)
+        return False
+    return with_picture.count(_SENTINEL) == 1 and "'type'" not in with_picture and with_picture != without
+
+
 def render_prompt(fmt: PromptFormat, tokenizer: Tokenizer, user: str) -> str:
     """The full prompt text for one user message (the reference for the vectorized path)."""
     if fmt.raw_template is not None:
@@ -133,6 +161,12 @@ def user_message_expr(template: str) -> pl.Expr:
                 raise ValueError(f"template field {{{field}}}: format specs and conversions are not supported")
             parts.append(pl.col(field).fill_null(""))
     return pl.concat_str(parts) if parts else pl.lit("")
+
+
+def user_messages(frame: pl.DataFrame, template: str) -> list[str]:
+    """Each row's user message: `with_columns` repeats a template that names no field (an image
+    task's constant question) on every row, where `select` would give it once."""
+    return frame.with_columns(user_message_expr(template).alias("_user_message"))["_user_message"].to_list()
 
 
 def prompt_affixes(fmt: PromptFormat, tokenizer: Tokenizer) -> tuple[str, str] | None:
@@ -260,6 +294,8 @@ def format_prompts(
     """raw_prompts → formatted_prompts: adds `prompt`, its `prompt_token_ids` (what the engine is
     sent) and `num_prompt_tokens`, flags unusable rows; `log` is told how the ids were made."""
     refuse_special_tokens_in_examples(fmt, tokenizer)
+    if fmt.image_count and not places_pictures(tokenizer):
+        raise ValueError(f"input.image_fields: {NO_PLACE_FOR_PICTURES}")
     ok = pl.col("error").is_null()
     # An image task may have no text field (the template is the whole message): nothing to be empty.
     empty = (
@@ -437,9 +473,8 @@ def prompt_encoders(
                 ]
 
             return encode_ids
-        users = valid.select(user_message_expr(prompt_format.template).alias("user"))["user"]
         # Identical prompts come from identical user messages, so the prompt text is a safe key.
-        user_by_prompt = dict(zip(valid["prompt"].to_list(), users.to_list(), strict=True))
+        user_by_prompt = dict(zip(valid["prompt"].to_list(), user_messages(valid, prompt_format.template), strict=True))
 
         def encode(prompts: list[str], keys: list[str] | None = None) -> list[Prompt]:
             return [
@@ -466,7 +501,7 @@ def image_messages_encoder(
     row's user message is its images as `image_url` parts with `data:` URLs of their bytes, in the
     task's field order, then its text, as OpenAI's chat API takes pictures. The ids (counted, keyed)
     stay those of the rendered prompt with its image placeholders."""
-    users = valid.select(user_message_expr(fmt.template).alias("user"))["user"].to_list()
+    users = user_messages(valid, fmt.template)
     # A rendered prompt holds no image, so a request is found by its prompt and its images' digest.
     user_of = dict(zip(zip(valid["prompt"].to_list(), valid[DIGEST_COLUMN].to_list(), strict=True), users, strict=True))
 

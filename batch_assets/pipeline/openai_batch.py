@@ -76,7 +76,7 @@ import polars as pl
 
 from batch_assets.pipeline.embeddings import format_embedding_prompts
 from batch_assets.pipeline.engine_contract import Prompt, keys_of
-from batch_assets.pipeline.format_prompts import Tokenizer, count_tokens
+from batch_assets.pipeline.format_prompts import NO_PLACE_FOR_PICTURES, Tokenizer, count_tokens, places_pictures
 from batch_assets.pipeline.images import (
     DIGEST_COLUMN,
     IMAGE_ERROR_CODES,
@@ -841,6 +841,7 @@ def _max_tokens_problem(value: int, max_model_len: int) -> str:
 
 
 NO_CHAT_TEMPLATE = "the model's tokenizer has no chat template; use /v1/completions lines"
+_NO_PLACE_FOR_LINE_PICTURES = f"the line's image_url parts are pictures, and {NO_PLACE_FOR_PICTURES}"
 COMPLETIONS_NEED_VLLM = "/v1/completions lines need the in-process engine (engine.kind: vllm)"
 
 
@@ -856,6 +857,8 @@ class _LineFormat:
     chat_only: bool
     chat_template: str | None
     completion_prefix: str
+    # Whether the chat template has a place for a line's pictures (`places_pictures`): asked once.
+    takes_pictures: bool
 
     def error(self, code: str, line: int, message: str) -> str:
         return _error(code, self.source_file, line, message)
@@ -937,6 +940,7 @@ def format_batch_prompts(
         chat_only,
         getattr(tokenizer, "chat_template", None),
         _completion_prefix(tokenizer),
+        DIGEST_COLUMN in raw.columns and places_pictures(tokenizer),
     )
     errors: list[str | None] = []
     prompts: list[str | None] = []
@@ -979,6 +983,8 @@ def _format_line(row: dict, how: _LineFormat) -> tuple[str | None, str | None, R
     if row["messages"] is not None:
         if not how.chat_template:
             return how.error("chat_template_error", line, NO_CHAT_TEMPLATE), None, spec
+        if row.get(DIGEST_COLUMN) is not None and not how.takes_pictures:
+            return how.error("chat_template_error", line, _NO_PLACE_FOR_LINE_PICTURES), None, spec
         try:
             prompt = how.tokenizer.apply_chat_template(
                 template_messages(json.loads(row["messages"])), tokenize=False, add_generation_prompt=True

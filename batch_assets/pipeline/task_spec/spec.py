@@ -135,6 +135,22 @@ class TaskSpec(_Strict):
                 "(completion-style) has no place for them: remove prompt.raw_template",
                 ("prompt", "raw_template"),
             )
+        # An endpoint renders and counts prompts with `engine.tokenizer`, else with the model's own
+        # folder, else with the embedded text model's tokenizer, which has no place for a picture.
+        spec = self.engine
+        if (
+            self.input.image_fields
+            and spec.kind in ("openai", "batch_api")
+            and spec.tokenizer is None
+            and not os.path.isdir(os.path.expanduser(spec.model))
+        ):
+            raise SettingError(
+                f"engine.tokenizer: an image task on engine.kind {spec.kind} needs the tokenizer of the "
+                "vision-language model its server runs (a local folder or a Hugging Face id whose chat template "
+                "takes image parts, e.g. HuggingFaceTB/SmolVLM-256M-Instruct) to render and count its prompts; the "
+                "default, the embedded text model's tokenizer, has no place for a picture",
+                ("engine", "tokenizer"),
+            )
         # URLs are fetched by the server an endpoint engine sends them to; the in-process engine
         # fetches nothing, and a records task's image fields read the drop zone and S3 only.
         if self.input.images.fetch_urls and (
