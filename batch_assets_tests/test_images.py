@@ -1,4 +1,5 @@
-"""Image values and bytes (pipeline/images.py), and the chat an image task renders: no engine."""
+"""Image values and bytes (pipeline/images.py), the chat an image task renders and bad picture names
+as their rows' errors: no engine."""
 
 from __future__ import annotations
 
@@ -6,21 +7,29 @@ import base64
 import io
 from pathlib import Path
 
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 from PIL import Image
 
 from batch_assets.pipeline.format_prompts import PromptFormat, render_prompt
 from batch_assets.pipeline.images import (
+    IMAGES_COLUMN,
     ImageInputError,
     ImageSource,
     check_image,
     image_digest,
     image_source,
 )
+from batch_assets.pipeline.read_prompts import ParseOptions, read_prompts
 from batch_assets.pipeline.run_inference import request_keys
 from batch_assets.pipeline.task_spec import TaskSpec, TaskSpecError, load_task_spec
 from batch_assets.pipeline.task_spec.input import ImageLimits, InputSpec
+from batch_assets.storage.drop_files import DropFile
+from batch_assets.storage.image_sources import attach_images
+from batch_assets.storage.locations import drop_zone
 from batch_assets_tests.tiny_vlm import CHAT_TEMPLATE, REPO_ROOT
 
 EXAMPLE_TASK = REPO_ROOT / "examples" / "tasks" / "images.yaml"
@@ -188,3 +197,53 @@ def test_an_image_task_on_an_endpoint_without_a_vision_tokenizer_is_refused_when
     message = str(refused.value)
     assert message.startswith(f"{path}: engine.tokenizer"), message
     assert "vision-language model" in message and "\n" not in message, message
+
+
+def write_picture(path: Path, fmt: str = "PNG", size: tuple[int, int] = (20, 10)) -> bytes:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = picture(fmt, size)
+    path.write_bytes(data)
+    return data
+
+
+def image_rows(values: list[object]) -> pl.DataFrame:
+    return pl.DataFrame(
+        {"row_id": list(range(len(values))), "source_line": [n + 1 for n in range(len(values))], "image": values},
+        schema_overrides={"image": pl.Object} if any(isinstance(v, dict) for v in values) else None,
+    ).with_columns(error=pl.lit(None, dtype=pl.String))
+
+
+def test_a_bad_picture_name_is_its_rows_error_not_the_files(data_dir: Path) -> None:
+    zone = drop_zone("images")
+    good = write_picture(Path(zone.path) / "good.png")
+    (Path(zone.path) / "adir.png").mkdir()
+    values = ["good.png", "adir.png/", "adir.png", "x" * 300 + ".png", "a\x00b.png", "good.png"]
+    rows = attach_images(image_rows(values), DropFile("p.jsonl", zone, "v"), InputSpec(image_fields=["image"]))
+    codes = [error.split(":", 1)[0] if error else None for error in rows["error"]]
+    assert codes == [None, "unsafe_image_path", "unsafe_image_path", "image_not_found", "unsafe_image_path", None]
+    assert rows[IMAGES_COLUMN].to_list() == [[good], None, None, None, None, [good]]
+    for code, error in zip(codes, rows["error"], strict=True):
+        assert error is None or error.startswith(f"{code}: p.jsonl line "), error
+    assert "folder" in rows["error"][1] and "folder" in rows["error"][2]
+    assert "NUL" in rows["error"][4]
+
+
+def test_a_hugging_face_image_struct_in_parquet_is_read_by_its_bytes(data_dir: Path) -> None:
+    # The `datasets` Image feature as parquet stores it: struct<bytes: binary, path: string>.
+    zone = drop_zone("images")
+    beside = write_picture(Path(zone.path) / "photos" / "b.jpg", "JPEG")
+    inline = picture(size=(8, 8))
+    structs = [
+        {"bytes": inline, "path": "cat.png"},  # the bytes are the picture; the path only its old name
+        {"bytes": None, "path": "photos/b.jpg"},  # no bytes: the path, relative to the drop file
+        {"bytes": None, "path": None},
+    ]
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    buffer = io.BytesIO()
+    pq.write_table(pa.table({"image": pa.array(structs, type=struct)}), buffer)
+    options = ParseOptions(text_fields=())
+    raw = read_prompts(buffer.getvalue(), "hf.parquet", options)
+    rows = attach_images(raw, DropFile("hf.parquet", zone, "v"), InputSpec(image_fields=["image"]))
+    assert rows[IMAGES_COLUMN].to_list()[:2] == [[inline], [beside]]
+    assert rows["error"].to_list()[:2] == [None, None]
+    assert rows["error"][2].startswith("missing_image: hf.parquet line 3: field 'image': "), rows["error"][2]

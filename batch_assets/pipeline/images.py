@@ -72,6 +72,8 @@ def image_source(value: object, drop_relative_path: str) -> ImageSource:
         if not value:
             raise ImageInputError("missing_image", "the field is empty")
         return ImageSource(inline=bytes(value))
+    if isinstance(value, dict) and set(value) <= {"bytes", "path"}:
+        return _image_struct_source(value, drop_relative_path)
     if value is None or (isinstance(value, str) and not value.strip()):
         raise ImageInputError("missing_image", "the field is empty" if value is not None else "the field is null")
     if not isinstance(value, str):
@@ -92,10 +94,25 @@ def image_source(value: object, drop_relative_path: str) -> ImageSource:
         raise ImageInputError(
             "unsafe_image_path", f"{text[:80]} is an absolute path; paths are relative to the drop file"
         )
+    if "\x00" in text:
+        raise ImageInputError("unsafe_image_path", f"{text[:80]!r} holds a NUL byte, which no file name can")
+    if text.endswith("/"):
+        raise ImageInputError("unsafe_image_path", f"{text[:80]} names a folder, not a picture")
     joined = posixpath.normpath(posixpath.join(posixpath.dirname(drop_relative_path), text))
     if joined == ".." or joined.startswith("../") or joined in ("", "."):
         raise ImageInputError("unsafe_image_path", f"{text[:80]} leads outside the drop zone")
     return ImageSource(path=joined)
+
+
+def _image_struct_source(value: dict, drop_relative_path: str) -> ImageSource:
+    """A Hugging Face `datasets` Image value (parquet's struct<bytes, path>): its bytes when it has
+    them (the path is then only the picture's old name), else its path, as a path field is read."""
+    data, path = value.get("bytes"), value.get("path")
+    if isinstance(data, (bytes, bytearray, memoryview)) and data:
+        return ImageSource(inline=bytes(data))
+    if isinstance(path, str) and path.strip():
+        return image_source(path, drop_relative_path)
+    raise ImageInputError("missing_image", "the image struct has neither bytes nor a path")
 
 
 def data_url_bytes(url: str) -> bytes:

@@ -332,12 +332,12 @@ def _open_local_regular_file(zone: UPath, relative_path: str) -> IO[bytes]:
         handle = _open_below(folder, parts[-1], os.O_NONBLOCK, relative_path)
     finally:
         os.close(folder)
-    file = os.fdopen(handle, "rb")
-    mode = os.fstat(file.fileno()).st_mode
+    # Checked before `fdopen`, which refuses a folder with IsADirectoryError.
+    mode = os.fstat(handle).st_mode
     if not stat.S_ISREG(mode):
-        file.close()
+        os.close(handle)
         raise DropFileError(f"{relative_path}: {_not_regular_reason(mode)}; not read")
-    return file
+    return os.fdopen(handle, "rb")
 
 
 def _open_below(folder: int, name: str, flags: int, shown: str) -> int:

@@ -9,6 +9,8 @@ a parquet binary cell needs no reading. What cannot become an image is the row's
 
 from __future__ import annotations
 
+import errno
+
 import polars as pl
 from upath import UPath
 
@@ -75,12 +77,16 @@ def _image_bytes(source: ImageSource, drop: DropFile, max_bytes: int) -> bytes:
     if source.path is not None:
         try:
             return read_zone_file(drop.zone, source.path, max_bytes)
-        except FileNotFoundError:
-            raise ImageInputError("image_not_found", f"no file {source.path} in the drop zone") from None
-        except NotADirectoryError:
+        except (FileNotFoundError, NotADirectoryError):
             raise ImageInputError("image_not_found", f"no file {source.path} in the drop zone") from None
         except DropFileError as exc:  # a link, a FIFO, a folder: never followed or read
             raise ImageInputError("unsafe_image_path", str(exc)) from None
+        except OSError as exc:
+            if exc.errno != errno.ENAMETOOLONG:
+                raise  # the drop zone's storage failing is no one row's fault
+            raise ImageInputError(
+                "image_not_found", f"no file {source.path[:80]}...: a name longer than the file system allows"
+            ) from None
     assert source.s3 is not None
     return _s3_bytes(source.s3, max_bytes)
 
