@@ -2,16 +2,18 @@
 an endpoint or a batch API (`image_url` parts with `data:` URLs of the bytes, in field order, before
 the text), what an endpoint server receives, and how batch lines with `image_url` parts are read,
 checked, rendered, keyed and handed to each kind of engine; a tokenizer with no place for a picture is
-refused before anything is sent."""
+refused before anything is sent. One slow test runs the example task through Dagster on an endpoint."""
 
 from __future__ import annotations
 
 import base64
 import io
 import json
+import os
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from types import SimpleNamespace
 
 import polars as pl
@@ -37,7 +39,7 @@ from batch_assets.pipeline.prompt_tokens import PROMPT_TOKEN_IDS
 from batch_assets.pipeline.run_inference import request_keys
 from batch_assets.pipeline.task_spec import SamplingSpec, TaskSpec
 from batch_assets.pipeline.task_spec.input import ImageLimits
-from batch_assets_tests.tiny_vlm import CHAT_TEMPLATE, REPO_ROOT
+from batch_assets_tests.tiny_vlm import CHAT_TEMPLATE, REPO_ROOT, built_tiny_vlm
 
 
 def picture(fmt: str = "PNG", size: tuple[int, int] = (20, 10), colour: tuple[int, int, int] = (200, 30, 30)) -> bytes:
@@ -243,6 +245,33 @@ def test_a_tokenizer_without_a_place_for_pictures_is_refused_before_anything_is_
         raw, PromptFormat.of(task), TemplateTokenizer(), max_model_len=512, max_tokens=5, source_file="p.jsonl"
     )
     assert formatted["error"].null_count() == 2 and "<image>" in formatted["prompt"][0]
+
+
+@pytest.mark.slow  # a Dagster run of the pipeline (cli_in_process), against the recording server
+def test_the_example_task_on_an_endpoint_labels_every_row_with_its_own_picture(
+    recording_server, cli_in_process, tmp_path: Path
+) -> None:
+    """`batch-assets run images examples/images/pictures.jsonl` with the example task on an endpoint:
+    the pictures come into the drop zone, the server gets each row's picture, every row is labelled."""
+    base_url, bodies = recording_server
+    raw = yaml.safe_load((REPO_ROOT / "examples" / "tasks" / "images.yaml").read_text())
+    raw["engine"] = {**raw["engine"], "kind": "openai", "base_url": base_url, "model": "vlm"}
+    raw["engine"]["tokenizer"] = str(built_tiny_vlm())  # a vision-language model's tokenizer
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "images.yaml").write_text(yaml.safe_dump(raw))
+    example = REPO_ROOT / "examples" / "images" / "pictures.jsonl"
+    result = cli_in_process(["run", "images", str(example)], BATCH_ASSETS_TASKS_DIR=str(tasks))
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = Path(os.environ["BATCH_ASSETS_DATA"])
+    labels = pl.read_parquet(data / "storage" / "images" / "validated_labels" / "pictures.jsonl.parquet")
+    assert labels.sort("row_id")["label"].to_list() == ["cat"] * 4 and labels["error"].null_count() == 4
+    names = [json.loads(line)["image"] for line in example.read_text().splitlines()]
+    sent = sorted(decoded(body["messages"][1]["content"][0]["image_url"]["url"])[1] for body in bodies)
+    assert sent == sorted((example.parent / name).read_bytes() for name in names)
+    assert {json.dumps(body["messages"][1]["content"][1]) for body in bodies} == {
+        json.dumps({"type": "text", "text": "What does the picture show?"})
+    }
 
 
 # --- OpenAI batch lines with image_url parts ----------------------------------------------------

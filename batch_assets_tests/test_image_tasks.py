@@ -157,6 +157,34 @@ def test_labels_equal_plain_vllm_for_every_picture_and_a_request_is_its_image_by
         assert renamed.sort("row_id")["label"].to_list() == [expected[0], expected[1], expected[other]]
 
 
+def test_the_documented_run_command_brings_the_pictures_and_labels_every_row(
+    vlm: str, cli_in_process, tmp_path: Path
+) -> None:
+    """`batch-assets run images examples/images/pictures.jsonl` (docs/images.md): the pictures the
+    file names beside it come into the drop zone with it, and every row is labelled."""
+    example = REPO_ROOT / "examples" / "images" / "pictures.jsonl"
+    result = cli_in_process(["run", TASK, str(example)], BATCH_ASSETS_MODEL=vlm)
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = Path(os.environ["BATCH_ASSETS_DATA"])
+    labels = pl.read_parquet(data / "storage" / TASK / "validated_labels" / "pictures.jsonl.parquet")
+    names = [json.loads(line)["image"] for line in example.read_text().splitlines()]
+    assert labels.height == len(names) == 4
+    assert labels["error"].to_list() == [None] * 4
+    assert set(labels["label"]) <= {"cat", "dog", "bird"} and labels["label"].null_count() == 0
+    for name in names:
+        assert (data / "drops" / TASK / name).read_bytes() == (example.parent / name).read_bytes()
+
+    # A file naming a picture that is not beside it: refused before anything is copied, naming it.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "more.jsonl").write_text('{"image": "img-0000.png"}\n{"image": "photos/absent.png"}\n')
+    refused = cli_in_process(["run", TASK, str(mine / "more.jsonl")], BATCH_ASSETS_MODEL=vlm)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    said = refused.stdout + refused.stderr
+    assert "photos/absent.png" in said and str(mine / "photos" / "absent.png") in said, said
+    assert not (data / "drops" / TASK / "more.jsonl").exists()
+
+
 BAD_PNG_TRUNCATED_AT = 60
 
 

@@ -1,10 +1,13 @@
-"""Image values and bytes (pipeline/images.py), the chat an image task renders and bad picture names
-as their rows' errors: no engine."""
+"""Image values and bytes (pipeline/images.py), the chat an image task renders, bad picture names as
+their rows' errors, and the pictures `batch-assets run` brings from beside a file into the drop zone
+(storage/drop_pictures.py): no engine."""
 
 from __future__ import annotations
 
 import base64
 import io
+import json
+import os
 from pathlib import Path
 
 import polars as pl
@@ -28,6 +31,7 @@ from batch_assets.pipeline.run_inference import request_keys
 from batch_assets.pipeline.task_spec import TaskSpec, TaskSpecError, load_task_spec
 from batch_assets.pipeline.task_spec.input import ImageLimits, InputSpec
 from batch_assets.storage.drop_files import DropFile
+from batch_assets.storage.drop_zone_copies import CopyRefused, copy_into_drop_zone, read_named_files
 from batch_assets.storage.image_sources import attach_images
 from batch_assets.storage.locations import drop_zone
 from batch_assets_tests.tiny_vlm import CHAT_TEMPLATE, REPO_ROOT
@@ -247,3 +251,93 @@ def test_a_hugging_face_image_struct_in_parquet_is_read_by_its_bytes(data_dir: P
     assert rows[IMAGES_COLUMN].to_list()[:2] == [[inline], [beside]]
     assert rows["error"].to_list()[:2] == [None, None]
     assert rows["error"][2].startswith("missing_image: hf.parquet line 3: field 'image': "), rows["error"][2]
+
+
+# --- `batch-assets run` brings the pictures a file names from beside it ----------------------------
+
+
+def user_folder(tmp_path: Path, records: list[dict]) -> Path:
+    """A user's folder: `pictures.jsonl` with the records, and two pictures under photos/."""
+    folder = tmp_path / "mine"
+    write_picture(folder / "photos" / "a.png")
+    write_picture(folder / "photos" / "b.jpg", "JPEG")
+    (folder / "pictures.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    return folder / "pictures.jsonl"
+
+
+def copy(file: Path, replace: bool = False) -> list[str]:
+    said: list[str] = []
+    spec = TaskSpec.model_validate({**yaml.safe_load(EXAMPLE_TASK.read_text()), "name": "images"}).input
+    named = read_named_files([file])
+    copy_into_drop_zone("images", named, last_origin=lambda _: None, replace=replace, say=said.append, input_spec=spec)
+    return said
+
+
+def zone_files() -> list[str]:
+    root = Path(drop_zone("images").path)
+    return sorted(str(path.relative_to(root)) for path in root.rglob("*") if path.is_file()) if root.exists() else []
+
+
+def test_the_pictures_a_file_names_beside_it_come_with_it_into_the_drop_zone(data_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "outside.png").write_bytes(picture())
+    records = [
+        {"image": "photos/a.png"},
+        {"image": "./photos/b.jpg"},
+        {"image": "photos/a.png"},
+        {"image": "../outside.png"},  # leads out of the drop zone: the row's unsafe_image_path, nothing copied
+        {"image": "data:image/png;base64," + base64.b64encode(picture()).decode()},
+        {"image": "s3://bucket/x.png"},
+        {"text": "no image: the row's missing_image"},
+    ]
+    file = user_folder(tmp_path, records)
+    copy(file)
+    assert zone_files() == ["photos/a.png", "photos/b.jpg", "pictures.jsonl"]
+    zone = Path(drop_zone("images").path)
+    assert (zone / "photos" / "b.jpg").read_bytes() == (file.parent / "photos" / "b.jpg").read_bytes()
+    assert not (data_dir / "drops" / "outside.png").exists()
+    # Copied again, nothing changes: identical pictures are not written again.
+    before = os.stat(zone / "photos" / "a.png").st_mtime_ns
+    copy(file)
+    assert os.stat(zone / "photos" / "a.png").st_mtime_ns == before
+
+
+def test_a_picture_that_cannot_be_brought_refuses_the_copy_before_anything_is_copied(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    file = user_folder(tmp_path, [{"image": "photos/a.png"}, {"image": "photos/absent.png"}, {"image": "gone.jpg"}])
+    with pytest.raises(CopyRefused) as refused:
+        copy(file)
+    message = str(refused.value)
+    zone = Path(drop_zone("images").path)
+    assert "photos/absent.png" in message and "gone.jpg" in message and "nothing was copied" in message, message
+    assert str(file.parent / "photos" / "absent.png") in message and str(zone / "photos" / "absent.png") in message
+    assert zone_files() == []
+    # A picture already in the drop zone needs nothing beside the file.
+    write_picture(zone / "photos" / "absent.png")
+    write_picture(zone / "gone.jpg", "JPEG")
+    copy(file)
+    assert zone_files() == ["gone.jpg", "photos/a.png", "photos/absent.png", "pictures.jsonl"]
+
+
+def test_links_beside_the_file_are_never_followed_and_a_different_picture_is_replaced_only_when_asked(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    file = user_folder(tmp_path, [{"image": "photos/link.png"}])
+    (file.parent / "photos" / "link.png").symlink_to(file.parent / "photos" / "a.png")
+    with pytest.raises(CopyRefused, match="photos/link.png.*symbolic link"):
+        copy(file)
+    (file.parent / "linked").symlink_to(file.parent / "photos")
+    file.write_text(json.dumps({"image": "linked/a.png"}) + "\n")
+    with pytest.raises(CopyRefused, match="linked.*symbolic link"):
+        copy(file)
+    assert zone_files() == []
+
+    file.write_text(json.dumps({"image": "photos/a.png"}) + "\n")
+    zone = Path(drop_zone("images").path)
+    write_picture(zone / "photos" / "a.png", size=(30, 30))  # another picture of that name
+    with pytest.raises(CopyRefused, match="photos/a.png.*--replace"):
+        copy(file)
+    assert zone_files() == ["photos/a.png"]
+    said = copy(file, replace=True)
+    assert (zone / "photos" / "a.png").read_bytes() == (file.parent / "photos" / "a.png").read_bytes()
+    assert any("photos/a.png" in line for line in said), said

@@ -291,6 +291,7 @@ def _register_files(context: _RunContext, named: list[NamedFile], *, replace: bo
             last_origin=lambda file: _last_origin(instance, context.job.name, file.key),
             replace=replace,
             say=say,
+            input_spec=task.input,  # an image task's files bring the pictures they name beside them
         )
         return _register_drops(context, named)
 

@@ -244,17 +244,25 @@ class DropFile:
 
 
 def read_zone_file(zone: UPath, relative_path: str, max_bytes: int) -> bytes:
-    """Another file of the drop zone (an image a record names), read as a drop file is: locally
-    without following a link anywhere below the data root, regular files only (`DropFileError`
-    otherwise); a missing file raises `FileNotFoundError`. More than `max_bytes` is refused by
-    reading one byte past it, never the whole of a huge file."""
-    if is_local(zone):
-        with _open_local_regular_file(zone, relative_path) as file:
-            data = file.read(max_bytes + 1)
+    """Another file of the drop zone (an image a record names), read as a drop file is (see
+    `open_zone_file`). More than `max_bytes` is refused by reading one byte past it, never the whole
+    of a huge file."""
+    with open_zone_file(zone, relative_path) as file:
+        return file.read(max_bytes + 1)
+
+
+@contextmanager
+def open_zone_file(folder: UPath, relative_path: str) -> Iterator[IO[bytes]]:
+    """A file below `folder` (a drop zone, or a user's folder beside the file `batch-assets run`
+    copies) opened as a drop file is: locally without following a link anywhere below the data root
+    or below `folder`, regular files only (`DropFileError` otherwise); a missing file raises
+    `FileNotFoundError`."""
+    if is_local(folder):
+        with _open_local_regular_file(folder, relative_path) as file:
+            yield file
     else:
-        with zone.fs.open(_full_path(zone, relative_path), "rb") as file:
-            data = file.read(max_bytes + 1)
-    return data
+        with folder.fs.open(_full_path(folder, relative_path), "rb") as file:
+            yield file
 
 
 def _zone_root(zone: UPath) -> str:

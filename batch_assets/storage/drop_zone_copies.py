@@ -17,10 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from batch_assets.storage.drop_files import DropFile, DropFileError, input_file_problem, partition_key_for
+from batch_assets.storage.drop_pictures import PicturesRefused, pictures_to_copy
 from batch_assets.storage.locations import drop_zone, write_bytes_atomically
 
 if TYPE_CHECKING:
     from upath import UPath
+
+    from batch_assets.pipeline.task_spec.input import InputSpec
 
 
 class CopyRefused(Exception):
@@ -81,10 +84,16 @@ def copy_into_drop_zone(
     last_origin: Callable[[NamedFile], str | None],
     replace: bool,
     say: Callable[[str], None],
+    input_spec: InputSpec | None = None,
 ) -> None:
     """Copy the files into the drop zone; a different file of the same name is refused unless `replace`.
-    `last_origin` is the path of the file the drop file's partition was last run from (None: unknown)."""
+    `last_origin` is the path of the file the drop file's partition was last run from (None: unknown).
+    With an image task's `input_spec`, the pictures the files name beside them come too (drop_pictures.py)."""
     zone = drop_zone(task_name)
+    try:
+        pictures = pictures_to_copy(zone, [(f.path, f.content) for f in files], input_spec, replace=replace)
+    except PicturesRefused as exc:
+        raise CopyRefused(str(exc)) from None
     plans: list[tuple[NamedFile, UPath, str | None]] = []
     note: str | None
     for file in files:
@@ -110,6 +119,11 @@ def copy_into_drop_zone(
                 "copied. Rename the file, or pass --replace to replace it"
             )
         plans.append((file, target, note))
+    # Pictures first: a sensor that sees the drop file finds its pictures there.
+    for picture in pictures:
+        if picture.note:
+            say(picture.note)
+        picture.copy_into(zone)
     for file, target, note in plans:
         if note:
             say(note)

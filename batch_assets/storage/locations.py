@@ -16,8 +16,11 @@ S3 endpoint and credentials come only from the standard AWS variables (`AWS_ENDP
 
 from __future__ import annotations
 
+import io
 import os
+import shutil
 import uuid
+from typing import IO
 from urllib.parse import urlsplit
 
 from upath import UPath
@@ -84,7 +87,12 @@ def is_local(path: UPath) -> bool:
 
 
 def write_bytes_atomically(path: UPath, data: bytes) -> None:
-    """Readers never see a half-written file.
+    """`data` at `path`, as `write_stream_atomically` writes it."""
+    write_stream_atomically(path, io.BytesIO(data))
+
+
+def write_stream_atomically(path: UPath, source: IO[bytes]) -> None:
+    """The rest of `source` at `path`, copied in chunks; readers never see a half-written file.
 
     Locally: write a hidden temporary file in the same folder, then rename over the target (atomic
     on POSIX). On S3 one PUT (or one completed multipart upload) is atomic already: an object is
@@ -100,7 +108,7 @@ def write_bytes_atomically(path: UPath, data: bytes) -> None:
             temporary = path.parent / f".{stem}.{uuid.uuid4().hex}.tmp"
             try:
                 with open(temporary.path, "wb") as handle:
-                    handle.write(data)
+                    shutil.copyfileobj(source, handle)
                     handle.flush()
                     os.fsync(handle.fileno())
                 os.replace(temporary.path, path.path)
@@ -108,7 +116,8 @@ def write_bytes_atomically(path: UPath, data: bytes) -> None:
                 if os.path.exists(temporary.path):
                     os.unlink(temporary.path)
         else:
-            path.write_bytes(data)
+            with path.open("wb") as handle:
+                shutil.copyfileobj(source, handle)
 
 
 __all__ = [
@@ -124,4 +133,5 @@ __all__ = [
     "storage_root",
     "task_storage_dir",
     "write_bytes_atomically",
+    "write_stream_atomically",
 ]
