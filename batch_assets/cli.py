@@ -172,6 +172,8 @@ def command_run(
     outcomes = run_partitions(
         task_name,
         [Path(f) for f in files],
+        # `--replace` runs a file again whatever it was run from before.
+        skip_up_to_date=not replace,
         replace=replace,
         reporter=_reporter(),
         use_result_cache=use_result_cache,

@@ -21,7 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Copy each file into the task's drop zone, register it as a partition and materialize its assets "
             "and checks in this process (one engine start for all files); prints one summary line per file, naming "
-            "every check that failed (ERROR and WARN). Exit status: 0 when every file succeeded, 1 when one failed, "
+            "every check that failed (ERROR and WARN). A file whose partition is materialized from the same file "
+            "and code versions is UP TO DATE and runs nothing (--replace runs it again). Exit status: 0 when "
+            "every file succeeded, 1 when one failed, "
             "failed an ERROR check (or, with --fail-on-warn, a WARN check) or had only error rows, 2 for a usage "
             "error (nothing run), 130 when interrupted."
         ),
@@ -36,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--replace",
         action="store_true",
-        help="let a file replace a different drop file of the same name (from another folder), with its outputs",
+        help="run each file again even when it is UP TO DATE (its partition materialized from this file with the "
+        "task's current code versions; add --no-result-cache to infer its rows again too), and let a file replace a "
+        "different drop file of the same name (from another folder), with its outputs",
     )
     run.add_argument(
         "--fail-on-warn",
