@@ -95,11 +95,19 @@ def project_option() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     parent.add_argument(
         "--project",
+        type=folder_named,
         metavar="PATH",
         help="the dg project whose tasks to use (its folder or one inside it); default: the dg project the "
         "working folder is in (as `dg` finds it), else the bundled tasks",
     )
     return parent
+
+
+def folder_named(text: str) -> str:
+    """A folder argument: an empty one would name no folder, and the working folder be taken instead."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must name a folder (not an empty string)")
+    return text
 
 
 def add_drop_parser(commands, in_project: argparse.ArgumentParser) -> None:
