@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from batch_assets.serve.command import add_serve_parser
+from batch_assets.serve.command import add_serve_parser, port_number
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         "code location (workspace.yaml where the folder has one).",
     )
     ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    ui.add_argument("--port", type=int, default=3000, help="port to listen on (default 3000)")
+    ui.add_argument("--port", type=port_number, default=3000, help="port to listen on (default 3000)")
     ui.add_argument(
         "--workspace",
         help="Dagster workspace file (default: workspace.yaml where there is one, else the bundled code location)",

@@ -557,3 +557,16 @@ def test_the_console_script_leaves_without_the_interpreters_teardown_once_its_at
         done = subprocess.run([PYTHON, str(script), thread], env=env, capture_output=True, text=True, timeout=60)
         assert done.returncode == 3 and done.stdout == "buffered atexit handler ran\n", done
         assert ("torn down" in done.stderr) is torn_down, done.stderr
+
+
+@pytest.mark.parametrize("command", [["serve", "--port", "99999"], ["serve", "--port", "0"], ["ui", "--port", "65536"]])
+def test_a_port_outside_1_to_65535_is_refused_as_a_usage_error(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 56.14: `serve --port 99999` said it listened on 99999 and listened on 34463 (99999 mod 65536)."""
+    from batch_assets.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(command)
+    assert exited.value.code == 2
+    assert f"argument --port: must be a port number from 1 to 65535 (not {command[-1]})" in capsys.readouterr().err
