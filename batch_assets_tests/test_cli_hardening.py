@@ -570,3 +570,32 @@ def test_a_port_outside_1_to_65535_is_refused_as_a_usage_error(
         build_parser().parse_args(command)
     assert exited.value.code == 2
     assert f"argument --port: must be a port number from 1 to 65535 (not {command[-1]})" in capsys.readouterr().err
+
+
+def test_a_dagster_home_that_is_a_file_is_one_line_naming_it(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 56.11: every command ended in a `FileExistsError` traceback."""
+    from batch_assets.cli import main
+
+    home = tmp_path / "home-file"
+    home.write_text("not a folder\n")
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    (tmp_path / "posts.jsonl").write_text('{"text": "fine"}\n')
+    refusal = (
+        f"DAGSTER_HOME={home} is a file, not a folder: point DAGSTER_HOME at a folder (one that does not exist "
+        "yet is created)"
+    )
+    for command in (
+        ["run", "sentiment", str(tmp_path / "posts.jsonl")],
+        ["drop", "sentiment", str(tmp_path / "posts.jsonl")],
+        ["cache", "prune"],
+    ):
+        assert main(command) == 2, command
+        captured = capsys.readouterr()
+        assert captured.out.strip() == f"error: {refusal}", command
+        assert "Traceback" not in captured.out + captured.err
+    assert main(["doctor"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert f"FAIL  instance storage: {refusal} [set: DAGSTER_HOME]" in lines, lines
+    assert home.read_text() == "not a folder\n"
