@@ -29,6 +29,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from contextlib import contextmanager
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, TextIO
 from batch_assets.cli_parser import build_parser
 from batch_assets.lib.commands import command_cache, command_drop, command_tasks, command_ui
 from batch_assets.lib.projects import BUNDLED, ProjectRefused, TaskSource, enter_project
-from batch_assets.runtime.instance import dagster_home
+from batch_assets.runtime.instance import DagsterHomeError, dagster_home
 from batch_assets.runtime.interrupts import STOPPED, watch_stop_signals
 from batch_assets.runtime.process_exit import exit_without_teardown
 
@@ -172,6 +173,8 @@ def command_run(
     outcomes = run_partitions(
         task_name,
         [Path(f) for f in files],
+        # `--replace` runs a file again whatever it was run from before.
+        skip_up_to_date=not replace,
         replace=replace,
         reporter=_reporter(),
         use_result_cache=use_result_cache,
@@ -249,10 +252,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _is_refusal(error: Exception) -> bool:
     """A problem the user can fix, found before anything ran (exit status 2): a dg project that gives no
-    tasks, or one of the runner's refusals (when it raised one it is imported already, so other
-    commands' errors do not import it)."""
+    tasks, a DAGSTER_HOME that names no usable folder, or one of the runner's refusals (when it raised
+    one it is imported already, so other commands' errors do not import it)."""
     runner = sys.modules.get("batch_assets.lib.runner")
-    return isinstance(error, ProjectRefused) or (runner is not None and isinstance(error, runner.REFUSALS))
+    return isinstance(error, ProjectRefused | DagsterHomeError) or (
+        runner is not None and isinstance(error, runner.REFUSALS)
+    )
 
 
 def _unexpected(error: BaseException) -> int:
@@ -261,12 +266,20 @@ def _unexpected(error: BaseException) -> int:
     if TERMINAL.verbose:
         traceback.print_exc()
     else:
-        log = dagster_home() / "logs" / f"batch-assets-error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+        log = _log_folder() / f"batch-assets-error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(traceback.format_exc())
     where = "" if TERMINAL.verbose else f" (traceback: {log}; or run with --verbose)"
     TERMINAL.say(f"error: {error_line(error)}{where}")
     return 1
+
+
+def _log_folder() -> Path:
+    """Where a traceback is kept: the home's `logs/`, or the temporary folder where the home is unusable."""
+    try:
+        return dagster_home() / "logs"
+    except DagsterHomeError:
+        return Path(tempfile.gettempdir())
 
 
 if __name__ == "__main__":

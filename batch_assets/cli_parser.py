@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from batch_assets.serve.command import add_serve_parser
+from batch_assets.serve.command import add_serve_parser, port_number
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Copy each file into the task's drop zone, register it as a partition and materialize its assets "
             "and checks in this process (one engine start for all files); prints one summary line per file, naming "
-            "every check that failed (ERROR and WARN). Exit status: 0 when every file succeeded, 1 when one failed, "
+            "every check that failed (ERROR and WARN). A file whose partition is materialized from the same file "
+            "and code versions is UP TO DATE and runs nothing (--replace runs it again). Exit status: 0 when "
+            "every file succeeded, 1 when one failed, "
             "failed an ERROR check (or, with --fail-on-warn, a WARN check) or had only error rows, 2 for a usage "
             "error (nothing run), 130 when interrupted."
         ),
@@ -36,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--replace",
         action="store_true",
-        help="let a file replace a different drop file of the same name (from another folder), with its outputs",
+        help="run each file again even when it is UP TO DATE (its partition materialized from this file with the "
+        "task's current code versions; add --no-result-cache to infer its rows again too), and let a file replace a "
+        "different drop file of the same name (from another folder), with its outputs",
     )
     run.add_argument(
         "--fail-on-warn",
@@ -75,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         "code location (workspace.yaml where the folder has one).",
     )
     ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    ui.add_argument("--port", type=int, default=3000, help="port to listen on (default 3000)")
+    ui.add_argument("--port", type=port_number, default=3000, help="port to listen on (default 3000)")
     ui.add_argument(
         "--workspace",
         help="Dagster workspace file (default: workspace.yaml where there is one, else the bundled code location)",
@@ -91,11 +95,19 @@ def project_option() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     parent.add_argument(
         "--project",
+        type=folder_named,
         metavar="PATH",
         help="the dg project whose tasks to use (its folder or one inside it); default: the dg project the "
         "working folder is in (as `dg` finds it), else the bundled tasks",
     )
     return parent
+
+
+def folder_named(text: str) -> str:
+    """A folder argument: an empty one would name no folder, and the working folder be taken instead."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must name a folder (not an empty string)")
+    return text
 
 
 def add_drop_parser(commands, in_project: argparse.ArgumentParser) -> None:

@@ -103,6 +103,30 @@ def running_daemon(env: dict[str, str], log: Path) -> Iterator[Daemon]:
         stop_process_group(process)
 
 
+def run_on_a_tiny_file_system(tmp_path: Path, script: str, size: str = "64k") -> subprocess.CompletedProcess[str]:
+    """The Python `script` (given the mount point as its argument) run over a real tmpfs of `size`
+    mounted at `tmp_path/tiny`, in a user and mount namespace of its own: no root needed. Skips the
+    test where user namespaces are off."""
+    import shutil
+
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    script_file = tmp_path / "on_tiny.py"
+    script_file.write_text(script)
+    unshare = shutil.which("unshare")
+    namespace = [unshare or "unshare", "--user", "--map-root-user", "--mount"]
+    if unshare is None or subprocess.run([*namespace, "true"], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (no user namespaces)")
+    command = f"mount -t tmpfs -o size={size} tmpfs {mount_point} && {sys.executable} {script_file} {mount_point}"
+    return subprocess.run(
+        [*namespace, "sh", "-c", command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+
+
 def drop(data: Path, task: str, name: str, content: bytes | str) -> Path:
     """Put a file into a task's drop zone, as a user would."""
     path = data / "drops" / task / name

@@ -16,6 +16,7 @@ from upath import UPath
 from batch_assets.cli import main
 from batch_assets.pipeline.task_spec import CacheSpec, load_task_specs
 from batch_assets.storage.cache_retention import DAY, prune, sizes
+from batch_assets.storage.errors import StorageError
 from batch_assets.storage.locations import task_storage_dir
 from batch_assets.storage.result_cache import RESULTS, VERSIONS, ResultCache, cache_engine
 
@@ -190,3 +191,34 @@ def test_cache_prune_of_a_damaged_sqlite_cache_names_the_file_and_the_cause_and_
     assert "removed 1 results (12 bytes of text) by age" in out and "Background on this error" not in out
     assert damaged.read_bytes().startswith(b"this is not a database")
     assert served(good, "f1", task="industry") == []
+
+
+def test_cache_prune_on_an_empty_data_root_creates_nothing(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 56.17: a prune where no task has run yet made an empty database per task."""
+    assert main(["cache", "prune"]) == 0
+    out = capsys.readouterr().out
+    assert not data_dir.exists(), sorted(str(path) for path in data_dir.rglob("*"))
+    sentiment = task_storage_dir("sentiment") / "_result_cache" / "results.sqlite3"
+    assert f"sqlite:///{sentiment}: no cache there yet, nothing to prune" in out.splitlines(), out
+
+
+def test_a_cache_database_without_its_driver_names_the_setting_and_the_package(
+    data_dir: Path, monkeypatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 56.13: `ModuleNotFoundError: No module named 'psycopg'`, naming neither the setting nor
+    what to install; said the same by a run (the cache's first read) and by `cache prune`."""
+    import importlib.util
+
+    if importlib.util.find_spec("psycopg") is not None:
+        pytest.skip("psycopg is installed here")
+    monkeypatch.setenv("BATCH_ASSETS_RESULT_CACHE_URL", "postgresql+psycopg://reader:secret@db.internal/cache")
+    why = (
+        "the result cache postgresql+psycopg://reader:***@db.internal/cache (BATCH_ASSETS_RESULT_CACHE_URL) needs "
+        'the database driver psycopg, which is not installed: `pip install "psycopg[binary]"`, or point '
+        "BATCH_ASSETS_RESULT_CACHE_URL at another database"
+    )
+    with pytest.raises(StorageError) as raised:
+        ResultCache(task_storage_dir("sentiment"), "f1").lookup()
+    assert str(raised.value) == why
+    assert main(["cache", "prune"]) == 1
+    assert capsys.readouterr().out.strip() == f"error: {why}"

@@ -166,8 +166,21 @@ def test_run_of_several_files_is_one_run_per_range_with_a_line_per_file(workdir,
             ).records[0]
             assert record.run_id == run.run_id
 
-    # The same files again: one more run of the range, every row from the result cache.
+    # The same files again: each is UP TO DATE (materialized from this file and these code versions)
+    # and nothing runs (issue 56.7).
     again = cli_in_process(["run", "industry", *(str(tmp_path / n) for n in names)])
+    assert again.returncode == 0, again.stdout
+    assert [line.split(": ")[:2] for line in summary_lines(again.stdout)] == [
+        [f"industry/{n}", "UP TO DATE"] for n in names
+    ], again.stdout
+    assert all(
+        f": {rows} rows, 0 error rows, labels: " in line
+        for line, rows in zip(summary_lines(again.stdout), (2, 3, 4), strict=True)
+    )
+    with open_instance(tmp_path / "home") as instance:
+        assert len(instance.get_runs()) == 1
+    # --replace runs them again: one more run of the range, every row from the result cache.
+    again = cli_in_process(["run", "industry", "--replace", *(str(tmp_path / n) for n in names)])
     assert again.returncode == 0 and len(summary_lines(again.stdout)) == 3
     # Issue 29.9: these lines said "0.0 generated tok/s"; they say where the rows came from.
     for line, rows in zip(summary_lines(again.stdout), (2, 3, 4), strict=True):
@@ -186,6 +199,33 @@ def test_run_of_several_files_is_one_run_per_range_with_a_line_per_file(workdir,
                 .asset_materialization.metadata
             )
             assert (metadata["rows_inferred"].value, metadata["rows_from_cache"].value) == (0, rows)
+
+
+def test_an_unchanged_file_is_up_to_date_until_its_task_changes(workdir, cli_in_process) -> None:
+    """Issue 56.7: a file whose partition is materialized from the same file and code versions is
+    UP TO DATE and runs nothing; an edit of the task that changes its outputs (its code version) runs
+    it again, as editing the file does."""
+    tmp_path, _ = workdir
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    bundled = (REPO_ROOT / "batch_assets" / "tasks" / "industry.yaml").read_text()
+    (tasks / "industry.yaml").write_text(bundled)
+    companies = tmp_path / "companies.csv"
+    companies.write_text("Company\nAcme Holdings LLP\nGlobex Hospital\n")
+    first = cli_in_process(["run", "industry", str(companies)], BATCH_ASSETS_TASKS_DIR=str(tasks))
+    assert first.returncode == 0, first.stdout + first.stderr[-3000:]
+    again = cli_in_process(["run", "industry", str(companies)], BATCH_ASSETS_TASKS_DIR=str(tasks))
+    [line] = summary_lines(again.stdout)
+    assert again.returncode == 0 and line.startswith("industry/companies.csv: UP TO DATE: 2 rows, 0 error rows"), line
+    with open_instance(tmp_path / "home") as instance:
+        assert len(instance.get_runs()) == 1
+    # Another prompt: the partition's outputs are stale, so it runs again.
+    (tasks / "industry.yaml").write_text(bundled.replace("What industry is this company in:", "Industry of:"))
+    edited = cli_in_process(["run", "industry", str(companies)], BATCH_ASSETS_TASKS_DIR=str(tasks))
+    [line] = summary_lines(edited.stdout)
+    assert edited.returncode == 0 and passed(line, "industry/companies.csv") and " run " in line, line
+    with open_instance(tmp_path / "home") as instance:
+        assert len(instance.get_runs()) == 2
 
 
 def metadata_of(**values: int) -> dict[str, dg.MetadataValue]:

@@ -557,3 +557,86 @@ def test_the_console_script_leaves_without_the_interpreters_teardown_once_its_at
         done = subprocess.run([PYTHON, str(script), thread], env=env, capture_output=True, text=True, timeout=60)
         assert done.returncode == 3 and done.stdout == "buffered atexit handler ran\n", done
         assert ("torn down" in done.stderr) is torn_down, done.stderr
+
+
+@pytest.mark.parametrize("command", [["serve", "--port", "99999"], ["serve", "--port", "0"], ["ui", "--port", "65536"]])
+def test_a_port_outside_1_to_65535_is_refused_as_a_usage_error(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 56.14: `serve --port 99999` said it listened on 99999 and listened on 34463 (99999 mod 65536)."""
+    from batch_assets.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(command)
+    assert exited.value.code == 2
+    assert f"argument --port: must be a port number from 1 to 65535 (not {command[-1]})" in capsys.readouterr().err
+
+
+def test_a_dagster_home_that_is_a_file_is_one_line_naming_it(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 56.11: every command ended in a `FileExistsError` traceback."""
+    from batch_assets.cli import main
+
+    home = tmp_path / "home-file"
+    home.write_text("not a folder\n")
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    (tmp_path / "posts.jsonl").write_text('{"text": "fine"}\n')
+    refusal = (
+        f"DAGSTER_HOME={home} is a file, not a folder: point DAGSTER_HOME at a folder (one that does not exist "
+        "yet is created)"
+    )
+    for command in (
+        ["run", "sentiment", str(tmp_path / "posts.jsonl")],
+        ["drop", "sentiment", str(tmp_path / "posts.jsonl")],
+        ["cache", "prune"],
+    ):
+        assert main(command) == 2, command
+        captured = capsys.readouterr()
+        assert captured.out.strip() == f"error: {refusal}", command
+        assert "Traceback" not in captured.out + captured.err
+    assert main(["doctor"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert f"FAIL  instance storage: {refusal} [set: DAGSTER_HOME]" in lines, lines
+    assert home.read_text() == "not a folder\n"
+
+
+def test_a_folder_named_as_a_file_is_refused_as_a_folder(
+    data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 56.17: `run sentiment /tmp` said `/tmp: no such file`."""
+    from batch_assets.cli import main
+
+    assert main(["run", "sentiment", str(tmp_path)]) == 2
+    assert capsys.readouterr().out.strip() == (
+        f"error: {tmp_path}: a folder, not a file: name the files in it to run (e.g. {tmp_path}/*.jsonl)"
+    )
+    assert not (data_dir / "drops").exists()
+
+
+def test_an_s3_data_root_without_credentials_names_the_setting_and_the_bucket(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 56.13: `error: NoCredentialsError: Unable to locate credentials`, naming neither."""
+    import s3fs
+
+    from batch_assets.cli import main
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("BATCH_ASSETS_DATA", "s3://uncredentialed-bucket/x")
+    s3fs.S3FileSystem.clear_instance_cache()  # none made with another test's credentials
+    (tmp_path / "posts.jsonl").write_text('{"text": "fine"}\n')
+    said = (
+        "error: copying into the sentiment drop zone s3://uncredentialed-bucket/x/drops/sentiment failed: no AWS "
+        "credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE); the drop zone is "
+        "under BATCH_ASSETS_DATA=s3://uncredentialed-bucket/x"
+    )
+    for command in ("run", "drop"):
+        assert main([command, "sentiment", str(tmp_path / "posts.jsonl")]) == 1
+        [line] = capsys.readouterr().out.splitlines()
+        assert line.startswith(said), line

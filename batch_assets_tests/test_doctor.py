@@ -672,3 +672,32 @@ def test_the_endpoint_probe_does_not_send_the_key_on_to_where_a_redirect_points(
             httpd.shutdown()
             httpd.server_close()
     assert seen == {"named": "Bearer sk-doctor-redirect", "elsewhere": None}
+
+
+def test_doctor_creates_no_dagster_home_it_checks(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 56.11: `doctor` with DAGSTER_HOME=/nonexistent/home created that folder. It checks the
+    instance a first command would make there (the bundled dagster.yaml) and leaves it unmade; a home
+    that cannot be made is a FAIL naming DAGSTER_HOME."""
+    import dagster as dg
+
+    home = tmp_path / "nonexistent" / "home"
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    _, lines = doctor_lines(capsys)
+    assert not (tmp_path / "nonexistent").exists()
+    [storage] = status_of(lines, "instance storage")
+    assert storage == (
+        f"OK    instance storage: {home} does not exist yet: the first command creates it with the bundled "
+        f"dagster.yaml, whose instance opens (SQLite, schema current for Dagster {dg.__version__})"
+    )
+    assert status_of(lines, "run launcher") == ["OK    run launcher: DefaultRunLauncher loads"]
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "a-file" / "home"))
+    code, lines = doctor_lines(capsys)
+    assert code == 1
+    assert status_of(lines, "instance storage") == [
+        f"FAIL  instance storage: DAGSTER_HOME={tmp_path / 'a-file' / 'home'} cannot be created: "
+        f"{tmp_path / 'a-file'} is a file [set: DAGSTER_HOME]"
+    ]

@@ -47,7 +47,7 @@ from batch_assets.storage.drop_files import (
 from batch_assets.storage.errors import StorageError, scrub
 from batch_assets.storage.locations import data_root, storage_path, write_bytes_atomically
 from batch_assets.storage.shards import partitions_by_file
-from batch_assets_tests.support import drop
+from batch_assets_tests.support import drop, run_on_a_tiny_file_system
 
 TASK = "sentiment"
 POST = '{"text": "Loving it"}\n'
@@ -462,26 +462,8 @@ print("left:", sorted(os.listdir(target.parent.path)))
 
 def test_a_real_full_file_system_is_reported_as_such(tmp_path: Path) -> None:
     """A 64 KiB tmpfs, mounted in a user and mount namespace of its own (no root needed)."""
-    import shutil
-    import subprocess
-    import sys
-
+    result = run_on_a_tiny_file_system(tmp_path, _TINY_DISK_SCRIPT)
     mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    script = tmp_path / "fill.py"
-    script.write_text(_TINY_DISK_SCRIPT)
-    unshare = shutil.which("unshare")
-    command = f"mount -t tmpfs -o size=64k tmpfs {mount_point} && {sys.executable} {script} {mount_point}"
-    probe = subprocess.run([unshare or "unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True)
-    if unshare is None or probe.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (no user namespaces)")
-    result = subprocess.run(
-        [unshare, "--user", "--map-root-user", "--mount", "sh", "-c", command],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
-    )
     folder = f"{mount_point}/storage/sentiment/inference_outputs"
     assert result.stdout.splitlines() == [
         f"StorageError writing {folder}/posts.jsonl.parquet failed: no space left on device in {folder}: "

@@ -134,3 +134,93 @@ def test_ui_serves_the_project_else_the_bundled_code_location_from_any_folder(
     assert _ui_target(None, BUNDLED, home) == ["-w", str(home / "workspace.yaml")]
     location = yaml.safe_load((home / "workspace.yaml").read_text())["load_from"][0]["python_module"]
     assert location == {"module_name": "batch_assets.definitions", "attribute": "defs", "location_name": "batch_assets"}
+
+
+def test_two_components_of_one_task_name_are_refused_naming_both_files(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 56.9: `tasks` listed the task twice, `doctor` said ready and `run` failed with Dagster's
+    DuplicateAssetKey. The task is refused when the project loads, naming both files, as two files
+    of one folder are; the project's other tasks are listed, and runs of them are refused too (the
+    definitions would hold its assets twice)."""
+    defs = _project(tmp_path / "shop", "shop_twice", monkeypatch)
+    _task_component(defs, "tickets")
+    _task_component(defs, "reviews")
+    (defs / "again").mkdir()
+    (defs / "again" / "defs.yaml").write_text((defs / "tickets" / "defs.yaml").read_text())
+    (tmp_path / "more.csv").write_text("text\nThe app crashes on start\n")
+    monkeypatch.chdir(defs)
+    first, second = defs / "again" / "defs.yaml", defs / "tickets" / "defs.yaml"
+    why = f"{first} and {second} both define the task 'tickets': keep one of them (rename or remove the other)"
+
+    assert cli.main(["tasks"]) == 1
+    listed = capsys.readouterr()
+    assert [line.split("\t")[0] for line in listed.out.splitlines()] == ["reviews"]
+    assert listed.err.strip() == f"ERROR: task 'tickets' not loaded: {why}"
+    assert cli.main(["run", "tickets", str(tmp_path / "more.csv")]) == 2
+    assert capsys.readouterr().out.strip() == f"error: task 'tickets' cannot be loaded: {why}"
+    assert cli.main(["run", "reviews", str(tmp_path / "more.csv")]) == 2
+    assert capsys.readouterr().out.strip() == f"error: the dg project at {tmp_path / 'shop'} does not load: {why}"
+    assert not (tmp_path / "shop" / "data" / "drops").exists()  # nothing copied
+    code, lines = cli.main(["doctor"]), capsys.readouterr().out.splitlines()
+    assert code == 1 and f"FAIL  task tickets: not loaded: {why} [set: {first}, {second}]" in lines, lines
+
+    # A folder of task files holding a task of that name: named by its task file.
+    defs = _project(tmp_path / "shop2", "shop_twice_folder", monkeypatch)
+    _task_component(defs, "tickets")
+    (defs / "more" / "tasks").mkdir(parents=True)
+    (defs / "more" / "tasks" / "tickets.yml").write_text((BUNDLED_TASKS_DIR / "sentiment.yaml").read_text())
+    (defs / "more" / "defs.yaml").write_text(
+        "type: batch_assets.TaskPipelinesComponent\nattributes:\n  tasks_dir: tasks\n"
+    )
+    monkeypatch.chdir(defs)
+    assert cli.main(["tasks"]) == 1
+    folder_task, component = defs / "more" / "tasks" / "tickets.yml", defs / "tickets" / "defs.yaml"
+    assert f"{folder_task} and {component} both define the task 'tickets'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("name", "rule"),
+    [
+        ("../evil", "task name '../evil' must match ^[a-z][a-z0-9_]{0,62}$"),
+        ("Tickets", "task name 'Tickets' must match ^[a-z][a-z0-9_]{0,62}$"),
+        ("a b", "task name 'a b' must match ^[a-z][a-z0-9_]{0,62}$"),
+    ],
+)
+def test_a_refused_component_task_name_is_one_line_with_its_file_and_line(
+    name: str, rule: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 56.10: only `ComponentTreeException: ^^^^^^` reached the terminal; the cause was in the log."""
+    module = f"shop_name_{abs(hash(name)) % 10_000}"
+    defs = _project(tmp_path / "shop", module, monkeypatch)
+    _task_component(defs, "tickets")
+    defs_file = defs / "tickets" / "defs.yaml"
+    defs_file.write_text(defs_file.read_text().replace("  name: tickets\n", f"  name: {name!r}\n"))
+    monkeypatch.chdir(defs)
+    assert cli.main(["tasks"]) == 2
+    assert capsys.readouterr().out.strip() == f"error: {defs_file}: attributes.name (line 4): {rule}"
+
+
+def test_an_empty_project_path_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 56.17: `--project ""` silently used the bundled tasks."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["tasks", "--project", ""])
+    assert exited.value.code == 2
+    assert "argument --project: must name a folder (not an empty string)" in capsys.readouterr().err
+
+
+def test_drop_of_the_bundled_tasks_prints_no_dagster_notices(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 56.17: `batch-assets drop` printed Dagster's BetaWarnings (one per asset with a backfill policy)."""
+    import warnings
+
+    import dagster as dg
+
+    (tmp_path / "posts.jsonl").write_text('{"text": "fine"}\n')
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cli.main(["drop", "sentiment", "posts.jsonl"]) == 0
+    assert [w for w in caught if issubclass(w.category, dg.BetaWarning | dg.PreviewWarning)] == []
+    assert capsys.readouterr().out.startswith("sentiment/posts.jsonl: partition 'posts.jsonl' registered")

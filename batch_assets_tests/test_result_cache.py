@@ -21,6 +21,7 @@ from batch_assets.storage import result_cache
 from batch_assets.storage.checkpoints import CheckpointStore
 from batch_assets.storage.errors import StorageError
 from batch_assets.storage.result_cache import ResultCache
+from batch_assets_tests.support import run_on_a_tiny_file_system
 from batch_assets_tests.test_inference_checkpoints import Engine, Session, formatted_frame
 from batch_assets_tests.test_inference_checkpoints import infer as infer_partition
 
@@ -339,6 +340,54 @@ def results_frame(keys: list[str]) -> pl.DataFrame:
             "token_logprobs": None,
         },
         schema=RESULT_SCHEMA,
+    )
+
+
+_FULL_CACHE_SCRIPT = """
+import os, sys
+import polars as pl
+from upath import UPath
+from batch_assets.pipeline.result_stores import RESULT_SCHEMA
+from batch_assets.storage.result_cache import ResultCache, cache_engine
+
+def results(keys):
+    rows = {"request_key": keys, "generated_text": "positive", "finish_reason": "stop", "error": None}
+    return pl.DataFrame(rows).with_columns(
+        *(pl.lit(None, dtype=dtype).alias(name) for name, dtype in RESULT_SCHEMA.items() if name not in rows)
+    )
+
+os.environ["BATCH_ASSETS_DATA"] = sys.argv[1]
+cache = ResultCache(UPath(sys.argv[1]) / "storage" / "sentiment", "fp")
+cache.add(results(["a"]))
+cache_engine(cache.url).dispose()  # what a later run meets: a database it opens anew
+try:
+    with open(os.path.join(sys.argv[1], "filler"), "wb") as filler:
+        while True:
+            filler.write(bytes(4096))
+            filler.flush()
+except OSError:
+    pass
+for work in (cache.lookup, lambda: cache.add(results([f"b{i}" for i in range(2000)]))):
+    try:
+        work()
+        print("ok")
+    except Exception as exc:
+        print(type(exc).__name__, exc)
+"""
+
+
+def test_a_full_disk_under_the_cache_names_the_folder_not_the_cache_url(tmp_path: Path) -> None:
+    """Issue 56.12: a real full file system (a 256 KiB tmpfs) under a SQLite cache gave SQLite's
+    "disk I/O error" with advice to point BATCH_ASSETS_RESULT_CACHE_URL at a working database."""
+    result = run_on_a_tiny_file_system(tmp_path, _FULL_CACHE_SCRIPT, size="256k")
+    folder = tmp_path / "tiny" / "storage" / "sentiment" / "_result_cache"
+    said = (
+        f"the result cache {folder / result_cache.SQLITE_NAME} failed: no space left on device in {folder}: "
+        "free space there, or point BATCH_ASSETS_DATA at other storage (BATCH_ASSETS_RESULT_CACHE_URL for the "
+        "cache alone)"
+    )
+    assert result.stdout.splitlines() == [f"StorageError read from {said}", f"StorageError write to {said}"], (
+        result.stdout + result.stderr[-3000:]
     )
 
 

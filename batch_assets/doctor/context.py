@@ -4,6 +4,7 @@ by the storage check), the tasks, and whether this process runs in a Kubernetes 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -31,6 +32,15 @@ class DoctorContext:
     instance: dg.DagsterInstance | None = None  # set by the storage check when the instance loads
     visible_gpus: int | None = None  # set by the GPU check when NVML answers
     source: TaskSource = BUNDLED  # whose tasks are checked: a dg project's, or the bundled ones
+    # Where the storage check opened the instance of a home not made yet (removed by `close`).
+    scratch_home: Path | None = None
+
+    def close(self) -> None:
+        """Dispose of the instance the checks opened, and of the scratch home it may live in."""
+        if self.instance is not None:
+            self.instance.dispose()
+        if self.scratch_home is not None:
+            shutil.rmtree(self.scratch_home, ignore_errors=True)
 
     @property
     def instance_file(self) -> Path:

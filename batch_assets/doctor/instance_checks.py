@@ -3,6 +3,8 @@ and, for Kubernetes, whether a run pod's environment holds every variable the in
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -12,7 +14,7 @@ import sqlalchemy as sa
 
 from batch_assets.doctor.context import DoctorContext, env_references
 from batch_assets.doctor.report import Check, fail, ok, skip
-from batch_assets.runtime.instance import prepare_instance
+from batch_assets.runtime.instance import INSTANCE_TEMPLATE, home_problem, prepare_instance
 from batch_assets.storage.errors import exception_chain, scrub
 from batch_assets.storage.result_cache import instance_postgres_url
 
@@ -49,6 +51,13 @@ def storage_description(instance: dg.DagsterInstance, ctx: DoctorContext) -> str
 
 def check_instance_storage(ctx: DoctorContext) -> Iterator[Check]:
     name = "instance storage"
+    problem = home_problem(ctx.home)
+    if problem is not None:
+        yield fail(name, problem, "DAGSTER_HOME")
+        return
+    if not ctx.home.exists():
+        yield new_home_check(ctx)
+        return
     refs = [ref for key in STORAGE_SECTIONS for ref in env_references(ctx.instance_config.get(key), key)]
     unset = sorted({variable for variable, _ in refs if not ctx.env.get(variable)})
     if unset:
@@ -65,6 +74,26 @@ def check_instance_storage(ctx: DoctorContext) -> Iterator[Check]:
         yield fail(name, f"the instance in {ctx.home} does not open: {cause_line(error)}", storage_setting(ctx))
         return
     yield schema_check(ctx.instance, storage_description(ctx.instance, ctx))
+
+
+def new_home_check(ctx: DoctorContext) -> Check:
+    """A home not made yet is left unmade (a check creates nothing): the instance the first command
+    would make there, from the bundled dagster.yaml, is opened in a scratch folder instead (the later
+    checks use it), removed when the doctor ends."""
+    name = "instance storage"
+    ctx.scratch_home = Path(tempfile.mkdtemp(prefix="batch-assets-doctor-"))
+    shutil.copyfile(INSTANCE_TEMPLATE, ctx.scratch_home / "dagster.yaml")
+    try:
+        ctx.instance = dg.DagsterInstance.from_config(str(ctx.scratch_home))
+        ctx.instance.get_runs(limit=1)  # opens (and so creates) its storage, as a first command does
+    except Exception as error:  # noqa: BLE001 - any failure to open the storage is this line
+        return fail(name, f"the bundled dagster.yaml's instance does not open: {cause_line(error)}", "DAGSTER_HOME")
+    # The bundled dagster.yaml keeps everything in SQLite under the home.
+    return ok(
+        name,
+        f"{ctx.home} does not exist yet: the first command creates it with the bundled dagster.yaml, whose "
+        f"instance opens (SQLite, schema current for Dagster {dg.__version__})",
+    )
 
 
 def postgres_unreachable(ctx: DoctorContext) -> str | None:

@@ -20,7 +20,7 @@ from batch_assets.doctor.report import Check, exit_status, fail, summary
 from batch_assets.doctor.storage_checks import check_locations, check_result_cache
 from batch_assets.lib.error_causes import error_line
 from batch_assets.lib.projects import BUNDLED, TaskSource
-from batch_assets.runtime.instance import dagster_home
+from batch_assets.runtime.instance import home_path
 
 CheckFunction = Callable[[DoctorContext], Iterable[Check]]
 CHECKS: list[tuple[str, CheckFunction]] = [
@@ -41,7 +41,7 @@ CHECKS: list[tuple[str, CheckFunction]] = [
 def run_doctor(say: Callable[[str], None], *, verbose: bool = False, source: TaskSource = BUNDLED) -> int:
     """Every check's lines through `say`, then a summary; 1 when any check failed, else 0. `verbose`:
     a check that could not run prints its traceback too. `source`: whose tasks are checked."""
-    context = DoctorContext(home=dagster_home(), source=source)
+    context = DoctorContext(home=home_path(), source=source)
     results: list[Check] = []
     with _quiet_libraries():
         try:
@@ -50,8 +50,7 @@ def run_doctor(say: Callable[[str], None], *, verbose: bool = False, source: Tas
                     say(result.line())
                     results.append(result)
         finally:
-            if context.instance is not None:
-                context.instance.dispose()
+            context.close()
     say(summary(results))
     return exit_status(results)
 

@@ -17,7 +17,7 @@ from batch_assets.doctor.instance_checks import CONNECT_TIMEOUT_S, cause_line, s
 from batch_assets.doctor.report import Check, fail, ok, skip, warn
 from batch_assets.storage.errors import StorageError, scrub, storage_errors
 from batch_assets.storage.locations import DATA_ENV, data_root, is_local, storage_root, task_storage_dir
-from batch_assets.storage.result_cache import RESULTS, URL_ENV, cache_url, instance_postgres_url
+from batch_assets.storage.result_cache import RESULTS, URL_ENV, cache_url, create_database_engine, instance_postgres_url
 
 MARKER_PREFIX = ".batch_assets_doctor-"
 S3_SETTINGS = "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
@@ -79,6 +79,9 @@ def check_result_cache(ctx: DoctorContext) -> Iterator[Check]:
                 name, f"{where} is damaged ({error}): the next run sets it aside and starts an empty one", URL_ENV
             )
             continue
+        except StorageError as error:  # its driver is not installed
+            yield fail(name, str(error), _cache_setting(ctx))
+            return
         except (sa.exc.SQLAlchemyError, OSError) as error:
             yield fail(name, f"{where}: {cause_line(error)}", _cache_setting(ctx))
             return
@@ -104,7 +107,7 @@ def store_size(url: str) -> tuple[int, int] | None:
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_size(Path(parsed.database or ""))
     arguments = {"connect_timeout": CONNECT_TIMEOUT_S} if parsed.get_backend_name() == "postgresql" else {}
-    engine = sa.create_engine(url, connect_args=arguments)
+    engine = create_database_engine(url, connect_args=arguments)
     try:
         with engine.connect() as connection:
             if not sa.inspect(connection).has_table(RESULTS.name):

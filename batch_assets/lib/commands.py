@@ -156,10 +156,14 @@ def _prune_or_say_why(url: str, tasks: list[TaskSpec], pruned: set[str] | None, 
     aside, as runs do (storage/result_cache.py), and a prune deletes no file it did not make."""
     import sqlalchemy as sa
 
+    from batch_assets.storage.errors import StorageError
     from batch_assets.storage.result_cache import corrupt_sqlite_file, driver_line, shown_url
 
     try:
         _prune_one(url, tasks, pruned, older_than, say)
+    except StorageError as exc:  # e.g. the database's driver is not installed
+        say(f"error: {exc}")
+        return False
     except sa.exc.SQLAlchemyError as exc:
         damaged = corrupt_sqlite_file(url, exc) if isinstance(exc, sa.exc.DatabaseError) else None
         if damaged is not None:
@@ -175,8 +179,12 @@ def _prune_or_say_why(url: str, tasks: list[TaskSpec], pruned: set[str] | None, 
 
 def _prune_one(url: str, tasks: list[TaskSpec], pruned: set[str] | None, older_than: float | None, say) -> None:
     from batch_assets.storage.cache_retention import database_bytes, prune, sizes
-    from batch_assets.storage.result_cache import shown_url
+    from batch_assets.storage.result_cache import shown_url, sqlite_file
 
+    database = sqlite_file(url)
+    if database is not None and not database.exists():  # no run cached anything there: nothing is made
+        say(f"{shown_url(url)}: no cache there yet, nothing to prune")
+        return
     before = database_bytes(url)
     report = prune(url, {task.name: task.cache for task in tasks}, tasks=pruned, older_than_days=older_than)
     say(

@@ -136,8 +136,10 @@ class TaskComponent(PipelineComponent, dg.Resolvable):
     """One batch-inference task (asset group, checks, job, drops sensor): the attributes are the
     task's fields, those of a task YAML file (`TaskSpec`)."""
 
-    def __init__(self, task: TaskSpec):
+    def __init__(self, task: TaskSpec, defined_in: Path | None = None):
         self.task = task
+        # The defs.yaml the task's attributes were read from (None: built in Python), for messages.
+        self.defined_in = defined_in
 
     @classmethod
     def model(cls) -> type[BaseModel]:
@@ -147,7 +149,9 @@ class TaskComponent(PipelineComponent, dg.Resolvable):
     @classmethod
     def resolve_from_model(cls, context: dg.ResolutionContext, model: Any) -> TaskComponent:
         # Validated (templates rendered) as the attributes were read: the same task, as a TaskSpec.
-        return cls(TaskSpec.model_construct(model.model_fields_set, **dict(model)))
+        positions = context.source_position_tree
+        defined_in = Path(positions.position.filename) if positions is not None else None
+        return cls(TaskSpec.model_construct(model.model_fields_set, **dict(model)), defined_in)
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
         return component_definitions(
@@ -170,14 +174,22 @@ class TaskPipelinesComponent(PipelineComponent, dg.Model, dg.Resolvable):
             "Unset: BATCH_ASSETS_TASKS_DIR, else the tasks bundled with batch_assets."
         ),
     )
-    # What the last `build_defs` loaded: `batch-assets` reads a project's tasks here (lib/projects.py).
+    # What the last `build_defs` loaded, and from where: `batch-assets` reads a project's tasks here
+    # (lib/projects.py).
     _loaded: TaskLoad | None = PrivateAttr(default=None)
+    _loaded_from: Path | None = PrivateAttr(default=None)
 
     @property
     def loaded_tasks(self) -> TaskLoad:
         if self._loaded is None:
             raise RuntimeError("the component's definitions are not built yet: its tasks are read then")
         return self._loaded
+
+    def task_file(self, name: str) -> Path:
+        """The file of one of the loaded tasks (`.yaml` or `.yml`: `load_tasks` refuses both at once)."""
+        folder = self._loaded_from or tasks_dir()
+        yml = folder / f"{name}.yml"
+        return yml if yml.is_file() else folder / f"{name}.yaml"
 
     def resolved_tasks_dir(self, component_path: Path) -> Path:
         if self.tasks_dir is None:
@@ -186,7 +198,8 @@ class TaskPipelinesComponent(PipelineComponent, dg.Model, dg.Resolvable):
         return folder if folder.is_absolute() else (component_path / folder).resolve()
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
-        loaded = self._loaded = load_tasks(self.resolved_tasks_dir(context.path))
+        self._loaded_from = self.resolved_tasks_dir(context.path)
+        loaded = self._loaded = load_tasks(self._loaded_from)
         return component_definitions(
             loaded.tasks, task_errors=loaded.errors, recovery_sensor=self.carries_location_sensors(context)
         )

@@ -15,6 +15,8 @@ import argparse
 import functools
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,8 +25,9 @@ from dagster_shared.utils.config import discover_config_file, load_toml_as_dict
 
 if TYPE_CHECKING:
     import dagster as dg
+    from pydantic import ValidationError
 
-    from batch_assets.pipeline.task_spec import TaskLoad
+    from batch_assets.pipeline.task_spec import TaskFileError, TaskLoad
 
 OUR_ROOT_MODULE = "batch_assets"
 
@@ -44,14 +47,20 @@ class TaskSource:
             from batch_assets.pipeline.task_spec import load_tasks
 
             return load_tasks()
-        return _loaded_project(self.project_root)[0]
+        return _loaded_project(self.project_root).tasks
 
     def definitions(self) -> dg.Definitions:
         if self.project_root is None:
             from batch_assets.lib.task_definitions import build_definitions
 
-            return build_definitions()
-        return _loaded_project(self.project_root)[1]
+            with dagster_notices_off():
+                return build_definitions()
+        project = _loaded_project(self.project_root)
+        if project.defined_twice:
+            # Its definitions hold those tasks' assets twice: Dagster refuses them (DuplicateAssetKey).
+            reason = project.defined_twice[0].message
+            raise ProjectRefused(f"the dg project at {self.project_root} does not load: {reason}")
+        return project.definitions
 
     def describe(self) -> str:
         """Where the tasks are, for messages: "the dg project at /path" or "the bundled tasks"."""
@@ -101,28 +110,95 @@ def enter_project(args: argparse.Namespace) -> TaskSource:
     return source
 
 
+@contextmanager
+def dagster_notices_off() -> Iterator[None]:
+    """Dagster's warnings of its own beta and preview APIs (the component loader's, an asset's
+    `backfill_policy`) kept off the terminal: nothing a user of batch_assets can act on."""
+    import dagster as dg
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dg.BetaWarning)
+        warnings.simplefilter("ignore", dg.PreviewWarning)
+        yield
+
+
+@dataclass(frozen=True)
+class _Project:
+    tasks: TaskLoad  # its errors include those of `defined_twice`
+    definitions: dg.Definitions
+    defined_twice: list[TaskFileError]  # tasks two components define (both files named)
+
+
 @functools.cache
-def _loaded_project(root: Path) -> tuple[TaskLoad, dg.Definitions]:
-    """The project's tasks and definitions, from one load of its component tree (once per process)."""
+def _loaded_project(root: Path) -> _Project:
+    """The project's tasks and definitions, from one load of its component tree (once per process).
+    A task two components define is refused (an error naming both files), as two files of one folder are."""
     import dagster as dg
 
     from batch_assets.lib.component import TaskComponent, TaskPipelinesComponent
-    from batch_assets.pipeline.task_spec import TaskLoad
+    from batch_assets.pipeline.task_spec import TaskFileError, TaskLoad
 
-    with warnings.catch_warnings():
-        # Dagster's component loader warns of its own beta and preview APIs (as definitions.py says).
-        warnings.simplefilter("ignore", dg.BetaWarning)
-        warnings.simplefilter("ignore", dg.PreviewWarning)
+    with dagster_notices_off(), _load_errors_named(root):
         tree = dg.ComponentTree.for_project(root)
         definitions = tree.build_defs()  # builds every component, so the folders below have read their tasks
-    tasks = [component.task for component in tree.get_all_components(TaskComponent)]
+    defined = [
+        (component.task, component.defined_in or root / f"(a TaskComponent built in Python: {component.task.name})")
+        for component in tree.get_all_components(TaskComponent)
+    ]
     errors = []
     for folder in tree.get_all_components(TaskPipelinesComponent):
-        tasks += folder.loaded_tasks.tasks
+        defined += [(task, folder.task_file(task.name)) for task in folder.loaded_tasks.tasks]
         errors += folder.loaded_tasks.errors
-    if not tasks and not errors:
+    if not defined and not errors:
         raise ProjectRefused(
             f"the dg project at {root} has no batch_assets task: add one with "
             "`dg scaffold defs batch_assets.TaskComponent NAME` there, or run outside it for the bundled tasks"
         )
-    return TaskLoad(sorted(tasks, key=lambda task: task.name), errors), definitions
+    files: dict[str, list[Path]] = {}
+    for task, path in defined:
+        files.setdefault(task.name, []).append(path)
+    twice = []
+    for name, paths in sorted(files.items()):
+        if len(paths) > 1:
+            both = " and ".join(str(path) for path in sorted(paths))
+            message = f"{both} both define the task {name!r}: keep one of them (rename or remove the other)"
+            twice.append(TaskFileError(name, tuple(sorted(paths)), message))
+    tasks = sorted((task for task, _ in defined if len(files[task.name]) == 1), key=lambda task: task.name)
+    return _Project(TaskLoad(tasks, errors + twice), definitions, twice)
+
+
+@contextmanager
+def _load_errors_named(root: Path) -> Iterator[None]:
+    """A component that does not load as one `ProjectRefused` line: Dagster's own error shows the
+    tree of components and a row of `^` under the one that failed, its cause only in the traceback.
+    The cause, with the file and line of each attribute it refuses, is what the line says."""
+    try:
+        yield
+    except Exception as error:
+        from pydantic import ValidationError
+
+        from batch_assets.lib.error_causes import error_line
+        from batch_assets.storage.errors import exception_chain
+
+        causes = list(exception_chain(error))
+        invalid = next((cause for cause in causes if isinstance(cause, ValidationError)), None)
+        if invalid is not None:
+            raise ProjectRefused(attribute_problems(invalid)) from error
+        if type(error).__module__.startswith("dagster.") and len(causes) > 1:  # the tree's error around the cause
+            raise ProjectRefused(f"the dg project at {root} does not load: {error_line(causes[1])}") from error
+        raise
+
+
+def attribute_problems(error: ValidationError) -> str:
+    """Dagster's validation errors of a component's attributes as `file: setting (line N): rule`, one
+    clause per error (Dagster puts each error's file and line in its context)."""
+    problems = []
+    for item in error.errors(include_url=False, include_input=False):
+        position = (item.get("ctx") or {}).get("source_position")
+        where = str(item["loc"][0]).split(" at ", 1)[0] if item["loc"] else ""
+        message = str(item["msg"]).removeprefix("Value error, ")
+        if position is None:
+            problems.append(f"{where}: {message}" if where else message)
+        else:
+            problems.append(f"{position.filename}: {where} (line {position.start.line}): {message}")
+    return "; ".join(problems)

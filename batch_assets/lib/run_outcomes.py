@@ -47,8 +47,9 @@ class PartitionOutcome:
 
     @property
     def ok(self) -> bool:
-        """The run succeeded, no ERROR check failed and not every row is an error (WARN checks aside)."""
-        return self.success and not self.failed_error_checks and not self.all_rows_failed
+        """The run succeeded, no ERROR check failed and not every row is an error (WARN checks aside);
+        or nothing ran: UP TO DATE evaluates nothing, so it fails nothing (its last run said how it went)."""
+        return self.skipped or (self.success and not self.failed_error_checks and not self.all_rows_failed)
 
     def passed(self, *, fail_on_warn: bool = False) -> bool:
         """`ok`, and with `fail_on_warn` no WARN check failed either: what the exit status says."""

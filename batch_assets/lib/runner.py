@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ import dagster as dg
 from batch_assets.engines.kinds import engine_kind, resolve_settings
 from batch_assets.engines.model_check import ModelNotFound, check_model
 from batch_assets.engines.vllm_engine import keep_engine_warm, shutdown_engines
+from batch_assets.lib.automation import materialized_code_versions
 from batch_assets.lib.drops_sensor import (
     LAUNCHED_BY_TAG,
     RANGE_END_TAG,
@@ -120,13 +121,16 @@ class _RunContext:
     lease: ProcessLease
     reporter: RunReporter
     use_result_cache: bool = True  # False: `inference_outputs` neither reads nor writes the result cache
+    # The code version of each of the task's versioned assets in the definitions run (asset name ->
+    # version): a partition materialized with others is not up to date.
+    code_versions: dict[str, str | None] = field(default_factory=dict)
 
 
 def run_partitions(
     task_name: str,
     files: list[Path],
     *,
-    skip_succeeded: bool = False,
+    skip_up_to_date: bool = False,
     replace: bool = False,
     reporter: RunReporter = QUIET,
     definitions: dg.Definitions | None = None,
@@ -134,7 +138,8 @@ def run_partitions(
     source: TaskSource = BUNDLED,
 ) -> list[PartitionOutcome]:
     """Run the files through the task's job: one outcome per file, in the order named. With
-    `skip_succeeded`, a file already validated from the same content is not run again.
+    `skip_up_to_date`, a file whose partitions are materialized from this version of it and with the
+    assets' current code versions is not run again (its outcome says UP TO DATE).
     `definitions`: the code location's, when the caller built them already (the demo, for every task).
     `use_result_cache=False`: the runs neither read nor write the task's result cache.
     `source`: where the task and its definitions come from (a user's dg project, or the bundled tasks)."""
@@ -150,7 +155,16 @@ def run_partitions(
     job = definitions.resolve_job_def(pipeline_job_name(task_name))
     with open_instance() as instance:
         context = _RunContext(task, instance, job, ProcessLease(dagster_home()), reporter, use_result_cache)
-        return _run_files(context, named, replace, skip_succeeded)
+        context.code_versions = _code_versions(definitions, task.name)
+        return _run_files(context, named, replace, skip_up_to_date)
+
+
+def _code_versions(definitions: dg.Definitions, task_name: str) -> dict[str, str | None]:
+    """The code version of each of the task's versioned assets, as these definitions build them."""
+    from batch_assets.pipeline.code_versions import VERSIONED_ASSETS
+
+    keys = [dg.AssetKey([task_name, asset]) for asset in VERSIONED_ASSETS]
+    return {key.path[-1]: definitions.resolve_assets_def(key).code_versions_by_key.get(key) for key in keys}
 
 
 def register_partitions(
@@ -171,7 +185,7 @@ def register_partitions(
 
 
 def _run_files(
-    context: _RunContext, named: list[NamedFile], replace: bool, skip_succeeded: bool
+    context: _RunContext, named: list[NamedFile], replace: bool, skip_up_to_date: bool
 ) -> list[PartitionOutcome]:
     """`run_partitions` once its task, files, job and instance are known."""
     instance, reporter, task_name = context.instance, context.reporter, context.task.name
@@ -181,7 +195,7 @@ def _run_files(
             reporter.say(
                 f"run {run_id[:8]}: its batch-assets process died before it finished; marked failed, pool slots freed"
             )
-        by_key = _up_to_date(context, registered) if skip_succeeded else {}
+        by_key = _up_to_date(context, registered) if skip_up_to_date else {}
         to_run = [key for key in _partition_keys(registered) if key not in by_key]
         by_key |= _run_in_ranges(context, registered, to_run)
         registered = _run_replaced_files(context, registered, by_key)
@@ -210,7 +224,7 @@ def run_demo(tasks: Sequence[TaskSpec], reporter: RunReporter, *, use_result_cac
             outcomes = run_partitions(
                 task.name,
                 files,
-                skip_succeeded=True,
+                skip_up_to_date=True,
                 reporter=reporter,
                 definitions=definitions,
                 use_result_cache=use_result_cache,
@@ -375,12 +389,21 @@ def _last_origin(instance: dg.DagsterInstance, job_name: str, key: str) -> str |
 
 def _up_to_date(context: _RunContext, files: list[_RegisteredFile]) -> dict[str, PartitionOutcome]:
     """Outcomes (UP TO DATE) of the partitions of each file whose every partition is already
-    validated from this version of the file."""
+    validated from this version of the file, each versioned asset's latest materialization made with
+    its current code version (a task edit that changes outputs makes the file run again)."""
     task_name, instance = context.task.name, context.instance
+    current = [
+        file for file in files if file_validated_from_version(instance, task_name, file.drop, file.partition_keys)
+    ]
+    keys = [key for file in current for key in file.partition_keys]
+    stale: set[str] = set()
+    for asset, version in context.code_versions.items():
+        made = materialized_code_versions(instance, dg.AssetKey([task_name, asset]), keys)
+        stale |= {key for key in keys if made.get(key) != version}
     return {
         key: partition_outcome(task_name, key, instance, run_id=None, skipped=True)
-        for file in files
-        if file_validated_from_version(instance, task_name, file.drop, file.partition_keys)
+        for file in current
+        if not stale & set(file.partition_keys)
         for key in file.partition_keys
     }
 

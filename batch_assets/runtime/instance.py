@@ -48,10 +48,44 @@ def home_lock(home: Path) -> contextlib.AbstractContextManager[None]:
     return exclusive_file_lock(home / SETUP_LOCK_NAME)
 
 
+class DagsterHomeError(Exception):
+    """`DAGSTER_HOME` names no folder a command can use (a file, or a place where none can be made)."""
+
+
+def home_path() -> Path:
+    """`DAGSTER_HOME` (default `.dagster_home/`) as an absolute path; nothing is created."""
+    return Path(os.environ.get("DAGSTER_HOME") or DEFAULT_DAGSTER_HOME).expanduser().resolve()
+
+
+def home_problem(home: Path) -> str | None:
+    """Why `home` cannot be the Dagster home (None: it is a folder, or one can be made there), checked
+    without creating anything."""
+    if home.exists():
+        if home.is_dir():
+            return None
+        return (
+            f"DAGSTER_HOME={home} is a file, not a folder: point DAGSTER_HOME at a folder (one that does not "
+            "exist yet is created)"
+        )
+    existing = next(parent for parent in home.parents if parent.exists())
+    if not existing.is_dir():
+        return f"DAGSTER_HOME={home} cannot be created: {existing} is a file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"DAGSTER_HOME={home} cannot be created: {existing} is not writable here"
+    return None
+
+
 def dagster_home() -> Path:
-    """`DAGSTER_HOME` (default `.dagster_home/`), created if missing and exported to this process."""
-    home = Path(os.environ.get("DAGSTER_HOME") or DEFAULT_DAGSTER_HOME).expanduser().resolve()
-    home.mkdir(parents=True, exist_ok=True)
+    """`DAGSTER_HOME` (default `.dagster_home/`), created if missing and exported to this process;
+    `DagsterHomeError` where it names no folder that can be used."""
+    home = home_path()
+    problem = home_problem(home)
+    if problem is not None:
+        raise DagsterHomeError(problem)
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise DagsterHomeError(f"DAGSTER_HOME={home} cannot be created: {error.strerror or error}") from error
     os.environ["DAGSTER_HOME"] = str(home)
     return home
 

@@ -93,6 +93,18 @@ def positive(text: str) -> float:
     return value
 
 
+def port_number(text: str) -> int:
+    """A TCP port, 1 to 65535: the socket layer would take 99999 modulo 65536 and 0 as "any free port",
+    and the command would name a port it does not listen on."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535 (not {text})")
+    return value
+
+
 def add_serve_parser(commands, in_project) -> None:
     """`serve` under the CLI's subcommands; `in_project`: the parser of the `--project` option."""
     serve = commands.add_parser(
@@ -107,7 +119,7 @@ def add_serve_parser(commands, in_project) -> None:
         ),
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument("--port", type=port_number, default=8000, help="port to listen on (default 8000)")
     serve.add_argument(
         "--max-file-mb", type=positive, default=200.0, help="largest upload in MB (default 200, as OpenAI)"
     )

@@ -11,14 +11,16 @@ again: that would only change the file's version and force a re-run.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from batch_assets.storage.drop_files import DropFile, DropFileError, input_file_problem, partition_key_for
 from batch_assets.storage.drop_pictures import PicturesRefused, pictures_to_copy
-from batch_assets.storage.locations import drop_zone, write_bytes_atomically
+from batch_assets.storage.errors import StorageError, storage_errors
+from batch_assets.storage.locations import DATA_ENV, data_root, drop_zone, write_bytes_atomically
 
 if TYPE_CHECKING:
     from upath import UPath
@@ -45,6 +47,8 @@ def read_named_files(files: list[Path]) -> list[NamedFile]:
     """Every named file, checked before anything is copied: exists, is an input, no two share a name."""
     named: dict[str, NamedFile] = {}
     for file in files:
+        if file.is_dir():
+            raise CopyRefused(f"{file}: a folder, not a file: name the files in it to run (e.g. {file}/*.jsonl)")
         if not file.is_file():
             raise CopyRefused(f"{file}: no such file")
         problem = input_file_problem(file.name)
@@ -90,10 +94,45 @@ def copy_into_drop_zone(
     `last_origin` is the path of the file the drop file's partition was last run from (None: unknown).
     With an image task's `input_spec`, the pictures the files name beside them come too (drop_pictures.py)."""
     zone = drop_zone(task_name)
+    with _naming_the_data_root(f"copying into the {task_name} drop zone", zone):
+        try:
+            pictures = pictures_to_copy(zone, [(f.path, f.content) for f in files], input_spec, replace=replace)
+        except PicturesRefused as exc:
+            raise CopyRefused(str(exc)) from None
+        plans = _copy_plans(task_name, zone, files, last_origin, replace)
+        # Pictures first: a sensor that sees the drop file finds its pictures there.
+        for picture in pictures:
+            if picture.note:
+                say(picture.note)
+            picture.copy_into(zone)
+        for file, target, note in plans:
+            if note:
+                say(note)
+            write_bytes_atomically(target, file.content)
+
+
+@contextmanager
+def _naming_the_data_root(action: str, zone: UPath) -> Iterator[None]:
+    """Storage failures (no credentials for the bucket, a full disk) as one `StorageError` naming the
+    drop zone, the cause and the setting that put the drop zone there."""
     try:
-        pictures = pictures_to_copy(zone, [(f.path, f.content) for f in files], input_spec, replace=replace)
-    except PicturesRefused as exc:
-        raise CopyRefused(str(exc)) from None
+        with storage_errors(action, zone):
+            yield
+    except StorageError as error:
+        if DATA_ENV in str(error):
+            raise
+        raise StorageError(f"{error}; the drop zone is under {DATA_ENV}={data_root()}", errno=error.errno) from None
+
+
+def _copy_plans(
+    task_name: str,
+    zone: UPath,
+    files: list[NamedFile],
+    last_origin: Callable[[NamedFile], str | None],
+    replace: bool,
+) -> list[tuple[NamedFile, UPath, str | None]]:
+    """What to copy where, with the note to print first; a different file of the same name is refused
+    unless `replace`."""
     plans: list[tuple[NamedFile, UPath, str | None]] = []
     note: str | None
     for file in files:
@@ -119,12 +158,4 @@ def copy_into_drop_zone(
                 "copied. Rename the file, or pass --replace to replace it"
             )
         plans.append((file, target, note))
-    # Pictures first: a sensor that sees the drop file finds its pictures there.
-    for picture in pictures:
-        if picture.note:
-            say(picture.note)
-        picture.copy_into(zone)
-    for file, target, note in plans:
-        if note:
-            say(note)
-        write_bytes_atomically(target, file.content)
+    return plans

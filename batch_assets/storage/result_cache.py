@@ -44,15 +44,17 @@ before those existed gets the column on first use, its rows dated then.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
+import shutil
 import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
 from threading import Lock
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import polars as pl
 import sqlalchemy as sa
@@ -63,7 +65,7 @@ from batch_assets.pipeline.result_stores import RESULT_SCHEMA
 from batch_assets.runtime.instance import exclusive_file_lock
 from batch_assets.storage.checkpoints import conform_results, remove_path
 from batch_assets.storage.errors import StorageError, scrub
-from batch_assets.storage.locations import is_local
+from batch_assets.storage.locations import DATA_ENV, data_root, is_local
 
 URL_ENV = "BATCH_ASSETS_RESULT_CACHE_URL"
 SQLITE_NAME = "results.sqlite3"
@@ -182,13 +184,13 @@ def _create_engine(url: str) -> sa.Engine:
 
         engine = create_pg_engine(url, _token_providers[url], pool_pre_ping=True)  # type: ignore[arg-type]
     elif parsed.get_backend_name() != "sqlite":
-        engine = sa.create_engine(url, pool_pre_ping=True)
+        engine = create_database_engine(url, pool_pre_ping=True)
     else:
         path = sqlite_file(url)
         if path is not None and parsed.query.get("mode") != "ro":
             path.parent.mkdir(parents=True, exist_ok=True)
         # A writer holds SQLite's lock for one short insert; another run waits for it, not fails.
-        engine = sa.create_engine(url, connect_args={"timeout": 120})
+        engine = create_database_engine(url, connect_args={"timeout": 120})
         sa.event.listen(engine, "connect", _sqlite_pragmas)
     for table in (RESULTS, VERSIONS):
         try:
@@ -202,6 +204,32 @@ def _create_engine(url: str) -> sa.Engine:
             _read_only.setdefault(url, driver_line(exc))
     _add_later_columns(url, engine)
     return engine
+
+
+# The package to install for each database driver module a SQLAlchemy URL may name.
+_DRIVER_PACKAGES = {
+    "psycopg": "psycopg[binary]",
+    "psycopg2": "psycopg2-binary",
+    "pg8000": "pg8000",
+    "asyncpg": "asyncpg",
+    "MySQLdb": "mysqlclient",
+    "pymysql": "PyMySQL",
+}
+
+
+def create_database_engine(url: str, **arguments: Any) -> sa.Engine:
+    """`sa.create_engine`, where a driver that is not installed is a `StorageError` naming the cache,
+    the setting and the package to install (SQLAlchemy imports the driver here)."""
+    try:
+        return sa.create_engine(url, **arguments)
+    except ImportError as error:
+        module = (error.name or "").split(".")[0] or str(error)
+        package = _DRIVER_PACKAGES.get(module, module)
+        setting = f" ({URL_ENV})" if os.environ.get(URL_ENV) == url else ""
+        raise StorageError(
+            f"the result cache {shown_url(url)}{setting} needs the database driver {module}, which is not "
+            f'installed: `pip install "{package}"`, or point {URL_ENV} at another database'
+        ) from error
 
 
 def _add_later_columns(url: str, engine: sa.Engine) -> None:
@@ -262,6 +290,31 @@ def sqlite_file(url: str) -> Path | None:
     if parsed.query.get("uri") in ("true", "1") and database.startswith("file:"):
         database = database.removeprefix("file:").split("?", 1)[0]
     return Path(database)
+
+
+# SQLite's primary result codes of a write the disk could not take: SQLITE_FULL, and SQLITE_IOERR,
+# which is what a full disk gives where the shared-memory file of the write-ahead log cannot grow.
+_SQLITE_FULL, _SQLITE_IOERR = 13, 10
+# Free bytes under which a disk I/O error of SQLite is taken for a full disk (a few of its pages).
+_NEARLY_FULL_BYTES = 1 << 20
+
+
+def full_disk(url: str, exc: sa.exc.SQLAlchemyError) -> str | None:
+    """What to say when `exc` is a SQLite cache's file system out of space: the folder, and the setting
+    that puts the cache there; None for any other failure."""
+    code, path = getattr(getattr(exc, "orig", None), "sqlite_errorcode", None), sqlite_file(url)
+    if path is None or code is None or code & 0xFF not in (_SQLITE_FULL, _SQLITE_IOERR):
+        return None
+    measured = next(folder for folder in path.parents if folder.exists())
+    if code & 0xFF == _SQLITE_IOERR and shutil.disk_usage(measured).free >= _NEARLY_FULL_BYTES:
+        return None  # an I/O error on a disk with room: something else
+    if os.environ.get(URL_ENV):
+        where = f"point {URL_ENV} at a database on another disk"
+    elif is_local(data_root()):
+        where = f"point {DATA_ENV} at other storage ({URL_ENV} for the cache alone)"
+    else:  # outputs on S3: the cache is next to the Dagster instance (`cache_url`)
+        where = f"point DAGSTER_HOME at another disk ({URL_ENV} for the cache alone)"
+    return f"no space left on device in {path.parent}: free space there, or {where}"
 
 
 def _sqlite_pragmas(connection, _record) -> None:
@@ -514,6 +567,9 @@ class ResultCache:
             )
 
     def _storage_error(self, action: str, exc: sa.exc.SQLAlchemyError) -> StorageError:
+        full = full_disk(self.url, exc)
+        if full is not None:
+            return StorageError(f"{action} the result cache {sqlite_file(self.url)} failed: {full}", errno.ENOSPC)
         # The driver's first line says what failed; its further lines are its guesses (e.g. "Is the
         # server running on that host...?", read as being about the LLM server) and SQLAlchemy's link.
         return StorageError(
