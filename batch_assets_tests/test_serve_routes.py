@@ -62,10 +62,25 @@ def test_without_a_key_only_loopback_host_names_are_served(store: ServeStore) ->
     assert api.get("/v1/batches").status_code == 200
     for host in ("localhost:8000", "127.0.0.1", "[::1]:8000"):
         assert api.get("/v1/batches", headers={"Host": host}).status_code == 200, host
-    assert api.get("/v1/batches", headers={"Host": "evil.example"}).status_code == 400
-    assert api.get("/v1/batches", headers={"Host": "evil.example:8000"}).status_code == 400
+    for host in ("evil.example", "evil.example:8000", "127.0.0.1:x", "[::1", "evil.example@127.0.0.1", "127.0.0.1/a"):
+        refused = api.get("/v1/batches", headers={"Host": host})
+        assert refused.status_code == 400, host
+        error = is_openai_error(refused)  # OpenAI's error body, as every other refusal
+        assert error["code"] == "invalid_host" and repr(host) in error["message"], error
+        assert "127.0.0.1" in error["message"] and "BATCH_ASSETS_SERVE_API_KEY" in error["message"], error
     keyed = client(store, api_key="k")  # bound beyond loopback: the key guards it, any host name
     assert keyed.get("/v1/batches", headers={"Host": "batch.example", "Authorization": "Bearer k"}).status_code == 200
+
+
+def test_the_bearer_scheme_is_read_whatever_its_case_and_the_key_exactly(store: ServeStore) -> None:
+    """RFC 9110: an authentication scheme is case-insensitive; the key itself is not."""
+    keyed = client(store, api_key="Key-1")
+    for scheme in ("Bearer", "bearer", "BEARER"):
+        assert keyed.get("/v1/batches", headers={"Authorization": f"{scheme} Key-1"}).status_code == 200, scheme
+    for given in ("bearer key-1", "Bearer Key-12", "Basic Key-1", "Key-1", "Bearer", ""):
+        refused = keyed.get("/v1/batches", headers={"Authorization": given})
+        assert refused.status_code == 401, given
+        assert is_openai_error(refused)["code"] == "invalid_api_key"
 
 
 @pytest.fixture
