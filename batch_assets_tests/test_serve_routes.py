@@ -83,6 +83,14 @@ def test_the_bearer_scheme_is_read_whatever_its_case_and_the_key_exactly(store: 
         assert is_openai_error(refused)["code"] == "invalid_api_key"
 
 
+def test_a_run_whose_server_died_before_it_could_watch_it_kills_itself() -> None:
+    """The run serve starts dies with its server (run_child.py); a server gone before the run asked
+    for its parent-death signal (its parent is then another process) must not leave it running."""
+    command = [sys.executable, "-m", "batch_assets.serve.run_child", "1", "tasks"]  # pid 1 is not its parent
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == -9 and done.stdout == "", (done.returncode, done.stdout, done.stderr)
+
+
 @pytest.fixture
 def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """The sizes the upload's part is read in (-1: all of it at once)."""
@@ -309,22 +317,22 @@ def test_a_batch_that_cannot_be_settled_fails_and_only_a_full_disk_is_waited_out
     assert batch_of(store, full)["status"] == "completed" and runner._unsettled == {}
 
 
-def test_a_cancel_while_a_restarted_server_stops_an_orphan_run_is_kept(
+def test_a_cancel_while_a_restarted_server_kills_an_orphan_run_is_kept(
     store: ServeStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`_recover` runs while the server answers, and stopping a run left by a killed server takes
-    up to 30 s: a client's cancel meanwhile must not be overwritten."""
+    """`_recover` runs while the server answers: a client's cancel while a run left by a killed
+    server is being killed must not be overwritten."""
     running, _ = waiting_batch(store)  # in_progress, its run started by the killed server
     validating = new_batch_id()
     create = CreateBatch(input_file_id="file-" + "0" * 32, endpoint="/v1/chat/completions", completion_window="24h")
     store.save_batch({"batch": batch_object(validating, create), "run": {"task": CHAT_TASK, "started": False}})
     runner = BatchRunner(store, {"/v1/chat/completions": CHAT_TASK})
 
-    def stop_orphan(pid: int | None, started: float | None) -> None:
+    def kill_orphan(pid: int | None, started: float | None) -> None:
         for batch_id in (running, validating):
-            runner.cancel(batch_id)  # a client, while the orphan is being stopped
+            runner.cancel(batch_id)  # a client, while the orphan is being killed
 
-    monkeypatch.setattr(batch_runs, "_stop_orphan", stop_orphan)
+    monkeypatch.setattr(batch_runs, "_kill_orphan", kill_orphan)
     runner._recover()
     assert batch_of(store, running)["status"] == "cancelled"
     assert batch_of(store, validating)["status"] == "cancelled"
