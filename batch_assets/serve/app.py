@@ -10,11 +10,12 @@
     GET  /v1/batches/{id}
     POST /v1/batches/{id}/cancel
 
-With a key set (`SERVE_KEY_ENV`), every request must carry `Authorization: Bearer <key>` (401 otherwise);
-without one (loopback only), its `Host` must be a loopback name (400 otherwise), and a request a web
-page sends (an `Origin` other than the server's own, `Sec-Fetch-Site` other than `same-origin` or
-`none`) is refused (403). New files and batches get 503 while the batch runner cannot go on; a
-failed write (a full disk) is OpenAI's error body with 507, never a bare 500.
+With a key set (`SERVE_KEY_ENV`), every request must carry `Authorization: Bearer <key>` (the scheme
+in any case; 401 otherwise); without one (loopback only), its `Host` must be a loopback name (400
+otherwise), and a request a web page sends (an `Origin` other than the server's own,
+`Sec-Fetch-Site` other than `same-origin` or `none`) is refused (403). New files and batches get
+503 while the batch runner cannot go on; a failed write (a full disk) is OpenAI's error body with
+507, never a bare 500. Every refusal is OpenAI's error body.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ import logging
 import os
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from batch_assets.serve.batch_runs import BatchRunner
 from batch_assets.serve.objects import (
@@ -73,28 +74,57 @@ def build_app(
     app = FastAPI(title="batch-assets serve", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)
 
+    own_names = {*LOOPBACK_HOSTS, host.lower()}
+
     @app.middleware("http")
-    async def bearer_key(request: Request, call_next):
+    async def guard(request: Request, call_next):
         if api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            if not hmac.compare_digest(_bearer_token(request).encode(), api_key.encode()):
                 body = api_error(
                     f"missing or wrong API key: send `Authorization: Bearer <the value of {SERVE_KEY_ENV}>`",
                     code="invalid_api_key",
                 )
                 return JSONResponse(body, status_code=401)
+        elif refusal := _foreign_host(request, own_names):
+            return JSONResponse(api_error(refusal, code="invalid_host"), status_code=400)
         elif refusal := _cross_site(request):
             return JSONResponse(api_error(refusal, code="cross_site_request"), status_code=403)
         return await call_next(request)
 
-    if api_key is None:
-        # Served to this machine only, with no key: a web page whose name an attacker resolves to
-        # 127.0.0.1 (DNS rebinding) could drive the server from a browser; it sends its own name
-        # as Host, which is refused (400). Added last: it runs before the key check.
-        app.add_middleware(TrustedHostMiddleware, allowed_hosts=[*LOOPBACK_HOSTS, f"[{host}]" if ":" in host else host])
     _add_file_routes(app, store, runner, limits)
     _add_batch_routes(app, store, runner)
     return app
+
+
+def _bearer_token(request: Request) -> str:
+    """The token of `Authorization: Bearer <token>`, the scheme in any case (RFC 9110 §11.1); else ""."""
+    scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def _foreign_host(request: Request, own_names: set[str]) -> str | None:
+    """Why a keyless server refuses the request's `Host`, or None. Served to this machine only, a web
+    page whose name an attacker resolves to 127.0.0.1 (DNS rebinding) could drive it from a browser;
+    the browser sends the page's name as Host. Checked here rather than by Starlette's
+    TrustedHostMiddleware, which answers in plain text: clients read OpenAI's error body."""
+    given = request.headers.get("host", "")
+    if _host_name(given) in own_names:
+        return None
+    return (
+        f"Host {given[:100]!r} is not a name of this machine ({', '.join(LOOPBACK_HOSTS)}): a server "
+        f"without a key ({SERVE_KEY_ENV}) answers only requests sent to this machine"
+    )
+
+
+def _host_name(host: str) -> str | None:
+    """The name of a `Host` value (lower case, an IPv6 address without its brackets), or None when it
+    is more than a name and a port."""
+    try:
+        parts = urlsplit(f"//{host}")
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        return None
+    return parts.hostname if parts.netloc == host and parts.username is None else None
 
 
 def _cross_site(request: Request) -> str | None:

@@ -242,13 +242,13 @@ class BatchRunner:
         self._raise_no_room()
 
     def _recover(self) -> None:
-        """After a restart: a run left by a server that was killed is stopped (and resumes from its
-        checkpoints when run again), a batch that was being cancelled is cancelled, one that was
-        being finalized is finalized. The server answers meanwhile: each batch is changed as it is
-        then (a client may have cancelled it while its orphan was being stopped)."""
+        """After a restart: a run left by a server that was killed, if it still lives, is killed (run
+        again, it resumes from its checkpoints and collects its provider batches), a batch that was
+        being cancelled is cancelled, one that was being finalized is finalized. The server answers
+        meanwhile: each batch is changed as it is then (a client may have cancelled it meanwhile)."""
         for record in self.store.batch_records(UNFINISHED):
             run = record["run"]
-            _stop_orphan(run.get("pid"), run.get("pid_started"))
+            _kill_orphan(run.get("pid"), run.get("pid_started"))
             if self._recovered_batch(record["batch"]["id"]):
                 self._release(record["batch"]["id"])
 
@@ -324,9 +324,13 @@ class BatchRunner:
         run_input = self.store.runs / f"{batch_id}.jsonl"
         if not run_input.exists():
             os.link(source, run_input)
+        # run_child: the run dies with this server (a server killed with -9 leaves no run behind that
+        # the restarted server's run would compete with). Its parent-death signal comes when the thread
+        # that starts it ends: this runner thread, which outlives it.
+        command = [sys.executable, "-m", "batch_assets.serve.run_child", str(os.getpid()), "run", task, str(run_input)]
         with (self.store.logs / f"{batch_id}.log").open("ab") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "batch_assets.cli", "run", task, str(run_input)],
+                command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: stopped as a whole, like Ctrl-C stops it
@@ -587,13 +591,16 @@ def _stop_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def _stop_orphan(pid: int | None, started: float | None) -> None:
-    """The run a killed server left behind, if that process still lives (same pid and start time)."""
+def _kill_orphan(pid: int | None, started: float | None) -> None:
+    """The run a killed server left behind, if that process still lives (same pid and start time):
+    killed with its group, as its server's death kills it (run_child.py), never stopped: a stopped run
+    cancels the provider batches it has in flight, which the batch's next run collects instead."""
     if pid is None:
         return
     with contextlib.suppress(psutil.Error):
         if abs(psutil.Process(pid).create_time() - (started or 0)) < 0.01:
-            _stop_group(pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
 
 
 def first_line_model(path: Path) -> str | None:

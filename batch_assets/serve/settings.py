@@ -11,8 +11,8 @@ SERVE_KEY_ENV = "BATCH_ASSETS_SERVE_API_KEY"
 # Which shipped task answers a batch, by its endpoint: chat and completions lines, or embeddings lines.
 CHAT_TASK = "openai_batch"
 EMBEDDINGS_TASK = "openai_batch_embeddings"
-# The Host names a keyless server answers (any port): this machine's own.
-LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "[::1]"]
+# The Host names a keyless server answers (any port; an IPv6 address in brackets): this machine's own.
+LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "::1"]
 
 
 # How long a file is kept unless its upload (`expires_after`) or its batch (`output_expires_after`)

@@ -16,6 +16,8 @@ import hashlib
 import json
 import os
 import re
+import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,9 @@ from pydantic import Field, field_validator
 from .base import SettingError, _Strict
 
 ADAPTER_CONFIG = "adapter_config.json"
+# The most of adapter_config.json read: PEFT's configs are a few KB (a `rank_pattern` over every
+# module of a large model, some hundred KB).
+MAX_ADAPTER_CONFIG_BYTES = 16 << 20
 # The files that hold an adapter's weights in PEFT's format (the first found is the one vLLM loads).
 ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
 # The ranks vLLM's engine takes for `max_lora_rank` (vllm/config/lora.py `MaxLoRARanks`); an adapter
@@ -100,9 +105,16 @@ def _cached_hub_adapter(repo_id: str) -> Path | None:
 def read_adapter_config(folder: Path) -> dict[str, Any]:
     config_path = folder / ADAPTER_CONFIG
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config = json.loads(_read_regular_file(config_path, MAX_ADAPTER_CONFIG_BYTES))
     except FileNotFoundError:
         raise SettingError(f"{folder}: no {ADAPTER_CONFIG}: not a LoRA adapter in PEFT's format") from None
+    except RecursionError:
+        raise SettingError(
+            f"{config_path}: nested more deeply than Python's JSON reader goes "
+            f"({sys.getrecursionlimit()} levels); PEFT writes a flat object"
+        ) from None
+    except SettingError:
+        raise
     except (OSError, ValueError) as exc:
         raise SettingError(f"{config_path}: cannot be read as JSON: {exc}") from None
     if not isinstance(config, dict):
@@ -114,15 +126,43 @@ def read_adapter_config(folder: Path) -> dict[str, Any]:
     return config
 
 
+def _read_regular_file(path: Path, limit: int) -> bytes:
+    """The file's bytes, read only when it is a regular file: a FIFO is opened without waiting for a
+    writer (a plain open would wait for good) and refused, as a device or a socket is."""
+    handle = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(handle, "rb") as file:
+        mode = os.fstat(file.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode) else "no file"
+            raise SettingError(f"{path}: {kind}, not a regular file; nothing is read from it")
+        data = file.read(limit + 1)
+    if len(data) > limit:
+        raise SettingError(f"{path}: larger than {limit // (1 << 20)} MiB; an adapter's config is a few settings")
+    return data
+
+
 def adapter_rank(config: dict[str, Any]) -> int:
     """The adapter's largest rank (`r`, or a larger one of `rank_pattern`), refused above vLLM's largest."""
-    ranks = [config.get("r"), *(config.get("rank_pattern") or {}).values()]
+    pattern = config.get("rank_pattern")
+    pattern = {} if pattern is None else pattern
+    if not isinstance(pattern, dict):
+        raise SettingError(
+            f"{ADAPTER_CONFIG}: `rank_pattern` must be a JSON object of module names and ranks, "
+            f"not {_json_kind(pattern)}"
+        )
+    ranks = [config.get("r"), *pattern.values()]
     if not all(isinstance(rank, int) and not isinstance(rank, bool) and rank > 0 for rank in ranks):
         raise SettingError(f"{ADAPTER_CONFIG}: `r` (the adapter's rank) must be a positive integer")
     rank = max(ranks)
     if rank > VLLM_LORA_RANKS[-1]:
         raise SettingError(f"{ADAPTER_CONFIG}: rank {rank} is above the {VLLM_LORA_RANKS[-1]} vLLM serves")
     return rank
+
+
+def _json_kind(value: object) -> str:
+    return {list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(
+        type(value), type(value).__name__
+    )
 
 
 def engine_lora_rank(rank: int) -> int:
