@@ -30,7 +30,6 @@ from batch_assets.engines.kinds import engine_for, engine_kind
 from batch_assets.lib.asset_metadata import (
     asset_key,
     column_schema,
-    error_code_counts,
     formatted_metadata,
     image_metadata,
     inference_metadata,
@@ -51,6 +50,7 @@ from batch_assets.pipeline.engine_contract import (
     ResolvedSettings,
 )
 from batch_assets.pipeline.label_model import LabelModel
+from batch_assets.pipeline.label_quality import error_code_counts
 from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
 from batch_assets.pipeline.task_formats import InferenceStream, OutputFiles, TaskFormat, task_format

@@ -275,7 +275,7 @@ def _target_notes(task_name: str, partition_keys: list[str], instance: dg.Dagste
             continue
         where = f" for {partition}" if len(partition_keys) > 1 else ""
         if not _metadata_value(record, "target_met"):
-            notes.append(f"target refused{where}: {_metadata_value(record, 'target_refused')}")
+            notes.append(f"target not met{where}: {_metadata_value(record, 'target_refused')}")
             continue
         threshold = _metadata_value(record, "target_threshold")
         kept = "the student keeps none" if threshold is None else f"the student keeps confidence >= {threshold:.3f}"

@@ -31,6 +31,7 @@ from batch_assets.pipeline.cascade import (
 )
 from batch_assets.pipeline.embeddings import vectors_column, vectors_matrix
 from batch_assets.pipeline.label_model import LabelModel
+from batch_assets.pipeline.label_quality import error_code_counts
 from batch_assets.pipeline.result_stores import RESULT_SCHEMA
 from batch_assets.pipeline.run_inference import InferenceStats
 from batch_assets.pipeline.task_spec import EngineSpec, OutputSpec, PriceSpec, TaskSpec
@@ -150,7 +151,8 @@ def cascade_outputs(
     else:
         assert teach is not None  # the inference step opens the teacher's session for `teacher: llm`
         teacher = llm_teacher(embedded, teach, source_file, counts)
-    result = run_cascade(vectors_matrix(embedding.filter(ok)), teacher, spec, choices, stored)
+    unembedded = error_code_counts(results.filter(~ok))
+    result = run_cascade(vectors_matrix(embedding.filter(ok)), teacher, spec, choices, stored, unembedded)
     if result.target is not None and (refusal := result.target.refusal()):
         # Said as soon as it is known; the check agreement_target_met fails the partition by name.
         log.warning("%s: %s", source_file, refusal)
