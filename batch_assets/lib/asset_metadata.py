@@ -96,7 +96,8 @@ def inference_metadata(
         "rows_deduplicated": stats.rows_deduplicated,
         "error_rows": stats.error_rows,
         "errors_by_code": error_code_counts(frame),
-        "prompt_tokens": prompt_tokens(frame),
+        # What was sent: a row refused before the engine (too long, empty) costs nothing.
+        "prompt_tokens": stats.sent_prompt_tokens,
         "generated_tokens": generated,
         "engine_seconds": round(stats.engine_seconds, 3),
         "engine_start_seconds": round(session.start_seconds, 3),
@@ -112,7 +113,7 @@ def inference_metadata(
         "output_constraint": task.output.kind,
         **session.metadata,
         "checkpoint_fingerprint": fingerprint,
-        **actual_cost_metadata(prompt_tokens(frame), generated, engine_price(task.engine)),
+        **actual_cost_metadata(stats.sent_prompt_tokens, generated, engine_price(task.engine)),
         "dagster/row_count": frame.height,
         "dagster/column_schema": column_schema(frame),
     }

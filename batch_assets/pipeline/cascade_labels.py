@@ -215,10 +215,19 @@ def cascade_summary(
         audited_rows=audit.height,
         audit_agreed=int((audit["label"] == audit["student_label"]).sum()),
         teacher_cost=_teacher_cost(labels),
-        embedding_prompt_tokens=int(labels["num_prompt_tokens"].sum() or 0) if "num_prompt_tokens" in labels else 0,
+        embedding_prompt_tokens=_embedded_tokens(labels),
         price=price,
         teacher_price=teacher_price,
     )
+
+
+def _embedded_tokens(labels: pl.DataFrame) -> int:
+    """The prompt tokens the embedding model was sent: the rows the cascade labelled or made error
+    rows of its own (`cascade_*`, `teacher_*`); other error rows never reached it (a text too long, empty)."""
+    if "num_prompt_tokens" not in labels.columns:
+        return 0
+    embedded = labels.filter(pl.col("error").is_null() | pl.col("error").str.contains(r"^(cascade|teacher)_"))
+    return int(embedded["num_prompt_tokens"].sum() or 0)
 
 
 def _teacher_cost(labels: pl.DataFrame) -> TeacherCost:
