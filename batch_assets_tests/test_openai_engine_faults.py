@@ -625,7 +625,7 @@ def test_a_degenerate_cascade_names_its_failed_error_share_check(
         "industry_cascade/three.csv: WARN CHECKS FAILED (industry_cascade/validated_labels:accuracy_at_least (WARN), "
         "industry_cascade/validated_labels:error_share_below_threshold (WARN)) run "
     )
-    assert "3 rows, 2 error rows, labels: Other=1 (accuracy 33% on 3 hand-labelled rows" in line
+    assert "3 rows, 2 error rows (cascade_no_student=2), labels: Other=1 (accuracy 33% on 3 hand-labelled rows" in line
     labels = read_output(data_dir, "industry_cascade", "validated_labels", "three.csv")
     assert labels["error"].str.starts_with("cascade_no_student: ").sum() == 2
 
