@@ -705,7 +705,7 @@ def _join(plan: _Plan, sink: _PartitionSink) -> tuple[pl.DataFrame, InferenceSta
         plan.keyed.rename({"request_key": _KEY}), on="row_id", how="left", maintain_order="left"
     ).join(by_key, on=_KEY, how="left", maintain_order="left")
     # Sent: no error before the engine (the formatted row's), and not refused as too long by the stream.
-    unsent = sink.keys.gather(sink.unsent) if sink.unsent else pl.Series(dtype=pl.String)
+    unsent = sink.keys.gather(sink.unsent).to_list() if sink.unsent else []
     sent = pl.col("error").is_null() & ~pl.col(_KEY).is_in(unsent)
     joined = joined.with_columns(
         error=pl.coalesce("error", _ENGINE_ERROR),
