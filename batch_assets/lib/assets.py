@@ -238,13 +238,15 @@ def formatted_prompts_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs) ->
         engine = engine_for(context.resources, task)
         settings = engine.settings(task)
         tokenizer = engine.tokenizer(settings)
+        # Said on every run (the run's log, the terminal of `batch-assets run`, the metadata).
+        approximate = {"token_count_note": settings.tokenizer_note} if settings.tokenizer_note else {}
         frames: dict[str, pl.DataFrame] = {}
         for partition_key, raw in raw_prompts.items():
             started = time.monotonic()
             frame = frames[partition_key] = fmt.format(raw, engine, tokenizer, settings, source_file=partition_key)
-            metadata = formatted_metadata(frame, fmt, seconds=time.monotonic() - started)
+            metadata = {**formatted_metadata(frame, fmt, seconds=time.monotonic() - started), **approximate}
             context.add_asset_metadata(partition_key=partition_key, metadata=metadata)
-            for warning in fmt.formatting_warnings(frame, partition_key):
+            for warning in [*approximate.values(), *fmt.formatting_warnings(frame, partition_key)]:
                 context.log.warning(warning)
             for note in fmt.formatting_notes(partition_key):
                 context.log.info(note)
