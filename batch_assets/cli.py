@@ -110,13 +110,14 @@ TERMINAL = Terminal()
 
 _PROGRESS = re.compile(r"inferred (\d+)/(\d+) requests \((\d+)%\), ([\d.]+) rows/s")
 _STARTING = re.compile(r"^(\d+) requests to infer|^reusing .*requests left to infer")
-# Warnings the user must see without opening the run's log.
-_NOTICES = re.compile(r"^the result cache .* is damaged")
+# Warnings the user must see without opening the run's log: a damaged result cache set aside, token
+# counts that are approximate (an endpoint without a local tokenizer).
+_NOTICES = re.compile(r"^the result cache .* is damaged|^task \S+: no local tokenizer for the endpoint's model")
 
 
 class _ProgressHandler(logging.Handler):
     """Turns run_inference's progress lines into one short line per update on the terminal, and shows
-    the few warnings that change what a run does (a damaged result cache set aside)."""
+    the few warnings that change what a run does or what its figures mean (`_NOTICES`)."""
 
     def __init__(self, label: str):
         super().__init__(logging.INFO)

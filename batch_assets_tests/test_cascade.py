@@ -295,6 +295,22 @@ def test_a_partition_through_the_cascade_kind_gives_every_row_a_label_or_an_erro
     assert measured["student_calibrated"] is True and measured["unseen_choices"] == []
 
 
+def test_the_embedding_cost_counts_the_rows_embedded_not_a_text_refused_before(tmp_path: Path) -> None:
+    """Issue 56.6: a text too long for the embedding model was never sent: it costs nothing."""
+    task = load_task_spec(write(tmp_path, CASCADE_TASK))
+    priced = task.model_copy(
+        update={"engine": task.engine.model_copy(update={"price": PriceSpec(input_per_million_tokens=1.0)})}
+    )
+    assert priced.output.cascade is not None
+    x, y = blobs(200, noise=0.5, seed=7)
+    too_long = "input_too_long: f line 2: 900 tokens exceed the model's limit of 256 (engine.max_model_len)"
+    frame = embedded_results(x, [CHOICES[i] for i in y], errors={0: too_long})
+    frame = frame.with_columns(num_prompt_tokens=pl.Series([900] + [3] * 199))
+    outputs, _ = cascade_outputs(frame, priced.output.cascade, CHOICES, "f")
+    fmt = task_format(priced)
+    assert fmt.label_metadata(fmt.validate(outputs))["embedding_cost_usd"] == pytest.approx(199 * 3 / 1e6)
+
+
 # --- settings -----------------------------------------------------------------------------------
 
 CASCADE_TASK = """

@@ -14,6 +14,7 @@ import dagster as dg
 import polars as pl
 import pytest
 
+from batch_assets.lib.run_outcomes import run_outcomes
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.task_spec import PriceSpec, TaskSpec, load_task_spec, load_task_specs
 from batch_assets.pipeline.task_spec.cascade import TargetSpec
@@ -167,6 +168,56 @@ def test_a_target_chooses_the_threshold_or_is_refused_by_the_check_on_the_shippe
         )["cascade_role"]
     )
     assert roles == {"sample", "calibration", "student"}
+
+
+def test_a_target_on_degenerate_files_fails_its_check_naming_why(data_dir: Path) -> None:
+    """Issue 56: the shipped cascade with a lenient target over whole files (`calibration_rows` past
+    their size) on 10-row files: the sample's head, one class, an empty teacher column, teacher
+    answers outside the choices. The teacher's budget (25 % of 10 rows) pays for a sample of 1 row:
+    no student, 8 rows `cascade_no_student` errors. The ERROR check fails on each, saying why, with
+    the target's metadata on inference_outputs and a note in the run's summary line."""
+    cascade = SHIPPED.output.cascade
+    assert cascade is not None
+    lenient = TargetSpec(agreement=0.5, confidence=0.5, calibration_rows=100000)
+    output = SHIPPED.output.model_copy(update={"cascade": cascade.model_copy(update={"target": lenient})})
+    task = SHIPPED.model_copy(update={"name": "industry_degenerate", "output": output})
+    sample = pl.read_csv(SAMPLE)
+    head = sample.head(10)
+    files = {
+        "head.csv": (head, "the teacher's sample of 1 row holds 1 distinct label(s)"),
+        "one-class.csv": (sample.filter(pl.col("Industry") == "Manufacturing").head(10), "(Manufacturing)"),
+        "empty-teacher.csv": (
+            head.with_columns(Industry=pl.lit(None, dtype=pl.String)),
+            "teacher_no_label 2 (e.g. empty-teacher.csv line ",
+        ),
+        "outside-choices.csv": (
+            head.with_columns(Industry=pl.lit("Aerospace")),
+            "the teacher column 'Industry' holds 'Aerospace', not one of output.choices",
+        ),
+    }
+    job = build_definitions(tasks=[task]).resolve_job_def(pipeline_job_name(task.name))
+    with dg.instance_for_test() as instance:
+        for name, (frame, why) in files.items():
+            drop(data_dir, task.name, name, frame.write_csv())
+            key = partition_key_for(name)
+            instance.add_dynamic_partitions(partitions_def_name(task.name), [key])
+            result = job.execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
+            assert result.success
+            inference = metadata_of(result, f"{task.name}__inference_outputs")
+            check = {e.check_name: e for e in result.get_asset_check_evaluations()}["agreement_target_met"]
+            assert not check.passed and check.severity == dg.AssetCheckSeverity.ERROR
+            assert check.description.startswith(
+                "output.cascade.target agreement 50.0% at confidence 50% is not met: "
+            ), check.description
+            assert why in check.description and "no student was trained" in check.description, check.description
+            assert inference["target_met"] is False and inference["target_refused"] == check.description
+            labels = pl.read_parquet(data_dir / "storage" / task.name / "validated_labels" / f"{key}.parquet")
+            teacher_rows = int((labels["labelled_by"] == "teacher").sum())
+            assert inference["target_lower_bound"] == teacher_rows / 10 <= 0.2
+            assert check.metadata["target_lower_bound"].value == inference["target_lower_bound"]
+            (outcome,) = run_outcomes(task.name, [key], result, instance)
+            assert not outcome.ok and f"{task.name}/validated_labels:agreement_target_met (ERROR)" in outcome.status
+            assert f"target not met: {check.description}" in outcome.line()
 
 
 LLM_TASK = """

@@ -14,12 +14,21 @@ import pytest
 
 from batch_assets.lib.checks import target_result
 from batch_assets.lib.run_outcomes import _quality_notes
-from batch_assets.pipeline.cascade import TeacherCost, run_cascade, wilson_interval
-from batch_assets.pipeline.cascade_labels import cascade_summary
+from batch_assets.pipeline.cascade import TeacherAnswer, TeacherCost, run_cascade, wilson_interval
+from batch_assets.pipeline.cascade_labels import cascade_outputs, cascade_summary
 from batch_assets.pipeline.cascade_target import TargetChoice, choose_threshold, clopper_pearson_lower
+from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import PriceSpec, TaskSpecError, load_task_spec
 from batch_assets.pipeline.task_spec.cascade import TargetSpec
-from batch_assets_tests.test_cascade import CASCADE_TASK, CHOICES, blobs, perfect_teacher, spec, write
+from batch_assets_tests.test_cascade import (
+    CASCADE_TASK,
+    CHOICES,
+    blobs,
+    embedded_results,
+    perfect_teacher,
+    spec,
+    write,
+)
 
 TARGET = TargetSpec(agreement=0.95, confidence=0.95)
 
@@ -246,7 +255,7 @@ def test_the_run_summary_says_what_the_target_guarantees_or_why_it_was_refused()
             "confidence >= 0.294)",
         ]
         assert _quality_notes("cascaded", ["b"], instance)[-1].startswith(
-            "target refused: output.cascade.target agreement 95.0% at confidence 95% needs 2000 rows deferred"
+            "target not met: output.cascade.target agreement 95.0% at confidence 95% needs 2000 rows deferred"
         )
 
 
@@ -262,3 +271,120 @@ def test_a_defer_below_written_beside_the_target_is_a_floor() -> None:
         return [p for p, role in zip(result.confidence, result.roles, strict=True) if role == "student"]
 
     assert min(kept(alone)) < 0.99 <= min(kept(floored))
+
+
+# --- a target that cannot be evaluated or is not met (issue 56, item 1) ----------------------------
+
+# The whole file as calibration set: what a user asks who wants every row checked.
+LENIENT = TargetSpec(agreement=0.5, confidence=0.5, calibration_rows=100000)
+
+
+def test_a_target_on_a_file_too_small_for_a_student_is_not_met_and_says_why() -> None:
+    """10 rows, 25 % of them for the teacher: a sample of 1 row, one label, no student; 8 rows are
+    `cascade_no_student` errors, 2 of 10 agree: the target is not met, and the refusal says why."""
+    x, y = blobs(10, noise=0.5, seed=8)
+    result = run_cascade(x, perfect_teacher(y), spec(sample_rows=100, target=LENIENT), CHOICES)
+    choice = result.target
+    assert choice is not None and not choice.met and choice.threshold is None
+    assert choice.lower_bound == pytest.approx(0.2)
+    refusal = choice.refusal()
+    assert refusal is not None and refusal.startswith(
+        "output.cascade.target agreement 50.0% at confidence 50% is not met: 2 of 10 rows (20.0%) have the "
+        "teacher's label, the other 8 do not: no student was trained: the teacher's sample of 1 row holds 1 "
+        "distinct label(s)"
+    )
+    assert refusal.endswith(
+        "; 10 rows give the teacher 2 (max_teacher_share 0.25), a sample of at most 1 (sample_rows 100): run files "
+        "of more rows, or raise output.cascade.max_teacher_share"
+    )
+    metadata = result.metadata()
+    assert (metadata["target_met"], metadata["target_lower_bound"], metadata["target_refused"]) == (
+        False,
+        0.2,
+        refusal,
+    )
+
+
+def test_a_partition_the_teacher_labels_whole_meets_the_target_exactly() -> None:
+    """A sample of one label trains no student, but a budget of every row leaves none to it: the
+    agreement is known, not bounded."""
+    x, _ = blobs(6, noise=0.5, seed=8)
+    teacher = lambda positions: [TeacherAnswer("alpha") for _ in positions]  # noqa: E731
+    result = run_cascade(x, teacher, spec(sample_rows=100, max_teacher_share=1.0, target=LENIENT), CHOICES)
+    assert result.labelled_by == ["teacher"] * 6
+    assert result.target is not None and result.target.met and result.target.lower_bound == 1.0
+
+
+def degenerate_labels(tmp_path: Path, gold: list[str | None], errors: dict[int, str] | None = None):
+    """A partition of `gold` (the teacher column) through the cascade of CASCADE_TASK with the lenient
+    target: its labels and the `agreement_target_met` result on them."""
+    body = CASCADE_TASK.replace(
+        "audit_rows: 30}", "audit_rows: 30, target: {agreement: 0.5, confidence: 0.5, calibration_rows: 100000}}"
+    )
+    task = load_task_spec(write(tmp_path, body))
+    assert task.output.cascade is not None
+    x, _ = blobs(len(gold), noise=0.3, seed=9)
+    outputs, measured = cascade_outputs(embedded_results(x, gold, errors), task.output.cascade, CHOICES, "f.csv")
+    labels = task_format(task).validate(outputs)
+    choice = {name: value for name, value in measured.items() if name.startswith("target_")}
+    return labels, choice, target_result(labels, choice)
+
+
+@pytest.mark.parametrize(
+    ("gold", "why"),
+    [
+        (["alpha"] * 10, "the teacher's sample of 1 row holds 1 distinct label(s) (alpha), a student needs 2"),
+        ([None] * 10, "the teacher gave no label for 2 of the 2 rows it was asked about: teacher_no_label 2 (e.g. "),
+        ([None] * 10, "the teacher column 'gold' is empty)"),
+        (["Omega"] * 10, "teacher_unknown_label 2 (e.g. f.csv line "),
+        (["Omega"] * 10, "the teacher column 'gold' holds 'Omega', not one of output.choices)"),
+    ],
+)
+def test_the_target_check_fails_a_degenerate_file_naming_why(tmp_path: Path, gold: list, why: str) -> None:
+    labels, choice, result = degenerate_labels(tmp_path, gold)
+    assert not result.passed and result.severity == dg.AssetCheckSeverity.ERROR
+    assert result.description is not None and why in result.description, result.description
+    assert "no student was trained" in result.description
+    assert result.metadata["target_met"].value is False and result.metadata["target_refused"].value
+    agreeing = int((labels["labelled_by"] == "teacher").sum())
+    assert choice["target_lower_bound"] == agreeing / 10 < 0.5
+
+
+def test_rows_that_were_never_embedded_count_against_the_target(tmp_path: Path) -> None:
+    """The target is a share of all the partition's rows: empty texts are rows that do not agree."""
+    gold = [CHOICES[i % 4] for i in range(40)]
+    empty = {i: f"empty_text: f.csv line {i + 2}: the text is empty" for i in range(25)}
+    _, choice, result = degenerate_labels(tmp_path, gold, empty)
+    assert not result.passed and choice["target_lower_bound"] <= 15 / 40
+    assert result.description is not None and "25 rows are error rows before the cascade (empty_text: 25)" in (
+        result.description
+    )
+
+
+def test_deferred_rows_the_teacher_gives_no_label_for_lower_the_bound_and_fail_the_target() -> None:
+    """The bound counts the deferred rows as the teacher's; a teacher that fails on them (here every
+    row of the third call: sample, calibration, then the deferred rows) leaves them error rows."""
+    x, y = blobs(2000, noise=2.0, seed=3)
+    calls: list[int] = []
+
+    def teacher(positions: np.ndarray) -> list[TeacherAnswer]:
+        calls.append(len(positions))
+        if len(calls) == 3:
+            return [TeacherAnswer(None, "teacher_no_label: f.csv line 1: the teacher column 'gold' is empty")] * len(
+                positions
+            )
+        return [TeacherAnswer(CHOICES[y[i]]) for i in positions]
+
+    target = TargetSpec(agreement=0.95, confidence=0.9, calibration_rows=300)
+    result = run_cascade(
+        x, teacher, spec(sample_rows=200, audit_rows=50, max_teacher_share=0.8, target=target), CHOICES
+    )
+    deferred = Counter(result.roles)["deferred"]
+    assert len(calls) == 4 and calls[2] == deferred > 0.05 * 2000
+    choice = result.target
+    assert choice is not None and not choice.met and choice.lower_bound < 0.95
+    refusal = choice.refusal()
+    assert (
+        refusal is not None and f"the teacher gave no label for {deferred} of the {deferred} deferred rows" in refusal
+    )
+    assert "the teacher column 'gold' is empty" in refusal

@@ -299,3 +299,25 @@ def test_a_file_over_max_rows_per_partition_runs_as_shards_with_one_line_and_one
         runs = instance.get_runs()
         assert sorted(run.tags["dagster/partition"] for run in runs) == [f"big.csv~0000{n}" for n in (1, 2, 3)]
         assert all(run.is_success for run in runs)
+
+
+def test_a_free_text_summary_counts_answers_and_names_the_error_codes(workdir, cli_in_process) -> None:
+    """Issue 56.15: a `kind: text` task's answers are not labels: its line says how many there are
+    and how long, not a histogram of paragraphs; and its error rows are named by their commonest codes."""
+    tmp_path, _ = workdir
+    posts = tmp_path / "questions.jsonl"
+    posts.write_text(BAD_POSTS + "\n", encoding="utf-8")
+    result = cli_in_process(["run", "answers", str(posts)])
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    [line] = summary_lines(result.stdout)
+    [output] = (tmp_path / "data" / "storage" / "answers" / "validated_labels").glob("questions.jsonl*.parquet")
+    labels = pl.read_parquet(output)
+    answers = labels["label"].drop_nulls()
+    assert answers.len() == 3
+    lengths = sorted(answers.str.len_chars().to_list())
+    codes = labels["error"].drop_nulls().str.extract(r"^([a-z_]+):", 1).value_counts(sort=True, name="n")
+    ranked = sorted(zip(codes["error"], codes["n"], strict=True), key=lambda code: (-code[1], code[0]))
+    named = ", ".join(f"{code}={count}" for code, count in ranked[:3])
+    more = f", {len(ranked) - 3} more codes" if len(ranked) > 3 else ""
+    assert f": 9 rows, 6 error rows ({named}{more}), answers: 3, {lengths[0]}-{lengths[-1]} characters " in line, line
+    assert f"(median {lengths[1]})" in line and ", labels: " not in line and len(line) < 300, line

@@ -179,3 +179,37 @@ def test_benchmarks_cite_raw_outputs_that_exist():
     kept = {p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "bench" / "results").iterdir()}
     assert cited == kept, f"cited, not kept: {sorted(cited - kept)}; kept, never cited: {sorted(kept - cited)}"
     assert not re.search(r"^#.*\bissue \d+", text, re.MULTILINE | re.IGNORECASE), "a heading cites a tracker number"
+
+
+# A section cited by name in text a user reads (the demo's closing note, dagster.yaml's comments):
+# `README "Section"`, `README section "Section"`, `docs/page.md "Section"`.
+CITATION = re.compile(r'\b(README|docs/[\w-]+\.md)(?: section)?,? "([^"\n]+)"')
+
+
+def test_sections_cited_by_name_exist_where_they_are_cited() -> None:
+    """Issue 56.16: the demo's closing note sent readers to a README section that is in docs/outputs.md."""
+    files = [*sorted((REPO_ROOT / "batch_assets").rglob("*.py")), *sorted((REPO_ROOT / "batch_assets").rglob("*.yaml"))]
+    citations = [
+        (path.relative_to(REPO_ROOT).as_posix(), page, section)
+        for path in files
+        for page, section in CITATION.findall(path.read_text(encoding="utf-8"))
+    ]
+    assert any(path == "batch_assets/lib/runner.py" for path, _, _ in citations)  # the demo's note is read
+    missing = [
+        f"{path} cites {page} {section!r}"
+        for path, page, section in citations
+        if slugify(section, "-") not in _anchors(REPO_ROOT / ("README.md" if page == "README" else page))
+    ]
+    assert not missing, missing
+
+
+def test_the_doctor_exit_status_reads_the_same_in_its_help_and_in_the_docs(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 56.16: docs/cli.md said `doctor` exits 0 only when every check passes; it exits 1 only
+    for a FAIL line (doctor/report.py `exit_status`), as its --help says: WARN lines do not count."""
+    from batch_assets.cli_parser import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["doctor", "--help"])
+    assert "(WARN lines do not count)" in " ".join(capsys.readouterr().out.split())
+    [row] = [line for line in (DOCS / "cli.md").read_text().splitlines() if line.startswith("| `batch-assets doctor`")]
+    assert "exit 0 unless a check FAILs: WARN and SKIP lines do not count" in row

@@ -25,6 +25,7 @@ from batch_assets.pipeline.embeddings import (
     validate_embeddings,
     vectors_column,
 )
+from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec
 from batch_assets.pipeline.validate_labels import validate_labels
 
@@ -310,6 +311,15 @@ def test_validated_embeddings_keep_inputs_and_give_fixed_size_float32_vectors() 
     assert labels.schema["embedding"] == pl.Array(pl.Float32, 2)
     assert labels["embedding"][0].to_list() == pytest.approx([0.6, 0.8])
     assert labels["error"].to_list() == [None, "input_too_long: x"]
+
+
+def test_the_tokens_of_a_text_never_embedded_are_not_counted(tmp_path: Path) -> None:
+    """Issue 56.6: validated_labels' `prompt_tokens` counts what was embedded, not a text refused as too long."""
+    fmt = task_format(load_task_spec(write(tmp_path, EMBED)))
+    frame = results_frame([[0.6, 0.8], None], [None, "input_too_long: x"]).with_columns(
+        num_prompt_tokens=pl.Series([3, 900])
+    )
+    assert fmt.label_metadata(fmt.validate(embedding_outputs(frame)))["prompt_tokens"] == 3
 
 
 def test_a_row_without_embedding_or_error_gets_an_error() -> None:

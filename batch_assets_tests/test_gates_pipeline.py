@@ -24,12 +24,15 @@ pytestmark = pytest.mark.slow
 PRICE = {"input_per_million_tokens": 2.0, "output_per_million_tokens": 8.0}
 
 
+ENGINE = {"max_model_len": 512, "kv_cache_memory_gib": 0.25, "max_num_seqs": 8}
+
+
 def task_spec(name: str, **extra) -> TaskSpec:
     raw = {
         "name": name,
         "input": {"text_fields": ["text"]},
         "prompt": {"system": "Answer with one letter.", "template": "Item: {text}"},
-        "engine": {"max_model_len": 512, "kv_cache_memory_gib": 0.25, "max_num_seqs": 8},
+        "engine": ENGINE,
         "sampling": {"temperature": 0, "max_tokens": 4},
         **extra,
     }
@@ -87,13 +90,34 @@ def test_over_budget_partition_never_reaches_the_engine(data_dir: Path, tiny_mod
     assert not (data_dir / "storage" / "budgeted" / "inference_outputs").exists()
 
 
+def test_a_row_refused_as_too_long_is_not_billed(data_dir: Path, tiny_model: str) -> None:
+    """Issue 56.6: `prompt_tokens` and `cost_usd` of inference_outputs count the rows sent to the
+    engine; a row refused as `prompt_too_long` never was, so it is not billed (the estimate agreed)."""
+    task = task_spec("priced", output={"kind": "choices", "choices": ["a", "b"]}, engine={**ENGINE, "price": PRICE})
+    long = "word " * 2000
+    drop(data_dir, "priced", "items.jsonl", f'{{"text": "one"}}\n{{"text": "{long}"}}\n{{"text": "two"}}\n')
+    with dg.instance_for_test() as instance:
+        key, result = run(task, "items.jsonl", instance)
+        assert result.success
+        outputs = latest_metadata(instance, "priced", "inference_outputs", key)
+        formatted = latest_metadata(instance, "priced", "formatted_prompts", key)
+    labels = output(data_dir, "priced", "validated_labels", "items.jsonl")
+    refused = labels.filter(pl.col("error").str.starts_with("prompt_too_long: "))
+    assert refused["row_id"].to_list() == [1] and refused["num_prompt_tokens"][0] > 2000
+    sent = labels.filter(pl.col("error").is_null())
+    assert outputs["prompt_tokens"] == sent["num_prompt_tokens"].sum() == formatted["estimated_prompt_tokens"]
+    expected = (outputs["prompt_tokens"] * 2.0 + outputs["generated_tokens"] * 8.0) / 1e6
+    assert outputs["cost_usd"] == pytest.approx(expected, abs=1e-6)
+    assert outputs["cost_usd"] <= formatted["estimated_max_cost_usd"]
+
+
 def test_drift_accuracy_and_stale_partitions(data_dir: Path, tiny_model: str) -> None:
     """A regex task whose constraint admits a single label makes the random model's labels certain."""
     only_y = task_spec(
         "letters", output={"kind": "regex", "regex": "y"}, checks={"gold_field": "truth", "min_accuracy": 0.9}
     )
     # A price changes no output: `relaxed` below, without one, has the same code versions.
-    priced = {"max_model_len": 512, "kv_cache_memory_gib": 0.25, "max_num_seqs": 8, "price": PRICE}
+    priced = {**ENGINE, "price": PRICE}
     only_x = task_spec(
         "letters",
         engine=priced,

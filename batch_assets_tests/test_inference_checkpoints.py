@@ -226,6 +226,8 @@ def test_prompts_too_long_for_the_context_are_error_rows_not_engine_failures(par
     out, stats = infer(frame, Engine(), CheckpointStore(partition_dir, "fp"), max_model_len=20)
     assert out["error"][0] is None and out["error"][1].startswith("prompt_too_long")
     assert stats.rows_inferred == 1
+    # Never sent, so not billed (issue 56, item 6): only the short prompt's tokens count.
+    assert stats.sent_prompt_tokens == out["num_prompt_tokens"][0] < out["num_prompt_tokens"][1]
 
 
 def test_input_columns_named_like_internal_ones_survive() -> None:

@@ -625,7 +625,7 @@ def test_a_degenerate_cascade_names_its_failed_error_share_check(
         "industry_cascade/three.csv: WARN CHECKS FAILED (industry_cascade/validated_labels:accuracy_at_least (WARN), "
         "industry_cascade/validated_labels:error_share_below_threshold (WARN)) run "
     )
-    assert "3 rows, 2 error rows, labels: Other=1 (accuracy 33% on 3 hand-labelled rows" in line
+    assert "3 rows, 2 error rows (cascade_no_student=2), labels: Other=1 (accuracy 33% on 3 hand-labelled rows" in line
     labels = read_output(data_dir, "industry_cascade", "validated_labels", "three.csv")
     assert labels["error"].str.starts_with("cascade_no_student: ").sum() == 2
 
@@ -688,3 +688,46 @@ def test_a_stop_during_a_range_run_keeps_every_finished_result_of_each_partition
     assert list(kept("b.jsonl").values()) == [answer["b1"]]
     cached = ResultCache(task_storage_dir("sentiment"), fingerprint).lookup()
     assert dict(zip(cached["request_key"], cached["generated_text"], strict=True)) == kept("a.jsonl") | kept("b.jsonl")
+
+
+@pytest.fixture
+def run_on_fault_server(
+    tmp_path: Path,
+    data_dir: Path,
+    endpoint_key: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+):
+    """`batch-assets ARGS` in this process with the tasks of `tmp_path/tasks`: its exit status and output."""
+    from batch_assets.cli import main
+
+    monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(tmp_path / "tasks"))
+
+    def run(args: list[str]) -> tuple[int, str]:
+        status = main(args)
+        return status, capfd.readouterr().out
+
+    return run
+
+
+def test_an_endpoint_without_a_local_tokenizer_says_on_every_run_that_its_counts_are_approximate(
+    tmp_path: Path, fault_server: FaultServer, run_on_fault_server
+) -> None:
+    """Issue 56.16: docs/endpoint.md promises a warning that the token counts are approximate when no
+    local tokenizer of the served model is set; it appeared nowhere (logged once per process, before
+    any run). Now each run's terminal, log and formatted_prompts metadata say it."""
+    endpoint_task(tmp_path, fault_server.base_url, "", tokenizer=None)
+    warning = (
+        "task sentiment: no local tokenizer for the endpoint's model 'fault-model'; rendering prompts and counting "
+        "tokens with the tokenizer of embedded:SmolLM2-135M-Instruct, so `prompt`, the token counts and the "
+        "too-long check are approximate"
+    )
+    for name in ("posts.jsonl", "again.jsonl"):
+        (tmp_path / name).write_text(posts_jsonl(POSTS[:2] if name == "posts.jsonl" else POSTS[2:4]))
+        _, out = run_on_fault_server(["run", "sentiment", str(tmp_path / name)])
+        assert f"  sentiment/{name}: warning: {warning}" in out, out
+        assert "Set `engine.tokenizer` to fix." in out
+    with dg.DagsterInstance.get() as instance:
+        record = instance.fetch_materializations(dg.AssetKey(["sentiment", "formatted_prompts"]), limit=1).records[0]
+        assert record.asset_materialization is not None
+        assert record.asset_materialization.metadata["token_count_note"].value.startswith(warning)

@@ -90,6 +90,9 @@ class EndpointSettings:
     api_key_source: str  # where the key comes from ("resource", "env:NAME", "none"), never its value
     batch_size: int = 1024  # requests per call (each call's results are checkpointed)
     resolved: ResolvedSettings = field(kw_only=True, compare=False)  # what it was made from
+    # Why the prompt texts and token counts are approximate (no local tokenizer of the served model:
+    # another model's renders and counts them); None: the served model's own tokenizer.
+    tokenizer_note: str | None = field(default=None, kw_only=True, compare=False)
 
     def identity(self) -> dict[str, Any]:
         """What decides the outputs besides sampling and the output constraint: the model and the
@@ -100,7 +103,7 @@ class EndpointSettings:
         return identity
 
     def metadata(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k not in ("model", "resolved")}
+        return {k: v for k, v in asdict(self).items() if k not in ("model", "resolved", "tokenizer_note")}
 
 
 @dataclass(frozen=True)
@@ -316,7 +319,6 @@ def _run_coroutine(coroutine):
 
 _served_models: dict[str, str] = {}
 _served_models_lock = threading.Lock()
-_tokenizer_notes: set[tuple[str, str]] = set()
 
 
 class OpenAIEngine(dg.ConfigurableResource):
@@ -415,7 +417,7 @@ class OpenAIEngine(dg.ConfigurableResource):
             if resolved.model_from_server
             else resolved.model
         )
-        tokenizer = self._tokenizer_source(task, model)
+        tokenizer, tokenizer_note = self._tokenizer_source(task, model)
         if resolved.lora is not None:
             # The server serves the adapter under its name (`vllm serve --lora-modules NAME=...`); the
             # prompts are still rendered and counted with the base model's tokenizer (above).
@@ -424,7 +426,9 @@ class OpenAIEngine(dg.ConfigurableResource):
             # As in process: an embedding model takes what it was trained with (its tokenizer's folder
             # says so: 256 tokens for all-MiniLM-L6-v2), not the chat default.
             settings["max_model_len"] = model_token_limit(tokenizer) or settings["max_model_len"]
-        return EndpointSettings(model=model, tokenizer=tokenizer, resolved=resolved, **settings)
+        return EndpointSettings(
+            model=model, tokenizer=tokenizer, resolved=resolved, tokenizer_note=tokenizer_note, **settings
+        )
 
     def tokenizer(self, settings: EndpointSettings):
         """A local tokenizer (no server call) for the prompt text and token counts."""
@@ -641,27 +645,25 @@ class OpenAIEngine(dg.ConfigurableResource):
             _served_models[base_url] = served[0]
             return served[0]
 
-    def _tokenizer_source(self, task: TaskSpec, model: str) -> str:
+    def _tokenizer_source(self, task: TaskSpec, model: str) -> tuple[str, str | None]:
+        """The local tokenizer that renders and counts the task's prompts, and, when it is not the
+        served model's own, the warning that says so (formatted_prompts logs it on every run)."""
         explicit = self.local_tokenizer or task.engine.tokenizer
         if explicit:
-            return resolve_model(explicit)
+            return resolve_model(explicit), None
         local = os.path.expanduser(model)
         if os.path.isdir(local):
-            return os.path.abspath(local)
+            return os.path.abspath(local), None
         # An embedding task's texts are counted with the embedded embedding model's tokenizer.
         fallback = EMBEDDED_EMBEDDING_MODEL if task.output.pooling else EMBEDDED_MODEL
-        if (task.name, model) not in _tokenizer_notes:
-            _tokenizer_notes.add((task.name, model))
-            log.warning(
-                "task %s: no local tokenizer for the endpoint's model %r; rendering prompts and counting tokens with "
-                "the tokenizer of %s, so `prompt`, the token counts and the too-long check are approximate (the "
-                "server applies its own tokenizer%s). Set `engine.tokenizer` to fix.",
-                task.name,
-                model,
-                fallback,
-                "" if task.output.pooling else " and chat template; its token counts are reported",
-            )
-        return resolve_model(fallback)
+        note = (
+            f"task {task.name}: no local tokenizer for the endpoint's model {model!r}; rendering prompts and counting "
+            f"tokens with the tokenizer of {fallback}, so `prompt`, the token counts and the too-long check are "
+            "approximate (the server applies its own tokenizer"
+            f"{'' if task.output.pooling else ' and chat template; its token counts are reported'}). "
+            "Set `engine.tokenizer` to fix."
+        )
+        return resolve_model(fallback), note
 
 
 def _chat_call(prompt: Prompt, params: dict) -> Callable[[Any], Awaitable[Any]]:

@@ -154,6 +154,8 @@ class VLLMSettings:
     """Fully resolved settings of the in-process engine: what the warm engine is keyed by."""
 
     kind: ClassVar[str] = "vllm"
+    # The engine's own tokenizer renders and counts the prompts: exact.
+    tokenizer_note: ClassVar[str | None] = None
 
     model: str
     max_model_len: int

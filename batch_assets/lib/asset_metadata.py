@@ -16,7 +16,7 @@ import polars as pl
 from batch_assets.pipeline.budget import actual_cost_metadata, estimate_cost
 from batch_assets.pipeline.calibration import calibration_report
 from batch_assets.pipeline.engine_contract import EngineSession, EngineSettings
-from batch_assets.pipeline.label_quality import AccuracyReport, accuracy_report, confidence_report
+from batch_assets.pipeline.label_quality import AccuracyReport, accuracy_report, confidence_report, error_code_counts
 from batch_assets.pipeline.prices import engine_price
 from batch_assets.pipeline.run_inference import InferenceStats
 from batch_assets.pipeline.task_formats import TaskFormat
@@ -36,15 +36,6 @@ NO_CONFIDENCE_REASONS = (
 
 def asset_key(task: str, asset: str) -> dg.AssetKey:
     return dg.AssetKey([task, asset])
-
-
-def error_code_counts(frame: pl.DataFrame) -> dict[str, int]:
-    codes = frame.filter(pl.col("error").is_not_null()).select(
-        pl.col("error").str.extract(r"^([a-z_]+):", 1).alias("code")
-    )
-    return {
-        row["code"] or "other": row["count"] for row in codes.group_by("code").len(name="count").sort("code").to_dicts()
-    }
 
 
 def markdown_table(rows: list[dict], columns: list[str], *, width: int = 80) -> str:
@@ -105,7 +96,8 @@ def inference_metadata(
         "rows_deduplicated": stats.rows_deduplicated,
         "error_rows": stats.error_rows,
         "errors_by_code": error_code_counts(frame),
-        "prompt_tokens": prompt_tokens(frame),
+        # What was sent: a row refused before the engine (too long, empty) costs nothing.
+        "prompt_tokens": stats.sent_prompt_tokens,
         "generated_tokens": generated,
         "engine_seconds": round(stats.engine_seconds, 3),
         "engine_start_seconds": round(session.start_seconds, 3),
@@ -121,7 +113,7 @@ def inference_metadata(
         "output_constraint": task.output.kind,
         **session.metadata,
         "checkpoint_fingerprint": fingerprint,
-        **actual_cost_metadata(prompt_tokens(frame), generated, engine_price(task.engine)),
+        **actual_cost_metadata(stats.sent_prompt_tokens, generated, engine_price(task.engine)),
         "dagster/row_count": frame.height,
         "dagster/column_schema": column_schema(frame),
     }

@@ -30,7 +30,6 @@ from batch_assets.engines.kinds import engine_for, engine_kind
 from batch_assets.lib.asset_metadata import (
     asset_key,
     column_schema,
-    error_code_counts,
     formatted_metadata,
     image_metadata,
     inference_metadata,
@@ -51,6 +50,7 @@ from batch_assets.pipeline.engine_contract import (
     ResolvedSettings,
 )
 from batch_assets.pipeline.label_model import LabelModel
+from batch_assets.pipeline.label_quality import error_code_counts
 from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
 from batch_assets.pipeline.task_formats import InferenceStream, OutputFiles, TaskFormat, task_format
@@ -238,13 +238,15 @@ def formatted_prompts_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs) ->
         engine = engine_for(context.resources, task)
         settings = engine.settings(task)
         tokenizer = engine.tokenizer(settings)
+        # Said on every run (the run's log, the terminal of `batch-assets run`, the metadata).
+        approximate = {"token_count_note": settings.tokenizer_note} if settings.tokenizer_note else {}
         frames: dict[str, pl.DataFrame] = {}
         for partition_key, raw in raw_prompts.items():
             started = time.monotonic()
             frame = frames[partition_key] = fmt.format(raw, engine, tokenizer, settings, source_file=partition_key)
-            metadata = formatted_metadata(frame, fmt, seconds=time.monotonic() - started)
+            metadata = {**formatted_metadata(frame, fmt, seconds=time.monotonic() - started), **approximate}
             context.add_asset_metadata(partition_key=partition_key, metadata=metadata)
-            for warning in fmt.formatting_warnings(frame, partition_key):
+            for warning in [*approximate.values(), *fmt.formatting_warnings(frame, partition_key)]:
                 context.log.warning(warning)
             for note in fmt.formatting_notes(partition_key):
                 context.log.info(note)

@@ -20,9 +20,11 @@
   audit's agreement (student-labelled rows the teacher also labelled) is at least
   `checks.min_agreement`.
 - `agreement_target_met` on validated_labels (ERROR; cascades with `output.cascade.target`): the
-  threshold the target needs was within the budget (else the partition's student labels stand and the
-  check says what the budget can guarantee), and the audit's 95 % interval of the share of all rows
-  agreeing with the teacher reaches the guaranteed lower bound (it contradicts the bound otherwise).
+  target was met: the threshold it needs was within the budget (else the partition's student labels
+  stand and the check says what the budget can guarantee), or, where no student labels (none could
+  be trained), the rows the teacher labelled are enough; and the audit's 95 % interval of the share
+  of all rows agreeing with the teacher reaches the guaranteed lower bound (it contradicts the bound
+  otherwise). A failure says why, naming the setting to change.
 - `embeddings_are_valid` on inference_outputs (ERROR, blocking; embedding tasks, in place of the two
   label checks above): one dimension for every vector, every value finite, every vector of unit L2
   norm (vLLM's embed normalizes, as the model's own Normalize module does), and no row without an
@@ -44,7 +46,6 @@ import polars as pl
 from batch_assets.lib.asset_metadata import (
     asset_key,
     calibration_metadata,
-    error_code_counts,
     gold_choices,
     markdown_table,
 )
@@ -52,7 +53,13 @@ from batch_assets.lib.materializations import latest_materialization
 from batch_assets.pipeline.budget import budget_overruns, estimate_cost
 from batch_assets.pipeline.cascade_labels import cascade_summary
 from batch_assets.pipeline.embeddings import NORM_TOLERANCE, embedding_report
-from batch_assets.pipeline.label_quality import accuracy_report, confidence_report, label_counts, label_drift
+from batch_assets.pipeline.label_quality import (
+    accuracy_report,
+    confidence_report,
+    error_code_counts,
+    label_counts,
+    label_drift,
+)
 from batch_assets.pipeline.prices import engine_price, teacher_price
 from batch_assets.pipeline.task_formats import TaskFormat, task_format
 from batch_assets.pipeline.task_spec import PriceSpec, TaskSpec
@@ -598,22 +605,21 @@ def _target_checks(task: TaskSpec) -> list[dg.AssetChecksDefinition]:
 
 
 def target_result(validated_labels: pl.DataFrame, choice: dict[str, Any]) -> dg.AssetCheckResult:
-    """Fails when the target was refused (`target_refused` of inference_outputs' metadata says why and
-    what the budget can guarantee) or when the audit's interval of all rows' agreement lies under the
-    guaranteed `target_lower_bound`."""
+    """Fails when the target was not met (`target_refused` of inference_outputs' metadata says why:
+    what the budget can guarantee, or why nothing could be guaranteed) or when the audit's interval
+    of all rows' agreement lies under the guaranteed `target_lower_bound`."""
     summary = cascade_summary(validated_labels)
     audit = summary.all_rows_agreement()
     metadata: dict[str, Any] = {**choice, **summary.all_rows_metadata()}
     if "target_met" not in choice:
-        # No threshold was chosen: fine when no row was left to the student (an empty or all-error
-        # partition, a teacher on every row); else the student could not be trained (inference_outputs'
-        # student_note says why) or the outputs were made before the target was set.
-        passed = summary.student_rows == 0
+        # The cascade records a choice for every partition with a row (when no student labels, the
+        # agreement is counted, not bounded): none means an empty partition, or outputs made before
+        # the target was set.
+        passed = validated_labels.height == 0
         description = (
             None
             if passed
-            else "inference_outputs recorded no output.cascade.target choice: see its student_note, or "
-            "materialize it again"
+            else "inference_outputs recorded no output.cascade.target choice: materialize it again with the target"
         )
     elif not choice["target_met"]:
         description, passed = str(choice.get("target_refused")), False

@@ -13,6 +13,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import dagster as dg
 import polars as pl
@@ -21,6 +22,7 @@ from batch_assets.engines.kinds import resolve_settings
 from batch_assets.lib.error_causes import error_info_chain, error_info_line
 from batch_assets.lib.materializations import latest_materialization
 from batch_assets.pipeline.cascade import wilson_interval
+from batch_assets.pipeline.label_quality import error_code_counts
 from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.locations import output_path
@@ -96,8 +98,8 @@ def partition_outcome(
     checks, warnings = failed_error_checks or [], failed_warn_checks or []
     if failure is not None:
         return PartitionOutcome(task_name, key, False, run_id, failure, checks, skipped, failed_warn_checks=warnings)
-    counts = _label_counts(task_name, [key])
-    rows, errors = (counts[0], counts[1]) if counts else (None, None)
+    counts = _label_counts(task_name, [key], instance)
+    rows, errors = (counts.rows, counts.error_rows) if counts else (None, None)
     summary = summary_line(task_name, [key], instance, counts=counts)
     return PartitionOutcome(task_name, key, True, run_id, summary, checks, skipped, rows, errors, warnings)
 
@@ -162,9 +164,34 @@ def file_outcome(
     )
 
 
-def _label_counts(task_name: str, partition_keys: list[str]) -> tuple[int, int, str] | None:
-    """(rows, error rows, label text) of the partitions' validated_labels together (a file's own
-    partition, or its shards), or None when one is not written."""
+@dataclass(frozen=True)
+class _LabelCounts:
+    """What a file's validated_labels hold, for its summary line."""
+
+    rows: int
+    error_rows: int
+    error_codes: dict[str, int]
+    labels: str  # e.g. `labels: positive=3, negative=1`, `answers: 3, 40-212 characters (median 97)`
+
+    def errors_text(self) -> str:
+        """`N error rows`, with the commonest codes (`empty_text=2, malformed_json=1, 2 more codes`)."""
+        text = f"{self.error_rows} error rows"
+        if not self.error_codes:
+            return text
+        ranked = sorted(self.error_codes.items(), key=lambda code: (-code[1], code[0]))
+        named = ", ".join(f"{code}={count}" for code, count in ranked[:ERROR_CODES_SHOWN])
+        more = len(ranked) - ERROR_CODES_SHOWN
+        return f"{text} ({named}{f', {more} more codes' if more > 0 else ''})"
+
+
+# Error codes named on a summary line, the commonest first.
+ERROR_CODES_SHOWN = 3
+
+
+def _label_counts(task_name: str, partition_keys: list[str], instance: dg.DagsterInstance) -> _LabelCounts | None:
+    """The partitions' validated_labels together (a file's own partition, or its shards), or None
+    when one is not written: labels from a closed set counted per label, free-text answers by their
+    number and length, vectors by their dimension."""
     frames = []
     for key in partition_keys:
         path = output_path(task_name, "validated_labels", key)
@@ -178,16 +205,30 @@ def _label_counts(task_name: str, partition_keys: list[str]) -> tuple[int, int, 
         frames.append(frame.select("error", label=_label_or_embedding(frame)))
     labels = pl.concat(frames, how="vertical_relaxed")
     errors = int(labels["error"].is_not_null().sum())
+    record = latest_materialization(instance, dg.AssetKey([task_name, "inference_outputs"]), partition_keys[0])
+    text = _labels_text(labels, free_text=_metadata_value(record, "output_constraint") == "text")
+    return _LabelCounts(labels.height, errors, error_code_counts(labels), text)
+
+
+def _labels_text(labels: pl.DataFrame, *, free_text: bool) -> str:
+    """The labels of a summary line: vectors by their dimension, free text (`output.kind: text`) by
+    the answers' number and length in characters, other labels counted per label when there are
+    few kinds of them (a dozen at most)."""
+    given = labels["label"].drop_nulls()
     if labels.schema["label"] == pl.UInt32:  # an embedding task: the vectors' dimension
-        dimensions = labels["label"].drop_nulls().unique().sort().to_list()
-        shown = "/".join(map(str, dimensions)) or "-"
-        return labels.height, errors, f"{int(labels['label'].is_not_null().sum())} embedded (dimension {shown})"
+        shown = "/".join(map(str, given.unique().sort().to_list())) or "-"
+        return f"labels: {given.len()} embedded (dimension {shown})"
+    if free_text:
+        if given.is_empty():
+            return "answers: 0"
+        lengths = given.str.len_chars()
+        low, high = int(cast("int", lengths.min())), int(cast("int", lengths.max()))
+        spread = f"{low}" if low == high else f"{low}-{high}"
+        return f"answers: {given.len()}, {spread} characters (median {round(cast('float', lengths.median()))})"
     counts = labels.filter(pl.col("label").is_not_null()).group_by("label").len().sort("len", descending=True)
     if counts.height and counts.height <= 12:
-        label_text = ", ".join(f"{row['label']}={row['len']}" for row in counts.to_dicts())
-    else:
-        label_text = f"{int(labels['label'].is_not_null().sum())} labelled"
-    return labels.height, errors, label_text
+        return "labels: " + ", ".join(f"{row['label']}={row['len']}" for row in counts.to_dicts())
+    return f"labels: {given.len()} labelled"
 
 
 def sample_accuracies(
@@ -276,7 +317,7 @@ def _target_notes(task_name: str, partition_keys: list[str], instance: dg.Dagste
             continue
         where = f" for {partition}" if len(partition_keys) > 1 else ""
         if not _metadata_value(record, "target_met"):
-            notes.append(f"target refused{where}: {_metadata_value(record, 'target_refused')}")
+            notes.append(f"target not met{where}: {_metadata_value(record, 'target_refused')}")
             continue
         threshold = _metadata_value(record, "target_threshold")
         kept = "the student keeps none" if threshold is None else f"the student keeps confidence >= {threshold:.3f}"
@@ -355,15 +396,15 @@ def summary_line(
     task_name: str,
     partition_keys: list[str],
     instance: dg.DagsterInstance,
-    counts: tuple[int, int, str] | None = None,
+    counts: _LabelCounts | None = None,
 ) -> str:
-    """Rows, error rows, labels (with accuracy and confidence notes) and, for one partition, the
-    generation rate or where its rows came from. `counts`: the partitions' `_label_counts`, when
-    the caller has them already."""
-    counts = counts or _label_counts(task_name, partition_keys)
+    """Rows, error rows (and their commonest codes), labels or answers (with accuracy and confidence
+    notes) and, for one partition, the generation rate or where its rows came from. `counts`: the
+    partitions' `_label_counts`, when the caller has them already."""
+    counts = counts or _label_counts(task_name, partition_keys, instance)
     if counts is None:
         return "no validated_labels written"
-    rows, errors, label_text = counts
+    rows, errors, label_text = counts.rows, counts.error_rows, counts.labels
     notes = _quality_notes(task_name, partition_keys, instance)
     if notes:
         label_text += f" ({'; '.join(notes)})"
@@ -372,7 +413,7 @@ def summary_line(
         record = latest_materialization(instance, dg.AssetKey([task_name, "inference_outputs"]), partition_keys[0])
         if record is not None and record.asset_materialization is not None:
             rate = _inference_text(record.asset_materialization.metadata)
-    text = f"{rows} rows, {errors} error rows, labels: {label_text}{rate}"
+    text = f"{rows} rows, {counts.errors_text()}, {label_text}{rate}"
     if rows and errors == rows:
         text += "; every record is an error (see the `error` column of validated_labels)"
     return text

@@ -270,7 +270,7 @@ demonstrates the plumbing (assets, checks, storage, resumable runs); it is not a
 accuracy figures above show it. For real labels, point a task at a real model: `engine.model` in its
 YAML (a local folder or a Hugging Face model id, run by vLLM on a GPU), `engine.kind: openai` with
 `engine.base_url` for an OpenAI-compatible endpoint, or BATCH_ASSETS_MODEL=<model> for every chat task.
-Measure it first on a hand-labelled sample (`checks.gold_field`, README "Accuracy on a labelled sample")."""
+Measure it first on a hand-labelled sample (`checks.gold_field`, docs/outputs.md "Accuracy on a labelled sample")."""
 
 
 def _resolved(task: TaskSpec, definitions: dg.Definitions) -> ResolvedSettings:

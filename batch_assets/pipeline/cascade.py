@@ -39,8 +39,9 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -50,7 +51,7 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import StratifiedKFold, cross_val_predict
 
-from batch_assets.pipeline.cascade_target import TargetChoice, choose_threshold
+from batch_assets.pipeline.cascade_target import TargetChoice, choose_threshold, known_agreement
 from batch_assets.pipeline.prices import cost_usd
 from batch_assets.pipeline.task_spec import PriceSpec
 from batch_assets.pipeline.task_spec.cascade import CascadeSpec, TargetSpec
@@ -291,10 +292,13 @@ def run_cascade(
     spec: CascadeSpec,
     choices: Sequence[str],
     stored: StoredStudent | None = None,
+    unembedded: Mapping[str, int] | None = None,
 ) -> CascadeResult:
     """Label every row of `vectors` (one partition's embedded rows) by the teacher or the student.
     With a `stored` student (the task's label_model) the partition's own sample shrinks to what the
-    stored training rows lack of `sample_rows`, so the teacher's budget goes to deferral and audit."""
+    stored training rows lack of `sample_rows`, so the teacher's budget goes to deferral and audit.
+    `unembedded`: the partition's rows that have no vector, by error code: error rows, which a
+    target counts as disagreeing."""
     rows = vectors.shape[0]
     result = CascadeResult(
         labels=[None] * rows,
@@ -306,7 +310,10 @@ def run_cascade(
         student=Student(None, [], 0, None, None, False, "no rows"),
         teacher_costs=[None] * rows,
     )
+    errors = _ErrorRows(dict(unembedded or {}))
     if rows == 0:
+        if spec.target is not None and errors.rows:
+            result.target = errors.known_agreement(spec.target, result, "no row has a vector")
         return result
     budget = max(1, math.floor(spec.max_teacher_share * rows))
     wanted = spec.sample_rows if stored is None else max(0, spec.sample_rows - len(stored.labels))
@@ -319,20 +326,25 @@ def run_cascade(
     )
     result.unseen_choices = [c for c in choices if c not in student.classes]
     rest = np.setdiff1d(np.arange(rows), sample)
-    if rest.size == 0:
-        return result
     left = budget - sample.size
-    if student.model is None:
+    if student.model is None or rest.size == 0:
         _ask(teacher, rest[:left], result, role="deferred")
         for i in rest[left:]:
             result.errors[i] = f"cascade_no_student: {student.note}; raise output.cascade.sample_rows"
+        if spec.target is not None:
+            why = (
+                "the teacher was asked about every row"
+                if student.model is not None
+                else _no_student(spec, student, rows, budget, sample.size, wanted)
+            )
+            result.target = errors.known_agreement(spec.target, result, why)
         return result
     labels, confidence = student.predict(vectors[rest])
     for i, label, p in zip(rest, labels, confidence, strict=True):
         result.student_labels[i], result.confidence[i] = label, float(p)
         result.labels[i], result.labelled_by[i], result.roles[i] = label, "student", "student"
     if spec.target is not None:
-        _defer_by_target(teacher, spec, spec.target, result, rest, confidence, left, rows, taught.size)
+        _defer_by_target(teacher, spec, spec.target, result, rest, confidence, left, errors, taught.size)
         return result
     # Deferral fixes labels, the audit only measures them: the unsure rows get first claim on at least
     # half of what is left (the audit's reserve is at most the other half), and the audit takes what
@@ -358,13 +370,15 @@ def _defer_by_target(
     rest: np.ndarray,
     confidence: np.ndarray,
     left: int,
-    rows: int,
+    errors: _ErrorRows,
     taught: int,
 ) -> None:
     """`output.cascade.target`: the teacher labels a random calibration set of the rows the student
     labelled, the threshold is chosen from it (pipeline/cascade_target.py), and only then, when the
     budget (`left` teacher rows, less the audit's reserve) pays for it, are the rows under it deferred;
-    the audit takes what deferral leaves. A target the budget cannot meet asks the teacher for nothing more."""
+    the audit takes what deferral leaves. A target the budget cannot meet asks the teacher for nothing
+    more. Deferred rows the teacher gives no label for are error rows: the bound, which counted them
+    as the teacher's, drops by their share."""
     rng = np.random.default_rng(spec.seed + 2)
     held = np.sort(rng.choice(rest, size=min(target.calibration_rows, left, rest.size), replace=False))
     answered = _ask(teacher, held, result, role="calibration")
@@ -378,6 +392,7 @@ def _defer_by_target(
     # the guarantee is always checked by an audit; it takes whatever deferral leaves besides.
     left -= held.size
     audit_reserve = min(spec.audit_rows, left // 2)
+    rows = len(result.labels) + errors.rows
     result.target = choice = choose_threshold(
         confidence[usable],
         labelled[usable],
@@ -388,6 +403,7 @@ def _defer_by_target(
         budget=left - audit_reserve,
     )
     if not choice.met:
+        result.target = replace(choice, notes=(*errors.asked(result.teacher_costs, "rows asked"), *errors.notes()))
         return
     open_rows = ~asked
     under = open_rows & (confidence < (math.inf if choice.threshold is None else choice.threshold))
@@ -402,8 +418,76 @@ def _defer_by_target(
         result.over_budget_rows = int(max(0, floor.size - room))
     kept = np.setdiff1d(rest[open_rows], deferred)
     audit = np.sort(rng.choice(kept, size=min(spec.audit_rows, left - deferred.size, kept.size), replace=False))
-    _ask(teacher, np.sort(deferred), result, role="deferred")
+    failed = deferred.size - _ask(teacher, np.sort(deferred), result, role="deferred").size
     _ask(teacher, audit, result, role="audit")
+    if failed:
+        bound = choice.lower_bound - failed / rows
+        met = bound >= target.agreement
+        reason = (
+            f"{bound:.1%} of the rows agree with the teacher or more, with probability {target.confidence:.0%}, "
+            "once the deferred rows the teacher gave no label for count as disagreeing"
+        )
+        notes = (*errors.asked([result.teacher_costs[i] for i in deferred], "deferred rows"), *errors.notes())
+        result.target = replace(choice, lower_bound=bound, budget_bound=bound, met=met, reason=reason, notes=notes)
+
+
+@dataclass(frozen=True)
+class _ErrorRows:
+    """What a target's refusal says of the rows that cannot agree with the teacher: the rows never
+    embedded (by error code), and the rows the teacher was asked about and gave no label for."""
+
+    unembedded: dict[str, int]
+
+    @property
+    def rows(self) -> int:
+        return sum(self.unembedded.values())
+
+    def notes(self) -> tuple[str, ...]:
+        if not self.rows:
+            return ()
+        codes = ", ".join(f"{code}: {count}" for code, count in sorted(self.unembedded.items(), key=lambda c: -c[1]))
+        return (f"{self.rows} rows are error rows before the cascade ({codes})",)
+
+    def known_agreement(self, target: TargetSpec, result: CascadeResult, why: str) -> TargetChoice:
+        """The target's choice when the student labels no row: the teacher's rows agree, the others
+        (error rows, unembedded ones among them) do not."""
+        agreeing = sum(by == "teacher" for by in result.labelled_by)
+        notes = (*self.asked(result.teacher_costs, "rows it was asked about"), *self.notes())
+        return known_agreement(target, agreeing, len(result.labels) + self.rows, why, notes)
+
+    @staticmethod
+    def asked(answers: Sequence[TeacherAnswer | None], what: str) -> tuple[str, ...]:
+        """The teacher's failures among `answers` (None: a row not asked), by error code with one
+        example each (its file, line and cause)."""
+        given = [answer for answer in answers if answer is not None]
+        failed = [answer.error or "teacher_error: no label" for answer in given if answer.label is None]
+        if not failed:
+            return ()
+        examples: dict[str, str] = {}
+        for error in failed:
+            code, _, detail = error.partition(": ")
+            examples.setdefault(code, detail)
+        counts = Counter(error.partition(": ")[0] for error in failed)
+        codes = ", ".join(f"{code} {count} (e.g. {examples[code]})" for code, count in counts.most_common())
+        return (f"the teacher gave no label for {len(failed)} of the {len(given)} {what}: {codes}",)
+
+
+def _no_student(spec: CascadeSpec, student: Student, rows: int, budget: int, sample: int, wanted: int) -> str:
+    """Why a partition has no student, and what to change: a sample of fewer than two labels, from a
+    file too small to give the teacher more (the sample takes at most half the budget), or from too
+    small a sample_rows."""
+    named = f" ({', '.join(student.classes)})" if student.classes else ""
+    held = (
+        f"no student was trained: the teacher's sample of {sample} row{'' if sample == 1 else 's'} holds "
+        f"{len(student.classes)} distinct label(s){named}, a student needs 2"
+    )
+    if sample < wanted:
+        return (
+            f"{held}; {rows} rows give the teacher {budget} (max_teacher_share {spec.max_teacher_share}), a sample of "
+            f"at most {max(1, budget // 2)} (sample_rows {spec.sample_rows}): run files of more rows, or raise "
+            "output.cascade.max_teacher_share"
+        )
+    return f"{held}: raise output.cascade.sample_rows"
 
 
 def partition_student(vectors: np.ndarray, labels: list[str], stored: StoredStudent | None, seed: int = 0) -> Student:

@@ -31,6 +31,7 @@ from batch_assets.pipeline.cascade import (
 )
 from batch_assets.pipeline.embeddings import vectors_column, vectors_matrix
 from batch_assets.pipeline.label_model import LabelModel
+from batch_assets.pipeline.label_quality import error_code_counts
 from batch_assets.pipeline.result_stores import RESULT_SCHEMA
 from batch_assets.pipeline.run_inference import InferenceStats
 from batch_assets.pipeline.task_spec import EngineSpec, OutputSpec, PriceSpec, TaskSpec
@@ -150,7 +151,8 @@ def cascade_outputs(
     else:
         assert teach is not None  # the inference step opens the teacher's session for `teacher: llm`
         teacher = llm_teacher(embedded, teach, source_file, counts)
-    result = run_cascade(vectors_matrix(embedding.filter(ok)), teacher, spec, choices, stored)
+    unembedded = error_code_counts(results.filter(~ok))
+    result = run_cascade(vectors_matrix(embedding.filter(ok)), teacher, spec, choices, stored, unembedded)
     if result.target is not None and (refusal := result.target.refusal()):
         # Said as soon as it is known; the check agreement_target_met fails the partition by name.
         log.warning("%s: %s", source_file, refusal)
@@ -213,10 +215,19 @@ def cascade_summary(
         audited_rows=audit.height,
         audit_agreed=int((audit["label"] == audit["student_label"]).sum()),
         teacher_cost=_teacher_cost(labels),
-        embedding_prompt_tokens=int(labels["num_prompt_tokens"].sum() or 0) if "num_prompt_tokens" in labels else 0,
+        embedding_prompt_tokens=_embedded_tokens(labels),
         price=price,
         teacher_price=teacher_price,
     )
+
+
+def _embedded_tokens(labels: pl.DataFrame) -> int:
+    """The prompt tokens the embedding model was sent: the rows the cascade labelled or made error
+    rows of its own (`cascade_*`, `teacher_*`); other error rows never reached it (a text too long, empty)."""
+    if "num_prompt_tokens" not in labels.columns:
+        return 0
+    embedded = labels.filter(pl.col("error").is_null() | pl.col("error").str.contains(r"^(cascade|teacher)_"))
+    return int(embedded["num_prompt_tokens"].sum() or 0)
 
 
 def _teacher_cost(labels: pl.DataFrame) -> TeacherCost:

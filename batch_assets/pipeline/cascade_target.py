@@ -66,21 +66,31 @@ class TargetChoice:
     calibration_rows: int
     # The teacher rows the budget left for deferral.
     budget: int
-    # False: the budget cannot pay for the threshold the target needs; `budget_bound` is then what the
-    # budget's own threshold guarantees at the target's confidence, and nothing more was asked.
+    # False: the target is not met. With no `reason`, the budget cannot pay for the threshold the
+    # target needs; `budget_bound` is then what the budget's own threshold guarantees at the target's
+    # confidence, and nothing more was asked.
     met: bool
     budget_bound: float
+    # Why the target is not met when the budget is not the cause: no student could be trained (too
+    # few rows, a sample of one label), the error rows alone miss it, the teacher failed on deferred rows.
+    reason: str | None = None
+    # What else the user needs to see beside the cause (the teacher's failures, rows never embedded).
+    notes: tuple[str, ...] = ()
 
     def refusal(self) -> str | None:
-        """Why the target was refused (naming what the budget can meet), or None when it was met."""
+        """Why the target was not met (naming what the budget can meet), or None when it was met."""
         if self.met:
             return None
-        return (
-            f"output.cascade.target agreement {self.target.agreement:.1%} at confidence {self.target.confidence:.0%} "
-            f"needs {self.deferred_rows} rows deferred to the teacher, output.cascade.max_teacher_share leaves "
-            f"{self.budget}: the budget can guarantee {self.budget_bound:.1%} at that confidence: raise "
+        target = self.target
+        asked = f"output.cascade.target agreement {target.agreement:.1%} at confidence {target.confidence:.0%}"
+        cause = (
+            f"{asked} is not met: {self.reason}"
+            if self.reason
+            else f"{asked} needs {self.deferred_rows} rows deferred to the teacher, output.cascade.max_teacher_share "
+            f"leaves {self.budget}: the budget can guarantee {self.budget_bound:.1%} at that confidence: raise "
             "max_teacher_share, or lower the target"
         )
+        return "; ".join((cause, *self.notes))
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -92,6 +102,16 @@ class TargetChoice:
             "target_calibration_rows": self.calibration_rows,
             **({"target_refused": self.refusal()} if not self.met else {}),
         }
+
+
+def known_agreement(target: TargetSpec, agreeing: int, rows: int, why: str, notes: tuple[str, ...]) -> TargetChoice:
+    """The choice where the student labels no row (none could be trained, or the teacher labelled
+    them all): the share agreeing with the teacher is known exactly, `agreeing` of `rows`. `why`
+    says why no student labels, should that share miss the target."""
+    share = agreeing / rows
+    met = share >= target.agreement
+    reason = f"{agreeing} of {rows} rows ({share:.1%}) have the teacher's label, the other {rows - agreeing} do not"
+    return TargetChoice(target, None, share, 0, 0, 0, met, share, None if met else f"{reason}: {why}", notes)
 
 
 def choose_threshold(
@@ -110,7 +130,8 @@ def choose_threshold(
     `calibration`: which of those the teacher labelled as the calibration sample (answered);
     `agrees`: on those, whether the student's label was the teacher's; `teacher_rows`: the rows
     labelled by the teacher outside these (the sample), which agree; `rows`: every row of the
-    partition (error rows count as disagreeing); `budget`: the teacher rows left for deferral."""
+    partition (error rows, those never embedded too, count as disagreeing); `budget`: the teacher
+    rows left for deferral."""
     confidence = np.asarray(confidence, dtype=np.float64)
     order = np.argsort(-confidence, kind="stable")
     ranked = confidence[order]
@@ -136,6 +157,13 @@ def choose_threshold(
     affordable = candidates[deferred[candidates] <= budget]
     budget_cut = int(affordable[0]) if affordable.size else int(candidates[-1])
     met = last >= 0 and deferred[chosen] <= budget
+    # Even the strictest threshold (every row the student labelled to the teacher) misses: the error
+    # rows alone (calibration rows without a teacher label, rows outside `confidence`) cost too much.
+    unreachable = (
+        None
+        if last >= 0
+        else f"with every row the student labelled sent to the teacher, at most {lower[0]:.1%} of the rows would agree"
+    )
     return TargetChoice(
         target=target,
         threshold=float(ranked[chosen - 1]) if chosen > 0 else None,
@@ -145,4 +173,5 @@ def choose_threshold(
         budget=budget,
         met=bool(met),
         budget_bound=float(lower[budget_cut]),
+        reason=unreachable,
     )

@@ -12,7 +12,8 @@ An engine offers (see `Engine`):
                           each engine kind decides them: code versions, checks and the CLI read it.
     settings(task)        the resolved settings on this machine: `.resolved`, `.model` (what the
                           engine loads or sends), `.max_model_len`, `.identity()` (what decides the
-                          outputs, for the checkpoint fingerprint) and `.metadata()`
+                          outputs, for the checkpoint fingerprint), `.metadata()` and
+                          `.tokenizer_note` (why token counts are approximate, if they are)
     tokenizer(settings)   a local Hugging Face tokenizer: renders the chat prompt, counts tokens
     session(task, settings, log)  a context manager that starts the engine (or connects) on entry and
                           tears down on exit; start failures raise `EngineStartError` with a hint
@@ -118,6 +119,9 @@ class EngineSettings(Protocol):
     model: str
     max_model_len: int
     structured_outputs: bool  # the task's output constraint is sent with each request
+    # Why the prompt texts and token counts are approximate (an endpoint without a local tokenizer of
+    # its model); None: exact. formatted_prompts warns with it on every run.
+    tokenizer_note: str | None
 
     def identity(self) -> dict[str, Any]: ...
 

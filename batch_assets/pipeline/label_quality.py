@@ -27,6 +27,16 @@ NO_LABEL = "(error)"  # the predicted column of rows that got no label
 MOVED_SHARE = 0.05  # a label "moved" when its share changed by at least this much
 
 
+def error_code_counts(frame: pl.DataFrame) -> dict[str, int]:
+    """Error rows by the code their `error` starts with (`other` for an error without one), by code."""
+    codes = frame.filter(pl.col("error").is_not_null()).select(
+        pl.col("error").str.extract(r"^([a-z_]+):", 1).alias("code")
+    )
+    return {
+        row["code"] or "other": row["count"] for row in codes.group_by("code").len(name="count").sort("code").to_dicts()
+    }
+
+
 @dataclass(frozen=True)
 class LabelScore:
     label: str

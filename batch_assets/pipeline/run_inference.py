@@ -41,6 +41,7 @@ CHECKPOINT_SECONDS = 30.0
 # Chunks waiting for the writer thread at most; beyond that the feeding thread waits (bounded memory).
 _MAX_QUEUED_CHUNKS = 8
 _KEY, _ENGINE_ERROR, _ENGINE_PROMPT_TOKENS = "\x00request_key", "\x00engine_error", "\x00engine_prompt_tokens"
+_SENT = "\x00sent"
 
 
 class InferenceError(RuntimeError):
@@ -58,6 +59,11 @@ class InferenceStats:
     error_rows: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    # The prompt tokens of the partition's rows that reached an engine, in this run or (results reused
+    # from the cache or a checkpoint) the run that inferred them: what `prompt_tokens` and `cost_usd`
+    # of inference_outputs count. A row with an error before the engine (a prompt too long, an empty
+    # text) was never sent, so it costs nothing.
+    sent_prompt_tokens: int = 0
     # From the first request to the last result of the stream this partition was part of:
     # tokenization, the engine and checkpoint writes (not engine start-up). Shared by the
     # partitions of one stream.
@@ -357,6 +363,7 @@ class _PartitionSink:
     uncached: list[pl.DataFrame] = field(default_factory=list)  # finished, not yet added to the cache
     cached: int = 0  # results offered to the cache
     cache_error: Exception | None = None
+    unsent: list[int] = field(default_factory=list)  # request indices refused before the engine (too long)
 
     def __post_init__(self) -> None:
         self.remaining = self.plan.pending.height
@@ -397,6 +404,8 @@ class _PartitionSink:
             self.plan.part.checkpoints.save(finished)
             self.saved += finished.height
         self.new.append(frame)
+        refused = zip(chunk.indices, chunk.results, strict=True)
+        self.unsent += [index for index, result in refused if isinstance(result, _TooLong)]
         generations = [result for result in chunk.results if isinstance(result, Generation)]
         stats = self.plan.stats
         stats.rows_inferred += len(generations)
@@ -695,9 +704,15 @@ def _join(plan: _Plan, sink: _PartitionSink) -> tuple[pl.DataFrame, InferenceSta
     joined = formatted.join(
         plan.keyed.rename({"request_key": _KEY}), on="row_id", how="left", maintain_order="left"
     ).join(by_key, on=_KEY, how="left", maintain_order="left")
+    # Sent: no error before the engine (the formatted row's), and not refused as too long by the stream.
+    unsent = sink.keys.gather(sink.unsent).to_list() if sink.unsent else []
+    sent = pl.col("error").is_null() & ~pl.col(_KEY).is_in(unsent)
     joined = joined.with_columns(
         error=pl.coalesce("error", _ENGINE_ERROR),
         num_prompt_tokens=pl.coalesce(_ENGINE_PROMPT_TOKENS, "num_prompt_tokens"),
-    ).drop(_ENGINE_ERROR, _ENGINE_PROMPT_TOKENS, _KEY)
+        **{_SENT: sent},
+    )
+    plan.stats.sent_prompt_tokens = int(joined.filter(pl.col(_SENT))["num_prompt_tokens"].sum() or 0)
+    joined = joined.drop(_ENGINE_ERROR, _ENGINE_PROMPT_TOKENS, _KEY, _SENT)
     plan.stats.error_rows = int(joined["error"].is_not_null().sum())
     return joined, plan.stats

@@ -436,7 +436,9 @@ class EmbeddingRecords(_EmbeddedRecords):
         return [*self.task.input.text_fields, "num_prompt_tokens", "error"]
 
     def label_metadata(self, labels: pl.DataFrame) -> dict[str, Any]:
-        return {**embedding_report(labels).metadata(), "prompt_tokens": int(labels["num_prompt_tokens"].sum() or 0)}
+        # The tokens embedded: an error row before the engine (too long, empty) was never sent.
+        embedded = labels.filter(pl.col("embedding").is_not_null())
+        return {**embedding_report(labels).metadata(), "prompt_tokens": int(embedded["num_prompt_tokens"].sum() or 0)}
 
     @property
     def counts_labels(self) -> bool:

@@ -103,8 +103,10 @@ def validate_labels(outputs: pl.DataFrame, output: OutputSpec) -> pl.DataFrame:
 
 
 def _with_confidence(labelled: pl.DataFrame, output: OutputSpec) -> pl.DataFrame:
-    """`confidence` (0–1) of each label: exp of its tokens' summed log-probabilities, i.e. the
-    model's probability of exactly this output among those the constraint allows. Null for rows
+    """`confidence` (0–1) of each label: exp of its generated tokens' summed log-probabilities (each
+    among the tokens the constraint allows at its step): the probability of that token sequence. For
+    single-token choices, the label's probability among the choices; for a label of several tokens,
+    at most that (other token sequences spelling it are not counted: docs/outputs.md). Null for rows
     without a label and for results the engine returned no log-probabilities for."""
     if not output.has_confidence:
         return labelled

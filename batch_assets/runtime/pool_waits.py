@@ -44,7 +44,7 @@ def install_pool_workarounds() -> None:
     only (the code location module `batch_assets.definitions`, which code servers and run workers
     load, and `batch-assets run`/`demo`), never as a side effect of importing or building definitions:
     a user's own code location that imports batch_assets keeps Dagster as it is, and calls this
-    itself to get them (README, "Pools")."""
+    itself to get them (docs/runs.md "Many partitions, one engine start")."""
     sleep_between_pool_checks()
     serialize_pool_claims()
 
