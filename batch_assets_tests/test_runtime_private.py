@@ -61,8 +61,8 @@ def test_private_dagster_and_vllm_imports_live_only_in_the_runtime_package() -> 
 def test_dagster_internals_keep_the_shapes_relied_on() -> None:
     from batch_assets.runtime.dagster_private import (
         AssetCheckEvaluationTargetMaterializationData,
-        SqlEventLogStorage,
         instance_concurrency_context,
+        sql_event_log_storage,
         sqlite_event_log_storages,
     )
 
@@ -78,14 +78,15 @@ def test_dagster_internals_keep_the_shapes_relied_on() -> None:
         run = instance.create_run_for_job(job_def=dg.define_asset_job("j").resolve(asset_graph=_graph()))
         with context_class(instance, run) as context:
             assert isinstance(context._pending_claims, set) and isinstance(context._pending_timeouts, dict)
-        assert isinstance(instance.event_log_storage, SqlEventLogStorage)
+        assert isinstance(instance.event_log_storage, sql_event_log_storage())
         # pool_waits.serialize_pool_claims: the slot methods it wraps, and the folder of the database.
         storage = instance.event_log_storage
         assert isinstance(storage, sqlite_event_log_storages()) and os.path.isdir(storage._base_dir)
     for storage_class in sqlite_event_log_storages():
         for name in ("claim_concurrency_slot", "free_concurrency_slot_for_step", "free_concurrency_slots_for_run"):
             assert callable(getattr(storage_class, name))
-    assert list(inspect.signature(SqlEventLogStorage.assign_pending_steps).parameters) == ["self", "concurrency_keys"]
+    assign = sql_event_log_storage().assign_pending_steps
+    assert list(inspect.signature(assign).parameters) == ["self", "concurrency_keys"]
     target = AssetCheckEvaluationTargetMaterializationData(run_id="r", storage_id=7, timestamp=1.5)
     assert (target.run_id, target.storage_id, target.timestamp) == ("r", 7, 1.5)
 

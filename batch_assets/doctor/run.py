@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from batch_assets.doctor.cluster import check_service_account
 from batch_assets.doctor.context import DoctorContext
 from batch_assets.doctor.endpoints import check_endpoints
+from batch_assets.doctor.extras import check_extras
 from batch_assets.doctor.gpus import check_gpus
 from batch_assets.doctor.instance_checks import check_instance_storage, check_run_launcher, check_run_pod_env
 from batch_assets.doctor.models import check_models, check_tasks
@@ -28,6 +29,7 @@ CHECKS: list[tuple[str, CheckFunction]] = [
     ("run launcher", check_run_launcher),
     ("run pod environment", check_run_pod_env),
     ("tasks", check_tasks),
+    ("extras", check_extras),
     ("gpus", check_gpus),
     ("gpu pool", check_gpu_pool),
     ("models", check_models),

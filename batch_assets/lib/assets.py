@@ -19,7 +19,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 import polars as pl
@@ -49,6 +49,7 @@ from batch_assets.pipeline.engine_contract import (
     EngineStartError,
     ResolvedSettings,
 )
+from batch_assets.pipeline.extras import missing_extras
 from batch_assets.pipeline.label_model import LabelModel
 from batch_assets.pipeline.label_quality import error_code_counts
 from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions
@@ -62,13 +63,15 @@ from batch_assets.storage.drop_files import DropFile, drop_partitions, find_drop
 from batch_assets.storage.image_sources import attach_images
 from batch_assets.storage.label_models import read_label_model
 from batch_assets.storage.locations import checkpoint_dir, one_name, task_storage_dir, write_bytes_atomically
-from batch_assets.storage.result_cache import ResultCache
 from batch_assets.storage.shards import (
     SHARD_VERSIONS_TAG,
     outdated_shards,
     outdated_shards_message,
     read_partition_rows,
 )
+
+if TYPE_CHECKING:
+    from batch_assets.storage.result_cache import ResultCache
 
 IO_MANAGER_KEY = "parquet_storage"
 # The asset decorator's keyword arguments (`Any`: dg.asset's overloads type each one).
@@ -235,6 +238,7 @@ def formatted_prompts_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs) ->
     def formatted_prompts(
         context: dg.AssetExecutionContext, raw_prompts: dict[str, pl.DataFrame]
     ) -> dict[str, pl.DataFrame]:
+        fail_without_extras(task)
         engine = engine_for(context.resources, task)
         settings = engine.settings(task)
         tokenizer = engine.tokenizer(settings)
@@ -282,11 +286,13 @@ def inference_outputs_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs) ->
 
 def result_cache_for(
     context: dg.AssetExecutionContext, task: TaskSpec, fingerprint: str, *, use: bool
-) -> ResultCache | None:
+) -> "ResultCache | None":
     """The task's result cache for `fingerprint` (None where the run turns it off), in the run's
     instance, its warnings (a damaged cache set aside) in the run's log."""
     if not use:
         return None
+    from batch_assets.storage.result_cache import ResultCache  # SQLAlchemy, imported by the runs only
+
     return ResultCache(task_storage_dir(task.name), fingerprint, instance=context.instance, warn=context.log.warning)
 
 
@@ -300,6 +306,7 @@ def infer_partitions(
 ) -> dict[str, pl.DataFrame]:
     """The body of `inference_outputs` at code `version`: every partition of the run through one
     engine stream (a cascade's starting from the task's label_model of that version, if stored)."""
+    fail_without_extras(task)
     fail_if_outdated_shards(context, task, list(formatted_prompts))
     kind, engine = engine_kind(task), engine_for(context.resources, task)
     settings = engine.settings(task)
@@ -360,7 +367,7 @@ def stream(
     session: EngineSession,
     settings: EngineSettings,
     fmt: TaskFormat,
-    cache: ResultCache | None,
+    cache: "ResultCache | None",
     log: Callable[[str], None],
 ) -> list[tuple[pl.DataFrame, InferenceStats]]:
     """`parts` through `run_inference` as one stream of `session`, as `fmt`'s task asks."""
@@ -429,6 +436,13 @@ def stopped_without_retry() -> Iterator[None]:
         if isinstance(exc, dg.DagsterExecutionInterruptedError) or stop_instead_of(exc):
             raise dg.Failure(description=STOPPED, allow_retries=False) from exc
         raise
+
+
+def fail_without_extras(task: TaskSpec) -> None:
+    """Before anything is asked of an engine: a task whose extras are not installed fails its step in
+    one line naming the first, without a retry (installing one takes a person)."""
+    if missing := missing_extras(task):
+        raise dg.Failure(description=missing[0].missing_line(), allow_retries=False)
 
 
 def fail_if_outdated_shards(context: dg.AssetExecutionContext, task: TaskSpec, partition_keys: list[str]) -> None:

@@ -21,6 +21,7 @@ import dagster as dg
 
 from batch_assets.lib.asset_metadata import asset_key
 from batch_assets.lib.automation import label_model_condition, materialized_code_versions
+from batch_assets.pipeline.extras import MissingExtra
 from batch_assets.pipeline.label_model import LabelModelError, fit_label_model
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.drop_files import partitions_def_name
@@ -56,7 +57,7 @@ def label_model_assets(task: TaskSpec, version: str) -> list[dg.AssetsDefinition
         try:
             rows = read_training_rows(task.name, keys, cascade.max_training_rows, cascade.seed)
             model = fit_label_model(rows, version, cascade.seed)
-        except LabelModelError as exc:
+        except (LabelModelError, MissingExtra) as exc:
             raise dg.Failure(description=f"{task.name}/label_model: {exc}", allow_retries=False) from exc
         folder = write_label_model(task.name, model)
         context.log.info(

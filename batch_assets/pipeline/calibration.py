@@ -15,20 +15,26 @@ first. `calibrate_confidence` fits it on all the partition's gold rows and maps 
 row's `confidence` through it; a gold row gets its out-of-fold value (the report's folds), so its
 stored confidence is not fitted on itself. The raw value is kept in `raw_confidence`. A partition with too few gold
 rows keeps its raw confidence (the report says why).
+
+scikit-learn is the `cascade` extra's: without it the report gives the raw confidence's error and a
+note naming the extra (a gold field is a check any task may have), and `output.calibrate` fails its
+run naming it (pipeline/extras.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
-from sklearn.isotonic import IsotonicRegression
-from sklearn.model_selection import KFold, cross_val_predict
 
 from batch_assets.pipeline.cascade import expected_calibration_error
+from batch_assets.pipeline.extras import CASCADE, MissingExtra, needs_extra
 from batch_assets.pipeline.task_spec import TaskSpec
+
+if TYPE_CHECKING:
+    from sklearn.isotonic import IsotonicRegression
 
 RAW_CONFIDENCE = "raw_confidence"
 CALIBRATION_METHOD = "isotonic"
@@ -83,10 +89,16 @@ def _gold_rows(labels: pl.DataFrame, gold_field: str) -> tuple[np.ndarray, np.nd
 
 def _held_out(confidence: np.ndarray, correct: np.ndarray) -> np.ndarray:
     """Each gold row's calibrated confidence from a calibration fitted on the other folds."""
+    with needs_extra(CASCADE):
+        from sklearn.model_selection import KFold, cross_val_predict
+
     return cross_val_predict(_isotonic(), confidence, correct, cv=KFold(FOLDS, shuffle=True, random_state=0))
 
 
 def _isotonic() -> IsotonicRegression:
+    with needs_extra(CASCADE):
+        from sklearn.isotonic import IsotonicRegression
+
     return IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip")
 
 
@@ -103,7 +115,11 @@ def calibration_report(labels: pl.DataFrame, gold_field: str) -> CalibrationRepo
             f"{MIN_CALIBRATION_ROWS}"
         )
         return CalibrationReport(int(confidence.size), before, None, note)
-    held_out = _held_out(confidence, correct)
+    try:
+        held_out = _held_out(confidence, correct)
+    except MissingExtra:
+        note = f"the calibrated error needs scikit-learn: install {CASCADE.install}"
+        return CalibrationReport(int(confidence.size), before, None, note)
     return CalibrationReport(int(confidence.size), before, expected_calibration_error(held_out, correct))
 
 

@@ -32,6 +32,9 @@ where there are any (`partition_student`).
 
 Also here: expected calibration error (`expected_calibration_error`, 10 bins), the Wilson interval,
 and what the labels cost against asking the teacher for every row (`CascadeSummary.cost_metadata`).
+
+scikit-learn (the `cascade` extra) is imported where the student is clustered, trained or
+cross-validated, not with this module: the code location loads without it (pipeline/extras.py).
 """
 
 from __future__ import annotations
@@ -45,13 +48,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
-from sklearn.calibration import CalibratedClassifierCV
-from sklearn.cluster import MiniBatchKMeans
-from sklearn.exceptions import ConvergenceWarning
-from sklearn.linear_model import LogisticRegression
-from sklearn.model_selection import StratifiedKFold, cross_val_predict
 
 from batch_assets.pipeline.cascade_target import TargetChoice, choose_threshold, known_agreement
+from batch_assets.pipeline.extras import CASCADE, needs_extra
 from batch_assets.pipeline.prices import cost_usd
 from batch_assets.pipeline.task_spec import PriceSpec
 from batch_assets.pipeline.task_spec.cascade import CascadeSpec, TargetSpec
@@ -202,6 +201,9 @@ def choose_sample(vectors: np.ndarray, size: int, seed: int = 0) -> np.ndarray:
         return np.arange(rows)
     if size <= 0:
         return np.zeros(0, dtype=np.int64)
+    with needs_extra(CASCADE):
+        from sklearn.cluster import MiniBatchKMeans
+
     rng = np.random.default_rng(seed)
     clusters = min(MAX_CLUSTERS, max(2, size // ROWS_PER_CLUSTER), rows)
     assignment = MiniBatchKMeans(n_clusters=clusters, random_state=seed, n_init=3).fit_predict(vectors)
@@ -247,6 +249,11 @@ def train_student(vectors: np.ndarray, labels: Sequence[str], seed: int = 0) -> 
         only = f" ({classes[0]})" if len(classes) else ""
         note = f"the teacher's sample holds {len(classes)} distinct label(s){only}: no student can be trained"
         return Student(None, [str(c) for c in classes], len(y), None, None, False, note)
+    with needs_extra(CASCADE):
+        from sklearn.calibration import CalibratedClassifierCV
+        from sklearn.exceptions import ConvergenceWarning
+        from sklearn.linear_model import LogisticRegression
+
     base = LogisticRegression(C=STUDENT_C, max_iter=1000)
     calibrated = bool(counts.min() >= FOLDS)
     model: Any = CalibratedClassifierCV(base, method="temperature", cv=FOLDS) if calibrated else base
@@ -273,6 +280,9 @@ def _cross_validated(
     fold cannot be made or fitted: too few rows, or a fold's training rows of one label)."""
     if len(y) < 2 * FOLDS:
         return None, None
+    with needs_extra(CASCADE):
+        from sklearn.model_selection import StratifiedKFold, cross_val_predict
+
     folds = StratifiedKFold(n_splits=FOLDS, shuffle=True, random_state=seed)
     try:
         probabilities = cross_val_predict(model, vectors, y, cv=folds, method="predict_proba")

@@ -37,14 +37,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy.stats import beta
 
+from batch_assets.pipeline.extras import CASCADE, needs_extra
 from batch_assets.pipeline.task_spec.cascade import TargetSpec
 
 
 def clopper_pearson_lower(successes: np.ndarray, trials: np.ndarray, confidence: float) -> np.ndarray:
     """The exact one-sided lower bound on a proportion, at `confidence`, for each pair (0 with no
     successes or no trials)."""
+    with needs_extra(CASCADE):  # scipy, imported by the runs that choose a threshold
+        from scipy.stats import beta
+
     successes = np.asarray(successes, dtype=np.float64)
     trials = np.asarray(trials, dtype=np.float64)
     with np.errstate(invalid="ignore"):

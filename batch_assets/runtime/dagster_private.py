@@ -16,29 +16,52 @@
   does for an `AssetCheckResult` (there is no public constructor for it).
 - `SerializableErrorInfo` (a step failure's error, with `.message`, `.cause` and `.context`): only
   its type, for `lib/error_causes.py`, which walks a failed run's error chain.
+
+The event log storages are imported when first asked for, never with this module: their module
+brings SQLAlchemy and Alembic (about a second), which loading the code location does not need
+(`when_event_log_storages_load` runs a function once they are imported, by whichever module).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import wrapt
 from dagster._core.definitions.asset_checks.asset_check_evaluation import (
     AssetCheckEvaluationTargetMaterializationData,
 )
 from dagster._core.execution.plan import instance_concurrency_context
-from dagster._core.storage.event_log import (
-    ConsolidatedSqliteEventLogStorage,
-    SqlEventLogStorage,
-    SqliteEventLogStorage,
-)
 from dagster._utils.error import SerializableErrorInfo
+
+if TYPE_CHECKING:
+    from dagster._core.storage.event_log import SqlEventLogStorage
+
+EVENT_LOG_MODULE = "dagster._core.storage.event_log"
 
 __all__ = [
     "AssetCheckEvaluationTargetMaterializationData",
     "SerializableErrorInfo",
-    "SqlEventLogStorage",
     "instance_concurrency_context",
+    "sql_event_log_storage",
     "sqlite_event_log_storages",
+    "when_event_log_storages_load",
 ]
 
 
+def sql_event_log_storage() -> type[SqlEventLogStorage]:
+    from dagster._core.storage.event_log import SqlEventLogStorage
+
+    return SqlEventLogStorage
+
+
 def sqlite_event_log_storages() -> tuple[type[SqlEventLogStorage], ...]:
+    from dagster._core.storage.event_log import ConsolidatedSqliteEventLogStorage, SqliteEventLogStorage
+
     return (SqliteEventLogStorage, ConsolidatedSqliteEventLogStorage)
+
+
+def when_event_log_storages_load(change: Callable[[tuple[type[SqlEventLogStorage], ...]], Any]) -> None:
+    """`change(sqlite_event_log_storages())` now if Dagster's event log module is imported, else right
+    after its import, before any instance can use the classes (wrapt's post-import hook)."""
+    wrapt.register_post_import_hook(lambda _module: change(sqlite_event_log_storages()), EVENT_LOG_MODULE)

@@ -93,16 +93,21 @@ _serialized = False
 
 def serialize_pool_claims() -> None:
     """Idempotent; every SQLite event log storage in this process claims and frees pool slots under
-    an exclusive lock on `POOL_CLAIMS_LOCK` in its folder (one instance's processes share it)."""
+    an exclusive lock on `POOL_CLAIMS_LOCK` in its folder (one instance's processes share it). The
+    classes are changed when Dagster's event log module is imported, now or later."""
     global _serialized
     if _serialized:
         return
-    from batch_assets.runtime.dagster_private import sqlite_event_log_storages
+    from batch_assets.runtime.dagster_private import when_event_log_storages_load
 
-    for storage_class in sqlite_event_log_storages():
+    when_event_log_storages_load(_lock_slot_changes)
+    _serialized = True
+
+
+def _lock_slot_changes(storage_classes: tuple[type, ...]) -> None:
+    for storage_class in storage_classes:
         for name in _SLOT_CHANGES:
             setattr(storage_class, name, _under_claims_lock(getattr(storage_class, name)))
-    _serialized = True
 
 
 def _under_claims_lock(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -185,10 +185,10 @@ def assign_stranded_pool_steps(instance: dg.DagsterInstance) -> list[str]:
     `Step still blocked by limit for pool gpu` for minutes, no slot claimed). Done here, by the
     recovery sensor every 30 s and by `batch-assets run` while it waits for a slot.
     """
-    from batch_assets.runtime.dagster_private import SqlEventLogStorage
+    from batch_assets.runtime.dagster_private import sql_event_log_storage
 
     storage = instance.event_log_storage
-    if not isinstance(storage, SqlEventLogStorage) or not storage.supports_global_concurrency_limits:
+    if not isinstance(storage, sql_event_log_storage()) or not storage.supports_global_concurrency_limits:
         return []
     given = []
     for pool in sorted(storage.get_concurrency_keys()):

@@ -16,6 +16,7 @@ thousand rows: seconds; the same rows and seed give the same student, in any sci
 
 from __future__ import annotations
 
+import importlib.metadata
 import io
 import json
 import re
@@ -25,7 +26,6 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
-import sklearn
 from upath import UPath
 
 from batch_assets.pipeline.embeddings import vectors_matrix
@@ -108,7 +108,7 @@ def write_label_model(task: str, model: LabelModel) -> UPath:
         "calibration_error": student.ece,
         "calibrated": student.calibrated,
         "note": student.note,
-        "scikit_learn": sklearn.__version__,
+        "scikit_learn": importlib.metadata.version("scikit-learn"),
     }
     with storage_errors("reading", folder):
         previous = json.loads((folder / CURRENT).read_bytes()).get("digest") if (folder / CURRENT).exists() else None
