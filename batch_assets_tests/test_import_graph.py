@@ -11,6 +11,11 @@ A package is a folder of modules (`batch_assets.pipeline`, ...); the modules at 
 package A importing one of B while some module of B imports one of A, even when no module cycle
 results: packages are layers (the pure core under storage and the engines, Dagster on top).
 
+The layers as a table (`ALLOWED_IMPORTS`): which package may import which, some only by named
+modules; an arrow the table does not hold fails the fast tier, naming the import and the rule. The
+rules of docs/layout.md are this table, written there by `BATCH_ASSETS_UPDATE_LAYOUT=1 .venv/bin/python
+-m pytest batch_assets_tests/test_import_graph.py` and checked against it.
+
 And what loading the code location imports: none of the modules only some runs need.
 """
 
@@ -19,10 +24,11 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from batch_assets_tests.support import REPO_ROOT
@@ -198,6 +204,148 @@ def test_no_import_cycle_between_packages() -> None:
     edges = package_edges(graph, module_names(REPO_ROOT))
     found = cycles(edges)
     assert not found, "import cycles between packages:\n  " + "\n  ".join(describe(c, edges) for c in found)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The layers. A package here is a folder under batch_assets/ with its subfolders (`pipeline` holds
+# `pipeline/task_spec/`); `batch_assets` is the modules at the top (cli.py, cli_parser.py,
+# definitions.py, __init__.py). A package imports its own modules freely.
+
+
+@dataclass(frozen=True)
+class Rule:
+    why: str  # what the package is, in the layer's terms
+    may_import: dict[str, tuple[str, ...]] = field(default_factory=dict)  # package -> its modules, () = any
+    no_dagster: bool = False  # nor any `dagster` module
+
+
+ANY: tuple[str, ...] = ()
+ALLOWED_IMPORTS: dict[str, Rule] = {
+    "pipeline": Rule("the pure core: task files, formats, the engine contract, the cascade", no_dagster=True),
+    "runtime": Rule("Dagster's and vLLM's runtime beyond their public API, and the workarounds on it"),
+    "engines": Rule(
+        "the engines behind the contract, each a Dagster resource",
+        {"pipeline": ANY, "runtime": ("vllm_private", "interrupts")},
+    ),
+    "storage": Rule(
+        "locations, drop files, parquet, checkpoints, the result cache",
+        {"pipeline": ANY, "runtime": ("instance",)},  # instance: its file lock guards the cache's creation
+    ),
+    "lib": Rule(
+        "the Dagster factories and the command line's services",
+        {"pipeline": ANY, "engines": ANY, "storage": ANY, "runtime": ANY},
+    ),
+    "doctor": Rule(
+        "`batch-assets doctor`'s checks",
+        {"pipeline": ANY, "engines": ANY, "storage": ANY, "runtime": ANY, "lib": ANY},
+    ),
+    "serve": Rule(
+        "`batch-assets serve`: its batches run as `batch-assets run` commands, not through lib/",
+        {"pipeline": ANY, "storage": ANY, "runtime": ANY},
+    ),
+    "batch_assets": Rule(
+        "the command line and the code location, on top",
+        dict.fromkeys(("pipeline", "runtime", "engines", "storage", "lib", "doctor", "serve"), ANY),
+    ),
+}
+
+
+def layer_of(module: str) -> str:
+    """`batch_assets.pipeline.task_spec.spec` -> `pipeline`; a top module -> `batch_assets`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in ALLOWED_IMPORTS) else ROOT_PACKAGE
+
+
+def forbidden_imports(graph: list[Import], rules: dict[str, Rule]) -> list[str]:
+    """Each import between layers that `rules` does not allow, with where it is and the rule."""
+    found = []
+    for imported in graph:
+        source, target = layer_of(imported.importer), layer_of(imported.imported)
+        if source == target:
+            continue
+        rule = rules[source]
+        allowed = rule.may_import.get(target)
+        module = imported.imported.split(".")[2] if imported.imported.count(".") >= 2 else ""
+        if allowed is None or (allowed and module not in allowed):
+            may = ", ".join(
+                f"{name}" + (f" ({', '.join(mods)})" if mods else "") for name, mods in rule.may_import.items()
+            )
+            found.append(
+                f"{imported.where}: {imported.importer} -> {imported.imported}: "
+                f"{source}/ may import {may or 'nothing of ours'}"
+            )
+    return found
+
+
+def dagster_imports(root: Path, layer: str) -> list[str]:
+    """Where a module of `layer` imports Dagster (any `dagster` module, at any level of the file)."""
+    found = []
+    for module, path in module_names(root).items():
+        if layer_of(module) != layer:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            if any(name.split(".")[0].startswith("dagster") for name in names):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def rules_table(rules: dict[str, Rule]) -> str:
+    """The rules as docs/layout.md shows them."""
+    lines = ["| package | is | may import |", "|---|---|---|"]
+    for name, rule in rules.items():
+        folder = "top modules" if name == ROOT_PACKAGE else f"`{name}/`"
+        allowed = [
+            f"`{target}/`" + (f" ({', '.join(mods)})" if mods else "") for target, mods in rule.may_import.items()
+        ]
+        may = ", ".join(allowed) or "nothing of ours"
+        lines.append(f"| {folder} | {rule.why} | {may}{'; not Dagster' if rule.no_dagster else ''} |")
+    return "\n".join(lines)
+
+
+LAYOUT = REPO_ROOT / "docs" / "layout.md"
+TABLE = re.compile(r"(<!-- import rules: .*? -->\n)(.*?)(\n\n)", re.S)
+
+
+def test_the_rules_catch_an_arrow_they_do_not_allow_and_name_it(tmp_path: Path) -> None:
+    package = tmp_path / ROOT_PACKAGE
+    for folder in ("pipeline", "storage", "runtime"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "pipeline" / "core.py").write_text("import dagster\nfrom batch_assets.storage import files\n")
+    (package / "storage" / "files.py").write_text("from batch_assets.runtime import instance, other\n")
+    (package / "runtime" / "instance.py").write_text("")
+    (package / "runtime" / "other.py").write_text("")
+    found = forbidden_imports(import_graph(tmp_path), ALLOWED_IMPORTS)
+    assert found == [
+        "batch_assets/pipeline/core.py:2: batch_assets.pipeline.core -> batch_assets.storage.files: "
+        "pipeline/ may import nothing of ours",
+        "batch_assets/storage/files.py:1: batch_assets.storage.files -> batch_assets.runtime.other: "
+        "storage/ may import pipeline, runtime (instance)",
+    ]
+    assert dagster_imports(tmp_path, "pipeline") == ["batch_assets/pipeline/core.py:1"]
+
+
+def test_every_import_between_packages_is_one_the_rules_allow() -> None:
+    assert set(ALLOWED_IMPORTS) == {layer_of(module) for module in module_names(REPO_ROOT)}, "a package with no rule"
+    found = forbidden_imports(import_graph(REPO_ROOT), ALLOWED_IMPORTS)
+    assert not found, "imports the rules (ALLOWED_IMPORTS) do not allow:\n  " + "\n  ".join(found)
+    for layer, rule in ALLOWED_IMPORTS.items():
+        if rule.no_dagster:
+            assert not dagster_imports(REPO_ROOT, layer), f"{layer}/ imports Dagster"
+
+
+def test_docs_layout_states_the_rules_of_the_table() -> None:
+    text = LAYOUT.read_text()
+    match = TABLE.search(text)
+    assert match, "docs/layout.md has no `<!-- import rules: ... -->` table"
+    if os.environ.get("BATCH_ASSETS_UPDATE_LAYOUT") == "1":
+        LAYOUT.write_text(text[: match.start(2)] + rules_table(ALLOWED_IMPORTS) + text[match.end(2) :])
+        return
+    assert match.group(2) == rules_table(ALLOWED_IMPORTS), "docs/layout.md's rules differ: BATCH_ASSETS_UPDATE_LAYOUT=1"
 
 
 # Loaded by the runs that use them only (pipeline/extras.py): each takes seconds to import, and the
