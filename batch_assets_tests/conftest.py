@@ -16,8 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from batch_assets_tests.support import REPO_ROOT, CliResult, serving
-from batch_assets_tests.tiny_model import built_tiny_model
+# The support modules hold helpers that assert, moved out of test modules: pytest rewrites their asserts
+# as it does a test module's (it must be told before they are imported).
+pytest.register_assert_rewrite("batch_assets_tests.support")
+
+from batch_assets_tests.support import KEY_ENV, REPO_ROOT, SERVER_KEY, CliResult, serving  # noqa: E402
+from batch_assets_tests.tiny_model import built_tiny_model  # noqa: E402
 
 # vLLM-CPU's automatic binding puts every engine's compute on the first CPU (keeping the others for
 # its front end), so the engines of two xdist workers would share one core. Each worker's engines
@@ -47,6 +51,14 @@ def vllm_server(tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory):
         "--seed", "0",
     ) as server:  # fmt: skip
         yield server
+
+
+@pytest.fixture
+def server_key(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The key of `serving`'s servers in the variable a task's `api_key_env` names (test_openai_engine.py,
+    test_endpoint_embeddings.py)."""
+    monkeypatch.setenv(KEY_ENV, SERVER_KEY)
+    return SERVER_KEY
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -23,7 +23,7 @@ import pytest
 
 from batch_assets_tests.batch_api_fault_server import FaultServer
 from batch_assets_tests.support import REPO_ROOT
-from batch_assets_tests.test_resume_kill import CLI
+from batch_assets_tests.support.processes import VENV_CLI as CLI
 
 # The slow tier (`make test-fast` leaves it out): each test runs `batch-assets run` against a server.
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from batch_assets.lib.task_definitions import build_definitions, pipeline_job_na
 from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.drop_files import DropFile, partitions_def_name
 from batch_assets_tests.support import drop
-from batch_assets_tests.test_drops_sensor import settled, tick
+from batch_assets_tests.support.drops import settled, tick
 
 TASK = "sentiment"
 ROWS = 3_000_000  # three shards at the default input.max_rows_per_partition (1,000,000)

@@ -1,5 +1,6 @@
 """Size limits that keep the code base readable (issue 27, items 4 and 5): the command line stays
-the command line, and a function fits on a screen or two."""
+the command line, and a function fits on a screen or two. And a test file reads alone (issue 61 item 5):
+what test modules share is in batch_assets_tests/support/ or conftest.py, not in another test module."""
 
 from __future__ import annotations
 
@@ -9,11 +10,22 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "batch_assets"
 MAX_CLI_LINES = 300
 MAX_FUNCTION_LINES = 80
+TESTS = Path(__file__).resolve().parent
 
 # Functions over the limit that are still to be split, by their owners' pending work; remove an
 # entry when its function is split, so that it cannot grow back. Empty since the task formats
 # (issue 27 item 2) split the asset and check factories, the drops sensor and the batch formatting.
 KNOWN_LONG_FUNCTIONS: set[str] = set()
+
+# Test files that may still import another test module: the four that other work was adding tests to
+# while the shared helpers moved to support/ (issue 61 item 5). Their imports move to support modules
+# once that work is merged; then this set is emptied, so that no test file imports another again.
+TEST_FILES_STILL_IMPORTING_TESTS = {
+    "test_cascade.py",
+    "test_cascade_target.py",
+    "test_label_model.py",
+    "test_doctor.py",
+}
 
 
 def function_lengths() -> dict[str, int]:
@@ -51,3 +63,31 @@ def test_no_function_is_over_the_limit() -> None:
     # An allowed function that was split, moved or renamed leaves the list, so the list stays true.
     stale = sorted(KNOWN_LONG_FUNCTIONS - set(too_long))
     assert not stale, f"no longer over {MAX_FUNCTION_LINES} lines (remove from KNOWN_LONG_FUNCTIONS): {stale}"
+
+
+def imported_test_modules(path: Path) -> set[str]:
+    """The test modules (`test_*`) of batch_assets_tests that `path` imports, at its top or in a function."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            # `from batch_assets_tests import test_x` and `from . import test_x` name the module in `names`.
+            modules = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        found |= {module for module in modules if module.rpartition(".")[2].startswith("test_")}
+    return found
+
+
+def test_no_test_module_imports_another() -> None:
+    importing = {
+        path.relative_to(TESTS).as_posix(): sorted(modules)
+        for path in sorted(TESTS.rglob("*.py"))
+        if (modules := imported_test_modules(path))
+    }
+    offenders = {name: modules for name, modules in importing.items() if name not in TEST_FILES_STILL_IMPORTING_TESTS}
+    assert not offenders, (
+        f"test files importing test modules (move what they share to batch_assets_tests/support/): {offenders}"
+    )

@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import time
 from pathlib import Path
 
 import dagster as dg
@@ -48,6 +47,7 @@ from batch_assets.storage.errors import StorageError, scrub
 from batch_assets.storage.locations import data_root, storage_path, write_bytes_atomically
 from batch_assets.storage.shards import partitions_by_file
 from batch_assets_tests.support import drop, run_on_a_tiny_file_system
+from batch_assets_tests.support.drops import settled, tick
 
 TASK = "sentiment"
 POST = '{"text": "Loving it"}\n'
@@ -143,28 +143,10 @@ def test_cursor_round_trips_and_stays_small() -> None:
             decode_cursor(bad)
 
 
-def settled(path: Path, age: float = 60.0) -> Path:
-    """Make a file look fully copied in (unchanged for `age` seconds)."""
-    stamp = time.time() - age
-    os.utime(path, (stamp, stamp))
-    return path
-
-
 def sensor_for(**kwargs) -> dg.SensorDefinition:
     task = next(task for task in load_task_specs() if task.name == TASK)
     job = build_definitions().resolve_job_def(pipeline_job_name(TASK))
     return build_drops_sensor(task, job, **kwargs)
-
-
-def tick(sensor: dg.SensorDefinition, instance: dg.DagsterInstance, cursor: str | None):
-    result = sensor(dg.build_sensor_context(instance=instance, cursor=cursor, definitions=build_definitions()))
-    for request in result.dynamic_partitions_requests or []:
-        if isinstance(request, dg.DeleteDynamicPartitionsRequest):
-            for key in request.partition_keys:
-                instance.delete_dynamic_partition(request.partitions_def_name, key)
-        else:
-            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
-    return result, result.cursor if result.cursor is not None else cursor
 
 
 def ordered_partitions(instance: dg.DagsterInstance) -> list[str]:

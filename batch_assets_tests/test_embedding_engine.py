@@ -6,7 +6,6 @@ similarity-labelled industry sample records accuracy as a choices task does."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,50 +15,18 @@ import numpy as np
 import polars as pl
 import pytest
 
-from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.embeddings import vectors_matrix
-from batch_assets.pipeline.task_spec import TaskSpec, load_task_specs
-from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
+from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets_tests.support import REPO_ROOT, SAMPLES, drop
+from batch_assets_tests.support.embeddings import TASKS, TEXTS, cosines, jsonl, metadata_of, read, run
 
 # The slow tier: every test runs vLLM's pooling runner (the embedded embedding model).
 pytestmark = pytest.mark.slow
-
-TASKS = {task.name: task for task in load_task_specs()}
-TEXTS = [
-    "The harbor ferry leaves every hour from pier 3.",
-    "Ferries depart hourly from the third pier.",
-    "Our bakery sells sourdough and rye bread.",
-    "My router drops the connection every evening.",
-    "Quarterly revenue grew 12 percent.",
-    "Ünïcödé text, emoji 🙂 and <b>markup</b> [SEP] stay text.",
-    "a",
-    "word " * 300,
-]
 
 
 def embeddings_task(**input_settings) -> TaskSpec:
     task = TASKS["embeddings"]
     return task.model_copy(update={"input": task.input.model_copy(update=input_settings)})
-
-
-def run(task: TaskSpec, file_name: str, instance: dg.DagsterInstance):
-    key = partition_key_for(file_name)
-    instance.add_dynamic_partitions(partitions_def_name(task.name), [key])
-    job = build_definitions(tasks=[task]).resolve_job_def(pipeline_job_name(task.name))
-    return job.execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
-
-
-def metadata_of(result, node: str) -> dict:
-    return {k: v.value for k, v in result.asset_materializations_for_node(node)[0].metadata.items()}
-
-
-def read(data: Path, task: str, asset: str, file_name: str) -> pl.DataFrame:
-    return pl.read_parquet(data / "storage" / task / asset / f"{partition_key_for(file_name)}.parquet")
-
-
-def jsonl(texts: list[str]) -> str:
-    return "".join(json.dumps({"text": text}) + "\n" for text in texts)
 
 
 def plain_llm_embed(tmp_path: Path, texts: list[str]) -> np.ndarray:
@@ -89,10 +56,6 @@ def reference_embeddings(texts: list[str]) -> np.ndarray:
     mask = batch["attention_mask"].unsqueeze(-1).float()
     pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
     return torch.nn.functional.normalize(pooled, p=2, dim=1).numpy()
-
-
-def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 def test_vectors_equal_llm_embed_and_the_reference(data_dir: Path, tmp_path: Path) -> None:

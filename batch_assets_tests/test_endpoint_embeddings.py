@@ -18,14 +18,11 @@ from batch_assets.engines.openai_engine import EndpointError, OpenAIEngine
 from batch_assets.pipeline.embeddings import embedding_encoder, vectors_matrix
 from batch_assets.pipeline.engine_contract import Prompt
 from batch_assets_tests.support import SAMPLES, SERVER_KEY, Server, drop, serving, task_on_endpoint
-from batch_assets_tests.test_embedding_engine import TASKS, TEXTS, cosines, jsonl, metadata_of, read, run
-from batch_assets_tests.test_openai_batch_pipeline import engine_flags
-from batch_assets_tests.test_openai_engine import server_key
+from batch_assets_tests.support.embeddings import TASKS, TEXTS, cosines, jsonl, metadata_of, read, run
+from batch_assets_tests.support.openai_batch import engine_flags
 
 # The slow tier: every test serves the embedding model with `vllm serve`.
 pytestmark = pytest.mark.slow
-
-__all__ = ["server_key"]  # the fixture, used here by name
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 from polars.testing import assert_frame_equal
 
 from batch_assets.pipeline.file_shards import may_need_shards, plan_shards
-from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions, read_prompts
+from batch_assets.pipeline.read_prompts import DropFileError, read_prompts
 from batch_assets.storage import shards as shards_module
 from batch_assets.storage.drop_files import file_key_of, find_drop_file, shard_index_of, shard_key
 from batch_assets.storage.shards import (
@@ -29,16 +29,9 @@ from batch_assets.storage.shards import (
     shard_plan,
 )
 from batch_assets_tests.support import drop
+from batch_assets_tests.support.drops import OPTIONS, jsonl_with_bad_lines
 
-OPTIONS = ParseOptions(text_fields=("text",))
 TASK = "sentiment"
-
-
-def jsonl_with_bad_lines(rows: int) -> bytes:
-    lines = [json.dumps({"text": f"row {n}", "n": n}) for n in range(rows)]
-    lines[4] = "{not json"
-    lines[7] = ""
-    return ("\n".join(lines) + "\n").encode()
 
 
 def csv_with_quoted_newlines(rows: int) -> bytes:

@@ -37,7 +37,7 @@ from batch_assets.storage.shards import (
 )
 from batch_assets_tests.support import CLI, REPO_ROOT, drop, python_env
 from batch_assets_tests.support import open_instance as home_instance
-from batch_assets_tests.test_file_shards import OPTIONS, jsonl_with_bad_lines
+from batch_assets_tests.support.drops import OPTIONS, jsonl_with_bad_lines
 
 TASK = "sentiment"
 CRAFTED = "small.jsonl~/../../../../elsewhere/victim"

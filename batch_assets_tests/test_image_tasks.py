@@ -9,12 +9,10 @@ One engine start for the module: every run here asks for the same engine, which 
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 import subprocess
 import sys
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,8 +24,8 @@ import s3fs
 
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
-from batch_assets_tests.test_openai_batch_pipeline import WRITE_GOLDEN_ENV, _content_digest
-from batch_assets_tests.test_s3_drops import moto_endpoint, use_endpoint  # noqa: F401  (a module fixture)
+from batch_assets_tests.support.golden import content_digest, kept_or_made, versions
+from batch_assets_tests.support.s3 import moto_endpoint, use_endpoint  # noqa: F401  (a module fixture)
 from batch_assets_tests.tiny_vlm import built_tiny_vlm, write_test_images
 
 # The slow tier (`make test-fast` leaves it out): the engine, and an S3 server.
@@ -37,7 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TASKS_DIR = REPO_ROOT / "examples" / "tasks"
 TASK = "images"
 PICTURES = 200
-GOLDEN = Path(__file__).with_name("golden") / "plain_vlm-images.json"
+GOLDEN = "plain_vlm-images.json"  # under batch_assets_tests/golden/
 BUCKET, PREFIX = "image-bucket", "team"
 
 
@@ -64,24 +62,18 @@ def pictures(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def reference_labels(pictures: Path, vlm: str, work: Path) -> list[str]:
     """bench/plain_vlm_script.py's labels for pictures.jsonl: kept as a golden file (a vLLM start
     costs CI time), made again when vLLM, torch, the CPU, the weights, the task or the pictures change."""
-    import torch
-    import vllm
-
-    pictures_digest = _content_digest(pictures)
     identity = {
-        "vllm": vllm.__version__,
-        "torch": torch.__version__,
-        "cpu": torch.backends.cpu.get_cpu_capability(),
-        "model": _content_digest(Path(vlm)),
+        **versions(),
+        "model": content_digest(Path(vlm)),
         "task": (TASKS_DIR / f"{TASK}.yaml").read_text(),
-        "pictures": pictures_digest,
+        "pictures": content_digest(pictures),
     }
-    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-    stored = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
-    if stored.get("key") == key and not os.environ.get(WRITE_GOLDEN_ENV):
-        return stored["labels"]
-    if not os.environ.get(WRITE_GOLDEN_ENV):
-        warnings.warn(f"{GOLDEN.name} was made for other versions, weights or pictures: `make golden`", stacklevel=2)
+    return kept_or_made(
+        GOLDEN, identity, lambda: plain_vlm_labels(pictures, work), field="labels", made_of="weights or pictures"
+    )
+
+
+def plain_vlm_labels(pictures: Path, work: Path) -> list[str]:
     target = work / "plain.parquet"
     completed = subprocess.run(
         [
@@ -96,10 +88,7 @@ def reference_labels(pictures: Path, vlm: str, work: Path) -> list[str]:
         timeout=600,
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
-    labels = pl.read_parquet(target)["label"].to_list()
-    if os.environ.get(WRITE_GOLDEN_ENV):
-        GOLDEN.write_text(json.dumps({"key": key, "labels": labels}, indent=1) + "\n")
-    return labels
+    return pl.read_parquet(target)["label"].to_list()
 
 
 def run(file_name: str, instance: dg.DagsterInstance) -> dg.ExecuteInProcessResult:

@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import warnings
 from pathlib import Path
 
 import dagster as dg
@@ -28,10 +27,10 @@ from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.task_spec import TaskSpec, TaskSpecError, load_task_spec
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.support import REPO_ROOT, drop
+from batch_assets_tests.support.golden import content_digest, kept_or_made, versions
 from batch_assets_tests.tiny_model import build_tiny_adapter
 
-GOLDEN = Path(__file__).with_name("golden") / "plain_vllm-lora-tiny.json"
-WRITE_GOLDEN_ENV = "BATCH_ASSETS_WRITE_GOLDEN"
+GOLDEN = "plain_vllm-lora-tiny.json"  # under batch_assets_tests/golden/
 ROWS = 500
 
 
@@ -246,34 +245,20 @@ def stale_partitions(task: TaskSpec, instance: dg.DagsterInstance) -> set[str]:
     )
 
 
-def folder_digest(folder: Path) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        digest.update(path.name.encode() + path.read_bytes())
-    return digest.hexdigest()
-
-
 def plain_vllm_answers(task_file: Path, source: Path, work: Path, model: str, adapter: Path) -> dict[str, list]:
     """vLLM's own `LLM.chat` with the task's `LoRARequest`, and without it on the same engine: from the
     golden file when it was made for the same vLLM, torch, CPU, weights, adapter, task and rows."""
-    import torch
-    import vllm
-
     identity = {
-        "vllm": vllm.__version__,
-        "torch": torch.__version__,
-        "cpu": torch.backends.cpu.get_cpu_capability(),
-        "model": folder_digest(Path(model)),
-        "adapter": folder_digest(adapter),
+        **versions(),
+        "model": content_digest(Path(model)),
+        "adapter": content_digest(adapter),
         "task": task_yaml("x", "MODEL", "ADAPTER"),
         "rows": hashlib.sha256(source.read_bytes()).hexdigest(),
     }
-    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-    stored = json.loads(GOLDEN.read_text(encoding="utf-8")) if GOLDEN.exists() else {}
-    if stored.get("key") == key and not os.environ.get(WRITE_GOLDEN_ENV):
-        return stored["outputs"]
-    if not os.environ.get(WRITE_GOLDEN_ENV):
-        warnings.warn(f"{GOLDEN.name} was made for other versions, weights or rows: `make golden`", stacklevel=2)
+    return kept_or_made(GOLDEN, identity, lambda: plain_vllm_run(task_file, source, work), made_of="weights or rows")
+
+
+def plain_vllm_run(task_file: Path, source: Path, work: Path) -> dict[str, list]:
     target = work / "plain.parquet"
     env = {**os.environ, "BATCH_ASSETS_TASKS_DIR": str(task_file.parent), "VLLM_LOGGING_LEVEL": "WARNING"}
     script = [sys.executable, str(REPO_ROOT / "bench" / "plain_vllm_script.py"), str(source), str(target)]
@@ -282,10 +267,7 @@ def plain_vllm_answers(task_file: Path, source: Path, work: Path, model: str, ad
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
     frame = pl.read_parquet(target).sort("id")
-    outputs = {"lora": frame["label"].to_list(), "base": frame["base_label"].to_list()}
-    if os.environ.get(WRITE_GOLDEN_ENV):
-        GOLDEN.write_text(json.dumps({"key": key, "outputs": outputs}, indent=1) + "\n", encoding="utf-8")
-    return outputs
+    return {"lora": frame["label"].to_list(), "base": frame["base_label"].to_list()}
 
 
 @pytest.mark.slow

@@ -8,18 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from batch_assets_tests.test_batch_api_server import _python_312, _run_or_skip
+from batch_assets_tests.support.ogx import python_312, run_or_skip
 
 
 def test_a_failed_install_is_a_skip_naming_the_command_and_its_error() -> None:
     command = [sys.executable, "-c", "import sys; sys.exit('no index at https://pypi.invalid')"]
     with pytest.raises(pytest.skip.Exception) as skipped:
-        _run_or_skip(command, "installing ogx==1.5.0")
+        run_or_skip(command, "installing ogx==1.5.0")
     message = str(skipped.value)
     assert message.startswith("installing ogx==1.5.0 failed (no index at https://pypi.invalid)")
     assert "to build it by hand: " in message and "sys.exit" in message
     with pytest.raises(pytest.skip.Exception, match="no_such_tool"):
-        _run_or_skip(["/nonexistent/no_such_tool"], "creating OGX's virtual environment")
+        run_or_skip(["/nonexistent/no_such_tool"], "creating OGX's virtual environment")
 
 
 def test_the_oldest_python_312_or_later_that_runs_is_found_under_pyenv_root(
@@ -38,4 +38,4 @@ def test_the_oldest_python_312_or_later_that_runs_is_found_under_pyenv_root(
     monkeypatch.delenv("BATCH_ASSETS_OGX_PYTHON", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     monkeypatch.setenv("PYENV_ROOT", str(root))
-    assert _python_312() == str(root / "versions" / "3.12.8" / "bin" / "python")
+    assert python_312() == str(root / "versions" / "3.12.8" / "bin" / "python")

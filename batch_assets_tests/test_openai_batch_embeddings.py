@@ -21,8 +21,14 @@ from batch_assets.pipeline.embeddings import encode_vector, vectors_column
 from batch_assets.pipeline.openai_batch import format_batch_embedding_prompts, read_batch_requests
 from batch_assets.pipeline.openai_batch_output import batch_files, validate_batch_embeddings, validate_batch_outputs
 from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR, TaskSpecError, load_task_spec
-from batch_assets_tests.test_openai_batch_format import chat_line, format_lines, jsonl
-from batch_assets_tests.test_openai_batch_pipeline import materialize, read_jsonl, run_vllm_batch
+from batch_assets_tests.support.openai_batch import (
+    chat_line,
+    format_lines,
+    jsonl,
+    materialize,
+    read_jsonl,
+    run_vllm_batch,
+)
 
 TASK = "openai_batch_embeddings"
 

@@ -15,40 +15,13 @@ from batch_assets.pipeline.openai_batch import RequestSpec, format_batch_prompts
 from batch_assets.pipeline.openai_batch_output import batch_files, jsonl_bytes, validate_batch_outputs
 from batch_assets.pipeline.read_prompts import DropFileError
 from batch_assets.pipeline.run_inference import request_keys
-from batch_assets.pipeline.task_spec import SamplingSpec, TaskSpecError, load_task_spec
-
-DEFAULTS = SamplingSpec(temperature=0, top_p=1.0, max_tokens=64)
+from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec
+from batch_assets_tests.support.openai_batch import DEFAULTS, chat_line, format_lines, jsonl
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return AutoTokenizer.from_pretrained(ensure_embedded_model())
-
-
-def chat_line(custom_id: str, messages: list[dict] | None = None, **body) -> dict:
-    messages = messages if messages is not None else [{"role": "user", "content": f"question {custom_id}"}]
-    return {
-        "custom_id": custom_id,
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {"messages": messages, **body},
-    }
-
-
-def jsonl(*lines: dict | str) -> bytes:
-    return "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines).encode("utf-8")
-
-
-def format_lines(data: bytes, tokenizer, **options) -> pl.DataFrame:
-    """A batch file's lines, read and formatted with the defaults these tests share."""
-    return format_batch_prompts(
-        read_batch_requests(data, "in.jsonl"),
-        tokenizer,
-        sampling_defaults=DEFAULTS,
-        max_model_len=512,
-        source_file="in.jsonl",
-        **options,
-    )
 
 
 def test_valid_lines_keep_custom_id_model_messages_and_sampling() -> None:

@@ -6,12 +6,7 @@ file, with the same model and engine settings, and compares the answers line by 
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import subprocess
-import sys
-import warnings
 from pathlib import Path
 
 import dagster as dg
@@ -20,11 +15,15 @@ import polars as pl
 import pytest
 import yaml
 
-from batch_assets.engines.vllm_engine import VLLMEngine
-from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
-from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR, TaskSpec, load_task_specs
-from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
-from batch_assets_tests.support import SAMPLES, drop
+from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR
+from batch_assets_tests.support import SAMPLES
+from batch_assets_tests.support.openai_batch import (
+    as_jsonl,
+    chat,
+    materialize,
+    read_jsonl,
+    run_vllm_batch,
+)
 
 TASK = "openai_batch"
 SCHEMA = {
@@ -32,15 +31,6 @@ SCHEMA = {
     "properties": {"city": {"type": "string"}, "rank": {"type": "integer"}},
     "required": ["city", "rank"],
 }
-
-
-def chat(custom_id: str, text: str, **body) -> dict:
-    return {
-        "custom_id": custom_id,
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {"model": "tiny", "messages": [{"role": "user", "content": text}], **body},
-    }
 
 
 def requests_file() -> list[dict | str]:
@@ -94,107 +84,11 @@ def requests_file() -> list[dict | str]:
     return lines
 
 
-def as_jsonl(lines: list[dict | str]) -> str:
-    return "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
-
-
-def materialize(data: Path, name: str, content: str, instance: dg.DagsterInstance, task: str = TASK):
-    drop(data, task, name, content)
-    key = partition_key_for(name)
-    instance.add_dynamic_partitions(partitions_def_name(task), [key])
-    result = (
-        build_definitions()
-        .resolve_job_def(pipeline_job_name(task))
-        .execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
-    )
-    assert result.success, [e.step_failure_data.error.to_string() for e in result.all_events if e.is_step_failure]
-    return key, result
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-
-
 def inference_metadata(instance: dg.DagsterInstance, key: str) -> dict:
     record = instance.fetch_materializations(
         dg.AssetRecordsFilter(asset_key=dg.AssetKey([TASK, "inference_outputs"]), asset_partitions=[key]), limit=1
     ).records[0]
     return {k: v.value for k, v in record.asset_materialization.metadata.items()}
-
-
-def engine_flags(task: TaskSpec) -> list[str]:
-    """The command-line flags of vLLM's run-batch and serve for the engine arguments the in-process
-    engine uses for `task` (its model included)."""
-    args = []
-    for name, value in VLLMEngine().settings(task).engine_args().items():
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            args.append(flag if value else "--no-" + name.replace("_", "-"))
-        elif value is not None:
-            args += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
-    return args
-
-
-# vLLM's own run-batch answers, kept as files: a run-batch process costs a vLLM start and a model load
-# per CI run, and its answers change only with vLLM, torch, the model's weights, the engine flags or
-# the requests, which the file's key covers. A key that does not match runs vLLM again (nothing is
-# tested less); `make golden` writes the files anew.
-GOLDEN_DIR = Path(__file__).with_name("golden")
-WRITE_GOLDEN_ENV = "BATCH_ASSETS_WRITE_GOLDEN"
-
-
-def _content_digest(folder: Path) -> str:
-    """The model folder's files (names and bytes), not its path: the same weights anywhere."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        digest.update(str(path.relative_to(folder)).encode())
-        with path.open("rb") as handle:
-            while chunk := handle.read(1 << 22):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
-def golden_key(args: list[str], lines: list[dict], served: str) -> str:
-    import torch
-    import vllm
-
-    model = args[args.index("--model") + 1]
-    portable = [_content_digest(Path(arg)) if arg == model and Path(arg).is_dir() else arg for arg in args]
-    # The CPU's vector instructions too: kernels differ with them, and near-ties can flip.
-    cpu = torch.backends.cpu.get_cpu_capability()
-    identity = {"vllm": vllm.__version__, "torch": torch.__version__, "cpu": cpu, "args": portable, "served": served}
-    return hashlib.sha256(json.dumps([identity, lines], sort_keys=True).encode()).hexdigest()
-
-
-def run_vllm_batch(lines: list[dict], work: Path, task_name: str = TASK, served: str = "tiny") -> dict[str, dict]:
-    """vLLM's own run-batch over `lines`, with the engine settings the task's engine uses, serving
-    the model under the name `served`: from its golden file when that was made for the same key."""
-    task = {t.name: t for t in load_task_specs()}[task_name]
-    args = engine_flags(task)
-    golden = GOLDEN_DIR / f"run_batch-{task_name}-{served}.json"
-    key = golden_key(args, lines, served)
-    stored = json.loads(golden.read_text(encoding="utf-8")) if golden.exists() else {}
-    if stored.get("key") == key and not os.environ.get(WRITE_GOLDEN_ENV):
-        return stored["outputs"]
-    if not os.environ.get(WRITE_GOLDEN_ENV):
-        warnings.warn(f"{golden.name} was made for other versions, weights or requests: `make golden`", stacklevel=2)
-    outputs = _run_vllm_batch(lines, work, args, served)
-    if os.environ.get(WRITE_GOLDEN_ENV):
-        golden.parent.mkdir(exist_ok=True)
-        golden.write_text(json.dumps({"key": key, "outputs": outputs}, indent=1, sort_keys=True) + "\n")
-    return outputs
-
-
-def _run_vllm_batch(lines: list[dict], work: Path, args: list[str], served: str) -> dict[str, dict]:
-    source, target = work / "peer-in.jsonl", work / "peer-out.jsonl"
-    source.write_text(as_jsonl(lines), encoding="utf-8")
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(source), "-o", str(target)]
-    completed = subprocess.run(
-        [*command, *args, "--served-model-name", served], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    return {record["custom_id"]: record for record in read_jsonl(target)}
 
 
 @pytest.mark.slow  # the embedded SmolLM2 model in the pipeline: no model fixture tells collection

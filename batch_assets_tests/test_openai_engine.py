@@ -35,12 +35,6 @@ from batch_assets_tests.support import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def server_key(monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv(KEY_ENV, SERVER_KEY)
-    return SERVER_KEY
-
-
 def test_sentiment_sample_through_vllm_serve_matches_the_in_process_engine(
     tmp_path: Path, data_dir: Path, tiny_model: str, vllm_server: Server, server_key: str
 ) -> None:

@@ -22,8 +22,8 @@ from batch_assets.storage.checkpoints import CheckpointStore
 from batch_assets.storage.errors import StorageError
 from batch_assets.storage.result_cache import ResultCache
 from batch_assets_tests.support import run_on_a_tiny_file_system
-from batch_assets_tests.test_inference_checkpoints import Engine, Session, formatted_frame
-from batch_assets_tests.test_inference_checkpoints import infer as infer_partition
+from batch_assets_tests.support.scripted_engine import Engine, Session, formatted_frame
+from batch_assets_tests.support.scripted_engine import infer as infer_partition
 
 
 @pytest.fixture

@@ -23,11 +23,12 @@ import psutil
 import pytest
 
 from batch_assets_tests.support import REPO_ROOT
+from batch_assets_tests.support.processes import VENV_CLI as CLI
+from batch_assets_tests.support.processes import group_alive
 
 # The slow tier (`make test-fast` leaves it out): kills a run mid-inference on the engine and runs it again.
 pytestmark = pytest.mark.slow
 
-CLI = REPO_ROOT / ".venv" / "bin" / "batch-assets"
 SHIPPED_TASKS = REPO_ROOT / "batch_assets" / "tasks"
 # The rows of the file killed mid-run: the first checkpoint chunk (100 rows, `small_batch_tasks`) is
 # seen within 0.05 s and killed at once, with some 900 rows (seconds of the engine's work) still to
@@ -55,18 +56,6 @@ def write_posts(path: Path, n: int, tag: str) -> Path:
 
 def chunks_of(data: Path, partition: str, task: str = "sentiment") -> list[Path]:
     return sorted((data / "storage" / task / "_checkpoints" / partition).glob("*/chunk-*.parquet"))
-
-
-def group_alive(pgid: int) -> list[int]:
-    alive = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getpgid(int(entry.name)) == pgid and (entry / "stat").read_text().split()[2] != "Z":
-                    alive.append(int(entry.name))
-            except (ProcessLookupError, FileNotFoundError, PermissionError):
-                pass
-    return alive
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ from __future__ import annotations
 import http.client
 import io
 import json
-import logging
 import socket
 import threading
 import urllib.request
@@ -26,7 +25,6 @@ import dagster as dg
 import polars as pl
 import pytest
 import s3fs
-from moto.server import ThreadedMotoServer
 
 from batch_assets.lib.drops_sensor import (
     REPLACED_TAG,
@@ -40,6 +38,7 @@ from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.drop_files import find_drop_file, list_drop_files, partition_key_for, partitions_def_name
 from batch_assets.storage.errors import StorageError
 from batch_assets_tests.support import free_port
+from batch_assets_tests.support.s3 import SECRET, moto_endpoint, use_endpoint  # noqa: F401  (a module fixture)
 
 # The slow tier (`make test-fast` leaves it out): an S3 server (moto) and the engine.
 pytestmark = pytest.mark.slow
@@ -47,7 +46,6 @@ pytestmark = pytest.mark.slow
 BUCKET = "batch-bucket"
 PREFIX = "team/batch"
 DATA_URL = f"s3://{BUCKET}/{PREFIX}"
-SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY"
 TASK = "sentiment"
 SENSOR = f"{TASK}_drops_sensor"
 
@@ -57,30 +55,9 @@ POSTS_C = '{"text": "New phone, who dis"}\n'
 POSTS_D = '{"text": "Rainy day"}\n{"text": "Sunny day"}\n'
 
 
-@pytest.fixture(scope="module")
-def moto_endpoint() -> Iterator[str]:
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
 def _post(url: str, data: bytes = b"") -> None:
     request = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "text/plain"})
     urllib.request.urlopen(request, timeout=30).read()
-
-
-def use_endpoint(
-    monkeypatch: pytest.MonkeyPatch, endpoint: str, key: str = "AKIAIOSFODNN7EXAMPLE", secret: str = SECRET
-) -> None:
-    """Point s3fs and boto3 at `endpoint` through the standard AWS variables only."""
-    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
-    # fsspec caches one filesystem per set of options; the credentials changed under it.
-    s3fs.S3FileSystem.clear_instance_cache()
 
 
 @dataclass
@@ -104,7 +81,7 @@ class S3:
 
 
 @pytest.fixture
-def s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[S3]:
+def s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[S3]:  # noqa: F811
     """An empty moto server with one bucket; BATCH_ASSETS_DATA points into it. DAGSTER_HOME is the
     test's own: with outputs in S3 the result cache lives there (`dg.instance_for_test` sets its own
     while it is open; this one is for what runs outside it), not in the one `make test` exports."""

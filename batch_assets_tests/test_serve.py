@@ -14,10 +14,7 @@ import json
 import os
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -26,34 +23,12 @@ import psutil
 import pytest
 
 from batch_assets_tests.batch_api_fault_server import Faults, FaultServer
-from batch_assets_tests.support import REPO_ROOT, free_port, stop_process_group
-from batch_assets_tests.test_openai_batch_pipeline import as_jsonl, chat
+from batch_assets_tests.support import REPO_ROOT, free_port
+from batch_assets_tests.support.openai_batch import as_jsonl, chat
+from batch_assets_tests.support.processes import SERVE_KEY as KEY
+from batch_assets_tests.support.processes import running_server
 
 pytestmark = pytest.mark.slow
-KEY = "serve-test-key"
-
-
-@contextlib.contextmanager
-def running_server(env: dict[str, str], port: int, log: Path, *options: str) -> Iterator[subprocess.Popen]:
-    command = [sys.executable, "-m", "batch_assets.cli", "serve", "--port", str(port), *options]
-    with log.open("a") as output:
-        process = subprocess.Popen(
-            command, cwd=REPO_ROOT, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, log.read_text()[-3000:]
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(
-                    f"http://127.0.0.1:{port}/v1/batches", headers={"Authorization": f"Bearer {KEY}"}
-                ).is_success:
-                    break
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.3)
-        yield process
-    finally:
-        stop_process_group(process)
 
 
 def wait_for(client: openai.OpenAI, batch_id: str, statuses: set[str], timeout: float = 240):

@@ -40,7 +40,7 @@ from batch_assets.storage.drop_files import partition_key_for
 from batch_assets.storage.errors import storage_errors
 from batch_assets.storage.locations import DATA_ENV, checkpoint_dir, drop_zone, output_path, task_storage_dir
 from batch_assets.storage.result_cache import ResultCache
-from batch_assets_tests.support import REPO_ROOT, stop_process_group
+from batch_assets_tests.support import REPO_ROOT, free_port, stop_process_group
 
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
 
@@ -450,8 +450,6 @@ def _drain(stream, into: list[bytes]) -> None:
 def serve(*options: str) -> Iterator[Served]:
     """`batch-assets serve` on a free port with this test's DATA and DAGSTER_HOME (the `data_dir`
     fixture). Its output goes through a pipe (which a file size limit does not touch)."""
-    from batch_assets_tests.test_serve import free_port
-
     port = free_port()
     command = [sys.executable, "-m", "batch_assets.cli", "serve", "--port", str(port), *options]
     process = subprocess.Popen(
@@ -551,8 +549,6 @@ def finalizing_batch(store: ServeStore, answered: bytes) -> str:
 def serve_in_process(store: ServeStore) -> Iterator[Served]:
     """The server `batch-assets serve` starts (store, runner, app, uvicorn), in this process on a free
     port, so that a test can make its writes fail; real HTTP requests reach it."""
-    from batch_assets_tests.test_serve import free_port
-
     port = free_port()
     runner = BatchRunner(store, {"/v1/chat/completions": CHAT_TASK})
     app = build_app(store, runner, UploadLimits(max_bytes=10_000, max_requests=100), None)

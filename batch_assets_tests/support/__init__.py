@@ -1,9 +1,12 @@
 """Helpers shared by test modules: paths, processes, servers and runs that more than one test file needs.
 
-Plain functions, classes and constants only; fixtures stay in conftest.py. A test module imports its
-helpers from here, never from another test module or from conftest.py, so the test files do not import
-one another in a cycle. Dagster, polars and batch_assets are imported inside the helpers that use them:
-conftest.py imports this module, and every pytest run (a subset too) would otherwise pay for them.
+A test module imports its helpers from here or from the module of their role beside this one (`s3`,
+`openai_batch`, `golden`, `processes`, `embeddings`, `drops`, `scripted_engine`, `ogx`), never from
+another test module or from conftest.py, so each test file reads alone (test_import_graph.py checks it).
+Fixtures shared by every file are in conftest.py; a module fixture a few files share (`s3.moto_endpoint`)
+is imported by name, so each of those files gets its own. Dagster, polars and batch_assets are imported
+inside the helpers of this module that use them: conftest.py imports it, and every pytest run (a subset
+too) would otherwise pay for them; the role modules are imported only by the tests that use them.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ if TYPE_CHECKING:
     import dagster as dg
     import polars as pl
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 T = TypeVar("T")
 SAMPLES = REPO_ROOT / "batch_assets" / "samples"
 
