@@ -512,25 +512,58 @@ def test_a_file_over_max_rows_per_partition_becomes_shards_each_its_own_run(
         assert not stored.exists()  # outputs of retired shards are deleted with them
 
 
+# The files of the bulk-read test below, each with what the instance holds of it (BULK_TICK_HISTORY).
+BULK_TICK_FILES = [
+    "done.jsonl",  # raw_prompts read this version, then validated_labels
+    "done-again.jsonl",  # an older version run, then this one
+    "changed.jsonl",  # validated from an older version: a replacement
+    "raw-only.jsonl",  # read, never validated
+    "labels-first.jsonl",  # validated, then read again (not validated since)
+    "no-version.jsonl",  # raw_prompts without source_version
+    "killed.jsonl",  # registered by `batch-assets run`, never read
+    "sharded.jsonl",  # two shards, one validated from this version
+    "sharded-done.jsonl",  # two shards, both validated from this version
+    "new.jsonl",  # no partition yet
+    "seen.jsonl",  # in the cursor
+]
+
+# Each partition's materializations in order: (asset, the file version raw_prompts read: this one, an
+# older one, or none recorded).
+BULK_TICK_HISTORY = {
+    "done.jsonl": [("raw_prompts", "now"), ("validated_labels", None)],
+    "done-again.jsonl": [
+        ("raw_prompts", "old"),
+        ("validated_labels", None),
+        ("raw_prompts", "now"),
+        ("validated_labels", None),
+    ],
+    "changed.jsonl": [("raw_prompts", "old"), ("validated_labels", None)],
+    "raw-only.jsonl": [("raw_prompts", "now")],
+    "labels-first.jsonl": [("raw_prompts", "now"), ("validated_labels", None), ("raw_prompts", "now")],
+    "no-version.jsonl": [("raw_prompts", None), ("validated_labels", None)],
+    "sharded.jsonl~00001": [("raw_prompts", "now"), ("validated_labels", None)],
+    "sharded.jsonl~00002": [("raw_prompts", "old"), ("validated_labels", None)],
+    "sharded-done.jsonl~00001": [("raw_prompts", "now"), ("validated_labels", None)],
+    "sharded-done.jsonl~00002": [("raw_prompts", "now"), ("validated_labels", None)],
+}
+
+
+def record_materialization(
+    instance: dg.DagsterInstance, asset: str, key: str, source_version: str | None = None
+) -> None:
+    metadata = {"source_version": source_version} if source_version else {}
+    instance.report_runless_asset_event(
+        dg.AssetMaterialization(asset_key=dg.AssetKey([TASK, asset]), partition=key, metadata=metadata)
+    )
+
+
 def test_a_tick_reads_the_instance_in_bulk_and_plans_as_asking_file_by_file_does(
     data_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The tick reads the records of every partition it may ask about in a few queries
     (`PartitionRecords`), and plans exactly what asking the instance once per partition
     (`validated_from_version`, `read_version`) plans, on files done, not done and changed."""
-    names = [
-        "done.jsonl",  # raw_prompts read this version, then validated_labels
-        "done-again.jsonl",  # an older version run, then this one
-        "changed.jsonl",  # validated from an older version: a replacement
-        "raw-only.jsonl",  # read, never validated
-        "labels-first.jsonl",  # validated, then read again (not validated since)
-        "no-version.jsonl",  # raw_prompts without source_version
-        "killed.jsonl",  # registered by `batch-assets run`, never read
-        "sharded.jsonl",  # two shards, one validated from this version
-        "sharded-done.jsonl",  # two shards, both validated from this version
-        "new.jsonl",  # no partition yet
-        "seen.jsonl",  # in the cursor
-    ]
+    names = BULK_TICK_FILES
     for age, name in enumerate(names):
         settled(drop(data_dir, TASK, name, POST), age=300 - age)
     files, _ = list_drop_files(TASK)
@@ -540,37 +573,14 @@ def test_a_tick_reads_the_instance_in_bulk_and_plans_as_asking_file_by_file_does
     def keys_of(drop: DropFile) -> list[str]:
         return shards.get(drop.relative_path, [drop.partition_key])
 
-    def record(instance: dg.DagsterInstance, asset: str, key: str, source_version: str | None = None) -> None:
-        metadata = {"source_version": source_version} if source_version else {}
-        instance.report_runless_asset_event(
-            dg.AssetMaterialization(asset_key=dg.AssetKey([TASK, asset]), partition=key, metadata=metadata)
-        )
-
-    history = {
-        "done.jsonl": [("raw_prompts", "now"), ("validated_labels", None)],
-        "done-again.jsonl": [
-            ("raw_prompts", "old"),
-            ("validated_labels", None),
-            ("raw_prompts", "now"),
-            ("validated_labels", None),
-        ],
-        "changed.jsonl": [("raw_prompts", "old"), ("validated_labels", None)],
-        "raw-only.jsonl": [("raw_prompts", "now")],
-        "labels-first.jsonl": [("raw_prompts", "now"), ("validated_labels", None), ("raw_prompts", "now")],
-        "no-version.jsonl": [("raw_prompts", None), ("validated_labels", None)],
-        "sharded.jsonl~00001": [("raw_prompts", "now"), ("validated_labels", None)],
-        "sharded.jsonl~00002": [("raw_prompts", "old"), ("validated_labels", None)],
-        "sharded-done.jsonl~00001": [("raw_prompts", "now"), ("validated_labels", None)],
-        "sharded-done.jsonl~00002": [("raw_prompts", "now"), ("validated_labels", None)],
-    }
     task = next(task for task in load_task_specs() if task.name == TASK)
     with dg.instance_for_test() as instance:
         registered_keys = [key for name in names[:-2] for key in shards.get(name, [partition_key_for(name)])]
         instance.add_dynamic_partitions(partitions_def_name(TASK), registered_keys)
-        for key, events in history.items():
+        for key, events in BULK_TICK_HISTORY.items():
             file_version = version[file_key_of(key)]
             for asset, read in events:
-                record(instance, asset, key, {"now": file_version, "old": "0:1"}.get(read or ""))
+                record_materialization(instance, asset, key, {"now": file_version, "old": "0:1"}.get(read or ""))
         seen = {file_fingerprint(next(drop for drop in files if drop.relative_path == "seen.jsonl"))}
         ordered = ordered_partitions(instance)
         registered = partitions_by_file(ordered)
