@@ -156,7 +156,8 @@ def ordered_partitions(instance: dg.DagsterInstance) -> list[str]:
 def test_local_drop_folder_new_replaced_in_progress_and_restart(data_dir: Path) -> None:
     settled(drop(data_dir, TASK, "posts.jsonl", POST))
     settled(drop(data_dir, TASK, "team a/été.jsonl", POST))
-    drop(data_dir, TASK, "copying.jsonl", POST)  # modified just now: still being copied in
+    # Modified "just now" however long the steps below take on a loaded machine: still being copied in.
+    settled(drop(data_dir, TASK, "copying.jsonl", POST), age=-600)
     settled(drop(data_dir, TASK, ".posts.jsonl.swp", POST))
     sensor = sensor_for()
     with dg.instance_for_test() as instance:
@@ -174,7 +175,7 @@ def test_local_drop_folder_new_replaced_in_progress_and_restart(data_dir: Path) 
         retried, _ = tick(sensor, instance, None)
         assert [request.run_key for request in retried.run_requests] == [burst.run_key]
 
-        settled(data_dir / "drops" / TASK / "copying.jsonl", age=0)  # still being written to
+        settled(data_dir / "drops" / TASK / "copying.jsonl", age=-600)  # still being written to
         quiet, cursor = tick(sensor, instance, cursor)
         assert not quiet.run_requests
         assert "copying.jsonl: still being written" in quiet.skip_reason.skip_message
