@@ -180,5 +180,10 @@ def test_the_raycluster_pod_templates_pass_kubernetes_strict_schema() -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     spec = raycluster()["spec"]
     for name, group in [("head", spec["headGroupSpec"]), *((g["groupName"], g) for g in spec["workerGroupSpecs"])]:
-        template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name}, "template": group["template"]}
+        template = {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": name},
+            "template": group["template"],
+        }
         kubernetes_validate.validate(template, KUBERNETES_VERSION, strict=True)  # raises on any error

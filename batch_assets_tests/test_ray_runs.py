@@ -176,7 +176,10 @@ def test_drops_become_ray_jobs_and_a_killed_job_is_resumed_each_row_once(
     env_vars = launcher_block(head.address)["run_launcher"]["config"]["ray"]["env_vars"]
     home_config = yaml.safe_load((home / "dagster.yaml").read_text())
     home_config["run_launcher"]["config"]["ray"]["env_vars"] = [
-        *env_vars, "BATCH_ASSETS_RAY_CPU_ONLY", "BATCH_ASSETS_PROMPT_SECONDS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+        *env_vars,
+        "BATCH_ASSETS_RAY_CPU_ONLY",
+        "BATCH_ASSETS_PROMPT_SECONDS",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
         "PYTHONPATH",
         "PATH",
     ]
@@ -192,8 +195,10 @@ def test_drops_become_ray_jobs_and_a_killed_job_is_resumed_each_row_once(
 
     def all_done() -> bool:
         runs = instance.get_runs()
-        return bool(runs) and all(run.is_finished for run in runs) and all(
-            materializations(instance, "validated_labels", key) for key in rows
+        return (
+            bool(runs)
+            and all(run.is_finished for run in runs)
+            and all(materializations(instance, "validated_labels", key) for key in rows)
         )
 
     def runs_so_far() -> str:

@@ -58,7 +58,9 @@ def ray_decision(
             )
         ]
     lines = [ok(NAME, f"{address} answers, Ray {cluster_version} as installed here, {len(nodes)} alive node(s)")]
-    slots = {str(node.get("node_id")): float((node.get("resources_total") or {}).get(ENGINE_RESOURCE, 0)) for node in nodes}
+    slots = {
+        str(node.get("node_id")): float((node.get("resources_total") or {}).get(ENGINE_RESOURCE, 0)) for node in nodes
+    }
     offering = {node: n for node, n in slots.items() if n > 0}
     if offering:
         lines.append(
@@ -104,7 +106,9 @@ def check_ray_cluster(ctx: DoctorContext) -> Iterator[Check]:
         nodes = alive_nodes(address)
     except (OSError, ValueError, KeyError, TypeError) as error:
         reason = error.reason if isinstance(error, urllib.error.URLError) else error
-        yield fail(NAME, f"{address} does not answer as a Ray dashboard: {reason}", f"{ADDRESS_SETTING} in {ctx.instance_file}")
+        yield fail(
+            NAME, f"{address} does not answer as a Ray dashboard: {reason}", f"{ADDRESS_SETTING} in {ctx.instance_file}"
+        )
         return
     engine_tasks = [task.name for task in ctx.tasks.tasks if task.engine.kind == "vllm"]
     yield from ray_decision(address, version, installed, nodes, engine_tasks)

@@ -27,8 +27,8 @@ from batch_assets.lib.assets import IO_MANAGER_KEY, build_task_assets
 from batch_assets.lib.automation import build_automation_sensor
 from batch_assets.lib.checks import build_task_checks
 from batch_assets.lib.drops_sensor import build_drops_sensor
-from batch_assets.lib.ray_runs import RAY_CONFIG_TAG, ray_run_config
 from batch_assets.lib.range_failures import RANGE_FAILURE_SENSOR_NAME, build_range_failure_sensor
+from batch_assets.lib.ray_runs import RAY_CONFIG_TAG, ray_run_config
 from batch_assets.lib.split_job import build_split_job
 from batch_assets.lib.task_file_errors import build_task_file_error_sensor, fail_validation_on
 from batch_assets.pipeline.task_spec import TaskFileError, TaskSpec, TaskSpecError, load_tasks
