@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,6 @@ from pathlib import Path
 import psutil
 
 from batch_assets.doctor.ray_cluster import alive_nodes
-from batch_assets_tests.support import free_port
 
 LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 START_TIMEOUT_S = 120
@@ -36,6 +36,15 @@ class RayHead:
     address: str  # the dashboard's HTTP address: what JobSubmissionClient and RayRunLauncher take
     temp_dir: Path
     log: Path
+
+
+def distinct_free_ports(count: int) -> list[int]:
+    """`count` ports free now, all different: each socket stays bound until all are picked."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 def _answers(url: str) -> bool:
@@ -76,21 +85,17 @@ def ray_head(resources: dict[str, float], env: dict[str, str] | None = None, num
     (the Ray jobs' entrypoints inherit it)."""
     # Short: Ray's Unix sockets live under it, and a socket path is limited to 107 bytes.
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
-    dashboard = free_port()
-    ports = {
-        "--port": free_port(),
-        "--dashboard-port": dashboard,
-        "--ray-client-server-port": free_port(),
-        "--dashboard-agent-listen-port": free_port(),
-        "--dashboard-agent-grpc-port": free_port(),
-        "--metrics-export-port": free_port(),
-        "--runtime-env-agent-port": free_port(),
-    }
+    options = ["--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port"]
+    options += ["--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port"]
+    ports = dict(zip(options, distinct_free_ports(len(options)), strict=True))
+    dashboard = ports["--dashboard-port"]
     command = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--disable-usage-stats"]
     command += ["--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1", "--include-dashboard", "true"]
     command += [f"--num-cpus={num_cpus}", "--resources", json.dumps(resources), "--temp-dir", str(temp_dir)]
     for option, port in ports.items():
         command += [option, str(port)]
+    # Workers bind ports the system picks, not Ray's default range (10002-19999).
+    command += ["--min-worker-port", "0", "--max-worker-port", "0"]
     log = temp_dir / "ray-start.log"
     with log.open("w") as output:
         leader = subprocess.Popen(
