@@ -38,7 +38,7 @@ from batch_assets_tests.support import REPO_ROOT, free_port, read_output, runnin
 pytestmark = pytest.mark.slow
 
 TASK = "rayjobs"
-BIG = 120  # rows of the file whose run is killed: 10 rows a chunk, one answer each PACE_S
+BIG = 200  # rows of the file whose run is killed: 10 rows a chunk, one answer each PACE_S
 PACE_S = "0.05"
 RUNS_TIMEOUT_S = 240
 DOCS = REPO_ROOT / "docs" / "ray.md"
