@@ -9,7 +9,7 @@ export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 export PYTHONPYCACHEPREFIX ?= $(CURDIR)/$(VENV)/pycache
 export PYTHONDONTWRITEBYTECODE :=
 
-.PHONY: setup demo test test-fast lint golden ui image image-check deploy-check clean
+.PHONY: setup demo test test-fast lint golden ui image image-check deploy-check ray-up ray-down ray-check clean
 
 $(STAMP): pyproject.toml scripts/setup.sh scripts/uv_sources.sh requirements/cpu.txt requirements/gpu.txt requirements/extra.txt
 	bash scripts/setup.sh
@@ -72,6 +72,18 @@ image-check: setup
 # a container per run) driven for real: `make image` first.
 deploy-check: setup
 	$(VENV)/bin/python -m pytest -p no:xdist -m image batch_assets_tests/test_deploy_docker.py $(PYTEST_ARGS)
+
+# Runs on a multi-node Ray cluster of containers (deploy/ray/ray_topology.py: a Ray head, two workers with an
+# engine slot each, Postgres, S3 and the Dagster services; docs/ray.md): `make image` first. `ray-up`
+# prints S3_ENDPOINT=, DATA= and WEBSERVER= lines; `ray-check` starts its own and removes it.
+ray-up: setup
+	$(VENV)/bin/python deploy/ray/ray_topology.py up
+
+ray-down: setup
+	$(VENV)/bin/python deploy/ray/ray_topology.py down
+
+ray-check: setup
+	$(VENV)/bin/python -m pytest -p no:xdist -m image batch_assets_tests/test_ray_docker.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .dagster_home data

@@ -122,8 +122,9 @@ def test_each_run_is_one_pod_with_one_gpu_on_a_gpu_node(kubeconfig: Path) -> Non
 
 
 def test_shipped_tasks_take_the_one_gpu_default() -> None:
-    assert all(run_tags_for(task) == {} for task in load_task_specs())
-    # The instance's default run pod is what a one-GPU engine needs, so tasks on one GPU send no tag.
+    assert all(K8S_CONFIG_TAG not in run_tags_for(task) for task in load_task_specs())
+    # The instance's default run pod is what a one-GPU engine needs, so tasks on one GPU send no
+    # Kubernetes tag (their `dagster-ray/config` is for Ray: docs/ray.md).
     resources = launcher_config()["config"]["run_k8s_config"]["container_config"]["resources"]
     assert engine_pod_resources(1, 1) == DEFAULT_RUN_POD
     assert resources["limits"]["nvidia.com/gpu"] == str(DEFAULT_RUN_POD.gpus) == "1"
@@ -180,7 +181,7 @@ def test_auto_without_the_per_node_setting_is_one_replica(kubeconfig: Path, tmp_
     """Without BATCH_ASSETS_GPUS_PER_NODE, `auto` asks for one replica: the launcher's one-GPU pod
     (no tag), or `tensor_parallel_size` GPUs; the engine's `auto` then finds exactly those."""
     one_gpu = large_task(tmp_path, 1, "auto")
-    assert run_tags_for(one_gpu) == {}
+    assert K8S_CONFIG_TAG not in run_tags_for(one_gpu)
     assert gpus_and_cpus(job_pod(kubeconfig, one_gpu)) == ("1", "6")
     assert gpus_and_cpus(job_pod(kubeconfig, large_task(tmp_path, 2, "auto"))) == ("2", "8")
 

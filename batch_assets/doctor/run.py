@@ -17,6 +17,7 @@ from batch_assets.doctor.gpus import check_gpus
 from batch_assets.doctor.instance_checks import check_instance_storage, check_run_launcher, check_run_pod_env
 from batch_assets.doctor.models import check_models, check_tasks
 from batch_assets.doctor.pools import check_gpu_pool
+from batch_assets.doctor.ray_cluster import check_ray_cluster
 from batch_assets.doctor.report import Check, exit_status, fail, summary
 from batch_assets.doctor.storage_checks import check_locations, check_result_cache
 from batch_assets.lib.error_causes import error_line
@@ -28,6 +29,7 @@ CHECKS: list[tuple[str, CheckFunction]] = [
     ("instance storage", check_instance_storage),
     ("run launcher", check_run_launcher),
     ("run pod environment", check_run_pod_env),
+    ("ray cluster", check_ray_cluster),
     ("tasks", check_tasks),
     ("extras", check_extras),
     ("gpus", check_gpus),

@@ -39,6 +39,7 @@ from batch_assets.lib.automation import stale_partitions_condition
 from batch_assets.lib.drops_sensor import SOURCE_VERSION_TAG
 from batch_assets.lib.label_model_asset import label_model_assets
 from batch_assets.lib.range_failures import FAILED_PARTITIONS_METADATA
+from batch_assets.lib.ray_runs import ray_node_metadata
 from batch_assets.pipeline.calibration import calibrated_labels
 from batch_assets.pipeline.cascade_labels import Teach, teacher_task
 from batch_assets.pipeline.code_versions import code_versions
@@ -340,7 +341,7 @@ def infer_partitions(
         raise dg.Failure(description=str(exc), allow_retries=False) from exc
     for partition_key, (frame, stats) in zip(formatted_prompts, results, strict=True):
         metadata = inference_metadata(task, fmt, settings, session, frame, stats, fingerprint)
-        context.add_asset_metadata(metadata, partition_key=partition_key)
+        context.add_asset_metadata({**metadata, **ray_node_metadata()}, partition_key=partition_key)
     return {key: frame for key, (frame, _) in zip(formatted_prompts, results, strict=True)}
 
 

@@ -28,6 +28,7 @@ from batch_assets.lib.automation import build_automation_sensor
 from batch_assets.lib.checks import build_task_checks
 from batch_assets.lib.drops_sensor import build_drops_sensor
 from batch_assets.lib.range_failures import RANGE_FAILURE_SENSOR_NAME, build_range_failure_sensor
+from batch_assets.lib.ray_runs import RAY_CONFIG_TAG, ray_run_config
 from batch_assets.lib.split_job import build_split_job
 from batch_assets.lib.task_file_errors import build_task_file_error_sensor, fail_validation_on
 from batch_assets.pipeline.task_spec import TaskFileError, TaskSpec, TaskSpecError, load_tasks
@@ -152,7 +153,8 @@ def run_tags_for(task: TaskSpec) -> dict[str, object]:
     needs for them in its run pod (deploy/README.md); other run launchers ignore the tag. With
     `data_parallel_size: auto` the replicas are those that fit one node (`BATCH_ASSETS_GPUS_PER_NODE`
     divided by `tensor_parallel_size`), or one when that is unset; the engine in the pod then finds
-    exactly those GPUs."""
+    exactly those GPUs. On Ray every in-process engine's run asks for one `batch_assets_engine` slot
+    and the same GPUs (`dagster-ray/config`, lib/ray_runs.py)."""
     spec = task.engine
     if spec.kind in ("openai", "batch_api"):
         return {K8S_CONFIG_TAG: endpoint_pod_config(spec.api_key_env)}
@@ -162,15 +164,17 @@ def run_tags_for(task: TaskSpec) -> dict[str, object]:
         node_gpus = gpus_per_node()
         replicas = max(1, node_gpus // spec.tensor_parallel_size) if node_gpus else 1
     pod = engine_pod_resources(spec.tensor_parallel_size, replicas)
+    # On Ray (dagster-ray's RayRunLauncher) the same GPUs and one engine slot (lib/ray_runs.py).
+    tags: dict[str, object] = {RAY_CONFIG_TAG: ray_run_config(pod.gpus)}
     if pod == DEFAULT_RUN_POD:
-        return {}
+        return tags
     # dagster-k8s merges this into the instance's run pod config key by key: tolerations, volumes
     # and the Hugging Face token stay as the instance sets them.
     resources = {
         "limits": {"nvidia.com/gpu": str(pod.gpus), "memory": f"{pod.memory_limit_gib}Gi"},
         "requests": {"cpu": str(pod.cpus), "memory": f"{pod.memory_gib}Gi"},
     }
-    return {K8S_CONFIG_TAG: {"container_config": {"resources": resources}}}
+    return {**tags, K8S_CONFIG_TAG: {"container_config": {"resources": resources}}}
 
 
 def build_task_job(task: TaskSpec):

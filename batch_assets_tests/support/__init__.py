@@ -89,11 +89,12 @@ class Daemon:
 
 
 @contextlib.contextmanager
-def running_daemon(env: dict[str, str], log: Path) -> Iterator[Daemon]:
-    """`dagster-daemon run` for the block, in its own session, stopped with everything it started."""
+def running_daemon(env: dict[str, str], log: Path, workspace: str | Path = "workspace.yaml") -> Iterator[Daemon]:
+    """`dagster-daemon run` for the block (the repo's workspace, or `workspace`), in its own session,
+    stopped with everything it started."""
     with log.open("w") as output:
         process = subprocess.Popen(
-            [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", "workspace.yaml"],
+            [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", str(workspace)],
             cwd=REPO_ROOT,
             env=env,
             stdout=output,

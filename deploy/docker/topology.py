@@ -106,10 +106,11 @@ def ensure_postgres_image(engine: docker.DockerClient, settings: Settings) -> No
         engine.images.build(path=str(HERE / "postgres"), tag=settings.postgres_image, rm=True)
 
 
-def write_instance_files(engine: docker.DockerClient, settings: Settings) -> None:
-    """dagster.yaml and workspace.yaml into the shared home volume (the image's root is read-only)."""
+def write_instance_files(engine: docker.DockerClient, settings: Settings, instance_file: Path | None = None) -> None:
+    """dagster.yaml (this folder's, or `instance_file`) and workspace.yaml into the shared home volume
+    (the image's root is read-only)."""
     script = (
-        f"cat > {DAGSTER_HOME}/dagster.yaml <<'YAML'\n{(HERE / 'dagster.yaml').read_text()}YAML\n"
+        f"cat > {DAGSTER_HOME}/dagster.yaml <<'YAML'\n{(instance_file or HERE / 'dagster.yaml').read_text()}YAML\n"
         f"cat > {DAGSTER_HOME}/workspace.yaml <<'YAML'\n{(HERE / 'workspace.yaml').read_text()}YAML\n"
     )
     engine.containers.run(
@@ -137,6 +138,13 @@ def exec_ok(container: Container, command: list[str]) -> bool:
 def up(settings: Settings) -> dict[str, Container]:
     engine = client()
     down(engine, keep_volumes=True)
+    started = start_storage(engine, settings)
+    start_dagster(engine, settings, started, docker_runs=True)
+    return started
+
+
+def start_storage(engine: docker.DockerClient, settings: Settings, instance_file: Path | None = None) -> dict:
+    """The network, the volumes, the instance files, Postgres and S3 (its bucket made), ready."""
     ensure_postgres_image(engine, settings)
     engine.networks.create(NETWORK, driver="bridge", labels={LABEL: "network"})
     for volume in VOLUMES.values():
@@ -144,7 +152,7 @@ def up(settings: Settings) -> dict[str, Container]:
             engine.volumes.get(volume)
         except docker.errors.NotFound:
             engine.volumes.create(volume, labels={LABEL: "volume"})
-    write_instance_files(engine, settings)
+    write_instance_files(engine, settings, instance_file)
     started: dict[str, Container] = {}
     started["postgres"] = engine.containers.run(
         settings.postgres_image,
@@ -171,6 +179,12 @@ def up(settings: Settings) -> dict[str, Container]:
     wait_for("Postgres", lambda: exec_ok(started["postgres"], ["pg_isready", "-h", "127.0.0.1", "-q"]))
     check_s3 = ["python", "-c", f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:5000/{BUCKET}')"]
     wait_for("S3", lambda: exec_ok(started["s3"], check_s3) or create_bucket(started["s3"]))
+    return started
+
+
+def start_dagster(engine: docker.DockerClient, settings: Settings, started: dict, docker_runs: bool) -> None:
+    """The code server, the daemon (with the engine's socket when runs are containers: `docker_runs`)
+    and the webserver, ready; added to `started`."""
     started["code"] = engine.containers.run(**as_batch_user(settings, name="batch-assets-code"))
     wait_for(
         "the code server",
@@ -179,15 +193,19 @@ def up(settings: Settings) -> dict[str, Container]:
     )
     workspace = ["-w", f"{DAGSTER_HOME}/workspace.yaml"]
     socket = "/var/run/docker.sock"
+    # The run launcher starts each run's container through the engine: its socket, and the socket's
+    # group so that UID 10001 may use it.
+    through_socket = (
+        {
+            "volumes": {**SHARED_VOLUMES, socket: {"bind": socket, "mode": "rw"}},
+            "group_add": [str(os.stat(socket).st_gid)],
+        }
+        if docker_runs
+        else {}
+    )
     started["daemon"] = engine.containers.run(
         **as_batch_user(
-            settings,
-            name="batch-assets-daemon",
-            command=["dagster-daemon", "run", *workspace],
-            # The run launcher starts each run's container through the engine: its socket, and the
-            # socket's group so that UID 10001 may use it.
-            volumes={**SHARED_VOLUMES, socket: {"bind": socket, "mode": "rw"}},
-            group_add=[str(os.stat(socket).st_gid)],
+            settings, name="batch-assets-daemon", command=["dagster-daemon", "run", *workspace], **through_socket
         )
     )
     started["webserver"] = engine.containers.run(
@@ -200,7 +218,6 @@ def up(settings: Settings) -> dict[str, Container]:
     )
     check_web = ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:3000/server_info')"]
     wait_for("the webserver", lambda: exec_ok(started["webserver"], check_web), timeout=300)
-    return started
 
 
 def create_bucket(s3: Container) -> bool:
