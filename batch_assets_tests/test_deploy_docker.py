@@ -12,15 +12,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import boto3
 import dagster as dg
 import polars as pl
 import pytest
 
-from batch_assets_tests.support import SAMPLES, free_port, load_script
+from batch_assets_tests.support import SAMPLES, free_port
+from batch_assets_tests.support.topology import TOPOLOGY, drop_posts, labels_in_s3, s3
 
 pytestmark = [pytest.mark.image, pytest.mark.slow]
-TOPOLOGY = load_script(Path(__file__).resolve().parent.parent / "deploy" / "docker" / "topology.py")
 WORKSPACE = ["-w", f"{TOPOLOGY.DAGSTER_HOME}/workspace.yaml"]
 SAMPLE = SAMPLES / "sentiment" / "posts-sample.jsonl"
 FINISHED = {dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED}
@@ -64,16 +63,6 @@ def instance(topology: tuple, tmp_path_factory: pytest.TempPathFactory) -> Itera
             yield opened
 
 
-def s3(settings) -> boto3.client:
-    return boto3.client(
-        "s3",
-        endpoint_url=f"http://127.0.0.1:{settings.s3_port}",
-        aws_access_key_id=TOPOLOGY.AWS["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=TOPOLOGY.AWS["AWS_SECRET_ACCESS_KEY"],
-        region_name=TOPOLOGY.AWS["AWS_REGION"],
-    )
-
-
 def wait_for_runs(instance: dg.DagsterInstance, count: int, timeout: float, logs) -> list[dg.DagsterRun]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -106,19 +95,6 @@ def sensor_on(topology: tuple) -> None:
 
 def runs_of(instance: dg.DagsterInstance, partition: str) -> list[dg.DagsterRun]:
     return [run for run in instance.get_runs() if run.tags.get("dagster/partition") == partition]
-
-
-def drop_posts(client, folder: Path, name: str, texts: list[str]) -> None:
-    """A JSONL file of posts (`post_id` <name's stem><i>) into the sentiment drop zone on S3."""
-    stem = name.split(".")[0]
-    drop = folder / name
-    drop.write_text("".join(json.dumps({"post_id": f"{stem}{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
-    client.upload_file(str(drop), TOPOLOGY.BUCKET, f"data/drops/sentiment/{name}")
-
-
-def labels_in_s3(client, partition: str) -> pl.DataFrame:
-    key = f"data/storage/sentiment/validated_labels/{partition}.parquet"
-    return pl.read_parquet(client.get_object(Bucket=TOPOLOGY.BUCKET, Key=key)["Body"].read())
 
 
 def test_an_s3_drop_becomes_one_sensor_run_whose_container_labels_it(

@@ -17,7 +17,7 @@ import pytest
 
 from batch_assets.storage.drop_files import partition_key_for
 from batch_assets_tests.support import REPO_ROOT, free_port, load_script
-from batch_assets_tests.test_deploy_docker import drop_posts, labels_in_s3, s3
+from batch_assets_tests.support.topology import drop_posts, labels_in_s3, s3
 
 pytestmark = [pytest.mark.image, pytest.mark.slow]
 RAY = load_script(REPO_ROOT / "deploy" / "ray" / "ray_topology.py")
