@@ -115,8 +115,8 @@ class BatchApiEngine(OpenAIEngine):
             )
         return replace(super().resolve(task), kind=BATCH_API_KIND)
 
-    def settings(self, task: TaskSpec) -> BatchApiSettings:
-        base = super().settings(task)
+    def settings(self, task: TaskSpec, *, offline: bool = False) -> BatchApiSettings:
+        base = super().settings(task, offline=offline)
         spec = task.engine
         return BatchApiSettings(
             **{f.name: getattr(base, f.name) for f in fields(base) if f.name != "kind"},
