@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from batch_assets.engines.engine_figures import EndpointFigures, EngineFigures, percentile
+from batch_assets.engines.engine_figures import BatchTimes, EndpointFigures, EngineFigures, percentile
 from batch_assets.lib.run_outcomes import PartitionOutcome, Usage, usage_total_line
 
 
@@ -55,3 +55,18 @@ def test_the_closing_line_totals_the_files_tokens_and_dollars() -> None:
     outcomes = [outcome("a", first), outcome("b", second), outcome("c", Usage(9, 9, 9.0), skipped=True)]
     assert usage_total_line(outcomes) == "total of 2 files: tokens 1,500 in, 50 out, $0.005250, $0.250000 of GPU time"
     assert usage_total_line(outcomes[:1]) is None  # one file: its own line says it
+
+
+def test_batch_times_are_the_providers_own_clock() -> None:
+    from types import SimpleNamespace
+
+    times = BatchTimes()
+    assert times.metadata() == {}
+    times.add(SimpleNamespace(created_at=100, in_progress_at=160, finalizing_at=900, completed_at=960))
+    times.add(SimpleNamespace(created_at=130, in_progress_at=140, completed_at=None, failed_at=200))
+    times.add(SimpleNamespace(created_at=150))  # a provider that gives no more
+    assert times.metadata() == {
+        "batch_provider_wait_seconds": 60.0,
+        "batch_provider_run_seconds": 800.0,
+        "batch_provider_total_seconds": 860.0,
+    }

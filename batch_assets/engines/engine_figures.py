@@ -177,3 +177,40 @@ class EndpointFigures:
             if value is not None:
                 figures[f"latency_p{share}_s"] = value
         return figures
+
+
+# A provider's Batch object's timestamps (Unix seconds; OpenAI's names), in the order a batch passes them.
+_BATCH_ENDS = ("completed_at", "failed_at", "expired_at", "cancelled_at", "finalizing_at")
+
+
+class BatchTimes:
+    """What the provider's batches took by its own clock: waiting before it ran them, and running."""
+
+    def __init__(self) -> None:
+        self.created: list[float] = []
+        self.waits: list[float] = []  # in_progress_at - created_at
+        self.runs: list[float] = []  # the end - in_progress_at
+        self.ends: list[float] = []
+
+    def add(self, batch: Any) -> None:
+        """One finished batch (a response without the timestamps adds what it has)."""
+        created, started = getattr(batch, "created_at", None), getattr(batch, "in_progress_at", None)
+        end = next((value for name in _BATCH_ENDS if (value := getattr(batch, name, None))), None)
+        if created:
+            self.created.append(float(created))
+        if created and started:
+            self.waits.append(float(started) - float(created))
+        if started and end:
+            self.runs.append(float(end) - float(started))
+        if end:
+            self.ends.append(float(end))
+
+    def metadata(self) -> dict[str, float]:
+        figures: dict[str, float] = {}
+        if self.waits:
+            figures["batch_provider_wait_seconds"] = round(max(self.waits), 3)
+        if self.runs:
+            figures["batch_provider_run_seconds"] = round(max(self.runs), 3)
+        if self.created and self.ends:
+            figures["batch_provider_total_seconds"] = round(max(self.ends) - min(self.created), 3)
+        return figures
