@@ -85,6 +85,8 @@ def test_estimate_matches_the_run_which_costs_no_more_and_reports_the_engine(wor
     assert f"tokens {inferred['prompt_tokens']:,} in, {inferred['generated_tokens']:,} out" in line, line
     assert f"${inferred['cost_usd']:,.6f}" in line and "of GPU time" in line, line
     assert 0 < inferred["cost_usd"] <= estimate["max_cost"] == formatted["estimated_max_cost_usd"]
+    # One device (a CPU), one partition: its engine seconds, at $2.50 an hour.
+    assert inferred["gpu_hours"] == pytest.approx(inferred["engine_seconds"] / 3600, abs=1e-6)
     assert inferred["gpu_cost_usd"] == pytest.approx(inferred["gpu_hours"] * 2.5, abs=1e-6)
     # vLLM's own figures, in range; the shared system prompt is served from the prefix cache.
     assert 0 < inferred["prefix_cache_hit_rate"] <= 1, inferred

@@ -70,3 +70,62 @@ def test_batch_times_are_the_providers_own_clock() -> None:
         "batch_provider_run_seconds": 800.0,
         "batch_provider_total_seconds": 860.0,
     }
+
+
+def _estimated(tmp_path, formatted, history, cached=None):
+    from types import SimpleNamespace
+
+    from batch_assets.lib.estimates import estimate_partition
+    from batch_assets.pipeline.task_formats import task_format
+    from batch_assets.pipeline.task_spec import load_task_spec
+
+    path = tmp_path / "priced.yaml"
+    path.write_text(
+        "input: {text_fields: [text]}\nprompt: {template: '{text}'}\nsampling: {temperature: 0, max_tokens: 5}\n"
+        "engine: {price: {input_per_million_tokens: 1.0, output_per_million_tokens: 10.0, per_gpu_hour: 3.6}}\n"
+        "output: {kind: choices, choices: [a, b]}\n"
+    )
+    settings = SimpleNamespace(kind="vllm", on_gpu=True, tensor_parallel_size=2, data_parallel_size=1)
+    return estimate_partition(formatted, task_format(load_task_spec(path)), settings, history, cached)
+
+
+def test_an_estimate_counts_refused_rows_cache_hits_and_expected_figures(tmp_path) -> None:
+    import polars as pl
+
+    from batch_assets.lib.estimates import History
+    from batch_assets.pipeline.run_inference import keyed_requests
+
+    formatted = pl.DataFrame(
+        {
+            "row_id": [0, 1, 2, 3],
+            "prompt": ["x", "y", "x", ""],
+            "error": [None, None, None, "empty_text: no text"],
+            "num_prompt_tokens": [100, 200, 100, 0],
+        }
+    )
+    answered = keyed_requests(formatted, deduplicate=True)["request_key"][1]  # "y"
+    estimate = _estimated(tmp_path, formatted, History(2, 3.0, 0.5), lambda keys: {answered})
+    assert estimate.refused == {"empty_text": 1} and estimate.worst.rows_to_infer == 3
+    assert (estimate.worst.prompt_tokens, estimate.worst.max_generated_tokens) == (400, 15)
+    # "y" is cached; the two "x" rows are one request.
+    assert (estimate.rows_from_cache, estimate.requests) == (1, 1)
+    assert estimate.expected_generated_tokens == 9  # 3 tokens a row, measured
+    assert estimate.worst.cost_usd == 0.00055 and estimate.expected_cost_usd == 0.00049
+    # One request at 0.5 rows/s on 2 GPUs: 4 GPU-seconds, at $3.60 an hour.
+    assert estimate.gpu_hours == 4 / 3600 and estimate.gpu_cost_usd == 0.004
+    assert estimate.metadata()["estimated_gpu_cost_usd"] == 0.004
+
+
+def test_an_estimate_of_only_refused_rows_and_no_history_has_no_expected_figures(tmp_path) -> None:
+    import polars as pl
+
+    from batch_assets.lib.estimates import History
+
+    formatted = pl.DataFrame(
+        {"row_id": [0], "prompt": [""], "error": ["empty_text: no text"], "num_prompt_tokens": [0]},
+        schema_overrides={"error": pl.String},
+    )
+    estimate = _estimated(tmp_path, formatted, History(), lambda keys: set())
+    assert (estimate.worst.rows_to_infer, estimate.rows_from_cache, estimate.requests) == (0, 0, 0)
+    assert estimate.expected_generated_tokens is None and estimate.gpu_hours is None
+    assert "estimated_cost_usd" not in estimate.metadata() and estimate.metadata()["estimated_max_cost_usd"] == 0.0

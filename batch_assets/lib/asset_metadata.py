@@ -95,7 +95,8 @@ def inference_metadata(
     engine's device time this partition took (its share of the stream's)."""
     generated = int(frame["num_generated_tokens"].sum() or 0)
     price = engine_price(task.engine)
-    gpu = {} if gpu_hours is None else {"gpu_hours": round(gpu_hours, 6)}
+    # Nine digits: a partition of seconds is a few millionths of an hour.
+    gpu = {} if gpu_hours is None else {"gpu_hours": round(gpu_hours, 9)}
     if gpu_hours is not None and (gpu_cost := gpu_cost_usd(gpu_hours, price)) is not None:
         gpu["gpu_cost_usd"] = gpu_cost
     return {

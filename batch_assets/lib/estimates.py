@@ -105,7 +105,7 @@ class PartitionEstimate:
         optional = {
             "estimated_generated_tokens": self.expected_generated_tokens,
             "estimated_cost_usd": self.expected_cost_usd,
-            "estimated_gpu_hours": None if self.gpu_hours is None else round(self.gpu_hours, 6),
+            "estimated_gpu_hours": None if self.gpu_hours is None else round(self.gpu_hours, 9),
             "estimated_gpu_cost_usd": self.gpu_cost_usd,
         }
         return {**values, **{name: value for name, value in optional.items() if value is not None}}
@@ -126,7 +126,7 @@ def estimate_partition(
     worst = estimate_cost(formatted, fmt)
     keyed = keyed_requests(formatted, fmt.deduplicate)
     found = cached_keys(keyed["request_key"].unique()) if cached_keys is not None and fmt.deduplicate else set()
-    hit = keyed["request_key"].is_in(list(found)) if found else pl.Series([False] * keyed.height)
+    hit = keyed["request_key"].is_in(list(found)) if found else pl.Series([False] * keyed.height, dtype=pl.Boolean)
     requests = keyed.filter(~hit)["request_key"]
     price = engine_price(fmt.task.engine)
     expected = None
