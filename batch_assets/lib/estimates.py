@@ -208,7 +208,10 @@ def estimate_lines(label: str, estimate: PartitionEstimate) -> list[str]:
         lines.append(f"  cost: at most ${worst.cost_usd:,.6f}{expected}")
     if estimate.gpu_hours is not None:
         rate = estimate.history.rows_per_second or 0.0
-        gpu = f"  GPU-hours: {estimate.gpu_hours:,.6f} ({estimate.gpus} device(s) at {rate:,.1f} rows/s measured)"
+        gpu = (
+            f"  GPU time: {estimate.gpu_hours * SECONDS_PER_HOUR:,.1f} s = {estimate.gpu_hours:,.6f} GPU-hours "
+            f"({estimate.gpus} device(s) at {rate:,.1f} rows/s measured)"
+        )
         if estimate.gpu_cost_usd is not None:
             gpu += f", ${estimate.gpu_cost_usd:,.6f} at ${estimate.per_gpu_hour:,.2f}/GPU-hour"
         lines.append(gpu)
