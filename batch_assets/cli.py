@@ -5,6 +5,7 @@
     batch-assets drop TASK FILE...  what `run` does before running: copy into the drop zone, register
                                     the partitions (for `dg launch`, the launchpad or the sensor to run)
     batch-assets tasks              the tasks and their drop zones
+    batch-assets estimate TASK FILE...  rows, tokens and cost of each file, before running it
     batch-assets demo               the bundled sample drops of every task, skipping partitions
                                     that already succeeded with the same file
     batch-assets ui                 the Dagster UI and daemon (`dg dev`) on DAGSTER_HOME, one per home
@@ -156,8 +157,12 @@ def _reporter() -> RunReporter:
 def _print_outcomes(outcomes: list[PartitionOutcome]) -> None:
     if TERMINAL.log_path and any(not outcome.ok for outcome in outcomes):
         TERMINAL.say(f"engine and library output of this command: {TERMINAL.log_path}")
+    from batch_assets.lib.run_outcomes import usage_total_line
+
     for outcome in outcomes:
         TERMINAL.say(outcome.line())
+    if total := usage_total_line(outcomes):
+        TERMINAL.say(total)
 
 
 def command_run(
@@ -230,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_doctor(TERMINAL.say, verbose=TERMINAL.verbose, source=args.source)
         if args.command == "cache":
             return command_cache(args, TERMINAL.say)
+        if args.command == "estimate":
+            from batch_assets.lib.estimate_command import command_estimate
+
+            return command_estimate(args, TERMINAL.say)
         if args.command == "serve":
             from batch_assets.serve.command import command_serve
 

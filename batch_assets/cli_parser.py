@@ -84,9 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--workspace",
         help="Dagster workspace file (default: workspace.yaml where there is one, else the bundled code location)",
     )
-    add_drop_parser(commands, in_project)
+    for add in (add_drop_parser, add_estimate_parser, add_serve_parser):
+        add(commands, in_project)
     add_cache_parser(commands)
-    add_serve_parser(commands, in_project)
     return parser
 
 
@@ -127,6 +127,23 @@ def add_drop_parser(commands, in_project: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let a file replace a different drop file of the same name (from another folder)",
     )
+
+
+def add_estimate_parser(commands, in_project: argparse.ArgumentParser) -> None:
+    """`estimate TASK FILE...`: what each file would cost, before it runs."""
+    estimate = commands.add_parser(
+        "estimate",
+        parents=[in_project],
+        help="rows, refused rows, tokens, cache hits and cost of files for a task, without running them",
+        description="For each file, read and formatted as its run would: rows, rows refused before any engine "
+        "(by error code), prompt tokens (the task's tokenizer, as the run counts prompt_tokens), the most generated "
+        "tokens (rows x max_tokens) and the expected ones (from the task's earlier partitions), rows the result "
+        "cache answers and, with engine.price, the cost at worst and expected (GPU-hours at the measured rows/s "
+        "with engine.price.per_gpu_hour). Starts no engine, sends no request, copies nothing. Exit status 0, or 2 "
+        "for a usage error.",
+    )
+    estimate.add_argument("task", help="the task (its name as `batch-assets tasks` lists it)")
+    estimate.add_argument("files", nargs="+", help="input files, as `run` takes them")
 
 
 def add_cache_parser(commands) -> None:

@@ -149,7 +149,7 @@ def test_run_of_several_files_is_one_run_per_range_with_a_line_per_file(workdir,
     lines = summary_lines(result.stdout)
     assert [line.split(":")[0] for line in lines] == [f"industry/{n}" for n in names]
     assert all(f"{rows} rows, 0 error rows" in line for line, rows in zip(lines, (2, 3, 4), strict=True)), lines
-    assert all(re.search(r", \d+\.\d generated tok/s$", line) for line in lines), lines
+    assert all(re.search(r", \d+\.\d generated tok/s; tokens \d+ in, \d+ out$", line) for line in lines), lines
     with open_instance(tmp_path / "home") as instance:
         [run] = instance.get_runs()
         assert run.is_success
@@ -183,8 +183,15 @@ def test_run_of_several_files_is_one_run_per_range_with_a_line_per_file(workdir,
     again = cli_in_process(["run", "industry", "--replace", *(str(tmp_path / n) for n in names)])
     assert again.returncode == 0 and len(summary_lines(again.stdout)) == 3
     # Issue 29.9: these lines said "0.0 generated tok/s"; they say where the rows came from.
+    tokens = []
     for line, rows in zip(summary_lines(again.stdout), (2, 3, 4), strict=True):
-        assert line.endswith(f", nothing inferred: {rows} rows from the result cache") and "tok/s" not in line, line
+        assert f", nothing inferred: {rows} rows from the result cache; tokens " in line and "tok/s" not in line, line
+        used = re.search(r"; tokens ([\d,]+) in, ([\d,]+) out$", line)
+        assert used, line
+        tokens.append([int(value.replace(",", "")) for value in used.groups()])
+    # The closing line totals the files' tokens (issue 60).
+    total = f"total of 3 files: tokens {sum(t[0] for t in tokens):,} in, {sum(t[1] for t in tokens):,} out"
+    assert total in again.stdout.splitlines(), again.stdout
     with open_instance(tmp_path / "home") as instance:
         assert len(instance.get_runs()) == 2
         for name, rows in zip(names, (2, 3, 4), strict=True):

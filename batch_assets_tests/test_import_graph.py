@@ -225,7 +225,7 @@ ALLOWED_IMPORTS: dict[str, Rule] = {
     "runtime": Rule("Dagster's and vLLM's runtime beyond their public API, and the workarounds on it"),
     "engines": Rule(
         "the engines behind the contract, each a Dagster resource",
-        {"pipeline": ANY, "runtime": ("vllm_private", "interrupts")},
+        {"pipeline": ANY, "runtime": ("vllm_private", "vllm_stats", "interrupts")},
     ),
     "storage": Rule(
         "locations, drop files, parquet, checkpoints, the result cache",

@@ -28,6 +28,7 @@ import dagster as dg
 import polars as pl
 import pytest
 
+from batch_assets.engines.engine_figures import EndpointFigures
 from batch_assets.engines.openai_engine import EndpointError, OpenAIEngine, chat_request_params
 from batch_assets.lib.task_definitions import build_definitions
 from batch_assets.pipeline.engine_contract import Prompt
@@ -304,11 +305,17 @@ def test_transient_faults_are_retried_and_every_row_succeeds(
     engine = OpenAIEngine()
     tokenizer = engine.tokenizer(engine.settings(task))
     prompts = [Prompt(tuple(tokenizer(p)["input_ids"]), ({"role": "user", "content": p},)) for p in POSTS]
-    generations = engine.generate(task, prompts)
+    figures = EndpointFigures()
+    generations = engine.generate(task, prompts, figures=figures)
     assert [g.error for g in generations] == [None] * len(POSTS)
     assert all(g.text in ("positive", "negative", "neutral") for g in generations)
     assert (generations[0].num_prompt_tokens, generations[0].num_generated_tokens) == (11, 2)  # the server's usage
     assert fault_server.attempts == Counter({"alpha": 3, "bravo": 2, "charlie": 2, "delta": 2, "*": 2})
+    # What inference_outputs records of the traffic: every attempt, the retries, the 429s, the latency
+    # (the slow request's 0.5 s timeout and its retry within its call's).
+    seen = figures.metadata()
+    assert (seen["http_requests"], seen["http_retries"], seen["http_429s"]) == (11, 5, 2), seen
+    assert 0 < seen["latency_p50_s"] <= seen["latency_p95_s"] and seen["latency_p95_s"] > 0.5
     assert {h.get("authorization") for h in fault_server.headers_seen} == {f"Bearer {API_KEY}"}
 
 

@@ -55,6 +55,7 @@ def test_private_dagster_and_vllm_imports_live_only_in_the_runtime_package() -> 
         "vllm.lora.request",
         "vllm.usage.usage_lib",
         "vllm.v1.engine.exceptions",
+        "vllm.v1.metrics.loggers",
     }
 
 
@@ -106,6 +107,36 @@ def test_vllm_internals_keep_the_shapes_relied_on() -> None:
     # engine.lora: each request's adapter, by name, number and folder, passed to `generate`.
     assert list(inspect.signature(LoRARequest).parameters)[:3] == ["lora_name", "lora_int_id", "lora_path"]
     assert "lora_request" in inspect.signature(AsyncLLM.generate).parameters
+
+
+def test_vllm_stat_logger_fields_keep_the_shapes_relied_on() -> None:
+    """runtime/vllm_stats.py: the factory `stat_loggers=` takes, and the fields of the stats `record` reads."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.metrics.loggers import StatLoggerBase
+    from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+
+    from batch_assets.engines.engine_figures import EngineFigures
+    from batch_assets.runtime.vllm_stats import stat_logger_factory
+
+    assert "stat_loggers" in inspect.signature(AsyncLLM.from_engine_args).parameters
+    assert list(inspect.signature(StatLoggerBase.record).parameters)[1:3] == ["scheduler_stats", "iteration_stats"]
+    scheduler = SchedulerStats()
+    scheduler.kv_cache_usage = 0.25
+    scheduler.prefix_cache_stats.queries, scheduler.prefix_cache_stats.hits = 100, 60
+    iteration = IterationStats()
+    iteration.num_generation_tokens, iteration.num_preempted_reqs = 7, 1
+    iteration.prompt_token_stats.total = 100
+    iteration.time_to_first_tokens_iter = [0.5, 1.5]
+    finished = {name: getattr(FinishedRequestStats, name, None) for name in ("queued_time", "num_prompt_tokens")}
+    assert None not in finished.values(), finished
+    figures = EngineFigures()
+    mark = figures.mark()
+    logger = stat_logger_factory(figures)(None, 0)
+    assert isinstance(logger, StatLoggerBase)
+    logger.record(scheduler, iteration)
+    seen = figures.since(mark)
+    assert (seen["prefix_cache_hit_rate"], seen["preemptions"], seen["kv_cache_usage_peak"]) == (0.6, 1, 0.25)
+    assert 0.5 <= seen["ttft_p50_s"] <= 0.52 and 1.5 <= seen["ttft_p95_s"] <= 1.54
 
 
 def _graph():

@@ -55,6 +55,7 @@ from batch_assets.engines.batch_api_files import (
     settle_answers,
     split_files,
 )
+from batch_assets.engines.engine_figures import BatchTimes
 from batch_assets.engines.openai_engine import (
     EndpointError,
     EndpointSettings,
@@ -115,8 +116,8 @@ class BatchApiEngine(OpenAIEngine):
             )
         return replace(super().resolve(task), kind=BATCH_API_KIND)
 
-    def settings(self, task: TaskSpec) -> BatchApiSettings:
-        base = super().settings(task)
+    def settings(self, task: TaskSpec, *, offline: bool = False) -> BatchApiSettings:
+        base = super().settings(task, offline=offline)
         spec = task.engine
         return BatchApiSettings(
             **{f.name: getattr(base, f.name) for f in fields(base) if f.name != "kind"},
@@ -187,6 +188,7 @@ class BatchSession:
         self._wanted: set[str] = set()
         self._runs: list[_Run] = []  # the streams not ended yet: what a stop must cancel
         self.answer_counts = AnswerCounts()  # over every batch collected: what did not add up
+        self.times = BatchTimes()  # the provider's own clock of each batch collected
 
     def start(self, requests: int = 0) -> None:
         pass
@@ -197,6 +199,7 @@ class BatchSession:
             "engine_started_by_this_run": False,
             "batch_ids": ", ".join(self.batch_ids),
             **self.answer_counts.metadata(),
+            **self.times.metadata(),
         }
 
     def stream(self, prompts: Iterable[Prompt]) -> Iterator[tuple[int, Generation]]:
@@ -572,6 +575,7 @@ class _Run:
         counts = AnswerCounts()
         answers = settle_answers(files, record["id_set"], counts)
         self.session.answer_counts.add(counts)
+        self.session.times.add(batch)
         if said := counts.summary():
             self.session.log(f"batch {batch.id}: its output and error files do not add up ({said})")
         self.session._collected[record["name"]] = record

@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
@@ -43,6 +44,7 @@ import dagster as dg
 from pydantic import Field
 
 from batch_assets.engines.embedded_model import model_token_limit, resolve_model
+from batch_assets.engines.engine_figures import EndpointFigures
 from batch_assets.engines.tokenizers import load_tokenizer
 from batch_assets.engines.vllm_args import output_vllm_args
 from batch_assets.pipeline.engine_contract import Generation, Prompt, ResolvedSettings, batched_stream
@@ -390,7 +392,9 @@ class OpenAIEngine(dg.ConfigurableResource):
             lora=resolve_lora(spec.lora) if spec.lora is not None else None,
         )
 
-    def settings(self, task: TaskSpec) -> EndpointSettings:
+    def settings(self, task: TaskSpec, *, offline: bool = False) -> EndpointSettings:
+        """`offline`: ask the server nothing (`batch-assets estimate`): a task that names no model is
+        counted with the tokenizer its default model name gives."""
         spec, resolved = task.engine, self.resolve(task)
         base_url = self.base_url or spec.base_url
         if not base_url:
@@ -414,7 +418,7 @@ class OpenAIEngine(dg.ConfigurableResource):
         }
         model = (
             self._served_model(task, base_url, settings["request_timeout_s"], settings["max_retries"])
-            if resolved.model_from_server
+            if resolved.model_from_server and not offline
             else resolved.model
         )
         tokenizer, tokenizer_note = self._tokenizer_source(task, model)
@@ -442,7 +446,11 @@ class OpenAIEngine(dg.ConfigurableResource):
         yield EndpointSession(self, task, settings)
 
     def generate(
-        self, task: TaskSpec, prompts: Sequence[Prompt], settings: EndpointSettings | None = None
+        self,
+        task: TaskSpec,
+        prompts: Sequence[Prompt],
+        settings: EndpointSettings | None = None,
+        figures: EndpointFigures | None = None,
     ) -> list[Generation]:
         """One chat completion per prompt (an embedding task: one vector per prompt, several texts
         per request), `concurrency` requests at a time; failed requests become error rows."""
@@ -463,7 +471,7 @@ class OpenAIEngine(dg.ConfigurableResource):
         settings = settings or self.settings(task)
         api_key = self._api_key(task)
         if task.output.pooling:
-            return self._embed(settings, api_key, prompts)
+            return self._embed(settings, api_key, prompts, figures)
         default = chat_request_params(task, settings.model, settings.structured_outputs, logprobs=settings.logprobs)
         params = [
             default
@@ -474,7 +482,7 @@ class OpenAIEngine(dg.ConfigurableResource):
             for p in prompts
         ]
         calls = [_chat_call(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
-        outcomes = _run_coroutine(self._gather(settings, api_key, calls))
+        outcomes = _run_coroutine(self._gather(settings, api_key, calls, figures=figures))
         _check_outcomes(settings, outcomes)
         tokenizer = None
         results = []
@@ -508,14 +516,18 @@ class OpenAIEngine(dg.ConfigurableResource):
             )
         return results
 
-    def _embed(self, settings: EndpointSettings, api_key: str, prompts: list[Prompt]) -> list[Generation]:
+    def _embed(
+        self, settings: EndpointSettings, api_key: str, prompts: list[Prompt], figures: EndpointFigures | None = None
+    ) -> list[Generation]:
         """`/v1/embeddings` for an embedding or similarity task: the prompts' texts, several per request
         (`embedding_requests`); a request the server refused (HTTP 400) is sent again text by text."""
         texts = [p.text for p in prompts]
 
         def send(requests: list[EmbeddingRequest]) -> list[tuple[EmbeddingRequest, Any]]:
             calls = [_embedding_call(settings.model, [texts[i] for i in r.positions], r) for r in requests]
-            return list(zip(requests, _run_coroutine(self._gather(settings, api_key, calls, True)), strict=True))
+            return list(
+                zip(requests, _run_coroutine(self._gather(settings, api_key, calls, True, figures)), strict=True)
+            )
 
         results = send(embedding_requests([len(p) for p in prompts], settings.concurrency, settings.max_model_len))
         refused = [r for r, o in results if isinstance(o, _Failure) and o.status == 400 and len(r.positions) > 1]
@@ -551,6 +563,7 @@ class OpenAIEngine(dg.ConfigurableResource):
         api_key: str,
         calls: list[Callable[[Any], Awaitable[Any]]],
         embeddings: bool = False,
+        figures: EndpointFigures | None = None,
     ) -> list:
         """Each call's outcome (or the `_Failure` it raised), `concurrency` calls in flight; once the
         endpoint as a whole has failed, what is left is not sent."""
@@ -561,18 +574,29 @@ class OpenAIEngine(dg.ConfigurableResource):
 
         gate = asyncio.Semaphore(settings.concurrency)
         stop = asyncio.Event()  # set once the endpoint as a whole has failed: skip what is left
+        counted = figures or EndpointFigures()
 
+        async def on_request(_request) -> None:
+            counted.attempt()
+
+        async def on_response(response) -> None:
+            counted.response(response.status_code)
+
+        # The client's own HTTP client (its defaults), with hooks that see every attempt, retries included.
+        http_client = openai.DefaultAsyncHttpxClient(event_hooks={"request": [on_request], "response": [on_response]})
         async with openai.AsyncOpenAI(
             base_url=settings.base_url,
             api_key=api_key,
             timeout=settings.request_timeout_s,
             max_retries=settings.max_retries,
+            http_client=http_client,
         ) as client:
 
             async def one(call: Callable[[Any], Awaitable[Any]]):
                 async with gate:
                     if stop.is_set():
                         return _Failure("endpoint_error: not sent, the endpoint failed", fatal=None)
+                    started = time.monotonic()
                     try:
                         return await call(client)
                     except openai.APIError as exc:
@@ -593,6 +617,8 @@ class OpenAIEngine(dg.ConfigurableResource):
                             f"endpoint_error: unreadable response ({type(exc).__name__}): "
                             f"{_redact(str(exc), api_key)[:200]}"
                         )
+                    finally:
+                        counted.call_done(time.monotonic() - started)
 
             return await asyncio.gather(*(one(call) for call in calls))
 
@@ -734,14 +760,17 @@ class EndpointSession:
     start_seconds = 0.0
 
     def __init__(self, engine: OpenAIEngine, task: TaskSpec, settings: EndpointSettings) -> None:
-        self._stream = batched_stream(lambda prompts: engine.generate(task, prompts, settings), settings.batch_size)
+        self.figures = EndpointFigures()
+        self._stream = batched_stream(
+            lambda prompts: engine.generate(task, prompts, settings, self.figures), settings.batch_size
+        )
 
     def start(self, requests: int = 0) -> None:
         pass
 
     @property
     def metadata(self) -> dict[str, Any]:
-        return {"engine_started_by_this_run": False}
+        return {"engine_started_by_this_run": False, **self.figures.metadata()}
 
     def stream(self, prompts: Iterable[Prompt]) -> Iterator[tuple[int, Generation]]:
         return self._stream(prompts)

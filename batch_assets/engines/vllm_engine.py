@@ -59,6 +59,7 @@ import dagster as dg
 from pydantic import Field
 
 from batch_assets.engines.embedded_model import model_token_limit, resolve_model
+from batch_assets.engines.engine_figures import EngineFigures, Mark
 from batch_assets.engines.gpu_probe import NvmlProbe, driver_problem, probe_nvml, torch_cuda_major
 from batch_assets.engines.tokenizers import load_tokenizer
 from batch_assets.engines.vllm_args import (
@@ -515,6 +516,8 @@ class _AsyncEngine:
         self._thread.start()
         self._tasks: set[asyncio.Task] = set()
         self._reaper = _Reaper()
+        # What the engine itself measures (prefix-cache hits, queueing, KV-cache use), fed by vLLM's stat loggers.
+        self.figures = EngineFigures()
         try:
             self.llm = self._call(self._create())
         except BaseException:
@@ -528,13 +531,16 @@ class _AsyncEngine:
         from vllm import AsyncLLMEngine as AsyncLLM  # vLLM's public name of its v1 `AsyncLLM`
 
         from batch_assets.runtime.vllm_private import UsageContext
+        from batch_assets.runtime.vllm_stats import stat_logger_factory
 
         # The engine's processes are started here and inherit this environment. The `LLM` class's
         # usage context: an offline batch, so vLLM's offline step budgets for the device (see
         # GPU_VLLM_ARG_DEFAULTS), the same engine a hand-written `LLM(...)` script gets.
         with _environment({**self._environment, **self._reaper.environment}):
             return AsyncLLM.from_engine_args(
-                AsyncEngineArgs(**self.settings.engine_args()), usage_context=UsageContext.LLM_CLASS
+                AsyncEngineArgs(**self.settings.engine_args()),
+                usage_context=UsageContext.LLM_CLASS,
+                stat_loggers=[stat_logger_factory(self.figures)],
             )
 
     def _call(self, coroutine, timeout: float | None = None):
@@ -873,12 +879,16 @@ class VLLMSession:
         self.started_here = False
         self.start_seconds = 0.0
         self._default_params = None
+        # The engine's figures from this session's first stream on (a warm engine ran others before).
+        self._figures: tuple[EngineFigures, Mark] | None = None
 
     def start(self, requests: int = 0) -> None:
         if self._engine is not None:
             return
         started = time.monotonic()
         self._engine, self.started_here = process_engine_for(self._settings).get(self._settings, requests)
+        if self._figures is None:
+            self._figures = (self._engine.figures, self._engine.figures.mark())
         if self.started_here:
             self.start_seconds = time.monotonic() - started
             self._log(f"started the vLLM engine in {self.start_seconds:.1f} s")
@@ -915,7 +925,8 @@ class VLLMSession:
     @property
     def metadata(self) -> dict[str, Any]:
         starts = PROCESS_ENGINES[self._settings.runner].starts
-        return {"engine_started_by_this_run": self.started_here, "engine_starts_in_process": starts}
+        figures = self._figures[0].since(self._figures[1]) if self._figures is not None else {}
+        return {"engine_started_by_this_run": self.started_here, "engine_starts_in_process": starts, **figures}
 
 
 def _resolved_lora(task: TaskSpec, model: str, model_setting: str) -> ResolvedLora | None:

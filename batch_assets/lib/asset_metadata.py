@@ -13,11 +13,12 @@ from typing import Any, cast
 import dagster as dg
 import polars as pl
 
+from batch_assets.lib.estimates import PartitionEstimate
 from batch_assets.pipeline.budget import actual_cost_metadata, estimate_cost
 from batch_assets.pipeline.calibration import calibration_report
 from batch_assets.pipeline.engine_contract import EngineSession, EngineSettings
 from batch_assets.pipeline.label_quality import AccuracyReport, accuracy_report, confidence_report, error_code_counts
-from batch_assets.pipeline.prices import engine_price
+from batch_assets.pipeline.prices import engine_price, gpu_cost_usd
 from batch_assets.pipeline.run_inference import InferenceStats
 from batch_assets.pipeline.task_formats import TaskFormat
 from batch_assets.pipeline.task_spec import TaskSpec
@@ -58,8 +59,11 @@ def prompt_tokens(frame: pl.DataFrame) -> int:
     return int(frame["num_prompt_tokens"].sum() or 0)
 
 
-def formatted_metadata(frame: pl.DataFrame, fmt: TaskFormat, seconds: float) -> dict[str, Any]:
-    """A partition of formatted_prompts: its rows, errors, prompt tokens and worst-case cost."""
+def formatted_metadata(
+    frame: pl.DataFrame, fmt: TaskFormat, seconds: float, estimate: PartitionEstimate | None = None
+) -> dict[str, Any]:
+    """A partition of formatted_prompts: its rows, errors, prompt tokens and its estimate (worst case,
+    and with `estimate` the cache's share and the expected figures: lib/estimates.py)."""
     errors = error_code_counts(frame)
     return {
         "rows": frame.height,
@@ -70,7 +74,7 @@ def formatted_metadata(frame: pl.DataFrame, fmt: TaskFormat, seconds: float) -> 
         "max_prompt_tokens": int(cast("int | None", frame["num_prompt_tokens"].max()) or 0),
         "seconds": round(seconds, 3),
         **fmt.formatting_metadata(frame),
-        **estimate_cost(frame, fmt).metadata(),
+        **(estimate.metadata() if estimate is not None else estimate_cost(frame, fmt).metadata()),
         "dagster/row_count": frame.height,
         "dagster/column_schema": column_schema(frame),
     }
@@ -84,9 +88,17 @@ def inference_metadata(
     frame: pl.DataFrame,
     stats: InferenceStats,
     fingerprint: str,
+    gpu_hours: float | None = None,
 ) -> dict[str, Any]:
-    """A partition of inference_outputs: where its rows came from, tokens, speed, model and settings."""
+    """A partition of inference_outputs: where its rows came from, tokens, speed, model and settings,
+    what the engine itself measured (`session.metadata`) and the cost. `gpu_hours`: the in-process
+    engine's device time this partition took (its share of the stream's)."""
     generated = int(frame["num_generated_tokens"].sum() or 0)
+    price = engine_price(task.engine)
+    # Nine digits: a partition of seconds is a few millionths of an hour.
+    gpu = {} if gpu_hours is None else {"gpu_hours": round(gpu_hours, 9)}
+    if gpu_hours is not None and (gpu_cost := gpu_cost_usd(gpu_hours, price)) is not None:
+        gpu["gpu_cost_usd"] = gpu_cost
     return {
         "rows": stats.rows,
         "rows_inferred": stats.rows_inferred,
@@ -113,7 +125,8 @@ def inference_metadata(
         "output_constraint": task.output.kind,
         **session.metadata,
         "checkpoint_fingerprint": fingerprint,
-        **actual_cost_metadata(stats.sent_prompt_tokens, generated, engine_price(task.engine)),
+        **actual_cost_metadata(stats.sent_prompt_tokens, generated, price),
+        **gpu,
         "dagster/row_count": frame.height,
         "dagster/column_schema": column_schema(frame),
     }

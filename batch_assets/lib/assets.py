@@ -37,6 +37,13 @@ from batch_assets.lib.asset_metadata import (
 )
 from batch_assets.lib.automation import stale_partitions_condition
 from batch_assets.lib.drops_sensor import SOURCE_VERSION_TAG
+from batch_assets.lib.estimates import (
+    SECONDS_PER_HOUR,
+    cached_keys_in,
+    engine_devices,
+    estimate_partition,
+    task_history,
+)
 from batch_assets.lib.label_model_asset import label_model_assets
 from batch_assets.lib.range_failures import FAILED_PARTITIONS_METADATA
 from batch_assets.lib.ray_runs import ray_node_metadata
@@ -140,13 +147,18 @@ def build_task_assets(task: TaskSpec, settings: ResolvedSettings) -> list[dg.Ass
     ]
 
 
-def raw_prompts_asset(task: TaskSpec, args: AssetArgs) -> dg.AssetsDefinition:
-    options = ParseOptions(
+def parse_options(task: TaskSpec) -> ParseOptions:
+    """How the task's drop files are read (raw_prompts, and `batch-assets estimate`)."""
+    return ParseOptions(
         text_fields=tuple(task.input.text_fields),
         txt_field=task.input.txt_field,
         format=task.input.format,
         images=task.input.images,
     )
+
+
+def raw_prompts_asset(task: TaskSpec, args: AssetArgs) -> dg.AssetsDefinition:
+    options = parse_options(task)
 
     @dg.asset(
         name="raw_prompts",
@@ -246,10 +258,17 @@ def formatted_prompts_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs) ->
         # Said on every run (the run's log, the terminal of `batch-assets run`, the metadata).
         approximate = {"token_count_note": settings.tokenizer_note} if settings.tokenizer_note else {}
         frames: dict[str, pl.DataFrame] = {}
+        # What the run will cost, shown before it runs: from the task's earlier partitions and its cache.
+        history = task_history(context.instance, task.name)
+        cached = cached_keys_in(task.name, inference_fingerprint(fmt, settings), context.instance)
         for partition_key, raw in raw_prompts.items():
             started = time.monotonic()
             frame = frames[partition_key] = fmt.format(raw, engine, tokenizer, settings, source_file=partition_key)
-            metadata = {**formatted_metadata(frame, fmt, seconds=time.monotonic() - started), **approximate}
+            estimate = estimate_partition(frame, fmt, settings, history, cached)
+            metadata = {
+                **formatted_metadata(frame, fmt, seconds=time.monotonic() - started, estimate=estimate),
+                **approximate,
+            }
             context.add_asset_metadata(partition_key=partition_key, metadata=metadata)
             for warning in [*approximate.values(), *fmt.formatting_warnings(frame, partition_key)]:
                 context.log.warning(warning)
@@ -339,8 +358,13 @@ def infer_partitions(
         # Settings that do not fit will not fit five seconds later either: fail now, with the
         # hint of what to change, instead of retrying a start-up that can take minutes.
         raise dg.Failure(description=str(exc), allow_retries=False) from exc
+    # The stream's engine time, shared by its partitions by the rows each had inferred.
+    inferred = sum(stats.rows_inferred for _, stats in results)
+    devices = engine_devices(settings)
     for partition_key, (frame, stats) in zip(formatted_prompts, results, strict=True):
-        metadata = inference_metadata(task, fmt, settings, session, frame, stats, fingerprint)
+        share = stats.rows_inferred / inferred if inferred else 0.0
+        gpu_hours = stats.engine_seconds * share * devices / SECONDS_PER_HOUR if devices else None
+        metadata = inference_metadata(task, fmt, settings, session, frame, stats, fingerprint, gpu_hours)
         context.add_asset_metadata({**metadata, **ray_node_metadata()}, partition_key=partition_key)
     return {key: frame for key, (frame, _) in zip(formatted_prompts, results, strict=True)}
 

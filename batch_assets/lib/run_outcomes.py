@@ -28,6 +28,64 @@ from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.locations import output_path
 
 
+@dataclass(frozen=True)
+class Usage:
+    """What a file's inference used, from its inference_outputs metadata (summed over its shards):
+    prompt tokens sent, tokens generated, and dollars where the task has a price (`cost_usd` at the
+    token prices, `gpu_cost_usd` at `engine.price.per_gpu_hour`)."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cost_usd: float | None = None
+    gpu_cost_usd: float | None = None
+
+    def __add__(self, other: Usage) -> Usage:
+        def plus(a: float | None, b: float | None) -> float | None:
+            return None if a is None and b is None else round((a or 0.0) + (b or 0.0), 6)
+
+        return Usage(
+            self.prompt_tokens + other.prompt_tokens,
+            self.generated_tokens + other.generated_tokens,
+            plus(self.cost_usd, other.cost_usd),
+            plus(self.gpu_cost_usd, other.gpu_cost_usd),
+        )
+
+    def text(self) -> str:
+        """`tokens 2,518 in, 41 out, $0.000620` (and the GPU's dollars where priced per GPU-hour)."""
+        text = f"tokens {self.prompt_tokens:,} in, {self.generated_tokens:,} out"
+        if self.cost_usd is not None:
+            text += f", ${self.cost_usd:,.6f}"
+        if self.gpu_cost_usd is not None:
+            text += f", ${self.gpu_cost_usd:,.6f} of GPU time"
+        return text
+
+
+def usage_of(task_name: str, partition_keys: list[str], instance: dg.DagsterInstance) -> Usage | None:
+    """The partitions' `Usage` together; None when one has no inference_outputs materialization."""
+    key = dg.AssetKey([task_name, "inference_outputs"])
+    total = Usage()
+    for partition in partition_keys:
+        record = latest_materialization(instance, key, partition)
+        if record is None or record.asset_materialization is None:
+            return None
+        total += Usage(
+            int(_metadata_value(record, "prompt_tokens") or 0),
+            int(_metadata_value(record, "generated_tokens") or 0),
+            _metadata_value(record, "cost_usd"),
+            _metadata_value(record, "gpu_cost_usd"),
+        )
+    return total
+
+
+def usage_total_line(outcomes: Sequence[PartitionOutcome]) -> str | None:
+    """The closing line of a command that ran several files: their tokens and dollars together."""
+    used = [outcome.usage for outcome in outcomes if outcome.usage is not None and not outcome.skipped]
+    if len(used) < 2:
+        return None
+    total = sum(used[1:], used[0])
+    return f"total of {len(used)} files: {total.text()}"
+
+
 @dataclass
 class PartitionOutcome:
     task: str
@@ -42,6 +100,7 @@ class PartitionOutcome:
     # Failed checks of WARN severity: named on the line; they fail the command only when asked to
     # (`batch-assets run --fail-on-warn`).
     failed_warn_checks: list[str] = field(default_factory=list)
+    usage: Usage | None = None  # tokens and dollars of its inference_outputs, when it has one
 
     @property
     def all_rows_failed(self) -> bool:
@@ -101,7 +160,8 @@ def partition_outcome(
     counts = _label_counts(task_name, [key], instance)
     rows, errors = (counts.rows, counts.error_rows) if counts else (None, None)
     summary = summary_line(task_name, [key], instance, counts=counts)
-    return PartitionOutcome(task_name, key, True, run_id, summary, checks, skipped, rows, errors, warnings)
+    usage = usage_of(task_name, [key], instance)
+    return PartitionOutcome(task_name, key, True, run_id, summary, checks, skipped, rows, errors, warnings, usage)
 
 
 def run_outcomes(
@@ -161,6 +221,7 @@ def file_outcome(
         rows=None if None in rows else sum(r for r in rows if r is not None),
         error_rows=None if None in errors else sum(e for e in errors if e is not None),
         failed_warn_checks=[f"{part.partition_key}: {check}" for part in parts for check in part.failed_warn_checks],
+        usage=None if failed else usage_of(task_name, keys, instance),
     )
 
 
@@ -413,7 +474,9 @@ def summary_line(
         record = latest_materialization(instance, dg.AssetKey([task_name, "inference_outputs"]), partition_keys[0])
         if record is not None and record.asset_materialization is not None:
             rate = _inference_text(record.asset_materialization.metadata)
-    text = f"{rows} rows, {counts.errors_text()}, {label_text}{rate}"
+    usage = usage_of(task_name, partition_keys, instance)
+    used = f"; {usage.text()}" if usage is not None else ""
+    text = f"{rows} rows, {counts.errors_text()}, {label_text}{rate}{used}"
     if rows and errors == rows:
         text += "; every record is an error (see the `error` column of validated_labels)"
     return text

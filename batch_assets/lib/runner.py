@@ -147,7 +147,7 @@ def run_partitions(
     from batch_assets.lib.task_definitions import pipeline_job_name
 
     install_pool_workarounds()  # this process executes the runs (runtime/pool_waits.py)
-    task = _loaded_task(task_name, source)
+    task = loaded_task(task_name, source)
     named = read_named_files(files)
     definitions = definitions or source.definitions()
     check_model(_resolved(task, definitions))
@@ -175,7 +175,7 @@ def register_partitions(
     drops sensor) to run. {file key: its partition keys (its own, or its shards')}."""
     from batch_assets.lib.task_definitions import pipeline_job_name
 
-    task = _loaded_task(task_name, source)
+    task = loaded_task(task_name, source)
     named = read_named_files(files)
     job = source.definitions().resolve_job_def(pipeline_job_name(task_name))
     with open_instance() as instance:
@@ -281,7 +281,7 @@ def _resolved(task: TaskSpec, definitions: dg.Definitions) -> ResolvedSettings:
         raise RunRefused(str(exc)) from None
 
 
-def _loaded_task(task_name: str, source: TaskSource) -> TaskSpec:
+def loaded_task(task_name: str, source: TaskSource) -> TaskSpec:
     loaded = source.load_tasks()
     tasks = {task.name: task for task in loaded.tasks}
     for error in loaded.errors:

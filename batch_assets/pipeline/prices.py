@@ -36,11 +36,25 @@ def _on_engine(price: PriceSpec | None, spec: EngineSpec) -> PriceSpec | None:
 
 
 def cost_usd(prompt_tokens: int, generated_tokens: int, price: PriceSpec | None) -> float | None:
-    """Dollars for these token counts at `price`; None without a price."""
-    if price is None:
+    """Dollars for these token counts at `price`; None without a price, or with only a GPU-hour price
+    (`per_gpu_hour`: the in-process engine's time is what costs, not its tokens)."""
+    if price is None or not tokens_priced(price):
         return None
     return round(
         prompt_tokens * price.input_per_million_tokens / MILLION
         + generated_tokens * price.output_per_million_tokens / MILLION,
         6,
     )
+
+
+def tokens_priced(price: PriceSpec) -> bool:
+    """Whether `price` prices tokens: a token price set, or no GPU-hour price instead (a price of zero
+    per token is a free endpoint, whose cost is $0)."""
+    return bool(price.input_per_million_tokens or price.output_per_million_tokens) or price.per_gpu_hour is None
+
+
+def gpu_cost_usd(gpu_hours: float, price: PriceSpec | None) -> float | None:
+    """Dollars for this much engine time at `engine.price.per_gpu_hour`; None without that price."""
+    if price is None or price.per_gpu_hour is None:
+        return None
+    return round(gpu_hours * price.per_gpu_hour, 6)

@@ -138,14 +138,19 @@ class _Plan:
     checkpoint_rows: int = 1024  # results per checkpoint chunk at most (`batch_size`)
 
 
-def _plan(part: PartitionInput, *, deduplicate: bool, cache: ResultLookup | None, batch_size: int) -> _Plan:
-    stats = InferenceStats(rows=part.formatted.height)
-    # `request_params`: per-request sampling and output (OpenAI batch lines); absent for task-wide sampling.
-    params = ["request_params"] if "request_params" in part.formatted.columns else []
-    # An image task's rows: the images' content digest names the request and finds its images.
-    params += [DIGEST_COLUMN] if DIGEST_COLUMN in part.formatted.columns else []
-    valid = part.formatted.filter(pl.col("error").is_null()).select("row_id", "prompt", *params)
-    keyed = valid.with_columns(
+def request_params_columns(formatted: pl.DataFrame) -> list[str]:
+    """The columns besides the prompt that name a request: `request_params` (per-request sampling and
+    output, OpenAI batch lines; absent for task-wide sampling) and an image task's images' digest."""
+    params = ["request_params"] if "request_params" in formatted.columns else []
+    return params + ([DIGEST_COLUMN] if DIGEST_COLUMN in formatted.columns else [])
+
+
+def keyed_requests(formatted: pl.DataFrame, deduplicate: bool) -> pl.DataFrame:
+    """The rows of `formatted` without an error (those an engine is sent), each with its
+    `request_key`: what a run looks up in its checkpoints and the result cache (and `estimate` too)."""
+    params = request_params_columns(formatted)
+    valid = formatted.filter(pl.col("error").is_null()).select("row_id", "prompt", *params)
+    return valid.with_columns(
         request_key=pl.Series(
             request_keys(
                 valid["prompt"].to_list(),
@@ -157,6 +162,12 @@ def _plan(part: PartitionInput, *, deduplicate: bool, cache: ResultLookup | None
             dtype=pl.String,
         )
     )
+
+
+def _plan(part: PartitionInput, *, deduplicate: bool, cache: ResultLookup | None, batch_size: int) -> _Plan:
+    stats = InferenceStats(rows=part.formatted.height)
+    params = request_params_columns(part.formatted)
+    keyed = keyed_requests(part.formatted, deduplicate)
     unique_requests = keyed.unique("request_key", keep="first", maintain_order=True)
     stats.rows_deduplicated = keyed.height - unique_requests.height
     # The partition's own checkpoints first: a stopped attempt keeps its results in both stores, and
@@ -475,9 +486,12 @@ class _Progress:
     def update(self, finished: int, inferred: int) -> None:
         now = time.monotonic()
         if finished < self.total and (now - self.last_time >= 30 or (finished - self.last_count) * 10 >= self.total):
+            rate = self.rate(inferred, now)
+            # The time left too: the run's log is what the Dagster UI shows of a long partition.
+            left = f", about {round((self.total - finished) / rate)} s left" if rate > 0 else ""
             self.log(
                 f"inferred {finished}/{self.total} requests ({100 * finished // max(self.total, 1)}%), "
-                f"{self.rate(inferred, now):.1f} rows/s in the engine"
+                f"{rate:.1f} rows/s in the engine{left}"
             )
             self.last_time, self.last_count = now, finished
 

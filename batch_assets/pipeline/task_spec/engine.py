@@ -35,6 +35,10 @@ class PriceSpec(_Strict):
     # strict: a YAML `true` or "12" is a mistake, not a number.
     input_per_million_tokens: float = Field(default=0.0, ge=0, allow_inf_nan=False, strict=True)
     output_per_million_tokens: float = Field(default=0.0, ge=0, allow_inf_nan=False, strict=True)
+    # The in-process engine's cost: dollars per GPU-hour (GPUs = tensor x data parallel size). `estimate`
+    # and formatted_prompts turn it into dollars at the task's measured rows/s; inference_outputs at
+    # the engine seconds a partition took.
+    per_gpu_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False, strict=True)
 
 
 ENV_VAR_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
