@@ -14,10 +14,13 @@ import dagster as dg
 import polars as pl
 import pytest
 
+from batch_assets.lib.materializations import latest_materialization
 from batch_assets.lib.run_outcomes import run_outcomes
+from batch_assets.lib.runner import run_partitions
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.task_spec import PriceSpec, TaskSpec, load_task_spec, load_task_specs
 from batch_assets.pipeline.task_spec.cascade import TargetSpec
+from batch_assets.runtime.instance import open_instance
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.support import SAMPLES, drop
 
@@ -155,19 +158,30 @@ def test_a_target_chooses_the_threshold_or_is_refused_by_the_check_on_the_shippe
     # The labels reach what the bound guarantees (the gold column is the teacher).
     assert labels_meta["accuracy"] >= inference["target_lower_bound"]
     assert labels_meta["all_rows_agreement_95_high"] >= inference["target_lower_bound"]
-    # 99.9 % cannot be guaranteed within 30 % of the rows: nothing past the sample and the calibration
-    # set is asked, and the check fails by name, saying what the budget can guarantee.
+    # The task-level figures: the one partition so far, in inference_outputs' and validated_labels'
+    # metadata; its student and calibration are stored for the partitions to come.
+    assert labels_meta["task_rows"] == 800 and labels_meta["task_partitions"] == 1
+    assert labels_meta["task_teacher_share"] == labels_meta["teacher_share"]
+    assert labels_meta["task_lower_bound"] == inference["target_lower_bound"] and labels_meta["task_confidence"] == 0.9
+    version = labels_meta["task_version"]
+    stored = data_dir / "storage" / "industry_target" / "label_model" / version / labels_meta["task_student_version"]
+    assert (stored / "calibration.json").exists() and (stored / "training.parquet").exists()
+    assert inference["target_student_version"] == labels_meta["task_student_version"]
+    # 99.9 % cannot be guaranteed within 30 % of the rows: best effort, the least sure rows the budget
+    # pays for go to the teacher, and the check fails by name, saying what the budget can guarantee.
     failed = results["industry_refused"]
     check = {e.check_name: e for e in failed.get_asset_check_evaluations()}["agreement_target_met"]
     assert not check.passed and check.severity == dg.AssetCheckSeverity.ERROR
     assert check.description.startswith("output.cascade.target agreement 99.9% at confidence 90% needs ")
-    assert "the budget can guarantee" in check.description
-    roles = set(metadata_of(failed, "industry_refused__validated_labels")) and set(
+    assert "the budget can guarantee" in check.description and "best effort" in check.description
+    refused_meta = metadata_of(failed, "industry_refused__validated_labels")
+    roles = set(
         pl.read_parquet(
             data_dir / "storage" / "industry_refused" / "validated_labels" / f"{partition_key_for(SAMPLE.name)}.parquet"
         )["cascade_role"]
     )
-    assert roles == {"sample", "calibration", "student"}
+    assert roles == {"sample", "calibration", "deferred", "audit", "student"}
+    assert refused_meta["teacher_share"] <= 0.3 and refused_meta["teacher_rows"] >= 0.29 * 800
 
 
 def test_a_target_on_degenerate_files_fails_its_check_naming_why(data_dir: Path) -> None:
@@ -292,3 +306,65 @@ def test_a_chat_teacher_labels_the_sample_the_unsure_and_the_audit_once_then_fro
     # The teacher's checkpoints have served their purpose once the labels are stored.
     teacher_checkpoints = data_dir / "storage" / task.name / "_teacher_checkpoints"
     assert not teacher_checkpoints.exists() or not any(teacher_checkpoints.iterdir())
+
+
+def test_files_of_one_task_share_one_student_and_one_calibration_across_runs(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 59: `batch-assets run` of two files, then a third in another run. The first file trains
+    the student on its sample and calibrates it; the others reuse both (no sample, no calibration
+    rows), and the task-level figures count every row labelled by that student version."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    shipped = (SAMPLES.parent / "tasks" / "industry_cascade.yaml").read_text()
+    target = "    max_teacher_share: 0.6\n    target: {agreement: 0.75, confidence: 0.9, calibration_rows: 60}\n"
+    (tasks / "industry_cascade.yaml").write_text(shipped.replace("    max_teacher_share: 0.25\n", target))
+    monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(tasks))
+    sample = pl.read_csv(SAMPLE)
+    files = []
+    for n in range(3):
+        path = tmp_path / f"part{n}.csv"
+        sample.slice(n * 266, 266).write_csv(path)
+        files.append(path)
+    first = run_partitions("industry_cascade", files[:2])
+    second = run_partitions("industry_cascade", files[2:])
+    outcomes = {outcome.line().split(":")[0]: outcome for outcome in [*first, *second]}
+    assert len(outcomes) == 3
+    labels = [
+        pl.read_parquet(data_dir / "storage" / "industry_cascade" / "validated_labels" / f"part{n}.csv.parquet")
+        for n in range(3)
+    ]
+    roles = [dict(frame["cascade_role"].value_counts().iter_rows()) for frame in labels]
+    # One of the first run's files (the first it labels) trains and calibrates; the others reuse.
+    first_file = [n for n in range(3) if "sample" in roles[n]]
+    assert len(first_file) == 1 and first_file[0] < 2 and roles[first_file[0]]["calibration"] == 60
+    for n in range(3):
+        if n != first_file[0]:
+            assert "calibration" not in roles[n] and roles[n].get("audit") == 40 and roles[n].get("deferred")
+            # A small first file cannot pay for its calibration and its deferred rows (its target is
+            # refused, best effort); the files after it pay for their deferred rows alone and meet it.
+            assert outcomes[f"industry_cascade/part{n}.csv"].ok
+    with open_instance() as instance:
+        metadata = [
+            {
+                k: v.value
+                for k, v in latest_materialization(
+                    instance, dg.AssetKey(["industry_cascade", "validated_labels"]), f"part{n}.csv"
+                ).asset_materialization.metadata.items()
+            }
+            for n in range(3)
+        ]
+    versions = {m["task_student_version"] for m in metadata}
+    assert len(versions) == 1
+    # The third file's figures: every row of the three files, the teacher's rows of all three.
+    teacher = sum(int((frame["labelled_by"] == "teacher").sum()) for frame in labels)
+    assert (metadata[2]["task_rows"], metadata[2]["task_partitions"], metadata[2]["task_teacher_rows"]) == (
+        798,
+        3,
+        teacher,
+    )
+    assert metadata[2]["task_confidence"] == 0.9 and 0 < metadata[2]["task_lower_bound"] <= 1
+    stored = data_dir / "storage" / "industry_cascade" / "label_model" / metadata[0]["task_version"]
+    assert sorted(p.name for p in (stored / versions.pop() / "labelled").iterdir()) == [
+        f"part{n}.csv.json" for n in range(3)
+    ]

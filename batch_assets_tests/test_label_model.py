@@ -20,13 +20,9 @@ from batch_assets.engines.kinds import resolve_settings
 from batch_assets.lib.automation import CODE_VERSION_TAG
 from batch_assets.lib.run_outcomes import _quality_notes
 from batch_assets.lib.task_definitions import build_definitions
-from batch_assets.pipeline.cascade import (
-    CascadeSummary,
-    StoredStudent,
-    TeacherCost,
-    run_cascade,
-)
+from batch_assets.pipeline.cascade import StoredStudent, run_cascade
 from batch_assets.pipeline.cascade_labels import cascade_outputs
+from batch_assets.pipeline.cascade_summary import CascadeSummary, TeacherCost
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.label_model import LabelModelError, fit_label_model, training_digest
 from batch_assets.pipeline.task_spec import PriceSpec, load_task_spec

@@ -3,6 +3,21 @@
     <storage>/<task>/label_model/<task version>/current.json            which model is current (written last)
     <storage>/<task>/label_model/<task version>/<digest>/training.parquet its training rows: embedding, label
 
+A cascade by target keeps beside each model (each student version) what its partitions share:
+
+    <task version>/<digest>/calibration.json               its calibration: threshold, kept-row bound, rows
+    <task version>/<digest>/labelled/<partition>.json      what each partition labelled with it
+
+The first partition of a task with no model trains its student on its sample and settles it as the
+model (`settle_label_model`), and the first partition of a model with no calibration calibrates it
+(`settle_calibration`): **first writer wins**. Locally the read-or-write happens under an exclusive
+`flock` on `<task version>/.settle.lock`, so two partitions run in parallel (two runs of a backfill, two
+processes) agree on one model and one calibration; the one that lost uses the winner's (its own sample
+and calibration rows keep their teacher labels). On object storage there is no lock: the winner is
+the object read back after writing, and two writers within the same moment may each keep their own;
+every partition records the student version it used (`target_student_version`), and the guarantee
+is per version, so it holds either way.
+
 A new model goes into a folder of its own (named by its training rows' digest), and only then does
 `current.json` name it, written atomically: a run killed at any moment leaves the previous model
 current and whole. After the switch, folders older than the previous model are removed (a partition
@@ -20,7 +35,10 @@ import importlib.metadata
 import io
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -28,6 +46,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from upath import UPath
 
+from batch_assets.pipeline.cascade import PartitionFigures
+from batch_assets.pipeline.cascade_target import Calibration
 from batch_assets.pipeline.embeddings import vectors_matrix
 from batch_assets.pipeline.label_model import (
     TRAINING_COLUMNS,
@@ -36,11 +56,21 @@ from batch_assets.pipeline.label_model import (
     training_digest,
     training_selection,
 )
+from batch_assets.runtime.instance import exclusive_file_lock
 from batch_assets.storage.checkpoints import remove_path
 from batch_assets.storage.errors import StorageError, storage_errors
-from batch_assets.storage.locations import one_name, output_path, task_storage_dir, write_bytes_atomically
+from batch_assets.storage.locations import (
+    is_local,
+    one_name,
+    output_path,
+    task_storage_dir,
+    write_bytes_atomically,
+)
 
 CURRENT = "current.json"
+CALIBRATION = "calibration.json"
+LABELLED = "labelled"
+SETTLE_LOCK = ".settle.lock"
 
 
 def label_model_dir(task: str, version: str) -> UPath:
@@ -150,3 +180,88 @@ def read_label_model(task: str, version: str, warn: Callable[[str], None], seed:
         return None
     # The student is trained by the partition that uses it (`StoredStudent.student`), once.
     return LabelModel(vectors, labels, seed, current["partitions"], version, digest)
+
+
+@contextmanager
+def _settling(folder: UPath) -> Iterator[None]:
+    """One settler at a time in `folder` (a task version's): an exclusive flock locally; none on
+    object storage (the module says what that leaves)."""
+    if not is_local(folder):
+        yield
+        return
+    with storage_errors("locking", folder):
+        folder.mkdir(parents=True, exist_ok=True)
+    with exclusive_file_lock(Path(folder.path) / SETTLE_LOCK):
+        yield
+
+
+def settle_label_model(task: str, model: LabelModel, warn: Callable[[str], None]) -> LabelModel:
+    """The task version's current model; `model` written and made current when there is none (first
+    writer wins). A current model that cannot be read is replaced (`warn` says so)."""
+    folder = label_model_dir(task, model.version)
+    with _settling(folder):
+        current = read_label_model(task, model.version, warn, model.seed)
+        if current is not None:
+            return current
+        write_label_model(task, model)
+    return model
+
+
+def _calibration_path(task: str, version: str, student_version: str) -> UPath:
+    return label_model_dir(task, version) / one_name(student_version) / CALIBRATION
+
+
+def read_calibration(task: str, version: str, student_version: str, warn: Callable[[str], None]) -> Calibration | None:
+    """The stored calibration of a student version; None when there is none (or it cannot be read:
+    `warn` says why, and the partition calibrates again)."""
+    path = _calibration_path(task, version, student_version)
+    try:
+        with storage_errors("reading", path):
+            if not path.exists():
+                return None
+            return Calibration.from_json(path.read_bytes())
+    except (StorageError, KeyError, TypeError, ValueError) as exc:
+        warn(f"{path}: the calibration could not be read ({exc}); calibrating again")
+        return None
+
+
+def settle_calibration(task: str, version: str, calibration: Calibration, warn: Callable[[str], None]) -> Calibration:
+    """The student version's stored calibration for the same target; `calibration` written when there
+    is none (first writer wins)."""
+    path = _calibration_path(task, version, calibration.student_version)
+    with _settling(label_model_dir(task, version)):
+        stored = read_calibration(task, version, calibration.student_version, warn)
+        if stored is not None and (stored.agreement, stored.confidence) == (
+            calibration.agreement,
+            calibration.confidence,
+        ):
+            return stored
+        write_bytes_atomically(path, calibration.to_json())
+    return calibration
+
+
+def record_figures(
+    task: str, version: str, student_version: str, partition: str, figures: PartitionFigures
+) -> list[PartitionFigures]:
+    """`figures` stored as what `partition` labelled with the student version (a re-run replaces its
+    own), and those of every partition that version labelled."""
+    folder = label_model_dir(task, version) / one_name(student_version) / LABELLED
+    write_bytes_atomically(folder / f"{one_name(partition)}.json", json.dumps(figures.to_dict()).encode("utf-8"))
+    every = []
+    with storage_errors("reading", folder):
+        for path in sorted(folder.iterdir(), key=lambda p: p.name):
+            if path.name.endswith(".json") and not path.name.startswith("."):
+                every.append(PartitionFigures(**json.loads(path.read_bytes())))
+    return every
+
+
+def record_cost(
+    task: str, version: str, student_version: str, partition: str, cost_usd: float
+) -> list[PartitionFigures]:
+    """The partition's labels' cost added to its figures (validated_labels knows it, after the
+    inference recorded the rest); the figures of every partition of the student version."""
+    folder = label_model_dir(task, version) / one_name(student_version) / LABELLED
+    path = folder / f"{one_name(partition)}.json"
+    with storage_errors("reading", path):
+        figures = PartitionFigures(**json.loads(path.read_bytes()))
+    return record_figures(task, version, student_version, partition, replace(figures, cost_usd=cost_usd))

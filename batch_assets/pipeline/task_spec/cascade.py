@@ -55,6 +55,11 @@ class TargetSpec(_Strict):
     # the threshold (at most a quarter of the teacher's budget). The bound's margin shrinks with it:
     # about +-2 points of agreement at 500 rows near 95 %.
     calibration_rows: int = Field(default=DEFAULT_CALIBRATION_ROWS, ge=1)
+    # What a partition does when the budget cannot pay for the rows the target needs deferred:
+    # `best_effort` defers the least sure rows the budget pays for (accuracy as high as the budget
+    # allows; the check still fails, naming what the budget guarantees); `stop` asks the teacher for
+    # nothing more, the student's labels stand.
+    on_unreachable: Literal["best_effort", "stop"] = "best_effort"
 
 
 class CascadeSpec(_Strict):
