@@ -311,39 +311,30 @@ def test_a_chat_teacher_labels_the_sample_the_unsure_and_the_audit_once_then_fro
 def test_files_of_one_task_share_one_student_and_one_calibration_across_runs(
     data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 59: `batch-assets run` of two files, then a third in another run. The first file trains
-    the student on its sample and calibrates it; the others reuse both (no sample, no calibration
-    rows), and the task-level figures count every row labelled by that student version."""
+    """Issue 59: `batch-assets run` of two files, then of two more. In the first run one file trains
+    the student on its sample and calibrates it, the other reuses both (no sample, no calibration
+    rows). The second run starts by growing the student on the first run's teacher labels (twice its
+    training rows or more): a new student version, calibrated once by one file and reused by the
+    other. The task-level figures count the rows each version labelled."""
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     shipped = (SAMPLES.parent / "tasks" / "industry_cascade.yaml").read_text()
-    target = "    max_teacher_share: 0.6\n    target: {agreement: 0.75, confidence: 0.9, calibration_rows: 60}\n"
+    target = "    max_teacher_share: 0.6\n    target: {agreement: 0.75, confidence: 0.9, calibration_rows: 40}\n"
     (tasks / "industry_cascade.yaml").write_text(shipped.replace("    max_teacher_share: 0.25\n", target))
     monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(tasks))
     sample = pl.read_csv(SAMPLE)
     files = []
-    for n in range(3):
+    for n in range(4):
         path = tmp_path / f"part{n}.csv"
-        sample.slice(n * 266, 266).write_csv(path)
+        sample.slice(n * 200, 200).write_csv(path)
         files.append(path)
-    first = run_partitions("industry_cascade", files[:2])
-    second = run_partitions("industry_cascade", files[2:])
-    outcomes = {outcome.line().split(":")[0]: outcome for outcome in [*first, *second]}
-    assert len(outcomes) == 3
+    outcomes = [*run_partitions("industry_cascade", files[:2]), *run_partitions("industry_cascade", files[2:])]
+    assert len(outcomes) == 4
     labels = [
         pl.read_parquet(data_dir / "storage" / "industry_cascade" / "validated_labels" / f"part{n}.csv.parquet")
-        for n in range(3)
+        for n in range(4)
     ]
     roles = [dict(frame["cascade_role"].value_counts().iter_rows()) for frame in labels]
-    # One of the first run's files (the first it labels) trains and calibrates; the others reuse.
-    first_file = [n for n in range(3) if "sample" in roles[n]]
-    assert len(first_file) == 1 and first_file[0] < 2 and roles[first_file[0]]["calibration"] == 60
-    for n in range(3):
-        if n != first_file[0]:
-            assert "calibration" not in roles[n] and roles[n].get("audit") == 40 and roles[n].get("deferred")
-            # A small first file cannot pay for its calibration and its deferred rows (its target is
-            # refused, best effort); the files after it pay for their deferred rows alone and meet it.
-            assert outcomes[f"industry_cascade/part{n}.csv"].ok
     with open_instance() as instance:
         metadata = [
             {
@@ -352,19 +343,27 @@ def test_files_of_one_task_share_one_student_and_one_calibration_across_runs(
                     instance, dg.AssetKey(["industry_cascade", "validated_labels"]), f"part{n}.csv"
                 ).asset_materialization.metadata.items()
             }
-            for n in range(3)
+            for n in range(4)
         ]
-    versions = {m["task_student_version"] for m in metadata}
-    assert len(versions) == 1
-    # The third file's figures: every row of the three files, the teacher's rows of all three.
-    teacher = sum(int((frame["labelled_by"] == "teacher").sum()) for frame in labels)
-    assert (metadata[2]["task_rows"], metadata[2]["task_partitions"], metadata[2]["task_teacher_rows"]) == (
-        798,
-        3,
-        teacher,
-    )
-    assert metadata[2]["task_confidence"] == 0.9 and 0 < metadata[2]["task_lower_bound"] <= 1
+    first_version = {m["task_student_version"] for m in metadata[:2]}
+    grown_version = {m["task_student_version"] for m in metadata[2:]}
+    assert len(first_version) == len(grown_version) == 1 and first_version != grown_version
+    for run in ((0, 1), (2, 3)):
+        calibrating = [n for n in run if "calibration" in roles[n]]
+        assert len(calibrating) == 1 and roles[calibrating[0]]["calibration"] == 40, roles
+        [reusing] = [n for n in run if n not in calibrating]
+        assert "sample" not in roles[reusing] and "calibration" not in roles[reusing]
+        assert roles[reusing].get("audit") == 40 and roles[reusing].get("deferred"), roles
+    # The first run's student is one file's sample; the grown one asks for no sample of its own.
+    assert sum("sample" in r for r in roles[:2]) == 1 and not any("sample" in r for r in roles[2:])
+    # Each version's figures: the rows of its two files, the teacher's rows of both.
+    for run in ((0, 1), (2, 3)):
+        last = max(run, key=lambda n: metadata[n]["task_partitions"])
+        teacher = sum(int((labels[n]["labelled_by"] == "teacher").sum()) for n in run)
+        assert (metadata[last]["task_rows"], metadata[last]["task_partitions"]) == (400, 2)
+        assert metadata[last]["task_teacher_rows"] == teacher and metadata[last]["task_confidence"] == 0.9
     stored = data_dir / "storage" / "industry_cascade" / "label_model" / metadata[0]["task_version"]
-    assert sorted(p.name for p in (stored / versions.pop() / "labelled").iterdir()) == [
-        f"part{n}.csv.json" for n in range(3)
+    assert sorted(p.name for p in (stored / grown_version.pop() / "labelled").iterdir()) == [
+        "part2.csv.json",
+        "part3.csv.json",
     ]

@@ -7,6 +7,7 @@ instance and its automation; and what the labels cost in dollars or engine secon
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -23,11 +24,23 @@ from batch_assets.lib.task_definitions import build_definitions
 from batch_assets.pipeline.cascade import StoredStudent, run_cascade
 from batch_assets.pipeline.cascade_labels import cascade_outputs
 from batch_assets.pipeline.cascade_summary import CascadeSummary, TeacherCost
+from batch_assets.pipeline.cascade_target import Calibration, PartitionFigures, TaskFigures, calibrate
 from batch_assets.pipeline.code_versions import code_versions
-from batch_assets.pipeline.label_model import LabelModelError, fit_label_model, training_digest
+from batch_assets.pipeline.label_model import LabelModel, LabelModelError, fit_label_model, training_digest
 from batch_assets.pipeline.task_spec import PriceSpec, load_task_spec
+from batch_assets.pipeline.task_spec.cascade import TargetSpec
 from batch_assets.storage.drop_files import partitions_def_name
-from batch_assets.storage.label_models import label_model_dir, read_label_model, read_training_rows, write_label_model
+from batch_assets.storage.label_models import (
+    label_model_dir,
+    read_calibration,
+    read_label_model,
+    read_training_rows,
+    record_cost,
+    record_figures,
+    settle_calibration,
+    settle_label_model,
+    write_label_model,
+)
 from batch_assets.storage.locations import output_path
 from batch_assets_tests.test_cascade import CHOICES, blobs, embedded_results, perfect_teacher, spec
 
@@ -149,6 +162,54 @@ def test_a_stored_label_model_reads_back_as_it_was_written(data_dir: Path) -> No
     warnings: list[str] = []
     assert read_label_model("cascaded", "v1", warnings.append) is None
     assert warnings and "do not match their digest; not used: materialize label_model again" in warnings[0]
+
+
+def test_partitions_settling_in_parallel_agree_on_one_student_and_one_calibration(data_dir: Path) -> None:
+    """Issue 59: eight partitions with no stored student settle their own at once (threads of one
+    process and the file lock: as two runs of a backfill would); every one gets the same model, then
+    the same calibration, whatever each brought, and what each labelled is kept for the task."""
+    x, y = blobs(1600, noise=1.0, seed=6)
+    models = [
+        LabelModel(x[i * 200 : (i + 1) * 200], [f"c{j}" for j in y[i * 200 : (i + 1) * 200]], 0, [f"p{i}"], "v1", "")
+        for i in range(8)
+    ]
+    models = [replace(m, digest=m.student_version) for m in models]
+    target = TargetSpec(agreement=0.9, confidence=0.9)
+    settled_models: list[LabelModel] = []
+    settled_calibrations: list[Calibration] = []
+
+    def settle(model: LabelModel) -> None:
+        kept = settle_label_model("cascaded", model, print)
+        settled_models.append(kept)
+        confidence = np.linspace(0.1, 1.0, 50) + int(model.partitions[0][1:]) / 1000
+        made = calibrate(
+            confidence, np.ones(50, dtype=bool), confidence > 0.2, target, kept.digest, model.partitions[0]
+        )
+        settled_calibrations.append(settle_calibration("cascaded", "v1", made, print))
+
+    threads = [threading.Thread(target=settle, args=(model,)) for model in models]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    digests = {model.digest for model in settled_models}
+    assert len(digests) == 1 and digests <= {model.digest for model in models}
+    assert len({(c.partition, c.threshold) for c in settled_calibrations}) == 1
+    [digest] = digests
+    stored = read_calibration("cascaded", "v1", digest, print)
+    assert stored is not None and stored == settled_calibrations[0] and stored.matches(digest, target)
+    assert read_calibration("cascaded", "v1", "0123456789ab", print) is None  # another student version
+    # Each partition's figures are kept once (a re-run replaces its own); the cost is added later.
+    figures = PartitionFigures(rows=100, teacher_rows=20, student_rows=80, bounded_agreeing=92.0, confidence=0.9)
+    record_figures("cascaded", "v1", digest, "p0", figures)
+    record_figures("cascaded", "v1", digest, "p1", replace(figures, teacher_rows=30))
+    every = record_figures("cascaded", "v1", digest, "p1", replace(figures, teacher_rows=10))
+    task = TaskFigures.of(digest, every)
+    assert (task.partitions, task.rows, task.teacher_rows, task.lower_bound) == (2, 200, 30, 0.92)
+    assert task.cost_per_1000_correct_usd is None
+    record_cost("cascaded", "v1", digest, "p0", 0.5)
+    priced = TaskFigures.of(digest, record_cost("cascaded", "v1", digest, "p1", 1.34))
+    assert priced.cost_per_1000_correct_usd == pytest.approx(1.84 / 184 * 1000)
 
 
 def write_partition(task: str, key: str, teacher: dict[str, int], rng: np.random.Generator) -> pl.DataFrame:

@@ -36,12 +36,11 @@ from batch_assets.lib.asset_metadata import (
     labels_metadata,
 )
 from batch_assets.lib.automation import stale_partitions_condition
+from batch_assets.lib.cascade_task import cascade_task, grown_label_model, stored_label_model, task_cascade_metadata
 from batch_assets.lib.drops_sensor import SOURCE_VERSION_TAG
 from batch_assets.lib.label_model_asset import label_model_assets
-from batch_assets.lib.materializations import latest_materialization
 from batch_assets.lib.range_failures import FAILED_PARTITIONS_METADATA
 from batch_assets.pipeline.calibration import calibrated_labels
-from batch_assets.pipeline.cascade import StoredStudent, TaskCascade, TaskFigures
 from batch_assets.pipeline.cascade_labels import Teach, teacher_task
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.engine_contract import (
@@ -52,7 +51,6 @@ from batch_assets.pipeline.engine_contract import (
     ResolvedSettings,
 )
 from batch_assets.pipeline.extras import missing_extras
-from batch_assets.pipeline.label_model import LabelModel
 from batch_assets.pipeline.label_quality import error_code_counts
 from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
@@ -63,14 +61,6 @@ from batch_assets.storage.batch_records import BatchRecordStore, batch_records_d
 from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
 from batch_assets.storage.drop_files import DropFile, drop_partitions, find_drop_file, shard_index_of, version_digest
 from batch_assets.storage.image_sources import attach_images
-from batch_assets.storage.label_models import (
-    read_calibration,
-    read_label_model,
-    record_cost,
-    record_figures,
-    settle_calibration,
-    settle_label_model,
-)
 from batch_assets.storage.locations import checkpoint_dir, one_name, task_storage_dir, write_bytes_atomically
 from batch_assets.storage.shards import (
     SHARD_VERSIONS_TAG,
@@ -327,7 +317,7 @@ def infer_partitions(
         for key, frame in formatted_prompts.items()
     ]
     cache = result_cache_for(context, task, fingerprint, use=config.use_result_cache)
-    stored = stored_label_model(context, task, version)
+    stored = grown_label_model(context, task, version, stored_label_model(context, task, version))
     shared = cascade_task(context, task, version, stored)
     try:
         # One session and one stream for every partition of the run; the engine starts with the
@@ -355,48 +345,6 @@ def infer_partitions(
             metadata["task_version"] = version
         context.add_asset_metadata(metadata, partition_key=partition_key)
     return {key: frame for key, (frame, _) in zip(formatted_prompts, results, strict=True)}
-
-
-def stored_label_model(context: dg.AssetExecutionContext, task: TaskSpec, version: str) -> LabelModel | None:
-    """A cascade task's label_model of this `version`, as stored (None: not a cascade, or none yet)."""
-    if task.output.cascade is None:
-        return None
-    stored = read_label_model(task.name, version, context.log.warning, task.output.cascade.seed)
-    if stored is not None:
-        context.log.info(
-            f"{task.name}: the cascade starts from label_model {stored.digest} ({stored.training_rows} training rows)"
-        )
-    return stored
-
-
-def cascade_task(
-    context: dg.AssetExecutionContext, task: TaskSpec, version: str, stored: LabelModel | None
-) -> TaskCascade | None:
-    """What the partitions of a cascade by target share, kept in the task's storage by `version`
-    (storage/label_models.py): the student version (the label model; a first partition's sample
-    settles it) and its calibration, first writer wins, and each partition's figures. None for
-    other tasks."""
-    cascade = task.output.cascade
-    if cascade is None or cascade.target is None:
-        return None
-    warn = context.log.warning
-    shared = TaskCascade(stored=stored)
-
-    def keep_student(own: StoredStudent) -> StoredStudent:
-        model = LabelModel(own.vectors, own.labels, own.seed, [shared.partition], version, own.student_version)
-        kept = settle_label_model(task.name, model, warn)
-        context.log.info(
-            f"{task.name}: the cascade's student is label_model {kept.digest} ({kept.training_rows} training rows"
-            + (f", from {shared.partition}'s sample)" if kept is model else ", settled by another partition)")
-        )
-        return kept
-
-    # Set on the object the partitions share: `keep_student` reads the partition it is settling for.
-    shared.keep_student = keep_student
-    shared.keep_calibration = lambda made: settle_calibration(task.name, version, made, warn)
-    shared.keep_figures = lambda student, key, figures: record_figures(task.name, version, student, key, figures)
-    shared.read_calibration = lambda student: read_calibration(task.name, version, student, warn)
-    return shared
 
 
 def teacher_checkpoint_dir(task: str, partition_key: str) -> UPath:
@@ -536,24 +484,6 @@ def validate_partition(
     metadata |= task_cascade_metadata(context, task, partition_key, metadata.get("cascade_cost_usd"))
     context.add_asset_metadata(metadata, partition_key=partition_key)
     return labels
-
-
-def task_cascade_metadata(
-    context: dg.AssetExecutionContext, task: TaskSpec, partition_key: str, cost_usd: float | None
-) -> dict[str, Any]:
-    """A cascade by target's task-level figures (`task_*`: the student version's over every partition
-    it labelled, as the partition's inference recorded them), with the labels' cost per 1,000 rows
-    guaranteed to agree once this partition's cost is added (priced embedding and chat teacher)."""
-    if task.output.cascade is None or task.output.cascade.target is None:
-        return {}
-    upstream = latest_materialization(context.instance, asset_key(task.name, "inference_outputs"), partition_key)
-    recorded = upstream.asset_materialization.metadata if upstream and upstream.asset_materialization else {}
-    figures = {name: entry.value for name, entry in recorded.items() if name.startswith("task_")}
-    student, version = figures.get("task_student_version"), figures.get("task_version")
-    if cost_usd is None or not student or not version:
-        return figures
-    every = record_cost(task.name, str(version), str(student), partition_key, float(cost_usd))
-    return figures | TaskFigures.of(str(student), every).metadata()
 
 
 def write_output_files(task: TaskSpec, files: OutputFiles) -> dict[str, Any]:

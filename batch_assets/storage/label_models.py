@@ -52,6 +52,8 @@ from batch_assets.pipeline.embeddings import vectors_matrix
 from batch_assets.pipeline.label_model import (
     TRAINING_COLUMNS,
     LabelModel,
+    LabelModelError,
+    fit_label_model,
     teacher_labelled,
     training_digest,
     training_selection,
@@ -265,3 +267,37 @@ def record_cost(
     with storage_errors("reading", path):
         figures = PartitionFigures(**json.loads(path.read_bytes()))
     return record_figures(task, version, student_version, partition, replace(figures, cost_usd=cost_usd))
+
+
+def teacher_row_count(task: str, partition_keys: list[str]) -> int:
+    """The rows the teacher labelled without an error in the partitions' stored inference_outputs
+    (two small columns of each file read, never the embeddings)."""
+    count = 0
+    for key in partition_keys:
+        path = output_path(task, "inference_outputs", key)
+        with storage_errors("reading", path), path.open("rb") as handle:
+            who = pl.from_arrow(pq.ParquetFile(handle).read(columns=["labelled_by", "error"]))
+        assert isinstance(who, pl.DataFrame)
+        count += who.filter(teacher_labelled()).height
+    return count
+
+
+def grow_label_model(
+    task: str, stored: LabelModel, partition_keys: list[str], max_rows: int, warn: Callable[[str], None]
+) -> LabelModel:
+    """The task version's model retrained on the teacher labels of `partition_keys` and made current,
+    unless another run did so first (the current model is no longer `stored`: that one is returned).
+    Trained under the settling lock, so two runs starting together grow it once."""
+    with _settling(label_model_dir(task, stored.version)):
+        current = read_label_model(task, stored.version, warn, stored.seed)
+        if current is not None and current.digest != stored.digest:
+            return current
+        try:
+            model = fit_label_model(
+                read_training_rows(task, partition_keys, max_rows, stored.seed), stored.version, stored.seed
+            )
+        except LabelModelError as exc:
+            warn(f"{task}: the label model was not grown ({exc}); the current one stays")
+            return stored
+        write_label_model(task, model)
+    return model
