@@ -15,10 +15,13 @@ answers) and decides, row by row, who labels it:
 4. **audit**: `audit_rows` random student-labelled rows also go to the teacher; the share on which
    both agree, with its 95 % Wilson interval, is what the `agreement_at_least` check holds.
 
-With `output.cascade.target` (`_defer_by_target`), step 3 is instead: a random calibration set of the
-student's rows goes to the teacher, the threshold is the laxest that guarantees the target
-(pipeline/cascade_target.py), and its rows are deferred only when the budget pays for them; else
-nothing more is asked (the partition's check says why).
+With `output.cascade.target` (`_defer_by_target`) the student and its threshold are the task's
+(`TaskCascade`: one student version and one calibration shared by every partition, first writer wins
+in storage): a partition with none stored trains the student on its sample and calibrates it (a
+random calibration set of the student's rows to the teacher; pipeline/cascade_target.py), later ones
+reuse both. Step 3 is then: the rows under the threshold are deferred when the budget pays for them;
+else the least sure it pays for (`on_unreachable: best_effort`, the default) or none (`stop`), and
+the partition's check says what the budget guarantees.
 
 Rows the teacher saw keep the teacher's label. What cannot be labelled honestly is an error row, never
 a silent label: a teacher error on a sample or deferred row; every row the student would label when the
@@ -45,7 +48,7 @@ import math
 import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -565,16 +568,19 @@ def _partition_choice(
     teacher_rows = int((by == "teacher").sum())
     kept_confidence = np.asarray([p for p, who in zip(result.confidence, by, strict=True) if who == "student"])
     bound = partition_bound(teacher_rows, kept_confidence, rows, calibration.kept_bound, calibration.threshold)
-    common = {
-        "target": target,
-        "threshold": calibration.threshold,
-        "deferred_rows": needed,
-        "calibration_rows": calibration.rows,
-        "budget": budget,
-        "kept_bound": calibration.kept_bound,
-        "student_version": calibration.student_version,
-        "calibrated_in": calibration.partition or None,
-    }
+    chosen = TargetChoice(
+        target=target,
+        threshold=calibration.threshold,
+        lower_bound=bound,
+        deferred_rows=needed,
+        calibration_rows=calibration.rows,
+        budget=budget,
+        met=bound >= target.agreement,
+        budget_bound=bound,
+        kept_bound=calibration.kept_bound,
+        student_version=calibration.student_version,
+        calibrated_in=calibration.partition or None,
+    )
     failed = sum(result.labelled_by[i] is None for i in deferred)
     asked = (
         errors.asked([result.teacher_costs[i] for i in deferred], "deferred rows")
@@ -591,20 +597,15 @@ def _partition_choice(
         kept_rows = least_sure.size - budget
         budget_bound = (before + budget + calibration.rate_bound_at(cut) * kept_rows) / rows
         best_effort = target.on_unreachable == "best_effort"
-        return TargetChoice(
-            **common, lower_bound=bound, met=False, budget_bound=budget_bound, best_effort=best_effort, notes=notes
-        )
-    met = bound >= target.agreement
-    reason = None
-    if not met:
-        reason = (
-            f"{bound:.1%} of the rows agree with the teacher or more, with probability {target.confidence:.0%}, "
-            "the error rows and the rows the teacher gave no label for counting as disagreeing"
-            + (f" ({failed} deferred rows)" if failed else "")
-        )
-    return TargetChoice(
-        **common, lower_bound=bound, met=met, budget_bound=bound, reason=reason, notes=notes if reason else ()
+        return replace(chosen, met=False, budget_bound=budget_bound, best_effort=best_effort, notes=notes)
+    if chosen.met:
+        return chosen
+    reason = (
+        f"{bound:.1%} of the rows agree with the teacher or more, with probability {target.confidence:.0%}, "
+        "the error rows and the rows the teacher gave no label for counting as disagreeing"
+        + (f" ({failed} deferred rows)" if failed else "")
     )
+    return replace(chosen, reason=reason, notes=notes)
 
 
 @dataclass(frozen=True)
