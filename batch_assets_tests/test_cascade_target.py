@@ -182,10 +182,10 @@ def test_a_refused_target_defers_what_the_budget_pays_for_by_default_and_nothing
     results = {}
     for mode in ("best_effort", "stop"):
         task = TaskCascade()
-        target = TASK_TARGET.model_copy(update={"on_unreachable": mode})
-        run_cascade(x0, perfect_teacher(y0), spec(**settings, target=target), CHOICES, task=task)
+        mode_spec = spec(**settings, target=TASK_TARGET, on_unreachable=mode)
+        run_cascade(x0, perfect_teacher(y0), mode_spec, CHOICES, task=task)
         asked: list[int] = []
-        result = run_cascade(x1, perfect_teacher(y1, asked), spec(**settings, target=target), CHOICES, task=task)
+        result = run_cascade(x1, perfect_teacher(y1, asked), mode_spec, CHOICES, task=task)
         results[mode] = result, asked
     best, asked = results["best_effort"]
     stopped, nothing = results["stop"]
@@ -238,11 +238,18 @@ def test_a_target_loads_and_bad_values_are_refused_naming_the_setting(tmp_path: 
         load_task_spec(write(tmp_path, with_target.replace("agreement: 0.95", "agreement: 95")))
     with pytest.raises(TaskSpecError, match=r"output.cascade.target.confidence"):
         load_task_spec(write(tmp_path, with_target.replace("confidence: 0.9", "confidence: 1")))
+    assert cascade.on_unreachable == "best_effort"
+    stop = with_target.replace("audit_rows: 30,", "audit_rows: 30, on_unreachable: stop,")
+    stopped = load_task_spec(write(tmp_path, stop)).output.cascade
+    assert stopped is not None and stopped.on_unreachable == "stop"
+    with pytest.raises(TaskSpecError, match=r"output.cascade.on_unreachable"):
+        load_task_spec(write(tmp_path, stop.replace("on_unreachable: stop", "on_unreachable: relax")))
 
 
 def test_a_task_without_a_target_keeps_its_code_version(tmp_path: Path) -> None:
     task = load_task_spec(write(tmp_path, CASCADE_TASK))
     assert "target" not in task.output.decision()["cascade"]
+    assert "on_unreachable" not in task.output.decision()["cascade"]
 
 
 def audited_labels(agreeing: int) -> pl.DataFrame:

@@ -208,8 +208,11 @@ def test_partitions_settling_in_parallel_agree_on_one_student_and_one_calibratio
     assert (task.partitions, task.rows, task.teacher_rows, task.lower_bound) == (2, 200, 30, 0.92)
     assert task.cost_per_1000_correct_usd is None
     record_cost("cascaded", "v1", digest, "p0", 0.5)
-    priced = TaskFigures.of(digest, record_cost("cascaded", "v1", digest, "p1", 1.34))
+    priced_rows = record_cost("cascaded", "v1", digest, "p1", 1.34)
+    assert priced_rows is not None
+    priced = TaskFigures.of(digest, priced_rows)
     assert priced.cost_per_1000_correct_usd == pytest.approx(1.84 / 184 * 1000)
+    assert record_cost("cascaded", "v1", digest, "ran-alone", 1.0) is None  # it recorded no figures
 
 
 def write_partition(task: str, key: str, teacher: dict[str, int], rng: np.random.Generator) -> pl.DataFrame:

@@ -116,4 +116,4 @@ def task_cascade_metadata(
     if cost_usd is None or not student or not version:
         return figures
     every = record_cost(task.name, str(version), str(student), partition_key, float(cost_usd))
-    return figures | TaskFigures.of(str(student), every).metadata()
+    return figures if every is None else figures | TaskFigures.of(str(student), every).metadata()

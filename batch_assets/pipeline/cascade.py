@@ -513,7 +513,7 @@ def _defer_by_target(
     under = open_confidence < (math.inf if threshold is None else threshold)
     least_sure = candidates[np.argsort(open_confidence, kind="stable")]
     refused = int(under.sum()) > budget
-    stop = refused and target.on_unreachable == "stop"
+    stop = refused and spec.on_unreachable == "stop"
     if stop:
         deferred = np.zeros(0, dtype=np.int64)
     elif refused:
@@ -534,7 +534,7 @@ def _defer_by_target(
     _ask(teacher, np.sort(deferred), result, role="deferred")
     _ask(teacher, audit, result, role="audit")
     result.target = choice = _partition_choice(
-        result, calibration, target, errors, least_sure, int(under.sum()), budget, deferred
+        result, calibration, target, errors, least_sure, int(under.sum()), budget, deferred, best_effort=not stop
     )
     by = np.asarray(result.labelled_by, dtype=object)
     rows = len(result.labels) + errors.rows
@@ -559,6 +559,8 @@ def _partition_choice(
     needed: int,
     budget: int,
     deferred: np.ndarray,
+    *,
+    best_effort: bool,
 ) -> TargetChoice:
     """What the partition's labels guarantee (pipeline/cascade_target.py's bound, with its exact
     counts): met, refused by the budget (saying what the budget guarantees) or not met (the error
@@ -596,7 +598,6 @@ def _partition_choice(
         before = int(((by == "teacher") & np.isin(roles, ["sample", "calibration"])).sum())
         kept_rows = least_sure.size - budget
         budget_bound = (before + budget + calibration.rate_bound_at(cut) * kept_rows) / rows
-        best_effort = target.on_unreachable == "best_effort"
         return replace(chosen, met=False, budget_bound=budget_bound, best_effort=best_effort, notes=notes)
     if chosen.met:
         return chosen

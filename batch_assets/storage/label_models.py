@@ -259,12 +259,15 @@ def record_figures(
 
 def record_cost(
     task: str, version: str, student_version: str, partition: str, cost_usd: float
-) -> list[PartitionFigures]:
+) -> list[PartitionFigures] | None:
     """The partition's labels' cost added to its figures (validated_labels knows it, after the
-    inference recorded the rest); the figures of every partition of the student version."""
+    inference recorded the rest); the figures of every partition of the student version. None when
+    the partition recorded none (it ran alone: a partition the stored student learned from)."""
     folder = label_model_dir(task, version) / one_name(student_version) / LABELLED
     path = folder / f"{one_name(partition)}.json"
     with storage_errors("reading", path):
+        if not path.exists():
+            return None
         figures = PartitionFigures(**json.loads(path.read_bytes()))
     return record_figures(task, version, student_version, partition, replace(figures, cost_usd=cost_usd))
 
