@@ -321,6 +321,53 @@ def test_the_label_model_asset_learns_the_partitions_of_its_version_and_is_retra
     assert stored is not None and stored.digest == metadata["digest"] and stored.training_rows == teacher_rows
 
 
+def test_a_target_task_s_label_model_keeps_its_student_until_the_teacher_labels_double(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 59: each new student version of a cascade by target pays for a calibration, so the
+    label_model asset (the sensor retrains it after every partition) keeps the current student until
+    the partitions hold twice its training rows in teacher labels, and says so."""
+    path = tmp_path / "cascaded.yaml"
+    path.write_text(TASK.replace("audit_rows: 20}", "audit_rows: 20, target: {agreement: 0.9, confidence: 0.9}}"))
+    task = load_task_spec(path)
+    version = code_versions(task, resolve_settings(task))["inference_outputs"]
+    defs = build_definitions(tasks=[task])
+    key, upstream = dg.AssetKey(["cascaded", "label_model"]), dg.AssetKey(["cascaded", "inference_outputs"])
+    x, y = blobs(2000, noise=1.0, seed=8)
+    bounds = {"a": (0, 800), "b": (800, 1200), "c": (1200, 2000)}
+    outputs = {name: partition_outputs(x[lo:hi], y[lo:hi]) for name, (lo, hi) in bounds.items()}
+
+    def materialized(instance: dg.DagsterInstance, partition: str) -> None:
+        target = output_path("cascaded", "inference_outputs", partition)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        outputs[partition].write_parquet(target.path)
+        event = dg.AssetMaterialization(upstream, partition=partition, tags={CODE_VERSION_TAG: version})
+        instance.report_runless_asset_event(event)
+
+    def retrain(instance: dg.DagsterInstance) -> dict:
+        result = dg.materialize([defs.get_assets_def(key)], instance=instance)
+        assert result.success
+        [event] = result.asset_materializations_for_node("cascaded__label_model")
+        return {k: v.value for k, v in event.metadata.items()}
+
+    teacher = {name: int((frame["labelled_by"] == "teacher").sum()) for name, frame in outputs.items()}
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(partitions_def_name("cascaded"), list("abc"))
+        materialized(instance, "a")
+        first = retrain(instance)  # none stored: trained
+        materialized(instance, "b")
+        kept = retrain(instance)  # a and b hold under twice a's labels: kept
+        materialized(instance, "c")
+        grown = retrain(instance)  # a, b and c hold at least twice: retrained
+    assert first["training_rows"] == teacher["a"] and "not_retrained" not in first
+    assert kept["digest"] == first["digest"] and kept["not_retrained"].startswith(
+        f"kept: the partitions hold {teacher['a'] + teacher['b']} teacher labels, under 2 x the current student's "
+        f"{teacher['a']} training rows"
+    )
+    assert teacher["a"] + teacher["b"] < 2 * teacher["a"] <= sum(teacher.values())
+    assert grown["digest"] != first["digest"] and grown["training_rows"] == sum(teacher.values())
+
+
 # --- what the labels cost -----------------------------------------------------------------------------
 
 

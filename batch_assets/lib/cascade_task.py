@@ -13,7 +13,7 @@ from batch_assets.lib.label_model_asset import partitions_by_version
 from batch_assets.lib.materializations import latest_materialization
 from batch_assets.pipeline.cascade import StoredStudent, TaskCascade
 from batch_assets.pipeline.cascade_target import TaskFigures
-from batch_assets.pipeline.label_model import LabelModel
+from batch_assets.pipeline.label_model import GROWTH, LabelModel
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.label_models import (
     grow_label_model,
@@ -37,12 +37,6 @@ def stored_label_model(context: dg.AssetExecutionContext, task: TaskSpec, versio
             f"{task.name}: the cascade starts from label_model {stored.digest} ({stored.training_rows} training rows)"
         )
     return stored
-
-
-# A cascade by target's stored student is retrained at a run's start once the task's partitions hold
-# this many times its training rows in teacher labels: a better student defers fewer rows, and each
-# new student version pays for one calibration, so growing geometrically pays it a few times at most.
-GROWTH = 2
 
 
 def grown_label_model(

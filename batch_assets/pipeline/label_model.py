@@ -28,6 +28,13 @@ from batch_assets.pipeline.embeddings import vectors_matrix
 TRAINING_COLUMNS = ("embedding", "generated_text", "labelled_by", "error")
 
 
+# A cascade by target's stored student is retrained (at a run's start, or by the label_model asset)
+# once the task's partitions hold this many times its training rows in teacher labels: a better
+# student defers fewer rows, and each new student version pays for one calibration, so growing
+# geometrically pays for it a few times at most.
+GROWTH = 2
+
+
 class LabelModelError(ValueError):
     """Nothing a student can be trained on: the message says what to materialize first."""
 
