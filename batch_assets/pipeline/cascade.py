@@ -434,10 +434,17 @@ def run_cascade(
     if spec.target is not None:
         assert task is not None and task.stored is not None
         _defer_by_target(teacher, spec, spec.target, result, rest, confidence, left, errors, task)
-        return result
-    # Deferral fixes labels, the audit only measures them: the unsure rows get first claim on at least
-    # half of what is left (the audit's reserve is at most the other half), and the audit takes what
-    # deferral did not use, so a weak student is still measured.
+    else:
+        _defer_by_threshold(teacher, spec, result, rest, confidence, left)
+    return result
+
+
+def _defer_by_threshold(
+    teacher: Teacher, spec: CascadeSpec, result: CascadeResult, rest: np.ndarray, confidence: np.ndarray, left: int
+) -> None:
+    """`defer_below`: deferral fixes labels, the audit only measures them: the unsure rows get first
+    claim on at least half of the `left` teacher rows (the audit's reserve is at most the other half),
+    and the audit takes what deferral did not use, so a weak student is still measured."""
     order = np.argsort(confidence, kind="stable")
     unsure = rest[order][confidence[order] < spec.defer_below]
     deferred = unsure[: left - min(spec.audit_rows, left // 2)]
@@ -448,7 +455,6 @@ def run_cascade(
     audit = np.sort(rng.choice(trusted, size=min(audit_size, trusted.size), replace=False))
     _ask(teacher, np.sort(deferred), result, role="deferred")
     _ask(teacher, audit, result, role="audit")
-    return result
 
 
 def _task_student(task: TaskCascade, vectors: np.ndarray, labels: list[str], seed: int) -> Student:
