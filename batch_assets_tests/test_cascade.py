@@ -21,9 +21,9 @@ from batch_assets.pipeline.cascade import (
     expected_calibration_error,
     run_cascade,
     train_student,
-    wilson_interval,
 )
 from batch_assets.pipeline.cascade_labels import cascade_outputs, cascade_summary, column_teacher, teacher_task
+from batch_assets.pipeline.cascade_summary import wilson_interval
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.embeddings import encode_vector
 from batch_assets.pipeline.run_inference import InferenceStats

@@ -14,9 +14,10 @@ import pytest
 
 from batch_assets.lib.checks import target_result
 from batch_assets.lib.run_outcomes import _quality_notes
-from batch_assets.pipeline.cascade import TeacherAnswer, TeacherCost, run_cascade, wilson_interval
+from batch_assets.pipeline.cascade import StoredStudent, TaskCascade, TeacherAnswer, run_cascade
 from batch_assets.pipeline.cascade_labels import cascade_outputs, cascade_summary
-from batch_assets.pipeline.cascade_target import TargetChoice, choose_threshold, clopper_pearson_lower
+from batch_assets.pipeline.cascade_summary import TeacherCost, wilson_interval
+from batch_assets.pipeline.cascade_target import TargetChoice, calibrate, clopper_pearson_lower, partition_bound
 from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import PriceSpec, TaskSpecError, load_task_spec
 from batch_assets.pipeline.task_spec.cascade import TargetSpec
@@ -52,100 +53,180 @@ def test_clopper_pearson_has_the_textbook_values() -> None:
 
 def test_a_student_that_is_always_right_keeps_every_row() -> None:
     confidence, calibration, agrees = calibrated(5000, np.ones(5000, dtype=bool), 500)
-    choice = choose_threshold(confidence, calibration, agrees, teacher_rows=300, rows=5300, target=TARGET, budget=1000)
-    assert choice.met and choice.deferred_rows == 0
-    assert choice.threshold == pytest.approx(confidence.min())
-    # 500 of 500 right: the bound on the kept rows is 0.05 ** (1/500) = 0.994.
-    assert 0.95 <= choice.lower_bound <= 1.0 and choice.lower_bound == pytest.approx(0.994, abs=0.002)
+    made = calibrate(confidence, calibration, agrees, TARGET, "v1")
+    assert made.threshold == pytest.approx(confidence.min()) and made.rows == 500
+    # Every row kept (q = 1): a kept row must agree with chance 0.95, and 500 of 500 right pass it.
+    assert made.kept_bound == pytest.approx(0.95)
+    assert partition_bound(0, confidence, 5000, made.kept_bound, made.threshold) == pytest.approx(0.95)
+    # The budget's own bound at the laxest threshold is Clopper-Pearson's: 0.05 ** (1/500) = 0.994.
+    assert made.rate_bound_at(confidence.min()) == pytest.approx(0.994, abs=0.002)
 
 
 def test_a_student_that_is_always_wrong_keeps_no_more_rows_than_the_target_can_lose() -> None:
     confidence, calibration, agrees = calibrated(5000, np.zeros(5000, dtype=bool), 500)
-    choice = choose_threshold(confidence, calibration, agrees, teacher_rows=300, rows=5300, target=TARGET, budget=5000)
-    # 5 % of 5,300 rows may disagree: the student keeps 265 rows, the teacher labels the other 5,035.
-    assert choice.met and choice.deferred_rows == 5300 - 300 - 500 - 265
-    assert choice.lower_bound == pytest.approx(0.95)
+    made = calibrate(confidence, calibration, agrees, TARGET, "v1")
+    kept = (confidence >= made.threshold).sum()
+    # 5 % of the rows may disagree; the kept share is taken at its upper 97.5 % end, so a little less.
+    assert 0.04 * 5000 < kept <= 0.05 * 5000 and made.kept_bound == 0.0
+    # A partition of the same kind keeping as many agrees on 95 % or more: the rows kept all disagree.
+    rng = np.random.default_rng(1)
+    later = rng.uniform(0.2, 1.0, 5000)
+    assert 1 - (later >= made.threshold).mean() >= 0.95 - 0.01
     # With 99.99 % asked (half a row to lose), it keeps none.
-    strict = choose_threshold(
-        confidence,
-        calibration,
-        agrees,
-        teacher_rows=300,
-        rows=5300,
-        target=TargetSpec(agreement=0.9999, confidence=0.95),
-        budget=5000,
-    )
-    assert strict.threshold is None and strict.lower_bound == 1.0 and strict.deferred_rows == 4500
+    strict = calibrate(confidence, calibration, agrees, TargetSpec(agreement=0.9999, confidence=0.95), "v1")
+    assert strict.threshold is None and strict.kept_bound == 1.0
 
 
-def test_a_budget_too_small_for_the_target_is_refused_saying_what_it_can_guarantee() -> None:
-    confidence, calibration, agrees = calibrated(5000, np.zeros(5000, dtype=bool), 500)
-    choice = choose_threshold(confidence, calibration, agrees, teacher_rows=300, rows=5300, target=TARGET, budget=1000)
-    assert not choice.met
-    # The budget defers the 1,000 least sure rows: 300 + 500 + 1,000 teacher rows of 5,300 agree.
-    assert choice.budget_bound == pytest.approx(1800 / 5300)
-    refusal = choice.refusal()
-    assert refusal is not None and "max_teacher_share leaves 1000" in refusal and "can guarantee 34.0%" in refusal
-    assert choice.metadata()["target_met"] is False and choice.metadata()["target_lower_bound"] == 0.3396
+def simulated_job(rng: np.random.Generator, right_chance, partitions: int, rows: int, held: int) -> tuple[float, float]:
+    """One task of `partitions` exchangeable partitions: the first calibrates (`held` calibration
+    rows to the teacher), every one defers its rows under the threshold; the share of all rows
+    agreeing with the teacher, and the teacher's share."""
+    agreeing = teacher = 0
+    made = None
+    for _ in range(partitions):
+        confidence = rng.uniform(0.0, 1.0, rows)
+        right = rng.uniform(size=rows) < right_chance(confidence)
+        calibration = np.zeros(rows, dtype=bool)
+        if made is None:
+            calibration[rng.choice(rows, held, replace=False)] = True
+            made = calibrate(confidence, calibration, right & calibration, TARGET, "v1")
+        kept = ~calibration & (confidence >= (np.inf if made.threshold is None else made.threshold))
+        agreeing += rows - int((kept & ~right).sum())
+        teacher += rows - int(kept.sum())
+    return agreeing / (partitions * rows), teacher / (partitions * rows)
 
 
-def test_a_random_student_holds_the_guarantee_over_many_files() -> None:
-    """A student right with probability rising with its confidence (0.5 to 1.0): over 300 files, the
-    chosen threshold's agreement is under the target in at most 5 % of them (the confidence asked)."""
+@pytest.mark.parametrize(
+    ("name", "right_chance"),
+    [
+        ("always right", lambda c: np.ones_like(c)),
+        ("always wrong", lambda c: np.zeros_like(c)),
+        ("right at random", lambda c: np.full_like(c, 0.9)),
+        ("right more when sure", lambda c: 0.5 + 0.5 * c),
+    ],
+)
+def test_the_per_task_guarantee_holds_its_confidence_over_many_simulated_jobs(name: str, right_chance) -> None:
+    """One calibration per task, six partitions labelled with it: over 300 jobs, the share of all
+    the task's rows agreeing with the teacher is under the target in at most 5 % of them."""
     rng = np.random.default_rng(7)
-    misses, shares = 0, []
-    for seed in range(300):
-        confidence = rng.uniform(0.0, 1.0, 4000)
-        right = rng.uniform(size=4000) < 0.5 + 0.5 * confidence
-        _, calibration, agrees = calibrated(4000, right, 400, seed)
-        choice = choose_threshold(
-            confidence, calibration, agrees, teacher_rows=0, rows=4000, target=TARGET, budget=4000
-        )
-        assert choice.met
-        kept = ~calibration & (confidence >= (np.inf if choice.threshold is None else choice.threshold))
-        agreement = 1 - (kept & ~right).sum() / 4000
-        misses += agreement < TARGET.agreement
-        shares.append(1 - kept.mean())
-    assert misses <= 0.05 * 300
-    # ...and it keeps rows with the student: the teacher does not label everything.
-    assert np.median(shares) < 0.75
+    results = [simulated_job(rng, right_chance, partitions=6, rows=2000, held=300) for _ in range(300)]
+    misses = sum(agreement < TARGET.agreement for agreement, _ in results)
+    assert misses <= 0.05 * 300, name
+    shares = [share for _, share in results]
+    if name == "always right":  # it keeps (nearly) every row: the teacher saw the calibration rows alone
+        assert np.median(shares) < 0.03
+    if name == "right more when sure":  # and it keeps rows with the student
+        assert np.median(shares) < 0.75
 
 
-def test_the_cascade_by_target_defers_the_threshold_s_rows_and_audits_the_rest() -> None:
-    x, y = blobs(3000, noise=1.0, seed=3)
-    asked: list[int] = []
-    target = TargetSpec(agreement=0.95, confidence=0.9, calibration_rows=300)
-    result = run_cascade(
-        x,
-        perfect_teacher(y, asked),
-        spec(sample_rows=200, audit_rows=100, target=target, max_teacher_share=0.6),
-        CHOICES,
+def shared_task(rows: int = 6000, noise: float = 2.0, seed: int = 3):
+    """Rows of one kind, cut into partitions of 2,000, and a cascade by target that shares its
+    student and calibration across them."""
+    x, y = blobs(rows, noise=noise, seed=seed)
+    parts = [(x[i : i + 2000], y[i : i + 2000]) for i in range(0, rows, 2000)]
+    return parts, TaskCascade()
+
+
+TASK_TARGET = TargetSpec(agreement=0.95, confidence=0.9, calibration_rows=300)
+
+
+def test_later_partitions_reuse_the_task_s_student_and_calibration_paying_only_their_deferred_rows() -> None:
+    parts, task = shared_task()
+    settings = spec(sample_rows=200, audit_rows=50, target=TASK_TARGET, max_teacher_share=0.6)
+    results = []
+    for n, (x, y) in enumerate(parts):
+        task.partition = f"p{n}"
+        asked: list[int] = []
+        results.append((run_cascade(x, perfect_teacher(y, asked), settings, CHOICES, task=task), asked, y))
+    first, second, third = (Counter(r.roles) for r, _, _ in results)
+    assert first["sample"] == 200 and first["calibration"] == 300
+    assert second["sample"] == second["calibration"] == third["sample"] == third["calibration"] == 0
+    assert second["deferred"] > 0 and second["audit"] == 50
+    choices = [r.target for r, _, _ in results]
+    assert all(c is not None and c.met and c.student_version == task.stored.student_version for c in choices)
+    assert {c.threshold for c in choices if c is not None} == {choices[0].threshold}
+    assert all(c.calibrated_in == "p0" for c in choices if c is not None)
+    # Each row labelled once: every partition's teacher requests are distinct rows.
+    assert all(len(asked) == len(set(asked)) for _, asked, _ in results)
+    # The task-level figures: every row so far, the teacher's share, the bound at the confidence.
+    figures = results[-1][0].task
+    assert figures is not None and (figures.partitions, figures.rows) == (3, 6000)
+    teacher = sum(sum(by == "teacher" for by in r.labelled_by) for r, _, _ in results)
+    assert figures.teacher_rows == teacher and figures.confidence == 0.9
+    assert figures.lower_bound >= 0.95
+    accuracy = np.mean([label == CHOICES[i] for r, _, y in results for label, i in zip(r.labels, y, strict=True)])
+    assert accuracy >= figures.lower_bound - 0.01
+    metadata = results[-1][0].metadata()
+    assert metadata["task_rows"] == 6000 and metadata["task_teacher_share"] == round(teacher / 6000, 4)
+
+
+def test_a_new_student_version_recalibrates() -> None:
+    parts, task = shared_task()
+    settings = spec(sample_rows=200, audit_rows=50, target=TASK_TARGET, max_teacher_share=0.6)
+    (x0, y0), (x1, y1), (x2, y2) = parts
+    run_cascade(x0, perfect_teacher(y0), settings, CHOICES, task=task)
+    first = task.calibration
+    # The label model retrained on more teacher rows: a new student version, calibrated again.
+    task.stored = StoredStudent(np.vstack([x0[:500], x1[:500]]), [CHOICES[i] for i in [*y0[:500], *y1[:500]]], 0)
+    again = run_cascade(x2, perfect_teacher(y2), settings, CHOICES, task=task)
+    assert Counter(again.roles)["calibration"] == 300 and Counter(again.roles)["sample"] == 0
+    assert first is not None and task.calibration is not None
+    assert task.calibration.student_version == task.stored.student_version != first.student_version
+    assert again.target is not None and again.target.student_version == task.stored.student_version
+
+
+def test_a_refused_target_defers_what_the_budget_pays_for_by_default_and_nothing_with_stop() -> None:
+    parts, _ = shared_task()
+    (x0, y0), (x1, y1), _ = parts
+    settings = {"sample_rows": 200, "audit_rows": 50, "max_teacher_share": 0.15}
+    results = {}
+    for mode in ("best_effort", "stop"):
+        task = TaskCascade()
+        mode_spec = spec(**settings, target=TASK_TARGET, on_unreachable=mode)
+        run_cascade(x0, perfect_teacher(y0), mode_spec, CHOICES, task=task)
+        asked: list[int] = []
+        result = run_cascade(x1, perfect_teacher(y1, asked), mode_spec, CHOICES, task=task)
+        results[mode] = result, asked
+    best, asked = results["best_effort"]
+    stopped, nothing = results["stop"]
+    assert best.target is not None and not best.target.met and best.target.best_effort
+    # The budget: 15 % of 2,000 rows, the least sure of them deferred, the audit's 50 besides.
+    assert Counter(best.roles)["deferred"] == 300 - 50 and len(asked) == 300
+    refusal = best.target.refusal()
+    assert refusal is not None and "best effort: the 250 least sure rows went to the teacher" in refusal
+    assert f"the budget can guarantee {best.target.budget_bound:.1%} at that confidence" in refusal
+    assert best.metadata()["target_best_effort"] is True
+    assert stopped.target is not None and not stopped.target.met and not stopped.target.best_effort
+    assert nothing == [] and set(stopped.roles) == {"student"}
+    assert "on_unreachable: stop: nothing more was asked" in (stopped.target.refusal() or "")
+
+    def accuracy(result) -> float:
+        return float(np.mean([label == CHOICES[i] for label, i in zip(result.labels, y1, strict=True)]))
+
+    assert accuracy(best) > accuracy(stopped)
+
+
+def test_at_the_same_budget_the_target_is_never_less_accurate_than_the_threshold() -> None:
+    """A partition after the first: the target mode pays its deferred rows and its audit alone, so at
+    the threshold mode's budget it is at least as accurate (a refused target defers the least sure
+    rows the budget pays for, as many as the threshold mode could, or more)."""
+    parts, task = shared_task()
+    (x0, y0), (x1, y1), _ = parts
+    budget = {"sample_rows": 200, "audit_rows": 50, "max_teacher_share": 0.2}
+    run_cascade(x0, perfect_teacher(y0), spec(**budget, target=TASK_TARGET), CHOICES, task=task)
+    by_target = run_cascade(x1, perfect_teacher(y1), spec(**budget, target=TASK_TARGET), CHOICES, task=task)
+    assert task.stored is not None
+    by_threshold = run_cascade(x1, perfect_teacher(y1), spec(**budget), CHOICES, task.stored)
+
+    def accuracy_and_share(result) -> tuple[float, float]:
+        right = np.mean([label == CHOICES[i] for label, i in zip(result.labels, y1, strict=True)])
+        return float(right), float(np.mean([by == "teacher" for by in result.labelled_by]))
+
+    (target_accuracy, target_share), (threshold_accuracy, threshold_share) = map(
+        accuracy_and_share, (by_target, by_threshold)
     )
-    choice = result.target
-    assert choice is not None and choice.met and choice.threshold is not None
-    roles = Counter(result.roles)
-    assert roles["sample"] == 200 and roles["calibration"] == 300 and roles["audit"] == 100
-    assert roles["deferred"] == choice.deferred_rows and len(asked) == len(set(asked)) <= 0.6 * 3000
-    # The student keeps exactly the rows at or above the threshold (calibration rows aside).
-    for role, p in zip(result.roles, result.confidence, strict=True):
-        if role == "student":
-            assert p >= choice.threshold
-    accuracy = np.mean([label == CHOICES[i] for label, i in zip(result.labels, y, strict=True)])
-    assert accuracy >= choice.lower_bound - 0.01 and choice.lower_bound >= 0.95
-    assert result.metadata()["target_met"] is True
-
-
-def test_a_refused_target_asks_the_teacher_for_nothing_beyond_the_sample() -> None:
-    x, y = blobs(2000, noise=2.0, seed=4)
-    asked: list[int] = []
-    target = TargetSpec(agreement=0.99, confidence=0.95, calibration_rows=100)
-    result = run_cascade(
-        x, perfect_teacher(y, asked), spec(sample_rows=100, target=target, max_teacher_share=0.15), CHOICES
-    )
-    assert result.target is not None and not result.target.met
-    assert Counter(result.roles) == Counter({"student": 1800, "sample": 100, "calibration": 100})
-    assert len(asked) == 200
-    assert "target_refused" in result.metadata()
+    assert target_share <= 0.2 and threshold_share <= 0.2
+    assert target_accuracy >= threshold_accuracy
 
 
 def test_a_target_loads_and_bad_values_are_refused_naming_the_setting(tmp_path: Path) -> None:
@@ -157,11 +238,18 @@ def test_a_target_loads_and_bad_values_are_refused_naming_the_setting(tmp_path: 
         load_task_spec(write(tmp_path, with_target.replace("agreement: 0.95", "agreement: 95")))
     with pytest.raises(TaskSpecError, match=r"output.cascade.target.confidence"):
         load_task_spec(write(tmp_path, with_target.replace("confidence: 0.9", "confidence: 1")))
+    assert cascade.on_unreachable == "best_effort"
+    stop = with_target.replace("audit_rows: 30,", "audit_rows: 30, on_unreachable: stop,")
+    stopped = load_task_spec(write(tmp_path, stop)).output.cascade
+    assert stopped is not None and stopped.on_unreachable == "stop"
+    with pytest.raises(TaskSpecError, match=r"output.cascade.on_unreachable"):
+        load_task_spec(write(tmp_path, stop.replace("on_unreachable: stop", "on_unreachable: relax")))
 
 
 def test_a_task_without_a_target_keeps_its_code_version(tmp_path: Path) -> None:
     task = load_task_spec(write(tmp_path, CASCADE_TASK))
     assert "target" not in task.output.decision()["cascade"]
+    assert "on_unreachable" not in task.output.decision()["cascade"]
 
 
 def audited_labels(agreeing: int) -> pl.DataFrame:
@@ -265,7 +353,10 @@ def test_a_defer_below_written_beside_the_target_is_a_floor() -> None:
     settings = {"sample_rows": 200, "audit_rows": 50, "target": target, "max_teacher_share": 1.0}
     alone = run_cascade(x, perfect_teacher(y), spec(**settings), CHOICES)
     floored = run_cascade(x, perfect_teacher(y), spec(**settings, defer_below=0.99), CHOICES)
-    assert alone.target == floored.target and alone.target is not None and alone.target.met
+    assert alone.target is not None and floored.target is not None and alone.target.met and floored.target.met
+    # The same threshold; the floor's teacher rows only raise the bound.
+    assert alone.target.threshold == floored.target.threshold
+    assert floored.target.lower_bound > alone.target.lower_bound
 
     def kept(result) -> list[float]:
         return [p for p, role in zip(result.confidence, result.roles, strict=True) if role == "student"]

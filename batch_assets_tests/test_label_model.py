@@ -7,6 +7,7 @@ instance and its automation; and what the labels cost in dollars or engine secon
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -20,18 +21,26 @@ from batch_assets.engines.kinds import resolve_settings
 from batch_assets.lib.automation import CODE_VERSION_TAG
 from batch_assets.lib.run_outcomes import _quality_notes
 from batch_assets.lib.task_definitions import build_definitions
-from batch_assets.pipeline.cascade import (
-    CascadeSummary,
-    StoredStudent,
-    TeacherCost,
-    run_cascade,
-)
+from batch_assets.pipeline.cascade import StoredStudent, run_cascade
 from batch_assets.pipeline.cascade_labels import cascade_outputs
+from batch_assets.pipeline.cascade_summary import CascadeSummary, TeacherCost
+from batch_assets.pipeline.cascade_target import Calibration, PartitionFigures, TaskFigures, calibrate
 from batch_assets.pipeline.code_versions import code_versions
-from batch_assets.pipeline.label_model import LabelModelError, fit_label_model, training_digest
+from batch_assets.pipeline.label_model import LabelModel, LabelModelError, fit_label_model, training_digest
 from batch_assets.pipeline.task_spec import PriceSpec, load_task_spec
+from batch_assets.pipeline.task_spec.cascade import TargetSpec
 from batch_assets.storage.drop_files import partitions_def_name
-from batch_assets.storage.label_models import label_model_dir, read_label_model, read_training_rows, write_label_model
+from batch_assets.storage.label_models import (
+    label_model_dir,
+    read_calibration,
+    read_label_model,
+    read_training_rows,
+    record_cost,
+    record_figures,
+    settle_calibration,
+    settle_label_model,
+    write_label_model,
+)
 from batch_assets.storage.locations import output_path
 from batch_assets_tests.test_cascade import CHOICES, blobs, embedded_results, perfect_teacher, spec
 
@@ -155,6 +164,57 @@ def test_a_stored_label_model_reads_back_as_it_was_written(data_dir: Path) -> No
     assert warnings and "do not match their digest; not used: materialize label_model again" in warnings[0]
 
 
+def test_partitions_settling_in_parallel_agree_on_one_student_and_one_calibration(data_dir: Path) -> None:
+    """Issue 59: eight partitions with no stored student settle their own at once (threads of one
+    process and the file lock: as two runs of a backfill would); every one gets the same model, then
+    the same calibration, whatever each brought, and what each labelled is kept for the task."""
+    x, y = blobs(1600, noise=1.0, seed=6)
+    models = [
+        LabelModel(x[i * 200 : (i + 1) * 200], [f"c{j}" for j in y[i * 200 : (i + 1) * 200]], 0, [f"p{i}"], "v1", "")
+        for i in range(8)
+    ]
+    models = [replace(m, digest=m.student_version) for m in models]
+    target = TargetSpec(agreement=0.9, confidence=0.9)
+    settled_models: list[LabelModel] = []
+    settled_calibrations: list[Calibration] = []
+
+    def settle(model: LabelModel) -> None:
+        kept = settle_label_model("cascaded", model, print)
+        settled_models.append(kept)
+        confidence = np.linspace(0.1, 1.0, 50) + int(model.partitions[0][1:]) / 1000
+        made = calibrate(
+            confidence, np.ones(50, dtype=bool), confidence > 0.2, target, kept.digest, model.partitions[0]
+        )
+        settled_calibrations.append(settle_calibration("cascaded", "v1", made, print))
+
+    threads = [threading.Thread(target=settle, args=(model,)) for model in models]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    digests = {model.digest for model in settled_models}
+    assert len(digests) == 1 and digests <= {model.digest for model in models}
+    assert len({(c.partition, c.threshold) for c in settled_calibrations}) == 1
+    [digest] = digests
+    stored = read_calibration("cascaded", "v1", digest, print)
+    assert stored is not None and stored == settled_calibrations[0] and stored.matches(digest, target)
+    assert read_calibration("cascaded", "v1", "0123456789ab", print) is None  # another student version
+    # Each partition's figures are kept once (a re-run replaces its own); the cost is added later.
+    figures = PartitionFigures(rows=100, teacher_rows=20, student_rows=80, bounded_agreeing=92.0, confidence=0.9)
+    record_figures("cascaded", "v1", digest, "p0", figures)
+    record_figures("cascaded", "v1", digest, "p1", replace(figures, teacher_rows=30))
+    every = record_figures("cascaded", "v1", digest, "p1", replace(figures, teacher_rows=10))
+    task = TaskFigures.of(digest, every)
+    assert (task.partitions, task.rows, task.teacher_rows, task.lower_bound) == (2, 200, 30, 0.92)
+    assert task.cost_per_1000_correct_usd is None
+    record_cost("cascaded", "v1", digest, "p0", 0.5)
+    priced_rows = record_cost("cascaded", "v1", digest, "p1", 1.34)
+    assert priced_rows is not None
+    priced = TaskFigures.of(digest, priced_rows)
+    assert priced.cost_per_1000_correct_usd == pytest.approx(1.84 / 184 * 1000)
+    assert record_cost("cascaded", "v1", digest, "ran-alone", 1.0) is None  # it recorded no figures
+
+
 def write_partition(task: str, key: str, teacher: dict[str, int], rng: np.random.Generator) -> pl.DataFrame:
     """A cascade partition's inference_outputs file, in row groups of 16 rows: `teacher` rows per
     label, 5 teacher errors and 50 student rows, shuffled. Each embedding says its row and label."""
@@ -259,6 +319,53 @@ def test_the_label_model_asset_learns_the_partitions_of_its_version_and_is_retra
     assert metadata["task_version"] == version and metadata["classes"] == sorted(CHOICES)
     stored = read_label_model("cascaded", version, print)
     assert stored is not None and stored.digest == metadata["digest"] and stored.training_rows == teacher_rows
+
+
+def test_a_target_task_s_label_model_keeps_its_student_until_the_teacher_labels_double(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 59: each new student version of a cascade by target pays for a calibration, so the
+    label_model asset (the sensor retrains it after every partition) keeps the current student until
+    the partitions hold twice its training rows in teacher labels, and says so."""
+    path = tmp_path / "cascaded.yaml"
+    path.write_text(TASK.replace("audit_rows: 20}", "audit_rows: 20, target: {agreement: 0.9, confidence: 0.9}}"))
+    task = load_task_spec(path)
+    version = code_versions(task, resolve_settings(task))["inference_outputs"]
+    defs = build_definitions(tasks=[task])
+    key, upstream = dg.AssetKey(["cascaded", "label_model"]), dg.AssetKey(["cascaded", "inference_outputs"])
+    x, y = blobs(2000, noise=1.0, seed=8)
+    bounds = {"a": (0, 800), "b": (800, 1200), "c": (1200, 2000)}
+    outputs = {name: partition_outputs(x[lo:hi], y[lo:hi]) for name, (lo, hi) in bounds.items()}
+
+    def materialized(instance: dg.DagsterInstance, partition: str) -> None:
+        target = output_path("cascaded", "inference_outputs", partition)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        outputs[partition].write_parquet(target.path)
+        event = dg.AssetMaterialization(upstream, partition=partition, tags={CODE_VERSION_TAG: version})
+        instance.report_runless_asset_event(event)
+
+    def retrain(instance: dg.DagsterInstance) -> dict:
+        result = dg.materialize([defs.get_assets_def(key)], instance=instance)
+        assert result.success
+        [event] = result.asset_materializations_for_node("cascaded__label_model")
+        return {k: v.value for k, v in event.metadata.items()}
+
+    teacher = {name: int((frame["labelled_by"] == "teacher").sum()) for name, frame in outputs.items()}
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(partitions_def_name("cascaded"), list("abc"))
+        materialized(instance, "a")
+        first = retrain(instance)  # none stored: trained
+        materialized(instance, "b")
+        kept = retrain(instance)  # a and b hold under twice a's labels: kept
+        materialized(instance, "c")
+        grown = retrain(instance)  # a, b and c hold at least twice: retrained
+    assert first["training_rows"] == teacher["a"] and "not_retrained" not in first
+    assert kept["digest"] == first["digest"] and kept["not_retrained"].startswith(
+        f"kept: the partitions hold {teacher['a'] + teacher['b']} teacher labels, under 2 x the current student's "
+        f"{teacher['a']} training rows"
+    )
+    assert teacher["a"] + teacher["b"] < 2 * teacher["a"] <= sum(teacher.values())
+    assert grown["digest"] != first["digest"] and grown["training_rows"] == sum(teacher.values())
 
 
 # --- what the labels cost -----------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from batch_assets.lib.asset_metadata import (
     labels_metadata,
 )
 from batch_assets.lib.automation import stale_partitions_condition
+from batch_assets.lib.cascade_task import cascade_task, grown_label_model, stored_label_model, task_cascade_metadata
 from batch_assets.lib.drops_sensor import SOURCE_VERSION_TAG
 from batch_assets.lib.estimates import (
     SECONDS_PER_HOUR,
@@ -58,7 +59,6 @@ from batch_assets.pipeline.engine_contract import (
     ResolvedSettings,
 )
 from batch_assets.pipeline.extras import missing_extras
-from batch_assets.pipeline.label_model import LabelModel
 from batch_assets.pipeline.label_quality import error_code_counts
 from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
@@ -69,7 +69,6 @@ from batch_assets.storage.batch_records import BatchRecordStore, batch_records_d
 from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
 from batch_assets.storage.drop_files import DropFile, drop_partitions, find_drop_file, shard_index_of, version_digest
 from batch_assets.storage.image_sources import attach_images
-from batch_assets.storage.label_models import read_label_model
 from batch_assets.storage.locations import checkpoint_dir, one_name, task_storage_dir, write_bytes_atomically
 from batch_assets.storage.shards import (
     SHARD_VERSIONS_TAG,
@@ -338,7 +337,8 @@ def infer_partitions(
         for key, frame in formatted_prompts.items()
     ]
     cache = result_cache_for(context, task, fingerprint, use=config.use_result_cache)
-    stored = stored_label_model(context, task, version)
+    stored = grown_label_model(context, task, version, stored_label_model(context, task, version))
+    shared = cascade_task(context, task, version, stored)
     try:
         # One session and one stream for every partition of the run; the engine starts with the
         # first request that needs it: not for cached, empty or all-error files.
@@ -353,7 +353,7 @@ def infer_partitions(
             def run(partitions: list[PartitionInput]) -> list[tuple[pl.DataFrame, InferenceStats]]:
                 return stream(partitions, session, settings, fmt, cache, context.log.info)
 
-            results = fmt.infer(parts, InferenceStream(run, tokenizer, settings.max_model_len, teach, stored))
+            results = fmt.infer(parts, InferenceStream(run, tokenizer, settings.max_model_len, teach, stored, shared))
     except EngineStartError as exc:
         # Settings that do not fit will not fit five seconds later either: fail now, with the
         # hint of what to change, instead of retrying a start-up that can take minutes.
@@ -365,20 +365,11 @@ def infer_partitions(
         share = stats.rows_inferred / inferred if inferred else 0.0
         gpu_hours = stats.engine_seconds * share * devices / SECONDS_PER_HOUR if devices else None
         metadata = inference_metadata(task, fmt, settings, session, frame, stats, fingerprint, gpu_hours)
+        if "task_student_version" in metadata:
+            # Where its figures are kept (storage/label_models.py), for validated_labels to add the cost.
+            metadata["task_version"] = version
         context.add_asset_metadata({**metadata, **ray_node_metadata()}, partition_key=partition_key)
     return {key: frame for key, (frame, _) in zip(formatted_prompts, results, strict=True)}
-
-
-def stored_label_model(context: dg.AssetExecutionContext, task: TaskSpec, version: str) -> LabelModel | None:
-    """A cascade task's label_model of this `version`, as stored (None: not a cascade, or none yet)."""
-    if task.output.cascade is None:
-        return None
-    stored = read_label_model(task.name, version, context.log.warning, task.output.cascade.seed)
-    if stored is not None:
-        context.log.info(
-            f"{task.name}: the cascade starts from label_model {stored.digest} ({stored.training_rows} training rows)"
-        )
-    return stored
 
 
 def teacher_checkpoint_dir(task: str, partition_key: str) -> UPath:
@@ -515,6 +506,7 @@ def validate_partition(
     labels = calibrated_labels(fmt.validate(outputs), task)
     files = fmt.output_files(labels, partition_key, int(time.time()), model)
     metadata = {**files.metadata, **write_output_files(task, files), **labels_metadata(labels, task, fmt)}
+    metadata |= task_cascade_metadata(context, task, partition_key, metadata.get("cascade_cost_usd"))
     context.add_asset_metadata(metadata, partition_key=partition_key)
     return labels
 

@@ -22,10 +22,15 @@ import dagster as dg
 from batch_assets.lib.asset_metadata import asset_key
 from batch_assets.lib.automation import label_model_condition, materialized_code_versions
 from batch_assets.pipeline.extras import MissingExtra
-from batch_assets.pipeline.label_model import LabelModelError, fit_label_model
+from batch_assets.pipeline.label_model import GROWTH, LabelModelError, fit_label_model
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.drop_files import partitions_def_name
-from batch_assets.storage.label_models import read_training_rows, write_label_model
+from batch_assets.storage.label_models import (
+    read_label_model,
+    read_training_rows,
+    teacher_row_count,
+    write_label_model,
+)
 
 
 def label_model_assets(task: TaskSpec, version: str) -> list[dg.AssetsDefinition]:
@@ -54,6 +59,8 @@ def label_model_assets(task: TaskSpec, version: str) -> list[dg.AssetsDefinition
     )
     def label_model(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         keys, other = partitions_by_version(context.instance, task, version)
+        if (kept := _kept_student(context, task, version, keys)) is not None:
+            return kept
         try:
             rows = read_training_rows(task.name, keys, cascade.max_training_rows, cascade.seed)
             model = fit_label_model(rows, version, cascade.seed)
@@ -79,3 +86,26 @@ def partitions_by_version(instance: dg.DagsterInstance, task: TaskSpec, version:
     versions = materialized_code_versions(instance, upstream, materialized)
     same = [key for key in materialized if versions.get(key) == version]
     return same, [key for key in materialized if key not in same]
+
+
+def _kept_student(
+    context: dg.AssetExecutionContext, task: TaskSpec, version: str, keys: list[str]
+) -> dg.MaterializeResult | None:
+    """A cascade by target keeps its current student until the task's teacher labels are GROWTH times
+    its training rows (lib/cascade_task.py): each new student version pays for a calibration, so a
+    retrain after every partition (the sensor's) would pay for one per file. None: retrain."""
+    cascade = task.output.cascade
+    if cascade is None or cascade.target is None:
+        return None
+    current = read_label_model(task.name, version, context.log.warning, cascade.seed)
+    if current is None or current.training_rows >= cascade.max_training_rows:
+        return None
+    available = teacher_row_count(task.name, keys)
+    if available >= GROWTH * current.training_rows:
+        return None
+    why = (
+        f"kept: the partitions hold {available} teacher labels, under {GROWTH} x the current student's "
+        f"{current.training_rows} training rows; a new student version would pay for a calibration"
+    )
+    context.log.info(f"{task.name}/label_model: {why}")
+    return dg.MaterializeResult(metadata={**current.metadata(), "not_retrained": why})

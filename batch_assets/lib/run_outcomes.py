@@ -21,7 +21,7 @@ import polars as pl
 from batch_assets.engines.kinds import resolve_settings
 from batch_assets.lib.error_causes import error_info_chain, error_info_line
 from batch_assets.lib.materializations import latest_materialization
-from batch_assets.pipeline.cascade import wilson_interval
+from batch_assets.pipeline.cascade_summary import wilson_interval
 from batch_assets.pipeline.label_quality import error_code_counts
 from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import TaskSpec
@@ -364,7 +364,25 @@ def _quality_notes(task_name: str, partition_keys: list[str], instance: dg.Dagst
     if low and minimum is not None:
         share = sum(share * rows for share, rows in low) / sum(rows for _, rows in low)
         notes.append(f"{share:.0%} of labels with confidence under {minimum}")
-    return notes + _cascade_notes(records) + _target_notes(task_name, partition_keys, instance)
+    return notes + _cascade_notes(records) + _target_notes(task_name, partition_keys, instance) + _task_notes(records)
+
+
+def _task_notes(records: list[dg.EventLogRecord | None]) -> list[str]:
+    """A cascade by target's task-level figures, as its newest partition recorded them: the rows its
+    student version labelled over every partition so far, the teacher's share, the bound."""
+    figures = [r for r in records if _metadata_value(r, "task_rows")]
+    if not figures:
+        return []
+    latest = max(figures, key=lambda r: r.timestamp if r is not None else 0)
+    rows, partitions = _metadata_value(latest, "task_rows"), _metadata_value(latest, "task_partitions")
+    cost = _metadata_value(latest, "task_cost_per_1000_correct_usd")
+    share, bound = _metadata_value(latest, "task_teacher_share"), _metadata_value(latest, "task_lower_bound")
+    return [
+        f"task: student version {_metadata_value(latest, 'task_student_version')} labelled {rows:,} rows of "
+        f"{partitions} partition{'' if partitions == 1 else 's'}, the teacher {share:.1%} of them; {bound:.1%} agree "
+        f"with the teacher or more, with probability {_metadata_value(latest, 'task_confidence'):.0%}"
+        + (f"; ${cost:,.4f} per 1,000 rows guaranteed to agree" if cost is not None else "")
+    ]
 
 
 def _target_notes(task_name: str, partition_keys: list[str], instance: dg.DagsterInstance) -> list[str]:

@@ -15,10 +15,13 @@ answers) and decides, row by row, who labels it:
 4. **audit**: `audit_rows` random student-labelled rows also go to the teacher; the share on which
    both agree, with its 95 % Wilson interval, is what the `agreement_at_least` check holds.
 
-With `output.cascade.target` (`_defer_by_target`), step 3 is instead: a random calibration set of the
-student's rows goes to the teacher, the threshold is the laxest that guarantees the target
-(pipeline/cascade_target.py), and its rows are deferred only when the budget pays for them; else
-nothing more is asked (the partition's check says why).
+With `output.cascade.target` (`_defer_by_target`) the student and its threshold are the task's
+(`TaskCascade`: one student version and one calibration shared by every partition, first writer wins
+in storage): a partition with none stored trains the student on its sample and calibrates it (a
+random calibration set of the student's rows to the teacher; pipeline/cascade_target.py), later ones
+reuse both. Step 3 is then: the rows under the threshold are deferred when the budget pays for them;
+else the least sure it pays for (`on_unreachable: best_effort`, the default) or none (`stop`), and
+the partition's check says what the budget guarantees.
 
 Rows the teacher saw keep the teacher's label. What cannot be labelled honestly is an error row, never
 a silent label: a teacher error on a sample or deferred row; every row the student would label when the
@@ -30,8 +33,8 @@ the teacher labels of every partition so far): its sample is then only what the 
 `sample_rows`, and the student is the stored one, retrained with the partition's own teacher labels
 where there are any (`partition_student`).
 
-Also here: expected calibration error (`expected_calibration_error`, 10 bins), the Wilson interval,
-and what the labels cost against asking the teacher for every row (`CascadeSummary.cost_metadata`).
+Also here: expected calibration error (`expected_calibration_error`, 10 bins). What a partition's
+labels report (the audit's Wilson interval, the cost) is pipeline/cascade_summary.py.
 
 scikit-learn (the `cascade` extra) is imported where the student is clustered, trained or
 cross-validated, not with this module: the code location loads without it (pipeline/extras.py).
@@ -40,6 +43,7 @@ cross-validated, not with this module: the code location loads without it (pipel
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import warnings
 from collections import Counter
@@ -49,10 +53,16 @@ from typing import Any
 
 import numpy as np
 
-from batch_assets.pipeline.cascade_target import TargetChoice, choose_threshold, known_agreement
+from batch_assets.pipeline.cascade_target import (
+    Calibration,
+    PartitionFigures,
+    TargetChoice,
+    TaskFigures,
+    calibrate,
+    known_agreement,
+    partition_bound,
+)
 from batch_assets.pipeline.extras import CASCADE, needs_extra
-from batch_assets.pipeline.prices import cost_usd
-from batch_assets.pipeline.task_spec import PriceSpec
 from batch_assets.pipeline.task_spec.cascade import CascadeSpec, TargetSpec
 
 # Inverse regularization of the student: sentence embeddings are unit vectors spread over hundreds of
@@ -68,9 +78,6 @@ FOLDS = 3
 ROWS_PER_CLUSTER = 10
 MAX_CLUSTERS = 100
 ECE_BINS = 10
-WILSON_Z = 1.959963984540054  # the 97.5th percentile of the normal distribution: a 95 % interval
-# validated_labels' metadata: the share of all rows agreeing with the teacher as the audit estimates it.
-ALL_ROWS_AGREEMENT_KEYS = ("all_rows_agreement", "all_rows_agreement_95_low", "all_rows_agreement_95_high")
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,74 @@ class StoredStudent:
     def student(self) -> Student:
         return train_student(self.vectors, self.labels, self.seed)
 
+    @functools.cached_property
+    def student_version(self) -> str:
+        """A short hash of the training rows (the same rows, the same version): a label model's digest."""
+        return rows_digest(self.vectors, self.labels)
+
+
+DIGEST_CHARACTERS = 12
+
+
+def rows_digest(vectors: np.ndarray, labels: Sequence[str]) -> str:
+    """A short hash of training rows: the same rows, the same digest, in every process."""
+    digest = hashlib.sha256(np.ascontiguousarray(vectors, dtype=np.float32).tobytes())
+    digest.update("\x00".join(labels).encode("utf-8"))
+    return digest.hexdigest()[:DIGEST_CHARACTERS]
+
+
+def _same(kept: Any) -> Any:
+    return kept
+
+
+@dataclass
+class TaskCascade:
+    """What a partition of a cascade by target shares with the task's other partitions: the student
+    version (`stored`: the task's label model) and its calibration. `keep_student` and
+    `keep_calibration` settle a partition's own when the task has none yet: they return the one the
+    task keeps (first writer wins, storage/label_models.py), which may be another partition's; by
+    default they keep it in memory (a partition alone, or the pure tests). `partition` names the
+    partition in the calibration it makes."""
+
+    stored: StoredStudent | None = None
+    calibration: Calibration | None = None
+    keep_student: Callable[[StoredStudent], StoredStudent] = _same
+    keep_calibration: Callable[[Calibration], Calibration] = _same
+    partition: str = ""
+    # (student version, partition, its figures) -> the figures of every partition that student
+    # version labelled (this one's replacing an earlier run's): the task-level figures' source.
+    keep_figures: Callable[[str, str, PartitionFigures], list[PartitionFigures]] | None = None
+    # A student version -> its stored calibration (None: none yet); None: nothing is stored.
+    read_calibration: Callable[[str], Calibration | None] | None = None
+    _figures: dict[tuple[str, str], PartitionFigures] = field(default_factory=dict)
+
+    def calibration_for(self, student_version: str, target: TargetSpec) -> Calibration | None:
+        """The calibration of `student_version` for `target`: the one in hand, else the stored one."""
+        if self.calibration is not None and self.calibration.matches(student_version, target):
+            return self.calibration
+        found = self.read_calibration(student_version) if self.read_calibration is not None else None
+        if found is not None and found.matches(student_version, target):
+            self.calibration = found
+            return found
+        return None
+
+    def task_figures(self, student_version: str, figures: PartitionFigures) -> TaskFigures:
+        """This partition's figures recorded, and the student version's over all its partitions."""
+        if self.keep_figures is not None:
+            every = self.keep_figures(student_version, self.partition, figures)
+        else:
+            self._figures[(student_version, self.partition)] = figures
+            every = [f for (version, _), f in self._figures.items() if version == student_version]
+        return TaskFigures.of(student_version, every)
+
+    def settle_student(self, student: StoredStudent) -> StoredStudent:
+        self.stored = self.keep_student(student)
+        return self.stored
+
+    def settle_calibration(self, calibration: Calibration) -> Calibration:
+        self.calibration = self.keep_calibration(calibration)
+        return self.calibration
+
 
 @dataclass
 class CascadeResult:
@@ -153,6 +228,8 @@ class CascadeResult:
     teacher_costs: list[TeacherAnswer | None] = field(default_factory=list)
     # With output.cascade.target: the threshold chosen, what it guarantees, or why it was refused.
     target: TargetChoice | None = None
+    # ...and the student version's figures over every partition it labelled, this one included.
+    task: TaskFigures | None = None
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -160,19 +237,8 @@ class CascadeResult:
             "unseen_choices": self.unseen_choices,
             "deferred_over_budget_rows": self.over_budget_rows,
             **(self.target.metadata() if self.target is not None else {}),
+            **(self.task.metadata() if self.task is not None else {}),
         }
-
-
-def wilson_interval(successes: int, trials: int, z: float = WILSON_Z) -> tuple[float, float]:
-    """The Wilson score interval of a proportion (95 % by default); (0, 1) with no trials. Written
-    out: four lines, where statsmodels would be a dependency for one function."""
-    if trials == 0:
-        return 0.0, 1.0
-    p = successes / trials
-    denominator = 1 + z * z / trials
-    centre = (p + z * z / (2 * trials)) / denominator
-    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denominator
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def expected_calibration_error(confidence: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS) -> float | None:
@@ -303,12 +369,17 @@ def run_cascade(
     choices: Sequence[str],
     stored: StoredStudent | None = None,
     unembedded: Mapping[str, int] | None = None,
+    task: TaskCascade | None = None,
 ) -> CascadeResult:
     """Label every row of `vectors` (one partition's embedded rows) by the teacher or the student.
     With a `stored` student (the task's label_model) the partition's own sample shrinks to what the
     stored training rows lack of `sample_rows`, so the teacher's budget goes to deferral and audit.
     `unembedded`: the partition's rows that have no vector, by error code: error rows, which a
-    target counts as disagreeing."""
+    target counts as disagreeing.
+
+    With a target the student version and its calibration are the task's (`task`; alone without
+    one): a stored student labels as it is (the partition asks for no sample of its own), and a
+    partition that starts with none trains one on its sample and settles it as the task's."""
     rows = vectors.shape[0]
     result = CascadeResult(
         labels=[None] * rows,
@@ -326,14 +397,21 @@ def run_cascade(
             result.target = errors.known_agreement(spec.target, result, "no row has a vector")
         return result
     budget = max(1, math.floor(spec.max_teacher_share * rows))
+    if spec.target is not None:
+        task = task or TaskCascade(stored)
+        stored = task.stored
     wanted = spec.sample_rows if stored is None else max(0, spec.sample_rows - len(stored.labels))
+    if spec.target is not None and stored is not None:
+        wanted = 0  # one student version for the task: the stored one, as it is
     # At most half the budget: the rest is for the audit and the rows the student is unsure of (a
     # sample that took it all would leave a small partition without either).
     sample = choose_sample(vectors, min(wanted, max(1, budget // 2), rows), spec.seed)
     taught = _ask(teacher, sample, result, role="sample")
-    result.student = student = partition_student(
-        vectors[taught], [result.labels[i] or "" for i in taught], stored, spec.seed
-    )
+    taught_labels = [result.labels[i] or "" for i in taught]
+    if task is not None:
+        result.student = student = _task_student(task, vectors[taught], taught_labels, spec.seed)
+    else:
+        result.student = student = partition_student(vectors[taught], taught_labels, stored, spec.seed)
     result.unseen_choices = [c for c in choices if c not in student.classes]
     rest = np.setdiff1d(np.arange(rows), sample)
     left = budget - sample.size
@@ -354,11 +432,19 @@ def run_cascade(
         result.student_labels[i], result.confidence[i] = label, float(p)
         result.labels[i], result.labelled_by[i], result.roles[i] = label, "student", "student"
     if spec.target is not None:
-        _defer_by_target(teacher, spec, spec.target, result, rest, confidence, left, errors, taught.size)
-        return result
-    # Deferral fixes labels, the audit only measures them: the unsure rows get first claim on at least
-    # half of what is left (the audit's reserve is at most the other half), and the audit takes what
-    # deferral did not use, so a weak student is still measured.
+        assert task is not None and task.stored is not None
+        _defer_by_target(teacher, spec, spec.target, result, rest, confidence, left, errors, task)
+    else:
+        _defer_by_threshold(teacher, spec, result, rest, confidence, left)
+    return result
+
+
+def _defer_by_threshold(
+    teacher: Teacher, spec: CascadeSpec, result: CascadeResult, rest: np.ndarray, confidence: np.ndarray, left: int
+) -> None:
+    """`defer_below`: deferral fixes labels, the audit only measures them: the unsure rows get first
+    claim on at least half of the `left` teacher rows (the audit's reserve is at most the other half),
+    and the audit takes what deferral did not use, so a weak student is still measured."""
     order = np.argsort(confidence, kind="stable")
     unsure = rest[order][confidence[order] < spec.defer_below]
     deferred = unsure[: left - min(spec.audit_rows, left // 2)]
@@ -369,7 +455,24 @@ def run_cascade(
     audit = np.sort(rng.choice(trusted, size=min(audit_size, trusted.size), replace=False))
     _ask(teacher, np.sort(deferred), result, role="deferred")
     _ask(teacher, audit, result, role="audit")
-    return result
+
+
+def _task_student(task: TaskCascade, vectors: np.ndarray, labels: list[str], seed: int) -> Student:
+    """The task's student version: the stored one, else one trained on this partition's sample and
+    settled as the task's (another partition's, should it have settled first: this one's sample rows
+    keep their teacher labels all the same)."""
+    if task.stored is not None:
+        if task.stored.vectors.shape[1] != vectors.shape[1]:
+            raise ValueError(
+                f"the stored label_model's vectors have {task.stored.vectors.shape[1]} dimensions, this "
+                f"partition's {vectors.shape[1]}: materialize the task's label_model again"
+            )
+        return task.stored.student
+    own = StoredStudent(vectors, labels, seed)
+    if own.student.model is None:
+        return own.student
+    settled = task.settle_student(own)
+    return own.student if settled.student_version == own.student_version else settled.student
 
 
 def _defer_by_target(
@@ -381,64 +484,135 @@ def _defer_by_target(
     confidence: np.ndarray,
     left: int,
     errors: _ErrorRows,
-    taught: int,
+    task: TaskCascade,
 ) -> None:
-    """`output.cascade.target`: the teacher labels a random calibration set of the rows the student
-    labelled, the threshold is chosen from it (pipeline/cascade_target.py), and only then, when the
-    budget (`left` teacher rows, less the audit's reserve) pays for it, are the rows under it deferred;
-    the audit takes what deferral leaves. A target the budget cannot meet asks the teacher for nothing
-    more. Deferred rows the teacher gives no label for are error rows: the bound, which counted them
-    as the teacher's, drops by their share."""
+    """`output.cascade.target`: the rows under the task's threshold for this student version go to the
+    teacher when the budget (`left` teacher rows, less the audit's reserve) pays for them; else the least
+    sure it pays for (best effort) or none (`on_unreachable: stop`). The audit takes what deferral leaves.
+    Without a calibration of this student version the partition makes one first: a random calibration
+    set of the rows the student labelled goes to the teacher (pipeline/cascade_target.py), and the task
+    keeps the first calibration settled."""
+    assert task.stored is not None
+    version = task.stored.student_version
     rng = np.random.default_rng(spec.seed + 2)
-    held = np.sort(rng.choice(rest, size=min(target.calibration_rows, left, rest.size), replace=False))
-    answered = _ask(teacher, held, result, role="calibration")
-    asked, labelled = np.isin(rest, held), np.isin(rest, answered)
-    # A calibration row the teacher gave no label for is an error row: out of the bound's rows.
-    usable = ~asked | labelled
-    agrees = labelled & (
-        np.asarray(result.student_labels, dtype=object)[rest] == np.asarray(result.labels, dtype=object)[rest]
-    )
-    # The audit's rows are set aside before the threshold is chosen (at most half of what is left), so
-    # the guarantee is always checked by an audit; it takes whatever deferral leaves besides.
-    left -= held.size
-    audit_reserve = min(spec.audit_rows, left // 2)
-    rows = len(result.labels) + errors.rows
-    result.target = choice = choose_threshold(
-        confidence[usable],
-        labelled[usable],
-        agrees[usable],
-        teacher_rows=taught,
-        rows=rows,
-        target=target,
-        budget=left - audit_reserve,
-    )
-    if not choice.met:
-        result.target = replace(choice, notes=(*errors.asked(result.teacher_costs, "rows asked"), *errors.notes()))
-        return
-    open_rows = ~asked
-    under = open_rows & (confidence < (math.inf if choice.threshold is None else choice.threshold))
-    deferred = rest[under]
-    if "defer_below" in spec.model_fields_set:
-        # A floor written beside the target: its unsure rows go to the teacher too, least sure first,
-        # while the budget lasts (a stricter threshold only adds teacher labels, so the bound holds).
-        extra = open_rows & ~under & (confidence < spec.defer_below)
-        floor = rest[extra][np.argsort(confidence[extra], kind="stable")]
-        room = max(0, left - audit_reserve - deferred.size)
-        deferred = np.concatenate([deferred, floor[:room]])
-        result.over_budget_rows = int(max(0, floor.size - room))
-    kept = np.setdiff1d(rest[open_rows], deferred)
-    audit = np.sort(rng.choice(kept, size=min(spec.audit_rows, left - deferred.size, kept.size), replace=False))
-    failed = deferred.size - _ask(teacher, np.sort(deferred), result, role="deferred").size
-    _ask(teacher, audit, result, role="audit")
-    if failed:
-        bound = choice.lower_bound - failed / rows
-        met = bound >= target.agreement
-        reason = (
-            f"{bound:.1%} of the rows agree with the teacher or more, with probability {target.confidence:.0%}, "
-            "once the deferred rows the teacher gave no label for count as disagreeing"
+    held = np.zeros(0, dtype=np.int64)
+    calibration = task.calibration_for(version, target)
+    if calibration is None:
+        held = np.sort(rng.choice(rest, size=min(target.calibration_rows, left, rest.size), replace=False))
+        answered = _ask(teacher, held, result, role="calibration")
+        asked, labelled = np.isin(rest, held), np.isin(rest, answered)
+        # A calibration row the teacher gave no label for is an error row: out of the sample.
+        usable = ~asked | labelled
+        agrees = labelled & (
+            np.asarray(result.student_labels, dtype=object)[rest] == np.asarray(result.labels, dtype=object)[rest]
         )
-        notes = (*errors.asked([result.teacher_costs[i] for i in deferred], "deferred rows"), *errors.notes())
-        result.target = replace(choice, lower_bound=bound, budget_bound=bound, met=met, reason=reason, notes=notes)
+        made = calibrate(confidence[usable], labelled[usable], agrees[usable], target, version, task.partition)
+        calibration = task.settle_calibration(made)
+        left -= held.size
+    open_rows = ~np.isin(rest, held)
+    candidates, open_confidence = rest[open_rows], confidence[open_rows]
+    # The audit's rows are set aside first (at most half of what is left), so the guarantee is always
+    # checked by an audit; it takes whatever deferral leaves besides.
+    audit_reserve = min(spec.audit_rows, left // 2)
+    budget = left - audit_reserve
+    threshold = calibration.threshold
+    under = open_confidence < (math.inf if threshold is None else threshold)
+    least_sure = candidates[np.argsort(open_confidence, kind="stable")]
+    refused = int(under.sum()) > budget
+    stop = refused and spec.on_unreachable == "stop"
+    if stop:
+        deferred = np.zeros(0, dtype=np.int64)
+    elif refused:
+        deferred = least_sure[:budget]
+    else:
+        deferred = candidates[under]
+        if "defer_below" in spec.model_fields_set:
+            # A floor written beside the target: its unsure rows go to the teacher too, least sure first,
+            # while the budget lasts (a stricter threshold only adds teacher labels, so the bound holds).
+            extra = ~under & (open_confidence < spec.defer_below)
+            floor = candidates[extra][np.argsort(open_confidence[extra], kind="stable")]
+            room = max(0, budget - deferred.size)
+            deferred = np.concatenate([deferred, floor[:room]])
+            result.over_budget_rows = int(max(0, floor.size - room))
+    kept = np.setdiff1d(candidates, deferred)
+    audit_size = 0 if stop else min(spec.audit_rows, left - deferred.size, kept.size)
+    audit = np.sort(rng.choice(kept, size=audit_size, replace=False))
+    _ask(teacher, np.sort(deferred), result, role="deferred")
+    _ask(teacher, audit, result, role="audit")
+    result.target = choice = _partition_choice(
+        result, calibration, target, errors, least_sure, int(under.sum()), budget, deferred, best_effort=not stop
+    )
+    by = np.asarray(result.labelled_by, dtype=object)
+    rows = len(result.labels) + errors.rows
+    figures = PartitionFigures(
+        rows=rows,
+        teacher_rows=int((by == "teacher").sum()),
+        student_rows=int((by == "student").sum()),
+        bounded_agreeing=choice.lower_bound * rows,
+        confidence=target.confidence,
+    )
+    result.task = task.task_figures(version, figures)
+    if refused:
+        result.over_budget_rows = int(under.sum()) - (0 if stop else budget)
+
+
+def _partition_choice(
+    result: CascadeResult,
+    calibration: Calibration,
+    target: TargetSpec,
+    errors: _ErrorRows,
+    least_sure: np.ndarray,
+    needed: int,
+    budget: int,
+    deferred: np.ndarray,
+    *,
+    best_effort: bool,
+) -> TargetChoice:
+    """What the partition's labels guarantee (pipeline/cascade_target.py's bound, with its exact
+    counts): met, refused by the budget (saying what the budget guarantees) or not met (the error
+    rows, or the teacher's failures on deferred rows)."""
+    rows = len(result.labels) + errors.rows
+    by = np.asarray(result.labelled_by, dtype=object)
+    teacher_rows = int((by == "teacher").sum())
+    kept_confidence = np.asarray([p for p, who in zip(result.confidence, by, strict=True) if who == "student"])
+    bound = partition_bound(teacher_rows, kept_confidence, rows, calibration.kept_bound, calibration.threshold)
+    chosen = TargetChoice(
+        target=target,
+        threshold=calibration.threshold,
+        lower_bound=bound,
+        deferred_rows=needed,
+        calibration_rows=calibration.rows,
+        budget=budget,
+        met=bound >= target.agreement,
+        budget_bound=bound,
+        kept_bound=calibration.kept_bound,
+        student_version=calibration.student_version,
+        calibrated_in=calibration.partition or None,
+    )
+    failed = sum(result.labelled_by[i] is None for i in deferred)
+    asked = (
+        errors.asked([result.teacher_costs[i] for i in deferred], "deferred rows")
+        if failed
+        else errors.asked(result.teacher_costs, "rows asked")
+    )
+    notes = (*asked, *errors.notes())
+    if needed > budget:
+        # The budget's threshold: the least sure `budget` rows to the teacher, the rest kept; beside
+        # them the sample and calibration rows the teacher labelled.
+        cut = float(result.confidence[least_sure[budget]]) if least_sure.size > budget else None
+        roles = np.asarray(result.roles, dtype=object)
+        before = int(((by == "teacher") & np.isin(roles, ["sample", "calibration"])).sum())
+        kept_rows = least_sure.size - budget
+        budget_bound = (before + budget + calibration.rate_bound_at(cut) * kept_rows) / rows
+        return replace(chosen, met=False, budget_bound=budget_bound, best_effort=best_effort, notes=notes)
+    if chosen.met:
+        return chosen
+    reason = (
+        f"{bound:.1%} of the rows agree with the teacher or more, with probability {target.confidence:.0%}, "
+        "the error rows and the rows the teacher gave no label for counting as disagreeing"
+        + (f" ({failed} deferred rows)" if failed else "")
+    )
+    return replace(chosen, reason=reason, notes=notes)
 
 
 @dataclass(frozen=True)
@@ -534,120 +708,3 @@ def _ask(teacher: Teacher, positions: np.ndarray, result: CascadeResult, *, role
         result.labelled_by[i], result.roles[i] = "teacher", role
         answered.append(i)
     return np.asarray(answered, dtype=np.int64)
-
-
-@dataclass(frozen=True)
-class TeacherCost:
-    """What a partition's teacher requests measured: over the `rows` a chat teacher was asked about,
-    their tokens; over the `timed_rows` of calls that inferred, the engine seconds. A column teacher
-    measures nothing (reading a column costs nothing)."""
-
-    rows: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    timed_rows: int = 0
-    seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class CascadeSummary:
-    """What a partition's labels say of the cascade (from validated_labels' columns)."""
-
-    rows: int
-    teacher_rows: int
-    student_rows: int
-    deferred_rows: int
-    audited_rows: int
-    audit_agreed: int
-    teacher_cost: TeacherCost = TeacherCost()
-    embedding_prompt_tokens: int = 0
-    # engine.price (prices.engine_price: a batch API's discount applied), the embedding model's. None:
-    # no embedding cost.
-    price: PriceSpec | None = None
-    # output.cascade.teacher_price (prices.teacher_price), the chat teacher's. None: its cost in
-    # engine seconds (a chat model's tokens do not cost what the embedding model's do).
-    teacher_price: PriceSpec | None = None
-
-    @property
-    def teacher_share(self) -> float:
-        return self.teacher_rows / self.rows if self.rows else 0.0
-
-    @property
-    def agreement(self) -> float | None:
-        return self.audit_agreed / self.audited_rows if self.audited_rows else None
-
-    @property
-    def agreement_interval(self) -> tuple[float, float]:
-        return wilson_interval(self.audit_agreed, self.audited_rows)
-
-    def all_rows_agreement(self) -> tuple[float, float, float] | None:
-        """The share of all rows whose label is the teacher's, estimated from the audit, with its 95 %
-        interval (the audit's Wilson interval on the student's rows; teacher rows agree, error rows
-        do not): what `output.cascade.target` guarantees a lower bound of. None with no audit."""
-        if self.agreement is None or not self.rows:
-            return None
-        low, high = self.agreement_interval
-
-        def of_all(share: float) -> float:
-            return (self.teacher_rows + share * self.student_rows) / self.rows
-
-        return of_all(self.agreement), of_all(low), of_all(high)
-
-    def metadata(self) -> dict[str, Any]:
-        low, high = self.agreement_interval
-        return {
-            "teacher_rows": self.teacher_rows,
-            "student_rows": self.student_rows,
-            "deferred_rows": self.deferred_rows,
-            "deferred_share": round(self.deferred_rows / self.rows, 4) if self.rows else 0.0,
-            "teacher_share": round(self.teacher_share, 4),
-            # Teacher requests against one per row: the cost's share where each request costs the same.
-            "cost_vs_all_teacher": round(self.teacher_share, 4),
-            **self.cost_metadata(),
-            "audited_rows": self.audited_rows,
-            "audit_agreement": None if self.agreement is None else round(self.agreement, 4),
-            "audit_agreement_95_low": round(low, 4),
-            "audit_agreement_95_high": round(high, 4),
-            **self.all_rows_metadata(),
-        }
-
-    def all_rows_metadata(self) -> dict[str, Any]:
-        estimate = self.all_rows_agreement()
-        if estimate is None:
-            return {}
-        return dict(zip(ALL_ROWS_AGREEMENT_KEYS, (round(value, 4) for value in estimate), strict=True))
-
-    def _per_correct_label(self, cascade_usd: float, all_teacher_usd: float) -> dict[str, Any]:
-        """Dollars per thousand labels that agree with the teacher: the cascade's (its rows agreeing as
-        the audit estimates) and the teacher's alone (every row its own label). Empty with no audit."""
-        estimate = self.all_rows_agreement()
-        if estimate is None or not estimate[0]:
-            return {}
-        return {
-            "cost_per_1000_correct_usd": round(cascade_usd / (estimate[0] * self.rows) * 1000, 6),
-            "all_teacher_cost_per_1000_correct_usd": round(all_teacher_usd / self.rows * 1000, 6),
-        }
-
-    def cost_metadata(self) -> dict[str, Any]:
-        """The labels' estimated cost against asking the teacher for every row. The embedding in
-        dollars at `price`; the chat teacher in dollars at `teacher_price` (its tokens as used;
-        all-teacher: their mean per asked row times the rows), and the two together, else in engine
-        seconds (seconds per inferred teacher row times the rows asked, and all rows). Each price
-        costs its own model's tokens alone. Empty for a column teacher without a price."""
-        cost, rows = self.teacher_cost, self.rows
-        spent: dict[str, Any] = {}
-        if self.price is not None:
-            spent["embedding_cost_usd"] = cost_usd(self.embedding_prompt_tokens, 0, self.price) or 0.0
-        if self.teacher_price is not None and cost.rows:
-            teacher = cost_usd(cost.prompt_tokens, cost.generated_tokens, self.teacher_price) or 0.0
-            spent |= {"teacher_cost_usd": teacher, "all_teacher_cost_usd": round(teacher / cost.rows * rows, 6)}
-            if self.price is not None:
-                spent["cascade_cost_usd"] = round(teacher + spent["embedding_cost_usd"], 6)
-                spent |= self._per_correct_label(spent["cascade_cost_usd"], spent["all_teacher_cost_usd"])
-        elif cost.timed_rows:
-            per_row = cost.seconds / cost.timed_rows
-            spent |= {
-                "teacher_engine_seconds": round(per_row * cost.rows, 3),
-                "all_teacher_engine_seconds": round(per_row * rows, 3),
-            }
-        return spent

@@ -21,14 +21,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from batch_assets.pipeline.cascade import (
-    CascadeResult,
-    CascadeSummary,
-    Teacher,
-    TeacherAnswer,
-    TeacherCost,
-    run_cascade,
-)
+from batch_assets.pipeline.cascade import CascadeResult, StoredStudent, TaskCascade, Teacher, TeacherAnswer, run_cascade
+from batch_assets.pipeline.cascade_summary import CascadeSummary, TeacherCost
 from batch_assets.pipeline.embeddings import vectors_column, vectors_matrix
 from batch_assets.pipeline.label_model import LabelModel
 from batch_assets.pipeline.label_quality import error_code_counts
@@ -137,7 +131,8 @@ def cascade_outputs(
     choices: Sequence[str],
     source_file: str,
     teach: Teach | None = None,
-    stored: LabelModel | None = None,
+    stored: StoredStudent | None = None,
+    task: TaskCascade | None = None,
 ) -> tuple[pl.DataFrame, dict[str, Any]]:
     """One partition's embedding results → its inference_outputs (see the module) and what the
     cascade's run measured (the student's training; the teacher's calls; the stored label model it
@@ -152,7 +147,9 @@ def cascade_outputs(
         assert teach is not None  # the inference step opens the teacher's session for `teacher: llm`
         teacher = llm_teacher(embedded, teach, source_file, counts)
     unembedded = error_code_counts(results.filter(~ok))
-    result = run_cascade(vectors_matrix(embedding.filter(ok)), teacher, spec, choices, stored, unembedded)
+    if task is not None:
+        stored = task.stored
+    result = run_cascade(vectors_matrix(embedding.filter(ok)), teacher, spec, choices, stored, unembedded, task)
     if result.target is not None and (refusal := result.target.refusal()):
         # Said as soon as it is known; the check agreement_target_met fails the partition by name.
         log.warning("%s: %s", source_file, refusal)
@@ -162,9 +159,16 @@ def cascade_outputs(
         # Every row the teacher was asked about has its answer (and cost) in the result.
         "teacher_rows_asked": sum(answer is not None for answer in result.teacher_costs),
         **{f"teacher_{name}": counts.get(name, 0) for name in TEACHER_STATS if teach is not None},
-        **(stored.usage_metadata() if stored is not None else {}),
+        **(_usage(task.stored if task is not None else stored)),
     }
     return _with_cascade_columns(results, embedding, positions, result), measured
+
+
+def _usage(stored: StoredStudent | None) -> dict[str, Any]:
+    """What a partition records of the stored student it labelled with (its digest, its rows)."""
+    if isinstance(stored, LabelModel):
+        return stored.usage_metadata()
+    return {}
 
 
 def _with_cascade_columns(

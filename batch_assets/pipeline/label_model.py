@@ -13,7 +13,6 @@ storage/label_models.py.
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,12 +21,18 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from batch_assets.pipeline.cascade import StoredStudent
+from batch_assets.pipeline.cascade import StoredStudent, rows_digest
 from batch_assets.pipeline.embeddings import vectors_matrix
 
 # The inference_outputs columns a label model is trained from.
 TRAINING_COLUMNS = ("embedding", "generated_text", "labelled_by", "error")
-DIGEST_CHARACTERS = 12
+
+
+# A cascade by target's stored student is retrained (at a run's start, or by the label_model asset)
+# once the task's partitions hold this many times its training rows in teacher labels: a better
+# student defers fewer rows, and each new student version pays for one calibration, so growing
+# geometrically pays for it a few times at most.
+GROWTH = 2
 
 
 class LabelModelError(ValueError):
@@ -132,10 +137,9 @@ def _even_split(sizes: list[int], quota: int) -> list[int]:
 
 
 def training_digest(vectors: np.ndarray, labels: list[str]) -> str:
-    """A short hash of the training rows: the same rows, the same digest, in every process."""
-    digest = hashlib.sha256(np.ascontiguousarray(vectors, dtype=np.float32).tobytes())
-    digest.update("\x00".join(labels).encode("utf-8"))
-    return digest.hexdigest()[:DIGEST_CHARACTERS]
+    """A short hash of the training rows: the same rows, the same digest, in every process (the
+    student version a cascade by target calibrates, `StoredStudent.student_version`)."""
+    return rows_digest(vectors, labels)
 
 
 def distinct_rows(vectors: np.ndarray, labels: list[str]) -> tuple[np.ndarray, list[str]]:

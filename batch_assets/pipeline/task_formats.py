@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 
 import polars as pl
 
+from batch_assets.pipeline.cascade import TaskCascade
 from batch_assets.pipeline.cascade_labels import Teach, cascade_outputs, cascade_summary
 from batch_assets.pipeline.embeddings import (
     choice_texts,
@@ -89,14 +90,18 @@ RunInference = Callable[[list[PartitionInput]], list[tuple[pl.DataFrame, Inferen
 class InferenceStream:
     """What a kind's `infer` gets of the run: `run`, the engine's tokenizer and context length (for
     requests of the kind's own: similarity's choices), `teach`, a cascade's chat teacher
-    (`teacher: llm`; None for every other task), and `label_model`, a cascade task's stored student
-    for this task version (None: none yet, or another kind of task)."""
+    (`teacher: llm`; None for every other task), `label_model`, a cascade task's stored student
+    for this task version (None: none yet, or another kind of task), and `cascade_task`, what the
+    partitions of a cascade by target share."""
 
     run: RunInference
     tokenizer: Tokenizer
     max_model_len: int
     teach: Teach | None = None
     label_model: LabelModel | None = None
+    # A cascade by target's student version and calibration, shared by the task's partitions
+    # (lib/assets.py: stored, first writer wins); None for every other task.
+    cascade_task: TaskCascade | None = None
 
 
 @dataclass(frozen=True)
@@ -520,10 +525,22 @@ class CascadeRecords(_EmbeddedRecords):
         for part, (frame, stats) in zip(parts, stream.run(parts), strict=True):
             # A partition the stored student learned from (a re-run, a replaced file) trains its own:
             # the stored one has seen its teacher rows, and its audit would measure them again.
-            stored = stream.label_model
-            learned_here = stored is not None and part.label in stored.partitions
+            shared = stream.cascade_task
+            stored = stream.label_model if shared is None else shared.stored
+            learned_here = isinstance(stored, LabelModel) and part.label in stored.partitions
+            task: TaskCascade | None = None
+            if shared is not None:
+                # A partition the task's student learned from runs alone: its own sample and calibration.
+                task = TaskCascade(partition=part.label) if learned_here else shared
+                task.partition = part.label
             labelled, measured = cascade_outputs(
-                frame, output.cascade, output.choices or [], part.label, stream.teach, None if learned_here else stored
+                frame,
+                output.cascade,
+                output.choices or [],
+                part.label,
+                stream.teach,
+                None if learned_here else stored,
+                task,
             )
             inferred.append((labelled, replace(stats, format_metadata=measured)))
         return inferred

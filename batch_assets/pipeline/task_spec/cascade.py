@@ -10,9 +10,10 @@ is least sure of to the teacher; `max_teacher_share: 0.25` caps every teacher re
 deferred and audit rows together) at a quarter of a partition's rows (the issue's target); 200 audit
 rows measure agreement to about ±3 percentage points (the 95 % Wilson interval near 95 %).
 
-`target` (`TargetSpec`) replaces the fixed `defer_below` by a threshold chosen per partition to meet a
-stated agreement with a stated confidence (pipeline/cascade_target.py); a `defer_below` written beside
-it is a floor. Unset, it is left out of the code versions.
+`target` (`TargetSpec`) replaces the fixed `defer_below` by a threshold chosen once per task and
+student version to meet a stated agreement with a stated confidence (pipeline/cascade_target.py); a
+`defer_below` written beside it is a floor, and `on_unreachable` says what a partition whose budget
+cannot pay for it does. Unset, both are left out of the code versions.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class TargetSpec(_Strict):
     agreement: float = Field(gt=0, lt=1)
     confidence: float = Field(gt=0, lt=1)
     # Rows drawn at random from those the student did not train on, labelled by the teacher to choose
-    # the threshold (at most a quarter of the teacher's budget). The bound's margin shrinks with it:
+    # the threshold (once per student version, in the first partition it labels; at most what the
+    # budget leaves after the sample). The bound's margin shrinks with it:
     # about +-2 points of agreement at 500 rows near 95 %.
     calibration_rows: int = Field(default=DEFAULT_CALIBRATION_ROWS, ge=1)
 
@@ -79,6 +81,11 @@ class CascadeSpec(_Strict):
     target: TargetSpec | None = None
     # ...within this share of the partition's rows for every teacher request together.
     max_teacher_share: float = Field(default=DEFAULT_MAX_TEACHER_SHARE, gt=0, le=1)
+    # With a target, what a partition does when the budget cannot pay for the rows the target needs
+    # deferred: `best_effort` defers the least sure rows the budget pays for (accuracy as high as the
+    # budget allows; the check still fails, naming what the budget guarantees); `stop` asks the
+    # teacher for nothing more, the student's labels stand. Without a target it plays no part.
+    on_unreachable: Literal["best_effort", "stop"] = "best_effort"
     # Random student-labelled rows also sent to the teacher, to measure their agreement.
     audit_rows: int = Field(default=DEFAULT_AUDIT_ROWS, ge=0)
     # The `<task>/label_model` trains on at most this many teacher labels of its partitions: each

@@ -138,7 +138,8 @@ class OutputSpec(_Strict):
             exclude["cascade"] = {
                 "max_training_rows",
                 "teacher_price",
-                *(("target",) if self.cascade.target is None else ()),
+                # Without a target, on_unreachable plays no part: threshold cascades keep their versions.
+                *(("target", "on_unreachable") if self.cascade.target is None else ()),
             }
         return self.model_dump(exclude=exclude)
 
