@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from batch_assets.engines.engine_figures import EngineFigures
 from batch_assets.engines.vllm_engine import VLLMEngine, engine_process_environment, resolve_data_parallel_size
 from batch_assets.pipeline.engine_contract import EngineStartError, Generation, Prompt
 from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec, load_task_specs
@@ -279,6 +280,7 @@ class _WarmEngine:
 
     def __init__(self) -> None:
         self.shut_down = False
+        self.figures = EngineFigures()  # what a session reads of its engine's own figures
 
     def shutdown(self) -> None:
         self.shut_down = True
@@ -312,6 +314,7 @@ class _StreamingEngine:
         self.shut_down_on: str | None = None
         self.shutdown_seconds = shutdown_seconds
         self.stopped = False
+        self.figures = EngineFigures()  # what a session reads of its engine's own figures
 
     def stream(
         self, prompts: Iterable[Prompt], params_for: object, lora_request: object = None
