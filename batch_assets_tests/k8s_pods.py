@@ -215,3 +215,57 @@ def helm_instance_limits(values: dict) -> dict:
             section["config"] = {} if enabled and maximum is None else {"max_concurrent_runs": maximum or -1}
         rendered["run_coordinator"] = section
     return rendered
+
+
+def kubernetes_objects(path: Path) -> list[dict]:
+    """The Kubernetes objects of a YAML file (none in a Dagster instance file or Helm values)."""
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if isinstance(doc, dict) and "apiVersion" in doc]
+
+
+# The secrets deploy/README.md has the user create, with example contents.
+SECRETS = {
+    "dagster-postgresql-secret": {"postgresql-password": "example-password"},
+    "batch-assets-env": {"BATCH_ASSETS_DATA": "s3://my-bucket/batch-assets", "AWS_REGION": "eu-west-1"},
+    "vllm-api-key": {"VLLM_API_KEY": "example-key"},
+}
+
+
+def config_maps() -> dict[str, dict[str, str]]:
+    """The ConfigMaps of deploy/k8s, by name."""
+    found = {}
+    for path in (DEPLOY / "k8s").glob("*.yaml"):
+        for doc in kubernetes_objects(path):
+            if doc["kind"] == "ConfigMap":
+                found[doc["metadata"]["name"]] = doc["data"]
+    return found
+
+
+def pod_environment(container, secrets: dict[str, dict[str, str]], maps: dict | None = None) -> dict[str, str]:
+    """The variables a container starts with, as the kubelet resolves them from the cluster's
+    ConfigMaps and Secrets: `envFrom` first, then `env` over it; a missing optional source is
+    skipped and a missing required one stops the pod."""
+    maps = config_maps() if maps is None else maps
+    stores = {"config_map": maps, "secret": secrets}
+    env: dict[str, str] = {}
+    for source in container.env_from or []:
+        for kind, store in stores.items():
+            ref = getattr(source, f"{kind}_ref")
+            if ref is None:
+                continue
+            if ref.name not in store:
+                assert ref.optional, f"the pod would not start: {kind} {ref.name} does not exist"
+                continue
+            env.update(store[ref.name])
+    for item in container.env or []:
+        if item.value_from is None:
+            env[item.name] = item.value
+            continue
+        for kind, store in stores.items():
+            ref = getattr(item.value_from, f"{kind}_key_ref")
+            if ref is None:
+                continue
+            if ref.key not in store.get(ref.name, {}):
+                assert ref.optional, f"the pod would not start: {kind} {ref.name} has no key {ref.key}"
+                continue
+            env[item.name] = store[ref.name][ref.key]
+    return env

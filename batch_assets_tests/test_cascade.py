@@ -25,36 +25,18 @@ from batch_assets.pipeline.cascade import (
 from batch_assets.pipeline.cascade_labels import cascade_outputs, cascade_summary, column_teacher, teacher_task
 from batch_assets.pipeline.cascade_summary import wilson_interval
 from batch_assets.pipeline.code_versions import code_versions
-from batch_assets.pipeline.embeddings import encode_vector
 from batch_assets.pipeline.run_inference import InferenceStats
 from batch_assets.pipeline.task_formats import CascadeRecords, task_format
 from batch_assets.pipeline.task_spec import PriceSpec, TaskSpecError, load_task_spec
-from batch_assets.pipeline.task_spec.cascade import CascadeSpec, ColumnTeacher
-
-CHOICES = ["alpha", "beta", "gamma", "delta"]
-
-
-def blobs(rows: int, *, noise: float, seed: int = 0, classes: int = 4, dim: int = 24) -> tuple[np.ndarray, np.ndarray]:
-    """Unit vectors scattered around one random centre per class; the class of each."""
-    rng = np.random.default_rng(seed)
-    centres = rng.normal(size=(classes, dim))
-    y = rng.integers(0, classes, rows)
-    x = centres[y] + rng.normal(scale=noise, size=(rows, dim))
-    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32), y
-
-
-def perfect_teacher(y: np.ndarray, asked: list[int] | None = None):
-    def teach(positions: np.ndarray) -> list[TeacherAnswer]:
-        if asked is not None:
-            asked.extend(int(i) for i in positions)
-        return [TeacherAnswer(CHOICES[y[i]]) for i in positions]
-
-    return teach
-
-
-def spec(**settings) -> CascadeSpec:
-    return CascadeSpec(teacher=ColumnTeacher(column="gold"), **settings)
-
+from batch_assets_tests.support.cascade import (
+    CASCADE_TASK,
+    CHOICES,
+    blobs,
+    embedded_results,
+    perfect_teacher,
+    spec,
+    write,
+)
 
 # --- pure pieces ----------------------------------------------------------------------------------
 
@@ -229,28 +211,6 @@ def test_an_empty_partition_labels_nothing() -> None:
 # --- frames: the column teacher -----------------------------------------------------------------
 
 
-def embedded_results(x: np.ndarray, gold: list[str | None], errors: dict[int, str] | None = None) -> pl.DataFrame:
-    """What the inference loop hands an embedding kind: encoded vectors in `generated_text`."""
-    errors = errors or {}
-    rows = len(gold)
-    return pl.DataFrame(
-        {
-            "row_id": list(range(rows)),
-            "source_line": [i + 2 for i in range(rows)],
-            "name": [f"row {i}" for i in range(rows)],
-            "gold": gold,
-            "prompt": [f"row {i}" for i in range(rows)],
-            "generated_text": [None if i in errors else encode_vector(x[i]) for i in range(rows)],
-            "finish_reason": [None if i in errors else "stop" for i in range(rows)],
-            "num_prompt_tokens": [3] * rows,
-            "num_generated_tokens": [0] * rows,
-            "cumulative_logprob": [None] * rows,
-            "error": [errors.get(i) for i in range(rows)],
-        },
-        schema_overrides={"cumulative_logprob": pl.Float64, "error": pl.String, "generated_text": pl.String},
-    )
-
-
 def test_a_teacher_column_with_an_unknown_label_is_an_error_row_naming_file_and_line() -> None:
     x, y = blobs(300, noise=1.5, seed=6)  # noisy: the student is never sure, every row goes to the teacher
     gold: list[str | None] = [CHOICES[i] for i in y]
@@ -312,23 +272,6 @@ def test_the_embedding_cost_counts_the_rows_embedded_not_a_text_refused_before(t
 
 
 # --- settings -----------------------------------------------------------------------------------
-
-CASCADE_TASK = """
-input: {text_fields: [name]}
-prompt: {template: "{name}"}
-output:
-  kind: choices
-  method: cascade
-  choices: [alpha, beta, gamma, delta]
-  cascade: {teacher: {column: gold}, sample_rows: 150, audit_rows: 30}
-checks: {gold_field: gold, min_agreement: 0.9}
-"""
-
-
-def write(tmp_path: Path, body: str, name: str = "cascaded") -> Path:
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(body)
-    return path
 
 
 def test_a_cascade_task_loads_with_the_documented_defaults(tmp_path: Path) -> None:

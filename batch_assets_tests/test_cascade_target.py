@@ -21,7 +21,7 @@ from batch_assets.pipeline.cascade_target import TargetChoice, calibrate, cloppe
 from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import PriceSpec, TaskSpecError, load_task_spec
 from batch_assets.pipeline.task_spec.cascade import TargetSpec
-from batch_assets_tests.test_cascade import (
+from batch_assets_tests.support.cascade import (
     CASCADE_TASK,
     CHOICES,
     blobs,

@@ -17,16 +17,6 @@ TESTS = Path(__file__).resolve().parent
 # (issue 27 item 2) split the asset and check factories, the drops sensor and the batch formatting.
 KNOWN_LONG_FUNCTIONS: set[str] = set()
 
-# Test files that may still import another test module: the four that other work was adding tests to
-# while the shared helpers moved to support/ (issue 61 item 5). Their imports move to support modules
-# once that work is merged; then this set is emptied, so that no test file imports another again.
-TEST_FILES_STILL_IMPORTING_TESTS = {
-    "test_cascade.py",
-    "test_cascade_target.py",
-    "test_label_model.py",
-    "test_doctor.py",
-}
-
 
 def function_lengths() -> dict[str, int]:
     """`<path under batch_assets>:<function>` (nested ones as `outer.inner`) -> its lines, decorators left out."""
@@ -87,7 +77,6 @@ def test_no_test_module_imports_another() -> None:
         for path in sorted(TESTS.rglob("*.py"))
         if (modules := imported_test_modules(path))
     }
-    offenders = {name: modules for name, modules in importing.items() if name not in TEST_FILES_STILL_IMPORTING_TESTS}
-    assert not offenders, (
-        f"test files importing test modules (move what they share to batch_assets_tests/support/): {offenders}"
+    assert not importing, (
+        f"test files importing test modules (move what they share to batch_assets_tests/support/): {importing}"
     )

@@ -47,7 +47,7 @@ from batch_assets.runtime.instance import prepare_instance
 from batch_assets.storage.locations import task_storage_dir
 from batch_assets.storage.result_cache import ResultCache
 from batch_assets_tests.support import REPO_ROOT, free_port
-from batch_assets_tests.test_s3_drops import moto_endpoint, s3  # noqa: F401 - fixtures
+from batch_assets_tests.support.s3 import BUCKET, DATA_URL, PREFIX
 
 DEPLOY = REPO_ROOT / "deploy"
 PG_VARIABLES = ("DAGSTER_PG_HOST", "DAGSTER_PG_PORT", "DAGSTER_PG_USERNAME", "DAGSTER_PG_PASSWORD", "DAGSTER_PG_DB")
@@ -178,8 +178,14 @@ def test_in_a_run_pod_a_variable_missing_from_the_configmap_fails_naming_it(
     kubelet fills it from the ConfigMap (deploy/k8s/instance-env.yaml) and the secrets, once without
     DAGSTER_PG_HOST in the ConfigMap."""
     pytest.importorskip("dagster_k8s", reason="dagster-k8s is not installed (pip install -e '.[test]')")
-    from batch_assets_tests.k8s_pods import build_launcher, run_pod_job, write_kubeconfig
-    from batch_assets_tests.test_k8s_first_run import SECRETS, config_maps, pod_environment
+    from batch_assets_tests.k8s_pods import (
+        SECRETS,
+        build_launcher,
+        config_maps,
+        pod_environment,
+        run_pod_job,
+        write_kubeconfig,
+    )
 
     maps = config_maps()
     monkeypatch.setenv("DAGSTER_K8S_JOB_NAMESPACE", maps["dagster-instance-env"]["DAGSTER_K8S_JOB_NAMESPACE"])
@@ -515,8 +521,6 @@ def test_a_real_postgres_instance_is_reachable_and_current(
 @pytest.mark.slow
 def test_s3_locations_are_listed_written_and_cleaned(s3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:  # noqa: F811
     """moto's S3 server: a marker object is put and deleted in both prefixes; a missing bucket fails."""
-    from batch_assets_tests.test_s3_drops import BUCKET, DATA_URL, PREFIX
-
     s3.put("a.jsonl", '{"text": "x"}\n')
     drops, outputs = check_locations(DoctorContext(home=tmp_path))
     assert drops.line() == f"OK    drops location: {DATA_URL}/drops: readable and writable (1 entries)"

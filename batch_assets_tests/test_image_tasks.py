@@ -25,7 +25,7 @@ import s3fs
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.support.golden import content_digest, kept_or_made, versions
-from batch_assets_tests.support.s3 import moto_endpoint, use_endpoint  # noqa: F401  (a module fixture)
+from batch_assets_tests.support.s3 import use_endpoint
 from batch_assets_tests.tiny_vlm import built_tiny_vlm, write_test_images
 
 # The slow tier (`make test-fast` leaves it out): the engine, and an S3 server.

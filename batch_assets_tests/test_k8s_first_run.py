@@ -37,14 +37,18 @@ from dagster._serdes import serialize_value  # noqa: E402
 from batch_assets_tests.k8s_pods import (  # noqa: E402
     DEPLOY,
     NAMESPACE,
+    SECRETS,
     build_launcher,
+    config_maps,
     helm_code_location_context,
     helm_instance_limits,
     helm_run_launcher_config,
     helm_values,
     job_tags,
+    kubernetes_objects,
     large_task,
     launcher_config,
+    pod_environment,
     run_pod_job,
     write_kubeconfig,
 )
@@ -52,22 +56,11 @@ from batch_assets_tests.k8s_pods import (  # noqa: E402
 INDUSTRY_SHARED = DEPLOY / "examples" / "tasks" / "industry_shared.yaml"
 
 
-def kubernetes_objects(path: Path) -> list[dict]:
-    """The Kubernetes objects of a YAML file (none in a Dagster instance file or Helm values)."""
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if isinstance(doc, dict) and "apiVersion" in doc]
-
-
 # deploy/kuberay/ holds a RayCluster, a custom resource kubernetes-validate has no schema for
 # (test_ray_placement.py checks it field by field).
 MANIFESTS = sorted(
     path for path in DEPLOY.rglob("*.yaml") if kubernetes_objects(path) and not path.is_relative_to(DEPLOY / "kuberay")
 )
-# The secrets deploy/README.md has the user create, with example contents.
-SECRETS = {
-    "dagster-postgresql-secret": {"postgresql-password": "example-password"},
-    "batch-assets-env": {"BATCH_ASSETS_DATA": "s3://my-bucket/batch-assets", "AWS_REGION": "eu-west-1"},
-    "vllm-api-key": {"VLLM_API_KEY": "example-key"},
-}
 
 
 @pytest.fixture
@@ -192,47 +185,6 @@ def test_a_split_run_pod_takes_no_gpu_and_little_memory(kubeconfig: Path) -> Non
 
 
 # --- Without Helm: the run pod's environment and the service account ------------------------------
-
-
-def config_maps() -> dict[str, dict[str, str]]:
-    """The ConfigMaps of deploy/k8s, by name."""
-    found = {}
-    for path in (DEPLOY / "k8s").glob("*.yaml"):
-        for doc in kubernetes_objects(path):
-            if doc["kind"] == "ConfigMap":
-                found[doc["metadata"]["name"]] = doc["data"]
-    return found
-
-
-def pod_environment(container, secrets: dict[str, dict[str, str]], maps: dict | None = None) -> dict[str, str]:
-    """The variables a container starts with, as the kubelet resolves them from the cluster's
-    ConfigMaps and Secrets: `envFrom` first, then `env` over it; a missing optional source is
-    skipped and a missing required one stops the pod."""
-    maps = config_maps() if maps is None else maps
-    stores = {"config_map": maps, "secret": secrets}
-    env: dict[str, str] = {}
-    for source in container.env_from or []:
-        for kind, store in stores.items():
-            ref = getattr(source, f"{kind}_ref")
-            if ref is None:
-                continue
-            if ref.name not in store:
-                assert ref.optional, f"the pod would not start: {kind} {ref.name} does not exist"
-                continue
-            env.update(store[ref.name])
-    for item in container.env or []:
-        if item.value_from is None:
-            env[item.name] = item.value
-            continue
-        for kind, store in stores.items():
-            ref = getattr(item.value_from, f"{kind}_key_ref")
-            if ref is None:
-                continue
-            if ref.key not in store.get(ref.name, {}):
-                assert ref.optional, f"the pod would not start: {kind} {ref.name} has no key {ref.key}"
-                continue
-            env[item.name] = store[ref.name][ref.key]
-    return env
 
 
 def k8s_instance_ref(tmp_path: Path) -> InstanceRef:

@@ -42,7 +42,7 @@ from batch_assets.storage.label_models import (
     write_label_model,
 )
 from batch_assets.storage.locations import output_path
-from batch_assets_tests.test_cascade import CHOICES, blobs, embedded_results, perfect_teacher, spec
+from batch_assets_tests.support.cascade import CHOICES, blobs, embedded_results, perfect_teacher, spec
 
 TASK = """
 input: {text_fields: [name]}

@@ -13,18 +13,14 @@ import io
 import json
 import socket
 import threading
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import boto3
 import dagster as dg
 import polars as pl
 import pytest
-import s3fs
 
 from batch_assets.lib.drops_sensor import (
     REPLACED_TAG,
@@ -38,14 +34,11 @@ from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.drop_files import find_drop_file, list_drop_files, partition_key_for, partitions_def_name
 from batch_assets.storage.errors import StorageError
 from batch_assets_tests.support import free_port
-from batch_assets_tests.support.s3 import SECRET, moto_endpoint, use_endpoint  # noqa: F401  (a module fixture)
+from batch_assets_tests.support.s3 import BUCKET, DATA_URL, PREFIX, S3, SECRET, post, use_endpoint
 
 # The slow tier (`make test-fast` leaves it out): an S3 server (moto) and the engine.
 pytestmark = pytest.mark.slow
 
-BUCKET = "batch-bucket"
-PREFIX = "team/batch"
-DATA_URL = f"s3://{BUCKET}/{PREFIX}"
 TASK = "sentiment"
 SENSOR = f"{TASK}_drops_sensor"
 
@@ -53,54 +46,6 @@ POSTS_A = '{"text": "Loving the new update!"}\n{"text": "Worst support ever."}\n
 POSTS_B = '{"text": "Great coffee this morning"}\n{"text": "Train delayed again"}\n'
 POSTS_C = '{"text": "New phone, who dis"}\n'
 POSTS_D = '{"text": "Rainy day"}\n{"text": "Sunny day"}\n'
-
-
-def _post(url: str, data: bytes = b"") -> None:
-    request = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "text/plain"})
-    urllib.request.urlopen(request, timeout=30).read()
-
-
-@dataclass
-class S3:
-    endpoint: str
-    client: object
-
-    def put(self, relative: str, body: str | bytes, task: str = TASK) -> None:
-        data = body.encode("utf-8") if isinstance(body, str) else body
-        self.client.put_object(Bucket=BUCKET, Key=f"{PREFIX}/drops/{task}/{relative}", Body=data)
-
-    def keys(self, under: str) -> list[str]:
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=f"{PREFIX}/{under}")
-        return [item["Key"] for page in pages for item in page.get("Contents", [])]
-
-    def read_output(self, asset: str, partition_key: str, task: str = TASK) -> pl.DataFrame:
-        body = self.client.get_object(Bucket=BUCKET, Key=f"{PREFIX}/storage/{task}/{asset}/{partition_key}.parquet")[
-            "Body"
-        ]
-        return pl.read_parquet(io.BytesIO(body.read()))
-
-
-@pytest.fixture
-def s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[S3]:  # noqa: F811
-    """An empty moto server with one bucket; BATCH_ASSETS_DATA points into it. DAGSTER_HOME is the
-    test's own: with outputs in S3 the result cache lives there (`dg.instance_for_test` sets its own
-    while it is open; this one is for what runs outside it), not in the one `make test` exports."""
-    _post(f"{moto_endpoint}/moto-api/reset")
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_RETRY_MODE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    # Two attempts per request keep the failure tests short; retries are still exercised.
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
-    monkeypatch.setenv("BATCH_ASSETS_DATA", DATA_URL)
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    monkeypatch.setenv("DAGSTER_HOME", str(home))
-    use_endpoint(monkeypatch, moto_endpoint)
-    client = boto3.client("s3")
-    client.create_bucket(Bucket=BUCKET)
-    yield S3(moto_endpoint, client)
-    _post(f"{moto_endpoint}/moto-api/reset-auth", b"inf")
-    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def sentiment_sensor(defs: dg.Definitions) -> dg.SensorDefinition:
@@ -434,7 +379,7 @@ def test_access_denied_fails_the_run_naming_url_with_nothing_materialized(
     }
     iam.put_user_policy(UserName="reader", PolicyName="read-only", PolicyDocument=json.dumps(read_only))
     access_key = iam.create_access_key(UserName="reader")["AccessKey"]
-    _post(f"{s3.endpoint}/moto-api/reset-auth", b"0")  # from now on the server checks IAM
+    post(f"{s3.endpoint}/moto-api/reset-auth", b"0")  # from now on the server checks IAM
     use_endpoint(monkeypatch, s3.endpoint, access_key["AccessKeyId"], access_key["SecretAccessKey"])
 
     with dg.instance_for_test() as instance:
