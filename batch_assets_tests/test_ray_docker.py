@@ -1,9 +1,8 @@
 """Runs on a multi-node Ray cluster of containers (deploy/ray/ray_topology.py, `make ray-up`): a Ray head and
 two workers beside Postgres, S3 and the Dagster services, each run a Ray job (dagster-ray's RayRunLauncher).
 
-`make ray-check` runs this file after `make image`; `make test` leaves it out (marker `image`). Written
-without running it: building the image was out of bounds where it was written (docs/ray.md, "What was
-run here"). Not written yet: a third worker started mid-backfill, the head restarted mid-run.
+`make ray-check` runs this file after `make image`; `make test` leaves it out (marker `image`). Not written
+yet: a third worker started mid-backfill, the head restarted mid-run.
 """
 
 from __future__ import annotations
@@ -81,7 +80,12 @@ def test_a_burst_of_drops_runs_on_both_workers_each_row_labelled_once(
     settings, _ = cluster
     client = s3(settings.base)
     names = [f"burst{n}.jsonl" for n in range(4)]
-    for name in names:
+    # A tick's new files are one run (a range of partitions): two drops, then two more once the first
+    # run holds its worker's engine slot, so that Ray places the second run's job on the other worker.
+    for name in names[:2]:
+        drop_posts(client, tmp_path, name, [f"{name} post {i}: the delivery took {i} days" for i in range(40)])
+    wait("the first run started", lambda: instance.get_runs(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED])))
+    for name in names[2:]:
         drop_posts(client, tmp_path, name, [f"{name} post {i}: the delivery took {i} days" for i in range(40)])
     keys = [partition_key_for(name) for name in names]
     nodes = wait(
