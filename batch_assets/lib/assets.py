@@ -237,6 +237,15 @@ def read_partition(
     return frame, drop
 
 
+def run_uses_result_cache(context: dg.AssetExecutionContext, task: TaskSpec) -> bool:
+    """Whether this run's inference_outputs reads the result cache (its launch config, as the launchpad
+    and `batch-assets run --no-result-cache` set it): formatted_prompts' estimate asks the cache only then,
+    so that a run told to leave the cache alone neither reads nor writes it."""
+    op_name = dg.AssetKey([task.name, "inference_outputs"]).to_python_identifier()
+    config = ((context.run_config or {}).get("ops") or {}).get(op_name, {}).get("config") or {}
+    return config.get("use_result_cache", True) is not False
+
+
 def formatted_prompts_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs) -> dg.AssetsDefinition:
     # The task's engine kind names its resource (in-process vLLM or an endpoint), pool and display name.
     kind = engine_kind(task)
@@ -259,7 +268,9 @@ def formatted_prompts_asset(task: TaskSpec, fmt: TaskFormat, args: AssetArgs) ->
         frames: dict[str, pl.DataFrame] = {}
         # What the run will cost, shown before it runs: from the task's earlier partitions and its cache.
         history = task_history(context.instance, task.name)
-        cached = cached_keys_in(task.name, inference_fingerprint(fmt, settings), context.instance)
+        fingerprint = inference_fingerprint(fmt, settings)
+        uses_cache = run_uses_result_cache(context, task)
+        cached = cached_keys_in(task.name, fingerprint, context.instance) if uses_cache else None
         for partition_key, raw in raw_prompts.items():
             started = time.monotonic()
             frame = frames[partition_key] = fmt.format(raw, engine, tokenizer, settings, source_file=partition_key)
