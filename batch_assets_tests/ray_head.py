@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 
 from batch_assets.doctor.ray_cluster import alive_nodes
+from batch_assets_tests.support import stop_process_group
 
 LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 START_TIMEOUT_S = 120
@@ -67,13 +68,7 @@ def _processes_of(temp_dir: Path) -> list[psutil.Process]:
 
 
 def stop_ray(leader: subprocess.Popen, temp_dir: Path) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(leader.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        leader.wait(timeout=5)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(leader.pid, signal.SIGKILL)
-    leader.wait()
+    stop_process_group(leader, signal.SIGTERM, wait_s=5)  # `ray start --block` stops its head on SIGTERM
     for process in _processes_of(temp_dir):
         with contextlib.suppress(psutil.Error):
             process.kill()

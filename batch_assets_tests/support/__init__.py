@@ -57,13 +57,14 @@ def free_port() -> int:
 # --- processes ------------------------------------------------------------------------------------
 
 
-def stop_process_group(leader: subprocess.Popen) -> None:
-    """Ctrl-C for a server started with `start_new_session=True` and everything it started (webserver,
-    daemon, code server, run workers), then kill what is left: a code server can outlive its daemon."""
+def stop_process_group(leader: subprocess.Popen, first: int = signal.SIGINT, wait_s: float = 30) -> None:
+    """Ctrl-C (or `first`) for a server started with `start_new_session=True` and everything it started
+    (webserver, daemon, code server, run workers), then kill what is left after `wait_s`: a code server
+    can outlive its daemon."""
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(leader.pid, signal.SIGINT)
+        os.killpg(leader.pid, first)
     with contextlib.suppress(subprocess.TimeoutExpired):
-        leader.wait(timeout=30)
+        leader.wait(timeout=wait_s)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(leader.pid, signal.SIGKILL)
     leader.wait()
