@@ -68,7 +68,7 @@ def server_key(monkeypatch: pytest.MonkeyPatch) -> str:
 @pytest.fixture(scope="session", autouse=True)
 def warm_engine_for_session() -> Iterator[None]:
     """Engine start-up costs ~15 s; keep one engine across the tests that share its settings."""
-    from batch_assets.engines.vllm_engine import keep_engine_warm
+    from batch_assets.engines.vllm_lifecycle import keep_engine_warm
 
     with keep_engine_warm():
         yield

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from upath import UPath
 
-from batch_assets.engines.batch_api_engine import BatchApiEngine, BatchApiError
+from batch_assets.engines.batch_api_engine import BatchApiEngine
+from batch_assets.engines.batch_api_failures import BatchApiError
 from batch_assets.pipeline.engine_contract import Generation, Prompt
 from batch_assets.pipeline.task_spec import TaskSpec, load_task_spec
 from batch_assets.runtime import interrupts

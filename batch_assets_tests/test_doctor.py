@@ -564,32 +564,32 @@ def test_counting_gpus_with_a_cpu_build_of_torch_does_not_import_torch() -> None
     """Importing torch takes seconds of a run's fixed cost; with the CPU build (this machine's) the
     answer is 0 without it, and a run whose engine never starts never imports it."""
     code = (
-        "import sys; from batch_assets.engines import vllm_engine; "
-        "print(vllm_engine._cuda_device_count(), 'torch' in sys.modules)"
+        "import sys; from batch_assets.engines import gpu_probe; "
+        "print(gpu_probe.cuda_device_count(), 'torch' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["0", "False"]
 
 
 def test_a_run_meeting_a_driver_too_old_fails_with_doctors_words(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before, `_cuda_device_count` swallowed it: torch saw no GPU and the run got the CPU defaults with
+    """Before, the engine's count of GPUs swallowed it: torch saw no GPU and the run got the CPU defaults with
     a misleading hint. Recorded NVML answers (no GPU here); a CUDA build of torch is simulated."""
     import torch
 
-    from batch_assets.engines import vllm_engine
+    from batch_assets.engines import gpu_probe
     from batch_assets.pipeline.engine_contract import EngineStartError
 
     old = NvmlProbe(driver="535.104", cuda=12020, devices=A100S)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(vllm_engine, "probe_nvml", lambda: old)
+    monkeypatch.setattr(gpu_probe, "probe_nvml", lambda: old)
     with pytest.raises(EngineStartError) as raised:
-        vllm_engine._cuda_device_count()
+        gpu_probe.cuda_device_count()
     line = gpu_decision(old, 13, True)
     assert str(raised.value) == f"{line.detail}; set: {line.setting}"
     assert "driver 535.104 (CUDA 12.2) is too old for CUDA 13 (vLLM 0.32 needs >= 580)" in str(raised.value)
     # No NVIDIA driver at all: a CPU machine with a CUDA build of torch still runs on the CPU.
-    monkeypatch.setattr(vllm_engine, "probe_nvml", lambda: NvmlProbe(error_code=NVML_ERROR_LIBRARY_NOT_FOUND))
-    assert vllm_engine._cuda_device_count() == 0
+    monkeypatch.setattr(gpu_probe, "probe_nvml", lambda: NvmlProbe(error_code=NVML_ERROR_LIBRARY_NOT_FOUND))
+    assert gpu_probe.cuda_device_count() == 0
 
 
 # --- Endpoints: the key's variable and whether the server answers ----------------------------------

@@ -14,7 +14,8 @@ import dagster as dg
 import numpy as np
 import pytest
 
-from batch_assets.engines.openai_engine import EndpointError, OpenAIEngine
+from batch_assets.engines.endpoint_failures import EndpointError
+from batch_assets.engines.openai_engine import OpenAIEngine
 from batch_assets.pipeline.embeddings import embedding_encoder, vectors_matrix
 from batch_assets.pipeline.engine_contract import Prompt
 from batch_assets_tests.support import SAMPLES, SERVER_KEY, Server, drop, serving, task_on_endpoint

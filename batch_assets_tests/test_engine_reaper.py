@@ -36,7 +36,8 @@ ENGINE_STARTER = textwrap.dedent(
 
     import psutil
 
-    from batch_assets.engines.vllm_engine import PROCESS_ENGINE, VLLMEngine
+    from batch_assets.engines.vllm_engine import VLLMEngine
+    from batch_assets.engines.vllm_lifecycle import PROCESS_ENGINE
     from batch_assets.pipeline.task_spec import load_task_specs
 
     def spawned_yet():

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from batch_assets.engines.engine_figures import EngineFigures
-from batch_assets.engines.vllm_engine import VLLMEngine, engine_process_environment, resolve_data_parallel_size
+from batch_assets.engines.vllm_engine import VLLMEngine
+from batch_assets.engines.vllm_lifecycle import engine_process_environment
+from batch_assets.engines.vllm_settings import VLLMSettings, resolve_data_parallel_size
 from batch_assets.pipeline.engine_contract import EngineStartError, Generation, Prompt
 from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec, load_task_specs
 from batch_assets_tests.support import REPO_ROOT
@@ -290,7 +292,7 @@ class _WarmEngine:
 def test_a_gpu_holds_one_warm_engine_a_cpu_one_of_each_runner(tmp_path: Path, gpus: int) -> None:
     """Chat and embedding engines each take `gpu_memory_utilization` of a GPU: starting one shuts
     the other down there; on a CPU both stay warm."""
-    from batch_assets.engines.vllm_engine import POOLING_ENGINE, PROCESS_ENGINE, process_engine_for
+    from batch_assets.engines.vllm_lifecycle import POOLING_ENGINE, PROCESS_ENGINE, process_engine_for
 
     settings = VLLMEngine().settings(load_task_spec(task_file(tmp_path, "  max_model_len: 1024\n")), gpus=gpus)
     assert settings.runner == "generate"
@@ -335,7 +337,7 @@ def test_the_engine_of_a_blocks_last_stream_shuts_down_in_the_background_as_the_
     """`batch-assets run`'s last range of files: its engine starts shutting down on a thread of its own
     the moment its stream has ended (the run stores, validates and checks meanwhile) and the block's
     end waits for it; a stream closed early, or a block that wants the engine later, keeps it warm."""
-    from batch_assets.engines.vllm_engine import PROCESS_ENGINE, keep_engine_warm
+    from batch_assets.engines.vllm_lifecycle import PROCESS_ENGINE, keep_engine_warm
 
     task = load_task_spec(task_file(tmp_path, "  max_model_len: 1024\n"))
     engine = VLLMEngine()
@@ -365,7 +367,7 @@ def test_on_a_gpu_the_step_frees_the_pool_slot_only_once_its_background_shutdown
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The stopping engine still holds the device: a run that gets the slot next must find it free."""
-    from batch_assets.engines.vllm_engine import PROCESS_ENGINE, keep_engine_warm
+    from batch_assets.engines.vllm_lifecycle import PROCESS_ENGINE, keep_engine_warm
 
     task = load_task_spec(task_file(tmp_path, "  max_model_len: 1024\n"))
     engine = VLLMEngine()
@@ -402,7 +404,7 @@ def test_an_embedding_task_on_an_endpoint_takes_the_embedding_models_limit_and_t
 
 
 def test_embedding_texts_are_grouped_into_requests_that_fill_the_concurrency() -> None:
-    from batch_assets.engines.openai_engine import EmbeddingRequest, embedding_requests
+    from batch_assets.engines.endpoint_requests import EmbeddingRequest, embedding_requests
 
     # 10 texts, 4 requests in flight: 3 texts a request; the two cut to the 256-token limit go apart,
     # with the length the server is to cut them to.
@@ -420,7 +422,7 @@ def test_embedding_texts_are_grouped_into_requests_that_fill_the_concurrency() -
 def test_an_embeddings_response_is_read_in_input_order_and_a_short_one_is_refused() -> None:
     from types import SimpleNamespace
 
-    from batch_assets.engines.openai_engine import response_vectors
+    from batch_assets.engines.endpoint_requests import response_vectors
 
     def response(*entries: tuple[int, object]) -> SimpleNamespace:
         return SimpleNamespace(data=[SimpleNamespace(index=i, embedding=v) for i, v in entries])
@@ -447,28 +449,28 @@ def test_a_warm_engine_serves_tasks_of_its_model_with_a_shorter_context_only(tmp
 def test_the_demo_starts_one_engine_per_model_of_the_shipped_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
     """In the demo's order, the first task of each model has the longest context, so its engine
     serves the rest (the shipped chat tasks ask for 1024 and 2048 tokens)."""
-    from batch_assets.engines import vllm_engine
+    from batch_assets.engines import vllm_lifecycle
     from batch_assets.lib.runner import _engine_order
     from batch_assets.lib.task_definitions import build_definitions
 
     monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
     started: list[tuple[str, int]] = []
 
-    def start(settings: vllm_engine.VLLMSettings, requests: int = 0) -> _WarmEngine:
+    def start(settings: VLLMSettings, requests: int = 0) -> _WarmEngine:
         started.append((settings.runner, settings.max_model_len))
         engine = _WarmEngine()
         engine.settings, engine.dead = settings, False  # type: ignore[attr-defined]
         return engine
 
-    monkeypatch.setattr(vllm_engine, "_start_engine", start)
+    monkeypatch.setattr(vllm_lifecycle, "start_engine", start)
     tasks, definitions = load_task_specs(), build_definitions()
     assert {task.engine.max_model_len for task in tasks if not task.output.pooling} == {1024, 2048}
     try:
         for task in sorted(tasks, key=lambda task: _engine_order(task, definitions)):
             settings = VLLMEngine().settings(task, gpus=0)
-            vllm_engine.process_engine_for(settings).get(settings)
+            vllm_lifecycle.process_engine_for(settings).get(settings)
     finally:
-        for engine in vllm_engine.PROCESS_ENGINES.values():
+        for engine in vllm_lifecycle.PROCESS_ENGINES.values():
             engine._engine = None
     assert started == [("generate", 2048), ("pooling", 256)]
 
@@ -478,20 +480,20 @@ def test_a_session_starts_its_engine_for_the_streams_size_and_a_warm_one_is_kept
 ) -> None:
     """The request count run_inference hands `start` reaches the engine's start (where it decides
     whether the sampler compiles); a warm engine serves the next, larger stream as it is."""
-    from batch_assets.engines import vllm_engine
+    from batch_assets.engines import vllm_lifecycle
 
     started: list[int] = []
 
-    def start(settings: vllm_engine.VLLMSettings, requests: int = 0) -> _WarmEngine:
+    def start(settings: VLLMSettings, requests: int = 0) -> _WarmEngine:
         started.append(requests)
         engine = _WarmEngine()
         engine.settings, engine.dead = settings, False  # type: ignore[attr-defined]
         return engine
 
-    monkeypatch.setattr(vllm_engine, "_start_engine", start)
+    monkeypatch.setattr(vllm_lifecycle, "start_engine", start)
     task = load_task_spec(task_file(tmp_path, "  max_model_len: 512\n"))
     settings = VLLMEngine().settings(task, gpus=0)
-    with vllm_engine.keep_engine_warm():  # as one `batch-assets run`
+    with vllm_lifecycle.keep_engine_warm():  # as one `batch-assets run`
         with VLLMEngine().session(task, settings) as first:
             first.start(12_000)
             first.start(5)  # idempotent
@@ -518,18 +520,18 @@ def test_a_small_dev_shm_is_named_as_the_cause_with_the_flag_to_set(
 ) -> None:
     """`docker run` gives a container 64 MiB of /dev/shm; vLLM needs 160 MiB there. The real case runs
     in the image (test_image_run.py); here the message and the threshold, on this machine's sizes."""
-    from batch_assets.engines import vllm_engine
+    from batch_assets.engines import vllm_lifecycle
 
-    assert vllm_engine.shared_memory_shortage(str(tmp_path / "absent")) is None
-    monkeypatch.setattr(vllm_engine.shutil, "disk_usage", lambda _path: _Usage(64))
-    shortage = vllm_engine.shared_memory_shortage()
+    assert vllm_lifecycle.shared_memory_shortage(str(tmp_path / "absent")) is None
+    monkeypatch.setattr(vllm_lifecycle.shutil, "disk_usage", lambda _path: _Usage(64))
+    shortage = vllm_lifecycle.shared_memory_shortage()
     assert shortage is not None
     assert shortage.startswith("/dev/shm has 64 MiB free and vLLM's engine needs 160 MiB there")
     assert "`docker run --shm-size=1g`" in shortage and "`medium: Memory`" in shortage
-    monkeypatch.setattr(vllm_engine.shutil, "disk_usage", lambda _path: _Usage(160))
-    assert vllm_engine.shared_memory_shortage() is None
+    monkeypatch.setattr(vllm_lifecycle.shutil, "disk_usage", lambda _path: _Usage(160))
+    assert vllm_lifecycle.shared_memory_shortage() is None
     monkeypatch.setenv("VLLM_MQ_MAX_CHUNK_BYTES_MB", "32")
-    assert "needs 320 MiB" in (vllm_engine.shared_memory_shortage() or "")
+    assert "needs 320 MiB" in (vllm_lifecycle.shared_memory_shortage() or "")
 
 
 @dataclasses.dataclass

@@ -429,7 +429,8 @@ def test_definitions_carry_the_versions_and_opted_in_tasks_rematerialize_stale_p
 
 
 def test_confidence_can_be_switched_off_without_re_inferring_anything(monkeypatch: pytest.MonkeyPatch) -> None:
-    from batch_assets.engines.vllm_engine import VLLMEngine, VLLMSession
+    from batch_assets.engines.vllm_engine import VLLMEngine
+    from batch_assets.engines.vllm_session import VLLMSession
     from batch_assets.lib.assets import inference_fingerprint
     from batch_assets.pipeline.task_formats import task_format
     from batch_assets.pipeline.validate_labels import validate_labels
@@ -446,7 +447,7 @@ def test_confidence_can_be_switched_off_without_re_inferring_anything(monkeypatc
     assert versions_on["validated_labels"] != versions_off["validated_labels"]
     # Off, the engine is not asked for log-probabilities and the labels have no confidence column.
     asked = {
-        name: VLLMSession(VLLMEngine(), task, settings, print)._params(task.sampling, task.output).logprobs
+        name: VLLMSession(task, settings, print)._params(task.sampling, task.output).logprobs
         for name, task in (("on", on), ("off", off))
     }
     assert asked == {"on": 0, "off": None}

@@ -12,7 +12,7 @@ import pytest
 from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleCauseCategory, StaleStatus
 from dagster._core.loader import LoadingContextForTest
 
-from batch_assets.engines.vllm_engine import PROCESS_ENGINE
+from batch_assets.engines.vllm_lifecycle import PROCESS_ENGINE
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name

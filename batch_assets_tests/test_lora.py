@@ -21,7 +21,8 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from batch_assets.engines.vllm_engine import PROCESS_ENGINE, VLLMEngine
+from batch_assets.engines.vllm_engine import VLLMEngine
+from batch_assets.engines.vllm_lifecycle import PROCESS_ENGINE
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.task_spec import TaskSpec, TaskSpecError, load_task_spec
@@ -329,7 +330,8 @@ def test_an_endpoint_is_sent_the_adapter_name_and_serve_routes_a_batch_naming_it
     requests name it as their model, prompts are counted with the base model's tokenizer; a batch
     sent to `batch-assets serve` whose lines name an adapter runs the task of that adapter."""
     from batch_assets.engines.batch_api_engine import BatchApiEngine
-    from batch_assets.engines.openai_engine import OpenAIEngine, chat_request_params
+    from batch_assets.engines.endpoint_requests import chat_request_params
+    from batch_assets.engines.openai_engine import OpenAIEngine
     from batch_assets.serve.batch_runs import BatchRunner
 
     base = fake_base_model(tmp_path / "base")

@@ -676,7 +676,7 @@ def test_vllms_logprobs_are_written_as_vllms_openai_server_writes_them() -> None
     order (the sampled token first), as vLLM's serving code writes them."""
     from vllm.logprobs import Logprob
 
-    from batch_assets.engines.vllm_engine import chat_logprobs
+    from batch_assets.engines.vllm_requests import chat_logprobs
 
     steps = [
         {7: Logprob(-0.5, 2, "é"), 3: Logprob(-0.2, 1, " a"), 9: Logprob(-3.0, 3, "b")},
@@ -706,7 +706,7 @@ def test_a_completion_whose_logprobs_miss_a_token_is_that_rows_error_only() -> N
     from vllm.logprobs import Logprob
     from vllm.outputs import CompletionOutput, RequestOutput
 
-    from batch_assets.engines.vllm_engine import _generation
+    from batch_assets.engines.vllm_requests import chat_generation
     from batch_assets.pipeline.engine_contract import Prompt
     from batch_assets.pipeline.openai_batch import RequestSampling
 
@@ -716,7 +716,7 @@ def test_a_completion_whose_logprobs_miss_a_token_is_that_rows_error_only() -> N
 
     steps = [{7: Logprob(-0.5, 1, "a")}, {4: Logprob(-0.25, 1, "b")}]
     prompt = Prompt((1, 2, 3), sampling=RequestSampling(logprobs=0))
-    whole, short = _generation(output([7, 4], steps), prompt), _generation(output([7, 4, 9], steps), prompt)
+    whole, short = chat_generation(output([7, 4], steps), prompt), chat_generation(output([7, 4, 9], steps), prompt)
     assert whole.error is None and whole.token_logprobs is not None
     assert [(e["token"], e["logprob"]) for e in json.loads(whole.token_logprobs)] == [("a", -0.5), ("b", -0.25)]
     assert short.error == (
@@ -725,4 +725,4 @@ def test_a_completion_whose_logprobs_miss_a_token_is_that_rows_error_only() -> N
     )
     assert (short.token_logprobs, short.text, short.num_generated_tokens, short.num_prompt_tokens) == (None, "ab", 3, 3)
     # A line that asked for none is not looked at.
-    assert _generation(output([7, 4, 9], steps), Prompt((1, 2, 3))).error is None
+    assert chat_generation(output([7, 4, 9], steps), Prompt((1, 2, 3))).error is None

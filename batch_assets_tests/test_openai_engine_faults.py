@@ -28,8 +28,10 @@ import dagster as dg
 import polars as pl
 import pytest
 
+from batch_assets.engines.endpoint_failures import EndpointError
+from batch_assets.engines.endpoint_requests import chat_request_params
 from batch_assets.engines.engine_figures import EndpointFigures
-from batch_assets.engines.openai_engine import EndpointError, OpenAIEngine, chat_request_params
+from batch_assets.engines.openai_engine import OpenAIEngine
 from batch_assets.lib.task_definitions import build_definitions
 from batch_assets.pipeline.engine_contract import Prompt
 from batch_assets.pipeline.task_spec import load_task_spec

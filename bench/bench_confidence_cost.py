@@ -33,7 +33,9 @@ def main() -> None:
     import polars as pl
     from vllm import LLM
 
-    from batch_assets.engines.vllm_engine import VLLMEngine, engine_process_environment, sampling_params_for
+    from batch_assets.engines.vllm_engine import VLLMEngine
+    from batch_assets.engines.vllm_lifecycle import engine_process_environment
+    from batch_assets.engines.vllm_requests import sampling_params_for
     from batch_assets.pipeline.task_spec import load_task_specs
 
     task = {t.name: t for t in load_task_specs()}["industry"]

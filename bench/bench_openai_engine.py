@@ -121,7 +121,8 @@ def main() -> None:
     load = os.getloadavg()[0]
 
     from batch_assets.engines.openai_engine import OpenAIEngine
-    from batch_assets.engines.vllm_engine import PROCESS_ENGINE, VLLMEngine
+    from batch_assets.engines.vllm_engine import VLLMEngine
+    from batch_assets.engines.vllm_lifecycle import PROCESS_ENGINE
 
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / "bench_openai_engine_server.log"
     process, base_url = start_server(model, log_path)

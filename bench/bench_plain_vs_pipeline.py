@@ -15,7 +15,7 @@ engine core's), sampled every 0.1 s. Medians, and ratios.
 that vLLM labels hundreds of rows a second here and the pipeline's own cost per row shows.
 `--engine-env`: the engine processes' environment on both sides. `shipped` (default): each side as
 users run it: the plain script with vLLM's defaults (vLLM's sampler compiles its log-probability rank
-counter), the pipeline with what it sets on a CPU (engines/vllm_engine.py `engine_process_environment`:
+counter), the pipeline with what it sets on a CPU (engines/vllm_lifecycle.py `engine_process_environment`:
 the counter eager, `TORCHDYNAMO_DISABLE=1`, for a stream under 10,000 requests, else compiled).
 `eager` / `compiled`: both sides the same (`TORCHDYNAMO_DISABLE=1` / `0`, which the pipeline leaves
 as set), so the ratio is the pipeline's own cost and not the rank counter's (~45 ms per 256-row step

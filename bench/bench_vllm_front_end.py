@@ -29,7 +29,8 @@ REPO = HERE.parent
 def child(rows: int, dp: int) -> None:
     import psutil
 
-    from batch_assets.engines.vllm_engine import VLLMEngine, shutdown_engines
+    from batch_assets.engines.vllm_engine import VLLMEngine
+    from batch_assets.engines.vllm_lifecycle import shutdown_engines
     from batch_assets.pipeline.engine_contract import Prompt
     from batch_assets.pipeline.task_spec import load_task_spec
     from batch_assets_tests.tiny_model import built_tiny_model

@@ -24,7 +24,8 @@ def main() -> None:
     from PIL import Image
     from vllm import LLM
 
-    from batch_assets.engines.vllm_engine import VLLMEngine, sampling_params_for
+    from batch_assets.engines.vllm_engine import VLLMEngine
+    from batch_assets.engines.vllm_requests import sampling_params_for
     from batch_assets.pipeline.task_spec import load_task_specs
 
     parser = argparse.ArgumentParser()

@@ -17,7 +17,8 @@ import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from batch_assets.engines.vllm_engine import VLLMEngine, VLLMSettings
+from batch_assets.engines.vllm_engine import VLLMEngine
+from batch_assets.engines.vllm_settings import VLLMSettings
 from batch_assets.pipeline.engine_contract import Generation, Prompt
 from batch_assets.pipeline.task_spec import TaskSpec
 

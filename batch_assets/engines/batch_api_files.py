@@ -17,7 +17,7 @@ import re
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
-from batch_assets.engines.openai_engine import token_logprobs_text
+from batch_assets.engines.endpoint_requests import token_logprobs_text
 from batch_assets.pipeline.engine_contract import Generation, Prompt
 from batch_assets.pipeline.openai_batch import CHAT_URL
 

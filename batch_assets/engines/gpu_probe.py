@@ -3,14 +3,21 @@ sees them, and whether the driver is new enough for the CUDA that torch was buil
 
 torch only says "no GPU" when the driver is missing, not loaded or too old; NVML says which of these
 it is. `probe_nvml` asks NVML (nothing else touches the GPU) and `driver_problem` turns its answer
-into what is wrong and what to change, tested on recorded answers where there is no GPU. The engine
-(`vllm_engine`) fails a run with these words where a CUDA build of torch sees no GPU that NVML sees,
-instead of starting on the CPU defaults; `batch-assets doctor` prints the same words.
+into what is wrong and what to change, tested on recorded answers where there is no GPU. The
+engine's count of GPUs (`cuda_device_count`, what torch can use) fails a run with these words where
+a CUDA build of torch sees no GPU that NVML sees, instead of starting on the CPU defaults;
+`batch-assets doctor` prints the same words.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import runpy
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+from batch_assets.pipeline.engine_contract import EngineStartError
 
 # NVML's return codes (nvml.h, `nvmlReturn_t`); nvidia-ml-py raises NVMLError with `.value` one of them.
 NVML_ERROR_DRIVER_NOT_LOADED = 9
@@ -103,3 +110,42 @@ def driver_problem(probe: NvmlProbe, cuda_major: int | None) -> tuple[str, str] 
 
 def driver_cuda(probe: NvmlProbe) -> str:
     return f"{probe.cuda // 1000}.{probe.cuda % 1000 // 10}" if probe.cuda else "unknown"
+
+
+def cuda_device_count() -> int:
+    """The GPUs torch can use. A CUDA build of torch that sees none where NVML sees NVIDIA hardware
+    (a driver too old, not loaded, or updated without a reboot) fails the run with the reason and the
+    setting, the words of `batch-assets doctor`, instead of starting on the CPU defaults."""
+    try:
+        if _cpu_build_of_torch():
+            return 0
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+        cuda_build = torch.version.cuda is not None
+    except Exception:  # torch missing or broken: treat as CPU
+        return 0
+    problem = gpu_unusable(probe_nvml(), torch_cuda_major()) if cuda_build else None
+    if problem:
+        raise EngineStartError(problem)
+    return 0
+
+
+def _cpu_build_of_torch() -> bool:
+    """Whether the installed torch is built for CPUs only (neither CUDA nor ROCm), read from its
+    `version.py` without importing torch: the import takes seconds of every run's fixed cost, and
+    a run on a CPU whose engine never starts (a zero-cost engine, every row cached) needs no torch."""
+    loaded = sys.modules.get("torch")
+    if loaded is not None:
+        return not (loaded.version.cuda or loaded.version.hip)
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False  # no torch: the caller's import says so
+    version = runpy.run_path(str(Path(spec.submodule_search_locations[0]) / "version.py"))
+    return not (version.get("cuda") or version.get("hip"))
+
+
+def gpu_unusable(probe: NvmlProbe, cuda_major: int | None) -> str | None:
+    problem = driver_problem(probe, cuda_major)
+    return f"{problem[0]}; set: {problem[1]}" if problem else None

@@ -21,6 +21,11 @@ with their children; `done` on stdin (a clean shutdown) ends it without a kill. 
 this engine start are killed: an engine process is titled `VLLM::…` or is a Python process spawned
 by `multiprocessing`, and it is a new process of the parent or carries this start's token.
 Only the standard library and psutil (a vLLM dependency) are imported, so it costs a few MB.
+
+The parent's side is `EngineReaper`: it starts the watcher before the engine, gives the engine's
+processes the token (`environment`), hands the watcher the started engine's processes
+(`watch_new_children`), kills what a failed start left (`kill_new_children`) and says `done` at
+shutdown (`stop`).
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import subprocess
 import sys
 import time
+import uuid
 
 POLL_STARTING_SECONDS = 0.25
 POLL_SECONDS = 0.5
@@ -165,6 +172,76 @@ def main(argv: list[str]) -> int:
                 watched[int(pid)] = float(created)
     kill_engine(watched, token)
     return 0
+
+
+class EngineReaper:
+    """Kills the engine's processes when this process dies, during start-up too (see reaper.py);
+    told `done` at shutdown."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        self._before = {child.pid for child in me.children(recursive=True)}
+        # Marks this start's engine processes (inherited through their environment), so the watcher
+        # finds them after this process died and they were handed to init.
+        self.token = uuid.uuid4().hex
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "batch_assets.engines.reaper", str(me.pid), repr(me.create_time()), self.token],
+            stdin=subprocess.PIPE,
+            text=True,
+        )
+
+    @property
+    def environment(self) -> dict[str, str]:
+        """What the engine's processes get in their environment."""
+        return {TOKEN_VARIABLE: self.token}
+
+    def _engine_children(self) -> list:
+        """Processes vLLM started since the watcher was (engine cores, a DP coordinator), not
+        others this process started meanwhile (e.g. Dagster's log tailers)."""
+        import psutil
+
+        try:
+            children = psutil.Process().children(recursive=False)
+        except psutil.Error:
+            return []
+        return [
+            child
+            for child in children
+            if child.pid not in self._before and child.pid != self._process.pid and is_engine_process(child)
+        ]
+
+    def watch_new_children(self) -> None:
+        """Hand the watcher the started engine's processes (their children are found when it kills
+        them) and end its looking for new ones: later children of this process are not the engine's."""
+        import psutil
+
+        lines = []
+        for child in self._engine_children():
+            with contextlib.suppress(psutil.Error):
+                lines.append(f"{child.pid} {child.create_time()!r}\n")
+        self._send("".join(lines) + "started\n")
+
+    def _send(self, text: str) -> None:
+        assert self._process.stdin is not None  # started with stdin=PIPE
+        with contextlib.suppress(OSError, ValueError):
+            self._process.stdin.write(text)
+            self._process.stdin.flush()
+
+    def kill_new_children(self) -> None:
+        """After a failed start: what vLLM left behind (seen with data_parallel_size > 1)."""
+        for child in self._engine_children():
+            with contextlib.suppress(Exception):
+                kill_tree(child.pid, child.create_time())
+
+    def stop(self) -> None:
+        self._send("done\n")
+        assert self._process.stdin is not None  # started with stdin=PIPE
+        with contextlib.suppress(OSError, ValueError):
+            self._process.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(timeout=10)
 
 
 if __name__ == "__main__":

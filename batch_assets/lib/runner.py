@@ -26,7 +26,7 @@ import dagster as dg
 
 from batch_assets.engines.kinds import engine_kind, resolve_settings
 from batch_assets.engines.model_check import ModelNotFound, check_model
-from batch_assets.engines.vllm_engine import keep_engine_warm, shutdown_engines
+from batch_assets.engines.vllm_lifecycle import keep_engine_warm, shutdown_engines
 from batch_assets.lib.automation import materialized_code_versions
 from batch_assets.lib.drops_sensor import (
     LAUNCHED_BY_TAG,
