@@ -65,7 +65,7 @@ from batch_assets.engines.openai_engine import (
     classify_failure,
 )
 from batch_assets.pipeline.engine_contract import Generation, Prompt, ResolvedSettings
-from batch_assets.pipeline.openai_batch import CHAT_URL
+from batch_assets.pipeline.openai_batch.protocol import CHAT_URL
 from batch_assets.pipeline.result_stores import BatchRecords
 from batch_assets.pipeline.task_spec import TaskSpec, TaskSpecError
 from batch_assets.pipeline.task_spec.batch_api import BATCH_API_KIND

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from batch_assets.engines.openai_engine import token_logprobs_text
 from batch_assets.pipeline.engine_contract import Generation, Prompt
-from batch_assets.pipeline.openai_batch import CHAT_URL
+from batch_assets.pipeline.openai_batch.protocol import CHAT_URL
 
 # HTTP statuses of a request the provider refused for what it holds: resending it cannot help.
 REFUSED_STATUSES = frozenset({400, 404, 413, 422})
