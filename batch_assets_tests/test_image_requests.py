@@ -28,13 +28,11 @@ from batch_assets.engines.openai_engine import OpenAIEngine
 from batch_assets.engines.tokenizers import load_tokenizer
 from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts, prompt_encoders, render_prompt
 from batch_assets.pipeline.images import DIGEST_COLUMN, IMAGES_COLUMN, PIXELS_COLUMN, image_digest
-from batch_assets.pipeline.openai_batch import (
-    REQUEST_ERROR_CODES,
-    batch_prompt_encoder,
-    format_batch_prompts,
-    read_batch_requests,
-)
-from batch_assets.pipeline.openai_batch_output import error_object
+from batch_assets.pipeline.openai_batch.engine_prompts import batch_prompt_encoder
+from batch_assets.pipeline.openai_batch.formatting import format_batch_prompts
+from batch_assets.pipeline.openai_batch.lines import read_batch_requests
+from batch_assets.pipeline.openai_batch.output import error_object
+from batch_assets.pipeline.openai_batch.protocol import REQUEST_ERROR_CODES
 from batch_assets.pipeline.prompt_tokens import PROMPT_TOKEN_IDS
 from batch_assets.pipeline.run_inference import request_keys
 from batch_assets.pipeline.task_spec import SamplingSpec, TaskSpec

@@ -11,8 +11,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from batch_assets.engines.embedded_model import ensure_embedded_model
-from batch_assets.pipeline.openai_batch import RequestSpec, format_batch_prompts, read_batch_requests
-from batch_assets.pipeline.openai_batch_output import batch_files, jsonl_bytes, validate_batch_outputs
+from batch_assets.pipeline.openai_batch.formatting import format_batch_prompts
+from batch_assets.pipeline.openai_batch.lines import read_batch_requests
+from batch_assets.pipeline.openai_batch.output import batch_files, jsonl_bytes, validate_batch_outputs
+from batch_assets.pipeline.openai_batch.sampling import RequestSpec
 from batch_assets.pipeline.read_prompts import DropFileError
 from batch_assets.pipeline.run_inference import request_keys
 from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec
@@ -489,7 +491,7 @@ def run_lines(formatted, tokenizer, generate, checkpoints: Path):
     from upath import UPath
 
     from batch_assets.pipeline.engine_contract import batched_stream
-    from batch_assets.pipeline.openai_batch import batch_prompt_encoder
+    from batch_assets.pipeline.openai_batch.engine_prompts import batch_prompt_encoder
     from batch_assets.pipeline.run_inference import PartitionInput, run_inference
     from batch_assets.storage.checkpoints import CheckpointStore
 
@@ -708,7 +710,7 @@ def test_a_completion_whose_logprobs_miss_a_token_is_that_rows_error_only() -> N
 
     from batch_assets.engines.vllm_requests import chat_generation
     from batch_assets.pipeline.engine_contract import Prompt
-    from batch_assets.pipeline.openai_batch import RequestSampling
+    from batch_assets.pipeline.openai_batch.sampling import RequestSampling
 
     def output(token_ids: list[int], steps: list[dict]) -> RequestOutput:
         completion = CompletionOutput(0, "ab", token_ids, -0.75, steps, finish_reason="stop")

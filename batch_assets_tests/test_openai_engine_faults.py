@@ -331,7 +331,7 @@ def test_confidence_comes_from_the_servers_log_probabilities_when_it_returns_the
     assert [body.get("logprobs") for body in fault_server.bodies] == [True, True]
     assert answered.token_logprobs is None  # a label's confidence keeps only the sum
     # An OpenAI batch line's own `logprobs` request: sent as asked, the server's tokens kept.
-    from batch_assets.pipeline.openai_batch import RequestSampling
+    from batch_assets.pipeline.openai_batch.sampling import RequestSampling
 
     fault_server.bodies = []
     line = Prompt((1, 2, 3), ({"role": "user", "content": "loud line"},), RequestSampling(logprobs=1))

@@ -1,7 +1,7 @@
 """The files a Batch API engine uploads and downloads: request lines in, answers out, by `custom_id`.
 
 Request lines are OpenAI's batch input format (`{"custom_id", "method", "url", "body"}`, one JSON
-object a line, the same format the `openai_batch` task reads: pipeline/openai_batch.py). A line's
+object a line, the same format the `openai_batch` task reads: pipeline/openai_batch/). A line's
 `custom_id` is a hash of its body and its request key (and its rank among identical ones of the
 stream), so the same request gets the same id in every run: that is what lets a re-run find the
 batch that already holds it (engines/batch_api_engine.py). Answers come back as output and error lines
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from batch_assets.engines.endpoint_requests import token_logprobs_text
 from batch_assets.pipeline.engine_contract import Generation, Prompt
-from batch_assets.pipeline.openai_batch import CHAT_URL
+from batch_assets.pipeline.openai_batch.protocol import CHAT_URL
 
 # HTTP statuses of a request the provider refused for what it holds: resending it cannot help.
 REFUSED_STATUSES = frozenset({400, 404, 413, 422})

@@ -54,7 +54,7 @@ from batch_assets.engines.batch_api_files import (
 from batch_assets.engines.endpoint_client import EndpointSettings
 from batch_assets.engines.engine_figures import BatchTimes
 from batch_assets.pipeline.engine_contract import Generation
-from batch_assets.pipeline.openai_batch import CHAT_URL
+from batch_assets.pipeline.openai_batch.protocol import CHAT_URL
 from batch_assets.pipeline.result_stores import BatchRecords
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.pipeline.task_spec.batch_api import BATCH_API_KIND

@@ -88,7 +88,7 @@ class DropFileError(ValueError):
 class ParseOptions:
     text_fields: tuple[str, ...]
     txt_field: str = "text"
-    format: str = "records"  # or "openai_batch": OpenAI Batch API request lines (openai_batch.py reads them)
+    format: str = "records"  # or "openai_batch": OpenAI Batch API request lines (pipeline/openai_batch/ reads them)
     # `input.images`: an openai_batch file's limits on its lines' `image_url` parts (None: the defaults).
     images: ImageLimits | None = None
 
@@ -125,7 +125,7 @@ def read_prompts(data: bytes, file_name: str, options: ParseOptions, part: FileP
     if suffix is None:
         raise DropFileError(f"{file_name}: unsupported file type; inputs are {', '.join(SUPPORTED_SUFFIXES)}")
     if suffix.endswith(".gz"):
-        data = data if part.decompressed else _gunzip(data, file_name)
+        data = data if part.decompressed else gunzip(data, file_name)
         suffix = suffix.removesuffix(".gz")
     if suffix == ".parquet":
         return read_parquet_frame(_parquet_frame(data, file_name), file_name, options, part)
@@ -145,7 +145,8 @@ def read_parquet_frame(frame: pl.DataFrame, file_name: str, options: ParseOption
     return _finish(*_read_parquet(frame, file_name, options, part.first_row), options, part)
 
 
-def _gunzip(data: bytes, file_name: str) -> bytes:
+def gunzip(data: bytes, file_name: str) -> bytes:
+    """A gzip drop file's bytes; an incomplete or unreadable one is a `DropFileError` naming it."""
     try:
         return gzip.decompress(data)
     except EOFError as exc:  # an upload cut short, or still in progress

@@ -27,7 +27,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from batch_assets.pipeline.file_shards import Shard, ShardPlan, may_need_shards, plan_shards
-from batch_assets.pipeline.openai_batch import read_batch_requests
+from batch_assets.pipeline.openai_batch.lines import read_batch_requests
 from batch_assets.pipeline.read_prompts import (
     DropFileError,
     FilePart,

@@ -18,7 +18,8 @@ import polars as pl
 
 from batch_assets.engines.vllm_engine import VLLMEngine
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
-from batch_assets.pipeline.openai_batch import format_batch_prompts, read_batch_requests
+from batch_assets.pipeline.openai_batch.formatting import format_batch_prompts
+from batch_assets.pipeline.openai_batch.lines import read_batch_requests
 from batch_assets.pipeline.task_spec import SamplingSpec, TaskSpec, load_task_specs
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.support import drop

@@ -16,7 +16,7 @@ class InputSpec(_Strict):
 
     `format: records` (default): records of .jsonl/.csv/.parquet/.txt files whose `text_fields` fill
     the task's prompt template. `format: openai_batch`: .jsonl files in the OpenAI Batch API request
-    format, each line carrying its own messages and sampling (see `pipeline/openai_batch.py`); no
+    format, each line carrying its own messages and sampling (see `pipeline/openai_batch/`); no
     `text_fields` and no `prompt` section then.
     """
 

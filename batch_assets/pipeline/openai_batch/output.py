@@ -43,7 +43,7 @@ import re
 import polars as pl
 
 from batch_assets.pipeline.embeddings import encode_vector, validate_embeddings
-from batch_assets.pipeline.openai_batch import (
+from batch_assets.pipeline.openai_batch.protocol import (
     COMPLETIONS_URL,
     EMBEDDING_COLUMNS,
     GENERATION_COLUMNS,
