@@ -248,7 +248,7 @@ def test_a_burst_larger_than_a_run_becomes_ranges_of_max_partitions_per_run(data
 
 @pytest.mark.slow
 def test_sensor_skips_files_already_run_from_the_command_line(data_dir: Path, tiny_model: str, tmp_path: Path) -> None:
-    from batch_assets.lib.runner import run_partitions
+    from batch_assets.app.runner import run_partitions
 
     source = tmp_path / "posts.jsonl"
     source.write_text(POST * 3)

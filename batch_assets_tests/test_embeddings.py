@@ -398,7 +398,7 @@ def test_engine_settings_of_an_embedding_task(tmp_path: Path, monkeypatch: pytes
 
 
 def test_the_demo_prints_both_ways_of_labelling_side_by_side() -> None:
-    from batch_assets.lib.run_outcomes import accuracy_side_by_side
+    from batch_assets.app.run_outcomes import accuracy_side_by_side
 
     text = accuracy_side_by_side(
         [

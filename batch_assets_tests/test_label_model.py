@@ -17,9 +17,9 @@ import numpy as np
 import polars as pl
 import pytest
 
+from batch_assets.app.run_outcomes import _quality_notes
 from batch_assets.engines.kinds import resolve_settings
 from batch_assets.lib.automation import CODE_VERSION_TAG
-from batch_assets.lib.run_outcomes import _quality_notes
 from batch_assets.lib.task_definitions import build_definitions
 from batch_assets.pipeline.cascade import StoredStudent, run_cascade
 from batch_assets.pipeline.cascade_labels import cascade_outputs

@@ -649,7 +649,7 @@ def test_a_stop_during_a_range_run_keeps_every_finished_result_of_each_partition
     one range run, calls of 4 requests: the first call answers a1-a3 (file a's last results: its
     chunk is written) and b1 (file b's first: short of a chunk); a SIGINT arrives during the second
     call. Before, b1 was in no checkpoint and nothing in the result cache."""
-    from batch_assets.lib.runner import run_partitions
+    from batch_assets.app.runner import run_partitions
     from batch_assets.runtime import interrupts
     from batch_assets.storage.checkpoints import CheckpointStore
     from batch_assets.storage.locations import checkpoint_dir, task_storage_dir

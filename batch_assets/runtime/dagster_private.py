@@ -15,7 +15,7 @@
   is about; `checks.py` records per-partition evaluations against that materialization, as Dagster
   does for an `AssetCheckResult` (there is no public constructor for it).
 - `SerializableErrorInfo` (a step failure's error, with `.message`, `.cause` and `.context`): only
-  its type, for `lib/error_causes.py`, which walks a failed run's error chain.
+  its type, for `app/error_causes.py`, which walks a failed run's error chain.
 
 The event log storages are imported when first asked for, never with this module: their module
 brings SQLAlchemy and Alembic (about a second), which loading the code location does not need

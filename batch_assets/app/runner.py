@@ -24,6 +24,16 @@ from typing import Any
 
 import dagster as dg
 
+from batch_assets.app.projects import BUNDLED, ProjectRefused, TaskSource
+from batch_assets.app.run_outcomes import (
+    PartitionOutcome,
+    accuracy_side_by_side,
+    failed_before_inference,
+    file_outcome,
+    partition_outcome,
+    run_outcomes,
+    sample_accuracies,
+)
 from batch_assets.engines.kinds import engine_kind, resolve_settings
 from batch_assets.engines.model_check import ModelNotFound, check_model
 from batch_assets.engines.vllm_engine import keep_engine_warm, shutdown_engines
@@ -36,16 +46,6 @@ from batch_assets.lib.drops_sensor import (
     SOURCE_VERSION_TAG,
     file_validated_from_version,
     partition_ranges,
-)
-from batch_assets.lib.projects import BUNDLED, ProjectRefused, TaskSource
-from batch_assets.lib.run_outcomes import (
-    PartitionOutcome,
-    accuracy_side_by_side,
-    failed_before_inference,
-    file_outcome,
-    partition_outcome,
-    run_outcomes,
-    sample_accuracies,
 )
 from batch_assets.pipeline.engine_contract import ResolvedSettings
 from batch_assets.pipeline.read_prompts import DropFileError
