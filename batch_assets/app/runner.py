@@ -38,13 +38,13 @@ from batch_assets.engines.kinds import engine_kind, resolve_settings
 from batch_assets.engines.model_check import ModelNotFound, check_model
 from batch_assets.engines.vllm_engine import keep_engine_warm, shutdown_engines
 from batch_assets.lib.automation import materialized_code_versions
-from batch_assets.lib.drops_sensor import (
+from batch_assets.lib.partition_versions import file_validated_from_version
+from batch_assets.lib.run_requests import (
     LAUNCHED_BY_TAG,
     RANGE_END_TAG,
     RANGE_START_TAG,
     SOURCE_FILE_TAG,
     SOURCE_VERSION_TAG,
-    file_validated_from_version,
     partition_ranges,
 )
 from batch_assets.pipeline.engine_contract import ResolvedSettings
