@@ -15,12 +15,12 @@
 
 The terminal shows one line per file and progress lines; the engine's and libraries' output goes to
 the run's log (and `$DAGSTER_HOME/logs/`), tracebacks too (`--verbose` shows everything). The work of
-`run` and `demo` is lib/runner.py's, imported when needed so that `--help` stays quick; that of
-`tasks` and `cache` is lib/commands.py's.
+`run` and `demo` is app/runner.py's, imported when needed so that `--help` stays quick; that of
+`tasks` and `cache` is app/commands.py's.
 
 `run`, `drop`, `tasks`, `doctor`, `ui` and `serve` work on the tasks of the dg project the working folder is
 in (or `--project PATH` names), from that project's folder; elsewhere on the bundled tasks
-(lib/projects.py).
+(app/projects.py).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from batch_assets.app.commands import command_cache, command_drop, command_tasks, command_ui
+from batch_assets.app.projects import BUNDLED, ProjectRefused, TaskSource, enter_project
 from batch_assets.cli_parser import build_parser
-from batch_assets.lib.commands import command_cache, command_drop, command_tasks, command_ui
-from batch_assets.lib.projects import BUNDLED, ProjectRefused, TaskSource, enter_project
 from batch_assets.runtime.instance import DagsterHomeError, dagster_home
 from batch_assets.runtime.interrupts import STOPPED, watch_stop_signals
 from batch_assets.runtime.process_exit import exit_without_teardown
@@ -47,8 +47,8 @@ from batch_assets.runtime.process_exit import exit_without_teardown
 if TYPE_CHECKING:
     import argparse
 
-    from batch_assets.lib.run_outcomes import PartitionOutcome
-    from batch_assets.lib.runner import RunReporter
+    from batch_assets.app.run_outcomes import PartitionOutcome
+    from batch_assets.app.runner import RunReporter
 
 
 class Terminal:
@@ -147,7 +147,7 @@ def _time_left(seconds: float) -> str:
 
 def _reporter() -> RunReporter:
     """Runs report here: notes and progress lines on the terminal, each call's outcomes as summary lines."""
-    from batch_assets.lib.runner import RunReporter
+    from batch_assets.app.runner import RunReporter
 
     return RunReporter(
         say=TERMINAL.say, files_done=_print_outcomes, run_log_handler=_ProgressHandler, console_log=TERMINAL.verbose
@@ -157,7 +157,7 @@ def _reporter() -> RunReporter:
 def _print_outcomes(outcomes: list[PartitionOutcome]) -> None:
     if TERMINAL.log_path and any(not outcome.ok for outcome in outcomes):
         TERMINAL.say(f"engine and library output of this command: {TERMINAL.log_path}")
-    from batch_assets.lib.run_outcomes import usage_total_line
+    from batch_assets.app.run_outcomes import usage_total_line
 
     for outcome in outcomes:
         TERMINAL.say(outcome.line())
@@ -174,7 +174,7 @@ def command_run(
     fail_on_warn: bool = False,
     source: TaskSource = BUNDLED,
 ) -> int:
-    from batch_assets.lib.runner import run_partitions
+    from batch_assets.app.runner import run_partitions
 
     outcomes = run_partitions(
         task_name,
@@ -190,7 +190,7 @@ def command_run(
 
 
 def command_demo(*, use_result_cache: bool = True) -> int:
-    from batch_assets.lib.runner import demo_note, run_demo
+    from batch_assets.app.runner import demo_note, run_demo
     from batch_assets.pipeline.task_spec import load_tasks
 
     loaded = load_tasks()
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "cache":
             return command_cache(args, TERMINAL.say)
         if args.command == "estimate":
-            from batch_assets.lib.estimate_command import command_estimate
+            from batch_assets.app.estimate_command import command_estimate
 
             return command_estimate(args, TERMINAL.say)
         if args.command == "serve":
@@ -264,14 +264,14 @@ def _is_refusal(error: Exception) -> bool:
     """A problem the user can fix, found before anything ran (exit status 2): a dg project that gives no
     tasks, a DAGSTER_HOME that names no usable folder, or one of the runner's refusals (when it raised
     one it is imported already, so other commands' errors do not import it)."""
-    runner = sys.modules.get("batch_assets.lib.runner")
+    runner = sys.modules.get("batch_assets.app.runner")
     return isinstance(error, ProjectRefused | DagsterHomeError) or (
         runner is not None and isinstance(error, runner.REFUSALS)
     )
 
 
 def _unexpected(error: BaseException) -> int:
-    from batch_assets.lib.error_causes import error_line
+    from batch_assets.app.error_causes import error_line
 
     if TERMINAL.verbose:
         traceback.print_exc()

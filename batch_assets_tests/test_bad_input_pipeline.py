@@ -8,7 +8,7 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from batch_assets.lib.runner import run_partitions
+from batch_assets.app.runner import run_partitions
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
 from batch_assets_tests.support import drop

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 def test_the_zero_cost_engine_answers_every_distinct_prompt_once_through_the_runner(
     data_dir: Path, tmp_path: Path
 ) -> None:
-    from batch_assets.lib.runner import run_partitions
+    from batch_assets.app.runner import run_partitions
     from batch_assets.lib.task_definitions import build_definitions
     from batch_assets.runtime.instance import open_instance
 

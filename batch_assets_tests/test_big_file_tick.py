@@ -12,7 +12,8 @@ import pytest
 from upath import UPath
 
 from batch_assets.lib import drops_sensor
-from batch_assets.lib.drops_sensor import SOURCE_FILE_TAG, build_drops_sensor, plan_tick
+from batch_assets.lib.drops_sensor import build_drops_sensor, plan_tick
+from batch_assets.lib.run_requests import SOURCE_FILE_TAG
 from batch_assets.lib.split_job import RUN_KEY_TAG, failed_split_runs, split_job_name
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.task_spec import load_task_specs

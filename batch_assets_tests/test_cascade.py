@@ -13,8 +13,8 @@ import numpy as np
 import polars as pl
 import pytest
 
+from batch_assets.app.run_outcomes import _quality_notes
 from batch_assets.engines.kinds import resolve_settings
-from batch_assets.lib.run_outcomes import _quality_notes
 from batch_assets.pipeline.cascade import (
     TeacherAnswer,
     choose_sample,

@@ -14,9 +14,9 @@ import dagster as dg
 import polars as pl
 import pytest
 
+from batch_assets.app.run_outcomes import run_outcomes
+from batch_assets.app.runner import run_partitions
 from batch_assets.lib.materializations import latest_materialization
-from batch_assets.lib.run_outcomes import run_outcomes
-from batch_assets.lib.runner import run_partitions
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.task_spec import PriceSpec, TaskSpec, load_task_spec, load_task_specs
 from batch_assets.pipeline.task_spec.cascade import TargetSpec

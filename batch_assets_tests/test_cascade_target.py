@@ -12,8 +12,8 @@ import numpy as np
 import polars as pl
 import pytest
 
-from batch_assets.lib.checks import target_result
-from batch_assets.lib.run_outcomes import _quality_notes
+from batch_assets.app.run_outcomes import _quality_notes
+from batch_assets.lib.gate_checks import target_result
 from batch_assets.pipeline.cascade import StoredStudent, TaskCascade, TeacherAnswer, run_cascade
 from batch_assets.pipeline.cascade_labels import cascade_outputs, cascade_summary
 from batch_assets.pipeline.cascade_summary import TeacherCost, wilson_interval

@@ -93,7 +93,7 @@ def test_demo_runs_every_sample_and_a_second_demo_reruns_nothing(workdir) -> Non
 
 
 def test_demo_says_once_that_the_embedded_model_is_not_a_labeler(monkeypatch: pytest.MonkeyPatch) -> None:
-    from batch_assets.lib.runner import demo_note
+    from batch_assets.app.runner import demo_note
     from batch_assets.pipeline.task_spec import load_task_specs
 
     monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
@@ -243,7 +243,7 @@ def metadata_of(**values: int) -> dict[str, dg.MetadataValue]:
 
 def test_summary_names_the_rate_of_inferred_rows_and_the_source_of_reused_ones() -> None:
     """Issue 29.9: a file whose rows all came from the cache or checkpoints said "0.0 generated tok/s"."""
-    from batch_assets.lib.run_outcomes import _inference_text
+    from batch_assets.app.run_outcomes import _inference_text
 
     assert _inference_text(metadata_of(rows_inferred=5, generated=81)) == ", 40.5 generated tok/s"
     # Some rows reused, some inferred: the rate is of the inferred ones.

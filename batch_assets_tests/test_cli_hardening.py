@@ -206,10 +206,10 @@ def test_cli_waiting_for_the_gpu_pool_says_so_and_stops_on_sigterm(cli_env, monk
 @pytest.mark.slow
 def test_drop_sensor_leaves_a_file_that_a_live_cli_is_running_to_it(cli_env, monkeypatch) -> None:
     """Issue 17.11: the sensor queued a second run of a file `batch-assets run` was still processing."""
-    from batch_assets.lib.drops_sensor import build_drops_sensor, version_digest
+    from batch_assets.lib.drops_sensor import build_drops_sensor
     from batch_assets.lib.task_definitions import build_definitions, build_task_job
     from batch_assets.pipeline.task_spec import load_task_specs
-    from batch_assets.storage.drop_files import find_drop_file
+    from batch_assets.storage.drop_files import find_drop_file, version_digest
 
     tmp_path, env = cli_env
     for name in ("DAGSTER_HOME", "BATCH_ASSETS_DATA"):

@@ -194,7 +194,7 @@ def test_sections_cited_by_name_exist_where_they_are_cited() -> None:
         for path in files
         for page, section in CITATION.findall(path.read_text(encoding="utf-8"))
     ]
-    assert any(path == "batch_assets/lib/runner.py" for path, _, _ in citations)  # the demo's note is read
+    assert any(path == "batch_assets/app/runner.py" for path, _, _ in citations)  # the demo's note is read
     missing = [
         f"{path} cites {page} {section!r}"
         for path, page, section in citations

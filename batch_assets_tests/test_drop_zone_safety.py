@@ -17,7 +17,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from batch_assets.lib.drops_sensor import SOURCE_FILE_TAG, build_drops_sensor
+from batch_assets.lib.drops_sensor import build_drops_sensor
+from batch_assets.lib.run_requests import SOURCE_FILE_TAG
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.read_prompts import DropFileError
 from batch_assets.pipeline.task_spec import load_task_specs

@@ -17,19 +17,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batch_assets.lib.drops_sensor import (
+    build_drops_sensor,
+    decode_cursor,
+    encode_cursor,
+    file_fingerprint,
+    plan_drops_tick,
+    plan_tick,
+)
+from batch_assets.lib.partition_versions import file_validated_from_version, read_version
+from batch_assets.lib.run_requests import (
     LAUNCHED_BY_TAG,
     RANGE_END_TAG,
     RANGE_START_TAG,
     REPLACED_TAG,
     SOURCE_FILE_TAG,
-    build_drops_sensor,
-    decode_cursor,
-    encode_cursor,
-    file_fingerprint,
-    file_validated_from_version,
-    plan_drops_tick,
-    plan_tick,
-    read_version,
     requested_partitions,
 )
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
@@ -248,7 +249,7 @@ def test_a_burst_larger_than_a_run_becomes_ranges_of_max_partitions_per_run(data
 
 @pytest.mark.slow
 def test_sensor_skips_files_already_run_from_the_command_line(data_dir: Path, tiny_model: str, tmp_path: Path) -> None:
-    from batch_assets.lib.runner import run_partitions
+    from batch_assets.app.runner import run_partitions
 
     source = tmp_path / "posts.jsonl"
     source.write_text(POST * 3)
@@ -343,7 +344,7 @@ def test_credentials_never_appear_in_urls_or_messages(monkeypatch: pytest.Monkey
 
 
 def test_partitions_are_grouped_into_ranges_of_adjacent_keys() -> None:
-    from batch_assets.lib.drops_sensor import partition_ranges
+    from batch_assets.lib.run_requests import partition_ranges
 
     order = ["a", "b", "c", "d", "e", "f", "g"]
     assert partition_ranges(order, ["a", "b", "c", "d", "e"], 2) == [["a", "b"], ["c", "d"], ["e"]]

@@ -28,6 +28,7 @@ from batch_assets.pipeline.embeddings import (
 from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec
 from batch_assets.pipeline.validate_labels import validate_labels
+from batch_assets_tests.support import ANSWER_COLUMNS
 
 EMBED = """
 input: {text_fields: [text]}
@@ -370,16 +371,7 @@ def test_similarity_outputs_are_a_choices_tasks_outputs() -> None:
     assert labels["error"].to_list() == [None, "empty_text: f line 2: the text is empty", None]
     assert "embedding" not in labels.columns and "embedding" in outputs.columns
     # the columns of a choices task, with the label's similarity before its confidence
-    assert labels.columns[-8:] == [
-        "similarity",
-        "confidence",
-        "label",
-        "generated_text",
-        "finish_reason",
-        "num_prompt_tokens",
-        "num_generated_tokens",
-        "error",
-    ]
+    assert labels.columns[-8:] == ["similarity", "confidence", "label", *ANSWER_COLUMNS]
 
 
 def test_engine_settings_of_an_embedding_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -398,7 +390,7 @@ def test_engine_settings_of_an_embedding_task(tmp_path: Path, monkeypatch: pytes
 
 
 def test_the_demo_prints_both_ways_of_labelling_side_by_side() -> None:
-    from batch_assets.lib.run_outcomes import accuracy_side_by_side
+    from batch_assets.app.run_outcomes import accuracy_side_by_side
 
     text = accuracy_side_by_side(
         [

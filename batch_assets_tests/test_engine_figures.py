@@ -1,12 +1,12 @@
-"""The engine's own figures (engines/engine_figures.py) and a run's usage line (lib/run_outcomes.py):
+"""The engine's own figures (engines/engine_figures.py) and a run's usage line (app/run_outcomes.py):
 pure, no engine."""
 
 from __future__ import annotations
 
 from collections import Counter
 
+from batch_assets.app.run_outcomes import PartitionOutcome, Usage, usage_total_line
 from batch_assets.engines.engine_figures import BatchTimes, EndpointFigures, EngineFigures, percentile
-from batch_assets.lib.run_outcomes import PartitionOutcome, Usage, usage_total_line
 
 
 def test_figures_after_a_mark_leave_out_what_a_warm_engine_did_before() -> None:

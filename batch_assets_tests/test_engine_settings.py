@@ -449,8 +449,8 @@ def test_a_warm_engine_serves_tasks_of_its_model_with_a_shorter_context_only(tmp
 def test_the_demo_starts_one_engine_per_model_of_the_shipped_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
     """In the demo's order, the first task of each model has the longest context, so its engine
     serves the rest (the shipped chat tasks ask for 1024 and 2048 tokens)."""
+    from batch_assets.app.runner import _engine_order
     from batch_assets.engines import vllm_lifecycle
-    from batch_assets.lib.runner import _engine_order
     from batch_assets.lib.task_definitions import build_definitions
 
     monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
@@ -505,7 +505,7 @@ def test_a_session_starts_its_engine_for_the_streams_size_and_a_warm_one_is_kept
 def test_the_demo_note_passes_over_a_task_its_engine_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
     """A task whose context the model does not take is refused when it runs (the demo runs the
     others, `_engine_order`); the note after the demo must not fail on it."""
-    from batch_assets.lib.runner import demo_note
+    from batch_assets.app.runner import demo_note
 
     monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
     task = next(task for task in load_task_specs() if not task.output.pooling)

@@ -39,7 +39,7 @@ def raise_wrapped_storage_error() -> None:
 
 
 def test_a_failed_run_is_named_by_our_outermost_error_on_one_line_without_its_password() -> None:
-    from batch_assets.lib.run_outcomes import failure_text
+    from batch_assets.app.run_outcomes import failure_text
 
     @dg.op
     def read_cache() -> None:
@@ -59,7 +59,7 @@ def test_a_failed_run_is_named_by_our_outermost_error_on_one_line_without_its_pa
 def test_a_failure_our_step_raised_over_a_library_error_is_named_by_its_description() -> None:
     """Before, a step stopped by Ctrl-C read `failed in ...: EngineDeadError ...`, the engine error
     the interrupt caused, instead of the step's own `stopped (interrupted)`."""
-    from batch_assets.lib.run_outcomes import failure_text
+    from batch_assets.app.run_outcomes import failure_text
 
     @dg.op
     def infer() -> None:
@@ -76,7 +76,7 @@ def test_a_failure_our_step_raised_over_a_library_error_is_named_by_its_descript
 
 
 def test_a_failed_run_without_an_error_of_ours_shows_the_innermost_line() -> None:
-    from batch_assets.lib.run_outcomes import failure_text
+    from batch_assets.app.run_outcomes import failure_text
 
     @dg.op
     def connect() -> None:
@@ -206,7 +206,7 @@ def test_no_result_cache_neither_reads_nor_writes_the_cache(
 
 def test_a_summary_line_names_every_failed_check_and_only_error_checks_fail_the_command() -> None:
     """Issue 47: a line named failed ERROR checks only; WARN failures left it `OK`."""
-    from batch_assets.lib.run_outcomes import PartitionOutcome
+    from batch_assets.app.run_outcomes import PartitionOutcome
 
     def outcome(errors: list[str], warnings: list[str]) -> PartitionOutcome:
         return PartitionOutcome("t", "f.csv", True, "0123456789", "3 rows", errors, failed_warn_checks=warnings)

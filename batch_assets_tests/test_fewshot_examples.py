@@ -13,26 +13,15 @@ import pytest
 from transformers import AutoTokenizer
 
 from batch_assets.engines.embedded_model import ensure_embedded_model
-from batch_assets.engines.kinds import resolve_settings
 from batch_assets.pipeline.budget import estimate_cost
-from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts, messages_for, render_prompt
 from batch_assets.pipeline.prompt_tokens import SENTINELS
 from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import TaskSpec, TaskSpecError, load_task_spec
-
-
-def versions(task: TaskSpec) -> dict[str, str]:
-    """The task's code versions with the settings the default engines resolve for it."""
-    return code_versions(task, resolve_settings(task))
-
+from batch_assets_tests.support import POSTS_CHOICES_TASK, task_code_versions
 
 BASE = {
-    "name": "t",
-    "input": {"text_fields": ["text"]},
-    "prompt": {"system": "Classify.", "template": "Post: {text}"},
-    "sampling": {"temperature": 0, "max_tokens": 10},
-    "output": {"kind": "choices", "choices": ["positive", "negative", "neutral"]},
+    **POSTS_CHOICES_TASK,
     # A model id, not the embedded model's folder: the fingerprint then holds no file times.
     "engine": {"model": "HuggingFaceTB/SmolLM2-135M-Instruct"},
 }
@@ -320,13 +309,13 @@ def test_examples_change_the_code_versions_and_a_task_without_them_keeps_its_own
 ) -> None:
     monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
     # The versions this task had before examples existed: partitions made then are not stale now.
-    assert versions(spec()) == {
+    assert task_code_versions(spec()) == {
         "formatted_prompts": "d6fc0e4d57076cf6",
         "inference_outputs": "89e477e57753ec7f",
         "validated_labels": "255cb19b0cd6bdb1",
     }
-    assert versions(spec([])) == versions(spec())
-    with_examples = versions(spec(EXAMPLES))
+    assert task_code_versions(spec([])) == task_code_versions(spec())
+    with_examples = task_code_versions(spec(EXAMPLES))
     assert with_examples == {
         "formatted_prompts": "f138cc90b5bc8ed6",
         "inference_outputs": "fedd01beebd815ac",
@@ -334,8 +323,8 @@ def test_examples_change_the_code_versions_and_a_task_without_them_keeps_its_own
     }
     # Another answer, or the same examples in another order, is another version.
     changed = [EXAMPLES[0], {**EXAMPLES[1], "answer": "neutral"}]
-    assert versions(spec(changed))["formatted_prompts"] != with_examples["formatted_prompts"]
-    assert versions(spec(EXAMPLES[::-1]))["inference_outputs"] != with_examples["inference_outputs"]
+    assert task_code_versions(spec(changed))["formatted_prompts"] != with_examples["formatted_prompts"]
+    assert task_code_versions(spec(EXAMPLES[::-1]))["inference_outputs"] != with_examples["inference_outputs"]
 
 
 def test_examples_change_the_fingerprint_of_checkpoints_and_cached_results(monkeypatch: pytest.MonkeyPatch) -> None:

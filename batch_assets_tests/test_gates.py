@@ -13,27 +13,14 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from batch_assets.engines.kinds import resolve_settings
 from batch_assets.lib.asset_metadata import labels_metadata
 from batch_assets.pipeline.budget import actual_cost_metadata, budget_overruns, estimate_cost
-from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.label_quality import NO_LABEL, accuracy_report, confidence_report, label_drift
 from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import BudgetSpec, TaskSpec, TaskSpecError, load_task_spec
+from batch_assets_tests.support import POSTS_CHOICES_TASK, task_code_versions
 
-
-def versions(task: TaskSpec) -> dict[str, str]:
-    """The task's code versions with the settings the default engines resolve for it."""
-    return code_versions(task, resolve_settings(task))
-
-
-BASE = {
-    "name": "t",
-    "input": {"text_fields": ["text"]},
-    "prompt": {"system": "Classify.", "template": "Post: {text}"},
-    "sampling": {"temperature": 0, "max_tokens": 10},
-    "output": {"kind": "choices", "choices": ["positive", "negative", "neutral"]},
-}
+BASE = POSTS_CHOICES_TASK
 
 
 def spec(**changes) -> TaskSpec:
@@ -49,40 +36,40 @@ def spec(**changes) -> TaskSpec:
 
 def test_same_task_same_versions_edits_change_the_assets_they_affect(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
-    base = versions(spec())
-    assert base == versions(spec())
+    base = task_code_versions(spec())
+    assert base == task_code_versions(spec())
     assert set(base) == {"formatted_prompts", "inference_outputs", "validated_labels"}
 
-    prompt_edit = versions(spec(prompt__template="Text: {text}"))
+    prompt_edit = task_code_versions(spec(prompt__template="Text: {text}"))
     assert prompt_edit["formatted_prompts"] != base["formatted_prompts"]
     assert prompt_edit["inference_outputs"] != base["inference_outputs"]
     assert prompt_edit["validated_labels"] != base["validated_labels"]
     # Checks read the labels, they do not change them.
-    assert versions(spec(checks__max_label_drift=0.5, checks__max_error_share=0.2)) == base
+    assert task_code_versions(spec(checks__max_label_drift=0.5, checks__max_error_share=0.2)) == base
 
-    sampling_edit = versions(spec(sampling__temperature=0.7))
+    sampling_edit = task_code_versions(spec(sampling__temperature=0.7))
     assert sampling_edit["formatted_prompts"] == base["formatted_prompts"]
     assert sampling_edit["inference_outputs"] != base["inference_outputs"]
 
-    output_edit = versions(spec(output__choices=["positive", "negative"]))
+    output_edit = task_code_versions(spec(output__choices=["positive", "negative"]))
     assert output_edit["inference_outputs"] != base["inference_outputs"]
     assert output_edit["validated_labels"] != base["validated_labels"]
 
-    model_edit = versions(spec(engine__model="HuggingFaceTB/SmolLM2-1.7B-Instruct"))
+    model_edit = task_code_versions(spec(engine__model="HuggingFaceTB/SmolLM2-1.7B-Instruct"))
     assert model_edit["formatted_prompts"] != base["formatted_prompts"]  # another tokenizer and chat template
     assert model_edit["inference_outputs"] != base["inference_outputs"]
     monkeypatch.setenv("BATCH_ASSETS_MODEL", "/models/other")
-    assert versions(spec())["inference_outputs"] != base["inference_outputs"]
+    assert task_code_versions(spec())["inference_outputs"] != base["inference_outputs"]
 
 
 def test_throughput_settings_leave_the_versions_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
-    base = versions(spec())
-    tuned = versions(
+    base = task_code_versions(spec())
+    tuned = task_code_versions(
         spec(engine__batch_size=64, engine__max_num_seqs=8, engine__kv_cache_memory_gib=2, engine__concurrency=4)
     )
     assert tuned == base
-    assert versions(spec(engine__seed=7))["inference_outputs"] != base["inference_outputs"]
+    assert task_code_versions(spec(engine__seed=7))["inference_outputs"] != base["inference_outputs"]
 
 
 def test_versions_are_stable_across_processes(tmp_path: Path) -> None:
@@ -399,7 +386,7 @@ def test_definitions_carry_the_versions_and_opted_in_tasks_rematerialize_stale_p
     edited = spec(automation__rematerialize_stale=True, prompt__template="Text: {text}")
     defs = build_definitions(tasks=[opted])
     graph = defs.resolve_asset_graph()
-    for asset, version in versions(opted).items():
+    for asset, version in task_code_versions(opted).items():
         assert graph.get(dg.AssetKey(["t", asset])).code_version == version
     assert graph.get(dg.AssetKey(["t", "raw_prompts"])).automation_condition is None
     sensor = defs.resolve_sensor_def("t_automation_sensor")
@@ -442,7 +429,7 @@ def test_confidence_can_be_switched_off_without_re_inferring_anything(monkeypatc
     # labels lose a column, so their version changes.
     settings = VLLMEngine().settings(on)
     assert inference_fingerprint(task_format(on), settings) == inference_fingerprint(task_format(off), settings)
-    versions_on, versions_off = versions(on), versions(off)
+    versions_on, versions_off = task_code_versions(on), task_code_versions(off)
     assert versions_on["inference_outputs"] == versions_off["inference_outputs"]
     assert versions_on["validated_labels"] != versions_off["validated_labels"]
     # Off, the engine is not asked for log-probabilities and the labels have no confidence column.

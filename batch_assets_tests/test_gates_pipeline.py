@@ -9,14 +9,13 @@ from pathlib import Path
 import dagster as dg
 import polars as pl
 import pytest
-from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleCauseCategory, StaleStatus
-from dagster._core.loader import LoadingContextForTest
+from dagster._core.definitions.data_version import StaleCauseCategory, StaleStatus
 
 from batch_assets.engines.vllm_lifecycle import PROCESS_ENGINE
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.drop_files import partition_key_for, partitions_def_name
-from batch_assets_tests.support import drop
+from batch_assets_tests.support import drop, stale_status
 
 # The slow tier (`make test-fast` leaves it out): every test materializes through Dagster on the engine (tiny model).
 pytestmark = pytest.mark.slow
@@ -111,6 +110,14 @@ def test_a_row_refused_as_too_long_is_not_billed(data_dir: Path, tiny_model: str
     assert outputs["cost_usd"] <= formatted["estimated_max_cost_usd"]
 
 
+# Six rows whose gold label is "y"; then four whose gold is x, x, y and none.
+EARLY_LETTERS = "".join(f'{{"text": "e{i}", "truth": "y"}}\n' for i in range(6))
+LATE_LETTERS = (
+    '{"text": "l0", "truth": "x"}\n{"text": "l1", "truth": "x"}\n'
+    '{"text": "l2", "truth": "y"}\n{"text": "l3", "truth": ""}\n'
+)
+
+
 def test_drift_accuracy_and_stale_partitions(data_dir: Path, tiny_model: str) -> None:
     """A regex task whose constraint admits a single label makes the random model's labels certain."""
     only_y = task_spec(
@@ -124,14 +131,8 @@ def test_drift_accuracy_and_stale_partitions(data_dir: Path, tiny_model: str) ->
         output={"kind": "regex", "regex": "x"},
         checks={"gold_field": "truth", "min_accuracy": 0.9},
     )
-    drop(data_dir, "letters", "early.jsonl", "".join(f'{{"text": "e{i}", "truth": "y"}}\n' for i in range(6)))
-    drop(
-        data_dir,
-        "letters",
-        "late.jsonl",
-        '{"text": "l0", "truth": "x"}\n{"text": "l1", "truth": "x"}\n'
-        '{"text": "l2", "truth": "y"}\n{"text": "l3", "truth": ""}\n',
-    )
+    drop(data_dir, "letters", "early.jsonl", EARLY_LETTERS)
+    drop(data_dir, "letters", "late.jsonl", LATE_LETTERS)
     with dg.instance_for_test() as instance:
         _, result = run(only_y, "early.jsonl", instance)
         assert result.success
@@ -178,10 +179,7 @@ def test_drift_accuracy_and_stale_partitions(data_dir: Path, tiny_model: str) ->
 
         # Same task: fresh. Edited prompt: the partition's assets show as stale, caused by the code version.
         def status(task: TaskSpec, asset: str):
-            graph = build_definitions(tasks=[task]).resolve_asset_graph()
-            resolver = CachingStaleStatusResolver(instance, graph, LoadingContextForTest(instance))
-            key = dg.AssetKey(["letters", asset])
-            return resolver.get_status(key, late), resolver.get_stale_root_causes(key, late)
+            return stale_status(instance, task, asset, late)
 
         assert status(only_x, "inference_outputs")[0] == StaleStatus.FRESH
         edited = task_spec(

@@ -17,7 +17,7 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from batch_assets.lib.runner import RunReporter, run_partitions
+from batch_assets.app.runner import RunReporter, run_partitions
 from batch_assets.runtime.instance import open_instance
 from batch_assets.storage.drop_files import (
     InvalidPartitionKey,

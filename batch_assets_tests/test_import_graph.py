@@ -232,12 +232,23 @@ ALLOWED_IMPORTS: dict[str, Rule] = {
         {"pipeline": ANY, "runtime": ("instance",)},  # instance: its file lock guards the cache's creation
     ),
     "lib": Rule(
-        "the Dagster factories and the command line's services",
+        "the Dagster factories: assets, checks, sensors, jobs, automation, the components",
         {"pipeline": ANY, "engines": ANY, "storage": ANY, "runtime": ANY},
+    ),
+    "app": Rule(
+        "the command line's services: `run`, `demo`, `estimate`, `tasks`, `drop`, `cache`, the project",
+        {"pipeline": ANY, "engines": ANY, "storage": ANY, "runtime": ANY, "lib": ANY},
     ),
     "doctor": Rule(
         "`batch-assets doctor`'s checks",
-        {"pipeline": ANY, "engines": ANY, "storage": ANY, "runtime": ANY, "lib": ANY},
+        {
+            "pipeline": ANY,
+            "engines": ANY,
+            "storage": ANY,
+            "runtime": ANY,
+            "lib": ("task_definitions", "ray_runs"),  # the GPUs per node, Ray's engine resource
+            "app": ("projects", "error_causes"),  # whose tasks are checked; a check's own failure, in one line
+        },
     ),
     "serve": Rule(
         "`batch-assets serve`: its batches run as `batch-assets run` commands, not through lib/",
@@ -245,7 +256,7 @@ ALLOWED_IMPORTS: dict[str, Rule] = {
     ),
     "batch_assets": Rule(
         "the command line and the code location, on top",
-        dict.fromkeys(("pipeline", "runtime", "engines", "storage", "lib", "doctor", "serve"), ANY),
+        dict.fromkeys(("pipeline", "runtime", "engines", "storage", "lib", "app", "doctor", "serve"), ANY),
     ),
 }
 

@@ -330,7 +330,7 @@ def test_a_burst_of_drops_for_a_four_gpu_task_asks_for_four_gpus_per_range_run(k
     """The sensor's runs are of the task's job, and each request carries the job's GPU tag too."""
     from upath import UPath
 
-    from batch_assets.lib.drops_sensor import run_requests_for
+    from batch_assets.lib.run_requests import run_requests_for
     from batch_assets.storage.drop_files import DropFile
 
     task = load_task_spec(DEPLOY / "examples" / "tasks" / "industry_large.yaml")

@@ -17,9 +17,9 @@ import numpy as np
 import polars as pl
 import pytest
 
+from batch_assets.app.run_outcomes import _quality_notes
 from batch_assets.engines.kinds import resolve_settings
 from batch_assets.lib.automation import CODE_VERSION_TAG
-from batch_assets.lib.run_outcomes import _quality_notes
 from batch_assets.lib.task_definitions import build_definitions
 from batch_assets.pipeline.cascade import StoredStudent, run_cascade
 from batch_assets.pipeline.cascade_labels import cascade_outputs
@@ -42,18 +42,16 @@ from batch_assets.storage.label_models import (
     write_label_model,
 )
 from batch_assets.storage.locations import output_path
-from batch_assets_tests.support.cascade import CHOICES, blobs, embedded_results, perfect_teacher, spec
+from batch_assets_tests.support.cascade import (
+    CHOICES,
+    blobs,
+    cascade_task_yaml,
+    embedded_results,
+    perfect_teacher,
+    spec,
+)
 
-TASK = """
-input: {text_fields: [name]}
-prompt: {template: "{name}"}
-output:
-  kind: choices
-  method: cascade
-  choices: [alpha, beta, gamma, delta]
-  cascade: {teacher: {column: gold}, sample_rows: 100, audit_rows: 20}
-automation: {rematerialize_stale: true}
-"""
+TASK = cascade_task_yaml(100, 20, "automation: {rematerialize_stale: true}\n")
 
 
 def partition_outputs(x: np.ndarray, y: np.ndarray, **settings) -> pl.DataFrame:

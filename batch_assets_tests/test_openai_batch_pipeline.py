@@ -18,6 +18,7 @@ import yaml
 from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR
 from batch_assets_tests.support import SAMPLES
 from batch_assets_tests.support.openai_batch import (
+    answer_differences,
     as_jsonl,
     chat,
     materialize,
@@ -148,25 +149,7 @@ def test_batch_file_through_dagster_matches_vllm_run_batch(data_dir: Path, tmp_p
         # The peer: vLLM's run-batch on the chat lines it can take (it has no /v1/completions).
         valid = [line for line in lines[:19] if line["url"].endswith("chat/completions")]
         peer = run_vllm_batch(valid, tmp_path)
-        differences = []
-        for line in valid:
-            ours, theirs = by_id[line["custom_id"]]["response"]["body"], peer[line["custom_id"]]["response"]["body"]
-            assert peer[line["custom_id"]]["error"] is None
-            usage = ("prompt_tokens", "completion_tokens")
-            mine = (
-                ours["choices"][0]["message"]["content"],
-                ours["choices"][0]["finish_reason"],
-                *(ours["usage"][k] for k in usage),
-            )
-            other = (
-                theirs["choices"][0]["message"]["content"],
-                theirs["choices"][0]["finish_reason"],
-                *(theirs["usage"][k] for k in usage),
-            )
-            if mine != other:
-                differences.append(
-                    f"{line['custom_id']}: ours {mine[0][:80]!r} {mine[1:]}, run-batch {other[0][:80]!r} {other[1:]}"
-                )
+        differences = answer_differences(valid, by_id, peer)
         # Greedy decoding on the same model and engine: identical up to at most one near-tie.
         assert len(differences) <= 1, "\n".join(differences)
         # The line that asked for `logprobs` gets vLLM's: the same tokens, bytes and alternatives.

@@ -267,6 +267,12 @@ def all_run_text(instance: dg.DagsterInstance, run_id: str) -> str:
     return "\n".join(repr(entry) for entry in instance.all_logs(run_id))
 
 
+def run_posts(data_dir: Path, task, instance: dg.DagsterInstance):
+    """POSTS dropped as the sentiment task's `posts.jsonl`, run as one partition of `task`: (key, result)."""
+    drop(data_dir, "sentiment", "posts.jsonl", posts_jsonl(POSTS))
+    return run_partition("sentiment", "posts.jsonl", instance, build_definitions(tasks=[task]))
+
+
 def test_request_fields_follow_vllms_protocol(tmp_path: Path, tiny_model_path: str) -> None:
     task = endpoint_task(tmp_path, "http://127.0.0.1:9/v1", tiny_model_path)
     params = chat_request_params(task, "m")
@@ -395,9 +401,8 @@ def test_a_request_that_keeps_failing_becomes_an_error_row(
         "alpha": ["429", "ok"],
     }
     task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path)
-    drop(data_dir, "sentiment", "posts.jsonl", posts_jsonl(POSTS))
     with dg.instance_for_test() as instance:
-        key, result = run_partition("sentiment", "posts.jsonl", instance, build_definitions(tasks=[task]))
+        key, result = run_posts(data_dir, task, instance)
         assert result.success, failure_messages(result)
         recorded = all_run_text(instance, result.run_id)
     labels = read_output(data_dir, "sentiment", "validated_labels", key)
@@ -417,9 +422,8 @@ def test_server_down_fails_the_run_with_a_clear_message(
 ) -> None:
     base_url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens here
     task = endpoint_task(tmp_path, base_url, tiny_model_path, max_retries=1)
-    drop(data_dir, "sentiment", "posts.jsonl", posts_jsonl(POSTS))
     with dg.instance_for_test() as instance:
-        key, result = run_partition("sentiment", "posts.jsonl", instance, build_definitions(tasks=[task]))
+        key, result = run_posts(data_dir, task, instance)
         assert not result.success
         message = "\n".join(failure_messages(result))
         assert "cannot connect to the endpoint" in message and base_url in message
@@ -443,9 +447,8 @@ def test_a_refused_key_fails_the_run_without_revealing_it(
 ) -> None:
     fault_server.plan = {"": ["401"]}  # every prompt
     task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path)
-    drop(data_dir, "sentiment", "posts.jsonl", posts_jsonl(POSTS))
     with dg.instance_for_test() as instance:
-        _, result = run_partition("sentiment", "posts.jsonl", instance, build_definitions(tasks=[task]))
+        _, result = run_posts(data_dir, task, instance)
         assert not result.success
         message = "\n".join(failure_messages(result))
         assert "HTTP 401" in message and "API key" in message
@@ -458,9 +461,8 @@ def test_a_batch_whose_every_request_the_server_refuses_becomes_error_rows_not_a
     # Batches of 2: the server answers both requests of [charlie, delta] with a 400 of their own.
     fault_server.plan = {"charlie": ["400"], "delta": ["400"]}
     task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path, batch_size=2, max_retries=0)
-    drop(data_dir, "sentiment", "posts.jsonl", posts_jsonl(POSTS))
     with dg.instance_for_test() as instance:
-        key, result = run_partition("sentiment", "posts.jsonl", instance, build_definitions(tasks=[task]))
+        key, result = run_posts(data_dir, task, instance)
         assert result.success, failure_messages(result)
     labels = read_output(data_dir, "sentiment", "validated_labels", key)
     errors = dict(zip(labels["text"], labels["error"], strict=True))
@@ -475,9 +477,8 @@ def test_the_same_refusal_of_every_request_of_a_batch_is_a_setting_and_fails_the
 ) -> None:
     fault_server.plan = {"charlie": ["400-setting"], "delta": ["400-setting"]}
     task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path, batch_size=2, max_retries=0)
-    drop(data_dir, "sentiment", "posts.jsonl", posts_jsonl(POSTS))
     with dg.instance_for_test() as instance:
-        _, failed = run_partition("sentiment", "posts.jsonl", instance, build_definitions(tasks=[task]))
+        _, failed = run_posts(data_dir, task, instance)
         assert not failed.success
         assert "Unrecognized request argument" in "\n".join(failure_messages(failed))
 
@@ -651,7 +652,7 @@ def test_a_stop_during_a_range_run_keeps_every_finished_result_of_each_partition
     one range run, calls of 4 requests: the first call answers a1-a3 (file a's last results: its
     chunk is written) and b1 (file b's first: short of a chunk); a SIGINT arrives during the second
     call. Before, b1 was in no checkpoint and nothing in the result cache."""
-    from batch_assets.lib.runner import run_partitions
+    from batch_assets.app.runner import run_partitions
     from batch_assets.runtime import interrupts
     from batch_assets.storage.checkpoints import CheckpointStore
     from batch_assets.storage.locations import checkpoint_dir, task_storage_dir

@@ -55,6 +55,21 @@ def sensor_ticks(instance: dg.DagsterInstance, name: str) -> list:
 def test_a_burst_of_drops_becomes_grouped_runs_recorded_in_postgres(
     postgres: PostgresServer, tmp_path: Path, tiny_model_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    home, data, tasks = postgres_project(tmp_path)
+    zone, keys, rows = drop_the_burst(data)
+    env = start_the_sensor(postgres, home, data, tasks, tiny_model_path, monkeypatch)
+    instance = dg.DagsterInstance.from_config(str(home))
+    log = tmp_path / "daemon.log"
+    single, rerun = run_the_drops(instance, env, log, zone)
+    assert_the_good_file_ran_again(instance, rerun, log)
+    assert_one_tick_grouped_the_burst(instance, keys, log)
+    assert_checks_per_partition(instance, rows, keys, data)
+    assert_the_single_run(instance, single, log)
+    assert_all_in_postgres(instance, data, home)
+
+
+def postgres_project(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """The Dagster home (the deployment's dagster.yaml), the data folder and the tasks folder."""
     home, data, tasks = tmp_path / "dagster_home", tmp_path / "data", tmp_path / "tasks"
     home.mkdir()
     tasks.mkdir()
@@ -70,18 +85,32 @@ def test_a_burst_of_drops_becomes_grouped_runs_recorded_in_postgres(
     (tasks / "sentiment.yaml").write_text(
         yaml.safe_dump({**sentiment, "runs": {"max_partitions_per_run": 2}, "sensor": sensor}), encoding="utf-8"
     )
+    return home, data, tasks
+
+
+# Posts with an empty text (`drop_the_burst` says why).
+EMPTY_POSTS = '{"post_id": "e1", "text": ""}\n{"post_id": "e2", "text": "   "}\n'
+
+
+def drop_the_burst(data: Path) -> tuple[Path, list[str], dict[str, int]]:
+    """The drop zone, the burst's partition keys (sorted) and each file's rows."""
     # Three drops: four real posts, then two files of posts with an empty text, which become error
     # rows without reaching the engine (one engine start on a CPU is the slow part of this test).
     lines = (SAMPLES / "sentiment" / "posts-sample.jsonl").read_text(encoding="utf-8").splitlines()
-    empty = '{"post_id": "e1", "text": ""}\n{"post_id": "e2", "text": "   "}\n'
-    drops = {"posts-a.jsonl": "\n".join(lines[:4]) + "\n", "posts-b.jsonl": empty, "posts-c.jsonl": empty}
+    drops = {"posts-a.jsonl": "\n".join(lines[:4]) + "\n", "posts-b.jsonl": EMPTY_POSTS, "posts-c.jsonl": EMPTY_POSTS}
     rows = {"posts-a.jsonl": 4, "posts-b.jsonl": 2, "posts-c.jsonl": 2}
     zone = data / "drops" / "sentiment"
     zone.mkdir(parents=True)
     for name, content in drops.items():
         (zone / name).write_text(content, encoding="utf-8")
     keys = sorted(partition_key_for(name) for name in drops)
+    return zone, keys, rows
 
+
+def start_the_sensor(
+    postgres: PostgresServer, home: Path, data: Path, tasks: Path, tiny_model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> dict[str, str]:
+    """The drops sensor started in the instance; the environment the daemon runs with."""
     env = {
         **os.environ,
         **postgres.env(),
@@ -103,13 +132,18 @@ def test_a_burst_of_drops_becomes_grouped_runs_recorded_in_postgres(
         timeout=300,
     )
     assert started.returncode == 0, started.stdout + started.stderr
+    return env
 
-    instance = dg.DagsterInstance.from_config(str(home))
-    log = tmp_path / "daemon.log"
 
-    def finished(runs: list[dg.DagsterRun], count: int = 1) -> list[dg.DagsterRun] | None:
-        return runs if len(runs) >= count and all(run.is_finished for run in runs[:count]) else None
+def finished(runs: list[dg.DagsterRun], count: int = 1) -> list[dg.DagsterRun] | None:
+    return runs if len(runs) >= count and all(run.is_finished for run in runs[:count]) else None
 
+
+def run_the_drops(
+    instance: dg.DagsterInstance, env: dict[str, str], log: Path, zone: Path
+) -> tuple[list[dg.DagsterRun], list[dg.DagsterRun]]:
+    """The daemon over the burst, then a single file, then a burst with a bad file: the single file's
+    run and the good file's re-run."""
     with running_daemon(env, log) as daemon:
         daemon.wait_until(
             lambda: finished(instance.get_runs(filters=dg.RunsFilter(tags={"batch_assets/launched_by": "sensor"})), 2),
@@ -117,7 +151,7 @@ def test_a_burst_of_drops_becomes_grouped_runs_recorded_in_postgres(
             RUNS_TIMEOUT_S,
         )
         # A single new file later is one run of its partition.
-        (zone / "posts-d.jsonl").write_text(empty, encoding="utf-8")
+        (zone / "posts-d.jsonl").write_text(EMPTY_POSTS, encoding="utf-8")
         single = daemon.wait_until(
             lambda: finished(
                 instance.get_runs(filters=dg.RunsFilter(tags={"dagster/partition": partition_key_for("posts-d.jsonl")}))
@@ -128,7 +162,7 @@ def test_a_burst_of_drops_becomes_grouped_runs_recorded_in_postgres(
         # A burst with a bad file (no record has the task's text field): its range run fails, and
         # the range failure sensor runs the good file of that range again on its own.
         (zone / "posts-e.jsonl").write_text('{"post_id": "x1", "body": "no text field"}\n', encoding="utf-8")
-        (zone / "posts-f.jsonl").write_text(empty, encoding="utf-8")
+        (zone / "posts-f.jsonl").write_text(EMPTY_POSTS, encoding="utf-8")
         rerun = daemon.wait_until(
             lambda: finished(
                 instance.get_runs(filters=dg.RunsFilter(tags={"batch_assets/launched_by": "range_failure_sensor"}))
@@ -136,7 +170,10 @@ def test_a_burst_of_drops_becomes_grouped_runs_recorded_in_postgres(
             lambda: "no re-run of the good file",
             RUNS_TIMEOUT_S,
         )
+    return single, rerun
 
+
+def assert_the_good_file_ran_again(instance: dg.DagsterInstance, rerun: list[dg.DagsterRun], log: Path) -> None:
     bad_key, good_key = partition_key_for("posts-e.jsonl"), partition_key_for("posts-f.jsonl")
     [bad_range] = [run for run in instance.get_runs() if run.tags.get("dagster/asset_partition_range_start") == bad_key]
     assert bad_range.status == dg.DagsterRunStatus.FAILURE
@@ -152,6 +189,8 @@ def test_a_burst_of_drops_becomes_grouped_runs_recorded_in_postgres(
     }
     assert labels_of[good_key][0].asset_materialization.metadata["rows"].value == 2 and not labels_of[bad_key]
 
+
+def assert_one_tick_grouped_the_burst(instance: dg.DagsterInstance, keys: list[str], log: Path) -> None:
     # One tick turned the three files into three partitions (oldest first) and two runs: a range of
     # two partitions, then the third alone; no backfill to wait for.
     assert instance.get_dynamic_partitions(partitions_def_name("sentiment"))[:3] == keys
@@ -173,6 +212,10 @@ def test_a_burst_of_drops_becomes_grouped_runs_recorded_in_postgres(
     failed = {run.run_id: run.status for run in runs if run.status != dg.DagsterRunStatus.SUCCESS}
     assert not failed, f"{failed}\n{log.read_text()[-3000:]}"
 
+
+def assert_checks_per_partition(
+    instance: dg.DagsterInstance, rows: dict[str, int], keys: list[str], data: Path
+) -> None:
     # Each partition's labels and check results are in the event log, per partition.
     labels_key = dg.AssetKey(["sentiment", "validated_labels"])
     for name, expected_rows in rows.items():
@@ -209,6 +252,8 @@ def test_a_burst_of_drops_becomes_grouped_runs_recorded_in_postgres(
     }
     assert inference[keys[0]].run_id == inference[keys[1]].run_id != inference[keys[2]].run_id
 
+
+def assert_the_single_run(instance: dg.DagsterInstance, single: list[dg.DagsterRun], log: Path) -> None:
     # The later single file: one run with the sensor's tags, its checks evaluated for its partition.
     [run] = single
     assert run.status == dg.DagsterRunStatus.SUCCESS, log.read_text()[-3000:]
@@ -222,6 +267,8 @@ def test_a_burst_of_drops_becomes_grouped_runs_recorded_in_postgres(
     pool = instance.event_log_storage.get_concurrency_info("gpu")
     assert pool.slot_count == 1 and pool.active_slot_count == 0
 
+
+def assert_all_in_postgres(instance: dg.DagsterInstance, data: Path, home: Path) -> None:
     # And all of it is in Postgres itself, not in files under DAGSTER_HOME.
     assert type(instance.run_storage).__name__ == "PostgresRunStorage"
     assert type(instance.event_log_storage).__name__ == "PostgresEventLogStorage"

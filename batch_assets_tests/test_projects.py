@@ -1,4 +1,4 @@
-"""The dg project a command stands in (lib/projects.py): found as `dg` finds it, its tasks those of its
+"""The dg project a command stands in (app/projects.py): found as `dg` finds it, its tasks those of its
 components, the bundled tasks elsewhere, and a one-line refusal naming the folder for what cannot
 give tasks. In process, on projects written here (test_wheel_install.py runs one from the wheel)."""
 
@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from batch_assets import cli
-from batch_assets.lib.commands import _ui_target
-from batch_assets.lib.projects import BUNDLED, ProjectRefused, TaskSource, find_task_source
+from batch_assets.app.commands import _ui_target
+from batch_assets.app.projects import BUNDLED, ProjectRefused, TaskSource, find_task_source
 from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR
 from batch_assets_tests.support import REPO_ROOT, open_instance
 

@@ -7,7 +7,6 @@ from collections import Counter
 import dagster as dg
 import pytest
 
-from batch_assets.lib.drops_sensor import RANGE_END_TAG, RANGE_START_TAG, partition_ranges
 from batch_assets.lib.range_failures import (
     LEFT_OUT_TAG,
     RangeFailure,
@@ -17,6 +16,7 @@ from batch_assets.lib.range_failures import (
     splits_failed_run,
     task_of_run,
 )
+from batch_assets.lib.run_requests import RANGE_END_TAG, RANGE_START_TAG, partition_ranges
 from batch_assets.pipeline.task_spec import load_task_specs
 
 TASKS = {task.name: task for task in load_task_specs()}

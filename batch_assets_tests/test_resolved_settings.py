@@ -160,7 +160,7 @@ def test_the_cli_and_the_demo_name_the_model_the_engine_resolved(
     import json
 
     from batch_assets import cli
-    from batch_assets.lib.runner import demo_note
+    from batch_assets.app.runner import demo_note
 
     endpoint = {"kind": "openai", "base_url": "http://127.0.0.1:9/v1"}
     tasks = {

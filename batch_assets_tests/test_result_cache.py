@@ -146,16 +146,7 @@ def test_lookup_returns_only_the_keys_asked_for(task_dir: UPath) -> None:
     found = cache.lookup(asked)
     assert sorted(found["request_key"].to_list()) == ["k0", "k1000", "k2000", "k3000", "k4000"]
     assert found.schema == pl.Schema(RESULT_SCHEMA)
-    assert found.filter(pl.col("request_key") == "k2000").row(0, named=True) == {
-        "request_key": "k2000",
-        "generated_text": "text k2000",
-        "finish_reason": "stop",
-        "num_prompt_tokens": 3,
-        "num_generated_tokens": 2,
-        "error": None,
-        "cumulative_logprob": -0.25,
-        "token_logprobs": None,
-    }
+    assert found.filter(pl.col("request_key") == "k2000").row(0, named=True) == result_row("k2000")
     # Another fingerprint (other model or sampling) shares nothing.
     assert ResultCache(task_dir, "other").lookup(asked).height == 0
 
@@ -327,20 +318,22 @@ def test_a_read_only_cache_of_an_earlier_version_is_read_and_never_written(
     assert not Path("file:").exists()  # no folder named after the URI's text
 
 
+def result_row(key: str) -> dict:
+    """The cached answer the tests store for `key`."""
+    return {
+        "request_key": key,
+        "generated_text": f"text {key}",
+        "finish_reason": "stop",
+        "num_prompt_tokens": 3,
+        "num_generated_tokens": 2,
+        "error": None,
+        "cumulative_logprob": -0.25,
+        "token_logprobs": None,
+    }
+
+
 def results_frame(keys: list[str]) -> pl.DataFrame:
-    return pl.DataFrame(
-        {
-            "request_key": keys,
-            "generated_text": [f"text {key}" for key in keys],
-            "finish_reason": "stop",
-            "num_prompt_tokens": 3,
-            "num_generated_tokens": 2,
-            "error": None,
-            "cumulative_logprob": -0.25,
-            "token_logprobs": None,
-        },
-        schema=RESULT_SCHEMA,
-    )
+    return pl.DataFrame([result_row(key) for key in keys], schema=RESULT_SCHEMA)
 
 
 _FULL_CACHE_SCRIPT = """

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import dagster as dg
@@ -24,7 +23,7 @@ import pytest
 
 from batch_assets_tests.support import REPO_ROOT
 from batch_assets_tests.support.processes import VENV_CLI as CLI
-from batch_assets_tests.support.processes import group_alive
+from batch_assets_tests.support.processes import wait_group_gone, wait_while_running
 
 # The slow tier (`make test-fast` leaves it out): kills a run mid-inference on the engine and runs it again.
 pytestmark = pytest.mark.slow
@@ -108,11 +107,7 @@ def test_kill_9_mid_inference_then_rerun_gives_each_row_once_and_reuses_checkpoi
     #    outlive it, holding its memory (or GPU); the engine's watcher kills it. (A SIGKILL to the whole
     #    group is the embedding test's.)
     child = run_cli(child_env, inputs, "a.jsonl", "b.jsonl", "c.jsonl", log=log)
-    deadline = time.monotonic() + 600
-    while not chunks_of(data_dir, "b.jsonl"):
-        assert child.poll() is None, f"the run ended before it could be killed:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.05)
+    wait_while_running(child, log, lambda: chunks_of(data_dir, "b.jsonl"))
     main = psutil.Process(child.pid)
     engine = [
         p for p in main.children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()
@@ -124,11 +119,7 @@ def test_kill_9_mid_inference_then_rerun_gives_each_row_once_and_reuses_checkpoi
     gone, alive = psutil.wait_procs(engine, timeout=30)
     assert not alive, f"engine processes outlived their run: {[p.pid for p in alive]}"
     # Nothing of the run is left: the watcher exits once its work is done.
-    for _ in range(100):
-        if not group_alive(child.pid):
-            break
-        time.sleep(0.1)
-    assert group_alive(child.pid) == []
+    wait_group_gone(child.pid)
 
     # The range run had not finished: no partition is materialized, but the finished requests of
     # every partition are checkpointed.
@@ -192,18 +183,10 @@ def test_kill_9_mid_embedding_then_rerun_embeds_each_row_once_and_reuses_checkpo
     write_posts(inputs / "texts.jsonl", BIG, "t")
     log = tmp_path / "cli.log"
     child = run_cli(env, inputs, "texts.jsonl", log=log, task="embeddings")
-    deadline = time.monotonic() + 600
-    while not chunks_of(data_dir, "texts.jsonl", "embeddings"):
-        assert child.poll() is None, f"the run ended before it could be killed:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.05)
+    wait_while_running(child, log, lambda: chunks_of(data_dir, "texts.jsonl", "embeddings"))
     os.killpg(child.pid, signal.SIGKILL)
     child.wait(timeout=30)
-    for _ in range(100):
-        if not group_alive(child.pid):
-            break
-        time.sleep(0.1)
-    assert group_alive(child.pid) == []
+    wait_group_gone(child.pid)
     checkpointed = pl.concat([pl.read_parquet(c) for c in chunks_of(data_dir, "texts.jsonl", "embeddings")])
     assert 0 < checkpointed.height < BIG
     assert checkpointed["error"].null_count() == checkpointed.height

@@ -22,12 +22,8 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from batch_assets.lib.drops_sensor import (
-    REPLACED_TAG,
-    SOURCE_FILE_TAG,
-    build_drops_sensor,
-    requested_partitions,
-)
+from batch_assets.lib.drops_sensor import build_drops_sensor
+from batch_assets.lib.run_requests import REPLACED_TAG, SOURCE_FILE_TAG, requested_partitions
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
 from batch_assets.pipeline.read_prompts import DropFileError
 from batch_assets.pipeline.task_spec import load_task_specs

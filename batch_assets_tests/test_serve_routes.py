@@ -332,7 +332,7 @@ def test_a_cancel_while_a_restarted_server_kills_an_orphan_run_is_kept(
         for batch_id in (running, validating):
             runner.cancel(batch_id)  # a client, while the orphan is being killed
 
-    monkeypatch.setattr(batch_runs, "_kill_orphan", kill_orphan)
+    monkeypatch.setattr(batch_runs, "kill_orphan", kill_orphan)
     runner._recover()
     assert batch_of(store, running)["status"] == "cancelled"
     assert batch_of(store, validating)["status"] == "cancelled"

@@ -38,7 +38,7 @@ EXPECTED = {
     "images": ChatRecords,  # records with image fields: the same chat format, images beside the text
 }
 # The Dagster modules that build a task's assets and checks: they call the task's format object.
-FACTORIES = ("batch_assets/lib/assets.py", "batch_assets/lib/checks.py")
+FACTORIES = ("batch_assets/lib/assets.py", "batch_assets/lib/checks.py", "batch_assets/lib/gate_checks.py")
 KIND_NAMES = (
     "records",
     "openai_batch",

@@ -8,6 +8,7 @@ import polars as pl
 
 from batch_assets.pipeline.task_spec import OutputSpec
 from batch_assets.pipeline.validate_labels import constraint_violations, parse_label, validate_labels
+from batch_assets_tests.support import ANSWER_COLUMNS
 
 CHOICES = OutputSpec(kind="choices", choices=["positive", "negative", "neutral"])
 SCHEMA = OutputSpec(
@@ -71,14 +72,7 @@ def test_validate_labels_keeps_one_row_per_input_with_contract_columns() -> None
     labels = validate_labels(frame, CHOICES)
     assert labels["row_id"].to_list() == [0, 1, 2]
     assert labels.columns[0] == "row_id"
-    assert labels.columns[-6:] == [
-        "label",
-        "generated_text",
-        "finish_reason",
-        "num_prompt_tokens",
-        "num_generated_tokens",
-        "error",
-    ]
+    assert labels.columns[-6:] == ["label", *ANSWER_COLUMNS]
     assert "text" in labels.columns and "prompt" not in labels.columns
     assert labels["label"].to_list() == ["positive", None, None]
     assert labels["error"][1].startswith("invalid_label") and labels["error"][2].startswith("empty_text")

@@ -65,7 +65,7 @@ ENGINE_EXTRA = "install batch-assets[cpu] or batch-assets[gpu]"
 LOAD_DEFINITIONS = f"""
 import importlib.metadata, json, sys, batch_assets
 from batch_assets.definitions import defs
-from batch_assets.lib.runner import SAMPLES_DIR
+from batch_assets.app.runner import SAMPLES_DIR
 from batch_assets.runtime.instance import prepare_instance
 home = prepare_instance()
 graph = defs.resolve_asset_graph()

@@ -239,8 +239,8 @@ def submit_backfill(instance, keys: list[str]) -> None:
     from dagster._core.execution.backfill import PartitionBackfill
     from dagster._core.utils import make_new_backfill_id
 
-    from batch_assets.lib.drops_sensor import PIPELINE_ASSETS
     from batch_assets.lib.task_definitions import build_definitions
+    from batch_assets.storage.shards import PIPELINE_ASSETS
 
     graph = build_definitions().resolve_asset_graph()
     subset = AssetGraphSubset.from_asset_partition_set(

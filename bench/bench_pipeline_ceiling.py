@@ -7,7 +7,7 @@
 A pipeline run is a new process, as `batch-assets run industry FILE` is, with a new data folder and
 a copy of a Dagster home whose storages exist (as a user's does after the first run): it builds
 the definitions with the zero-cost engine (bench/zero_cost_engine.py) as the `llm_engine` resource
-and runs the file through `lib/runner.run_partitions`, the function behind `batch-assets run`.
+and runs the file through `app/runner.run_partitions`, the function behind `batch-assets run`.
 The file is `bench/generate_customers.py`'s, every `Company` distinct. Reported, medians of
 `--runs` (runs of each size alternate with the plain floor's, so a busy machine slows both alike):
 
@@ -58,7 +58,7 @@ def child_pipeline(csv_path: Path, profile_to: Path | None) -> None:
     sys.path.insert(0, str(HERE))
     from zero_cost_engine import ZeroCostEngine
 
-    from batch_assets.lib.runner import run_partitions
+    from batch_assets.app.runner import run_partitions
     from batch_assets.lib.task_definitions import build_definitions
     from batch_assets.runtime.process_exit import exit_without_teardown
 

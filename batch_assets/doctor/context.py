@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from batch_assets.lib.projects import BUNDLED, TaskSource
+from batch_assets.app.projects import BUNDLED, TaskSource
 
 if TYPE_CHECKING:
     import dagster as dg

@@ -9,6 +9,8 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
+from batch_assets.app.error_causes import error_line
+from batch_assets.app.projects import BUNDLED, TaskSource
 from batch_assets.doctor.cluster import check_service_account
 from batch_assets.doctor.context import DoctorContext
 from batch_assets.doctor.endpoints import check_endpoints
@@ -20,8 +22,6 @@ from batch_assets.doctor.pools import check_gpu_pool
 from batch_assets.doctor.ray_cluster import check_ray_cluster
 from batch_assets.doctor.report import Check, exit_status, fail, summary
 from batch_assets.doctor.storage_checks import check_locations, check_result_cache
-from batch_assets.lib.error_causes import error_line
-from batch_assets.lib.projects import BUNDLED, TaskSource
 from batch_assets.runtime.instance import home_path
 
 CheckFunction = Callable[[DoctorContext], Iterable[Check]]

@@ -37,7 +37,6 @@ from batch_assets.lib.asset_metadata import (
 )
 from batch_assets.lib.automation import stale_partitions_condition
 from batch_assets.lib.cascade_task import cascade_task, grown_label_model, stored_label_model, task_cascade_metadata
-from batch_assets.lib.drops_sensor import SOURCE_VERSION_TAG
 from batch_assets.lib.estimates import (
     SECONDS_PER_HOUR,
     cached_keys_in,
@@ -48,6 +47,7 @@ from batch_assets.lib.estimates import (
 from batch_assets.lib.label_model_asset import label_model_assets
 from batch_assets.lib.range_failures import FAILED_PARTITIONS_METADATA
 from batch_assets.lib.ray_runs import ray_node_metadata
+from batch_assets.lib.run_requests import SOURCE_VERSION_TAG
 from batch_assets.pipeline.calibration import calibrated_labels
 from batch_assets.pipeline.cascade_labels import Teach, teacher_task
 from batch_assets.pipeline.code_versions import code_versions

@@ -175,7 +175,7 @@ class TaskPipelinesComponent(PipelineComponent, dg.Model, dg.Resolvable):
         ),
     )
     # What the last `build_defs` loaded, and from where: `batch-assets` reads a project's tasks here
-    # (lib/projects.py).
+    # (app/projects.py).
     _loaded: TaskLoad | None = PrivateAttr(default=None)
     _loaded_from: Path | None = PrivateAttr(default=None)
 

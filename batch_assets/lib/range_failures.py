@@ -39,8 +39,8 @@ from typing import Any
 
 import dagster as dg
 
-from batch_assets.lib.drops_sensor import LAUNCHED_BY_TAG, RANGE_END_TAG, RANGE_START_TAG, partition_ranges
 from batch_assets.lib.materializations import latest_materialization
+from batch_assets.lib.run_requests import LAUNCHED_BY_TAG, RANGE_END_TAG, RANGE_START_TAG, partition_ranges
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.drop_files import partitions_def_name
 

@@ -12,10 +12,10 @@
   `free_concurrency_slot_for_step`, `free_concurrency_slots_for_run`, `assign_pending_steps`) in a
   file lock in their folder (`_base_dir`), since SQLite has no row lock between a claim's read and write.
 - `AssetCheckEvaluationTargetMaterializationData(run_id, storage_id, timestamp)`: what a check result
-  is about; `checks.py` records per-partition evaluations against that materialization, as Dagster
+  is about; `lib/check_evaluations.py` records per-partition evaluations against that materialization, as Dagster
   does for an `AssetCheckResult` (there is no public constructor for it).
 - `SerializableErrorInfo` (a step failure's error, with `.message`, `.cause` and `.context`): only
-  its type, for `lib/error_causes.py`, which walks a failed run's error chain.
+  its type, for `app/error_causes.py`, which walks a failed run's error chain.
 
 The event log storages are imported when first asked for, never with this module: their module
 brings SQLAlchemy and Alembic (about a second), which loading the code location does not need

@@ -23,18 +23,15 @@ import functools
 import json
 import logging
 import os
-import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from batch_assets.serve.objects import FINISHED, UNFINISHED, batch_errors, file_object, usage
+from batch_assets.serve.run_processes import kill_orphan, process_started, start_run, stop_group
 from batch_assets.serve.settings import CHAT_TASK, NO_ROOM
 from batch_assets.serve.store import ServeStore, new_file_id
 from batch_assets.serve.uploads import scan_lines
@@ -45,8 +42,6 @@ from batch_assets.storage.partition_purge import purge_partition
 
 logger = logging.getLogger(__name__)
 
-# How long a stopped run may take to end (it marks its Dagster run stopped) before it is killed.
-_STOP_SECONDS = 30.0
 _POLL_SECONDS = 0.5
 # A failed step (a full disk, say) is tried again after a wait that doubles from the first to the
 # last; after this many failures in a row the runner cannot go on for now, and the server refuses
@@ -248,7 +243,7 @@ class BatchRunner:
         meanwhile: each batch is changed as it is then (a client may have cancelled it meanwhile)."""
         for record in self.store.batch_records(UNFINISHED):
             run = record["run"]
-            _kill_orphan(run.get("pid"), run.get("pid_started"))
+            kill_orphan(run.get("pid"), run.get("pid_started"))
             if self._recovered_batch(record["batch"]["id"]):
                 self._release(record["batch"]["id"])
 
@@ -324,23 +319,15 @@ class BatchRunner:
         run_input = self.store.runs / f"{batch_id}.jsonl"
         if not run_input.exists():
             os.link(source, run_input)
-        # run_child: the run dies with this server (a server killed with -9 leaves no run behind that
-        # the restarted server's run would compete with). Its parent-death signal comes when the thread
-        # that starts it ends: this runner thread, which outlives it.
-        command = [sys.executable, "-m", "batch_assets.serve.run_child", str(os.getpid()), "run", task, str(run_input)]
-        with (self.store.logs / f"{batch_id}.log").open("ab") as log:
-            process = subprocess.Popen(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: stopped as a whole, like Ctrl-C stops it
-            )
+        # Started in this runner thread, which outlives it: its parent-death signal comes when the
+        # thread that starts it ends (run_child.py).
+        process = start_run(task, run_input, self.store.logs / f"{batch_id}.log")
         try:
             self._note_process(batch_id, process.pid)
             self._watch(batch_id, process)
         except BaseException:
             # The batch fails (or the server stops): its run must not go on unwatched.
-            _stop_group(process.pid)
+            stop_group(process.pid)
             process.wait()
             raise
         return process.returncode
@@ -349,7 +336,7 @@ class BatchRunner:
         while process.poll() is None:
             current = self.store.batch_record(batch_id)
             if self.stopping.is_set() or (current and current["batch"]["status"] == "cancelling"):
-                _stop_group(process.pid)
+                stop_group(process.pid)
                 process.wait()
                 break
             try:
@@ -360,7 +347,7 @@ class BatchRunner:
             self.wake.clear()
 
     def _note_process(self, batch_id: str, pid: int) -> None:
-        started = psutil.Process(pid).create_time()
+        started = process_started(pid)
 
         def change(record: dict[str, Any]) -> dict[str, Any]:
             record["run"].update(pid=pid, pid_started=started)
@@ -571,36 +558,6 @@ def _cause(exc: BaseException) -> str:
 
 def _file_ids(batch: dict[str, Any]) -> list[str]:
     return [batch[field] for field in ("input_file_id", "output_file_id", "error_file_id") if batch.get(field)]
-
-
-def _stop_group(pid: int) -> None:
-    """Ctrl-C for a run's process group (the run ends as stopped), then SIGKILL if it does not end."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGINT)
-    deadline = time.monotonic() + _STOP_SECONDS
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pid, 0)
-        except ProcessLookupError:
-            return
-        with contextlib.suppress(ChildProcessError):
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return
-        time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
-
-
-def _kill_orphan(pid: int | None, started: float | None) -> None:
-    """The run a killed server left behind, if that process still lives (same pid and start time):
-    killed with its group, as its server's death kills it (run_child.py), never stopped: a stopped run
-    cancels the provider batches it has in flight, which the batch's next run collects instead."""
-    if pid is None:
-        return
-    with contextlib.suppress(psutil.Error):
-        if abs(psutil.Process(pid).create_time() - (started or 0)) < 0.01:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
 
 
 def first_line_model(path: Path) -> str | None:

@@ -12,7 +12,7 @@ interrupted and cancel them. SIGKILL, not SIGINT or SIGTERM: a stopped run cance
 batches it has in flight (a stop is someone's decision), a killed one leaves them kept for the next
 run to collect (docs/batch-api.md), and its engine processes are reaped (engines/reaper.py), as
 after kill -9 of a `batch-assets run`. Where the kernel has no such signal, a restarted server kills
-a run that outlived its server (`batch_runs._kill_orphan`).
+a run that outlived its server (`run_processes.kill_orphan`).
 """
 
 from __future__ import annotations

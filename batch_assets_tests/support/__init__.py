@@ -32,9 +32,21 @@ if TYPE_CHECKING:
     import dagster as dg
     import polars as pl
 
+    from batch_assets.pipeline.task_spec import TaskSpec
+
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 T = TypeVar("T")
 SAMPLES = REPO_ROOT / "batch_assets" / "samples"
+# A choices task over posts, as a task file's fields (test_gates, test_fewshot_examples: each copies it).
+POSTS_CHOICES_TASK = {
+    "name": "t",
+    "input": {"text_fields": ["text"]},
+    "prompt": {"system": "Classify.", "template": "Post: {text}"},
+    "sampling": {"temperature": 0, "max_tokens": 10},
+    "output": {"kind": "choices", "choices": ["positive", "negative", "neutral"]},
+}
+# The columns a validated_labels frame of a chat task ends with, after its label.
+ANSWER_COLUMNS = ["generated_text", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "error"]
 
 
 def load_script(path: Path):
@@ -300,3 +312,26 @@ BAD_POSTS = "\n".join(
         '{"id": 9, "text": "Meeting moved to 3pm, room 204."}',
     ]
 )
+
+
+def stale_status(instance: dg.DagsterInstance, task: TaskSpec, asset: str, partition_key: str):
+    """(status, root causes) of the partition of `<task.name>/<asset>` as Dagster's UI would show
+    them under the definitions `task` builds now."""
+    import dagster as dg
+    from dagster._core.definitions.data_version import CachingStaleStatusResolver
+    from dagster._core.loader import LoadingContextForTest
+
+    from batch_assets.lib.task_definitions import build_definitions
+
+    graph = build_definitions(tasks=[task]).resolve_asset_graph()
+    resolver = CachingStaleStatusResolver(instance, graph, LoadingContextForTest(instance))
+    key = dg.AssetKey([task.name, asset])
+    return resolver.get_status(key, partition_key), resolver.get_stale_root_causes(key, partition_key)
+
+
+def task_code_versions(task: TaskSpec) -> dict[str, str]:
+    """The task's code versions with the settings the default engines resolve for it."""
+    from batch_assets.engines.kinds import resolve_settings
+    from batch_assets.pipeline.code_versions import code_versions
+
+    return code_versions(task, resolve_settings(task))

@@ -59,16 +59,20 @@ def embedded_results(x: np.ndarray, gold: list[str | None], errors: dict[int, st
     )
 
 
-CASCADE_TASK = """
-input: {text_fields: [name]}
-prompt: {template: "{name}"}
+def cascade_task_yaml(sample_rows: int, audit_rows: int, rest: str) -> str:
+    """A cascade task file over `name`, its column teacher `gold`, then the sections in `rest`."""
+    return f"""
+input: {{text_fields: [name]}}
+prompt: {{template: "{{name}}"}}
 output:
   kind: choices
   method: cascade
   choices: [alpha, beta, gamma, delta]
-  cascade: {teacher: {column: gold}, sample_rows: 150, audit_rows: 30}
-checks: {gold_field: gold, min_agreement: 0.9}
-"""
+  cascade: {{teacher: {{column: gold}}, sample_rows: {sample_rows}, audit_rows: {audit_rows}}}
+{rest}"""
+
+
+CASCADE_TASK = cascade_task_yaml(150, 30, "checks: {gold_field: gold, min_agreement: 0.9}\n")
 
 
 def write(tmp_path: Path, body: str, name: str = "cascaded") -> Path:

@@ -130,3 +130,28 @@ def format_lines(data: bytes, tokenizer, **options) -> pl.DataFrame:
         source_file="in.jsonl",
         **options,
     )
+
+
+def answer_differences(lines: list[dict], by_id: dict[str, dict], peer: dict[str, dict]) -> list[str]:
+    """The lines whose answer (text, finish reason, prompt and completion tokens) is not the same in
+    our output lines `by_id` as in the peer's (both by custom_id), each described; every peer line answered."""
+    differences = []
+    for line in lines:
+        ours, theirs = by_id[line["custom_id"]]["response"]["body"], peer[line["custom_id"]]["response"]["body"]
+        assert peer[line["custom_id"]]["error"] is None
+        usage = ("prompt_tokens", "completion_tokens")
+        mine = (
+            ours["choices"][0]["message"]["content"],
+            ours["choices"][0]["finish_reason"],
+            *(ours["usage"][k] for k in usage),
+        )
+        other = (
+            theirs["choices"][0]["message"]["content"],
+            theirs["choices"][0]["finish_reason"],
+            *(theirs["usage"][k] for k in usage),
+        )
+        if mine != other:
+            differences.append(
+                f"{line['custom_id']}: ours {mine[0][:80]!r} {mine[1:]}, run-batch {other[0][:80]!r} {other[1:]}"
+            )
+    return differences

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -31,6 +31,24 @@ def group_alive(pgid: int) -> list[int]:
             except (ProcessLookupError, FileNotFoundError, PermissionError):
                 pass
     return alive
+
+
+def wait_while_running(child: subprocess.Popen, log: Path, done: Callable[[], object], timeout_s: float = 600) -> None:
+    """Until `done()` holds, `child` still running: it must not end first (its log tells why it did)."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert child.poll() is None, f"the run ended before it could be killed:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+
+
+def wait_group_gone(pgid: int) -> None:
+    """Every process of the group ended, within 10 s."""
+    for _ in range(100):
+        if not group_alive(pgid):
+            break
+        time.sleep(0.1)
+    assert group_alive(pgid) == []
 
 
 @contextlib.contextmanager

@@ -3,7 +3,7 @@
 The summary is read back from what the run recorded (validated_labels' rows and labels, the
 materialization metadata of inference_outputs and validated_labels), so it says the same as the UI.
 A failure is one line saying what is wrong: for known failures what to set instead, else the
-outermost error batch_assets raised (lib/error_causes.py). A file run as shards gets one
+outermost error batch_assets raised (app/error_causes.py). A file run as shards gets one
 outcome for all its shards together.
 """
 
@@ -18,8 +18,8 @@ from typing import cast
 import dagster as dg
 import polars as pl
 
+from batch_assets.app.error_causes import error_info_chain, error_info_line
 from batch_assets.engines.kinds import resolve_settings
-from batch_assets.lib.error_causes import error_info_chain, error_info_line
 from batch_assets.lib.materializations import latest_materialization
 from batch_assets.pipeline.cascade_summary import wilson_interval
 from batch_assets.pipeline.label_quality import error_code_counts

@@ -177,7 +177,7 @@ def _load_errors_named(root: Path) -> Iterator[None]:
     except Exception as error:
         from pydantic import ValidationError
 
-        from batch_assets.lib.error_causes import error_line
+        from batch_assets.app.error_causes import error_line
         from batch_assets.storage.errors import exception_chain
 
         causes = list(exception_chain(error))

@@ -24,21 +24,8 @@ from typing import Any
 
 import dagster as dg
 
-from batch_assets.engines.kinds import engine_kind, resolve_settings
-from batch_assets.engines.model_check import ModelNotFound, check_model
-from batch_assets.engines.vllm_lifecycle import keep_engine_warm, shutdown_engines
-from batch_assets.lib.automation import materialized_code_versions
-from batch_assets.lib.drops_sensor import (
-    LAUNCHED_BY_TAG,
-    RANGE_END_TAG,
-    RANGE_START_TAG,
-    SOURCE_FILE_TAG,
-    SOURCE_VERSION_TAG,
-    file_validated_from_version,
-    partition_ranges,
-)
-from batch_assets.lib.projects import BUNDLED, ProjectRefused, TaskSource
-from batch_assets.lib.run_outcomes import (
+from batch_assets.app.projects import BUNDLED, ProjectRefused, TaskSource
+from batch_assets.app.run_outcomes import (
     PartitionOutcome,
     accuracy_side_by_side,
     failed_before_inference,
@@ -46,6 +33,19 @@ from batch_assets.lib.run_outcomes import (
     partition_outcome,
     run_outcomes,
     sample_accuracies,
+)
+from batch_assets.engines.kinds import engine_kind, resolve_settings
+from batch_assets.engines.model_check import ModelNotFound, check_model
+from batch_assets.engines.vllm_lifecycle import keep_engine_warm, shutdown_engines
+from batch_assets.lib.automation import materialized_code_versions
+from batch_assets.lib.partition_versions import file_validated_from_version
+from batch_assets.lib.run_requests import (
+    LAUNCHED_BY_TAG,
+    RANGE_END_TAG,
+    RANGE_START_TAG,
+    SOURCE_FILE_TAG,
+    SOURCE_VERSION_TAG,
+    partition_ranges,
 )
 from batch_assets.pipeline.engine_contract import ResolvedSettings
 from batch_assets.pipeline.read_prompts import DropFileError

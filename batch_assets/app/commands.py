@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from batch_assets.lib.projects import TaskSource
+    from batch_assets.app.projects import TaskSource
     from batch_assets.pipeline.task_spec import TaskSpec
     from batch_assets.storage.cache_retention import Removed
 
@@ -50,7 +50,7 @@ def command_tasks(source: TaskSource) -> int:
 
 def command_drop(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     """Each file's partitions, registered, with the `dg launch` line that runs them."""
-    from batch_assets.lib.runner import register_partitions
+    from batch_assets.app.runner import register_partitions
 
     files = [Path(file) for file in args.files]
     registered = register_partitions(args.task, files, args.source, say, replace=args.replace)
