@@ -27,7 +27,7 @@ from batch_assets.engines.embedded_model import ensure_embedded_model
 from batch_assets.engines.openai_engine import OpenAIEngine
 from batch_assets.engines.tokenizers import load_tokenizer
 from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts, prompt_encoders, render_prompt
-from batch_assets.pipeline.images import DIGEST_COLUMN, IMAGES_COLUMN, PIXELS_COLUMN, image_digest
+from batch_assets.pipeline.inputs.images import DIGEST_COLUMN, IMAGES_COLUMN, PIXELS_COLUMN, image_digest
 from batch_assets.pipeline.openai_batch import (
     REQUEST_ERROR_CODES,
     batch_prompt_encoder,

@@ -11,9 +11,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from batch_assets.engines.embedded_model import ensure_embedded_model
+from batch_assets.pipeline.inputs.read_prompts import DropFileError
 from batch_assets.pipeline.openai_batch import RequestSpec, format_batch_prompts, read_batch_requests
 from batch_assets.pipeline.openai_batch_output import batch_files, jsonl_bytes, validate_batch_outputs
-from batch_assets.pipeline.read_prompts import DropFileError
 from batch_assets.pipeline.run_inference import request_keys
 from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec
 from batch_assets_tests.support.openai_batch import DEFAULTS, chat_line, format_lines, jsonl

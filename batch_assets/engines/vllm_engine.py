@@ -71,7 +71,7 @@ from batch_assets.engines.vllm_args import (
     unknown_engine_argument,
 )
 from batch_assets.pipeline.engine_contract import EngineStartError, Generation, Prompt, ResolvedSettings
-from batch_assets.pipeline.images import decoded_image
+from batch_assets.pipeline.inputs.images import decoded_image
 from batch_assets.pipeline.task_spec import (
     OutputSpec,
     ResolvedLora,

@@ -249,7 +249,7 @@ def labels_metadata(labels: pl.DataFrame, task: TaskSpec, fmt: TaskFormat) -> di
 
 def image_metadata(frame: pl.DataFrame, errors: dict[str, int]) -> dict[str, int]:
     """An image task's raw_prompts metadata: images read, their pixels, and rows whose image failed."""
-    from batch_assets.pipeline.images import IMAGE_ERROR_CODES, IMAGES_COLUMN, PIXELS_COLUMN
+    from batch_assets.pipeline.inputs.images import IMAGE_ERROR_CODES, IMAGES_COLUMN, PIXELS_COLUMN
 
     return {
         "images": int(frame[IMAGES_COLUMN].list.len().sum() or 0),

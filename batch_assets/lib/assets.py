@@ -59,8 +59,8 @@ from batch_assets.pipeline.engine_contract import (
     ResolvedSettings,
 )
 from batch_assets.pipeline.extras import missing_extras
+from batch_assets.pipeline.inputs.read_prompts import DropFileError, ParseOptions
 from batch_assets.pipeline.label_quality import error_code_counts
-from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions
 from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
 from batch_assets.pipeline.task_formats import InferenceStream, OutputFiles, TaskFormat, task_format
 from batch_assets.pipeline.task_spec import TaskSpec

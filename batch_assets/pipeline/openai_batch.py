@@ -42,7 +42,7 @@ answered is a row with an `error` (`code: file line N: message`), which ends up 
                         text and `image_url` parts, or with an image part outside a user message
     missing_image, unreadable_image, unsupported_image_format, image_too_large, image_url_not_allowed
                         an `image_url` part whose `data:` URL is empty, not an image, of a format or
-                        over a limit the task's `input.images` refuses (pipeline/images.py), or an
+                        over a limit the task's `input.images` refuses (pipeline/inputs/images.py), or an
                         http(s) URL where the task does not let the endpoint fetch it
                         (`input.images.fetch_urls`), or another scheme
     model_mismatch      with `input.require_model_match`: `body.model` is not the task's model
@@ -77,7 +77,7 @@ import polars as pl
 from batch_assets.pipeline.embeddings import format_embedding_prompts
 from batch_assets.pipeline.engine_contract import Prompt, keys_of
 from batch_assets.pipeline.format_prompts import NO_PLACE_FOR_PICTURES, Tokenizer, count_tokens, places_pictures
-from batch_assets.pipeline.images import (
+from batch_assets.pipeline.inputs.images import (
     DIGEST_COLUMN,
     IMAGE_ERROR_CODES,
     PIXELS_COLUMN,
@@ -86,7 +86,7 @@ from batch_assets.pipeline.images import (
     data_url_bytes,
     image_digest,
 )
-from batch_assets.pipeline.read_prompts import DropFileError, _gunzip, input_suffix
+from batch_assets.pipeline.inputs.read_prompts import DropFileError, _gunzip, input_suffix
 from batch_assets.pipeline.task_spec import OutputSpec, SamplingSpec, SettingError
 from batch_assets.pipeline.task_spec.input import ImageLimits
 from batch_assets.pipeline.task_spec.output import check_choices, check_label_regex

@@ -31,7 +31,7 @@ import polars as pl
 
 from batch_assets.pipeline.embeddings import encode_vector
 from batch_assets.pipeline.engine_contract import EngineSession, Generation, Prompt
-from batch_assets.pipeline.images import DIGEST_COLUMN
+from batch_assets.pipeline.inputs.images import DIGEST_COLUMN
 from batch_assets.pipeline.result_stores import RESULT_SCHEMA, Checkpoints, ResultLookup
 
 MIN_PROGRESS_BATCH = 64
@@ -112,7 +112,7 @@ def request_keys(
 
     `params`: per-request sampling and output constraint (canonical JSON, e.g. each line of an
     OpenAI batch file), part of the key so requests that differ in them never share a result.
-    `image_digests`: the content digest of each request's images (pipeline/images.py), so the same
+    `image_digests`: the content digest of each request's images (pipeline/inputs/images.py), so the same
     image under two names is one request and a replaced image under the same name a new one.
     """
     if params is not None:

@@ -56,7 +56,7 @@ from batch_assets.pipeline.embeddings import (
 )
 from batch_assets.pipeline.engine_contract import Engine, EngineSettings, Prompt, model_name
 from batch_assets.pipeline.format_prompts import PromptFormat, Tokenizer, format_prompts, prompt_encoders
-from batch_assets.pipeline.images import IMAGES_COLUMN
+from batch_assets.pipeline.inputs.images import IMAGES_COLUMN
 from batch_assets.pipeline.label_model import LabelModel
 from batch_assets.pipeline.label_quality import label_counts
 from batch_assets.pipeline.openai_batch import (

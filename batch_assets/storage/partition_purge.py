@@ -28,7 +28,7 @@ import polars as pl
 import sqlalchemy as sa
 from upath import UPath
 
-from batch_assets.pipeline.images import DIGEST_COLUMN
+from batch_assets.pipeline.inputs.images import DIGEST_COLUMN
 from batch_assets.pipeline.run_inference import request_keys
 from batch_assets.storage.checkpoints import remove_path
 from batch_assets.storage.drop_files import SHARD_MARK

@@ -3,7 +3,7 @@ task's `input.max_rows_per_partition`.
 
 A run holds its partitions whole in memory, so a file of 50 million records would need a machine
 sized for the file and could not be spread over pods. A bigger file is split into shards of at most
-that many records (pipeline/file_shards.py finds them in one streaming pass), each its own
+that many records (pipeline/inputs/file_shards.py finds them in one streaming pass), each its own
 partition `<file key>~00001`, `~00002`, ...: run, retried and backfilled on its own, read by seeking
 to its bytes (or row groups) so that memory follows the shard, not the file. Rows keep the whole
 file's `row_id` and `source_line`; the file's result is every `<file key>~*.parquet` of an asset.
@@ -26,9 +26,8 @@ from collections.abc import Callable, Iterable, Mapping
 import polars as pl
 import pyarrow.parquet as pq
 
-from batch_assets.pipeline.file_shards import Shard, ShardPlan, may_need_shards, plan_shards
-from batch_assets.pipeline.openai_batch import read_batch_requests
-from batch_assets.pipeline.read_prompts import (
+from batch_assets.pipeline.inputs.file_shards import Shard, ShardPlan, may_need_shards, plan_shards
+from batch_assets.pipeline.inputs.read_prompts import (
     DropFileError,
     FilePart,
     ParseOptions,
@@ -36,6 +35,7 @@ from batch_assets.pipeline.read_prompts import (
     read_parquet_frame,
     read_prompts,
 )
+from batch_assets.pipeline.openai_batch import read_batch_requests
 from batch_assets.storage.checkpoints import clear_checkpoints
 from batch_assets.storage.drop_files import (
     DropFile,
