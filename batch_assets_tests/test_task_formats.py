@@ -10,17 +10,11 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from batch_assets.pipeline.task_formats import (
-    TASK_FORMATS,
-    CascadeRecords,
-    ChatRecords,
-    EmbeddingRecords,
-    OpenAIBatchEmbeddings,
-    OpenAIBatchLines,
-    SimilarityRecords,
-    TaskFormat,
-    task_format,
-)
+from batch_assets.pipeline.cascade_records import CascadeRecords
+from batch_assets.pipeline.chat_records import ChatRecords
+from batch_assets.pipeline.embedding_records import EmbeddingRecords, SimilarityRecords
+from batch_assets.pipeline.formats import TaskFormat
+from batch_assets.pipeline.task_formats import TASK_FORMATS, OpenAIBatchEmbeddings, OpenAIBatchLines, task_format
 from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR, load_task_spec, load_task_specs
 from batch_assets_tests.support import REPO_ROOT
 

@@ -53,6 +53,7 @@ from batch_assets.lib.materializations import latest_materialization
 from batch_assets.pipeline.budget import budget_overruns, estimate_cost
 from batch_assets.pipeline.cascade_labels import cascade_summary
 from batch_assets.pipeline.embeddings import NORM_TOLERANCE, embedding_report
+from batch_assets.pipeline.formats import TaskFormat
 from batch_assets.pipeline.label_quality import (
     accuracy_report,
     confidence_report,
@@ -61,7 +62,7 @@ from batch_assets.pipeline.label_quality import (
     label_drift,
 )
 from batch_assets.pipeline.prices import engine_price, teacher_price
-from batch_assets.pipeline.task_formats import TaskFormat, task_format
+from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import PriceSpec, TaskSpec
 from batch_assets.pipeline.task_spec.cascade import DEFAULT_MIN_AGREEMENT
 from batch_assets.pipeline.validate_labels import constraint_violations, invalid_labels
