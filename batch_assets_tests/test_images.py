@@ -18,6 +18,7 @@ import yaml
 from PIL import Image
 
 from batch_assets.pipeline.format_prompts import PromptFormat, render_prompt
+from batch_assets.pipeline.inference_requests import request_keys
 from batch_assets.pipeline.inputs.images import (
     IMAGES_COLUMN,
     ImageInputError,
@@ -27,7 +28,6 @@ from batch_assets.pipeline.inputs.images import (
     image_source,
 )
 from batch_assets.pipeline.inputs.read_prompts import ParseOptions, read_prompts
-from batch_assets.pipeline.run_inference import request_keys
 from batch_assets.pipeline.task_spec import TaskSpec, TaskSpecError, load_task_spec
 from batch_assets.pipeline.task_spec.input import ImageLimits, InputSpec
 from batch_assets.storage.drop_files import DropFile

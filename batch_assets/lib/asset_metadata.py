@@ -18,9 +18,9 @@ from batch_assets.pipeline.budget import actual_cost_metadata, estimate_cost
 from batch_assets.pipeline.calibration import calibration_report
 from batch_assets.pipeline.engine_contract import EngineSession, EngineSettings
 from batch_assets.pipeline.formats import TaskFormat
+from batch_assets.pipeline.inference_requests import InferenceStats
 from batch_assets.pipeline.label_quality import AccuracyReport, accuracy_report, confidence_report, error_code_counts
 from batch_assets.pipeline.prices import engine_price, gpu_cost_usd
-from batch_assets.pipeline.run_inference import InferenceStats
 from batch_assets.pipeline.task_spec import TaskSpec
 
 PREVIEW_ROWS = 5

@@ -14,9 +14,9 @@ from batch_assets.pipeline.cascade_labels import cascade_outputs, cascade_summar
 from batch_assets.pipeline.embedding_records import EmbeddedRecords
 from batch_assets.pipeline.engine_contract import EngineSettings
 from batch_assets.pipeline.formats import InferenceStream
+from batch_assets.pipeline.inference_requests import InferenceStats, PartitionInput
 from batch_assets.pipeline.label_model import LabelModel
 from batch_assets.pipeline.prices import engine_price, teacher_price
-from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput
 from batch_assets.pipeline.validate_labels import validate_labels
 
 

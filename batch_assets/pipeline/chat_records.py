@@ -11,9 +11,9 @@ import polars as pl
 from batch_assets.pipeline.engine_contract import Engine, EngineSettings
 from batch_assets.pipeline.format_prompts import PromptFormat, Tokenizer, format_prompts, prompt_encoders
 from batch_assets.pipeline.formats import InferenceStream, PartitionEncoders, TaskFormat
+from batch_assets.pipeline.inference_requests import InferenceStats, PartitionInput
 from batch_assets.pipeline.inputs.images import IMAGES_COLUMN
 from batch_assets.pipeline.prompt_tokens import PROMPT_TOKEN_IDS
-from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput
 from batch_assets.pipeline.task_spec import TaskSpec
 
 

@@ -25,7 +25,7 @@ from batch_assets.pipeline.embeddings import (
 from batch_assets.pipeline.engine_contract import Engine, EngineSettings
 from batch_assets.pipeline.format_prompts import Tokenizer
 from batch_assets.pipeline.formats import InferenceStream, PartitionEncoders, TaskFormat
-from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput
+from batch_assets.pipeline.inference_requests import InferenceStats, PartitionInput
 
 
 class EmbeddedRecords(TaskFormat):

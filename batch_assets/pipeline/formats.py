@@ -27,10 +27,10 @@ from batch_assets.pipeline.cascade import TaskCascade
 from batch_assets.pipeline.cascade_labels import Teach
 from batch_assets.pipeline.engine_contract import Engine, EngineSettings, Prompt
 from batch_assets.pipeline.format_prompts import Tokenizer
+from batch_assets.pipeline.inference_requests import InferenceStats, PartitionInput
 from batch_assets.pipeline.inputs.read_prompts import ParseOptions, read_prompts
 from batch_assets.pipeline.label_model import LabelModel
 from batch_assets.pipeline.label_quality import label_counts
-from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.pipeline.validate_labels import validate_labels
 
