@@ -9,7 +9,7 @@ from batch_assets.serve.command import add_serve_parser, port_number
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from batch_assets.pipeline.read_prompts import SUPPORTED_SUFFIXES
+    from batch_assets.pipeline.inputs.read_prompts import SUPPORTED_SUFFIXES
 
     parser = argparse.ArgumentParser(prog="batch-assets", description="Offline LLM batch inference as Dagster assets.")
     commands = parser.add_subparsers(dest="command", required=True)

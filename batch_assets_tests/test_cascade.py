@@ -23,10 +23,11 @@ from batch_assets.pipeline.cascade import (
     train_student,
 )
 from batch_assets.pipeline.cascade_labels import cascade_outputs, cascade_summary, column_teacher, teacher_task
+from batch_assets.pipeline.cascade_records import CascadeRecords
 from batch_assets.pipeline.cascade_summary import wilson_interval
 from batch_assets.pipeline.code_versions import code_versions
-from batch_assets.pipeline.run_inference import InferenceStats
-from batch_assets.pipeline.task_formats import CascadeRecords, task_format
+from batch_assets.pipeline.inference_requests import InferenceStats
+from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import PriceSpec, TaskSpecError, load_task_spec
 from batch_assets_tests.support.cascade import (
     CASCADE_TASK,

@@ -133,7 +133,8 @@ def _layout_paths() -> list[str]:
 
 
 def _modules(package: str, description: str) -> list[str]:
-    """Module names in a package's description: snake_case words; `name(_suffix)` means both.
+    """Module names in a package's description (in it or a package of it): snake_case words;
+    `name(_suffix)` means both.
 
     Words in backticks (functions, commands) are not module names.
     """
@@ -141,7 +142,7 @@ def _modules(package: str, description: str) -> list[str]:
     for word, suffix in re.findall(
         r"\b([a-z0-9]+(?:_[a-z0-9]+)+(?:\.[a-z]+)?)(?:\((_[a-z0-9_]+)\))?", re.sub(r"`[^`\n]*`", "", description)
     ):
-        names += [package + word, *([package + word + suffix] if suffix else [])]
+        names += [package + "**/" + word, *([package + "**/" + word + suffix] if suffix else [])]
     return names
 
 

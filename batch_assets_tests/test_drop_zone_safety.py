@@ -20,7 +20,7 @@ import pytest
 from batch_assets.lib.drops_sensor import build_drops_sensor
 from batch_assets.lib.run_requests import SOURCE_FILE_TAG
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
-from batch_assets.pipeline.read_prompts import DropFileError
+from batch_assets.pipeline.inputs.read_prompts import DropFileError
 from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.drop_files import find_drop_file, list_drop_files, partition_key_for, skip_reason
 from batch_assets.storage.errors import StorageError

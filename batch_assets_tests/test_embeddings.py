@@ -425,8 +425,9 @@ def test_local_model_folders_of_the_wrong_kind_are_refused_at_load(tmp_path: Pat
 
 
 def test_a_run_over_several_partitions_embeds_the_choices_once_in_the_same_stream(tmp_path: Path) -> None:
-    from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput
-    from batch_assets.pipeline.task_formats import InferenceStream, task_format
+    from batch_assets.pipeline.formats import InferenceStream
+    from batch_assets.pipeline.inference_requests import InferenceStats, PartitionInput
+    from batch_assets.pipeline.task_formats import task_format
 
     task = load_task_spec(write(tmp_path, SIMILARITY, "topics"))
     streams: list[list[str]] = []

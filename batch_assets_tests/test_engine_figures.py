@@ -93,7 +93,7 @@ def test_an_estimate_counts_refused_rows_cache_hits_and_expected_figures(tmp_pat
     import polars as pl
 
     from batch_assets.lib.estimates import History
-    from batch_assets.pipeline.run_inference import keyed_requests
+    from batch_assets.pipeline.inference_requests import keyed_requests
 
     formatted = pl.DataFrame(
         {

@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 from polars.testing import assert_frame_equal
 
-from batch_assets.pipeline.file_shards import may_need_shards, plan_shards
-from batch_assets.pipeline.read_prompts import DropFileError, read_prompts
+from batch_assets.pipeline.inputs.file_shards import may_need_shards, plan_shards
+from batch_assets.pipeline.inputs.read_prompts import DropFileError, read_prompts
 from batch_assets.storage import shards as shards_module
 from batch_assets.storage.drop_files import file_key_of, find_drop_file, shard_index_of, shard_key
 from batch_assets.storage.shards import (

@@ -27,14 +27,14 @@ from batch_assets.engines.embedded_model import ensure_embedded_model
 from batch_assets.engines.openai_engine import OpenAIEngine
 from batch_assets.engines.tokenizers import load_tokenizer
 from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts, prompt_encoders, render_prompt
-from batch_assets.pipeline.images import DIGEST_COLUMN, IMAGES_COLUMN, PIXELS_COLUMN, image_digest
+from batch_assets.pipeline.inference_requests import request_keys
+from batch_assets.pipeline.inputs.images import DIGEST_COLUMN, IMAGES_COLUMN, PIXELS_COLUMN, image_digest
 from batch_assets.pipeline.openai_batch.engine_prompts import batch_prompt_encoder
 from batch_assets.pipeline.openai_batch.formatting import format_batch_prompts
 from batch_assets.pipeline.openai_batch.lines import read_batch_requests
 from batch_assets.pipeline.openai_batch.output import error_object
 from batch_assets.pipeline.openai_batch.protocol import REQUEST_ERROR_CODES
 from batch_assets.pipeline.prompt_tokens import PROMPT_TOKEN_IDS
-from batch_assets.pipeline.run_inference import request_keys
 from batch_assets.pipeline.task_spec import SamplingSpec, TaskSpec
 from batch_assets.pipeline.task_spec.input import ImageLimits
 from batch_assets_tests.tiny_vlm import CHAT_TEMPLATE, REPO_ROOT, built_tiny_vlm

@@ -1,4 +1,4 @@
-"""Image values and bytes (pipeline/images.py), the chat an image task renders, bad picture names as
+"""Image values and bytes (pipeline/inputs/images.py), the chat an image task renders, bad picture names as
 their rows' errors, and the pictures `batch-assets run` brings from beside a file into the drop zone
 (storage/drop_pictures.py): no engine."""
 
@@ -18,7 +18,8 @@ import yaml
 from PIL import Image
 
 from batch_assets.pipeline.format_prompts import PromptFormat, render_prompt
-from batch_assets.pipeline.images import (
+from batch_assets.pipeline.inference_requests import request_keys
+from batch_assets.pipeline.inputs.images import (
     IMAGES_COLUMN,
     ImageInputError,
     ImageSource,
@@ -26,8 +27,7 @@ from batch_assets.pipeline.images import (
     image_digest,
     image_source,
 )
-from batch_assets.pipeline.read_prompts import ParseOptions, read_prompts
-from batch_assets.pipeline.run_inference import request_keys
+from batch_assets.pipeline.inputs.read_prompts import ParseOptions, read_prompts
 from batch_assets.pipeline.task_spec import TaskSpec, TaskSpecError, load_task_spec
 from batch_assets.pipeline.task_spec.input import ImageLimits, InputSpec
 from batch_assets.storage.drop_files import DropFile

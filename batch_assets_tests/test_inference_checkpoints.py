@@ -17,9 +17,11 @@ import polars as pl
 import pytest
 from upath import UPath
 
+from batch_assets.pipeline import checkpoint_writer
 from batch_assets.pipeline import run_inference as run_inference_module
 from batch_assets.pipeline.engine_contract import Generation, Prompt
-from batch_assets.pipeline.run_inference import InferenceError, PartitionInput, request_keys, run_inference
+from batch_assets.pipeline.inference_requests import PartitionInput, request_keys
+from batch_assets.pipeline.run_inference import InferenceError, run_inference
 from batch_assets.storage.checkpoints import CheckpointStore, clear_checkpoints, model_identity, run_fingerprint
 from batch_assets.storage.errors import StorageError
 from batch_assets.storage.result_cache import ResultCache
@@ -284,6 +286,7 @@ def test_a_slow_engine_start_does_not_count_as_work_time(partition_dir: UPath, m
     model) must not cut the first chunk after one row."""
     clock = SkippingClock()
     monkeypatch.setattr(run_inference_module, "time", clock)
+    monkeypatch.setattr(checkpoint_writer, "time", clock)
 
     class SlowStart(Session):
         def start(self, requests: int = 0) -> None:
@@ -487,7 +490,7 @@ def test_results_reach_the_cache_in_batches_while_the_stream_goes_on_each_after_
     """The writer thread adds finished results to the result cache every `CACHE_ROWS_PER_ADD`
     results, not all at the stream's end (no pile of rows to insert after the last result), and
     only what is already checkpointed: a kill -9 at any moment repeats nothing."""
-    monkeypatch.setattr(run_inference_module, "CACHE_ROWS_PER_ADD", 4)
+    monkeypatch.setattr(checkpoint_writer, "CACHE_ROWS_PER_ADD", 4)
     cache, store = ResultCache(UPath(tmp_path), "fp"), CheckpointStore(partition_dir, "fp")
     seen_mid_stream: list[tuple[int, bool]] = []
 

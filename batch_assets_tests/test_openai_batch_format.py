@@ -11,12 +11,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from batch_assets.engines.embedded_model import ensure_embedded_model
+from batch_assets.pipeline.inference_requests import request_keys
+from batch_assets.pipeline.inputs.read_prompts import DropFileError
 from batch_assets.pipeline.openai_batch.formatting import format_batch_prompts
 from batch_assets.pipeline.openai_batch.lines import read_batch_requests
 from batch_assets.pipeline.openai_batch.output import batch_files, jsonl_bytes, validate_batch_outputs
 from batch_assets.pipeline.openai_batch.sampling import RequestSpec
-from batch_assets.pipeline.read_prompts import DropFileError
-from batch_assets.pipeline.run_inference import request_keys
 from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec
 from batch_assets_tests.support.openai_batch import DEFAULTS, chat_line, format_lines, jsonl
 
@@ -491,8 +491,9 @@ def run_lines(formatted, tokenizer, generate, checkpoints: Path):
     from upath import UPath
 
     from batch_assets.pipeline.engine_contract import batched_stream
+    from batch_assets.pipeline.inference_requests import PartitionInput
     from batch_assets.pipeline.openai_batch.engine_prompts import batch_prompt_encoder
-    from batch_assets.pipeline.run_inference import PartitionInput, run_inference
+    from batch_assets.pipeline.run_inference import run_inference
     from batch_assets.storage.checkpoints import CheckpointStore
 
     class Session:

@@ -20,11 +20,13 @@ from transformers import AutoTokenizer
 
 from batch_assets.engines.embedded_model import embedded_model_dir, ensure_embedded_model, resolve_model
 from batch_assets.engines.tokenizers import FastTokenizer, load_tokenizer
+from batch_assets.pipeline.chat_records import ChatRecords
 from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts, messages_for, special_tokens
+from batch_assets.pipeline.inputs.read_prompts import ParseOptions, read_prompts
+from batch_assets.pipeline.openai_batch.formats import OpenAIBatchLines
 from batch_assets.pipeline.openai_batch.lines import read_batch_requests
 from batch_assets.pipeline.prompt_tokens import EDGE_CHARACTERS, PROMPT_TOKEN_IDS, SENTINELS, plan_tokens, sample_of
-from batch_assets.pipeline.read_prompts import ParseOptions, read_prompts
-from batch_assets.pipeline.task_formats import ChatRecords, OpenAIBatchLines, task_format
+from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import TaskSpec, load_task_spec
 
 REPO = Path(__file__).resolve().parent.parent

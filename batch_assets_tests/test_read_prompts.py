@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions, read_prompts
+from batch_assets.pipeline.inputs.read_prompts import DropFileError, ParseOptions, read_prompts
 
 TEXT = ParseOptions(text_fields=("text",))
 COMPANY = ParseOptions(text_fields=("Company",), txt_field="Company")

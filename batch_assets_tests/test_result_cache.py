@@ -15,8 +15,8 @@ import pytest
 import sqlalchemy as sa
 from upath import UPath
 
+from batch_assets.pipeline.inference_requests import request_keys
 from batch_assets.pipeline.result_stores import RESULT_SCHEMA
-from batch_assets.pipeline.run_inference import request_keys
 from batch_assets.storage import result_cache
 from batch_assets.storage.checkpoints import CheckpointStore
 from batch_assets.storage.errors import StorageError

@@ -25,7 +25,7 @@ import pytest
 from batch_assets.lib.drops_sensor import build_drops_sensor
 from batch_assets.lib.run_requests import REPLACED_TAG, SOURCE_FILE_TAG, requested_partitions
 from batch_assets.lib.task_definitions import build_definitions, pipeline_job_name
-from batch_assets.pipeline.read_prompts import DropFileError
+from batch_assets.pipeline.inputs.read_prompts import DropFileError
 from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.drop_files import find_drop_file, list_drop_files, partition_key_for, partitions_def_name
 from batch_assets.storage.errors import StorageError
@@ -530,7 +530,7 @@ def test_a_big_file_in_s3_is_split_and_each_shard_reads_its_own_rows_over_the_wi
     groups); rows match the whole file's."""
     import gzip
 
-    from batch_assets.pipeline.read_prompts import ParseOptions, read_prompts
+    from batch_assets.pipeline.inputs.read_prompts import ParseOptions, read_prompts
     from batch_assets.storage.shards import file_partition_keys, read_partition_rows
 
     frame = pl.DataFrame({"text": [f'post {n}, "quoted"\nsecond line' for n in range(2500)], "n": range(2500)})

@@ -30,7 +30,7 @@ from starlette.datastructures import UploadFile
 
 import batch_assets.serve.batch_runs as batch_runs
 import batch_assets.serve.store as serve_store
-from batch_assets.pipeline.run_inference import request_keys
+from batch_assets.pipeline.inference_requests import request_keys
 from batch_assets.serve.app import build_app
 from batch_assets.serve.batch_runs import BatchRunner
 from batch_assets.serve.objects import CreateBatch, batch_object, file_object

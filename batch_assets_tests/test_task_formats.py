@@ -10,17 +10,12 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from batch_assets.pipeline.task_formats import (
-    TASK_FORMATS,
-    CascadeRecords,
-    ChatRecords,
-    EmbeddingRecords,
-    OpenAIBatchEmbeddings,
-    OpenAIBatchLines,
-    SimilarityRecords,
-    TaskFormat,
-    task_format,
-)
+from batch_assets.pipeline.cascade_records import CascadeRecords
+from batch_assets.pipeline.chat_records import ChatRecords
+from batch_assets.pipeline.embedding_records import EmbeddingRecords, SimilarityRecords
+from batch_assets.pipeline.formats import TaskFormat
+from batch_assets.pipeline.openai_batch.formats import OpenAIBatchEmbeddings, OpenAIBatchLines
+from batch_assets.pipeline.task_formats import TASK_FORMATS, format_class, task_format
 from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR, load_task_spec, load_task_specs
 from batch_assets_tests.support import REPO_ROOT
 
@@ -66,10 +61,10 @@ def test_every_shipped_task_maps_to_the_format_of_its_kind() -> None:
         assert fmt.task is task
 
 
-def test_the_registry_names_each_kind_once_under_its_own_key() -> None:
-    assert {kind.key: kind for kind in TASK_FORMATS.values()} == TASK_FORMATS
-    assert len(set(TASK_FORMATS.values())) == len(TASK_FORMATS)
-    assert all(issubclass(kind, TaskFormat) for kind in TASK_FORMATS.values())
+def test_the_registry_names_each_kind_once_and_each_name_is_a_kind() -> None:
+    kinds = [format_class(key) for key in TASK_FORMATS]
+    assert len(set(kinds)) == len(TASK_FORMATS) == 6
+    assert all(issubclass(kind, TaskFormat) for kind in kinds)
 
 
 def test_what_each_kind_asks_of_inference() -> None:

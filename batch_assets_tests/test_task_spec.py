@@ -507,7 +507,7 @@ def test_the_embedded_models_limits_are_what_their_files_say() -> None:
 
 
 def test_txt_field_is_only_needed_where_txt_files_are_read(tmp_path: Path) -> None:
-    from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions, read_prompts
+    from batch_assets.pipeline.inputs.read_prompts import DropFileError, ParseOptions, read_prompts
 
     # One text field: `.txt` lines fill it, whatever its name (it was refused for `txt_field 'text'`).
     one = 'input: {text_fields: [body]}\nprompt: {system: "Classify.", template: "{body}"}\noutput: {kind: text}\n'

@@ -31,7 +31,7 @@ if stage == "raw_to_formatted":
     from transformers import AutoTokenizer
     from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts
     from batch_assets.engines.embedded_model import ensure_embedded_model
-    from batch_assets.pipeline.read_prompts import ParseOptions, read_prompts
+    from batch_assets.pipeline.inputs.read_prompts import ParseOptions, read_prompts
     tokenizer = AutoTokenizer.from_pretrained(ensure_embedded_model())
     fmt = PromptFormat(task.prompt.system, task.prompt.template, None, tuple(task.input.text_fields))
     started = time.perf_counter()

@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 STEP = r"""
 import json, resource, sys, time
 step, max_rows = sys.argv[1], int(sys.argv[2])
-from batch_assets.pipeline.read_prompts import ParseOptions
+from batch_assets.pipeline.inputs.read_prompts import ParseOptions
 from batch_assets.pipeline.task_spec import load_task_specs
 from batch_assets.storage.drop_files import list_drop_files
 from batch_assets.storage.shards import file_partition_keys, read_partition_rows, shard_plan

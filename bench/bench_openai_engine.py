@@ -36,7 +36,7 @@ MAX_NUM_SEQS = 256
 def prompts_and_task(rows: int, model: str):
     from batch_assets.engines.openai_engine import OpenAIEngine
     from batch_assets.pipeline.format_prompts import PromptFormat, format_prompts, prompt_encoders
-    from batch_assets.pipeline.read_prompts import ParseOptions, read_prompts
+    from batch_assets.pipeline.inputs.read_prompts import ParseOptions, read_prompts
     from batch_assets.pipeline.task_spec import load_task_specs
 
     task = {t.name: t for t in load_task_specs()}["sentiment"]

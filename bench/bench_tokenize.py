@@ -81,7 +81,7 @@ def main() -> None:
     from batch_assets.engines.embedded_model import ensure_embedded_model
     from batch_assets.engines.tokenizers import load_tokenizer
     from batch_assets.pipeline.format_prompts import PromptFormat
-    from batch_assets.pipeline.read_prompts import ParseOptions, read_prompts
+    from batch_assets.pipeline.inputs.read_prompts import ParseOptions, read_prompts
     from batch_assets.pipeline.task_spec import load_task_specs
 
     folder = str(ensure_embedded_model())

@@ -18,7 +18,7 @@ from batch_assets.app.runner import RunRefused, loaded_task
 from batch_assets.engines.kinds import engine_for, resolve_settings
 from batch_assets.lib.assets import inference_fingerprint, parse_options
 from batch_assets.lib.estimates import PartitionEstimate, cached_keys_in, estimate_lines, task_history
-from batch_assets.pipeline.read_prompts import read_prompts
+from batch_assets.pipeline.inputs.read_prompts import read_prompts
 from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import TaskSpecError
 from batch_assets.runtime.instance import open_instance

@@ -48,7 +48,7 @@ from batch_assets.lib.run_requests import (
     partition_ranges,
 )
 from batch_assets.pipeline.engine_contract import ResolvedSettings
-from batch_assets.pipeline.read_prompts import DropFileError
+from batch_assets.pipeline.inputs.read_prompts import DropFileError
 from batch_assets.pipeline.task_spec import EMBEDDED_MODEL, TaskSpec, TaskSpecError, engine_lora_rank
 from batch_assets.runtime.instance import dagster_home, home_lock, open_instance
 from batch_assets.runtime.interrupts import Stopped, raise_if_stopped, stop_requested

@@ -27,7 +27,7 @@ from batch_assets.engines.reaper import EngineReaper
 from batch_assets.engines.vllm_requests import chat_generation, embedding_generation, refused_request
 from batch_assets.engines.vllm_settings import VLLMSettings
 from batch_assets.pipeline.engine_contract import Generation, Prompt
-from batch_assets.pipeline.images import decoded_image
+from batch_assets.pipeline.inputs.images import decoded_image
 
 
 @contextlib.contextmanager

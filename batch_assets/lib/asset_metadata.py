@@ -17,10 +17,10 @@ from batch_assets.lib.estimates import PartitionEstimate
 from batch_assets.pipeline.budget import actual_cost_metadata, estimate_cost
 from batch_assets.pipeline.calibration import calibration_report
 from batch_assets.pipeline.engine_contract import EngineSession, EngineSettings
+from batch_assets.pipeline.formats import TaskFormat
+from batch_assets.pipeline.inference_requests import InferenceStats
 from batch_assets.pipeline.label_quality import AccuracyReport, accuracy_report, confidence_report, error_code_counts
 from batch_assets.pipeline.prices import engine_price, gpu_cost_usd
-from batch_assets.pipeline.run_inference import InferenceStats
-from batch_assets.pipeline.task_formats import TaskFormat
 from batch_assets.pipeline.task_spec import TaskSpec
 
 PREVIEW_ROWS = 5
@@ -249,7 +249,7 @@ def labels_metadata(labels: pl.DataFrame, task: TaskSpec, fmt: TaskFormat) -> di
 
 def image_metadata(frame: pl.DataFrame, errors: dict[str, int]) -> dict[str, int]:
     """An image task's raw_prompts metadata: images read, their pixels, and rows whose image failed."""
-    from batch_assets.pipeline.images import IMAGE_ERROR_CODES, IMAGES_COLUMN, PIXELS_COLUMN
+    from batch_assets.pipeline.inputs.images import IMAGE_ERROR_CODES, IMAGES_COLUMN, PIXELS_COLUMN
 
     return {
         "images": int(frame[IMAGES_COLUMN].list.len().sum() or 0),

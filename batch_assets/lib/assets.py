@@ -59,10 +59,12 @@ from batch_assets.pipeline.engine_contract import (
     ResolvedSettings,
 )
 from batch_assets.pipeline.extras import missing_extras
+from batch_assets.pipeline.formats import InferenceStream, OutputFiles, TaskFormat
+from batch_assets.pipeline.inference_requests import InferenceStats, PartitionInput
+from batch_assets.pipeline.inputs.read_prompts import DropFileError, ParseOptions
 from batch_assets.pipeline.label_quality import error_code_counts
-from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions
-from batch_assets.pipeline.run_inference import InferenceStats, PartitionInput, run_inference
-from batch_assets.pipeline.task_formats import InferenceStream, OutputFiles, TaskFormat, task_format
+from batch_assets.pipeline.run_inference import run_inference
+from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.runtime.interrupts import STOPPED, stop_instead_of, stop_requested
 from batch_assets.storage.batch_records import BatchRecordStore, batch_records_dir

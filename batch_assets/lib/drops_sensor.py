@@ -58,7 +58,7 @@ import dagster as dg
 from batch_assets.lib.partition_versions import PartitionRecords
 from batch_assets.lib.run_requests import SOURCE_FILE_TAG, run_requests_for, split_run_request
 from batch_assets.lib.split_job import build_split_job, failed_split_runs
-from batch_assets.pipeline.read_prompts import DropFileError
+from batch_assets.pipeline.inputs.read_prompts import DropFileError
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.runtime.run_recovery import partitions_claimed_by_live_processes
 from batch_assets.storage.drop_files import (

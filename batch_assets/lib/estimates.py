@@ -21,10 +21,10 @@ import polars as pl
 
 from batch_assets.pipeline.budget import CostEstimate, estimate_cost
 from batch_assets.pipeline.engine_contract import EngineSettings
+from batch_assets.pipeline.formats import TaskFormat
+from batch_assets.pipeline.inference_requests import keyed_requests
 from batch_assets.pipeline.label_quality import error_code_counts
 from batch_assets.pipeline.prices import cost_usd, engine_price
-from batch_assets.pipeline.run_inference import keyed_requests
-from batch_assets.pipeline.task_formats import TaskFormat
 
 # Earlier partitions read for the expected figures: the newest ones (a drop zone of 10,000 files
 # costs one bounded query per formatted_prompts step, not 10,000).

@@ -33,6 +33,7 @@ from batch_assets.lib.check_evaluations import evaluate_per_partition, failed_ro
 from batch_assets.lib.materializations import latest_materialization
 from batch_assets.pipeline.budget import budget_overruns, estimate_cost
 from batch_assets.pipeline.cascade_labels import cascade_summary
+from batch_assets.pipeline.formats import TaskFormat
 from batch_assets.pipeline.label_quality import (
     accuracy_report,
     confidence_report,
@@ -40,7 +41,6 @@ from batch_assets.pipeline.label_quality import (
     label_drift,
 )
 from batch_assets.pipeline.prices import engine_price, teacher_price
-from batch_assets.pipeline.task_formats import TaskFormat
 from batch_assets.pipeline.task_spec import PriceSpec, TaskSpec
 from batch_assets.pipeline.task_spec.cascade import DEFAULT_MIN_AGREEMENT
 from batch_assets.storage.drop_files import drop_partitions

@@ -16,8 +16,8 @@ import polars as pl
 from batch_assets.pipeline.prices import cost_usd, engine_price
 from batch_assets.pipeline.task_spec import BudgetSpec, PriceSpec
 
-if TYPE_CHECKING:  # a type only: task_formats imports the pipeline's stages, budget none of them
-    from batch_assets.pipeline.task_formats import TaskFormat
+if TYPE_CHECKING:  # a type only: the contract imports the pipeline's stages, budget none of them
+    from batch_assets.pipeline.formats import TaskFormat
 
 
 @dataclass(frozen=True)

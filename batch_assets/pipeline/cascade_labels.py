@@ -24,10 +24,10 @@ import polars as pl
 from batch_assets.pipeline.cascade import CascadeResult, StoredStudent, TaskCascade, Teacher, TeacherAnswer, run_cascade
 from batch_assets.pipeline.cascade_summary import CascadeSummary, TeacherCost
 from batch_assets.pipeline.embeddings import vectors_column, vectors_matrix
+from batch_assets.pipeline.inference_requests import InferenceStats
 from batch_assets.pipeline.label_model import LabelModel
 from batch_assets.pipeline.label_quality import error_code_counts
 from batch_assets.pipeline.result_stores import RESULT_SCHEMA
-from batch_assets.pipeline.run_inference import InferenceStats
 from batch_assets.pipeline.task_spec import EngineSpec, OutputSpec, PriceSpec, TaskSpec
 from batch_assets.pipeline.task_spec.cascade import CascadeSpec, ColumnTeacher
 from batch_assets.pipeline.task_spec.engine import EMBEDDED_MODEL

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import polars as pl
 
 from batch_assets.pipeline.engine_contract import Engine, Prompt, keys_of
-from batch_assets.pipeline.images import DIGEST_COLUMN, IMAGES_COLUMN, image_data_url, image_url_part
+from batch_assets.pipeline.inputs.images import DIGEST_COLUMN, IMAGES_COLUMN, image_data_url, image_url_part
 from batch_assets.pipeline.prompt_tokens import (
     PROMPT_TOKEN_IDS,
     TOKENIZE_CHUNK,

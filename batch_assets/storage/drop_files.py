@@ -45,7 +45,7 @@ from typing import IO
 import dagster as dg
 from upath import UPath
 
-from batch_assets.pipeline.read_prompts import SUPPORTED_SUFFIXES, DropFileError, input_suffix
+from batch_assets.pipeline.inputs.read_prompts import SUPPORTED_SUFFIXES, DropFileError, input_suffix
 from batch_assets.storage.errors import StorageError, storage_errors
 from batch_assets.storage.locations import data_root, drop_zone, is_local
 

@@ -1,7 +1,7 @@
 """The pictures an image task's file names, brought into the drop zone with it (`batch-assets run`
 and `drop` copy a user's file; without its pictures every row would be `image_not_found`).
 
-A record's picture path is relative to its file (pipeline/images.py, `image_source`), and the file
+A record's picture path is relative to its file (pipeline/inputs/images.py, `image_source`), and the file
 is copied to the top of the drop zone, so `photos/a.png` beside `~/mine/pictures.jsonl` goes to
 `<zone>/photos/a.png`. It is read beside the file as the drop zone reads its files: no link followed
 below the file's folder, regular files only. A value the pipeline never reads from the drop zone (a
@@ -23,8 +23,8 @@ from pathlib import Path
 import polars as pl
 from upath import UPath
 
-from batch_assets.pipeline.images import ImageInputError, image_source
-from batch_assets.pipeline.read_prompts import DropFileError, ParseOptions, read_prompts
+from batch_assets.pipeline.inputs.images import ImageInputError, image_source
+from batch_assets.pipeline.inputs.read_prompts import DropFileError, ParseOptions, read_prompts
 from batch_assets.pipeline.task_spec.input import InputSpec
 from batch_assets.storage.drop_files import open_zone_file
 from batch_assets.storage.locations import is_local, write_stream_atomically

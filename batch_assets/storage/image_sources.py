@@ -4,7 +4,7 @@ A relative path is read from the drop zone exactly as a drop file is (`drop_file
 locally no link followed anywhere below the data root, regular files only); an `s3://` URI only in
 the bucket of the data root (`BATCH_ASSETS_DATA`), with the same storage settings; a `data:` URL or
 a parquet binary cell needs no reading. What cannot become an image is the row's error
-(pipeline/images.py names the codes), never the partition's failure: one row per record always.
+(pipeline/inputs/images.py names the codes), never the partition's failure: one row per record always.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import errno
 import polars as pl
 from upath import UPath
 
-from batch_assets.pipeline.images import (
+from batch_assets.pipeline.inputs.images import (
     DIGEST_COLUMN,
     IMAGES_COLUMN,
     PIXELS_COLUMN,
@@ -25,7 +25,7 @@ from batch_assets.pipeline.images import (
     image_error,
     image_source,
 )
-from batch_assets.pipeline.read_prompts import DropFileError
+from batch_assets.pipeline.inputs.read_prompts import DropFileError
 from batch_assets.pipeline.task_spec.input import InputSpec
 from batch_assets.storage.drop_files import DropFile, read_zone_file
 from batch_assets.storage.errors import StorageError

@@ -28,8 +28,8 @@ import polars as pl
 import sqlalchemy as sa
 from upath import UPath
 
-from batch_assets.pipeline.images import DIGEST_COLUMN
-from batch_assets.pipeline.run_inference import request_keys
+from batch_assets.pipeline.inference_requests import request_keys
+from batch_assets.pipeline.inputs.images import DIGEST_COLUMN
 from batch_assets.storage.checkpoints import remove_path
 from batch_assets.storage.drop_files import SHARD_MARK
 from batch_assets.storage.locations import drop_zone, one_name, task_storage_dir
@@ -65,7 +65,7 @@ def _of_partition(name: str, key: str) -> bool:
 
 
 def _cached_keys(folder: UPath, key: str) -> list[str]:
-    """The request keys the partition's rows may be cached under, as `run_inference._plan` makes
+    """The request keys the partition's rows may be cached under, as `inference_requests.plan_partition` makes
     them: without the row (identical prompts share a key: `deduplicate`, every OpenAI batch line)
     and with it (a task whose sampling is not deterministic)."""
     keys: list[str] = []

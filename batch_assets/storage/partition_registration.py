@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy.exc import IntegrityError
 
-from batch_assets.pipeline.read_prompts import DropFileError
+from batch_assets.pipeline.inputs.read_prompts import DropFileError
 from batch_assets.storage.drop_files import DropFile, partitions_def_name
 from batch_assets.storage.shards import file_partition_keys, retire, retired_partitions
 

@@ -3,7 +3,7 @@ task's `input.max_rows_per_partition`.
 
 A run holds its partitions whole in memory, so a file of 50 million records would need a machine
 sized for the file and could not be spread over pods. A bigger file is split into shards of at most
-that many records (pipeline/file_shards.py finds them in one streaming pass), each its own
+that many records (pipeline/inputs/file_shards.py finds them in one streaming pass), each its own
 partition `<file key>~00001`, `~00002`, ...: run, retried and backfilled on its own, read by seeking
 to its bytes (or row groups) so that memory follows the shard, not the file. Rows keep the whole
 file's `row_id` and `source_line`; the file's result is every `<file key>~*.parquet` of an asset.
@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import polars as pl
 import pyarrow.parquet as pq
 
-from batch_assets.pipeline.file_shards import Shard, ShardPlan, may_need_shards, plan_shards
-from batch_assets.pipeline.openai_batch.lines import read_batch_requests
-from batch_assets.pipeline.read_prompts import (
+from batch_assets.pipeline.inputs.file_shards import Shard, ShardPlan, may_need_shards, plan_shards
+from batch_assets.pipeline.inputs.read_prompts import (
     DropFileError,
     FilePart,
     ParseOptions,
@@ -36,6 +35,7 @@ from batch_assets.pipeline.read_prompts import (
     read_parquet_frame,
     read_prompts,
 )
+from batch_assets.pipeline.task_formats import raw_file_reader
 from batch_assets.storage.checkpoints import clear_checkpoints
 from batch_assets.storage.drop_files import (
     DropFile,
@@ -54,11 +54,6 @@ from batch_assets.storage.locations import (
     write_bytes_atomically,
 )
 
-# The reader of a whole file, by the task's input format.
-WHOLE_FILE_READERS: dict[str, Callable[[bytes, str, ParseOptions], pl.DataFrame]] = {
-    "records": read_prompts,
-    "openai_batch": lambda data, file_name, options: read_batch_requests(data, file_name, options.images),
-}
 # Run tag: JSON {shard key: digest of the file version it read}, set by raw_prompts (lib/assets.py).
 SHARD_VERSIONS_TAG = "batch_assets/shard_versions"
 PIPELINE_ASSETS = ("raw_prompts", "formatted_prompts", "inference_outputs", "validated_labels")
@@ -196,7 +191,7 @@ def read_partition_rows(
     """The raw_prompts rows of one partition: the whole file, or one shard of it."""
     index = shard_index_of(partition_key)
     if index is None:
-        return WHOLE_FILE_READERS[options.format](drop.read_bytes(), drop.relative_path, options)
+        return raw_file_reader(options.format)(drop.read_bytes(), drop.relative_path, options)
     if max_rows is None:
         raise DropFileError(
             f"{drop.relative_path}: partition {partition_key} is a shard, but this task's files are not split"

@@ -11,7 +11,7 @@ from pathlib import Path
 import dagster as dg
 
 from batch_assets.lib.task_definitions import build_definitions
-from batch_assets.pipeline.read_prompts import ParseOptions
+from batch_assets.pipeline.inputs.read_prompts import ParseOptions
 
 
 def settled(path: Path, age: float = 60.0) -> Path:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import polars as pl
 
 from batch_assets.pipeline.engine_contract import Generation, Prompt, batched_stream, keys_of
-from batch_assets.pipeline.run_inference import PartitionInput, run_inference
+from batch_assets.pipeline.inference_requests import PartitionInput
+from batch_assets.pipeline.run_inference import run_inference
 from batch_assets.storage.checkpoints import CheckpointStore
 
 

@@ -15,7 +15,7 @@ Pure functions, no Dagster, no storage. A drop of such a task is a `.jsonl` file
     field_checks.py    the fields' types on OpenAI's request types (the `openai` SDK's), their ranges on a
                        pydantic model
     messages.py        a chat line's messages, as checked and as the chat template renders them
-    image_parts.py     a chat line's `image_url` parts (pipeline/images.py checks the pictures)
+    image_parts.py     a chat line's `image_url` parts (pipeline/inputs/images.py checks the pictures)
     sampling.py        each line's own sampling and output constraint (`RequestSpec`), part of its request key
     formatting.py      raw_prompts → formatted_prompts (`format_batch_prompts`, `format_batch_embedding_prompts`)
     engine_prompts.py  formatted rows → the engine's prompts (`batch_prompt_encoder`)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from batch_assets.pipeline.images import DIGEST_COLUMN, PIXELS_COLUMN
+from batch_assets.pipeline.inputs.images import DIGEST_COLUMN, PIXELS_COLUMN
 from batch_assets.pipeline.openai_batch.field_checks import range_problems, typed_fields
 from batch_assets.pipeline.openai_batch.image_parts import ImageReader
 from batch_assets.pipeline.openai_batch.messages import chat_messages

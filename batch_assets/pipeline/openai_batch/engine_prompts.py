@@ -9,7 +9,7 @@ import polars as pl
 
 from batch_assets.pipeline.engine_contract import Prompt, keys_of
 from batch_assets.pipeline.format_prompts import Tokenizer
-from batch_assets.pipeline.images import DIGEST_COLUMN
+from batch_assets.pipeline.inputs.images import DIGEST_COLUMN
 from batch_assets.pipeline.openai_batch.image_parts import line_images
 from batch_assets.pipeline.openai_batch.sampling import RequestSpec
 

@@ -1,29 +1,30 @@
-"""The task formats of OpenAI batch lines (pipeline/task_formats.py's contract): chat and
+"""The task formats of OpenAI batch lines (pipeline/formats.py's contract): chat and
 completion lines answered by a chat model (`OpenAIBatchLines`), `/v1/embeddings` lines by an
 embedding model (`OpenAIBatchEmbeddings`); both write the partition's batch output and error files
 beside the result table."""
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import polars as pl
 
+from batch_assets.pipeline.embedding_records import EmbeddingRecords
 from batch_assets.pipeline.engine_contract import Engine, EngineSettings, model_name
 from batch_assets.pipeline.format_prompts import Tokenizer
+from batch_assets.pipeline.formats import OutputFiles, PartitionEncoders, TaskFormat
+from batch_assets.pipeline.inputs.read_prompts import ParseOptions
 from batch_assets.pipeline.openai_batch.engine_prompts import batch_prompt_encoder
 from batch_assets.pipeline.openai_batch.formatting import (
     accepted_model_names,
     format_batch_embedding_prompts,
     format_batch_prompts,
 )
+from batch_assets.pipeline.openai_batch.lines import read_batch_requests
 from batch_assets.pipeline.openai_batch.output import (
     batch_files,
     jsonl_bytes,
     validate_batch_embeddings,
     validate_batch_outputs,
 )
-from batch_assets.pipeline.task_formats import EmbeddingRecords, OutputFiles, PartitionEncoders, TaskFormat
 
 
 class OpenAIBatchLines(TaskFormat):
@@ -31,7 +32,9 @@ class OpenAIBatchLines(TaskFormat):
     `response_format` (formatting.py); the answers also go to the partition's batch output and
     error files (output.py)."""
 
-    key: ClassVar[tuple[str, str]] = ("openai_batch", "generate")
+    @staticmethod
+    def read_file(data: bytes, file_name: str, options: ParseOptions) -> pl.DataFrame:
+        return read_batch_requests(data, file_name, options.images)
 
     def format(
         self, raw: pl.DataFrame, engine: Engine, tokenizer: Tokenizer, settings: EngineSettings, *, source_file: str
@@ -90,7 +93,9 @@ class OpenAIBatchEmbeddings(EmbeddingRecords):
     `output.kind: embedding`): each text embedded as an embedding task's row is; a line of several
     texts answered by one output line (formatting.py, output.py)."""
 
-    key: ClassVar[tuple[str, str]] = ("openai_batch", "embed")
+    @staticmethod
+    def read_file(data: bytes, file_name: str, options: ParseOptions) -> pl.DataFrame:
+        return read_batch_requests(data, file_name, options.images)
 
     def formatted_description(self) -> str:
         return (

@@ -13,7 +13,7 @@ import polars as pl
 
 from batch_assets.pipeline.embeddings import format_embedding_prompts
 from batch_assets.pipeline.format_prompts import NO_PLACE_FOR_PICTURES, Tokenizer, count_tokens, places_pictures
-from batch_assets.pipeline.images import DIGEST_COLUMN
+from batch_assets.pipeline.inputs.images import DIGEST_COLUMN
 from batch_assets.pipeline.openai_batch.messages import template_messages
 from batch_assets.pipeline.openai_batch.protocol import EMBEDDINGS_URL, line_error
 from batch_assets.pipeline.openai_batch.sampling import RequestSpec, request_spec

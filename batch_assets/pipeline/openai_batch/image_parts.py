@@ -1,6 +1,6 @@
 """The `image_url` parts of a chat line's messages, accepted as OpenAI takes them.
 
-A `data:` URL is decoded and checked here against the task's `input.images` (pipeline/images.py):
+A `data:` URL is decoded and checked here against the task's `input.images` (pipeline/inputs/images.py):
 its bytes' digest names the request (`image_digest`). An http(s) URL is taken only with
 `input.images.fetch_urls` (an endpoint's server fetches it; the URL names the request); any other
 scheme is refused. The messages keep the parts as written: an endpoint is sent them as they are,
@@ -13,7 +13,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from batch_assets.pipeline.images import ImageInputError, check_image, data_url_bytes, image_digest
+from batch_assets.pipeline.inputs.images import ImageInputError, check_image, data_url_bytes, image_digest
 from batch_assets.pipeline.openai_batch.protocol import LineError, json_text, kind_of
 from batch_assets.pipeline.task_spec.input import ImageLimits
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import polars as pl
 
-from batch_assets.pipeline.images import DIGEST_COLUMN
+from batch_assets.pipeline.inputs.images import DIGEST_COLUMN
+from batch_assets.pipeline.inputs.read_prompts import DropFileError, gunzip, input_suffix
 from batch_assets.pipeline.openai_batch.body import parse_body
 from batch_assets.pipeline.openai_batch.protocol import (
     IMAGE_SCHEMA,
@@ -22,7 +23,6 @@ from batch_assets.pipeline.openai_batch.protocol import (
     kind_of,
     line_error,
 )
-from batch_assets.pipeline.read_prompts import DropFileError, gunzip, input_suffix
 from batch_assets.pipeline.task_spec.input import ImageLimits
 
 

@@ -28,7 +28,7 @@ answered is a row with an `error` (`code: file line N: message`), which ends up 
                         text and `image_url` parts, or with an image part outside a user message
     missing_image, unreadable_image, unsupported_image_format, image_too_large, image_url_not_allowed
                         an `image_url` part whose `data:` URL is empty, not an image, of a format or
-                        over a limit the task's `input.images` refuses (pipeline/images.py), or an
+                        over a limit the task's `input.images` refuses (pipeline/inputs/images.py), or an
                         http(s) URL where the task does not let the endpoint fetch it
                         (`input.images.fetch_urls`), or another scheme
     model_mismatch      with `input.require_model_match`: `body.model` is not the task's model
@@ -53,7 +53,7 @@ import json
 
 import polars as pl
 
-from batch_assets.pipeline.images import DIGEST_COLUMN, IMAGE_ERROR_CODES, PIXELS_COLUMN
+from batch_assets.pipeline.inputs.images import DIGEST_COLUMN, IMAGE_ERROR_CODES, PIXELS_COLUMN
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

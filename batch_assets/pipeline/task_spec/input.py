@@ -38,7 +38,7 @@ class InputSpec(_Strict):
     truncate: bool = Field(default=False, strict=True)
     # Fields whose values are images (a path relative to the drop file, an `s3://` URI in the data
     # root's bucket, a `data:` URL, or a parquet binary cell), each sent with the row's message to a
-    # vision-language model (pipeline/images.py); `images` limits them.
+    # vision-language model (pipeline/inputs/images.py); `images` limits them.
     image_fields: list[str] = Field(default_factory=list)
     images: ImageLimits = Field(default_factory=lambda: ImageLimits())
 

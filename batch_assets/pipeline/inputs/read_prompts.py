@@ -96,7 +96,7 @@ class ParseOptions:
 @dataclass(frozen=True)
 class FilePart:
     """Where the bytes being read sit in their drop file, when they are one shard of it
-    (pipeline/file_shards.py): the `row_id` of their first record, how many lines of the file come
+    (pipeline/inputs/file_shards.py): the `row_id` of their first record, how many lines of the file come
     before their first line (a CSV shard starts with the header row, so those lines are not counted
     twice), and whether they are already decompressed. Rows and error messages then number
     records and lines as in the whole file."""

@@ -22,7 +22,7 @@ from typing import IO, cast
 
 import pyarrow.parquet as pq
 
-from batch_assets.pipeline.read_prompts import DropFileError, input_suffix
+from batch_assets.pipeline.inputs.read_prompts import DropFileError, input_suffix
 
 # Bytes read at a time while counting lines: large enough that the per-block Python cost vanishes.
 _BLOCK = 8 << 20
