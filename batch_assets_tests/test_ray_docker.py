@@ -183,10 +183,11 @@ def test_the_head_restarted_mid_run_ends_the_run_succeeded_or_retried_each_row_o
     drop_posts(client, tmp_path, name, [f"post {i}: it arrived in {i % 5} days" for i in range(rows)])
     key = partition_key_for(name)
     prefix = f"data/storage/sentiment/_checkpoints/{key}/"
+    # Reaching the first chunk is the run's own pace (engine start, a loaded machine); what happens after
+    # the restart is what is bounded.
     wait(
         "a checkpoint chunk before the head restarts",
         lambda: client.list_objects_v2(Bucket=BASE.BUCKET, Prefix=prefix).get("KeyCount"),
-        timeout=HEAD_RESTART_TIMEOUT_S,
     )
     [first] = runs_of(instance, key)
     RAY.restart_head(BASE.client())
