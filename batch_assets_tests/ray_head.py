@@ -37,6 +37,7 @@ class RayHead:
     address: str  # the dashboard's HTTP address: what JobSubmissionClient and RayRunLauncher take
     temp_dir: Path
     log: Path
+    gcs_address: str = ""  # host:port of the head's GCS: what a driver's `ray.init(address=...)` takes
 
 
 def distinct_free_ports(count: int) -> list[int]:
@@ -52,6 +53,14 @@ def _answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
             return response.status == 200 and "ray_version" in json.loads(response.read())
+    except OSError:
+        return False
+
+
+def _has_a_node(address: str) -> bool:
+    """Whether the head's node has registered; a dashboard still starting may drop the request."""
+    try:
+        return bool(alive_nodes(address))
     except OSError:
         return False
 
@@ -104,11 +113,11 @@ def ray_head(resources: dict[str, float], env: dict[str, str] | None = None, num
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         # The dashboard answers before the head's node has registered with it.
-        while not (_answers(f"{address}/api/version") and alive_nodes(address)):
+        while not (_answers(f"{address}/api/version") and _has_a_node(address)):
             assert leader.poll() is None, f"ray start exited:\n{log.read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"Ray's dashboard and node not up within {START_TIMEOUT_S} s"
             time.sleep(0.5)
-        yield RayHead(address, temp_dir, log)
+        yield RayHead(address, temp_dir, log, gcs_address=f"127.0.0.1:{ports['--port']}")
     finally:
         stop_ray(leader, temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)

@@ -95,6 +95,12 @@ def median(values: list[float]) -> float:
 
 
 def measure(launcher: str, args: argparse.Namespace, folder: Path, address: str | None) -> list[str]:
+    return report(launcher, run_backlog(args, folder, address), args, address)
+
+
+def run_backlog(args: argparse.Namespace, folder: Path, address: str | None, location: Path = HERE / "ray_location.py"):
+    """`args.partitions` files of `args.rows` rows through a real daemon, with `address`'s Ray (else
+    the default launcher) and the code location `location`; its instance once every run has ended."""
     import dagster as dg
 
     home, data, tasks = folder / "home", folder / "data", folder / "tasks"
@@ -104,7 +110,7 @@ def measure(launcher: str, args: argparse.Namespace, folder: Path, address: str 
     (tasks / f"{TASK}.yaml").write_text(yaml.safe_dump(task_yaml()))
     drop(data / "drops" / TASK, args.partitions, args.rows)
     workspace = folder / "workspace.yaml"
-    location = {"relative_path": str(HERE / "ray_location.py"), "working_directory": str(REPO)}
+    location = {"relative_path": str(location), "working_directory": str(REPO)}
     workspace.write_text(yaml.safe_dump({"load_from": [{"python_file": {**location, "location_name": "bench"}}]}))
     env = {
         **os.environ,
@@ -126,7 +132,7 @@ def measure(launcher: str, args: argparse.Namespace, folder: Path, address: str 
 
     with running_daemon(env, folder / "daemon.log", workspace) as daemon:
         daemon.wait_until(done, lambda: f"{len(instance.get_runs())} runs", args.timeout)
-    return report(launcher, instance, args, address)
+    return instance
 
 
 def report(launcher: str, instance, args: argparse.Namespace, address: str | None) -> list[str]:

@@ -2,6 +2,7 @@
 
     python deploy/ray/ray_topology.py up [--workers 2]   # start (or restart) everything; prints the addresses
     python deploy/ray/ray_topology.py add-worker         # one more Ray worker (the next number)
+    python deploy/ray/ray_topology.py restart-head       # restart the Ray head (the workers rejoin it)
     python deploy/ray/ray_topology.py down               # remove the containers, the network and the volumes
 
 deploy/docker/topology.py's Postgres, S3, code server, daemon and webserver (same names, network and
@@ -10,11 +11,11 @@ jobs, dagster-ray's RayRunLauncher) and, from the same image (`BATCH_ASSETS_IMAG
 extra its lock carries):
 - `batch-assets-ray-head`: the Ray head (GCS, dashboard and job server); no engine slot;
 - `batch-assets-ray-worker-<n>`: Ray workers, each offering `batch_assets_engine: 1` (CPU nodes),
-  labelled `batch-assets.role=ray-worker`.
+  labelled `batch-assets.role=ray-worker`, restarted by the engine when their raylet exits (a head
+  restarted without GCS fault tolerance is a new cluster: the old workers' raylets die, and rejoin).
 Ray's multi-node mode dials each node's interface address, so every node is a container on the
 topology's network; the dashboard is published on 127.0.0.1:`RAY_DASHBOARD_PORT` (default 8265).
-
-Not run where it was written (building the image was out of bounds there): see docs/ray.md.
+`up` and `add-worker` set the `gpu` pool's limit to the running workers' engine slots.
 """
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ WORKER_ROLE = {"batch-assets.role": "ray-worker"}
 RAY_LABEL = "batch-assets/ray"
 # Ray's object store lives in /dev/shm: the container's shared memory must hold it.
 OBJECT_STORE_BYTES = 256 * 1024 * 1024
+# `ray start --block` exits when its raylet does; the engine starts it again. `docker kill` (a lost
+# node) and `docker stop` are not restarted.
+RESTART = {"Name": "unless-stopped"}
+# The Dagster pool of in-process engines' inference steps (batch_assets/engines/kinds.py).
+ENGINE_POOL = "gpu"
+NODE_ID_SCRIPT = (
+    "import ray; ray.init(address='auto', logging_level='ERROR'); print(ray.get_runtime_context().get_node_id())"
+)
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,11 @@ def ray_node(settings: RaySettings, name: str, command: list[str], labels: dict[
     return options
 
 
+def wait_for_dashboard(head) -> None:
+    check = ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8265/api/version')"]
+    base.wait_for("the Ray head", lambda: base.exec_ok(head, check), timeout=180)
+
+
 def start_head(engine, settings: RaySettings):
     command = ["ray", "start", "--head", "--block", "--disable-usage-stats", "--port=6379"]
     command += ["--dashboard-host=0.0.0.0", "--num-gpus=0", f"--object-store-memory={OBJECT_STORE_BYTES}"]
@@ -61,24 +75,58 @@ def start_head(engine, settings: RaySettings):
             command,
             {RAY_LABEL: "head"},
             ports={"8265/tcp": ("127.0.0.1", settings.dashboard_port)},
+            # `ray start` gives its raylet 30 s to register and exits otherwise (a loaded machine).
+            restart_policy=RESTART,
         )
     )
-    check = ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8265/api/version')"]
-    base.wait_for("the Ray head", lambda: base.exec_ok(head, check), timeout=180)
+    wait_for_dashboard(head)
     return head
+
+
+def restart_head(engine) -> None:
+    """Stops and starts the head container: a new GCS, which knows none of the jobs before it."""
+    head = engine.containers.get(HEAD)
+    head.restart(timeout=10)
+    wait_for_dashboard(head)
 
 
 def start_worker(engine, settings: RaySettings, number: int):
     command = ["ray", "start", "--block", "--disable-usage-stats", f"--address={HEAD}:6379"]
     command += ["--resources", '{"batch_assets_engine": 1}', f"--object-store-memory={OBJECT_STORE_BYTES}"]
+    name = f"batch-assets-ray-worker-{number}"
     return engine.containers.run(
-        **ray_node(settings, f"batch-assets-ray-worker-{number}", command, {RAY_LABEL: "worker", **WORKER_ROLE})
+        **ray_node(settings, name, command, {RAY_LABEL: "worker", **WORKER_ROLE}, restart_policy=RESTART)
     )
 
 
-def workers(engine) -> list:
+def workers(engine, running_only: bool = False) -> list:
     label = next(iter(WORKER_ROLE.items()))
-    return engine.containers.list(all=True, filters={"label": f"{label[0]}={label[1]}"})
+    return engine.containers.list(all=not running_only, filters={"label": f"{label[0]}={label[1]}"})
+
+
+def add_worker(engine, settings: RaySettings):
+    """The next worker, and the `gpu` pool's limit raised to its slot too."""
+    worker = start_worker(engine, settings, len(workers(engine)) + 1)
+    set_engine_slots(engine.containers.get("batch-assets-daemon"), len(workers(engine, running_only=True)))
+    return worker
+
+
+def set_engine_slots(daemon, slots: int) -> None:
+    """The `gpu` pool's limit (in Postgres, kept across `up`): the steps that may infer at once, one
+    per engine slot, so that no run placed on a free worker waits in Dagster for a slot."""
+    done = daemon.exec_run(["dagster", "instance", "concurrency", "set", ENGINE_POOL, str(slots)])
+    if done.exit_code != 0:
+        raise RuntimeError(f"ray_topology: setting the {ENGINE_POOL} pool to {slots}: {done.output.decode()}")
+
+
+def node_id(container) -> str | None:
+    """The Ray node id of a running node's container, None until its raylet has joined."""
+    container.reload()
+    if container.status != "running":
+        return None
+    found = container.exec_run(["python", "-c", NODE_ID_SCRIPT])
+    lines = found.output.decode().split()
+    return lines[-1] if found.exit_code == 0 and lines else None
 
 
 def up(settings: RaySettings, worker_count: int = 2) -> dict:
@@ -89,6 +137,7 @@ def up(settings: RaySettings, worker_count: int = 2) -> dict:
     for number in range(1, worker_count + 1):
         started[f"ray-worker-{number}"] = start_worker(engine, settings, number)
     base.start_dagster(engine, settings.base, started, docker_runs=False)
+    set_engine_slots(started["daemon"], worker_count)
     return started
 
 
@@ -104,7 +153,7 @@ def addresses(settings: RaySettings) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["up", "add-worker", "down", "ps"])
+    parser.add_argument("command", choices=["up", "add-worker", "restart-head", "down", "ps"])
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args(argv)
     settings = RaySettings()
@@ -112,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         up(settings, args.workers)
         print("\n".join(addresses(settings)))
     elif args.command == "add-worker":
-        engine = base.client()
-        start_worker(engine, settings, len(workers(engine)) + 1)
+        print(add_worker(base.client(), settings).name)
+    elif args.command == "restart-head":
+        restart_head(base.client())
     elif args.command == "down":
         base.down()
     else:
