@@ -15,19 +15,14 @@ import pytest
 
 from batch_assets.app.run_outcomes import _quality_notes
 from batch_assets.engines.kinds import resolve_settings
-from batch_assets.pipeline.cascade import (
-    TeacherAnswer,
-    choose_sample,
-    expected_calibration_error,
-    run_cascade,
-    train_student,
-)
+from batch_assets.pipeline.cascade import TeacherAnswer, run_cascade
 from batch_assets.pipeline.cascade_labels import cascade_outputs, cascade_summary, column_teacher, teacher_task
 from batch_assets.pipeline.cascade_records import CascadeRecords
+from batch_assets.pipeline.cascade_student import choose_sample, expected_calibration_error, train_student
 from batch_assets.pipeline.cascade_summary import wilson_interval
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.inference_requests import InferenceStats
-from batch_assets.pipeline.task_formats import task_format
+from batch_assets.pipeline.task_formats import task_format, task_format_key
 from batch_assets.pipeline.task_spec import PriceSpec, TaskSpecError, load_task_spec
 from batch_assets_tests.support.cascade import (
     CASCADE_TASK,
@@ -347,7 +342,7 @@ def test_an_llm_teacher_is_the_same_prompt_as_a_chat_choices_task_and_versions_t
     teacher = teacher_task(task)
     assert teacher.engine.model == "embedded:SmolLM2-135M-Instruct" and teacher.engine.max_model_len == 2048
     assert (teacher.output.kind, teacher.output.method, teacher.output.choices) == ("choices", "generate", CHOICES)
-    assert teacher.output.has_confidence and teacher.prompt == task.prompt and task_format(teacher).key[1] == "generate"
+    assert teacher.output.has_confidence and teacher.prompt == task.prompt and task_format_key(teacher)[1] == "generate"
     settings = resolve_settings(task)
     assert settings.model == "embedded:all-MiniLM-L6-v2"
     assert settings.teacher is not None and settings.teacher.model == "embedded:SmolLM2-135M-Instruct"

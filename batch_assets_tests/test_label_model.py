@@ -21,8 +21,9 @@ from batch_assets.app.run_outcomes import _quality_notes
 from batch_assets.engines.kinds import resolve_settings
 from batch_assets.lib.automation import CODE_VERSION_TAG
 from batch_assets.lib.task_definitions import build_definitions
-from batch_assets.pipeline.cascade import StoredStudent, run_cascade
+from batch_assets.pipeline.cascade import run_cascade
 from batch_assets.pipeline.cascade_labels import cascade_outputs
+from batch_assets.pipeline.cascade_student import StoredStudent
 from batch_assets.pipeline.cascade_summary import CascadeSummary, TeacherCost
 from batch_assets.pipeline.cascade_target import Calibration, PartitionFigures, TaskFigures, calibrate
 from batch_assets.pipeline.code_versions import code_versions

@@ -39,7 +39,8 @@ sys.path.insert(0, str(HERE))
 from bench_cascade import CHOICES, EMBED_TASK, SAMPLE  # noqa: E402
 from generate_industries import generate, write_csv  # noqa: E402
 
-from batch_assets.pipeline.cascade import StoredStudent, TeacherAnswer, run_cascade  # noqa: E402
+from batch_assets.pipeline.cascade import TeacherAnswer, run_cascade  # noqa: E402
+from batch_assets.pipeline.cascade_student import StoredStudent  # noqa: E402
 from batch_assets.pipeline.cascade_summary import CascadeSummary  # noqa: E402
 from batch_assets.pipeline.embeddings import vectors_matrix  # noqa: E402
 from batch_assets.pipeline.task_spec.cascade import CascadeSpec, ColumnTeacher, TargetSpec  # noqa: E402

@@ -11,7 +11,8 @@ import dagster as dg
 from batch_assets.lib.asset_metadata import asset_key
 from batch_assets.lib.label_model_asset import partitions_by_version
 from batch_assets.lib.materializations import latest_materialization
-from batch_assets.pipeline.cascade import StoredStudent, TaskCascade
+from batch_assets.pipeline.cascade import TaskCascade
+from batch_assets.pipeline.cascade_student import StoredStudent
 from batch_assets.pipeline.cascade_target import TaskFigures
 from batch_assets.pipeline.label_model import GROWTH, LabelModel
 from batch_assets.pipeline.task_spec import TaskSpec

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import polars as pl
 
-from batch_assets.pipeline.cascade import expected_calibration_error
+from batch_assets.pipeline.cascade_student import expected_calibration_error
 from batch_assets.pipeline.extras import CASCADE, MissingExtra, needs_extra
 from batch_assets.pipeline.task_spec import TaskSpec
 

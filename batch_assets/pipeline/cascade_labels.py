@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from batch_assets.pipeline.cascade import CascadeResult, StoredStudent, TaskCascade, Teacher, TeacherAnswer, run_cascade
+from batch_assets.pipeline.cascade import CascadeResult, TaskCascade, Teacher, TeacherAnswer, run_cascade
+from batch_assets.pipeline.cascade_student import StoredStudent
 from batch_assets.pipeline.cascade_summary import CascadeSummary, TeacherCost
 from batch_assets.pipeline.embeddings import vectors_column, vectors_matrix
 from batch_assets.pipeline.inference_requests import InferenceStats

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from batch_assets.pipeline.cascade import StoredStudent, rows_digest
+from batch_assets.pipeline.cascade_student import StoredStudent, rows_digest
 from batch_assets.pipeline.embeddings import vectors_matrix
 
 # The inference_outputs columns a label model is trained from.
