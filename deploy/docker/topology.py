@@ -1,6 +1,6 @@
 """batch_assets as separate containers on one Docker engine, each run in a container of its own.
 
-    python deploy/docker/topology.py up       # start (or restart) everything; prints the addresses
+    python deploy/docker/topology.py up       # start (or restart) everything, drops sensors on; prints the addresses
     python deploy/docker/topology.py down     # remove the containers, the network and the volumes
     python deploy/docker/topology.py ps       # the containers and their states
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -220,6 +221,21 @@ def start_dagster(engine: docker.DockerClient, settings: Settings, started: dict
     wait_for("the webserver", lambda: exec_ok(started["webserver"], check_web), timeout=300)
 
 
+def start_drop_sensors(daemon: Container) -> list[str]:
+    """Turns on every task's drops sensor (they ship stopped, as Dagster's sensors do), so that a file
+    dropped under `data/drops/<task>/` becomes a run; the names started."""
+    workspace = ["-w", f"{DAGSTER_HOME}/workspace.yaml"]
+    listed = daemon.exec_run(["dagster", "sensor", "list", *workspace])
+    names = re.findall(r"^Sensor: (\w+_drops_sensor) \[", listed.output.decode(), flags=re.MULTILINE)
+    if listed.exit_code != 0 or not names:
+        raise RuntimeError(f"topology: no drops sensor listed by the daemon:\n{listed.output.decode()}")
+    for name in names:
+        started = daemon.exec_run(["dagster", "sensor", "start", name, *workspace])
+        if started.exit_code != 0 and "already running" not in started.output.decode():
+            raise RuntimeError(f"topology: `dagster sensor start {name}` failed:\n{started.output.decode()}")
+    return names
+
+
 def create_bucket(s3: Container) -> bool:
     made = s3.exec_run(
         [
@@ -250,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = Settings()
     if args.command == "up":
-        up(settings)
+        started = up(settings)
+        print(f"topology: sensors on: {', '.join(start_drop_sensors(started['daemon']))}")
         print(
             f"topology: up. UI http://127.0.0.1:{settings.webserver_port} · S3 http://127.0.0.1:{settings.s3_port} "
             f"(bucket {BUCKET}, drops under s3://{BUCKET}/data/drops/<task>/) · "

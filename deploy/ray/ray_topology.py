@@ -1,6 +1,6 @@
 """batch_assets on a multi-node Ray cluster of containers on one Docker engine (`make ray-up`, docs/ray.md).
 
-    python deploy/ray/ray_topology.py up [--workers 2]   # start (or restart) everything; prints the addresses
+    python deploy/ray/ray_topology.py up [--workers 2]   # start everything, drops sensors on; prints the addresses
     python deploy/ray/ray_topology.py add-worker         # one more Ray worker (the next number)
     python deploy/ray/ray_topology.py restart-head       # restart the Ray head (the workers rejoin it)
     python deploy/ray/ray_topology.py down               # remove the containers, the network and the volumes
@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = RaySettings()
     if args.command == "up":
-        up(settings, args.workers)
+        started = up(settings, args.workers)
+        print(f"sensors on: {', '.join(base.start_drop_sensors(started['daemon']))}")
         print("\n".join(addresses(settings)))
     elif args.command == "add-worker":
         print(add_worker(base.client(), settings).name)
