@@ -45,7 +45,8 @@ sys.path.insert(0, str(HERE.parent))
 
 import bench_ray  # noqa: E402  # bench/bench_ray.py
 
-from batch_assets.engines.vllm_engine import CPU_DEFAULT_KV_CACHE_GIB  # noqa: E402
+from batch_assets.engines.vllm_settings import CPU_DEFAULT_KV_CACHE_GIB  # noqa: E402
+from batch_assets.storage.drop_files import partition_key_for  # noqa: E402
 from batch_assets_tests.ray_head import LOOPBACK_ONLY, ray_head  # noqa: E402
 from batch_assets_tests.tiny_model import built_tiny_model  # noqa: E402
 
@@ -173,7 +174,7 @@ def batch_assets_on_ray(address: str, args: argparse.Namespace, folder: Path) ->
     storage = folder / "data" / "storage" / bench_ray.TASK / "validated_labels"
     labels: list[str] = []
     for n in range(args.partitions):
-        frame = pl.read_parquet(storage / f"part{n:04d}.parquet").sort("row_id")
+        frame = pl.read_parquet(storage / f"{partition_key_for(f'part{n:04d}.jsonl')}.parquet").sort("row_id")
         labels += [str(label) for label in frame["label"].to_list()]
     lines = [
         f"batch_assets on Ray: {total} rows in {len(stats)} run(s) ({len(failed)} not successful {failed}): "
