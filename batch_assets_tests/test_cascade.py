@@ -15,11 +15,12 @@ import pytest
 
 from batch_assets.app.run_outcomes import _quality_notes
 from batch_assets.engines.kinds import resolve_settings
-from batch_assets.pipeline.cascade import TeacherAnswer, run_cascade
-from batch_assets.pipeline.cascade_labels import cascade_outputs, cascade_summary, column_teacher, teacher_task
-from batch_assets.pipeline.cascade_records import CascadeRecords
-from batch_assets.pipeline.cascade_student import choose_sample, expected_calibration_error, train_student
-from batch_assets.pipeline.cascade_summary import wilson_interval
+from batch_assets.pipeline.calibration import expected_calibration_error
+from batch_assets.pipeline.cascade.formats import CascadeRecords
+from batch_assets.pipeline.cascade.labels import cascade_outputs, cascade_summary, column_teacher, teacher_task
+from batch_assets.pipeline.cascade.run import TeacherAnswer, run_cascade
+from batch_assets.pipeline.cascade.student import choose_sample, train_student
+from batch_assets.pipeline.cascade.summary import wilson_interval
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.inference_requests import InferenceStats
 from batch_assets.pipeline.task_formats import task_format, task_format_key

@@ -14,11 +14,11 @@ import pytest
 
 from batch_assets.app.run_outcomes import _quality_notes
 from batch_assets.lib.gate_checks import target_result
-from batch_assets.pipeline.cascade import TaskCascade, TeacherAnswer, run_cascade
-from batch_assets.pipeline.cascade_labels import cascade_outputs, cascade_summary
-from batch_assets.pipeline.cascade_student import StoredStudent
-from batch_assets.pipeline.cascade_summary import TeacherCost, wilson_interval
-from batch_assets.pipeline.cascade_target import TargetChoice, calibrate, clopper_pearson_lower, partition_bound
+from batch_assets.pipeline.cascade.labels import cascade_outputs, cascade_summary
+from batch_assets.pipeline.cascade.run import TaskCascade, TeacherAnswer, run_cascade
+from batch_assets.pipeline.cascade.student import StoredStudent
+from batch_assets.pipeline.cascade.summary import TeacherCost, wilson_interval
+from batch_assets.pipeline.cascade.target import TargetChoice, calibrate, clopper_pearson_lower, partition_bound
 from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import PriceSpec, TaskSpecError, load_task_spec
 from batch_assets.pipeline.task_spec.cascade import TargetSpec
