@@ -360,16 +360,29 @@ LAYOUT = REPO_ROOT / "docs" / "layout.md"
 TABLE = re.compile(r"(<!-- import rules: .*? -->\n)(.*?)(\n\n)", re.S)
 
 
+def write_tree(root: Path, files: dict[str, str]) -> None:
+    """`files` (path under batch_assets/ -> source) as packages under `root`, each folder with its `__init__.py`."""
+    package = root / ROOT_PACKAGE
+    for name, source in files.items():
+        path = package / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for folder in [path.parent, *path.parent.parents]:
+            if folder == root:
+                break
+            (folder / "__init__.py").touch()
+        path.write_text(source)
+
+
 def test_the_rules_catch_an_arrow_they_do_not_allow_and_name_it(tmp_path: Path) -> None:
-    package = tmp_path / ROOT_PACKAGE
-    for folder in ("pipeline", "storage", "runtime"):
-        (package / folder).mkdir(parents=True)
-        (package / folder / "__init__.py").write_text("")
-    (package / "__init__.py").write_text("")
-    (package / "pipeline" / "core.py").write_text("import dagster\nfrom batch_assets.storage import files\n")
-    (package / "storage" / "files.py").write_text("from batch_assets.runtime import instance, other\n")
-    (package / "runtime" / "instance.py").write_text("")
-    (package / "runtime" / "other.py").write_text("")
+    write_tree(
+        tmp_path,
+        {
+            "pipeline/core.py": "import dagster\nfrom batch_assets.storage import files\n",
+            "storage/files.py": "from batch_assets.runtime import instance, other\n",
+            "runtime/instance.py": "",
+            "runtime/other.py": "",
+        },
+    )
     found = forbidden_imports(import_graph(tmp_path), ALLOWED_IMPORTS)
     assert found == [
         "batch_assets/pipeline/core.py:2: batch_assets.pipeline.core -> batch_assets.storage.files: "
@@ -381,17 +394,17 @@ def test_the_rules_catch_an_arrow_they_do_not_allow_and_name_it(tmp_path: Path) 
 
 
 def test_the_core_imports_no_kind_and_a_kind_only_what_its_rule_names(tmp_path: Path) -> None:
-    package = tmp_path / ROOT_PACKAGE
-    for folder in ("pipeline", "pipeline/cascade", "pipeline/openai_batch", "lib"):
-        (package / folder).mkdir(parents=True)
-        (package / folder / "__init__.py").write_text("")
-    (package / "__init__.py").write_text("")
-    (package / "pipeline" / "formats.py").write_text("from batch_assets.pipeline.cascade import run\n")
-    (package / "pipeline" / "cascade" / "run.py").write_text(
-        "from batch_assets.pipeline import formats\nfrom batch_assets.pipeline.openai_batch import lines\n"
+    write_tree(
+        tmp_path,
+        {
+            "pipeline/formats.py": "from batch_assets.pipeline.cascade import run\n",
+            "pipeline/cascade/run.py": (
+                "from batch_assets.pipeline import formats\nfrom batch_assets.pipeline.openai_batch import lines\n"
+            ),
+            "pipeline/openai_batch/lines.py": "",
+            "lib/assets.py": "from batch_assets.pipeline.cascade import run\n",
+        },
     )
-    (package / "pipeline" / "openai_batch" / "lines.py").write_text("")
-    (package / "lib" / "assets.py").write_text("from batch_assets.pipeline.cascade import run\n")
     found = forbidden_imports(import_graph(tmp_path), ALLOWED_IMPORTS)
     assert found == [
         "batch_assets/pipeline/cascade/run.py:2: batch_assets.pipeline.cascade.run -> "

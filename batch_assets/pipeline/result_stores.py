@@ -61,7 +61,7 @@ class ResultLookup(Protocol):
 
 
 class BatchRecords(Protocol):
-    """What a batch API engine keeps of the batches it submitted (engines/batch_api_engine.py), one
+    """What a batch API engine keeps of the batches it submitted (engines/batch_api_run.py), one
     JSON-able record per batch, under one run fingerprint: written before the run waits, so a
     killed or retried run collects the same batch instead of paying for a second one."""
 

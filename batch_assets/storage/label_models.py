@@ -55,8 +55,7 @@ from batch_assets.pipeline.cascade.label_model import (
     training_digest,
     training_selection,
 )
-from batch_assets.pipeline.cascade.run import PartitionFigures
-from batch_assets.pipeline.cascade.target import Calibration
+from batch_assets.pipeline.cascade.target import Calibration, PartitionFigures
 from batch_assets.pipeline.result_stores import vectors_matrix
 from batch_assets.runtime.instance import exclusive_file_lock
 from batch_assets.storage.checkpoints import remove_path
