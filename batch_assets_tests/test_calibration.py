@@ -14,8 +14,13 @@ from sklearn.model_selection import KFold, cross_val_predict
 
 from batch_assets.engines.kinds import resolve_settings
 from batch_assets.lib.asset_metadata import labels_metadata
-from batch_assets.pipeline.calibration import FOLDS, calibrate_confidence, calibrated_labels, calibration_report
-from batch_assets.pipeline.cascade_student import expected_calibration_error
+from batch_assets.pipeline.calibration import (
+    FOLDS,
+    calibrate_confidence,
+    calibrated_labels,
+    calibration_report,
+    expected_calibration_error,
+)
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import TaskSpec, TaskSpecError, load_task_spec

@@ -15,24 +15,17 @@ import pytest
 
 from batch_assets.app.run_outcomes import _quality_notes
 from batch_assets.engines.kinds import resolve_settings
-from batch_assets.pipeline.cascade import TeacherAnswer, run_cascade
-from batch_assets.pipeline.cascade_labels import cascade_outputs, cascade_summary, column_teacher, teacher_task
-from batch_assets.pipeline.cascade_records import CascadeRecords
-from batch_assets.pipeline.cascade_student import choose_sample, expected_calibration_error, train_student
-from batch_assets.pipeline.cascade_summary import wilson_interval
+from batch_assets.pipeline.calibration import expected_calibration_error
+from batch_assets.pipeline.cascade.formats import CascadeRecords
+from batch_assets.pipeline.cascade.labels import cascade_outputs, cascade_summary, column_teacher, teacher_task
+from batch_assets.pipeline.cascade.run import TeacherAnswer, run_cascade
+from batch_assets.pipeline.cascade.student import choose_sample, train_student
+from batch_assets.pipeline.cascade.summary import wilson_interval
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.inference_requests import InferenceStats
 from batch_assets.pipeline.task_formats import task_format, task_format_key
 from batch_assets.pipeline.task_spec import PriceSpec, TaskSpecError, load_task_spec
-from batch_assets_tests.support.cascade import (
-    CASCADE_TASK,
-    CHOICES,
-    blobs,
-    embedded_results,
-    perfect_teacher,
-    spec,
-    write,
-)
+from batch_assets_tests.support import cascade as support
 
 # --- pure pieces ----------------------------------------------------------------------------------
 
@@ -68,20 +61,20 @@ def test_the_sample_covers_a_small_cluster_the_head_of_the_file_never_reaches() 
 
 
 def test_the_student_learns_the_teachers_labels_and_says_how_well() -> None:
-    x, y = blobs(600, noise=0.6)
-    student = train_student(x, [CHOICES[i] for i in y])
-    assert student.classes == sorted(CHOICES) and student.calibrated and student.training_rows == 600
+    x, y = support.blobs(600, noise=0.6)
+    student = train_student(x, [support.CHOICES[i] for i in y])
+    assert student.classes == sorted(support.CHOICES) and student.calibrated and student.training_rows == 600
     assert student.cv_agreement is not None and student.cv_agreement > 0.95
     assert student.ece is not None and student.ece < 0.1
-    test_x, test_y = blobs(400, noise=0.6, seed=0)
+    test_x, test_y = support.blobs(400, noise=0.6, seed=0)
     labels, confidence = student.predict(test_x)
-    assert np.mean([label == CHOICES[i] for label, i in zip(labels, test_y, strict=True)]) > 0.95
+    assert np.mean([label == support.CHOICES[i] for label, i in zip(labels, test_y, strict=True)]) > 0.95
     assert ((confidence > 0) & (confidence <= 1)).all()
 
 
 def test_a_class_with_one_example_trains_an_uncalibrated_student_and_says_why() -> None:
-    x, y = blobs(60, noise=0.3, classes=3)
-    labels = [CHOICES[i] for i in y]
+    x, y = support.blobs(60, noise=0.3, classes=3)
+    labels = [support.CHOICES[i] for i in y]
     labels[0] = "delta"  # one example of delta
     student = train_student(x, labels)
     assert not student.calibrated and student.model is not None
@@ -91,7 +84,7 @@ def test_a_class_with_one_example_trains_an_uncalibrated_student_and_says_why() 
 def test_a_sample_whose_folds_cannot_hold_two_labels_trains_a_student_without_cross_validation() -> None:
     """Eleven rows of one label and one of another (a small sample from a chat teacher): a fold that
     holds the lone row leaves one label to train on; the student is trained, its agreement unmeasured."""
-    x, _ = blobs(12, noise=0.3, classes=2)
+    x, _ = support.blobs(12, noise=0.3, classes=2)
     student = train_student(x, ["alpha"] * 11 + ["beta"])
     assert student.model is not None and student.classes == ["alpha", "beta"]
     assert (student.cv_agreement, student.ece) == (None, None)
@@ -107,9 +100,14 @@ def test_one_distinct_label_trains_no_student_and_says_why() -> None:
 
 
 def test_the_teacher_labels_the_sample_the_unsure_rows_and_the_audit_within_its_budget() -> None:
-    x, y = blobs(2000, noise=1.2, seed=1)
+    x, y = support.blobs(2000, noise=1.2, seed=1)
     asked: list[int] = []
-    result = run_cascade(x, perfect_teacher(y, asked), spec(sample_rows=200, audit_rows=50, defer_below=0.95), CHOICES)
+    result = run_cascade(
+        x,
+        support.perfect_teacher(y, asked),
+        support.spec(sample_rows=200, audit_rows=50, defer_below=0.95),
+        support.CHOICES,
+    )
     roles = Counter(result.roles)
     assert roles["sample"] == 200 and roles["audit"] == 50
     # Budget 25 % of 2,000 = 500 teacher rows: 250 left for the rows the student is least sure of.
@@ -120,11 +118,11 @@ def test_the_teacher_labels_the_sample_the_unsure_rows_and_the_audit_within_its_
     # Rows the teacher saw have the teacher's (right) label.
     for i, role in enumerate(result.roles):
         if role != "student":
-            assert result.labels[i] == CHOICES[y[i]] and result.labelled_by[i] == "teacher"
-    accuracy = np.mean([label == CHOICES[i] for label, i in zip(result.labels, y, strict=True)])
+            assert result.labels[i] == support.CHOICES[y[i]] and result.labelled_by[i] == "teacher"
+    accuracy = np.mean([label == support.CHOICES[i] for label, i in zip(result.labels, y, strict=True)])
     student_only = np.mean(
         [
-            label == CHOICES[i]
+            label == support.CHOICES[i]
             for label, i, role in zip(result.student_labels, y, result.roles, strict=True)
             if role == "student"
         ]
@@ -134,11 +132,13 @@ def test_the_teacher_labels_the_sample_the_unsure_rows_and_the_audit_within_its_
 
 
 def test_deferral_takes_the_least_sure_rows_first() -> None:
-    x, y = blobs(1000, noise=1.2, seed=2)
-    result = run_cascade(x, perfect_teacher(y), spec(sample_rows=100, audit_rows=0, defer_below=1.0), CHOICES)
+    x, y = support.blobs(1000, noise=1.2, seed=2)
+    result = run_cascade(
+        x, support.perfect_teacher(y), support.spec(sample_rows=100, audit_rows=0, defer_below=1.0), support.CHOICES
+    )
     student = train_student(
         x[[i for i, r in enumerate(result.roles) if r == "sample"]],
-        [CHOICES[y[i]] for i, r in enumerate(result.roles) if r == "sample"],
+        [support.CHOICES[y[i]] for i, r in enumerate(result.roles) if r == "sample"],
     )
     _, confidence = student.predict(x)
     deferred = [confidence[i] for i, r in enumerate(result.roles) if r == "deferred"]
@@ -147,8 +147,10 @@ def test_deferral_takes_the_least_sure_rows_first() -> None:
 
 
 def test_defer_below_zero_sends_nothing_but_sample_and_audit_to_the_teacher() -> None:
-    x, y = blobs(800, noise=0.5, seed=4)
-    result = run_cascade(x, perfect_teacher(y), spec(sample_rows=80, audit_rows=40, defer_below=0.0), CHOICES)
+    x, y = support.blobs(800, noise=0.5, seed=4)
+    result = run_cascade(
+        x, support.perfect_teacher(y), support.spec(sample_rows=80, audit_rows=40, defer_below=0.0), support.CHOICES
+    )
     assert Counter(result.roles) == {"sample": 80, "audit": 40, "student": 680}
     summary_frame = pl.DataFrame(
         {
@@ -166,15 +168,15 @@ def test_defer_below_zero_sends_nothing_but_sample_and_audit_to_the_teacher() ->
 
 
 def test_a_teacher_error_is_an_error_row_and_a_failed_audit_keeps_the_students_label() -> None:
-    x, y = blobs(400, noise=0.5, seed=5)
+    x, y = support.blobs(400, noise=0.5, seed=5)
 
     def teacher(positions: np.ndarray) -> list[TeacherAnswer]:
         return [
-            TeacherAnswer(None, f"teacher_error: row {i}") if i % 7 == 0 else TeacherAnswer(CHOICES[y[i]])
+            TeacherAnswer(None, f"teacher_error: row {i}") if i % 7 == 0 else TeacherAnswer(support.CHOICES[y[i]])
             for i in positions
         ]
 
-    result = run_cascade(x, teacher, spec(sample_rows=40, audit_rows=30, defer_below=0.0), CHOICES)
+    result = run_cascade(x, teacher, support.spec(sample_rows=40, audit_rows=30, defer_below=0.0), support.CHOICES)
     for i, role in enumerate(result.roles):
         if i % 7 == 0 and role == "sample":
             assert result.labels[i] is None and result.errors[i] == f"teacher_error: row {i}"
@@ -189,7 +191,7 @@ def test_a_teacher_error_is_an_error_row_and_a_failed_audit_keeps_the_students_l
 def test_a_sample_of_one_label_leaves_the_other_rows_as_error_rows_not_guesses() -> None:
     x = np.random.default_rng(0).normal(size=(100, 8)).astype(np.float32)
     result = run_cascade(
-        x, lambda positions: [TeacherAnswer("alpha") for _ in positions], spec(sample_rows=10), CHOICES
+        x, lambda positions: [TeacherAnswer("alpha") for _ in positions], support.spec(sample_rows=10), support.CHOICES
     )
     # Budget 25 rows: a sample of 10 (sample_rows), then 15 more for the teacher; no student for the rest.
     assert Counter(result.labelled_by) == {"teacher": 25, None: 75}
@@ -200,7 +202,9 @@ def test_a_sample_of_one_label_leaves_the_other_rows_as_error_rows_not_guesses()
 
 
 def test_an_empty_partition_labels_nothing() -> None:
-    result = run_cascade(np.zeros((0, 8), dtype=np.float32), perfect_teacher(np.zeros(0, int)), spec(), CHOICES)
+    result = run_cascade(
+        np.zeros((0, 8), dtype=np.float32), support.perfect_teacher(np.zeros(0, int)), support.spec(), support.CHOICES
+    )
     assert result.labels == [] and result.student.model is None
 
 
@@ -208,11 +212,11 @@ def test_an_empty_partition_labels_nothing() -> None:
 
 
 def test_a_teacher_column_with_an_unknown_label_is_an_error_row_naming_file_and_line() -> None:
-    x, y = blobs(300, noise=1.5, seed=6)  # noisy: the student is never sure, every row goes to the teacher
-    gold: list[str | None] = [CHOICES[i] for i in y]
+    x, y = support.blobs(300, noise=1.5, seed=6)  # noisy: the student is never sure, every row goes to the teacher
+    gold: list[str | None] = [support.CHOICES[i] for i in y]
     gold[0], gold[1] = "Omega", None
-    frame = embedded_results(x, gold, errors={2: "empty_text: f.csv line 4: the text is empty"})
-    teacher = column_teacher(frame, "gold", CHOICES, "f.csv")
+    frame = support.embedded_results(x, gold, errors={2: "empty_text: f.csv line 4: the text is empty"})
+    teacher = column_teacher(frame, "gold", support.CHOICES, "f.csv")
     assert teacher(np.array([0, 1, 3])) == [
         TeacherAnswer(
             None,
@@ -222,10 +226,10 @@ def test_a_teacher_column_with_an_unknown_label_is_an_error_row_naming_file_and_
         TeacherAnswer(gold[3]),
     ]
     with pytest.raises(ValueError, match="f.csv: output.cascade.teacher.column 'Gold' is not a column of the file"):
-        column_teacher(frame, "Gold", CHOICES, "f.csv")
+        column_teacher(frame, "Gold", support.CHOICES, "f.csv")
     # Through the cascade: a teacher that is asked about every row (a budget of all rows, none sure enough).
-    cascade = spec(sample_rows=400, max_teacher_share=1.0, defer_below=1.0, audit_rows=0)
-    outputs, measured = cascade_outputs(frame, cascade, CHOICES, "f.csv")
+    cascade = support.spec(sample_rows=400, max_teacher_share=1.0, defer_below=1.0, audit_rows=0)
+    outputs, measured = cascade_outputs(frame, cascade, support.CHOICES, "f.csv")
     assert outputs["error"][0].startswith("teacher_unknown_label: f.csv line 2:")
     assert outputs["error"][1].startswith("teacher_no_label: f.csv line 3:")
     assert outputs["error"][2] == "empty_text: f.csv line 4: the text is empty"  # untouched, never labelled
@@ -235,11 +239,13 @@ def test_a_teacher_column_with_an_unknown_label_is_an_error_row_naming_file_and_
 
 
 def test_a_partition_through_the_cascade_kind_gives_every_row_a_label_or_an_error(tmp_path: Path) -> None:
-    task = load_task_spec(write(tmp_path, CASCADE_TASK))
+    task = load_task_spec(support.write(tmp_path, support.CASCADE_TASK))
     fmt = task_format(task)
     assert isinstance(fmt, CascadeRecords) and fmt.task.output.pooling
-    x, y = blobs(1200, noise=1.0, seed=7)
-    outputs, measured = cascade_outputs(embedded_results(x, [CHOICES[i] for i in y]), task.output.cascade, CHOICES, "f")
+    x, y = support.blobs(1200, noise=1.0, seed=7)
+    outputs, measured = cascade_outputs(
+        support.embedded_results(x, [support.CHOICES[i] for i in y]), task.output.cascade, support.CHOICES, "f"
+    )
     labels = fmt.validate(outputs)
     assert labels.height == 1200 and labels["error"].null_count() == 1200
     assert labels["label"].null_count() == 0 and labels["confidence"].is_between(0, 1).all()
@@ -253,16 +259,16 @@ def test_a_partition_through_the_cascade_kind_gives_every_row_a_label_or_an_erro
 
 def test_the_embedding_cost_counts_the_rows_embedded_not_a_text_refused_before(tmp_path: Path) -> None:
     """Issue 56.6: a text too long for the embedding model was never sent: it costs nothing."""
-    task = load_task_spec(write(tmp_path, CASCADE_TASK))
+    task = load_task_spec(support.write(tmp_path, support.CASCADE_TASK))
     priced = task.model_copy(
         update={"engine": task.engine.model_copy(update={"price": PriceSpec(input_per_million_tokens=1.0)})}
     )
     assert priced.output.cascade is not None
-    x, y = blobs(200, noise=0.5, seed=7)
+    x, y = support.blobs(200, noise=0.5, seed=7)
     too_long = "input_too_long: f line 2: 900 tokens exceed the model's limit of 256 (engine.max_model_len)"
-    frame = embedded_results(x, [CHOICES[i] for i in y], errors={0: too_long})
+    frame = support.embedded_results(x, [support.CHOICES[i] for i in y], errors={0: too_long})
     frame = frame.with_columns(num_prompt_tokens=pl.Series([900] + [3] * 199))
-    outputs, _ = cascade_outputs(frame, priced.output.cascade, CHOICES, "f")
+    outputs, _ = cascade_outputs(frame, priced.output.cascade, support.CHOICES, "f")
     fmt = task_format(priced)
     assert fmt.label_metadata(fmt.validate(outputs))["embedding_cost_usd"] == pytest.approx(199 * 3 / 1e6)
 
@@ -271,7 +277,9 @@ def test_the_embedding_cost_counts_the_rows_embedded_not_a_text_refused_before(t
 
 
 def test_a_cascade_task_loads_with_the_documented_defaults(tmp_path: Path) -> None:
-    task = load_task_spec(write(tmp_path, CASCADE_TASK.replace(", sample_rows: 150, audit_rows: 30", "")))
+    task = load_task_spec(
+        support.write(tmp_path, support.CASCADE_TASK.replace(", sample_rows: 150, audit_rows: 30", ""))
+    )
     cascade = task.output.cascade
     assert cascade is not None and task.engine.model == "embedded:all-MiniLM-L6-v2"
     assert (cascade.sample_rows, cascade.defer_below, cascade.max_teacher_share, cascade.audit_rows) == (
@@ -312,10 +320,10 @@ def test_a_cascade_task_loads_with_the_documented_defaults(tmp_path: Path) -> No
 def test_cascade_settings_that_do_not_fit_are_refused_naming_the_setting(
     tmp_path: Path, old: str, new: str, message: str
 ) -> None:
-    body = CASCADE_TASK.replace(old, new)
-    assert body != CASCADE_TASK
+    body = support.CASCADE_TASK.replace(old, new)
+    assert body != support.CASCADE_TASK
     with pytest.raises(TaskSpecError, match=message.replace("(", r"\(")):
-        load_task_spec(write(tmp_path, body))
+        load_task_spec(support.write(tmp_path, body))
 
 
 def test_min_agreement_on_a_task_without_a_cascade_is_refused(tmp_path: Path) -> None:
@@ -324,12 +332,12 @@ def test_min_agreement_on_a_task_without_a_cascade_is_refused(tmp_path: Path) ->
         "output: {kind: choices, choices: [a, b]}\nchecks: {min_agreement: 0.9}\n"
     )
     with pytest.raises(TaskSpecError, match="checks.min_agreement applies to output.method: cascade"):
-        load_task_spec(write(tmp_path, body))
+        load_task_spec(support.write(tmp_path, body))
 
 
 # --- teacher: llm -------------------------------------------------------------------------------
 
-LLM_TASK = CASCADE_TASK.replace("{teacher: {column: gold}", "{teacher: llm").replace(
+LLM_TASK = support.CASCADE_TASK.replace("{teacher: {column: gold}", "{teacher: llm").replace(
     'prompt: {template: "{name}"}', 'prompt: {system: "Label the name.", template: "{name}"}'
 )
 
@@ -338,16 +346,22 @@ def test_an_llm_teacher_is_the_same_prompt_as_a_chat_choices_task_and_versions_t
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("BATCH_ASSETS_MODEL", raising=False)
-    task = load_task_spec(write(tmp_path, LLM_TASK))
+    task = load_task_spec(support.write(tmp_path, LLM_TASK))
     teacher = teacher_task(task)
     assert teacher.engine.model == "embedded:SmolLM2-135M-Instruct" and teacher.engine.max_model_len == 2048
-    assert (teacher.output.kind, teacher.output.method, teacher.output.choices) == ("choices", "generate", CHOICES)
+    assert (teacher.output.kind, teacher.output.method, teacher.output.choices) == (
+        "choices",
+        "generate",
+        support.CHOICES,
+    )
     assert teacher.output.has_confidence and teacher.prompt == task.prompt and task_format_key(teacher)[1] == "generate"
     settings = resolve_settings(task)
     assert settings.model == "embedded:all-MiniLM-L6-v2"
     assert settings.teacher is not None and settings.teacher.model == "embedded:SmolLM2-135M-Instruct"
     # Another teacher model changes the labels' code versions (not the formatted prompts').
-    other = load_task_spec(write(tmp_path, LLM_TASK.replace("{teacher: llm", "{teacher: llm, teacher_model: m"), "b"))
+    other = load_task_spec(
+        support.write(tmp_path, LLM_TASK.replace("{teacher: llm", "{teacher: llm, teacher_model: m"), "b")
+    )
     assert teacher_task(other).engine.model == "m"
     before, after = code_versions(task, settings), code_versions(other, resolve_settings(other))
     assert before["formatted_prompts"] == after["formatted_prompts"]
@@ -363,10 +377,10 @@ def test_an_llm_teacher_is_the_same_prompt_as_a_chat_choices_task_and_versions_t
 def test_an_llm_teachers_error_is_an_error_row_never_the_students_label(tmp_path: Path) -> None:
     """The chat teacher's answers come as a choices task's validated labels; one it gave no valid
     choice for is the row's error (sample or deferred row), and the calls are counted."""
-    task = load_task_spec(write(tmp_path, LLM_TASK))
-    x, y = blobs(300, noise=1.5, seed=6)
-    gold = [CHOICES[i] for i in y]
-    frame = embedded_results(x, gold)
+    task = load_task_spec(support.write(tmp_path, LLM_TASK))
+    x, y = support.blobs(300, noise=1.5, seed=6)
+    gold = [support.CHOICES[i] for i in y]
+    frame = support.embedded_results(x, gold)
     asked: list[list[int]] = []
 
     def teach(source: str, rows: pl.DataFrame) -> tuple[pl.DataFrame, InferenceStats]:
@@ -393,7 +407,7 @@ def test_an_llm_teachers_error_is_an_error_row_never_the_students_label(tmp_path
     cascade = task.output.cascade
     assert cascade is not None
     outputs, measured = cascade_outputs(
-        frame, cascade.model_copy(update={"max_teacher_share": 1.0}), CHOICES, "f.csv", teach
+        frame, cascade.model_copy(update={"max_teacher_share": 1.0}), support.CHOICES, "f.csv", teach
     )
     asked_rows = [i for call in asked for i in call]
     assert len(asked_rows) == len(set(asked_rows)) and len(asked) == 3  # sample, deferred, audit
@@ -440,11 +454,11 @@ def test_an_llm_teachers_error_is_an_error_row_never_the_students_label(tmp_path
 def test_a_small_partition_with_the_default_settings_defers_its_unsure_rows_before_auditing() -> None:
     # Default budget: 25 % of 1,000 = 250, a sample of 125 (half of it): 125 left. The audit (200 by
     # default) is kept to at most half of that when every row is unsure, so deferral gets the other 63.
-    x, y = blobs(1000, noise=1.2, seed=2)
-    roles = Counter(run_cascade(x, perfect_teacher(y), spec(defer_below=1.0), CHOICES).roles)
+    x, y = support.blobs(1000, noise=1.2, seed=2)
+    roles = Counter(run_cascade(x, support.perfect_teacher(y), support.spec(defer_below=1.0), support.CHOICES).roles)
     assert (roles["sample"], roles["deferred"], roles["audit"]) == (125, 63, 62)
     # With the default defer_below all 30 unsure rows fit, and the audit takes the rest of the budget.
-    result = run_cascade(x, perfect_teacher(y), spec(), CHOICES)
+    result = run_cascade(x, support.perfect_teacher(y), support.spec(), support.CHOICES)
     roles = Counter(result.roles)
     assert (roles["sample"], roles["deferred"], roles["audit"], result.over_budget_rows) == (125, 30, 95, 0)
 

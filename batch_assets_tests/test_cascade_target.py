@@ -14,23 +14,15 @@ import pytest
 
 from batch_assets.app.run_outcomes import _quality_notes
 from batch_assets.lib.gate_checks import target_result
-from batch_assets.pipeline.cascade import TaskCascade, TeacherAnswer, run_cascade
-from batch_assets.pipeline.cascade_labels import cascade_outputs, cascade_summary
-from batch_assets.pipeline.cascade_student import StoredStudent
-from batch_assets.pipeline.cascade_summary import TeacherCost, wilson_interval
-from batch_assets.pipeline.cascade_target import TargetChoice, calibrate, clopper_pearson_lower, partition_bound
+from batch_assets.pipeline.cascade.labels import cascade_outputs, cascade_summary
+from batch_assets.pipeline.cascade.run import TaskCascade, TeacherAnswer, run_cascade
+from batch_assets.pipeline.cascade.student import StoredStudent
+from batch_assets.pipeline.cascade.summary import TeacherCost, wilson_interval
+from batch_assets.pipeline.cascade.target import TargetChoice, calibrate, clopper_pearson_lower, partition_bound
 from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import PriceSpec, TaskSpecError, load_task_spec
 from batch_assets.pipeline.task_spec.cascade import TargetSpec
-from batch_assets_tests.support.cascade import (
-    CASCADE_TASK,
-    CHOICES,
-    blobs,
-    embedded_results,
-    perfect_teacher,
-    spec,
-    write,
-)
+from batch_assets_tests.support import cascade as support
 
 TARGET = TargetSpec(agreement=0.95, confidence=0.95)
 
@@ -123,7 +115,7 @@ def test_the_per_task_guarantee_holds_its_confidence_over_many_simulated_jobs(na
 def shared_task(rows: int = 6000, noise: float = 2.0, seed: int = 3):
     """Rows of one kind, cut into partitions of 2,000, and a cascade by target that shares its
     student and calibration across them."""
-    x, y = blobs(rows, noise=noise, seed=seed)
+    x, y = support.blobs(rows, noise=noise, seed=seed)
     parts = [(x[i : i + 2000], y[i : i + 2000]) for i in range(0, rows, 2000)]
     return parts, TaskCascade()
 
@@ -133,12 +125,14 @@ TASK_TARGET = TargetSpec(agreement=0.95, confidence=0.9, calibration_rows=300)
 
 def test_later_partitions_reuse_the_task_s_student_and_calibration_paying_only_their_deferred_rows() -> None:
     parts, task = shared_task()
-    settings = spec(sample_rows=200, audit_rows=50, target=TASK_TARGET, max_teacher_share=0.6)
+    settings = support.spec(sample_rows=200, audit_rows=50, target=TASK_TARGET, max_teacher_share=0.6)
     results = []
     for n, (x, y) in enumerate(parts):
         task.partition = f"p{n}"
         asked: list[int] = []
-        results.append((run_cascade(x, perfect_teacher(y, asked), settings, CHOICES, task=task), asked, y))
+        results.append(
+            (run_cascade(x, support.perfect_teacher(y, asked), settings, support.CHOICES, task=task), asked, y)
+        )
     first, second, third = (Counter(r.roles) for r, _, _ in results)
     assert first["sample"] == 200 and first["calibration"] == 300
     assert second["sample"] == second["calibration"] == third["sample"] == third["calibration"] == 0
@@ -155,7 +149,9 @@ def test_later_partitions_reuse_the_task_s_student_and_calibration_paying_only_t
     teacher = sum(sum(by == "teacher" for by in r.labelled_by) for r, _, _ in results)
     assert figures.teacher_rows == teacher and figures.confidence == 0.9
     assert figures.lower_bound >= 0.95
-    accuracy = np.mean([label == CHOICES[i] for r, _, y in results for label, i in zip(r.labels, y, strict=True)])
+    accuracy = np.mean(
+        [label == support.CHOICES[i] for r, _, y in results for label, i in zip(r.labels, y, strict=True)]
+    )
     assert accuracy >= figures.lower_bound - 0.01
     metadata = results[-1][0].metadata()
     assert metadata["task_rows"] == 6000 and metadata["task_teacher_share"] == round(teacher / 6000, 4)
@@ -163,13 +159,15 @@ def test_later_partitions_reuse_the_task_s_student_and_calibration_paying_only_t
 
 def test_a_new_student_version_recalibrates() -> None:
     parts, task = shared_task()
-    settings = spec(sample_rows=200, audit_rows=50, target=TASK_TARGET, max_teacher_share=0.6)
+    settings = support.spec(sample_rows=200, audit_rows=50, target=TASK_TARGET, max_teacher_share=0.6)
     (x0, y0), (x1, y1), (x2, y2) = parts
-    run_cascade(x0, perfect_teacher(y0), settings, CHOICES, task=task)
+    run_cascade(x0, support.perfect_teacher(y0), settings, support.CHOICES, task=task)
     first = task.calibration
     # The label model retrained on more teacher rows: a new student version, calibrated again.
-    task.stored = StoredStudent(np.vstack([x0[:500], x1[:500]]), [CHOICES[i] for i in [*y0[:500], *y1[:500]]], 0)
-    again = run_cascade(x2, perfect_teacher(y2), settings, CHOICES, task=task)
+    task.stored = StoredStudent(
+        np.vstack([x0[:500], x1[:500]]), [support.CHOICES[i] for i in [*y0[:500], *y1[:500]]], 0
+    )
+    again = run_cascade(x2, support.perfect_teacher(y2), settings, support.CHOICES, task=task)
     assert Counter(again.roles)["calibration"] == 300 and Counter(again.roles)["sample"] == 0
     assert first is not None and task.calibration is not None
     assert task.calibration.student_version == task.stored.student_version != first.student_version
@@ -183,10 +181,10 @@ def test_a_refused_target_defers_what_the_budget_pays_for_by_default_and_nothing
     results = {}
     for mode in ("best_effort", "stop"):
         task = TaskCascade()
-        mode_spec = spec(**settings, target=TASK_TARGET, on_unreachable=mode)
-        run_cascade(x0, perfect_teacher(y0), mode_spec, CHOICES, task=task)
+        mode_spec = support.spec(**settings, target=TASK_TARGET, on_unreachable=mode)
+        run_cascade(x0, support.perfect_teacher(y0), mode_spec, support.CHOICES, task=task)
         asked: list[int] = []
-        result = run_cascade(x1, perfect_teacher(y1, asked), mode_spec, CHOICES, task=task)
+        result = run_cascade(x1, support.perfect_teacher(y1, asked), mode_spec, support.CHOICES, task=task)
         results[mode] = result, asked
     best, asked = results["best_effort"]
     stopped, nothing = results["stop"]
@@ -202,7 +200,7 @@ def test_a_refused_target_defers_what_the_budget_pays_for_by_default_and_nothing
     assert "on_unreachable: stop: nothing more was asked" in (stopped.target.refusal() or "")
 
     def accuracy(result) -> float:
-        return float(np.mean([label == CHOICES[i] for label, i in zip(result.labels, y1, strict=True)]))
+        return float(np.mean([label == support.CHOICES[i] for label, i in zip(result.labels, y1, strict=True)]))
 
     assert accuracy(best) > accuracy(stopped)
 
@@ -214,13 +212,15 @@ def test_at_the_same_budget_the_target_is_never_less_accurate_than_the_threshold
     parts, task = shared_task()
     (x0, y0), (x1, y1), _ = parts
     budget = {"sample_rows": 200, "audit_rows": 50, "max_teacher_share": 0.2}
-    run_cascade(x0, perfect_teacher(y0), spec(**budget, target=TASK_TARGET), CHOICES, task=task)
-    by_target = run_cascade(x1, perfect_teacher(y1), spec(**budget, target=TASK_TARGET), CHOICES, task=task)
+    run_cascade(x0, support.perfect_teacher(y0), support.spec(**budget, target=TASK_TARGET), support.CHOICES, task=task)
+    by_target = run_cascade(
+        x1, support.perfect_teacher(y1), support.spec(**budget, target=TASK_TARGET), support.CHOICES, task=task
+    )
     assert task.stored is not None
-    by_threshold = run_cascade(x1, perfect_teacher(y1), spec(**budget), CHOICES, task.stored)
+    by_threshold = run_cascade(x1, support.perfect_teacher(y1), support.spec(**budget), support.CHOICES, task.stored)
 
     def accuracy_and_share(result) -> tuple[float, float]:
-        right = np.mean([label == CHOICES[i] for label, i in zip(result.labels, y1, strict=True)])
+        right = np.mean([label == support.CHOICES[i] for label, i in zip(result.labels, y1, strict=True)])
         return float(right), float(np.mean([by == "teacher" for by in result.labelled_by]))
 
     (target_accuracy, target_share), (threshold_accuracy, threshold_share) = map(
@@ -231,24 +231,26 @@ def test_at_the_same_budget_the_target_is_never_less_accurate_than_the_threshold
 
 
 def test_a_target_loads_and_bad_values_are_refused_naming_the_setting(tmp_path: Path) -> None:
-    with_target = CASCADE_TASK.replace("audit_rows: 30}", "audit_rows: 30, target: {agreement: 0.95, confidence: 0.9}}")
-    assert with_target != CASCADE_TASK
-    cascade = load_task_spec(write(tmp_path, with_target)).output.cascade
+    with_target = support.CASCADE_TASK.replace(
+        "audit_rows: 30}", "audit_rows: 30, target: {agreement: 0.95, confidence: 0.9}}"
+    )
+    assert with_target != support.CASCADE_TASK
+    cascade = load_task_spec(support.write(tmp_path, with_target)).output.cascade
     assert cascade is not None and cascade.target == TargetSpec(agreement=0.95, confidence=0.9, calibration_rows=500)
     with pytest.raises(TaskSpecError, match=r"cascaded.yaml: output.cascade.target.agreement \(line 8\)"):
-        load_task_spec(write(tmp_path, with_target.replace("agreement: 0.95", "agreement: 95")))
+        load_task_spec(support.write(tmp_path, with_target.replace("agreement: 0.95", "agreement: 95")))
     with pytest.raises(TaskSpecError, match=r"output.cascade.target.confidence"):
-        load_task_spec(write(tmp_path, with_target.replace("confidence: 0.9", "confidence: 1")))
+        load_task_spec(support.write(tmp_path, with_target.replace("confidence: 0.9", "confidence: 1")))
     assert cascade.on_unreachable == "best_effort"
     stop = with_target.replace("audit_rows: 30,", "audit_rows: 30, on_unreachable: stop,")
-    stopped = load_task_spec(write(tmp_path, stop)).output.cascade
+    stopped = load_task_spec(support.write(tmp_path, stop)).output.cascade
     assert stopped is not None and stopped.on_unreachable == "stop"
     with pytest.raises(TaskSpecError, match=r"output.cascade.on_unreachable"):
-        load_task_spec(write(tmp_path, stop.replace("on_unreachable: stop", "on_unreachable: relax")))
+        load_task_spec(support.write(tmp_path, stop.replace("on_unreachable: stop", "on_unreachable: relax")))
 
 
 def test_a_task_without_a_target_keeps_its_code_version(tmp_path: Path) -> None:
-    task = load_task_spec(write(tmp_path, CASCADE_TASK))
+    task = load_task_spec(support.write(tmp_path, support.CASCADE_TASK))
     assert "target" not in task.output.decision()["cascade"]
     assert "on_unreachable" not in task.output.decision()["cascade"]
 
@@ -349,11 +351,11 @@ def test_the_run_summary_says_what_the_target_guarantees_or_why_it_was_refused()
 
 
 def test_a_defer_below_written_beside_the_target_is_a_floor() -> None:
-    x, y = blobs(2000, noise=1.0, seed=5)
+    x, y = support.blobs(2000, noise=1.0, seed=5)
     target = TargetSpec(agreement=0.8, confidence=0.9, calibration_rows=200)
     settings = {"sample_rows": 200, "audit_rows": 50, "target": target, "max_teacher_share": 1.0}
-    alone = run_cascade(x, perfect_teacher(y), spec(**settings), CHOICES)
-    floored = run_cascade(x, perfect_teacher(y), spec(**settings, defer_below=0.99), CHOICES)
+    alone = run_cascade(x, support.perfect_teacher(y), support.spec(**settings), support.CHOICES)
+    floored = run_cascade(x, support.perfect_teacher(y), support.spec(**settings, defer_below=0.99), support.CHOICES)
     assert alone.target is not None and floored.target is not None and alone.target.met and floored.target.met
     # The same threshold; the floor's teacher rows only raise the bound.
     assert alone.target.threshold == floored.target.threshold
@@ -374,8 +376,8 @@ LENIENT = TargetSpec(agreement=0.5, confidence=0.5, calibration_rows=100000)
 def test_a_target_on_a_file_too_small_for_a_student_is_not_met_and_says_why() -> None:
     """10 rows, 25 % of them for the teacher: a sample of 1 row, one label, no student; 8 rows are
     `cascade_no_student` errors, 2 of 10 agree: the target is not met, and the refusal says why."""
-    x, y = blobs(10, noise=0.5, seed=8)
-    result = run_cascade(x, perfect_teacher(y), spec(sample_rows=100, target=LENIENT), CHOICES)
+    x, y = support.blobs(10, noise=0.5, seed=8)
+    result = run_cascade(x, support.perfect_teacher(y), support.spec(sample_rows=100, target=LENIENT), support.CHOICES)
     choice = result.target
     assert choice is not None and not choice.met and choice.threshold is None
     assert choice.lower_bound == pytest.approx(0.2)
@@ -400,23 +402,27 @@ def test_a_target_on_a_file_too_small_for_a_student_is_not_met_and_says_why() ->
 def test_a_partition_the_teacher_labels_whole_meets_the_target_exactly() -> None:
     """A sample of one label trains no student, but a budget of every row leaves none to it: the
     agreement is known, not bounded."""
-    x, _ = blobs(6, noise=0.5, seed=8)
+    x, _ = support.blobs(6, noise=0.5, seed=8)
     teacher = lambda positions: [TeacherAnswer("alpha") for _ in positions]  # noqa: E731
-    result = run_cascade(x, teacher, spec(sample_rows=100, max_teacher_share=1.0, target=LENIENT), CHOICES)
+    result = run_cascade(
+        x, teacher, support.spec(sample_rows=100, max_teacher_share=1.0, target=LENIENT), support.CHOICES
+    )
     assert result.labelled_by == ["teacher"] * 6
     assert result.target is not None and result.target.met and result.target.lower_bound == 1.0
 
 
 def degenerate_labels(tmp_path: Path, gold: list[str | None], errors: dict[int, str] | None = None):
-    """A partition of `gold` (the teacher column) through the cascade of CASCADE_TASK with the lenient
+    """A partition of `gold` (the teacher column) through the cascade of support.CASCADE_TASK with the lenient
     target: its labels and the `agreement_target_met` result on them."""
-    body = CASCADE_TASK.replace(
+    body = support.CASCADE_TASK.replace(
         "audit_rows: 30}", "audit_rows: 30, target: {agreement: 0.5, confidence: 0.5, calibration_rows: 100000}}"
     )
-    task = load_task_spec(write(tmp_path, body))
+    task = load_task_spec(support.write(tmp_path, body))
     assert task.output.cascade is not None
-    x, _ = blobs(len(gold), noise=0.3, seed=9)
-    outputs, measured = cascade_outputs(embedded_results(x, gold, errors), task.output.cascade, CHOICES, "f.csv")
+    x, _ = support.blobs(len(gold), noise=0.3, seed=9)
+    outputs, measured = cascade_outputs(
+        support.embedded_results(x, gold, errors), task.output.cascade, support.CHOICES, "f.csv"
+    )
     labels = task_format(task).validate(outputs)
     choice = {name: value for name, value in measured.items() if name.startswith("target_")}
     return labels, choice, target_result(labels, choice)
@@ -444,7 +450,7 @@ def test_the_target_check_fails_a_degenerate_file_naming_why(tmp_path: Path, gol
 
 def test_rows_that_were_never_embedded_count_against_the_target(tmp_path: Path) -> None:
     """The target is a share of all the partition's rows: empty texts are rows that do not agree."""
-    gold = [CHOICES[i % 4] for i in range(40)]
+    gold = [support.CHOICES[i % 4] for i in range(40)]
     empty = {i: f"empty_text: f.csv line {i + 2}: the text is empty" for i in range(25)}
     _, choice, result = degenerate_labels(tmp_path, gold, empty)
     assert not result.passed and choice["target_lower_bound"] <= 15 / 40
@@ -456,7 +462,7 @@ def test_rows_that_were_never_embedded_count_against_the_target(tmp_path: Path) 
 def test_deferred_rows_the_teacher_gives_no_label_for_lower_the_bound_and_fail_the_target() -> None:
     """The bound counts the deferred rows as the teacher's; a teacher that fails on them (here every
     row of the third call: sample, calibration, then the deferred rows) leaves them error rows."""
-    x, y = blobs(2000, noise=2.0, seed=3)
+    x, y = support.blobs(2000, noise=2.0, seed=3)
     calls: list[int] = []
 
     def teacher(positions: np.ndarray) -> list[TeacherAnswer]:
@@ -465,11 +471,11 @@ def test_deferred_rows_the_teacher_gives_no_label_for_lower_the_bound_and_fail_t
             return [TeacherAnswer(None, "teacher_no_label: f.csv line 1: the teacher column 'gold' is empty")] * len(
                 positions
             )
-        return [TeacherAnswer(CHOICES[y[i]]) for i in positions]
+        return [TeacherAnswer(support.CHOICES[y[i]]) for i in positions]
 
     target = TargetSpec(agreement=0.95, confidence=0.9, calibration_rows=300)
     result = run_cascade(
-        x, teacher, spec(sample_rows=200, audit_rows=50, max_teacher_share=0.8, target=target), CHOICES
+        x, teacher, support.spec(sample_rows=200, audit_rows=50, max_teacher_share=0.8, target=target), support.CHOICES
     )
     deferred = Counter(result.roles)["deferred"]
     assert len(calls) == 4 and calls[2] == deferred > 0.05 * 2000

@@ -15,7 +15,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from batch_assets.pipeline.embeddings import vectors_matrix
+from batch_assets.pipeline.result_stores import vectors_matrix
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets_tests.support import REPO_ROOT, SAMPLES, drop
 from batch_assets_tests.support.embeddings import TASKS, TEXTS, cosines, jsonl, metadata_of, read, run

@@ -12,19 +12,15 @@ import numpy as np
 import polars as pl
 import pytest
 
-from batch_assets.pipeline.embeddings import (
+from batch_assets.pipeline.embeddings.prompts import format_embedding_prompts
+from batch_assets.pipeline.embeddings.results import embedding_outputs, embedding_report, validate_embeddings
+from batch_assets.pipeline.embeddings.similarity import (
     SIMILARITY_SCALE,
     choice_texts,
-    decode_vector,
-    embedding_outputs,
-    embedding_report,
-    encode_vector,
-    format_embedding_prompts,
     similarity_labels,
     similarity_outputs,
-    validate_embeddings,
-    vectors_column,
 )
+from batch_assets.pipeline.result_stores import decode_vector, encode_vector, vectors_column
 from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import TaskSpecError, load_task_spec
 from batch_assets.pipeline.validate_labels import validate_labels
@@ -213,8 +209,9 @@ def test_texts_the_tokenizer_reads_as_mostly_unknown_tokens_are_marked_counted_a
     nothing about the text. Such rows are embedded, but marked, counted and named with their lines."""
     from batch_assets.engines.embedded_model import embedding_model_dir
     from batch_assets.engines.tokenizers import load_tokenizer
-    from batch_assets.pipeline.embeddings import UNKNOWN_TOKENS_COLUMN, unknown_token_rows, unknown_token_warning
+    from batch_assets.pipeline.embeddings.prompts import unknown_token_rows, unknown_token_warning
     from batch_assets.pipeline.task_spec import OutputSpec
+    from batch_assets.pipeline.validate_labels import UNKNOWN_TOKENS_COLUMN
 
     tokenizer = load_tokenizer(str(embedding_model_dir()))
     word = "x" * 101
@@ -247,7 +244,7 @@ def test_texts_the_tokenizer_reads_as_mostly_unknown_tokens_are_marked_counted_a
 
 
 def test_a_tokenizer_without_an_unknown_token_marks_nothing() -> None:
-    from batch_assets.pipeline.embeddings import unknown_token_rows, unknown_token_warning
+    from batch_assets.pipeline.embeddings.prompts import unknown_token_rows, unknown_token_warning
 
     formatted = format_embedding_prompts(
         raw_rows(["two words", "x" * 101]),
@@ -459,7 +456,7 @@ def test_the_encoder_sends_the_token_ids_the_models_tokenizer_gives(truncate: bo
     `tokenizer(texts, ...)` gives, which is what `LLM.embed` and sentence-transformers send."""
     from batch_assets.engines.embedded_model import embedding_model_dir
     from batch_assets.engines.tokenizers import load_tokenizer
-    from batch_assets.pipeline.embeddings import embedding_encoder
+    from batch_assets.pipeline.embeddings.prompts import embedding_encoder
 
     tokenizer = load_tokenizer(str(embedding_model_dir()))
     texts = [

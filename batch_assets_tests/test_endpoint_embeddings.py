@@ -16,8 +16,9 @@ import pytest
 
 from batch_assets.engines.endpoint_failures import EndpointError
 from batch_assets.engines.openai_engine import OpenAIEngine
-from batch_assets.pipeline.embeddings import embedding_encoder, vectors_matrix
+from batch_assets.pipeline.embeddings.prompts import embedding_encoder
 from batch_assets.pipeline.engine_contract import Prompt
+from batch_assets.pipeline.result_stores import vectors_matrix
 from batch_assets_tests.support import SAMPLES, SERVER_KEY, Server, drop, serving, task_on_endpoint
 from batch_assets_tests.support.embeddings import TASKS, TEXTS, cosines, jsonl, metadata_of, read, run
 from batch_assets_tests.support.openai_batch import engine_flags

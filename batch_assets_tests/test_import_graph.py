@@ -209,7 +209,10 @@ def test_no_import_cycle_between_packages() -> None:
 # ---------------------------------------------------------------------------------------------------
 # The layers. A package here is a folder under batch_assets/ with its subfolders (`pipeline` holds
 # `pipeline/task_spec/`); `batch_assets` is the modules at the top (cli.py, cli_parser.py,
-# definitions.py, __init__.py). A package imports its own modules freely.
+# definitions.py, __init__.py). A package imports its own modules freely. A subfolder with a rule of
+# its own (`pipeline.cascade`: a kind of task) is a layer inside its folder's: it imports what its
+# rule names, its folder's other modules import it only where their rule names it, and a layer that
+# may import the folder may import it too.
 
 
 @dataclass(frozen=True)
@@ -221,7 +224,22 @@ class Rule:
 
 ANY: tuple[str, ...] = ()
 ALLOWED_IMPORTS: dict[str, Rule] = {
-    "pipeline": Rule("the pure core: task files, formats, the engine contract, the cascade", no_dagster=True),
+    "pipeline": Rule(
+        "the pure core: task files, inputs, the formats contract and registry, the engine contract, inference",
+        no_dagster=True,
+    ),
+    # The kinds of task: each imports the core, none is imported by it (the registry names them).
+    "pipeline.embeddings": Rule("the embedding and similarity kinds", {"pipeline": ANY}, no_dagster=True),
+    "pipeline.cascade": Rule(
+        "the cascade kind: rows embedded as the embedding kinds'",
+        {"pipeline": ANY, "pipeline.embeddings": ANY},
+        no_dagster=True,
+    ),
+    "pipeline.openai_batch": Rule(
+        "the OpenAI batch kinds: its embedding lines as the embedding kinds'",
+        {"pipeline": ANY, "pipeline.embeddings": ANY},
+        no_dagster=True,
+    ),
     "runtime": Rule("Dagster's and vLLM's runtime beyond their public API, and the workarounds on it"),
     "engines": Rule(
         "the engines behind the contract, each a Dagster resource",
@@ -262,9 +280,28 @@ ALLOWED_IMPORTS: dict[str, Rule] = {
 
 
 def layer_of(module: str) -> str:
-    """`batch_assets.pipeline.task_spec.spec` -> `pipeline`; a top module -> `batch_assets`."""
+    """`batch_assets.pipeline.task_spec.spec` -> `pipeline`, `batch_assets.pipeline.cascade.run` ->
+    `pipeline.cascade` (a subfolder with a rule of its own); a top module -> `batch_assets`."""
     parts = module.split(".")
+    if len(parts) > 2 and f"{parts[1]}.{parts[2]}" in ALLOWED_IMPORTS:
+        return f"{parts[1]}.{parts[2]}"
     return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in ALLOWED_IMPORTS) else ROOT_PACKAGE
+
+
+def folder_of(layer: str) -> str:
+    """`pipeline.cascade` -> `pipeline/cascade/`, as the docs and messages name it."""
+    return layer.replace(".", "/") + "/"
+
+
+def allowed_modules(rule: Rule, source: str, target: str) -> tuple[str, tuple[str, ...]] | None:
+    """The layer of `rule`'s that `target` falls under, and its modules allowed (() = any); None: none.
+    A layer of a folder falls under the folder's rule for a layer outside it."""
+    if target in rule.may_import:
+        return target, rule.may_import[target]
+    folder = target.partition(".")[0]
+    if folder != target and folder != source.partition(".")[0] and folder in rule.may_import:
+        return folder, rule.may_import[folder]
+    return None
 
 
 def forbidden_imports(graph: list[Import], rules: dict[str, Rule]) -> list[str]:
@@ -275,15 +312,17 @@ def forbidden_imports(graph: list[Import], rules: dict[str, Rule]) -> list[str]:
         if source == target:
             continue
         rule = rules[source]
-        allowed = rule.may_import.get(target)
-        module = imported.imported.split(".")[2] if imported.imported.count(".") >= 2 else ""
-        if allowed is None or (allowed and module not in allowed):
+        under = allowed_modules(rule, source, target)
+        # The module right under the layer allowed: `formats` of `batch_assets.pipeline.formats`.
+        parts = imported.imported.split(".")
+        module = parts[1 + len(under[0].split("."))] if under and len(parts) > 1 + len(under[0].split(".")) else ""
+        if under is None or (under[1] and module not in under[1]):
             may = ", ".join(
                 f"{name}" + (f" ({', '.join(mods)})" if mods else "") for name, mods in rule.may_import.items()
             )
             found.append(
                 f"{imported.where}: {imported.importer} -> {imported.imported}: "
-                f"{source}/ may import {may or 'nothing of ours'}"
+                f"{folder_of(source)} may import {may or 'nothing of ours'}"
             )
     return found
 
@@ -307,9 +346,10 @@ def rules_table(rules: dict[str, Rule]) -> str:
     """The rules as docs/layout.md shows them."""
     lines = ["| package | is | may import |", "|---|---|---|"]
     for name, rule in rules.items():
-        folder = "top modules" if name == ROOT_PACKAGE else f"`{name}/`"
+        folder = "top modules" if name == ROOT_PACKAGE else f"`{folder_of(name)}`"
         allowed = [
-            f"`{target}/`" + (f" ({', '.join(mods)})" if mods else "") for target, mods in rule.may_import.items()
+            f"`{folder_of(target)}`" + (f" ({', '.join(mods)})" if mods else "")
+            for target, mods in rule.may_import.items()
         ]
         may = ", ".join(allowed) or "nothing of ours"
         lines.append(f"| {folder} | {rule.why} | {may}{'; not Dagster' if rule.no_dagster else ''} |")
@@ -320,16 +360,29 @@ LAYOUT = REPO_ROOT / "docs" / "layout.md"
 TABLE = re.compile(r"(<!-- import rules: .*? -->\n)(.*?)(\n\n)", re.S)
 
 
+def write_tree(root: Path, files: dict[str, str]) -> None:
+    """`files` (path under batch_assets/ -> source) as packages under `root`, each folder with its `__init__.py`."""
+    package = root / ROOT_PACKAGE
+    for name, source in files.items():
+        path = package / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for folder in [path.parent, *path.parent.parents]:
+            if folder == root:
+                break
+            (folder / "__init__.py").touch()
+        path.write_text(source)
+
+
 def test_the_rules_catch_an_arrow_they_do_not_allow_and_name_it(tmp_path: Path) -> None:
-    package = tmp_path / ROOT_PACKAGE
-    for folder in ("pipeline", "storage", "runtime"):
-        (package / folder).mkdir(parents=True)
-        (package / folder / "__init__.py").write_text("")
-    (package / "__init__.py").write_text("")
-    (package / "pipeline" / "core.py").write_text("import dagster\nfrom batch_assets.storage import files\n")
-    (package / "storage" / "files.py").write_text("from batch_assets.runtime import instance, other\n")
-    (package / "runtime" / "instance.py").write_text("")
-    (package / "runtime" / "other.py").write_text("")
+    write_tree(
+        tmp_path,
+        {
+            "pipeline/core.py": "import dagster\nfrom batch_assets.storage import files\n",
+            "storage/files.py": "from batch_assets.runtime import instance, other\n",
+            "runtime/instance.py": "",
+            "runtime/other.py": "",
+        },
+    )
     found = forbidden_imports(import_graph(tmp_path), ALLOWED_IMPORTS)
     assert found == [
         "batch_assets/pipeline/core.py:2: batch_assets.pipeline.core -> batch_assets.storage.files: "
@@ -338,6 +391,27 @@ def test_the_rules_catch_an_arrow_they_do_not_allow_and_name_it(tmp_path: Path) 
         "storage/ may import pipeline, runtime (instance)",
     ]
     assert dagster_imports(tmp_path, "pipeline") == ["batch_assets/pipeline/core.py:1"]
+
+
+def test_the_core_imports_no_kind_and_a_kind_only_what_its_rule_names(tmp_path: Path) -> None:
+    write_tree(
+        tmp_path,
+        {
+            "pipeline/formats.py": "from batch_assets.pipeline.cascade import run\n",
+            "pipeline/cascade/run.py": (
+                "from batch_assets.pipeline import formats\nfrom batch_assets.pipeline.openai_batch import lines\n"
+            ),
+            "pipeline/openai_batch/lines.py": "",
+            "lib/assets.py": "from batch_assets.pipeline.cascade import run\n",
+        },
+    )
+    found = forbidden_imports(import_graph(tmp_path), ALLOWED_IMPORTS)
+    assert found == [
+        "batch_assets/pipeline/cascade/run.py:2: batch_assets.pipeline.cascade.run -> "
+        "batch_assets.pipeline.openai_batch.lines: pipeline/cascade/ may import pipeline, pipeline.embeddings",
+        "batch_assets/pipeline/formats.py:1: batch_assets.pipeline.formats -> batch_assets.pipeline.cascade.run: "
+        "pipeline/ may import nothing of ours",
+    ]
 
 
 def test_every_import_between_packages_is_one_the_rules_allow() -> None:

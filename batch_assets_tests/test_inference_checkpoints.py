@@ -467,7 +467,7 @@ class VectorEngine(Engine):
 def test_an_engines_vector_reaches_the_stores_as_before_and_comes_back_exactly(
     partition_dir: UPath, tmp_path: Path
 ) -> None:
-    from batch_assets.pipeline.embeddings import decode_vector, encode_vector, vectors_column
+    from batch_assets.pipeline.result_stores import decode_vector, encode_vector, vectors_column
 
     frame = formatted_frame(["ab", "yz"])
     expected = [np.asarray([c / 7 for c in ids], dtype=np.float32) for ids in tokenize(frame["prompt"].to_list())]

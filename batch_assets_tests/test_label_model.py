@@ -21,13 +21,13 @@ from batch_assets.app.run_outcomes import _quality_notes
 from batch_assets.engines.kinds import resolve_settings
 from batch_assets.lib.automation import CODE_VERSION_TAG
 from batch_assets.lib.task_definitions import build_definitions
-from batch_assets.pipeline.cascade import run_cascade
-from batch_assets.pipeline.cascade_labels import cascade_outputs
-from batch_assets.pipeline.cascade_student import StoredStudent
-from batch_assets.pipeline.cascade_summary import CascadeSummary, TeacherCost
-from batch_assets.pipeline.cascade_target import Calibration, PartitionFigures, TaskFigures, calibrate
+from batch_assets.pipeline.cascade.label_model import LabelModel, LabelModelError, fit_label_model, training_digest
+from batch_assets.pipeline.cascade.labels import cascade_outputs
+from batch_assets.pipeline.cascade.run import run_cascade
+from batch_assets.pipeline.cascade.student import StoredStudent
+from batch_assets.pipeline.cascade.summary import CascadeSummary, TeacherCost
+from batch_assets.pipeline.cascade.target import Calibration, PartitionFigures, TaskFigures, calibrate
 from batch_assets.pipeline.code_versions import code_versions
-from batch_assets.pipeline.label_model import LabelModel, LabelModelError, fit_label_model, training_digest
 from batch_assets.pipeline.task_spec import PriceSpec, load_task_spec
 from batch_assets.pipeline.task_spec.cascade import TargetSpec
 from batch_assets.storage.drop_files import partitions_def_name

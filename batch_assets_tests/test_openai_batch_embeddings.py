@@ -17,10 +17,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from batch_assets.engines.embedded_model import embedding_model_dir, ensure_embedded_model
-from batch_assets.pipeline.embeddings import encode_vector, vectors_column
 from batch_assets.pipeline.openai_batch.formatting import format_batch_embedding_prompts
 from batch_assets.pipeline.openai_batch.lines import read_batch_requests
 from batch_assets.pipeline.openai_batch.output import batch_files, validate_batch_embeddings, validate_batch_outputs
+from batch_assets.pipeline.result_stores import encode_vector, vectors_column
 from batch_assets.pipeline.task_spec import BUNDLED_TASKS_DIR, TaskSpecError, load_task_spec
 from batch_assets_tests.support.openai_batch import (
     chat_line,

@@ -21,6 +21,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -262,6 +263,26 @@ def endpoint_key(monkeypatch: pytest.MonkeyPatch) -> str:
     return API_KEY
 
 
+@dataclass(frozen=True)
+class FaultyEndpoint:
+    """The fault server with its key set, the data folder, and the sentiment task pointed at it."""
+
+    server: FaultServer
+    tasks_dir: Path
+    data_dir: Path
+    tokenizer: str
+
+    def task(self, **engine: object):
+        return endpoint_task(self.tasks_dir, self.server.base_url, self.tokenizer, **engine)
+
+
+@pytest.fixture
+def faulty(
+    tmp_path: Path, data_dir: Path, tiny_model_path: str, fault_server: FaultServer, endpoint_key: str
+) -> FaultyEndpoint:
+    return FaultyEndpoint(fault_server, tmp_path, data_dir, tiny_model_path)
+
+
 def all_run_text(instance: dg.DagsterInstance, run_id: str) -> str:
     """Everything the run recorded: events, metadata, errors."""
     return "\n".join(repr(entry) for entry in instance.all_logs(run_id))
@@ -390,22 +411,20 @@ def test_requests_in_flight_are_limited_by_concurrency(tmp_path: Path, tiny_mode
     assert 1 < server.max_in_flight <= 3
 
 
-def test_a_request_that_keeps_failing_becomes_an_error_row(
-    tmp_path: Path, data_dir: Path, tiny_model_path: str, fault_server: FaultServer, endpoint_key: str
-) -> None:
-    fault_server.plan = {
+def test_a_request_that_keeps_failing_becomes_an_error_row(faulty: FaultyEndpoint) -> None:
+    faulty.server.plan = {
         "bravo": ["500"],
         "delta": ["slow"],
         "echo": ["drop"],
         "foxtrot": ["garbage"],
         "alpha": ["429", "ok"],
     }
-    task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path)
+    task = faulty.task()
     with dg.instance_for_test() as instance:
-        key, result = run_posts(data_dir, task, instance)
+        key, result = run_posts(faulty.data_dir, task, instance)
         assert result.success, failure_messages(result)
         recorded = all_run_text(instance, result.run_id)
-    labels = read_output(data_dir, "sentiment", "validated_labels", key)
+    labels = read_output(faulty.data_dir, "sentiment", "validated_labels", key)
     errors = dict(zip(labels["text"], labels["error"], strict=True))
     assert errors["bravo was awful"].startswith("endpoint_error: HTTP 500")
     assert errors["delta is fine"].startswith("endpoint_timeout:")
@@ -413,7 +432,7 @@ def test_a_request_that_keeps_failing_becomes_an_error_row(
     assert errors["foxtrot tonight"].startswith("endpoint_error:")
     assert errors["alpha is great"] is None and errors["charlie meeting at noon"] is None
     assert labels.filter(pl.col("error").is_null())["label"].is_in(["positive", "negative", "neutral"]).all()
-    assert fault_server.attempts["bravo"] == 3  # max_retries 2: three attempts before giving up
+    assert faulty.server.attempts["bravo"] == 3  # max_retries 2: three attempts before giving up
     assert API_KEY not in recorded
 
 
@@ -442,13 +461,11 @@ def test_model_discovery_against_a_down_server_names_the_server(
         OpenAIEngine().settings(task)
 
 
-def test_a_refused_key_fails_the_run_without_revealing_it(
-    tmp_path: Path, data_dir: Path, tiny_model_path: str, fault_server: FaultServer, endpoint_key: str
-) -> None:
-    fault_server.plan = {"": ["401"]}  # every prompt
-    task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path)
+def test_a_refused_key_fails_the_run_without_revealing_it(faulty: FaultyEndpoint) -> None:
+    faulty.server.plan = {"": ["401"]}  # every prompt
+    task = faulty.task()
     with dg.instance_for_test() as instance:
-        _, result = run_posts(data_dir, task, instance)
+        _, result = run_posts(faulty.data_dir, task, instance)
         assert not result.success
         message = "\n".join(failure_messages(result))
         assert "HTTP 401" in message and "API key" in message
@@ -456,57 +473,53 @@ def test_a_refused_key_fails_the_run_without_revealing_it(
 
 
 def test_a_batch_whose_every_request_the_server_refuses_becomes_error_rows_not_a_failed_run(
-    tmp_path: Path, data_dir: Path, tiny_model_path: str, fault_server: FaultServer, endpoint_key: str
+    faulty: FaultyEndpoint,
 ) -> None:
     # Batches of 2: the server answers both requests of [charlie, delta] with a 400 of their own.
-    fault_server.plan = {"charlie": ["400"], "delta": ["400"]}
-    task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path, batch_size=2, max_retries=0)
+    faulty.server.plan = {"charlie": ["400"], "delta": ["400"]}
+    task = faulty.task(batch_size=2, max_retries=0)
     with dg.instance_for_test() as instance:
-        key, result = run_posts(data_dir, task, instance)
+        key, result = run_posts(faulty.data_dir, task, instance)
         assert result.success, failure_messages(result)
-    labels = read_output(data_dir, "sentiment", "validated_labels", key)
+    labels = read_output(faulty.data_dir, "sentiment", "validated_labels", key)
     errors = dict(zip(labels["text"], labels["error"], strict=True))
     assert errors["charlie meeting at noon"].startswith("endpoint_error: HTTP 400: This model's maximum context")
     assert errors["delta is fine"].startswith("endpoint_error: HTTP 400")
     assert sum(error is not None for error in errors.values()) == 2 and labels.height == len(POSTS)
-    assert fault_server.attempts["charlie"] == 1  # a refusal is not retried
+    assert faulty.server.attempts["charlie"] == 1  # a refusal is not retried
 
 
-def test_the_same_refusal_of_every_request_of_a_batch_is_a_setting_and_fails_the_run(
-    tmp_path: Path, data_dir: Path, tiny_model_path: str, fault_server: FaultServer, endpoint_key: str
-) -> None:
-    fault_server.plan = {"charlie": ["400-setting"], "delta": ["400-setting"]}
-    task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path, batch_size=2, max_retries=0)
+def test_the_same_refusal_of_every_request_of_a_batch_is_a_setting_and_fails_the_run(faulty: FaultyEndpoint) -> None:
+    faulty.server.plan = {"charlie": ["400-setting"], "delta": ["400-setting"]}
+    task = faulty.task(batch_size=2, max_retries=0)
     with dg.instance_for_test() as instance:
-        _, failed = run_posts(data_dir, task, instance)
+        _, failed = run_posts(faulty.data_dir, task, instance)
         assert not failed.success
         assert "Unrecognized request argument" in "\n".join(failure_messages(failed))
 
 
-def test_a_failed_batch_fails_the_run_and_a_rerun_resumes_from_checkpoints(
-    tmp_path: Path, data_dir: Path, tiny_model_path: str, fault_server: FaultServer, endpoint_key: str
-) -> None:
+def test_a_failed_batch_fails_the_run_and_a_rerun_resumes_from_checkpoints(faulty: FaultyEndpoint) -> None:
     # Batches of 2: [alpha, bravo] succeeds, then the server fails everything in [charlie, delta].
-    fault_server.plan = {"charlie": ["500"], "delta": ["500"]}
-    task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path, batch_size=2, max_retries=0)
-    drop(data_dir, "sentiment", "posts.jsonl", posts_jsonl(POSTS))
+    faulty.server.plan = {"charlie": ["500"], "delta": ["500"]}
+    task = faulty.task(batch_size=2, max_retries=0)
+    drop(faulty.data_dir, "sentiment", "posts.jsonl", posts_jsonl(POSTS))
     defs = build_definitions(tasks=[task])
     with dg.instance_for_test() as instance:
         key, first = run_partition("sentiment", "posts.jsonl", instance, defs)
         assert not first.success
         assert "all 2 requests of this batch" in "\n".join(failure_messages(first))
-        sent_before = Counter(fault_server.attempts)
+        sent_before = Counter(faulty.server.attempts)
 
-        fault_server.plan = {}  # the server recovers
-        fault_server.attempts.clear()
+        faulty.server.plan = {}  # the server recovers
+        faulty.server.attempts.clear()
         job = defs.resolve_job_def("sentiment_pipeline")
         second = job.execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
         assert second.success, failure_messages(second)
         metadata = second.asset_materializations_for_node("sentiment__inference_outputs")[0].metadata
     assert sent_before["*"] == 2  # alpha and bravo were answered in the first run ...
     assert metadata["rows_from_checkpoint"].value == 2  # ... and reused, not asked again
-    assert metadata["rows_inferred"].value == 4 and fault_server.attempts["*"] == 4
-    labels = read_output(data_dir, "sentiment", "validated_labels", key)
+    assert metadata["rows_inferred"].value == 4 and faulty.server.attempts["*"] == 4
+    labels = read_output(faulty.data_dir, "sentiment", "validated_labels", key)
     assert labels["error"].null_count() == labels.height == len(POSTS)
 
 
@@ -532,17 +545,13 @@ def test_endpoint_settings_are_checked_without_echoing_secrets(tmp_path: Path, t
 
 
 def test_a_run_resolves_the_endpoint_settings_once_per_step_not_per_batch(
-    tmp_path: Path,
-    data_dir: Path,
-    tiny_model_path: str,
-    fault_server: FaultServer,
-    endpoint_key: str,
+    faulty: FaultyEndpoint,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """formatted_prompts and inference_outputs each work out the settings once and hand them to the
     tokenizer, the session and every batch (three batches of two here)."""
-    task = endpoint_task(tmp_path, fault_server.base_url, tiny_model_path, batch_size=2)
-    drop(data_dir, "sentiment", "posts.jsonl", posts_jsonl(POSTS))
+    task = faulty.task(batch_size=2)
+    drop(faulty.data_dir, "sentiment", "posts.jsonl", posts_jsonl(POSTS))
     defs = build_definitions(tasks=[task])
     made = []
     settings = OpenAIEngine.settings
@@ -550,7 +559,7 @@ def test_a_run_resolves_the_endpoint_settings_once_per_step_not_per_batch(
     with dg.instance_for_test() as instance:
         _, result = run_partition("sentiment", "posts.jsonl", instance, defs)
     assert result.success, failure_messages(result)
-    assert fault_server.attempts["*"] == len(POSTS)
+    assert faulty.server.attempts["*"] == len(POSTS)
     assert made == ["sentiment", "sentiment"]
     metadata = result.asset_materializations_for_node("sentiment__inference_outputs")[0].metadata
     assert metadata["model"].value == MODEL
@@ -567,10 +576,7 @@ def summary_line_of(output: str, partition: str) -> str:
 
 def test_run_names_every_failed_warn_check_and_fails_on_them_only_when_asked(
     tmp_path: Path,
-    data_dir: Path,
-    tiny_model_path: str,
-    fault_server: FaultServer,
-    endpoint_key: str,
+    faulty: FaultyEndpoint,
     monkeypatch: pytest.MonkeyPatch,
     capfd: pytest.CaptureFixture[str],
 ) -> None:
@@ -579,7 +585,7 @@ def test_run_names_every_failed_warn_check_and_fails_on_them_only_when_asked(
     accuracy is 0 and `accuracy_at_least` (WARN, min_accuracy 0.8) fails; the other checks pass."""
     from batch_assets.cli import main
 
-    endpoint_task(tmp_path, fault_server.base_url, tiny_model_path)
+    faulty.task()
     monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(tmp_path / "tasks"))
     choices = ["positive", "negative", "neutral"]
     answered = [choices[len(f"Post: {text}\nSentiment:") % 3] for text in POSTS]
@@ -597,7 +603,7 @@ def test_run_names_every_failed_warn_check_and_fails_on_them_only_when_asked(
     assert main(["run", "sentiment", "--fail-on-warn", str(tmp_path / "again.jsonl")]) == 1
     line = summary_line_of(capfd.readouterr().out, "sentiment/again.jsonl")
     assert line.startswith(f"sentiment/again.jsonl: {failed} run ")
-    assert labels_of(data_dir, "again.jsonl") == answered
+    assert labels_of(faulty.data_dir, "again.jsonl") == answered
 
 
 def labels_of(data: Path, file_name: str) -> list[str]:
@@ -642,10 +648,7 @@ def test_a_degenerate_cascade_names_its_failed_error_share_check(
 
 def test_a_stop_during_a_range_run_keeps_every_finished_result_of_each_partition(
     tmp_path: Path,
-    data_dir: Path,
-    tiny_model_path: str,
-    fault_server: FaultServer,
-    endpoint_key: str,
+    faulty: FaultyEndpoint,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Issue 47: a stop is a BaseException and only an engine Exception flushed the sinks. Two files,
@@ -658,11 +661,11 @@ def test_a_stop_during_a_range_run_keeps_every_finished_result_of_each_partition
     from batch_assets.storage.locations import checkpoint_dir, task_storage_dir
     from batch_assets.storage.result_cache import ResultCache
 
-    endpoint_task(tmp_path, fault_server.base_url, tiny_model_path, batch_size=4, concurrency=2)
+    faulty.task(batch_size=4, concurrency=2)
     monkeypatch.setenv("BATCH_ASSETS_TASKS_DIR", str(tmp_path / "tasks"))
     # One SIGINT: a plan's last action repeats, and a second request for b2 (a retry under load) would
     # be a second Ctrl-C, which ends the process at once (in a test worker: the worker).
-    fault_server.plan = {"b2": ["sigint"]}
+    faulty.server.plan = {"b2": ["sigint"]}
     files = []
     for name, texts in (("a.jsonl", ["a1", "a2", "a3"]), ("b.jsonl", ["b1", "b2", "b3"])):
         (tmp_path / name).write_text(posts_jsonl(texts))

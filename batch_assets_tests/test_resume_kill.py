@@ -175,7 +175,7 @@ def test_kill_9_mid_embedding_then_rerun_embeds_each_row_once_and_reuses_checkpo
 ) -> None:
     """The same for an embedding task: the vectors checkpointed before the kill are the ones in the
     result table after the re-run, which embeds only the rest."""
-    from batch_assets.pipeline.embeddings import encode_vector
+    from batch_assets.pipeline.result_stores import encode_vector
 
     env = {**os.environ, "BATCH_ASSETS_TASKS_DIR": str(small_batch_tasks(tmp_path / "tasks", 100, "embeddings"))}
     inputs = tmp_path / "inputs"

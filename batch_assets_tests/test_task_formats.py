@@ -10,9 +10,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from batch_assets.pipeline.cascade_records import CascadeRecords
+from batch_assets.pipeline.cascade.formats import CascadeRecords
 from batch_assets.pipeline.chat_records import ChatRecords
-from batch_assets.pipeline.embedding_records import EmbeddingRecords, SimilarityRecords
+from batch_assets.pipeline.embeddings.formats import EmbeddingRecords, SimilarityRecords
 from batch_assets.pipeline.formats import TaskFormat
 from batch_assets.pipeline.openai_batch.formats import OpenAIBatchEmbeddings, OpenAIBatchLines
 from batch_assets.pipeline.task_formats import TASK_FORMATS, format_class, task_format

@@ -9,7 +9,7 @@
 2. (a) `batch-assets run` of an embedding task on them and (b) `batch-assets run` of the cascade task
    (`output.method: cascade`, teacher = the `Industry` column, defaults otherwise), each a new process
    in a fresh DAGSTER_HOME and data folder (no result cache): whole-run speed is (a)'s wall / (b)'s.
-3. On (a)'s vectors, the cascade core (pipeline/cascade.py, the code (b) runs, same seeds) for three
+3. On (a)'s vectors, the cascade core (pipeline/cascade/run.py, the code (b) runs, same seeds) for three
    settings of `defer_below`: accuracy against gold, teacher share, audit agreement and its 95 %
    interval, the student's cross-validated agreement, and the cascade's own seconds.
 
@@ -36,9 +36,9 @@ sys.path.insert(0, str(HERE))
 
 from generate_industries import generate, write_csv  # noqa: E402
 
-from batch_assets.pipeline.cascade import TeacherAnswer, run_cascade  # noqa: E402
-from batch_assets.pipeline.cascade_summary import wilson_interval  # noqa: E402
-from batch_assets.pipeline.embeddings import vectors_matrix  # noqa: E402
+from batch_assets.pipeline.cascade.run import TeacherAnswer, run_cascade  # noqa: E402
+from batch_assets.pipeline.cascade.summary import wilson_interval  # noqa: E402
+from batch_assets.pipeline.result_stores import vectors_matrix  # noqa: E402
 from batch_assets.pipeline.task_spec.cascade import CascadeSpec, ColumnTeacher  # noqa: E402
 from batch_assets.storage.drop_files import partition_key_for  # noqa: E402
 

@@ -7,7 +7,7 @@
    with no cue to their industry, none of the shipped sample's names).
 2. Embeds them once, in one `batch-assets run` of an embedding task (the embedded all-MiniLM-L6-v2),
    one partition per file: the cascade's own first step, done once rather than once per setting.
-3. On each file's vectors, the cascade core (pipeline/cascade.py, the code a cascade task's run calls)
+3. On each file's vectors, the cascade core (pipeline/cascade/run.py, the code a cascade task's run calls)
    with `target: {agreement: 0.95, confidence: 0.95}` and the gold column as the teacher (SETTINGS for
    the rest), the files in order, each starting from the label model of the files before (every
    teacher label so far, as `<task>/label_model` holds them); with `--alone` also each file alone.
@@ -39,10 +39,10 @@ sys.path.insert(0, str(HERE))
 from bench_cascade import CHOICES, EMBED_TASK, SAMPLE  # noqa: E402
 from generate_industries import generate, write_csv  # noqa: E402
 
-from batch_assets.pipeline.cascade import TeacherAnswer, run_cascade  # noqa: E402
-from batch_assets.pipeline.cascade_student import StoredStudent  # noqa: E402
-from batch_assets.pipeline.cascade_summary import CascadeSummary  # noqa: E402
-from batch_assets.pipeline.embeddings import vectors_matrix  # noqa: E402
+from batch_assets.pipeline.cascade.run import TeacherAnswer, run_cascade  # noqa: E402
+from batch_assets.pipeline.cascade.student import StoredStudent  # noqa: E402
+from batch_assets.pipeline.cascade.summary import CascadeSummary  # noqa: E402
+from batch_assets.pipeline.result_stores import vectors_matrix  # noqa: E402
 from batch_assets.pipeline.task_spec.cascade import CascadeSpec, ColumnTeacher, TargetSpec  # noqa: E402
 from batch_assets.storage.drop_files import partition_key_for  # noqa: E402
 

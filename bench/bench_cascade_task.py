@@ -48,8 +48,8 @@ sys.path.insert(0, str(HERE))
 from bench_cascade import CHOICES, SAMPLE  # noqa: E402
 from generate_industries import generate, write_csv  # noqa: E402
 
-from batch_assets.pipeline.cascade import TeacherAnswer, run_cascade  # noqa: E402
-from batch_assets.pipeline.embeddings import vectors_matrix  # noqa: E402
+from batch_assets.pipeline.cascade.run import TeacherAnswer, run_cascade  # noqa: E402
+from batch_assets.pipeline.result_stores import vectors_matrix  # noqa: E402
 from batch_assets.pipeline.task_spec.cascade import CascadeSpec, ColumnTeacher  # noqa: E402
 from batch_assets.storage.drop_files import partition_key_for  # noqa: E402
 

@@ -21,7 +21,7 @@ import polars as pl
 from batch_assets.app.error_causes import error_info_chain, error_info_line
 from batch_assets.engines.kinds import resolve_settings
 from batch_assets.lib.materializations import latest_materialization
-from batch_assets.pipeline.cascade_summary import wilson_interval
+from batch_assets.pipeline.cascade.summary import wilson_interval
 from batch_assets.pipeline.label_quality import error_code_counts
 from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import TaskSpec

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from batch_assets.pipeline.cascade_labels import teacher_task
+from batch_assets.pipeline.cascade.labels import teacher_task
 from batch_assets.pipeline.engine_contract import Engine, ResolvedSettings
 from batch_assets.pipeline.task_spec import TaskSpec
 

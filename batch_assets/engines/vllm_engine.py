@@ -7,7 +7,7 @@ starts with the session's first request and is kept warm or shut down by vllm_li
 
 Embedding and similarity tasks run an embedding model on vLLM's pooling runner (`runner="pooling"`,
 requests through `AsyncLLM.encode` with the `embed` task, what `LLM.embed` does). Its vectors come
-back as the vector of a `Generation` (pipeline/embeddings.py encodes them).
+back as the vector of a `Generation` (pipeline/result_stores.py encodes them).
 
 Every field of the resource is optional: unset fields take the task YAML's `engine:` values, so one
 resource serves all tasks, and the launchpad or `build_definitions(engine=...)` can override them.

@@ -3,7 +3,7 @@ a prompt, the `Generation` made of what vLLM returns, and vLLM's reason when it 
 
 A chat model generates (`sampling_params_for`, answered by `chat_generation`); an embedding model
 on vLLM's pooling runner encodes (`pooling_params`, what `LLM.embed` asks; answered by
-`embedding_generation`, whose vector pipeline/embeddings.py encodes).
+`embedding_generation`, whose vector pipeline/result_stores.py encodes).
 """
 
 from __future__ import annotations

@@ -36,7 +36,13 @@ from batch_assets.lib.asset_metadata import (
     labels_metadata,
 )
 from batch_assets.lib.automation import stale_partitions_condition
-from batch_assets.lib.cascade_task import cascade_task, grown_label_model, stored_label_model, task_cascade_metadata
+from batch_assets.lib.cascade_task import (
+    cascade_stream,
+    cascade_task,
+    grown_label_model,
+    stored_label_model,
+    task_cascade_metadata,
+)
 from batch_assets.lib.estimates import (
     SECONDS_PER_HOUR,
     cached_keys_in,
@@ -49,7 +55,7 @@ from batch_assets.lib.range_failures import FAILED_PARTITIONS_METADATA
 from batch_assets.lib.ray_runs import ray_node_metadata
 from batch_assets.lib.run_requests import SOURCE_VERSION_TAG
 from batch_assets.pipeline.calibration import calibrated_labels
-from batch_assets.pipeline.cascade_labels import Teach, teacher_task
+from batch_assets.pipeline.cascade.labels import Teach, teacher_task
 from batch_assets.pipeline.code_versions import code_versions
 from batch_assets.pipeline.engine_contract import (
     Engine,
@@ -366,7 +372,8 @@ def infer_partitions(
             def run(partitions: list[PartitionInput]) -> list[tuple[pl.DataFrame, InferenceStats]]:
                 return stream(partitions, session, settings, fmt, cache, context.log.info)
 
-            results = fmt.infer(parts, InferenceStream(run, tokenizer, settings.max_model_len, teach, stored, shared))
+            base = InferenceStream(run, tokenizer, settings.max_model_len)
+            results = fmt.infer(parts, cascade_stream(task, base, teach, stored, shared))
     except EngineStartError as exc:
         # Settings that do not fit will not fit five seconds later either: fail now, with the
         # hint of what to change, instead of retrying a start-up that can take minutes.

@@ -2,7 +2,8 @@
 stored student a run starts from (`stored_label_model`, grown when the task's teacher labels have
 outgrown it: `grown_label_model`), a cascade by target's student version and calibration shared by
 its partitions through the task's storage (`cascade_task`, first writer wins: storage/label_models.py),
-and the task-level figures validated_labels reports (`task_cascade_metadata`)."""
+the stream its kind's inference gets them in (`cascade_stream`), and the task-level figures
+validated_labels reports (`task_cascade_metadata`)."""
 
 from typing import Any
 
@@ -11,10 +12,13 @@ import dagster as dg
 from batch_assets.lib.asset_metadata import asset_key
 from batch_assets.lib.label_model_asset import partitions_by_version
 from batch_assets.lib.materializations import latest_materialization
-from batch_assets.pipeline.cascade import TaskCascade
-from batch_assets.pipeline.cascade_student import StoredStudent
-from batch_assets.pipeline.cascade_target import TaskFigures
-from batch_assets.pipeline.label_model import GROWTH, LabelModel
+from batch_assets.pipeline.cascade.formats import CascadeStream
+from batch_assets.pipeline.cascade.label_model import GROWTH, LabelModel
+from batch_assets.pipeline.cascade.labels import Teach
+from batch_assets.pipeline.cascade.run import TaskCascade
+from batch_assets.pipeline.cascade.student import StoredStudent
+from batch_assets.pipeline.cascade.target import TaskFigures
+from batch_assets.pipeline.formats import InferenceStream
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.label_models import (
     grow_label_model,
@@ -26,6 +30,20 @@ from batch_assets.storage.label_models import (
     settle_label_model,
     teacher_row_count,
 )
+
+
+def cascade_stream(
+    task: TaskSpec,
+    stream: InferenceStream,
+    teach: Teach | None,
+    stored: LabelModel | None,
+    shared: TaskCascade | None,
+) -> InferenceStream:
+    """The stream a task's inference gets: a cascade task's with its chat teacher, stored student and
+    what its partitions share (pipeline/cascade/formats.py); every other task's as it is."""
+    if task.output.cascade is None:
+        return stream
+    return CascadeStream(stream.run, stream.tokenizer, stream.max_model_len, teach, stored, shared)
 
 
 def stored_label_model(context: dg.AssetExecutionContext, task: TaskSpec, version: str) -> LabelModel | None:

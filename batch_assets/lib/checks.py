@@ -26,7 +26,7 @@ import polars as pl
 from batch_assets.lib.asset_metadata import asset_key
 from batch_assets.lib.check_evaluations import evaluate_per_partition, failed_rows_metadata
 from batch_assets.lib.gate_checks import gate_checks
-from batch_assets.pipeline.embeddings import NORM_TOLERANCE, embedding_report
+from batch_assets.pipeline.embeddings.results import NORM_TOLERANCE, embedding_report
 from batch_assets.pipeline.label_quality import error_code_counts
 from batch_assets.pipeline.task_formats import task_format
 from batch_assets.pipeline.task_spec import TaskSpec

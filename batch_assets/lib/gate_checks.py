@@ -32,7 +32,7 @@ from batch_assets.lib.asset_metadata import (
 from batch_assets.lib.check_evaluations import evaluate_per_partition, failed_rows_metadata, recent_label_counts
 from batch_assets.lib.materializations import latest_materialization
 from batch_assets.pipeline.budget import budget_overruns, estimate_cost
-from batch_assets.pipeline.cascade_labels import cascade_summary
+from batch_assets.pipeline.cascade.labels import cascade_summary
 from batch_assets.pipeline.formats import TaskFormat
 from batch_assets.pipeline.label_quality import (
     accuracy_report,

@@ -6,7 +6,7 @@ Unpartitioned, downstream of the task's `inference_outputs`. Materializing it re
 materialized partition of the task's current version (partitions made with another version hold
 another teacher's or another embedding's rows, and are left out, named in the metadata), trains the
 student on their teacher-labelled rows, at most `output.cascade.max_training_rows`
-(pipeline/label_model.py) and stores it by task version
+(pipeline/cascade/label_model.py) and stores it by task version
 (storage/label_models.py). A partition inferred after that starts from it (lib/assets.py); the
 partition records which model it used in its own metadata, since that dependency cannot be declared
 (label_model already depends on inference_outputs: the graph would have a cycle).
@@ -21,8 +21,8 @@ import dagster as dg
 
 from batch_assets.lib.asset_metadata import asset_key
 from batch_assets.lib.automation import label_model_condition, materialized_code_versions
+from batch_assets.pipeline.cascade.label_model import GROWTH, LabelModelError, fit_label_model
 from batch_assets.pipeline.extras import MissingExtra
-from batch_assets.pipeline.label_model import GROWTH, LabelModelError, fit_label_model
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.storage.drop_files import partitions_def_name
 from batch_assets.storage.label_models import (

@@ -2,10 +2,11 @@
 right, measured on the rows with a gold label (`checks.gold_field`), and a calibration that closes
 the gap (`output.calibrate: true`).
 
-`calibration_report` gives the expected calibration error (ECE, 10 equal-width bins, the cascade's
-`expected_calibration_error`) of the raw confidence, and of the calibrated one **cross-validated**:
-each gold row's calibrated value comes from a calibration fitted on the other folds, so the "after"
-number is not measured on the rows it was fitted on.
+`calibration_report` gives the expected calibration error (ECE, 10 equal-width bins:
+`expected_calibration_error`, by which the cascade's student is measured too) of the raw
+confidence, and of the calibrated one **cross-validated**: each gold row's calibrated value comes
+from a calibration fitted on the other folds, so the "after" number is not measured on the rows it
+was fitted on.
 
 The calibration is isotonic regression (scikit-learn) from the raw confidence to "the label is
 right". Temperature scaling needs the probability of every choice; a partition keeps only the chosen
@@ -29,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import polars as pl
 
-from batch_assets.pipeline.cascade_student import expected_calibration_error
 from batch_assets.pipeline.extras import CASCADE, MissingExtra, needs_extra
 from batch_assets.pipeline.task_spec import TaskSpec
 
@@ -37,11 +37,30 @@ if TYPE_CHECKING:
     from sklearn.isotonic import IsotonicRegression
 
 RAW_CONFIDENCE = "raw_confidence"
+# Equal-width confidence bins of the expected calibration error (the cascade's student is measured so too).
+ECE_BINS = 10
 CALIBRATION_METHOD = "isotonic"
 # Folds of the cross-validated "after" ECE; fewer gold rows than MIN_CALIBRATION_ROWS fit nothing
 # (two per fold and bin would be too few to say anything).
 FOLDS = 5
 MIN_CALIBRATION_ROWS = 20
+
+
+def expected_calibration_error(confidence: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS) -> float | None:
+    """ECE: over `bins` equal-width confidence bins, the row-weighted gap between each bin's mean
+    confidence and its accuracy; None with no rows."""
+    confidence = np.asarray(confidence, dtype=np.float64)
+    correct = np.asarray(correct, dtype=np.float64)
+    if confidence.size == 0:
+        return None
+    # Bin i holds (i/bins, (i+1)/bins]; a confidence of exactly 0 goes into the first.
+    index = np.clip(np.ceil(confidence * bins).astype(int) - 1, 0, bins - 1)
+    total = 0.0
+    for b in range(bins):
+        members = index == b
+        if members.any():
+            total += members.sum() * abs(confidence[members].mean() - correct[members].mean())
+    return float(total / confidence.size)
 
 
 @dataclass(frozen=True)

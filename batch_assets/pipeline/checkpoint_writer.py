@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from batch_assets.pipeline.embeddings import encode_vector
 from batch_assets.pipeline.engine_contract import Generation
 from batch_assets.pipeline.inference_requests import RequestPlan
-from batch_assets.pipeline.result_stores import RESULT_SCHEMA, ResultLookup
+from batch_assets.pipeline.result_stores import RESULT_SCHEMA, ResultLookup, encode_vector
 
 # A partition's finished results are checkpointed at least this often (and every `batch_size` results):
 # a kill loses at most this much engine work, and a 50 M-row job writes thousands of chunks, not 49,000.

@@ -23,13 +23,10 @@ from typing import Any, ClassVar
 
 import polars as pl
 
-from batch_assets.pipeline.cascade import TaskCascade
-from batch_assets.pipeline.cascade_labels import Teach
 from batch_assets.pipeline.engine_contract import Engine, EngineSettings, Prompt
 from batch_assets.pipeline.format_prompts import Tokenizer
 from batch_assets.pipeline.inference_requests import InferenceStats, PartitionInput
 from batch_assets.pipeline.inputs.read_prompts import ParseOptions, read_prompts
-from batch_assets.pipeline.label_model import LabelModel
 from batch_assets.pipeline.label_quality import label_counts
 from batch_assets.pipeline.task_spec import TaskSpec
 from batch_assets.pipeline.validate_labels import validate_labels
@@ -45,20 +42,14 @@ RunInference = Callable[[list[PartitionInput]], list[tuple[pl.DataFrame, Inferen
 
 @dataclass(frozen=True)
 class InferenceStream:
-    """What a kind's `infer` gets of the run: `run`, the engine's tokenizer and context length (for
-    requests of the kind's own: similarity's choices), `teach`, a cascade's chat teacher
-    (`teacher: llm`; None for every other task), `label_model`, a cascade task's stored student
-    for this task version (None: none yet, or another kind of task), and `cascade_task`, what the
-    partitions of a cascade by target share."""
+    """What a kind's `infer` gets of the run: `run`, and the engine's tokenizer and context length (for
+    requests of the kind's own: similarity's choices). A kind that needs more of the run (the
+    cascade's teacher and stored student) gets a subclass of its own, which the assets build for
+    its tasks (pipeline/cascade/formats.py's `CascadeStream`)."""
 
     run: RunInference
     tokenizer: Tokenizer
     max_model_len: int
-    teach: Teach | None = None
-    label_model: LabelModel | None = None
-    # A cascade by target's student version and calibration, shared by the task's partitions
-    # (lib/assets.py: stored, first writer wins); None for every other task.
-    cascade_task: TaskCascade | None = None
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """What tokens cost at a task's `engine.price`: the budget's estimate and actual cost
-(pipeline/budget.py) and a cascade's cost against its teacher on every row (pipeline/cascade.py),
+(pipeline/budget.py) and a cascade's cost against its teacher on every row (pipeline/cascade/run.py),
 whose chat teacher's tokens are at `output.cascade.teacher_price` (`engine.price` is the embedding
 model's)."""
 

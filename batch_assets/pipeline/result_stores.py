@@ -5,12 +5,17 @@ inference loop reads results back from a partition's checkpoints (an interrupted
 and from the result cache (other partitions and runs), and writes new ones to both. The core
 states what it needs of them here; `storage/checkpoints.py` and `storage/result_cache.py`
 implement it, so the core never imports storage and its tests can use in-memory stores.
+
+An embedding is kept as text in the same schema (`encode_vector`), and read back as a column of
+vectors (`vectors_column`, `vectors_matrix`) by every kind that embeds.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+import base64
+from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import polars as pl
 
 if TYPE_CHECKING:
@@ -56,7 +61,7 @@ class ResultLookup(Protocol):
 
 
 class BatchRecords(Protocol):
-    """What a batch API engine keeps of the batches it submitted (engines/batch_api_engine.py), one
+    """What a batch API engine keeps of the batches it submitted (engines/batch_api_run.py), one
     JSON-able record per batch, under one run fingerprint: written before the run waits, so a
     killed or retried run collects the same batch instead of paying for a second one."""
 
@@ -71,3 +76,39 @@ class BatchRecords(Protocol):
     def remove(self, name: str) -> None:
         """Forget a record whose results are all checkpointed."""
         ...
+
+
+# --- vectors in the result schema -------------------------------------------------------------
+# An engine's `Generation.vector` is kept as `generated_text`, so the stores need no second schema.
+
+_VECTOR_DTYPE = np.dtype("<f4")
+
+
+def encode_vector(values: Any) -> str:
+    """An embedding as text: base64 of its little-endian float32 bytes (what the result stores keep)."""
+    return base64.b64encode(np.asarray(values, dtype=_VECTOR_DTYPE).tobytes()).decode("ascii")
+
+
+def decode_vector(text: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text), dtype=_VECTOR_DTYPE)
+
+
+def vectors_column(texts: pl.Series, name: str = "embedding") -> pl.Series:
+    """Encoded vectors → one float32 column: a fixed-size `Array` when every vector has one size (null
+    rows stay null), decoded by polars with no Python object per row; else a `List` (which the
+    dimension check then reports)."""
+    raw = texts.str.decode("base64")
+    sizes = raw.bin.size().drop_nulls().unique()
+    if sizes.len() == 1:
+        return raw.bin.reinterpret(dtype=pl.Array(pl.Float32, sizes[0] // 4), endianness="little").alias(name)
+    decoded = [None if text is None else decode_vector(text).tolist() for text in texts.to_list()]
+    return pl.Series(name, decoded, dtype=pl.List(pl.Float32))
+
+
+def vectors_matrix(column: pl.Series) -> np.ndarray:
+    """A non-null fixed-size vector column as an (rows, dimension) float32 matrix."""
+    if column.len() == 0:
+        return np.zeros((0, 0), dtype=np.float32)
+    if isinstance(column.dtype, pl.Array):
+        return column.to_numpy().astype(np.float32, copy=False).reshape(column.len(), column.dtype.size)
+    return np.asarray(column.to_list(), dtype=np.float32)

@@ -3,17 +3,20 @@
     registry key                 kind (module)
     ("records", "generate")      ChatRecords (chat_records): input fields → the task's template → the chat
                                  template; a chat model writes each row's label
-    ("records", "embed")         EmbeddingRecords (embedding_records): an embedding model's vector per row
-    ("records", "similarity")    SimilarityRecords (embedding_records): labelled by the most similar choice
-    ("records", "cascade")       CascadeRecords (cascade_records): a teacher labels a sample and the
+    ("records", "embed")         EmbeddingRecords (embeddings/): an embedding model's vector per row
+    ("records", "similarity")    SimilarityRecords (embeddings/): labelled by the most similar choice
+    ("records", "cascade")       CascadeRecords (cascade/): a teacher labels a sample and the
                                  uncertain rows, a student on the embeddings the rest
     ("openai_batch", "generate") OpenAIBatchLines (openai_batch/): each line of an OpenAI Batch API file, with its own
                                  messages and sampling; output and error files besides
     ("openai_batch", "embed")    OpenAIBatchEmbeddings (openai_batch/): each `/v1/embeddings` line's text (or texts),
                                  embedded; output and error files besides
 
-What each kind answers is the contract, pipeline/formats.py. A new kind is a module (or package) of
-its own with its `TaskFormat` class, and one entry in `TASK_FORMATS`.
+What each kind answers is the contract, pipeline/formats.py. A kind with code of its own is a package
+(`embeddings/`, `cascade/`, `openai_batch/`) whose `formats` module holds its `TaskFormat` classes;
+chat labels have none: their class composes the stages every kind shares (format_prompts,
+prompt_tokens, validate_labels, which the contract's defaults are), so it is one module beside them.
+A new kind is one package and one entry in `TASK_FORMATS`.
 """
 
 from __future__ import annotations
@@ -34,9 +37,9 @@ from batch_assets.pipeline.task_spec import TaskSpec
 # circle of packages, and loading a task's kind loads only that kind's code.
 TASK_FORMATS: dict[tuple[str, str], str] = {
     ("records", "generate"): "batch_assets.pipeline.chat_records:ChatRecords",
-    ("records", "embed"): "batch_assets.pipeline.embedding_records:EmbeddingRecords",
-    ("records", "similarity"): "batch_assets.pipeline.embedding_records:SimilarityRecords",
-    ("records", "cascade"): "batch_assets.pipeline.cascade_records:CascadeRecords",
+    ("records", "embed"): "batch_assets.pipeline.embeddings.formats:EmbeddingRecords",
+    ("records", "similarity"): "batch_assets.pipeline.embeddings.formats:SimilarityRecords",
+    ("records", "cascade"): "batch_assets.pipeline.cascade.formats:CascadeRecords",
     ("openai_batch", "generate"): "batch_assets.pipeline.openai_batch.formats:OpenAIBatchLines",
     ("openai_batch", "embed"): "batch_assets.pipeline.openai_batch.formats:OpenAIBatchEmbeddings",
 }

@@ -14,8 +14,11 @@ from typing import Any
 
 import polars as pl
 
-from batch_assets.pipeline.embeddings import UNKNOWN_TOKENS_COLUMN
 from batch_assets.pipeline.task_spec import OutputSpec, schema_error
+
+# formatted_prompts' mark of an embedded text that is mostly the tokenizer's unknown token
+# (pipeline/embeddings/prompts.py): kept out of every result table, whose columns are fixed.
+UNKNOWN_TOKENS_COLUMN = "mostly_unknown_tokens"
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,7 @@ def _arrange(result: pl.DataFrame) -> pl.DataFrame:
     # The engine's log-probability lives on in inference_outputs; the result table has `confidence`.
     dropped = {"prompt", "source_line", "cumulative_logprob", "token_logprobs", UNKNOWN_TOKENS_COLUMN}
     if "similarity" in result.columns and "embedding" in result.columns:
-        # Similarity labels (pipeline/embeddings.py): the label's cosine similarity before its confidence;
+        # Similarity labels (pipeline/embeddings/similarity.py): the label's cosine similarity before its confidence;
         # the row embeddings stay in inference_outputs.
         trailing.insert(0, "similarity")
         dropped.add("embedding")

@@ -3,7 +3,7 @@
     <data>/storage/<task>/_batch_api/<run fingerprint>/<record name>.json
 
 A record holds the provider's batch and file ids and the `custom_id`s the batch answers; it is
-written before the run waits for the batch (engines/batch_api_engine.py), atomically (rename
+written before the run waits for the batch (engines/batch_api_run.py), atomically (rename
 locally, one PUT on S3), so a run killed while its batch is in flight, or retried, collects that
 batch instead of submitting (and paying for) the same requests again. Records live under the run
 fingerprint, like checkpoints: other model or sampling settings never reuse them.

@@ -46,10 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from upath import UPath
 
-from batch_assets.pipeline.cascade import PartitionFigures
-from batch_assets.pipeline.cascade_target import Calibration
-from batch_assets.pipeline.embeddings import vectors_matrix
-from batch_assets.pipeline.label_model import (
+from batch_assets.pipeline.cascade.label_model import (
     TRAINING_COLUMNS,
     LabelModel,
     LabelModelError,
@@ -58,6 +55,8 @@ from batch_assets.pipeline.label_model import (
     training_digest,
     training_selection,
 )
+from batch_assets.pipeline.cascade.target import Calibration, PartitionFigures
+from batch_assets.pipeline.result_stores import vectors_matrix
 from batch_assets.runtime.instance import exclusive_file_lock
 from batch_assets.storage.checkpoints import remove_path
 from batch_assets.storage.errors import StorageError, storage_errors

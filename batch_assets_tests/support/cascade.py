@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from batch_assets.pipeline.cascade import TeacherAnswer
-from batch_assets.pipeline.embeddings import encode_vector
+from batch_assets.pipeline.cascade.run import TeacherAnswer
+from batch_assets.pipeline.result_stores import encode_vector
 from batch_assets.pipeline.task_spec.cascade import CascadeSpec, ColumnTeacher
 
 CHOICES = ["alpha", "beta", "gamma", "delta"]

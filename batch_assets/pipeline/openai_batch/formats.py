@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from batch_assets.pipeline.embedding_records import EmbeddingRecords
+from batch_assets.pipeline.embeddings.formats import EmbeddingRecords
 from batch_assets.pipeline.engine_contract import Engine, EngineSettings, model_name
 from batch_assets.pipeline.format_prompts import Tokenizer
 from batch_assets.pipeline.formats import OutputFiles, PartitionEncoders, TaskFormat

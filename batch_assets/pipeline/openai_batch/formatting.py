@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from batch_assets.pipeline.embeddings import format_embedding_prompts
+from batch_assets.pipeline.embeddings.prompts import format_embedding_prompts
 from batch_assets.pipeline.format_prompts import NO_PLACE_FOR_PICTURES, Tokenizer, count_tokens, places_pictures
 from batch_assets.pipeline.inputs.images import DIGEST_COLUMN
 from batch_assets.pipeline.openai_batch.messages import template_messages

@@ -42,7 +42,7 @@ import re
 
 import polars as pl
 
-from batch_assets.pipeline.embeddings import encode_vector, validate_embeddings
+from batch_assets.pipeline.embeddings.results import validate_embeddings
 from batch_assets.pipeline.openai_batch.protocol import (
     COMPLETIONS_URL,
     EMBEDDING_COLUMNS,
@@ -50,6 +50,7 @@ from batch_assets.pipeline.openai_batch.protocol import (
     INVALID_CUSTOM_ID,
     REQUEST_ERROR_CODES,
 )
+from batch_assets.pipeline.result_stores import encode_vector
 from batch_assets.pipeline.task_spec import schema_error
 
 _CODE = re.compile(r"^([a-z_]+): (.*)$", re.DOTALL)

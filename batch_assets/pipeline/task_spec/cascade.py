@@ -11,7 +11,7 @@ deferred and audit rows together) at a quarter of a partition's rows (the issue'
 rows measure agreement to about ±3 percentage points (the 95 % Wilson interval near 95 %).
 
 `target` (`TargetSpec`) replaces the fixed `defer_below` by a threshold chosen once per task and
-student version to meet a stated agreement with a stated confidence (pipeline/cascade_target.py); a
+student version to meet a stated agreement with a stated confidence (pipeline/cascade/target.py); a
 `defer_below` written beside it is a floor, and `on_unreachable` says what a partition whose budget
 cannot pay for it does. Unset, both are left out of the code versions.
 """
@@ -48,7 +48,7 @@ class ColumnTeacher(_Strict):
 
 class TargetSpec(_Strict):
     """`output.cascade.target`: the share of a partition's rows whose final label is the teacher's must
-    be at least `agreement`, with probability at least `confidence` (pipeline/cascade_target.py)."""
+    be at least `agreement`, with probability at least `confidence` (pipeline/cascade/target.py)."""
 
     agreement: float = Field(gt=0, lt=1)
     confidence: float = Field(gt=0, lt=1)
@@ -76,7 +76,7 @@ class CascadeSpec(_Strict):
     sample_rows: int = Field(default=DEFAULT_SAMPLE_ROWS, ge=2)
     # A row the student labels with a (calibrated) confidence under this goes to the teacher...
     defer_below: float = Field(default=DEFAULT_DEFER_BELOW, ge=0, le=1)
-    # ...or, with a target, under the threshold chosen to meet it (pipeline/cascade_target.py); a
+    # ...or, with a target, under the threshold chosen to meet it (pipeline/cascade/target.py); a
     # `defer_below` written beside the target is then a floor: rows under it go to the teacher too.
     target: TargetSpec | None = None
     # ...within this share of the partition's rows for every teacher request together.
@@ -89,7 +89,7 @@ class CascadeSpec(_Strict):
     # Random student-labelled rows also sent to the teacher, to measure their agreement.
     audit_rows: int = Field(default=DEFAULT_AUDIT_ROWS, ge=0)
     # The `<task>/label_model` trains on at most this many teacher labels of its partitions: each
-    # label keeps its share, spread evenly over the partitions (pipeline/label_model.py).
+    # label keeps its share, spread evenly over the partitions (pipeline/cascade/label_model.py).
     max_training_rows: int = Field(default=DEFAULT_MAX_TRAINING_ROWS, ge=2)
     seed: int = 0
 

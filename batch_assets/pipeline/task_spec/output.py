@@ -39,7 +39,7 @@ class OutputSpec(_Strict):
     kind: Literal["choices", "json_schema", "regex", "text", "embedding"]
     # `generate`: the chat model writes the label (structured outputs); `similarity`: choices task only.
     method: Literal["generate", "similarity", "cascade"] = "generate"
-    # `method: cascade` (pipeline/cascade.py): a teacher labels a sample and the uncertain rows.
+    # `method: cascade` (pipeline/cascade/run.py): a teacher labels a sample and the uncertain rows.
     cascade: CascadeSpec | None = None
     descriptions: dict[str, str] | None = None
     choices: list[str] | None = None

@@ -7,7 +7,7 @@ validation, accuracy, confidence and drift apply unchanged), with `labelled_by` 
 rows it labelled, audited ones included) and, on rows a chat teacher was asked about, what asking
 cost (`teacher_prompt_tokens`, `teacher_generated_tokens`, `teacher_seconds`). `cascade_summary`
 reads a partition's labels back into what the metadata and the `agreement_at_least` check report.
-The cascade itself is pipeline/cascade.py.
+The cascade itself is pipeline/cascade/run.py.
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from batch_assets.pipeline.cascade import CascadeResult, TaskCascade, Teacher, TeacherAnswer, run_cascade
-from batch_assets.pipeline.cascade_student import StoredStudent
-from batch_assets.pipeline.cascade_summary import CascadeSummary, TeacherCost
-from batch_assets.pipeline.embeddings import vectors_column, vectors_matrix
+from batch_assets.pipeline.cascade.label_model import LabelModel
+from batch_assets.pipeline.cascade.run import CascadeResult, TaskCascade, Teacher, TeacherAnswer, run_cascade
+from batch_assets.pipeline.cascade.student import StoredStudent
+from batch_assets.pipeline.cascade.summary import CascadeSummary, TeacherCost
 from batch_assets.pipeline.inference_requests import InferenceStats
-from batch_assets.pipeline.label_model import LabelModel
 from batch_assets.pipeline.label_quality import error_code_counts
-from batch_assets.pipeline.result_stores import RESULT_SCHEMA
+from batch_assets.pipeline.result_stores import RESULT_SCHEMA, vectors_column, vectors_matrix
 from batch_assets.pipeline.task_spec import EngineSpec, OutputSpec, PriceSpec, TaskSpec
 from batch_assets.pipeline.task_spec.cascade import CascadeSpec, ColumnTeacher
 from batch_assets.pipeline.task_spec.engine import EMBEDDED_MODEL

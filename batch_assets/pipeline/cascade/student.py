@@ -1,7 +1,8 @@
 """A cascade's student: the sample that covers a partition's embeddings (`choose_sample`), the
 logistic regression trained on the teacher's labels of it (`train_student`, its probabilities
 calibrated and its agreement cross-validated), the rows kept across partitions (`StoredStudent`) and
-its version (`rows_digest`), and expected calibration error (`expected_calibration_error`, 10 bins).
+its version (`rows_digest`); its calibration is measured by pipeline/calibration.py's
+`expected_calibration_error`.
 
 scikit-learn (the `cascade` extra) is imported where the student is clustered, trained or
 cross-validated, not with this module: the code location loads without it (pipeline/extras.py).
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from batch_assets.pipeline.calibration import expected_calibration_error
 from batch_assets.pipeline.extras import CASCADE, needs_extra
 
 # Inverse regularization of the student: sentence embeddings are unit vectors spread over hundreds of
@@ -32,7 +34,6 @@ FOLDS = 3
 # rare kind of row gets drawn, few enough that each holds several.
 ROWS_PER_CLUSTER = 10
 MAX_CLUSTERS = 100
-ECE_BINS = 10
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class Student:
 
 @dataclass(frozen=True)
 class StoredStudent:
-    """The teacher-labelled rows kept across partitions (`<task>/label_model`, pipeline/label_model.py),
+    """The teacher-labelled rows kept across partitions (`<task>/label_model`, pipeline/cascade/label_model.py),
     which a partition's own sample adds to, and the student trained on them alone (`student`, trained
     when first asked: read back from storage, the rows are all there is)."""
 
@@ -94,23 +95,6 @@ def rows_digest(vectors: np.ndarray, labels: Sequence[str]) -> str:
     digest = hashlib.sha256(np.ascontiguousarray(vectors, dtype=np.float32).tobytes())
     digest.update("\x00".join(labels).encode("utf-8"))
     return digest.hexdigest()[:DIGEST_CHARACTERS]
-
-
-def expected_calibration_error(confidence: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS) -> float | None:
-    """ECE: over `bins` equal-width confidence bins, the row-weighted gap between each bin's mean
-    confidence and its accuracy; None with no rows."""
-    confidence = np.asarray(confidence, dtype=np.float64)
-    correct = np.asarray(correct, dtype=np.float64)
-    if confidence.size == 0:
-        return None
-    # Bin i holds (i/bins, (i+1)/bins]; a confidence of exactly 0 goes into the first.
-    index = np.clip(np.ceil(confidence * bins).astype(int) - 1, 0, bins - 1)
-    total = 0.0
-    for b in range(bins):
-        members = index == b
-        if members.any():
-            total += members.sum() * abs(confidence[members].mean() - correct[members].mean())
-    return float(total / confidence.size)
 
 
 def choose_sample(vectors: np.ndarray, size: int, seed: int = 0) -> np.ndarray:

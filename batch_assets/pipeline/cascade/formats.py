@@ -1,29 +1,45 @@
 """`("records", "cascade")`: records embedded as embedding tasks' are; a teacher labels a sample
 and the uncertain rows, a student on the embeddings the rest (`output.method: cascade`,
-pipeline/cascade.py)."""
+pipeline/cascade/run.py).
+
+What the cascade needs of the run besides the contract's stream (its chat teacher, its stored
+student, what its partitions share) comes in a `CascadeStream`, which the assets build for a
+cascade task (lib/cascade_task.py's `cascade_stream`): the contract names nothing of the cascade."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import polars as pl
 
-from batch_assets.pipeline.cascade import TaskCascade
-from batch_assets.pipeline.cascade_labels import cascade_outputs, cascade_summary
-from batch_assets.pipeline.embedding_records import EmbeddedRecords
+from batch_assets.pipeline.cascade.label_model import LabelModel
+from batch_assets.pipeline.cascade.labels import Teach, cascade_outputs, cascade_summary
+from batch_assets.pipeline.cascade.run import TaskCascade
+from batch_assets.pipeline.embeddings.formats import EmbeddedRecords
 from batch_assets.pipeline.engine_contract import EngineSettings
 from batch_assets.pipeline.formats import InferenceStream
 from batch_assets.pipeline.inference_requests import InferenceStats, PartitionInput
-from batch_assets.pipeline.label_model import LabelModel
 from batch_assets.pipeline.prices import engine_price, teacher_price
 from batch_assets.pipeline.validate_labels import validate_labels
+
+
+@dataclass(frozen=True)
+class CascadeStream(InferenceStream):
+    """A cascade task's stream: `teach`, its chat teacher (`teacher: llm`; None for a teacher
+    column), `label_model`, its stored student for this task version (None: none yet), and
+    `cascade_task`, what the partitions of a cascade by target share (its student version and
+    calibration, stored by the assets: first writer wins; None without a target)."""
+
+    teach: Teach | None = None
+    label_model: LabelModel | None = None
+    cascade_task: TaskCascade | None = None
 
 
 class CascadeRecords(EmbeddedRecords):
     """`output.method: cascade` on a choices task: rows embedded as EmbeddingRecords; the teacher
     labels a sample of them and the rows the student (a classifier on the embeddings, trained on the
-    sample) is unsure of, the student the rest (pipeline/cascade.py). The labels are then those of a
+    sample) is unsure of, the student the rest (pipeline/cascade/run.py). The labels are then those of a
     choices task, with who gave each (`labelled_by`)."""
 
     audits_agreement = True
@@ -55,6 +71,11 @@ class CascadeRecords(EmbeddedRecords):
     def infer(self, parts: list[PartitionInput], stream: InferenceStream) -> list[tuple[pl.DataFrame, InferenceStats]]:
         output = self.task.output
         assert output.cascade is not None  # method cascade requires it (OutputSpec)
+        if not isinstance(stream, CascadeStream):
+            raise TypeError(
+                f"task {self.task.name!r}: a cascade's inference needs a CascadeStream (its teacher and stored "
+                f"student), not a {type(stream).__name__}"
+            )
         inferred = []
         for part, (frame, stats) in zip(parts, stream.run(parts), strict=True):
             # A partition the stored student learned from (a re-run, a replaced file) trains its own:

@@ -18,7 +18,7 @@ answers) and decides, row by row, who labels it:
 With `output.cascade.target` (`_defer_by_target`) the student and its threshold are the task's
 (`TaskCascade`: one student version and one calibration shared by every partition, first writer wins
 in storage): a partition with none stored trains the student on its sample and calibrates it (a
-random calibration set of the student's rows to the teacher; pipeline/cascade_target.py), later ones
+random calibration set of the student's rows to the teacher; pipeline/cascade/target.py), later ones
 reuse both. Step 3 is then: the rows under the threshold are deferred when the budget pays for them;
 else the least sure it pays for (`on_unreachable: best_effort`, the default) or none (`stop`), and
 the partition's check says what the budget guarantees.
@@ -34,8 +34,8 @@ the teacher labels of every partition so far): its sample is then only what the 
 where there are any (`partition_student`).
 
 The student (sampling, training, its stored rows and version, expected calibration error) is
-pipeline/cascade_student.py. What a partition's
-labels report (the audit's Wilson interval, the cost) is pipeline/cascade_summary.py.
+pipeline/cascade/student.py. What a partition's
+labels report (the audit's Wilson interval, the cost) is pipeline/cascade/summary.py.
 
 scikit-learn (the `cascade` extra) is imported where the student is clustered, trained or
 cross-validated, not with this module: the code location loads without it (pipeline/extras.py).
@@ -51,8 +51,8 @@ from typing import Any
 
 import numpy as np
 
-from batch_assets.pipeline.cascade_student import StoredStudent, Student, choose_sample, partition_student
-from batch_assets.pipeline.cascade_target import (
+from batch_assets.pipeline.cascade.student import StoredStudent, Student, choose_sample, partition_student
+from batch_assets.pipeline.cascade.target import (
     Calibration,
     PartitionFigures,
     TargetChoice,
@@ -292,7 +292,7 @@ def _defer_by_target(
     teacher when the budget (`left` teacher rows, less the audit's reserve) pays for them; else the least
     sure it pays for (best effort) or none (`on_unreachable: stop`). The audit takes what deferral leaves.
     Without a calibration of this student version the partition makes one first: a random calibration
-    set of the rows the student labelled goes to the teacher (pipeline/cascade_target.py), and the task
+    set of the rows the student labelled goes to the teacher (pipeline/cascade/target.py), and the task
     keeps the first calibration settled."""
     assert task.stored is not None
     version = task.stored.student_version
@@ -370,7 +370,7 @@ def _partition_choice(
     *,
     best_effort: bool,
 ) -> TargetChoice:
-    """What the partition's labels guarantee (pipeline/cascade_target.py's bound, with its exact
+    """What the partition's labels guarantee (pipeline/cascade/target.py's bound, with its exact
     counts): met, refused by the budget (saying what the budget guarantees) or not met (the error
     rows, or the teacher's failures on deferred rows)."""
     rows = len(result.labels) + errors.rows

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from batch_assets.pipeline.cascade_student import StoredStudent, rows_digest
-from batch_assets.pipeline.embeddings import vectors_matrix
+from batch_assets.pipeline.cascade.student import StoredStudent, rows_digest
+from batch_assets.pipeline.result_stores import vectors_matrix
 
 # The inference_outputs columns a label model is trained from.
 TRAINING_COLUMNS = ("embedding", "generated_text", "labelled_by", "error")

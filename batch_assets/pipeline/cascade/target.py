@@ -276,7 +276,7 @@ def partition_bound(
 class PartitionFigures:
     """What one partition labelled with a student version, for the task-level figures: its rows, the
     teacher's rows, and the rows agreeing at least (the teacher's, and the kept-row bound times the
-    rows the student kept at the threshold: pipeline/cascade_target.py)."""
+    rows the student kept at the threshold: pipeline/cascade/target.py)."""
 
     rows: int
     teacher_rows: int

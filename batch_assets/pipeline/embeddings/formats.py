@@ -1,7 +1,7 @@
 """`("records", "embed")` and `("records", "similarity")`: records whose template text (no chat
 template) goes to an embedding model; an `embedding` per row (`output.kind: embedding`), or the
 label of the most similar choice (`output.method: similarity`). Their formatting, vectors, checks
-and similarity labels are pipeline/embeddings.py's."""
+and similarity labels are the modules beside this one."""
 
 from __future__ import annotations
 
@@ -9,19 +9,14 @@ from typing import Any
 
 import polars as pl
 
-from batch_assets.pipeline.embeddings import (
-    choice_texts,
-    choice_vectors,
-    choices_frame,
+from batch_assets.pipeline.embeddings.prompts import (
     embedding_encoder,
-    embedding_outputs,
-    embedding_report,
     format_embedding_prompts,
-    similarity_outputs,
     unknown_token_rows,
     unknown_token_warning,
-    validate_embeddings,
 )
+from batch_assets.pipeline.embeddings.results import embedding_outputs, embedding_report, validate_embeddings
+from batch_assets.pipeline.embeddings.similarity import choice_texts, choice_vectors, choices_frame, similarity_outputs
 from batch_assets.pipeline.engine_contract import Engine, EngineSettings
 from batch_assets.pipeline.format_prompts import Tokenizer
 from batch_assets.pipeline.formats import InferenceStream, PartitionEncoders, TaskFormat
@@ -30,7 +25,7 @@ from batch_assets.pipeline.inference_requests import InferenceStats, PartitionIn
 
 class EmbeddedRecords(TaskFormat):
     """Records whose template text (no chat template) goes to an embedding model on vLLM's pooling
-    runner (pipeline/embeddings.py): what embedding and similarity tasks share."""
+    runner (pipeline/embeddings/): what embedding and similarity tasks share."""
 
     def formatted_description(self) -> str:
         return (

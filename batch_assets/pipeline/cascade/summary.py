@@ -1,6 +1,6 @@
 """What a cascade partition's labels report, pure: who labelled how many rows, the audit's agreement
 with its 95 % Wilson interval, and what the labels cost against asking the teacher for every row
-(`CascadeSummary`, read from validated_labels' columns by pipeline/cascade_labels.py)."""
+(`CascadeSummary`, read from validated_labels' columns by pipeline/cascade/labels.py)."""
 
 from __future__ import annotations
 
